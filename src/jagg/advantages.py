@@ -1,0 +1,67 @@
+"""Group-relative advantages (GRPO / Flow-GRPO)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def _group_ids(prompt_ids: Sequence | Tensor) -> Tensor:
+    """Map arbitrary hashable prompt ids (strings, ints) to dense group indices ``[B]``."""
+    if isinstance(prompt_ids, Tensor):
+        prompt_ids = prompt_ids.tolist()
+    table: dict = {}
+    return torch.tensor([table.setdefault(p, len(table)) for p in prompt_ids], dtype=torch.long)
+
+
+def group_advantages(
+    rewards: Tensor,
+    prompt_ids: Sequence | Tensor,
+    global_std: bool = False,
+    adv_clip_max: float = 5.0,
+    eps: float = 1e-4,
+) -> Tensor:
+    """``(r - mean_prompt) / (std + eps)`` per prompt, clipped to ``[-adv_clip_max, adv_clip_max]``.
+
+    Args:
+        rewards: ``[B]`` rewards.
+        prompt_ids: ``B`` ids; samples with equal ids form one group (one prompt).
+        global_std: divide by the std of the whole batch instead of each prompt's (Flow-GRPO's option).
+        adv_clip_max: clip bound (Flow-GRPO uses 5).
+        eps: floor added to the std.
+
+    Returns ``[B]`` fp32 advantages. Stds are population stds (``unbiased=False``, as numpy's ``np.std``).
+    """
+    rewards = rewards.detach().float().flatten()
+    if len(prompt_ids) != rewards.numel():
+        raise ValueError(f"got {rewards.numel()} rewards but {len(prompt_ids)} prompt ids")
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards contain NaN or infinity; check the reward function")
+    if adv_clip_max <= 0:
+        raise ValueError(f"adv_clip_max must be > 0; got {adv_clip_max}")
+    g = _group_ids(prompt_ids).to(rewards.device)
+    n = int(g.max()) + 1
+    count = torch.zeros(n, device=rewards.device).index_add_(0, g, torch.ones_like(rewards))
+    mean = torch.zeros(n, device=rewards.device).index_add_(0, g, rewards) / count
+    dev = rewards - mean[g]
+    if global_std:
+        std = rewards.std(unbiased=False).expand_as(rewards)
+    else:
+        var = torch.zeros(n, device=rewards.device).index_add_(0, g, dev**2) / count
+        std = var.sqrt()[g]
+    return (dev / (std + eps)).clamp(-adv_clip_max, adv_clip_max)
+
+
+def nonzero_spread_mask(rewards: Tensor, prompt_ids: Sequence | Tensor, tol: float = 1e-8) -> Tensor:
+    """``[B]`` bool: True where the sample's prompt group has rewards that are not all equal.
+
+    Groups with zero spread carry no learning signal (all advantages are 0); drop them to save compute.
+    """
+    rewards = rewards.detach().float().flatten()
+    g = _group_ids(prompt_ids).to(rewards.device)
+    n = int(g.max()) + 1
+    hi = torch.full((n,), -torch.inf, device=rewards.device).scatter_reduce(0, g, rewards, "amax")
+    lo = torch.full((n,), torch.inf, device=rewards.device).scatter_reduce(0, g, rewards, "amin")
+    return (hi - lo)[g] > tol

@@ -1,0 +1,82 @@
+"""Groups of trained steps, the t-weighted interpolation coefficients, and linearity-based routing.
+
+A group is a run of consecutive trained steps ``k_0 < ... < k_{m-1}`` with endpoints ``a = k_0``,
+``b = k_{m-1}`` and ``alpha_k = (sigma_k - sigma_a) / (sigma_b - sigma_a)`` (by sigma, not by index).
+Scores are computed from the rollout's stored velocities only (no forward passes); higher = more linear.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .config import SCORES
+
+
+def make_groups(train_steps: list[int], window: int) -> list[list[int]]:
+    """Split the sorted trained steps into consecutive groups of ``window`` (the last may be shorter)."""
+    return [train_steps[i : i + window] for i in range(0, len(train_steps), window)]
+
+
+def group_alphas(sigmas: Tensor, group: list[int]) -> Tensor:
+    """``alpha_k`` ``[m]`` for the steps of ``group``: 0 at ``a``, 1 at ``b``, by sigma. ``[0.]`` for one step."""
+    s = sigmas[group].double()
+    if len(group) == 1:
+        return torch.zeros(1, dtype=torch.float64, device=sigmas.device)
+    return (s - s[0]) / (s[-1] - s[0])
+
+
+def group_scores(velocities: Tensor, sigmas: Tensor, groups: list[list[int]], score: str) -> Tensor:
+    """Linearity score ``[B, G]`` of every (sample, group) from rollout velocities ``[B, T, *S]``.
+
+    - ``chord``: ``-max_k ||v_k - ((1-alpha_k) v_a + alpha_k v_b)|| / mean_k ||v_k||`` (chord residual).
+    - ``cosine``: mean cosine between consecutive increments ``v_{k+1} - v_k`` and the chord ``v_b - v_a``.
+    - ``cosine_min``: the minimum of those cosines.
+    - ``velocity_cosine``: minimum cosine between consecutive velocities ``v_k, v_{k+1}``.
+
+    Groups of one or two steps are exact under JAGG and score ``+inf``.
+    """
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}; got {score!r}")
+    B = velocities.shape[0]
+    out = torch.full((B, len(groups)), torch.inf, device=velocities.device)
+    for gi, group in enumerate(groups):
+        if len(group) <= 2:
+            continue
+        v = velocities[:, group].flatten(2).float()          # [B, m, D]
+        if score == "chord":
+            al = group_alphas(sigmas, group).float().to(v.device)[None, :, None]
+            chord_pts = (1 - al) * v[:, :1] + al * v[:, -1:]
+            resid = (v - chord_pts).norm(dim=2).amax(1)
+            out[:, gi] = -resid / v.norm(dim=2).mean(1).clamp_min(1e-12)
+        elif score in ("cosine", "cosine_min"):
+            inc = v[:, 1:] - v[:, :-1]                        # [B, m-1, D]
+            chord = (v[:, -1] - v[:, 0])[:, None]             # [B, 1, D]
+            cos = torch.nn.functional.cosine_similarity(inc, chord.expand_as(inc), dim=2, eps=1e-12)
+            out[:, gi] = cos.mean(1) if score == "cosine" else cos.amin(1)
+        else:
+            cos = torch.nn.functional.cosine_similarity(v[:, 1:], v[:, :-1], dim=2, eps=1e-12)
+            out[:, gi] = cos.amin(1)
+    return out
+
+
+def route(scores: Tensor, jagg_frac: float, eligible: Tensor) -> Tensor:
+    """Pick the top ``round(jagg_frac * n_eligible)`` eligible (sample, group) pairs by score.
+
+    Args:
+        scores: ``[B, G]`` linearity scores (higher = more linear).
+        eligible: ``[G]`` bool, groups allowed to go through JAGG.
+
+    Returns ``[B, G]`` bool: True = JAGG. Ties break towards the lower flat index (deterministic).
+    """
+    B, G = scores.shape
+    mask = eligible[None, :].expand(B, G).reshape(-1)
+    n_elig = int(mask.sum())
+    n = int(round(float(jagg_frac) * n_elig))
+    routed = torch.zeros(B * G, dtype=torch.bool, device=scores.device)
+    if n > 0:
+        s = scores.reshape(-1).double().masked_fill(~mask, -torch.inf)
+        # stable descending sort: equal scores keep index order
+        order = torch.sort(-s, stable=True).indices
+        routed[order[:n]] = True
+    return routed.view(B, G)

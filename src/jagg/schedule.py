@@ -1,0 +1,44 @@
+"""Flow-matching sigma schedules (rectified-flow convention, SD3).
+
+``x_sigma = (1 - sigma) * x0 + sigma * noise``; sampling walks sigma from 1 (noise) down to 0 (data).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
+    """SD3's timestep shift ``s' = shift * s / (1 + (shift - 1) * s)``; ``shift=1`` is the identity.
+
+    A shift > 1 spends more steps at high noise (SD3 uses 3.0). Works on any shape.
+    """
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0 (SD3 uses 3.0, 1.0 means no shift); got {shift}")
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def flow_sigmas(num_steps: int, shift: float = 1.0, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The ``num_steps + 1`` sigmas of a flow-matching sampler, from 1 down to 0.
+
+    Same as diffusers' ``FlowMatchEulerDiscreteScheduler`` for SD3 (``linspace(1, 1/N, N)``, shifted, then a
+    final 0). Returns a tensor of shape ``[num_steps + 1]``.
+    """
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be an integer >= 1; got {num_steps!r}")
+    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    return shift_sigmas(t, shift).to(dtype)
+
+
+def check_sigmas(sigmas: Tensor) -> None:
+    """Raise a ValueError unless ``sigmas`` is a 1-D strictly decreasing schedule inside [0, 1]."""
+    if sigmas.ndim != 1 or sigmas.numel() < 2:
+        raise ValueError(f"sigmas must be a 1-D tensor of num_steps + 1 >= 2 values; got shape {tuple(sigmas.shape)}")
+    if not bool((sigmas[1:] < sigmas[:-1]).all()):
+        raise ValueError(
+            "sigmas must be strictly decreasing (sampling runs from sigma=1, noise, to sigma=0, data); "
+            f"got {sigmas.tolist()}"
+        )
+    if float(sigmas.max()) > 1.0 or float(sigmas.min()) < 0.0:
+        raise ValueError(f"sigmas must lie in [0, 1]; got min {float(sigmas.min())}, max {float(sigmas.max())}")

@@ -1,0 +1,184 @@
+"""Rollouts: sample a batch of SDE trajectories and keep what training needs.
+
+A *velocity callable* ``velocity_fn(latents [N, *S], sigma [N], sample_index [N] long) -> velocity [N, *S]``
+owns conditioning and classifier-free guidance: ``sample_index`` says which trajectory of the batch each
+row belongs to, so the callable can pick that sample's prompt embedding. Items of one call may carry
+different sigmas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .schedule import check_sigmas
+from .sde import REDUCTIONS, compute_dtype, euler_step, sde_step
+
+VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass
+class Trajectory:
+    """A batch of ``B`` stored trajectories of ``T`` steps over latents of shape ``S``.
+
+    Attributes:
+        latents: ``[B, T + 1, *S]`` — ``x_0`` (noise) ... ``x_T`` (the sample), fp32 (fp64 allowed).
+        sigmas: ``[T + 1]`` strictly decreasing from 1 to 0.
+        log_probs: ``[B, T]`` log-probabilities at sampling time (``log pi_old``); 0 at ODE steps.
+        velocities: ``[B, T, *S]`` velocities used at sampling time (``v_old``, with guidance), fp32.
+        train_steps: ``[K]`` sorted, unique step indices that are trained (all SDE steps).
+        eta: noise level the SDE steps used; the training log-probs must use the same.
+        logprob_reduction: ``"mean"`` (Flow-GRPO) or ``"sum"`` over latent dims.
+    """
+
+    latents: Tensor
+    sigmas: Tensor
+    log_probs: Tensor
+    velocities: Tensor
+    train_steps: Tensor
+    eta: float
+    logprob_reduction: str = "mean"
+
+    @property
+    def batch_size(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def num_steps(self) -> int:
+        return self.sigmas.numel() - 1
+
+    def validate(self) -> None:
+        """Raise a ValueError naming the first inconsistency between the stored tensors."""
+        check_sigmas(self.sigmas)
+        B, T = self.latents.shape[0], self.num_steps
+        if self.latents.ndim < 3 or self.latents.shape[1] != T + 1:
+            raise ValueError(
+                f"latents must have shape [B, T + 1, *S] = [B, {T + 1}, ...] for {T + 1} sigmas; "
+                f"got {tuple(self.latents.shape)}"
+            )
+        S = tuple(self.latents.shape[2:])
+        if tuple(self.velocities.shape) != (B, T, *S):
+            raise ValueError(
+                f"velocities must have shape [B, T, *S] = {(B, T, *S)}; got {tuple(self.velocities.shape)}"
+            )
+        if tuple(self.log_probs.shape) != (B, T):
+            raise ValueError(f"log_probs must have shape [B, T] = {(B, T)}; got {tuple(self.log_probs.shape)}")
+        ts = self.train_steps
+        if ts.ndim != 1 or ts.numel() == 0 or ts.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"train_steps must be a non-empty 1-D integer tensor; got {ts!r}")
+        if int(ts.min()) < 0 or int(ts.max()) >= T:
+            raise ValueError(f"train_steps must lie in [0, {T - 1}]; got {ts.tolist()}")
+        if not bool((ts[1:] > ts[:-1]).all()):
+            raise ValueError(f"train_steps must be sorted and unique; got {ts.tolist()}")
+        if self.eta <= 0:
+            raise ValueError(f"eta must be > 0 for trained (SDE) steps; got {self.eta}")
+        if self.logprob_reduction not in REDUCTIONS:
+            raise ValueError(f"logprob_reduction must be one of {REDUCTIONS}; got {self.logprob_reduction!r}")
+
+    def to(self, device: torch.device | str) -> "Trajectory":
+        return Trajectory(
+            self.latents.to(device), self.sigmas.to(device), self.log_probs.to(device),
+            self.velocities.to(device), self.train_steps.to(device), self.eta, self.logprob_reduction,
+        )
+
+    def select(self, index: Tensor) -> "Trajectory":
+        """The sub-batch of trajectories ``index`` (``[b]`` long)."""
+        return Trajectory(
+            self.latents[index], self.sigmas, self.log_probs[index], self.velocities[index],
+            self.train_steps, self.eta, self.logprob_reduction,
+        )
+
+
+def select_train_steps(
+    num_steps: int, timestep_fraction: float = 1.0, sde_window: tuple[int, int] | None = None
+) -> tuple[Tensor, Tensor]:
+    """Which steps are SDE steps and which are trained.
+
+    - ``sde_window=None``: every step is an SDE step; the first ``int(num_steps * timestep_fraction)`` are
+      trained (Flow-GRPO's timestep fraction).
+    - ``sde_window=(start, end)``: steps ``start <= k < end`` are SDE steps and trained; the others are
+      deterministic Euler steps (Flow-GRPO-Fast, MixGRPO). ``timestep_fraction`` must then be 1.
+
+    Returns ``(train_steps [K] long, sde_mask [T] bool)``.
+    """
+    if not 0.0 < timestep_fraction <= 1.0:
+        raise ValueError(f"timestep_fraction must be in (0, 1]; got {timestep_fraction}")
+    if sde_window is None:
+        k = int(num_steps * timestep_fraction)
+        if k < 1:
+            raise ValueError(
+                f"timestep_fraction={timestep_fraction} of {num_steps} steps trains no step; raise it"
+            )
+        return torch.arange(k), torch.ones(num_steps, dtype=torch.bool)
+    if timestep_fraction != 1.0:
+        raise ValueError("use either timestep_fraction or sde_window, not both")
+    start, end = sde_window
+    if not 0 <= start < end <= num_steps:
+        raise ValueError(f"sde_window must satisfy 0 <= start < end <= num_steps={num_steps}; got {sde_window}")
+    mask = torch.zeros(num_steps, dtype=torch.bool)
+    mask[start:end] = True
+    return torch.arange(start, end), mask
+
+
+def _chunks(n: int, size: int | None) -> Sequence[slice]:
+    size = n if not size else size
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def sample_trajectories(
+    velocity_fn: VelocityFn,
+    noise: Tensor,
+    sigmas: Tensor,
+    eta: float,
+    train_steps: Tensor | None = None,
+    sde_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    micro_batch: int | None = None,
+    logprob_reduction: str = "mean",
+) -> Trajectory:
+    """Sample ``B`` trajectories from initial noise ``[B, *S]`` and record everything training needs.
+
+    Steps with ``sde_mask`` True use the Flow-GRPO SDE step (noise from ``generator``), the others the Euler
+    step. ``train_steps`` defaults to all SDE steps. ``micro_batch`` bounds the rows per network call.
+    """
+    dtype = compute_dtype(noise)                        # fp32 storage (fp64 if the noise is fp64)
+    sigmas = sigmas.to(device=noise.device, dtype=dtype)
+    check_sigmas(sigmas)
+    B, T = noise.shape[0], sigmas.numel() - 1
+    sde_mask = torch.ones(T, dtype=torch.bool) if sde_mask is None else sde_mask.cpu()
+    if train_steps is None:
+        train_steps = torch.nonzero(sde_mask).flatten()
+    if not bool(sde_mask[train_steps.cpu()].all()):
+        raise ValueError("every trained step must be an SDE step (sde_mask True)")
+    x = noise.to(dtype)
+    latents = [x]
+    velocities, log_probs = [], []
+    sigma_one = float(sigmas[1])
+    for k in range(T):
+        v = torch.empty_like(x)
+        for sl in _chunks(B, micro_batch):
+            idx = torch.arange(B, device=x.device)[sl]
+            v[sl] = velocity_fn(x[sl], sigmas[k].expand(idx.numel()), idx).to(dtype)
+        s, s_next = sigmas[k].expand(B), sigmas[k + 1].expand(B)
+        if sde_mask[k]:
+            x, lp, _, _ = sde_step(x, v, s, s_next, sigma_one, eta, generator=generator, reduction=logprob_reduction)
+        else:
+            x, lp = euler_step(x, v, s, s_next), torch.zeros(B, device=x.device, dtype=dtype)
+        latents.append(x)
+        velocities.append(v)
+        log_probs.append(lp.to(dtype))
+    traj = Trajectory(
+        latents=torch.stack(latents, 1),          # [B, T + 1, *S]
+        sigmas=sigmas,
+        log_probs=torch.stack(log_probs, 1),      # [B, T]
+        velocities=torch.stack(velocities, 1),    # [B, T, *S]
+        train_steps=train_steps.to(noise.device).long(),
+        eta=eta,
+        logprob_reduction=logprob_reduction,
+    )
+    traj.validate()
+    return traj

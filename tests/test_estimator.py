@@ -1,0 +1,307 @@
+"""Exactness and invariance of the gradient estimators (float64, tiny models)."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+import jagg
+from jagg import EstimatorConfig
+from toy import (AffineInSigma, LinearXSigma, Nonlinear, S, affine_latents, perturb, run, sampled_traj,
+                 traj_from_latents)
+
+TIGHT = dict(rtol=1e-9, atol=1e-12)
+
+
+def cos(a, b):
+    return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+
+def naive_loss(model, ref_model, traj, adv, clip, beta):
+    """Flow-GRPO's loss written out independently: per-step Normal log-probs, PPO clip, KL; mean over steps."""
+    B, sig = traj.batch_size, traj.sigmas
+    total = 0.0
+    for k in traj.train_steps.tolist():
+        x, xn = traj.latents[:, k], traj.latents[:, k + 1]
+        s, sn = float(sig[k]), float(sig[k + 1])
+        std = traj.eta * math.sqrt(s / (1 - (float(sig[1]) if s == 1.0 else s)))
+        dt = sn - s
+
+        def mean_of(v):
+            return x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
+
+        mean = mean_of(model(x, sig[k].expand(B), torch.arange(B)))
+        lp = torch.distributions.Normal(mean, std * math.sqrt(-dt)).log_prob(xn).flatten(1).mean(1)
+        r = torch.exp(lp - traj.log_probs[:, k])
+        l = torch.maximum(-adv * r, -adv * r.clamp(1 - clip, 1 + clip)).mean()
+        if beta:
+            ref_mean = mean_of(ref_model(x, sig[k].expand(B), torch.arange(B)).detach())
+            l = l + beta * (((mean - ref_mean) ** 2).flatten(1).mean(1) / (2 * std**2)).mean()
+        total = total + l
+    return total / traj.train_steps.numel()
+
+
+@pytest.mark.parametrize("micro_batch", [1, 3, 64])
+def test_exact_equals_naive_flow_grpo_loss(micro_batch):
+    torch.manual_seed(0)
+    model = Nonlinear(batch=4)
+    ref = copy.deepcopy(model)
+    traj = sampled_traj(model, B=4, T=6)
+    perturb(model, 0.05)  # off-policy: ratios != 1, some clipped
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=torch.float64)
+    ref_v = jagg.reference_velocities(ref, traj, micro_batch=5)
+    cfg = EstimatorConfig(mode="exact", micro_batch=micro_batch, clip_range=0.02, kl_beta=0.3)
+    g, st = run(model, traj, adv, cfg, ref_velocities=ref_v)
+    model.zero_grad()
+    L = naive_loss(model, ref, traj, adv, 0.02, 0.3)
+    L.backward()
+    g_ref = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.allclose(g, g_ref, **TIGHT)
+    assert st.loss == pytest.approx(L.item(), rel=1e-9)
+    assert 0 < st.clip_frac < 1 and st.kl > 0
+
+
+def test_loss_scale_and_backward_context():
+    model = Nonlinear(batch=2)
+    traj = sampled_traj(model, B=2, T=4)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    calls = []
+
+    import contextlib
+
+    def ctx(last):
+        calls.append(last)
+        return contextlib.nullcontext()
+
+    g1, st = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, micro_batch=2), backward_context=ctx)
+    g2, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, micro_batch=2), loss_scale=0.25)
+    assert torch.allclose(g2, 0.25 * g1, **TIGHT)
+    assert calls == [False] * (st.backward_calls - 1) + [True]
+
+
+@pytest.mark.parametrize("intermediate", ["fresh", "interp"])
+def test_window_one_and_two_step_groups_are_exact(intermediate):
+    model = Nonlinear(batch=3)
+    traj = sampled_traj(model, B=3, T=8)
+    perturb(model)
+    adv = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.2))
+    for w in (1, 2):
+        gj, st = run(model, traj, adv, EstimatorConfig(mode="jagg", window=w, intermediate=intermediate,
+                                                       clip_range=0.2))
+        assert torch.allclose(gj, ge, **TIGHT)
+    # a trajectory trained on exactly two steps forms one 2-step group whatever the window
+    traj.train_steps = torch.tensor([3, 4])
+    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.2))
+    gj, st = run(model, traj, adv, EstimatorConfig(mode="jagg", window=8, intermediate=intermediate, clip_range=0.2))
+    assert st.groups_jagg == 3 and st.backward_items == 6
+    assert torch.allclose(gj, ge, **TIGHT)
+
+
+def _affine_in_sigma_case(window):
+    torch.manual_seed(1)
+    model = AffineInSigma()
+    return model, sampled_traj(model, B=3, T=16, shift=3.0)
+
+
+def _linear_case(window):
+    torch.manual_seed(2)
+    model = LinearXSigma()
+    sig = jagg.flow_sigmas(16, shift=3.0, dtype=torch.float64)
+    return model, traj_from_latents(model, affine_latents(3, sig, window), sig, 0.7)
+
+
+@pytest.mark.parametrize("case", [_affine_in_sigma_case, _linear_case], ids=["theta0+sigma*theta1", "linear"])
+@pytest.mark.parametrize("window", [3, 4, 8])
+@pytest.mark.parametrize("intermediate", ["fresh", "interp"])
+def test_jagg_exact_when_jacobian_affine_in_sigma(case, window, intermediate):
+    model, traj = case(window)
+    ref = copy.deepcopy(model)
+    ref_v = jagg.reference_velocities(ref, traj)
+    perturb(model, 0.1)  # off-policy, so interp is not trivially exact and ratios are not 1
+    adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
+    kw = dict(clip_range=0.05, kl_beta=0.1, micro_batch=4)
+    ge, se = run(model, traj, adv, EstimatorConfig(mode="exact", **kw), ref_velocities=ref_v)
+    gj, sj = run(model, traj, adv, EstimatorConfig(mode="jagg", window=window, intermediate=intermediate, **kw),
+                 ref_velocities=ref_v)
+    assert ge.abs().max() > 1e-3
+    assert torch.allclose(gj, ge, **TIGHT)
+    assert sj.loss == pytest.approx(se.loss, rel=1e-9)
+    assert sj.backward_items < se.backward_items
+
+
+def test_index_based_alpha_would_fail(monkeypatch):
+    """The affine case pins alpha by sigma: an index-based alpha on the shifted schedule breaks it."""
+    model, traj = _affine_in_sigma_case(4)
+    adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
+    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
+    import jagg.estimator as est
+
+    monkeypatch.setattr(est, "group_alphas", lambda sig, g: torch.linspace(0, 1, len(g), dtype=torch.float64))
+    gj, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, intermediate="fresh"))
+    assert not torch.allclose(gj, ge, rtol=1e-4, atol=1e-8)
+
+
+def test_jagg_is_an_approximation_on_a_nonlinear_network(capsys):
+    torch.manual_seed(3)
+    model = Nonlinear(batch=4)
+    traj = sampled_traj(model, B=4, T=16)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
+    for w in (4, 8):
+        gj, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=w))
+        c = cos(gj, ge)
+        print(f"nonlinear MLP, window {w}: cosine(jagg, exact) = {c:.4f}")
+        assert not torch.allclose(gj, ge, rtol=1e-3, atol=1e-6)
+        assert 0.3 < c < 1 - 1e-6
+
+
+def test_interp_equals_fresh_on_policy_and_differs_after_a_step():
+    torch.manual_seed(4)
+    model = Nonlinear(batch=3)
+    traj = sampled_traj(model, B=3, T=12)
+    adv = torch.tensor([1.0, -1.0, 0.7], dtype=torch.float64)
+    cfg = dict(mode="jagg", window=4, clip_range=0.2)
+    gf, sf = run(model, traj, adv, EstimatorConfig(intermediate="fresh", **cfg))
+    gi, si = run(model, traj, adv, EstimatorConfig(intermediate="interp", **cfg))
+    assert torch.allclose(gi, gf, rtol=1e-7, atol=1e-12)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.zero_grad()
+    for p, gp in zip(model.parameters(), torch.split(gf, [p.numel() for p in model.parameters()])):
+        p.grad = gp.view_as(p).clone()
+    opt.step()
+    gf, _ = run(model, traj, adv, EstimatorConfig(intermediate="fresh", **cfg))
+    gi, _ = run(model, traj, adv, EstimatorConfig(intermediate="interp", **cfg))
+    assert not torch.allclose(gi, gf, rtol=1e-5, atol=1e-10)
+    assert cos(gi, gf) > 0.9
+
+
+@pytest.mark.parametrize("window", [2, 4, 8])
+@pytest.mark.parametrize("intermediate", ["fresh", "interp"])
+def test_counts_match_cost_model(window, intermediate):
+    model = Nonlinear(batch=4)
+    B, T = 4, 16
+    traj = sampled_traj(model, B=B, T=T)
+    adv = torch.ones(B, dtype=torch.float64)
+    _, se = run(model, traj, adv, EstimatorConfig(mode="exact", micro_batch=4))
+    _, sj = run(model, traj, adv, EstimatorConfig(mode="jagg", window=window, intermediate=intermediate,
+                                                  micro_batch=4))
+    n_groups = T // window
+    assert se.backward_items == se.forward_grad_items == B * T
+    assert se.forward_nograd_items == 0 and se.backward_calls == B * T // 4
+    assert sj.backward_items == sj.forward_grad_items == 2 * B * n_groups
+    assert sj.forward_nograd_items == (B * n_groups * (window - 2) if intermediate == "fresh" else 0)
+    assert sj.groups == sj.groups_jagg == B * n_groups and sj.jagg_frac_routed == 1.0
+
+
+def test_on_policy_ratio_is_one():
+    torch.manual_seed(5)
+    model = Nonlinear(batch=4)
+    traj = sampled_traj(model, B=4, T=10)
+    for mode in ("exact", "jagg"):
+        _, st = run(model, traj, torch.randn(4, dtype=torch.float64), EstimatorConfig(mode=mode, window=4))
+        assert st.ratio_mean == pytest.approx(1.0, abs=1e-9)
+        assert st.clip_frac == 0.0 and st.approx_kl < 1e-18
+
+
+def test_fp32_rollout_ratio_is_one_within_tolerance():
+    torch.manual_seed(6)
+    net = torch.nn.Sequential(torch.nn.Linear(19, 32), torch.nn.GELU(), torch.nn.Linear(32, 18))
+    vf = lambda x, s, i: net(torch.cat([x.flatten(1), s[:, None]], 1)).view(-1, *S)
+    traj = jagg.sample_trajectories(vf, torch.randn(6, *S), jagg.flow_sigmas(8, 3.0), 0.7, micro_batch=4)
+    st = jagg.policy_gradient(vf, traj, torch.randn(6), EstimatorConfig(mode="jagg", micro_batch=6, clip_range=1e-4))
+    assert abs(st.ratio_mean - 1) < 1e-4 and st.clip_frac < 0.05
+
+
+def test_routing_fraction_zero_is_exact_and_one_routes_all():
+    torch.manual_seed(7)
+    model = Nonlinear(batch=4)
+    traj = sampled_traj(model, B=4, T=12)
+    adv = torch.randn(4, dtype=torch.float64)
+    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
+    g0, s0 = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, jagg_frac=0.0))
+    assert torch.allclose(g0, ge, **TIGHT) and s0.groups_jagg == 0 and s0.backward_items == 4 * 12
+    _, s1 = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, jagg_frac=1.0))
+    assert s1.groups_jagg == s1.groups == 12 and s1.backward_items == 2 * 12
+
+
+@pytest.mark.parametrize("score", ["chord", "cosine", "cosine_min", "velocity_cosine"])
+def test_routing_mid_fraction_picks_most_linear_groups(score):
+    from jagg.estimator import _plan
+    from jagg.routing import group_scores, make_groups
+
+    torch.manual_seed(8)
+    model = Nonlinear(batch=4)
+    traj = sampled_traj(model, B=4, T=12)
+    cfg = EstimatorConfig(mode="jagg", window=4, jagg_frac=0.5, score=score)
+    units, n_pairs, n_jagg = _plan(traj, cfg)
+    assert n_pairs == 12 and n_jagg == 6
+    scores = group_scores(traj.velocities, traj.sigmas, make_groups(list(range(12)), 4), score)
+    routed = {(u.sample, u.steps[0] // 4) for u in units if u.jagg}
+    thresh = torch.sort(scores.flatten(), descending=True).values[5]
+    assert all(scores[i, g] >= thresh for i, g in routed)
+    assert all(scores[i, g] <= thresh for i in range(4) for g in range(3) if (i, g) not in routed)
+    _, st = run(model, traj, torch.randn(4, dtype=torch.float64), cfg)
+    assert st.backward_items == 6 * 2 + 6 * 4
+
+
+def test_chord_score_ranks_a_linear_group_above_a_curved_one():
+    from jagg.routing import group_scores
+
+    sig = jagg.flow_sigmas(8, dtype=torch.float64)
+    v = torch.zeros(1, 8, 3, dtype=torch.float64)
+    v[0, :4] = sig[:4, None] * torch.tensor([1.0, 2.0, 3.0])                 # linear in sigma
+    v[0, 4:] = torch.stack([torch.tensor([1.0, 0, 0]), torch.tensor([0, 1.0, 0]),
+                            torch.tensor([-1.0, 0, 0]), torch.tensor([0, -1.0, 0])])  # a curve
+    for score in ("chord", "cosine", "cosine_min"):
+        s = group_scores(v, sig, [[0, 1, 2, 3], [4, 5, 6, 7]], score)
+        assert s[0, 0] > s[0, 1], score
+
+
+def test_exact_first_and_last_groups():
+    model = Nonlinear(batch=2)
+    traj = sampled_traj(model, B=2, T=16)
+    adv = torch.randn(2, dtype=torch.float64)
+    _, st = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, exact_first_groups=1, exact_last_groups=1))
+    assert st.groups_jagg == 2 * 2 and st.backward_items == 2 * (4 + 4 + 2 + 2)
+    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
+    gj, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, exact_first_groups=4))
+    assert torch.allclose(gj, ge, **TIGHT)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(window=0), "window"), (dict(jagg_frac=1.5), "jagg_frac"), (dict(jagg_frac=-0.1), "jagg_frac"),
+    (dict(mode="fast"), "mode"), (dict(intermediate="lerp"), "intermediate"), (dict(score="x"), "score"),
+    (dict(micro_batch=1), "micro_batch"), (dict(clip_range=0), "clip_range"), (dict(kl_beta=-1), "kl_beta"),
+])
+def test_bad_config_raises(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        EstimatorConfig(**kw)
+
+
+def test_bad_trajectories_raise():
+    model = Nonlinear(batch=2)
+    traj = sampled_traj(model, B=2, T=4)
+    adv = torch.ones(2, dtype=torch.float64)
+    cfg = EstimatorConfig()
+    bad = copy.copy(traj)
+    bad.velocities = traj.velocities[:, :3]
+    with pytest.raises(ValueError, match="velocities must have shape"):
+        jagg.policy_gradient(model, bad, adv, cfg)
+    bad = copy.copy(traj)
+    bad.log_probs = traj.log_probs[:1]
+    with pytest.raises(ValueError, match="log_probs"):
+        jagg.policy_gradient(model, bad, adv, cfg)
+    bad = copy.copy(traj)
+    bad.sigmas = traj.sigmas.flip(0)
+    with pytest.raises(ValueError, match="strictly decreasing"):
+        jagg.policy_gradient(model, bad, adv, cfg)
+    bad = copy.copy(traj)
+    bad.train_steps = torch.tensor([0, 7])
+    with pytest.raises(ValueError, match="train_steps"):
+        jagg.policy_gradient(model, bad, adv, cfg)
+    with pytest.raises(ValueError, match="advantages"):
+        jagg.policy_gradient(model, traj, torch.ones(3), cfg)
+    with pytest.raises(ValueError, match="ref_velocities"):
+        jagg.policy_gradient(model, traj, adv, EstimatorConfig(kl_beta=0.1))
