@@ -182,3 +182,18 @@ def sample_trajectories(
     )
     traj.validate()
     return traj
+
+
+@torch.no_grad()
+def sample_ode(velocity_fn: VelocityFn, noise: Tensor, sigmas: Tensor, micro_batch: int | None = None) -> Tensor:
+    """Deterministic Euler (ODE) sampling from noise ``[B, *S]``; returns the final latents ``[B, *S]``."""
+    sigmas = sigmas.to(device=noise.device, dtype=compute_dtype(noise))
+    check_sigmas(sigmas)
+    x = noise.to(sigmas.dtype)
+    B = x.shape[0]
+    for k in range(sigmas.numel() - 1):
+        for sl in _chunks(B, micro_batch):
+            idx = torch.arange(B, device=x.device)[sl]
+            v = velocity_fn(x[sl], sigmas[k].expand(idx.numel()), idx)
+            x[sl] = euler_step(x[sl], v, sigmas[k].expand(idx.numel()), sigmas[k + 1].expand(idx.numel()))
+    return x

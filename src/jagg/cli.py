@@ -1,0 +1,181 @@
+"""The ``jagg`` command line: train, pretrain, sample, eval (and bench, see ``jagg bench --help``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import configuration
+from .pretrain import PretrainConfig
+from .train_config import TrainConfig
+
+DEFAULT_CONFIG = "configs/default.yaml"
+
+
+def _keys_epilog(cls) -> str:
+    rows = configuration.describe(cls)
+    width = max(len(k) for k, _, _ in rows)
+    lines = [f"  {k:<{width}}  {h} [default: {d}]" for k, d, h in rows]
+    return "config keys (set in YAML or with --set key=value):\n" + "\n".join(lines)
+
+
+@dataclass
+class PretrainRunConfig:
+    """``jagg pretrain``: the TinyDiT architecture, the optimisation, and where to write the checkpoint."""
+
+    out: str = field(default="src/jagg/assets/tiny_dit.safetensors", metadata={"help": "Output .safetensors path."})
+    threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)."})
+    model: dict = field(default_factory=dict, metadata={"help": "TinyDiT architecture overrides (DiTConfig keys), "
+                                                        "e.g. {dim: 128, depth: 4}."})
+    train: PretrainConfig = field(default_factory=PretrainConfig)
+
+
+def _train(args) -> int:
+    from .trainer import Trainer
+
+    overrides = list(args.set or [])
+    if args.output_dir:
+        overrides.append(f"log.output_dir={args.output_dir}")
+    cfg = configuration.load(TrainConfig, args.config, overrides)
+    records = Trainer(cfg, resume=args.resume).train()
+    evals = [r for r in records if r["kind"] == "eval"]
+    if len(evals) >= 2:
+        print(f"test reward: {evals[0]['reward_mean']:.3f} (iteration {evals[0]['iteration']}) -> "
+              f"{evals[-1]['reward_mean']:.3f} (iteration {evals[-1]['iteration']})")
+    print(f"outputs in {cfg.log.output_dir}: metrics.jsonl, reward_curve.png, samples/, checkpoints/")
+    return 0
+
+
+def _pretrain(args) -> int:
+    import torch
+
+    from .models import DiTConfig, TinyDiT, save_pretrained
+    from .pretrain import pretrain
+    from .world import tokenizer
+    from .world_data import WorldBatches
+
+    run = configuration.load(PretrainRunConfig, None, args.set or [])
+    train = run.train
+    if args.out:
+        run.out = args.out
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    torch.manual_seed(train.seed)
+    mcfg = DiTConfig.from_dict({"vocab_size": tokenizer.vocab_size, **run.model})
+    model = TinyDiT(mcfg)
+    print(f"TinyDiT: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {train.steps} steps")
+    log = lambda r: print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+    pretrain(model, WorldBatches(mcfg.image_size, mcfg.max_text_len), train, log)
+    save_pretrained(model, run.out)
+    print(f"wrote {run.out}")
+    return 0
+
+
+def _sample(args) -> int:
+    import torch
+
+    from .checkpoint import load_model
+    from .evaluation import generate
+    from .metrics import save_grid
+
+    torch.set_grad_enabled(False)
+    model = load_model(args.checkpoint)
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {path} not found")
+        prompts += [l.strip() for l in path.read_text().splitlines() if l.strip()]
+    if not prompts:
+        raise ValueError("give at least one --prompt or a non-empty --prompt-file")
+    batch = [p for p in prompts for _ in range(args.num_per_prompt)]
+    images = generate(model, batch, args.steps, args.guidance_scale, args.seed, args.shift)
+    save_grid(images, Path(args.out), ncol=args.num_per_prompt, prompts=batch)
+    print(f"wrote {args.out} ({len(batch)} images, one row per prompt)")
+    return 0
+
+
+def _eval(args) -> int:
+    import torch
+
+    from .checkpoint import load_model
+    from .evaluation import evaluate
+    from .rewards.registry import get_reward
+
+    torch.set_grad_enabled(False)
+    metrics, _, _ = evaluate(load_model(args.checkpoint), get_reward(args.reward), args.num_prompts,
+                             args.images_per_prompt, args.steps, args.guidance_scale, args.seed, args.shift)
+    text = json.dumps(metrics, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jagg", description="GRPO fine-tuning of flow-matching models with JAGG.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="GRPO training on the embedded shapes world",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_epilog(TrainConfig))
+    t.add_argument("--config", default=DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None,
+                   help=f"YAML config (default: {DEFAULT_CONFIG} when present, else built-in defaults)")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
+    t.add_argument("--output-dir", help="shorthand for --set log.output_dir=DIR")
+    t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in the run dir")
+    t.set_defaults(func=_train)
+
+    pt = sub.add_parser("pretrain", help="rectified-flow pretraining of the TinyDiT on rendered shapes",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_epilog(PretrainRunConfig))
+    pt.add_argument("--out", help="output .safetensors (default: the shipped asset path)")
+    pt.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. train.steps=3000, model.dim=128")
+    pt.set_defaults(func=_pretrain)
+
+    def sampling_args(q):
+        q.add_argument("--checkpoint", default="builtin:tiny_dit",
+                       help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
+        q.add_argument("--steps", type=int, default=10, help="ODE sampling steps")
+        q.add_argument("--guidance-scale", type=float, default=3.0, help="classifier-free guidance scale")
+        q.add_argument("--shift", type=float, default=1.0, help="SD3 timestep shift")
+        q.add_argument("--seed", type=int, default=0, help="noise seed")
+
+    s = sub.add_parser("sample", help="prompts -> image grid from a checkpoint")
+    sampling_args(s)
+    s.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    s.add_argument("--prompt-file", help="a text file with one prompt per line")
+    s.add_argument("--num-per-prompt", type=int, default=4, help="images per prompt (one grid row each)")
+    s.add_argument("--out", default="samples.png", help="output PNG")
+    s.set_defaults(func=_sample)
+
+    e = sub.add_parser("eval", help="held-out test-prompt reward of a checkpoint")
+    sampling_args(e)
+    e.set_defaults(seed=1234)
+    e.add_argument("--reward", default="geneval", help="reward name or module:function")
+    e.add_argument("--num-prompts", type=int, default=0, help="test prompts (0 = all)")
+    e.add_argument("--images-per-prompt", type=int, default=2, help="images per test prompt")
+    e.add_argument("--json", help="also write the metrics to this JSON file")
+    e.set_defaults(func=_eval)
+
+    try:
+        from .bench import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jagg {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Nested dataclass configs from YAML plus ``--set section.key=value`` overrides.
+
+Every key is checked once at load: unknown keys raise with the closest valid name suggested, values are
+coerced to the field's type, and each dataclass validates itself in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Coerce a YAML value to the annotated type ``tp`` (int, float, bool, str, Optional, list/tuple, dict)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if tp is Any or tp is typing.Any:
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, where) for v in value]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 6e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls, data: dict, where: str = ""):
+    """Build dataclass ``cls`` from a (nested) dict, rejecting unknown keys."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in fields:
+            raise ValueError(f"unknown config key {path!r}{_suggest(key, list(fields))} "
+                             f"(valid keys here: {', '.join(fields)})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value or {}, path)
+        else:
+            kwargs[key] = _coerce(value, tp, path)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"{where + ': ' if where else ''}{e}") from None
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict (tuples as lists) that :func:`from_dict` round-trips."""
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``section.key=value`` strings (values parsed as YAML) to a nested dict, in order."""
+    data = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set expects section.key=value, got {item!r}")
+        path, raw = item.split("=", 1)
+        keys = path.strip().split(".")
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {item!r}: {k!r} is not a section")
+        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return data
+
+
+def load(cls, path: str | Path | None = None, overrides: list[str] | None = None):
+    """Load ``cls`` from a YAML file (or defaults when ``path`` is None) plus overrides."""
+    data = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {str(p)!r} not found; the shipped configs are in configs/")
+        data = yaml.safe_load(p.read_text()) or {}
+    return from_dict(cls, apply_overrides(data, overrides or []))
+
+
+def describe(cls, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(key, default, help)`` for every leaf field, for ``--help`` texts."""
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            out += describe(tp, key + ".")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else "")
+            out.append((key, repr(default), f.metadata.get("help", "")))
+    return out

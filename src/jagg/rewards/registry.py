@@ -1,0 +1,159 @@
+"""Reward registry: turn a reward spec from a config into one checked callable.
+
+Every reward has the signature
+
+    reward(images, prompts: list[str], metadata: list[dict] | None) -> (scores float32 [N], info: dict)
+
+with images uint8 [N, H, W, 3] or a float tensor [N, 3, H, W] in [-1, 1]. `get_reward(spec)` accepts
+  - a registered name: "geneval", "jpeg_compressibility", "jpeg_incompressibility";
+  - a dict of weights, e.g. {"geneval": 1.0, "jpeg_compressibility": 0.1}: the weighted sum, with each
+    component's scores in info["scores/<name>"] and its info under "<name>/<key>";
+  - "package.module:attribute", a user function (or a class, instantiated with no arguments) that
+    returns (scores, info) or just scores;
+  - a callable with that signature.
+The returned callable checks what every reward gives back: one finite score per image.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..world.render import to_uint8
+from .geneval import GenevalReward
+
+RewardFn = Callable[..., "tuple[np.ndarray, dict] | np.ndarray"]
+
+
+def jpeg_size_kb(images) -> np.ndarray:
+    """JPEG size (quality 95, as DDPO) of each image in kB: images as above -> float32 [N]."""
+    out = []
+    for img in to_uint8(images):
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="JPEG", quality=95)
+        out.append(buf.tell() / 1000)
+    return np.array(out, dtype=np.float32)
+
+
+def jpeg_compressibility(images, prompts, metadata=None):
+    """DDPO's compressibility reward: minus the JPEG size in kB."""
+    kb = jpeg_size_kb(images)
+    return -kb, {"jpeg_kb": kb}
+
+
+def jpeg_incompressibility(images, prompts, metadata=None):
+    """DDPO's incompressibility reward: the JPEG size in kB."""
+    kb = jpeg_size_kb(images)
+    return kb, {"jpeg_kb": kb}
+
+
+REWARDS: dict[str, Callable[[], RewardFn]] = {  # name -> factory
+    "geneval": GenevalReward,
+    "jpeg_compressibility": lambda: jpeg_compressibility,
+    "jpeg_incompressibility": lambda: jpeg_incompressibility,
+}
+
+
+def register_reward(name: str, factory: Callable[[], RewardFn]) -> None:
+    """Make `get_reward(name)` return the checked `factory()`."""
+    if name in REWARDS:
+        raise ValueError(f"reward {name!r} is already registered")
+    REWARDS[name] = factory
+
+
+class CheckedReward:
+    """Wraps a reward: normalises its output to (float32 [N], dict) and raises ValueError naming the reward
+    and the batch index on a wrong length, NaN or inf."""
+
+    def __init__(self, name: str, fn: RewardFn):
+        self.name, self.fn = name, fn
+
+    def __repr__(self) -> str:
+        return f"CheckedReward({self.name!r})"
+
+    def __call__(self, images, prompts: list[str], metadata: list[dict] | None = None) -> tuple[np.ndarray, dict]:
+        n = len(images)
+        if len(prompts) != n:
+            raise ValueError(f"reward {self.name!r}: got {n} images but {len(prompts)} prompts")
+        if metadata is not None and len(metadata) != n:
+            raise ValueError(f"reward {self.name!r}: got {n} images but {len(metadata)} metadata entries")
+        out = self.fn(images, prompts, metadata)
+        scores, info = out if isinstance(out, tuple) else (out, {})
+        if isinstance(scores, torch.Tensor):
+            scores = scores.detach().float().cpu().numpy()
+        scores = np.asarray(scores, dtype=np.float32)
+        if scores.shape != (n,):
+            raise ValueError(f"reward {self.name!r} returned scores of shape {scores.shape} for a batch of {n}; "
+                             f"it must return one score per image, shape ({n},)")
+        bad = np.flatnonzero(~np.isfinite(scores))
+        if bad.size:
+            raise ValueError(f"reward {self.name!r} returned {scores[bad[0]]} at batch index {bad[0]} "
+                             f"(prompt {prompts[bad[0]]!r}); scores must be finite")
+        if not isinstance(info, dict):
+            raise ValueError(f"reward {self.name!r} returned info of type {type(info).__name__}; return a dict")
+        return scores, info
+
+
+class WeightedSum:
+    """sum_i weight_i * reward_i; component scores in info["scores/<name>"], their info under "<name>/"."""
+
+    def __init__(self, weights: dict[str, float]):
+        self.weights = dict(weights)
+        self.parts = {name: get_reward(name) for name in self.weights}
+
+    def __call__(self, images, prompts, metadata=None):
+        total = np.zeros(len(images), dtype=np.float32)
+        info: dict = {}
+        for name, fn in self.parts.items():
+            scores, part = fn(images, prompts, metadata)
+            total += np.float32(self.weights[name]) * scores
+            info[f"scores/{name}"] = scores
+            info.update({f"{name}/{k}": v for k, v in part.items()})
+        return total, info
+
+
+def _import(path: str) -> RewardFn:
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise ValueError(f"user reward {path!r} must look like 'package.module:function'")
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load user reward {path!r}: {e}") from e
+    obj = obj() if isinstance(obj, type) else obj
+    if not callable(obj):
+        raise ValueError(f"user reward {path!r} is a {type(obj).__name__}, not a callable (images, prompts, metadata)")
+    return obj
+
+
+def available_rewards() -> list[str]:
+    return sorted(REWARDS)
+
+
+def get_reward(spec: str | dict[str, float] | RewardFn) -> CheckedReward:
+    """A reward spec (name, {name: weight}, "module:function" or callable) -> checked reward callable."""
+    if isinstance(spec, CheckedReward):
+        return spec
+    if isinstance(spec, dict):
+        if not spec:
+            raise ValueError("empty reward weights; give e.g. {'geneval': 1.0}")
+        for name, w in spec.items():
+            if not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ValueError(f"weight of reward {name!r} must be a finite number, got {w!r}")
+        return CheckedReward("+".join(f"{w:g}*{n}" for n, w in spec.items()), WeightedSum(spec))
+    if isinstance(spec, str):
+        if spec in REWARDS:
+            return CheckedReward(spec, REWARDS[spec]())
+        if ":" in spec:
+            return CheckedReward(spec, _import(spec))
+        raise ValueError(f"unknown reward {spec!r}; available: {', '.join(available_rewards())}, "
+                         f"a dict of weights, or 'package.module:function'")
+    if callable(spec):
+        return CheckedReward(getattr(spec, "__name__", type(spec).__name__), spec)
+    raise TypeError(f"reward spec must be a name, a dict of weights, 'module:function' or a callable, got {spec!r}")

@@ -1,0 +1,178 @@
+"""The GRPO trainer's configuration: one typed dataclass per concern, validated on creation.
+
+Loaded from YAML (``configs/default.yaml``) with ``--set section.key=value`` overrides; ``jagg train --help``
+lists every key with its default and help.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import EstimatorConfig
+
+DEFAULT_CHECKPOINT = "builtin:tiny_dit"
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class ModelConfig:
+    checkpoint: str = field(default=DEFAULT_CHECKPOINT, metadata=_help(
+        "Pretrained TinyDiT .safetensors to fine-tune; 'builtin:tiny_dit' is the checkpoint shipped with jagg."))
+
+    def __post_init__(self):
+        if not self.checkpoint:
+            raise ValueError("model.checkpoint must be a path or 'builtin:tiny_dit'")
+
+
+@dataclass
+class SampleConfig:
+    num_steps: int = field(default=10, metadata=_help("Sampling steps T per trajectory."))
+    shift: float = field(default=1.0, metadata=_help("SD3 timestep shift of the sigma schedule (1 = none)."))
+    eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO's noise_level)."))
+    guidance_scale: float = field(default=3.0, metadata=_help("Classifier-free guidance scale w (1 = off)."))
+    prompts_per_iter: int = field(default=8, metadata=_help("Distinct prompts sampled per iteration."))
+    group_size: int = field(default=4, metadata=_help("Images per prompt (the GRPO group)."))
+    shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt's group."))
+    timestep_fraction: float = field(default=1.0, metadata=_help(
+        "Train the first fraction of the steps (all steps are SDE steps)."))
+    sde_window: list[int] | None = field(default=None, metadata=_help(
+        "[start, end): only these steps are SDE steps and trained; the rest are ODE steps (Flow-GRPO-Fast)."))
+    micro_batch: int = field(default=32, metadata=_help("Rows per network call while sampling."))
+
+    def __post_init__(self):
+        for name in ("num_steps", "prompts_per_iter", "group_size", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sample.{name} must be >= 1; got {getattr(self, name)}")
+        if self.shift <= 0:
+            raise ValueError(f"sample.shift must be > 0; got {self.shift}")
+        if self.eta <= 0:
+            raise ValueError(f"sample.eta must be > 0 (the SDE needs noise); got {self.eta}")
+        if self.guidance_scale < 1:
+            raise ValueError(f"sample.guidance_scale must be >= 1; got {self.guidance_scale}")
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"sample.timestep_fraction must be in (0, 1]; got {self.timestep_fraction}")
+        if self.sde_window is not None:
+            w = self.sde_window
+            if len(w) != 2 or not 0 <= w[0] < w[1] <= self.num_steps:
+                raise ValueError(f"sample.sde_window must be [start, end] with 0 <= start < end <= num_steps="
+                                 f"{self.num_steps}; got {w}")
+            if self.timestep_fraction != 1.0:
+                raise ValueError("set either sample.timestep_fraction or sample.sde_window, not both")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_iter * self.group_size
+
+
+@dataclass
+class OptimConfig:
+    lr: float = field(default=3e-4, metadata=_help("AdamW learning rate."))
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=_help("AdamW betas."))
+    weight_decay: float = field(default=1e-4, metadata=_help("AdamW weight decay."))
+    max_grad_norm: float = field(default=1.0, metadata=_help("Gradient-norm clipping (0 = off)."))
+    ema_decay: float = field(default=0.0, metadata=_help("EMA of the weights used for evaluation (0 = off)."))
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0; got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1); got {self.betas}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError("optim.weight_decay and optim.max_grad_norm must be >= 0")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"optim.ema_decay must be in [0, 1); got {self.ema_decay}")
+
+
+@dataclass
+class GRPOConfig:
+    iterations: int = field(default=100, metadata=_help("Sampling + training iterations (epochs)."))
+    inner_epochs: int = field(default=1, metadata=_help("Passes of optimizer updates over each iteration's samples."))
+    updates_per_epoch: int = field(default=2, metadata=_help(
+        "Optimizer updates per inner epoch; the samples are split into this many minibatches."))
+    adv_clip_max: float = field(default=5.0, metadata=_help("Advantages are clipped to [-adv_clip_max, adv_clip_max]."))
+    global_std: bool = field(default=False, metadata=_help("Normalise advantages by the batch std, not per prompt."))
+    drop_zero_spread: bool = field(default=True, metadata=_help(
+        "Skip training on prompt groups whose rewards are all equal (no signal)."))
+    max_consecutive_skips: int = field(default=5, metadata=_help(
+        "Abort after this many consecutive updates skipped for a non-finite loss or gradient (0 = never)."))
+
+    def __post_init__(self):
+        for name in ("iterations", "inner_epochs", "updates_per_epoch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"grpo.{name} must be >= 1; got {getattr(self, name)}")
+        if self.max_consecutive_skips < 0:
+            raise ValueError(f"grpo.max_consecutive_skips must be >= 0; got {self.max_consecutive_skips}")
+        if self.adv_clip_max <= 0:
+            raise ValueError(f"grpo.adv_clip_max must be > 0; got {self.adv_clip_max}")
+
+
+@dataclass
+class RewardConfig:
+    name: str = field(default="geneval", metadata=_help(
+        "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility) or module:function."))
+    weights: dict | None = field(default=None, metadata=_help(
+        "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1}; overrides name."))
+
+    def __post_init__(self):
+        if not self.name and not self.weights:
+            raise ValueError("reward.name or reward.weights must be set")
+
+
+@dataclass
+class EvalConfig:
+    every: int = field(default=25, metadata=_help("Evaluate every N iterations (and at the start and end); 0 = off."))
+    num_prompts: int = field(default=0, metadata=_help("Test prompts evaluated (0 = all of the test split)."))
+    images_per_prompt: int = field(default=2, metadata=_help("Images per test prompt (fixed seeds)."))
+    num_steps: int = field(default=10, metadata=_help("ODE steps of the deterministic evaluation sampler."))
+    seed: int = field(default=1234, metadata=_help("Seed of the evaluation noise (the same at every evaluation)."))
+    grid_size: int = field(default=16, metadata=_help("Images in the saved sample grid."))
+
+    def __post_init__(self):
+        for name in ("every", "num_prompts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"eval.{name} must be >= 0; got {getattr(self, name)}")
+        for name in ("images_per_prompt", "num_steps", "grid_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name} must be >= 1; got {getattr(self, name)}")
+
+
+@dataclass
+class LogConfig:
+    output_dir: str = field(default="runs/default", metadata=_help("Run directory: metrics, plots, checkpoints."))
+    checkpoint_every: int = field(default=25, metadata=_help("Save a checkpoint every N iterations (0 = only at the end)."))
+    keep_last: int = field(default=2, metadata=_help("Checkpoints kept (older ones are deleted)."))
+    tensorboard: bool = field(default=True, metadata=_help("Write TensorBoard events (needs the tensorboard package)."))
+    progress: bool = field(default=True, metadata=_help("Show a progress bar."))
+
+    def __post_init__(self):
+        if not self.output_dir:
+            raise ValueError("log.output_dir must be set")
+        if self.checkpoint_every < 0 or self.keep_last < 1:
+            raise ValueError("log.checkpoint_every must be >= 0 and log.keep_last >= 1")
+
+
+@dataclass
+class TrainConfig:
+    """Everything one ``jagg train`` run needs; saved into every checkpoint."""
+
+    seed: int = field(default=0, metadata=_help("Seed of prompts, noise and everything else."))
+    threads: int = field(default=0, metadata=_help("torch CPU threads (0 = torch's default)."))
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self):
+        if self.sample.batch_size % self.grpo.updates_per_epoch:
+            raise ValueError(
+                f"sample.prompts_per_iter * sample.group_size = {self.sample.batch_size} samples must be divisible "
+                f"by grpo.updates_per_epoch = {self.grpo.updates_per_epoch}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0; got {self.threads}")

@@ -1,0 +1,266 @@
+"""The GRPO trainer for the embedded shapes world.
+
+One iteration: sample ``prompts_per_iter x group_size`` trajectories with the Flow-GRPO SDE, reward the
+images, compute group-relative advantages, then ``inner_epochs x updates_per_epoch`` AdamW updates whose
+gradients come from :func:`jagg.policy_gradient` (the same function a user calls in their own loop).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .advantages import group_advantages, nonzero_spread_mask
+from .checkpoint import list_checkpoints, load_latest, load_model, save_checkpoint
+from .configuration import to_dict
+from .estimator import policy_gradient, reference_velocities
+from .evaluation import evaluate
+from .metrics import MetricsLogger, plot_reward_curve, save_grid
+from .models import GuidedVelocity
+from .rewards.registry import get_reward
+from .schedule import flow_sigmas
+from .train_config import TrainConfig
+from .trajectory import sample_trajectories, select_train_steps
+from .world import from_tensor, tokenizer, train_prompts
+
+# config keys that may change between a checkpoint and its resumption
+RESUMABLE_CHANGES = ("grpo.iterations", "log.", "eval.", "threads")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "weights":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resumable(saved: dict, current: dict) -> None:
+    """Raise a ValueError naming the first config key whose change would break continuation."""
+    a, b = _flatten(saved), _flatten(current)
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key) and not key.startswith(RESUMABLE_CHANGES):
+            raise ValueError(f"cannot resume: config key {key!r} was {a.get(key)!r} in the checkpoint but is "
+                             f"{b.get(key)!r} now; use the checkpoint's value or start a new run (another log.output_dir)")
+
+
+class Trainer:
+    """Runs ``jagg train``. ``Trainer(cfg, resume=True).train()`` continues from the newest checkpoint."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool = False):
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.out = Path(cfg.log.output_dir)
+        self.ckpt_dir = self.out / "checkpoints"
+        torch.manual_seed(cfg.seed)
+        self.model = load_model(cfg.model.checkpoint, use_ema=True)
+        self.model_config = self.model.config.to_dict()
+        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if cfg.estimator.kl_beta > 0 else None
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.ema = [p.detach().clone() for p in self.model.parameters()] if o.ema_decay > 0 else None
+        self.reward_fn = get_reward(cfg.reward.weights or cfg.reward.name)
+        self.prompts = train_prompts()
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.np_rng = np.random.default_rng(cfg.seed)
+        self.iteration = 0
+        self.wall = 0.0                      # seconds spent in iterations (not eval), across resumes
+        self.skipped_updates = 0
+        self.consecutive_skips = 0
+        self._stop = False
+        resumed_from = None
+        if resume:
+            found = load_latest(self.ckpt_dir)
+            if found is None:
+                print(f"no checkpoint in {self.ckpt_dir}; starting from scratch")
+            else:
+                self._load_state(found[0])
+                resumed_from = self.iteration
+                print(f"resumed from {found[1]} (iteration {self.iteration})")
+        self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from if resume else None)
+
+    # ------------------------------------------------------------------ state
+    def _state(self) -> dict:
+        return {
+            "model": self.model.state_dict(), "model_config": self.model_config,
+            "optimizer": self.opt.state_dict(),
+            "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
+            "iteration": self.iteration, "wall": self.wall, "skipped_updates": self.skipped_updates,
+            "config": to_dict(self.cfg),
+            "rng": {"gen": self.gen.get_state(), "numpy": self.np_rng.bit_generator.state,
+                    "torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+
+    def _load_state(self, state: dict) -> None:
+        check_resumable(state["config"], to_dict(self.cfg))
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        if self.ema is not None:
+            named = dict(self.model.named_parameters())
+            self.ema = [state["ema"][k].clone() for k in named]
+        self.iteration, self.wall = state["iteration"], state["wall"]
+        self.skipped_updates = state["skipped_updates"]
+        self.gen.set_state(state["rng"]["gen"])
+        self.np_rng.bit_generator.state = state["rng"]["numpy"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+
+    def save(self) -> Path:
+        return save_checkpoint(self._state(), self.ckpt_dir, self.iteration, self.cfg.log.keep_last)
+
+    # ------------------------------------------------------------------ one iteration
+    def _sample(self):
+        c = self.cfg.sample
+        idx = self.np_rng.choice(len(self.prompts), size=c.prompts_per_iter, replace=False)
+        prompts = [self.prompts[i] for i in idx for _ in range(c.group_size)]
+        tokens = tokenizer.encode(prompts, max_len=self.model.config.max_text_len)
+        shape = (self.model.config.channels, self.model.config.image_size, self.model.config.image_size)
+        if c.shared_noise:
+            noise = torch.randn(c.prompts_per_iter, *shape, generator=self.gen).repeat_interleave(c.group_size, 0)
+        else:
+            noise = torch.randn(c.batch_size, *shape, generator=self.gen)
+        train_steps, sde_mask = select_train_steps(
+            c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)
+        traj = sample_trajectories(GuidedVelocity(self.model, tokens, c.guidance_scale), noise,
+                                   flow_sigmas(c.num_steps, c.shift), c.eta, train_steps, sde_mask,
+                                   generator=self.gen, micro_batch=c.micro_batch)
+        return prompts, tokens, traj
+
+    def _update(self, traj, tokens, adv, ref_v) -> dict:
+        """One optimizer update on a minibatch; returns its statistics."""
+        c = self.cfg
+        self.opt.zero_grad(set_to_none=True)
+        vf = GuidedVelocity(self.model, tokens, c.sample.guidance_scale)
+        stats = policy_gradient(vf, traj, adv, c.estimator, ref_velocities=ref_v).to_dict()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, c.optim.max_grad_norm if c.optim.max_grad_norm > 0 else float("inf"))
+        stats["grad_norm"] = float(norm)
+        if not (np.isfinite(stats["loss"]) and np.isfinite(stats["grad_norm"])):
+            self.opt.zero_grad(set_to_none=True)
+            self.skipped_updates += 1
+            self.consecutive_skips += 1
+            stats["skipped"] = 1
+            return stats
+        self.opt.step()
+        self.consecutive_skips = 0
+        stats["skipped"] = 0
+        if self.ema is not None:
+            with torch.no_grad():
+                torch._foreach_lerp_(self.ema, [p.detach() for p in self.model.parameters()], 1 - c.optim.ema_decay)
+        return stats
+
+    def step(self) -> dict:
+        """One GRPO iteration: sample, reward, advantages, updates. Returns the metrics record."""
+        c = self.cfg
+        t0 = time.perf_counter()
+        prompts, tokens, traj = self._sample()
+        t1 = time.perf_counter()
+        images = from_tensor(traj.latents[:, -1])
+        scores, info = self.reward_fn(images, prompts, None)
+        rewards = torch.as_tensor(scores, dtype=torch.float32)
+        adv = group_advantages(rewards, prompts, c.grpo.global_std, c.grpo.adv_clip_max)
+        keep = nonzero_spread_mask(rewards, prompts) if c.grpo.drop_zero_spread else torch.ones(len(prompts), dtype=torch.bool)
+        t2 = time.perf_counter()
+        keep_idx = torch.nonzero(keep).flatten()
+        per_update = []
+        if keep_idx.numel():
+            traj, tokens, adv = traj.select(keep_idx), tokens[keep_idx], adv[keep_idx]
+            ref_v = None
+            if self.ref_model is not None:
+                ref_v = reference_velocities(GuidedVelocity(self.ref_model, tokens, c.sample.guidance_scale), traj,
+                                             c.estimator.micro_batch)
+            for _ in range(c.grpo.inner_epochs):
+                perm = torch.randperm(keep_idx.numel(), generator=self.gen)
+                for mb in perm.tensor_split(c.grpo.updates_per_epoch):
+                    if mb.numel():
+                        per_update.append(self._update(traj.select(mb), tokens[mb], adv[mb],
+                                                       None if ref_v is None else ref_v[mb]))
+        t3 = time.perf_counter()
+        self.iteration += 1
+        self.wall += t3 - t0
+        rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(scores.mean()),
+               "reward_std": float(scores.std()), "trained_samples": int(keep_idx.numel()),
+               "sample_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2, "iter_s": t3 - t0, "wall_s": self.wall}
+        if "correct" in info:
+            rec["accuracy"] = float(np.mean(info["correct"]))
+        if per_update:
+            for k in ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl", "grad_norm", "jagg_frac_routed"):
+                rec[k] = float(np.mean([s[k] for s in per_update]))
+            for k in ("backward_items", "forward_grad_items", "forward_nograd_items", "skipped"):
+                rec[k] = int(sum(s[k] for s in per_update))
+        rec["skipped_total"] = self.skipped_updates
+        return rec
+
+    # ------------------------------------------------------------------ evaluation and the loop
+    def eval_model(self):
+        if self.ema is None:
+            return self.model
+        m = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for p, e in zip(m.parameters(), self.ema):
+                p.copy_(e)
+        return m
+
+    def evaluate(self) -> dict:
+        e, s = self.cfg.eval, self.cfg.sample
+        t0 = time.perf_counter()
+        metrics, images, prompts = evaluate(self.eval_model(), self.reward_fn, e.num_prompts, e.images_per_prompt,
+                                            e.num_steps, s.guidance_scale, e.seed, s.shift)
+        n = min(e.grid_size, len(images))
+        save_grid(images[:n], self.out / "samples" / f"eval_{self.iteration:06d}.png", prompts=prompts[:n])
+        rec = {"kind": "eval", "iteration": self.iteration, "wall_s": self.wall, "eval_s": time.perf_counter() - t0,
+               **metrics}
+        self.logger.log(rec)
+        plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
+                          f"GRPO ({self.cfg.estimator.mode}) on the shapes world")
+        return rec
+
+    def _handle_signal(self, signum, frame):
+        self._stop = True
+        print(f"\nreceived signal {signum}: finishing this iteration, saving a checkpoint, exiting")
+
+    def train(self) -> list[dict]:
+        c = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            if self.iteration == 0 and c.eval.every:
+                first = self.evaluate()
+                print(f"iteration 0: test reward {first['reward_mean']:.3f}")
+            bar = tqdm(total=c.grpo.iterations, initial=self.iteration, disable=not c.log.progress,
+                       dynamic_ncols=True, desc="GRPO")
+            last_eval = None
+            while self.iteration < c.grpo.iterations and not self._stop:
+                rec = self.step()
+                self.logger.log(rec)
+                done = self.iteration == c.grpo.iterations
+                if c.eval.every and (self.iteration % c.eval.every == 0 or done):
+                    last_eval = self.evaluate()
+                if (c.log.checkpoint_every and self.iteration % c.log.checkpoint_every == 0) or done:
+                    self.save()
+                bar.update(1)
+                bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", test=f"{last_eval['reward_mean']:.3f}" if last_eval else "-",
+                                bwd=rec.get("backward_items", 0), s_it=f"{rec['iter_s']:.2f}")
+                if c.grpo.max_consecutive_skips and self.consecutive_skips >= c.grpo.max_consecutive_skips:
+                    self.save()
+                    raise RuntimeError(f"aborting: {c.grpo.max_consecutive_skips} consecutive updates had a "
+                                       "non-finite loss or gradient (see metrics.jsonl 'skipped'); lower optim.lr")
+            bar.close()
+            if self._stop:
+                path = self.save()
+                print(f"saved {path}; continue with --resume")
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            self.logger.close()
+        return self.logger.records()

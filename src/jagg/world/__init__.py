@@ -1,0 +1,14 @@
+"""The "shapes" world: a procedural text-to-image task with a verifiable reward (see docs/world.md)."""
+
+from . import tokenizer
+from .render import from_tensor, render, render_batch, render_prompts, to_tensor, to_uint8
+from .scene import (BACKGROUND, CATEGORIES, COLORS, HELD_OUT_PAIRS, RELATIONS, SHAPES, VOCAB, ObjectSpec,
+                    PromptSpec, Scene, SceneObject, all_prompts, parse_prompt, sample_scene, test_prompts,
+                    train_prompts, uses_held_out)
+
+__all__ = [
+    "BACKGROUND", "CATEGORIES", "COLORS", "HELD_OUT_PAIRS", "RELATIONS", "SHAPES", "VOCAB", "ObjectSpec",
+    "PromptSpec", "Scene", "SceneObject", "all_prompts", "from_tensor", "parse_prompt", "render", "render_batch",
+    "render_prompts", "sample_scene", "test_prompts", "to_tensor", "to_uint8", "tokenizer", "train_prompts",
+    "uses_held_out",
+]

@@ -1,0 +1,137 @@
+"""The shapes-world GenEval reward, the JPEG rewards and the reward registry."""
+
+import numpy as np
+import pytest
+
+from jagg.rewards import GenevalReward, get_reward
+from jagg.world import Scene, SceneObject, parse_prompt, render, render_prompts, test_prompts, to_tensor
+
+
+@pytest.fixture(scope="module")
+def ground_truth():
+    prompts = test_prompts() * 4
+    images, _ = render_prompts(prompts, 0)
+    return images, prompts
+
+
+def test_ground_truth_scores_one_for_every_test_prompt(ground_truth):
+    images, prompts = ground_truth
+    scores, info = GenevalReward()(images, prompts)
+    assert scores.dtype == np.float32 and scores.shape == (len(prompts),)
+    assert scores.mean() >= 0.98 and info["correct"].mean() >= 0.98
+    assert scores.min() == 1.0, [p for p, s in zip(prompts, scores) if s < 1]
+    assert info["category"] == [parse_prompt(p).category for p in prompts]
+    for cat in ("single_object", "two_object", "counting", "colors", "position", "color_attr"):
+        assert info[f"accuracy/{cat}"] == 1.0
+
+
+def test_model_space_input_gives_the_same_scores(ground_truth):
+    images, prompts = ground_truth
+    a, _ = GenevalReward()(images[:16], prompts[:16])
+    b, _ = GenevalReward()(to_tensor(images[:16]), prompts[:16])
+    np.testing.assert_array_equal(a, b)
+
+
+def test_robust_to_mild_pixel_noise(ground_truth):
+    images, prompts = ground_truth
+    noisy = np.clip(images + np.random.default_rng(0).normal(0, 10, images.shape), 0, 255).astype(np.uint8)
+    scores, info = GenevalReward()(noisy, prompts)
+    assert scores.mean() >= 0.98 and info["correct"].mean() >= 0.98
+
+
+def test_mismatched_prompts_score_low(ground_truth):
+    images, prompts = ground_truth
+    shuffled = [prompts[i] for i in np.random.default_rng(0).permutation(len(prompts))]
+    scores, info = GenevalReward()(images, shuffled)
+    assert scores.mean() < 0.5 and info["correct"].mean() < 0.3
+
+
+def _scene(*objs):
+    return render(Scene(tuple(SceneObject(c, s, xy, 0.3) for c, s, xy in objs)))
+
+
+def test_partial_credit_is_the_fraction_of_constraints():
+    r = GenevalReward()
+    swapped = _scene(("blue", "square", (0.25, 0.5)), ("red", "circle", (0.75, 0.5)))
+    scores, info = r(swapped[None], ["a red square and a blue circle"])
+    assert scores[0] == pytest.approx(3 / 5) and not info["correct"][0]  # shapes and count right, colours wrong
+    left = _scene(("red", "circle", (0.25, 0.5)), ("blue", "square", (0.75, 0.5)))
+    scores, info = r(np.stack([left, left]), ["a red circle to the left of a blue square",
+                                             "a red circle to the right of a blue square"])
+    assert scores[0] == 1.0 and scores[1] == pytest.approx(5 / 6)
+    assert info["constraints"][1]["relation"] is False
+    two = _scene(("red", "circle", (0.25, 0.5)), ("red", "circle", (0.75, 0.5)))
+    empty = _scene()
+    scores, _ = r(np.stack([two, two, empty]), ["two red circles", "a red circle", "a circle"])
+    assert scores.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_jpeg_rewards_prefer_flat_or_busy_images():
+    flat = np.full((1, 32, 32, 3), 128, np.uint8)
+    noise = np.random.default_rng(0).integers(0, 256, (1, 32, 32, 3), dtype=np.uint8)
+    images, prompts = np.concatenate([flat, noise]), ["a circle", "a circle"]
+    comp, info = get_reward("jpeg_compressibility")(images, prompts, None)
+    incomp, _ = get_reward("jpeg_incompressibility")(images, prompts, None)
+    assert comp[0] > comp[1] and incomp[0] < incomp[1]
+    np.testing.assert_allclose(comp, -incomp)
+    assert (info["jpeg_kb"] > 0).all()
+
+
+def test_weighted_sum(ground_truth):
+    images, prompts = ground_truth[0][:6], ground_truth[1][:6]
+    g, _ = get_reward("geneval")(images, prompts, None)
+    j, _ = get_reward("jpeg_compressibility")(images, prompts, None)
+    total, info = get_reward({"geneval": 1.0, "jpeg_compressibility": 0.1})(images, prompts, None)
+    np.testing.assert_allclose(total, g + 0.1 * j, rtol=1e-6)
+    np.testing.assert_array_equal(info["scores/geneval"], g)
+    assert "geneval/correct" in info and "jpeg_compressibility/jpeg_kb" in info
+
+
+USER_MODULE = '''
+import numpy as np
+def brightness(images, prompts, metadata):
+    return [float(im.mean()) / 255 for im in images]
+def with_info(images, prompts, metadata):
+    return np.ones(len(images)), {"n": len(images)}
+def nan_at_2(images, prompts, metadata):
+    s = np.zeros(len(images)); s[2] = np.nan
+    return s
+def too_short(images, prompts, metadata):
+    return np.zeros(len(images) - 1)
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_jagg_rewards.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_jagg_rewards"
+
+
+def test_user_reward_from_module_path(user_module):
+    images = np.stack([np.zeros((32, 32, 3), np.uint8), np.full((32, 32, 3), 255, np.uint8)])
+    scores, info = get_reward(f"{user_module}:brightness")(images, ["a circle"] * 2, None)
+    assert scores.dtype == np.float32 and scores.tolist() == [0.0, 1.0] and info == {}
+    scores, info = get_reward(f"{user_module}:with_info")(images, ["a circle"] * 2, None)
+    assert scores.tolist() == [1.0, 1.0] and info == {"n": 2}
+
+
+def test_reward_errors(user_module):
+    images = np.zeros((4, 32, 32, 3), np.uint8)
+    prompts = ["a circle"] * 4
+    with pytest.raises(ValueError, match="nan_at_2.*batch index 2"):
+        get_reward(f"{user_module}:nan_at_2")(images, prompts, None)
+    with pytest.raises(ValueError, match="too_short.*shape"):
+        get_reward(f"{user_module}:too_short")(images, prompts, None)
+    with pytest.raises(ValueError, match="nan_at_2.*batch index 2"):  # inside a weighted sum, too
+        get_reward({"geneval": 1.0, f"{user_module}:nan_at_2": 1.0})(images, prompts, None)
+    with pytest.raises(ValueError, match="available: .*geneval.*jpeg_compressibility"):
+        get_reward("clip_score")
+    with pytest.raises(ValueError, match="cannot load"):
+        get_reward(f"{user_module}:missing")
+    with pytest.raises(ValueError, match="4 images but 3 prompts"):
+        get_reward("geneval")(images, prompts[:3], None)
+    with pytest.raises(ValueError, match="uint8"):
+        get_reward("geneval")(images.astype(np.float32), prompts, None)
+    with pytest.raises(ValueError, match="'purple'"):
+        get_reward("geneval")(images, ["a purple circle"] * 4, None)
