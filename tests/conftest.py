@@ -5,3 +5,29 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/toy.py
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """A tiny random TinyDiT checkpoint (fast to sample and train)."""
+    from jagg.models import DiTConfig, TinyDiT, save_pretrained
+    from jagg.world import tokenizer
+
+    torch.manual_seed(0)
+    model = TinyDiT(DiTConfig(vocab_size=tokenizer.vocab_size, dim=32, depth=1, heads=2, text_dim=16,
+                              text_depth=1, text_heads=2, patch_size=8))
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
+    save_pretrained(model, path)
+    return str(path)
+
+
+def tiny_train_args(ckpt: str, out, iterations: int = 3, *extra: str) -> list[str]:
+    """`jagg train` arguments for a seconds-long run."""
+    sets = [f"model.checkpoint={ckpt}", f"grpo.iterations={iterations}", "sample.num_steps=4",
+            "sample.prompts_per_iter=2", "sample.group_size=2", "eval.every=2", "eval.num_prompts=4",
+            "eval.images_per_prompt=1", "eval.num_steps=3", "eval.grid_size=4", "log.checkpoint_every=1",
+            "log.progress=false", "estimator.micro_batch=4", "estimator.window=2", "grpo.drop_zero_spread=false",
+            "optim.lr=0.01", "threads=1", *extra]
+    return ["train", "--output-dir", str(out)] + [a for s in sets for a in ("--set", s)]

@@ -1,0 +1,137 @@
+"""End-to-end smoke runs of the CLI: train, resume, pretrain, sample, eval; config errors."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import tiny_train_args
+from jagg import configuration
+from jagg.checkpoint import list_checkpoints, load_latest
+from jagg.cli import main
+from jagg.train_config import TrainConfig
+
+
+def _records(out):
+    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _params(out):
+    state, _ = load_latest(out / "checkpoints")
+    return state["model"]
+
+
+def test_train_smoke(tmp_path, tiny_ckpt):
+    assert main(tiny_train_args(tiny_ckpt, tmp_path, 3, "estimator.mode=jagg")) == 0
+    recs = _records(tmp_path)
+    train = [r for r in recs if r["kind"] == "train"]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [r["iteration"] for r in train] == [1, 2, 3]
+    assert [r["iteration"] for r in evals] == [0, 2, 3]
+    for r in train:
+        assert 0.0 <= r["reward_mean"] <= 1.0
+        assert r["backward_items"] == 4 * 4  # 4 samples x 4 steps, window 2 -> 2 rows per 2-step group
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["skipped"] == 0
+        assert r["train_s"] > 0 and r["sample_s"] > 0
+    for r in evals:
+        assert 0.0 <= r["reward_mean"] <= 1.0 and "accuracy" in r
+    assert Image.open(tmp_path / "reward_curve.png").size[0] > 100
+    grid = Image.open(tmp_path / "samples" / "eval_000003.png")
+    assert grid.size[0] > 4 * 32
+    assert (tmp_path / "samples" / "eval_000003.txt").read_text().count("\n") == 4
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["ckpt_000002.pt", "ckpt_000003.pt"]
+    state, _ = load_latest(tmp_path / "checkpoints")
+    assert state["iteration"] == 3 and "optimizer" in state and "rng" in state
+    assert state["config"]["estimator"]["mode"] == "jagg" and state["manifest"]["jagg_version"]
+    assert list((tmp_path / "tensorboard").iterdir())
+
+
+def test_training_changes_weights_and_is_deterministic(tmp_path, tiny_ckpt):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(tiny_train_args(tiny_ckpt, a, 2)) == 0
+    assert main(tiny_train_args(tiny_ckpt, b, 2)) == 0
+    ra = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in _records(a)]
+    rb = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in _records(b)]
+    assert ra == rb
+    from jagg.models import load_pretrained
+
+    init = load_pretrained(tiny_ckpt).state_dict()
+    pa, pb = _params(a), _params(b)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert any(not torch.equal(pa[k], init[k]) for k in pa)
+
+
+@pytest.mark.parametrize("extra", [(), ("optim.ema_decay=0.9", "estimator.mode=exact")])
+def test_resume_continues_as_if_never_stopped(tmp_path, tiny_ckpt, extra):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(tiny_train_args(tiny_ckpt, straight, 4, *extra)) == 0
+    assert main(tiny_train_args(tiny_ckpt, split, 2, *extra)) == 0
+    assert main(tiny_train_args(tiny_ckpt, split, 4, *extra) + ["--resume"]) == 0
+    p1, p2 = _params(straight), _params(split)
+    for k in p1:
+        assert torch.allclose(p1[k], p2[k], rtol=1e-5, atol=1e-7), k
+    r1 = [r["reward_mean"] for r in _records(straight) if r["kind"] == "train"]
+    r2 = [r["reward_mean"] for r in _records(split) if r["kind"] == "train"]
+    assert r1 == r2 and len(r1) == 4
+
+
+def test_resume_refuses_incompatible_config(tmp_path, tiny_ckpt, capsys):
+    assert main(tiny_train_args(tiny_ckpt, tmp_path, 1)) == 0
+    code = main(tiny_train_args(tiny_ckpt, tmp_path, 2, "estimator.window=4") + ["--resume"])
+    assert code == 2
+    assert "estimator.window" in capsys.readouterr().err
+
+
+def test_pretrain_sample_eval_smoke(tmp_path, capsys):
+    out = tmp_path / "p.safetensors"
+    assert main(["pretrain", "--out", str(out), "--set", "train.steps=3", "--set", "train.batch_size=4",
+                 "--set", "train.log_every=1", "--set", "train.warmup=1",
+                 "--set", "model={dim: 32, depth: 1, heads: 2, text_dim: 16, text_depth: 1, text_heads: 2}"]) == 0
+    assert out.is_file()
+    logged = [json.loads(l) for l in capsys.readouterr().out.splitlines() if l.startswith("{")]
+    assert len(logged) == 3 and all(math.isfinite(r["loss"]) for r in logged)
+    png = tmp_path / "grid.png"
+    assert main(["sample", "--checkpoint", str(out), "--prompt", "a red circle", "--prompt", "two blue squares",
+                 "--num-per-prompt", "3", "--steps", "2", "--out", str(png)]) == 0
+    img = np.asarray(Image.open(png))
+    assert img.shape[0] > img.shape[1] / 2 and img.shape[2] == 3  # 2 rows x 3 columns
+    js = tmp_path / "eval.json"
+    assert main(["eval", "--checkpoint", str(out), "--num-prompts", "3", "--images-per-prompt", "1",
+                 "--steps", "2", "--json", str(js)]) == 0
+    m = json.loads(js.read_text())
+    assert 0 <= m["reward_mean"] <= 1 and "accuracy" in m
+
+
+def test_sample_rejects_unknown_words(tmp_path, tiny_ckpt, capsys):
+    assert main(["sample", "--checkpoint", tiny_ckpt, "--prompt", "a purple circle", "--out",
+                 str(tmp_path / "x.png")]) == 2
+    assert "purple" in capsys.readouterr().err
+
+
+def test_config_unknown_key_suggests_closest():
+    with pytest.raises(ValueError, match="did you mean 'window'"):
+        configuration.load(TrainConfig, None, ["estimator.windw=4"])
+    with pytest.raises(ValueError, match="estimator.*jagg_frac"):
+        configuration.load(TrainConfig, None, ["estimator.jagg_frac=2"])
+    with pytest.raises(ValueError, match="expected an integer"):
+        configuration.load(TrainConfig, None, ["sample.num_steps=ten"])
+    with pytest.raises(ValueError, match="divisible"):
+        configuration.load(TrainConfig, None, ["sample.prompts_per_iter=3", "sample.group_size=3"])
+
+
+def test_default_config_loads_and_round_trips():
+    cfg = configuration.load(TrainConfig, "configs/default.yaml")
+    again = configuration.from_dict(TrainConfig, configuration.to_dict(cfg))
+    assert again == cfg
+    assert cfg.estimator.mode == "jagg"
+
+
+def test_train_help_lists_every_key(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for key, _, _ in configuration.describe(TrainConfig):
+        assert key in text
