@@ -13,6 +13,32 @@ from .config import EstimatorConfig
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
 
 
+def read_prompts(path: str) -> list[str]:
+    """Prompts of a text file, one per line (blank lines skipped), each checked against the world's grammar."""
+    from pathlib import Path
+
+    from .world import parse_prompt
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"sample.prompts_file {path!r} does not exist or is not a file")
+    try:
+        lines = p.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"sample.prompts_file {path!r} cannot be read: {e}") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                parse_prompt(line.strip())
+            except ValueError as e:
+                raise ValueError(f"sample.prompts_file {path!r} line {n}: {e}") from None
+            prompts.append(line.strip())
+    if not prompts:
+        raise ValueError(f"sample.prompts_file {path!r} holds no prompt; put one prompt per line")
+    return prompts
+
+
 def _help(text: str) -> dict:
     return {"help": text}
 
@@ -41,6 +67,8 @@ class SampleConfig:
     sde_window: list[int] | None = field(default=None, metadata=_help(
         "[start, end): only these steps are SDE steps and trained; the rest are ODE steps (Flow-GRPO-Fast)."))
     micro_batch: int = field(default=32, metadata=_help("Rows per network call while sampling."))
+    prompts_file: str | None = field(default=None, metadata=_help(
+        "Text file of training prompts, one per line (default: the world's train split)."))
 
     def __post_init__(self):
         for name in ("num_steps", "prompts_per_iter", "group_size", "micro_batch"):
@@ -61,6 +89,15 @@ class SampleConfig:
                                  f"{self.num_steps}; got {w}")
             if self.timestep_fraction != 1.0:
                 raise ValueError("set either sample.timestep_fraction or sample.sde_window, not both")
+        if self.prompts_file is not None:
+            self.prompts_file = str(self.prompts_file)
+            read_prompts(self.prompts_file)  # fail at load, not mid-run
+
+    def prompts(self) -> list[str]:
+        """The training prompts: the file's, or the world's train split."""
+        from .world import train_prompts
+
+        return read_prompts(self.prompts_file) if self.prompts_file else train_prompts()
 
     @property
     def batch_size(self) -> int:

@@ -28,7 +28,7 @@ from .rewards.registry import get_reward
 from .schedule import flow_sigmas
 from .train_config import TrainConfig
 from .trajectory import sample_trajectories, select_train_steps
-from .world import from_tensor, tokenizer, train_prompts
+from .world import from_tensor, tokenizer
 
 # config keys that may change between a checkpoint and its resumption
 RESUMABLE_CHANGES = ("grpo.iterations", "log.", "eval.", "threads")
@@ -70,7 +70,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.ema = [p.detach().clone() for p in self.model.parameters()] if o.ema_decay > 0 else None
         self.reward_fn = get_reward(cfg.reward.weights or cfg.reward.name)
-        self.prompts = train_prompts()
+        self.prompts = cfg.sample.prompts()
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.np_rng = np.random.default_rng(cfg.seed)
         self.iteration = 0
@@ -97,8 +97,7 @@ class Trainer:
             "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
             "iteration": self.iteration, "wall": self.wall, "skipped_updates": self.skipped_updates,
             "config": to_dict(self.cfg),
-            "rng": {"gen": self.gen.get_state(), "numpy": self.np_rng.bit_generator.state,
-                    "torch": torch.get_rng_state(), "python": random.getstate()},
+            "rng": self._rng_state(),
         }
 
     def _load_state(self, state: dict) -> None:
@@ -110,10 +109,7 @@ class Trainer:
             self.ema = [state["ema"][k].clone() for k in named]
         self.iteration, self.wall = state["iteration"], state["wall"]
         self.skipped_updates = state["skipped_updates"]
-        self.gen.set_state(state["rng"]["gen"])
-        self.np_rng.bit_generator.state = state["rng"]["numpy"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
+        self._set_rng_state(state["rng"])
 
     def save(self) -> Path:
         return save_checkpoint(self._state(), self.ckpt_dir, self.iteration, self.cfg.log.keep_last)
@@ -121,7 +117,7 @@ class Trainer:
     # ------------------------------------------------------------------ one iteration
     def _sample(self):
         c = self.cfg.sample
-        idx = self.np_rng.choice(len(self.prompts), size=c.prompts_per_iter, replace=False)
+        idx = self.np_rng.choice(len(self.prompts), size=c.prompts_per_iter, replace=len(self.prompts) < c.prompts_per_iter)
         prompts = [self.prompts[i] for i in idx for _ in range(c.group_size)]
         tokens = tokenizer.encode(prompts, max_len=self.model.config.max_text_len)
         shape = (self.model.config.channels, self.model.config.image_size, self.model.config.image_size)
@@ -159,9 +155,20 @@ class Trainer:
                 torch._foreach_lerp_(self.ema, [p.detach() for p in self.model.parameters()], 1 - c.optim.ema_decay)
         return stats
 
+    def _rng_state(self) -> dict:
+        return {"gen": self.gen.get_state(), "numpy": self.np_rng.bit_generator.state,
+                "torch": torch.get_rng_state(), "python": random.getstate()}
+
+    def _set_rng_state(self, rng: dict) -> None:
+        self.gen.set_state(rng["gen"])
+        self.np_rng.bit_generator.state = rng["numpy"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+
     def step(self) -> dict:
         """One GRPO iteration: sample, reward, advantages, updates. Returns the metrics record."""
         c = self.cfg
+        self._rng_at_start, self._updating = self._rng_state(), False
         t0 = time.perf_counter()
         prompts, tokens, traj = self._sample()
         t1 = time.perf_counter()
@@ -173,6 +180,7 @@ class Trainer:
         t2 = time.perf_counter()
         keep_idx = torch.nonzero(keep).flatten()
         per_update = []
+        self._updating = True
         if keep_idx.numel():
             traj, tokens, adv = traj.select(keep_idx), tokens[keep_idx], adv[keep_idx]
             ref_v = None
@@ -225,6 +233,15 @@ class Trainer:
                           f"GRPO ({self.cfg.estimator.mode}) on the shapes world")
         return rec
 
+    def _save_on_failure(self) -> None:
+        """A failure before this iteration's first update (sampling, reward) left the weights untouched:
+        rewind the RNGs to the iteration's start and save, so ``--resume`` retries exactly this iteration."""
+        if self._updating:
+            return
+        self._set_rng_state(self._rng_at_start)
+        path = self.save()
+        print(f"\nthe run failed in iteration {self.iteration + 1}; saved {path}: fix the cause and use --resume")
+
     def _handle_signal(self, signum, frame):
         self._stop = True
         print(f"\nreceived signal {signum}: finishing this iteration, saving a checkpoint, exiting")
@@ -241,7 +258,11 @@ class Trainer:
                        dynamic_ncols=True, desc="GRPO")
             last_eval = None
             while self.iteration < c.grpo.iterations and not self._stop:
-                rec = self.step()
+                try:
+                    rec = self.step()
+                except Exception:
+                    self._save_on_failure()
+                    raise
                 self.logger.log(rec)
                 done = self.iteration == c.grpo.iterations
                 if c.eval.every and (self.iteration % c.eval.every == 0 or done):

@@ -67,6 +67,10 @@ def register_reward(name: str, factory: Callable[[], RewardFn]) -> None:
     REWARDS[name] = factory
 
 
+class RewardError(ValueError):
+    """A reward function failed on a batch; the message names the reward and the batch."""
+
+
 class CheckedReward:
     """Wraps a reward: normalises its output to (float32 [N], dict) and raises ValueError naming the reward
     and the batch index on a wrong length, NaN or inf."""
@@ -83,7 +87,11 @@ class CheckedReward:
             raise ValueError(f"reward {self.name!r}: got {n} images but {len(prompts)} prompts")
         if metadata is not None and len(metadata) != n:
             raise ValueError(f"reward {self.name!r}: got {n} images but {len(metadata)} metadata entries")
-        out = self.fn(images, prompts, metadata)
+        try:
+            out = self.fn(images, prompts, metadata)
+        except Exception as e:
+            raise RewardError(f"reward {self.name!r} raised {type(e).__name__}: {e} (batch of {n}, first prompt "
+                              f"{prompts[0] if prompts else None!r})") from e
         scores, info = out if isinstance(out, tuple) else (out, {})
         if isinstance(scores, torch.Tensor):
             scores = scores.detach().float().cpu().numpy()
