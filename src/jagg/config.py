@@ -21,7 +21,8 @@ class EstimatorConfig:
                               f"{INTERMEDIATES}: 'fresh' = a no-grad forward each (the paper); 'interp' = no "
                               "forward, first-order reuse of the rollout velocities (exact on-policy)."})
     jagg_frac: float = field(default=1.0, metadata={"help": "Fraction in [0, 1] of (sample, group) pairs sent "
-                             "through JAGG, the most linear first by `score`; the rest run exact. 0 = exact."})
+                             "through JAGG, the most linear first by `score`; the rest run exact. 0 = exact. Only "
+                             "groups of >= 3 steps count (JAGG is exact and no cheaper on 1- or 2-step groups)."})
     score: str = field(default="chord", metadata={"help": f"Linearity score used by routing, one of {SCORES}."})
     exact_first_groups: int = field(default=0, metadata={"help": "Always run the first N groups of the "
                                     "trajectory (highest noise) exact."})

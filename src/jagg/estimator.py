@@ -49,9 +49,9 @@ class GradientStats:
     backward_items: int
     forward_calls: int          # network calls (with and without grad)
     backward_calls: int
-    groups: int                 # (sample, group) pairs
-    groups_jagg: int
-    jagg_frac_routed: float
+    groups: int                 # (sample, group) pairs JAGG could take (groups of >= 3 steps)
+    groups_jagg: int            # of those, routed to JAGG
+    jagg_frac_routed: float     # groups_jagg / groups (0 when no group is eligible)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,12 +65,14 @@ class _Unit:
 
 
 def _plan(traj: Trajectory, config: EstimatorConfig) -> tuple[list[_Unit], int, int]:
-    """Route (sample, group) pairs and return the units in execution order, #pairs and #JAGG pairs."""
+    """Route (sample, group) pairs and return the units in execution order, #eligible pairs and #JAGG pairs."""
     steps = traj.train_steps.tolist()
     window = config.window if config.mode == "jagg" else 1
     groups = make_groups(steps, window)
     B, G = traj.batch_size, len(groups)
-    eligible = torch.tensor([len(g) >= 2 for g in groups], dtype=torch.bool)
+    # groups of 1 or 2 steps cost 1 or 2 rows either way and JAGG is exact on them: they run exact and
+    # jagg_frac counts only groups where JAGG saves work
+    eligible = torch.tensor([len(g) >= 3 for g in groups], dtype=torch.bool)
     if config.mode != "jagg":
         eligible[:] = False
     eligible[: config.exact_first_groups] = False
@@ -85,7 +87,7 @@ def _plan(traj: Trajectory, config: EstimatorConfig) -> tuple[list[_Unit], int, 
     for gi, group in enumerate(groups):                    # group-major, like Flow-GRPO's step loop
         units += [_Unit(i, group, True) for i in range(B) if routed[i, gi]]
         units += [_Unit(i, [k], False) for k in group for i in range(B) if not routed[i, gi]]
-    return units, B * G, int(routed.sum())
+    return units, B * int(eligible.sum()), int(routed.sum())
 
 
 def _pack(units: list[_Unit], micro_batch: int) -> list[list[_Unit]]:
@@ -184,6 +186,16 @@ def policy_gradient(
         ek_t = torch.tensor(ev_k, device=dev)
         R, E = len(row_b), len(ev_b)
 
+        src = torch.tensor(ev_src, dtype=torch.float64, device=dev)      # [E, 3]: row_a, row_b or -1, alpha
+        inn = torch.tensor(inner, dtype=torch.long, device=dev)
+        fresh = []
+        if inner and config.intermediate == "fresh":                      # before the grad graph exists
+            with torch.no_grad():                                        # micro_batch rows per call
+                for part in inn.split(config.micro_batch):
+                    fresh.append((part, velocity_fn(lat[eb_t[part], ek_t[part]], sig[ek_t[part]], eb_t[part])))
+                    n_calls += 1
+            fwd_nograd += len(inner)
+
         v = velocity_fn(lat[rb_t, rk_t], sig[rk_t], rb_t)                # [R, *S], with grad
         fwd_grad += R
         n_calls += 1
@@ -191,18 +203,13 @@ def policy_gradient(
         vd = v.detach().to(dtype)
 
         # velocities of every evaluation at the current parameters
-        src = torch.tensor(ev_src, dtype=torch.float64, device=dev)      # [E, 3]: row_a, row_b or -1, alpha
         direct = src[:, 1] < 0
         v_eval = torch.empty((E, *S), dtype=dtype, device=dev)
         v_eval[direct] = vd[src[direct, 0].long()]
         if inner:
-            inn = torch.tensor(inner, device=dev)
             if config.intermediate == "fresh":
-                with torch.no_grad():                                    # micro_batch rows per call
-                    for part in inn.split(config.micro_batch):
-                        v_eval[part] = velocity_fn(lat[eb_t[part], ek_t[part]], sig[ek_t[part]], eb_t[part]).to(dtype)
-                        n_calls += 1
-                fwd_nograd += len(inner)
+                for part, vp in fresh:
+                    v_eval[part] = vp.to(dtype)
             else:
                 ra, rbb = src[inn, 0].long(), src[inn, 1].long()
                 al = src[inn, 2].to(dtype).view(-1, *([1] * len(S)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,21 +26,21 @@ SampleBatch = Callable[[torch.Generator, int], "tuple[Tensor, Tensor]"]  # (gen,
 
 @dataclass
 class PretrainConfig:
-    steps: int = 2000
-    batch_size: int = 64
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1  # cosine decays lr to lr * min_lr_ratio
-    weight_decay: float = 0.01  # applied to matrices / embeddings only
-    betas: tuple[float, float] = (0.9, 0.99)
-    warmup: int = 100
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    seed: int = 0
-    log_every: int = 50
-    sigma_sampling: str = "logit_normal"  # "logit_normal" (SD3) or "uniform"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    ema_decay: float | None = None  # e.g. 0.999; when set, the returned model holds the EMA weights
-    cfg_dropout: float | None = None  # None: use model.config.cfg_dropout (0 if the model has no config)
+    steps: int = field(default=2000, metadata={"help": 'Optimizer steps.'})
+    batch_size: int = field(default=64, metadata={"help": 'Rendered images per step.'})
+    lr: float = field(default=3e-4, metadata={"help": 'Peak AdamW learning rate.'})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": 'Cosine decay ends at lr * min_lr_ratio.'})
+    weight_decay: float = field(default=0.01, metadata={"help": 'AdamW weight decay (matrices and embeddings only).'})
+    betas: tuple[float, float] = field(default=(0.9, 0.99), metadata={"help": 'AdamW betas.'})
+    warmup: int = field(default=100, metadata={"help": 'Linear warm-up steps.'})
+    grad_clip: float = field(default=1.0, metadata={"help": 'Max global gradient norm (0 = off).'})
+    seed: int = field(default=0, metadata={"help": 'Seed of data, noise, sigmas and initialisation.'})
+    log_every: int = field(default=50, metadata={"help": 'Print the mean loss every N steps.'})
+    sigma_sampling: str = field(default="logit_normal", metadata={"help": "'logit_normal' (SD3) or 'uniform' sigma sampling."})
+    logit_mean: float = field(default=0.0, metadata={"help": 'Mean of the logit-normal sigma distribution.'})
+    logit_std: float = field(default=1.0, metadata={"help": 'Std of the logit-normal sigma distribution.'})
+    ema_decay: float | None = field(default=None, metadata={"help": 'EMA decay of the returned weights (None = off).'})
+    cfg_dropout: float | None = field(default=None, metadata={"help": "Probability of the empty prompt (None = the model's cfg_dropout)."})
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "log_every"):
