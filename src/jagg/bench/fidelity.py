@@ -1,0 +1,371 @@
+"""``jagg bench fidelity``: how close the JAGG gradient is to the exact one, and which routing score knows.
+
+For each checkpoint, one fresh rollout batch is drawn the way the trainer draws it (its prompts, noise,
+SDE sampler with guidance, the configured reward, group-relative advantages, zero-spread groups dropped),
+then every gradient below comes from :func:`jagg.policy_gradient`:
+
+1. Fidelity, on-policy (right after sampling) and off-policy (the trainer's second minibatch: after one
+   AdamW update on the first half of the batch with the configured estimator): for each window and
+   intermediate mode, the cosine similarity and relative error ``||g_jagg - g_exact|| / ||g_exact||`` of
+   the total gradient, and per group (the trajectory's ``train_steps`` restricted to one group, so the
+   exact and JAGG gradients of that group alone are compared; group 0 is the noisiest, the last the
+   cleanest).
+2. Routing study (on-policy, windows > 2): per (sample, group) the true gradient cosine of JAGG vs exact;
+   for each score of ``jagg.config.SCORES`` its Spearman rank correlation with that cosine, and the
+   total-gradient cosine reached when only the top ``jagg_frac`` of pairs by that score go through JAGG
+   (also with the first and last groups kept exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .. import configuration
+from ..advantages import group_advantages, nonzero_spread_mask
+from ..checkpoint import load_model
+from ..config import INTERMEDIATES, SCORES, EstimatorConfig
+from ..estimator import GradientStats, policy_gradient, reference_velocities
+from ..models import GuidedVelocity
+from ..rewards.registry import get_reward
+from ..routing import group_scores, make_groups
+from ..schedule import flow_sigmas
+from ..train_config import TrainConfig
+from ..trajectory import Trajectory, sample_trajectories, select_train_steps
+from ..world import from_tensor, tokenizer, train_prompts
+from .common import (cosine, default_config_path, flat_grad, fmt, rel_err, resolve_device, set_threads,
+                     spearman, table, write_json)
+
+ADVANTAGES = ("reward", "random")
+
+
+@dataclass
+class FidelityConfig:
+    checkpoints: list[str] = field(default_factory=lambda: ["builtin:tiny_dit"])
+    windows: list[int] = field(default_factory=lambda: [2, 4, 8])
+    intermediates: list[str] = field(default_factory=lambda: list(INTERMEDIATES))
+    fracs: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])
+    advantages: str = "reward"     # "reward": the trainer's advantages; "random": N(0, 1) per sample, all kept
+    routing: bool = True
+    off_policy: bool = True
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 0
+    train: TrainConfig = field(default_factory=TrainConfig)   # sampling, reward, estimator and optimizer settings
+
+    def __post_init__(self):
+        if not self.checkpoints:
+            raise ValueError("give at least one --checkpoint")
+        if not self.windows or any(w < 2 for w in self.windows):
+            raise ValueError(f"--windows must be integers >= 2; got {self.windows}")
+        bad = [i for i in self.intermediates if i not in INTERMEDIATES]
+        if bad or not self.intermediates:
+            raise ValueError(f"--intermediates must be some of {INTERMEDIATES}; got {self.intermediates}")
+        if any(not 0 < f <= 1 for f in self.fracs):
+            raise ValueError(f"--fracs must lie in (0, 1]; got {self.fracs}")
+        if self.advantages not in ADVANTAGES:
+            raise ValueError(f"--advantages must be one of {ADVANTAGES}; got {self.advantages!r}")
+        if self.train.estimator.micro_batch < 2:
+            raise ValueError("estimator.micro_batch must be >= 2 (JAGG endpoints go through together)")
+
+
+QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
+QUICK_FRACS = [0.5, 1.0]
+
+
+# ----------------------------------------------------------------------------- rollout
+
+
+@dataclass
+class Rollout:
+    """A batch as the trainer trains it: trajectories, prompt tokens, advantages, reference velocities."""
+
+    traj: Trajectory
+    tokens: Tensor          # [B, L]
+    adv: Tensor             # [B]
+    ref_v: Tensor | None    # [B, T, *S] when estimator.kl_beta > 0
+    reward_mean: float
+    sampled: int            # samples drawn before dropping zero-spread groups
+
+    def select(self, idx: Tensor) -> "Rollout":
+        return Rollout(self.traj.select(idx), self.tokens[idx], self.adv[idx],
+                       None if self.ref_v is None else self.ref_v[idx], self.reward_mean, self.sampled)
+
+
+def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) -> Rollout:
+    """Sample, reward and compute advantages exactly as ``jagg.trainer.Trainer.step`` does."""
+    c, t = cfg.train.sample, cfg.train
+    rng = np.random.default_rng(cfg.seed)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    pool = train_prompts()
+    if c.prompts_per_iter > len(pool):
+        raise ValueError(f"sample.prompts_per_iter={c.prompts_per_iter} exceeds the {len(pool)} training prompts")
+    idx = rng.choice(len(pool), size=c.prompts_per_iter, replace=False)
+    prompts = [pool[i] for i in idx for _ in range(c.group_size)]
+    tokens = tokenizer.encode(prompts, max_len=model.config.max_text_len).to(device)
+    shape = (model.config.channels, model.config.image_size, model.config.image_size)
+    if c.shared_noise:
+        noise = torch.randn(c.prompts_per_iter, *shape, generator=gen, device=device)
+        noise = noise.repeat_interleave(c.group_size, 0)
+    else:
+        noise = torch.randn(c.batch_size, *shape, generator=gen, device=device)
+    train_steps, sde_mask = select_train_steps(c.num_steps, c.timestep_fraction,
+                                               tuple(c.sde_window) if c.sde_window else None)
+    traj = sample_trajectories(GuidedVelocity(model, tokens, c.guidance_scale), noise,
+                               flow_sigmas(c.num_steps, c.shift), c.eta, train_steps, sde_mask,
+                               generator=gen, micro_batch=c.micro_batch)
+    scores, _ = get_reward(t.reward.weights or t.reward.name)(from_tensor(traj.latents[:, -1].cpu()), prompts, None)
+    rewards = torch.as_tensor(scores, dtype=torch.float32)
+    if cfg.advantages == "random":
+        adv = torch.randn(len(prompts), generator=torch.Generator().manual_seed(cfg.seed))
+        keep = torch.ones(len(prompts), dtype=torch.bool)
+    else:
+        adv = group_advantages(rewards, prompts, t.grpo.global_std, t.grpo.adv_clip_max)
+        keep = (nonzero_spread_mask(rewards, prompts) if t.grpo.drop_zero_spread
+                else torch.ones(len(prompts), dtype=torch.bool))
+    if not bool(keep.any()):
+        raise ValueError("no prompt group of the rollout has a reward spread, so every advantage is 0 and there is "
+                         "no gradient to compare; use a trained checkpoint, more prompts "
+                         "(--set sample.prompts_per_iter=...), or --advantages random")
+    ref_v = None
+    if t.estimator.kl_beta > 0:
+        ref = copy.deepcopy(model).requires_grad_(False)
+        ref_v = reference_velocities(GuidedVelocity(ref, tokens, c.guidance_scale), traj, t.estimator.micro_batch)
+    ro = Rollout(traj, tokens, adv.to(device), ref_v, float(rewards.mean()), len(prompts))
+    return ro.select(torch.nonzero(keep).flatten().to(device))
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def gradient(model: nn.Module, ro: Rollout, est: EstimatorConfig, guidance: float,
+             steps: list[int] | None = None) -> tuple[Tensor, GradientStats]:
+    """The flattened gradient ``policy_gradient`` accumulates (``.grad`` zeroed first), optionally with the
+    trajectory's trained steps restricted to ``steps``."""
+    traj = ro.traj
+    if steps is not None:
+        ts = torch.tensor(steps, dtype=torch.long, device=traj.latents.device)
+        traj = dataclasses.replace(traj, train_steps=ts)
+    model.zero_grad(set_to_none=True)
+    stats = policy_gradient(GuidedVelocity(model, ro.tokens, guidance), traj, ro.adv, est, ref_velocities=ro.ref_v)
+    g = flat_grad(list(model.parameters()))
+    model.zero_grad(set_to_none=True)
+    return g, stats
+
+
+def _est(base: EstimatorConfig, **kw) -> EstimatorConfig:
+    """The configured estimator (micro-batch, clip range, KL) with JAGG everywhere unless ``kw`` says otherwise."""
+    d = dict(base.to_dict(), jagg_frac=1.0, exact_first_groups=0, exact_last_groups=0)
+    return EstimatorConfig.from_dict({**d, **kw})
+
+
+def fidelity(model: nn.Module, ro: Rollout, cfg: FidelityConfig, policy: str, ckpt: str) -> list[dict]:
+    """Total and per-group cosine / relative error of JAGG against exact, for every window and mode."""
+    base, w = cfg.train.estimator, cfg.train.sample.guidance_scale
+    steps = ro.traj.train_steps.tolist()
+    sig = ro.traj.sigmas
+    g_ex, st_ex = gradient(model, ro, _est(base, mode="exact"), w)
+    head = {"kind": "fidelity", "checkpoint": ckpt, "policy": policy, "samples": ro.traj.batch_size}
+    out = []
+    for W in cfg.windows:
+        groups = make_groups(steps, W)
+        g_ex_group = [gradient(model, ro, _est(base, mode="exact"), w, g)[0] for g in groups]
+        for inter in cfg.intermediates:
+            est = _est(base, mode="jagg", window=W, intermediate=inter)
+            g_j, st_j = gradient(model, ro, est, w)
+            out.append({**head, "scope": "total", "window": W, "intermediate": inter, "group": None,
+                        "steps": steps, "cosine": cosine(g_j, g_ex), "rel_err": rel_err(g_j, g_ex),
+                        "backward_items_exact": st_ex.backward_items, "backward_items_jagg": st_j.backward_items,
+                        "clip_frac_exact": st_ex.clip_frac, "clip_frac_jagg": st_j.clip_frac,
+                        "ratio_mean": st_ex.ratio_mean})
+            for gi, (group, ge) in enumerate(zip(groups, g_ex_group)):
+                gj, _ = gradient(model, ro, est, w, group)
+                out.append({**head, "scope": "group", "window": W, "intermediate": inter, "group": gi,
+                            "steps": group, "sigma_a": float(sig[group[0]]), "sigma_b": float(sig[group[-1]]),
+                            "cosine": cosine(gj, ge), "rel_err": rel_err(gj, ge)})
+    return out
+
+
+def off_policy_rollout(model: nn.Module, ro: Rollout, cfg: FidelityConfig) -> tuple[nn.Module, Rollout] | None:
+    """The trainer's second minibatch: a copy of the model after one AdamW update on the first minibatch."""
+    B = ro.traj.batch_size
+    if B < 2:
+        print("fidelity: skipping off-policy: fewer than 2 samples kept")
+        return None
+    t = cfg.train
+    perm = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.seed + 1)).to(ro.traj.latents.device)
+    first, second = perm.tensor_split(2)
+    m = copy.deepcopy(model)
+    o = t.optim
+    opt = torch.optim.AdamW(m.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    opt.zero_grad(set_to_none=True)
+    mb = ro.select(first)
+    policy_gradient(GuidedVelocity(m, mb.tokens, t.sample.guidance_scale), mb.traj, mb.adv, t.estimator,
+                    ref_velocities=mb.ref_v)
+    if o.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_([p for p in m.parameters() if p.grad is not None], o.max_grad_norm)
+    opt.step()
+    return m, ro.select(second)
+
+
+def routing(model: nn.Module, ro: Rollout, cfg: FidelityConfig, ckpt: str) -> list[dict]:
+    """Spearman of each score with the true per-(sample, group) cosine; total cosine per ``jagg_frac``."""
+    base, w = cfg.train.estimator, cfg.train.sample.guidance_scale
+    traj, B = ro.traj, ro.traj.batch_size
+    steps = traj.train_steps.tolist()
+    g_ex, _ = gradient(model, ro, _est(base, mode="exact"), w)
+    head = {"checkpoint": ckpt, "intermediate": base.intermediate, "samples": B}
+    out = []
+    for W in [w_ for w_ in cfg.windows if w_ > 2]:
+        groups = make_groups(steps, W)
+        eligible = [gi for gi, g in enumerate(groups) if len(g) > 2]
+        if not eligible:
+            continue
+        est = _est(base, mode="jagg", window=W)
+        cos = torch.full((B, len(groups)), math.nan, dtype=torch.float64)
+        for i in range(B):                                  # the true per-(sample, group) cosine
+            one = ro.select(torch.tensor([i], device=traj.latents.device))
+            for gi in eligible:
+                ge, _ = gradient(model, one, _est(base, mode="exact"), w, groups[gi])
+                gj, _ = gradient(model, one, est, w, groups[gi])
+                cos[i, gi] = cosine(gj, ge)
+        valid = torch.isfinite(cos)                         # NaN: a zero gradient (zero advantage)
+        for score in (SCORES if bool(valid.any()) else ()):
+            sc = group_scores(traj.velocities, traj.sigmas, groups, score).cpu().double()
+            out.append({**head, "kind": "spearman", "window": W, "score": score,
+                        "spearman": spearman(sc[valid].tolist(), cos[valid].tolist()),
+                        "pairs": int(valid.sum()), "mean_pair_cosine": float(cos[valid].mean()),
+                        "min_pair_cosine": float(cos[valid].min())})
+        for edge in (0, 1):
+            for frac in cfg.fracs:
+                for score in (SCORES if frac < 1 else SCORES[:1]):   # frac 1 routes everything: score-free
+                    e = _est(base, mode="jagg", window=W, jagg_frac=frac, score=score,
+                             exact_first_groups=edge, exact_last_groups=edge)
+                    g, st = gradient(model, ro, e, w)
+                    out.append({**head, "kind": "routing", "window": W, "score": score if frac < 1 else "any",
+                                "jagg_frac": frac, "exact_first_groups": edge, "exact_last_groups": edge,
+                                "cosine": cosine(g, g_ex), "rel_err": rel_err(g, g_ex),
+                                "jagg_frac_routed": st.jagg_frac_routed, "backward_items": st.backward_items})
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _print_report(records: list[dict]) -> None:
+    totals = [r for r in records if r["kind"] == "fidelity" and r["scope"] == "total"]
+    for r in totals:
+        same = ("checkpoint", "policy", "window", "intermediate")
+        gs = [x for x in records if x["kind"] == "fidelity" and x["scope"] == "group"
+              and all(x[k] == r[k] for k in same)]
+        r["_groups"] = " ".join(fmt(x["cosine"], ".4f") for x in gs)
+        r["_groups_err"] = " ".join(fmt(x["rel_err"], ".3f") for x in gs)
+    print("\nfidelity of the JAGG gradient (cosine / relative error vs exact); per group: early (noisy) -> late")
+    print(table(totals, [("checkpoint", "checkpoint", ""), ("policy", "policy", ""), ("window", "W", ""),
+                         ("intermediate", "interm.", ""), ("cosine", "cos total", ".4f"),
+                         ("rel_err", "rel.err total", ".3f"), ("backward_items_exact", "bwd ex", ""),
+                         ("backward_items_jagg", "bwd jg", ""), ("clip_frac_jagg", "clip jg", ".2f"),
+                         ("_groups", "cos per group", ""), ("_groups_err", "rel.err per group", "")]))
+    for r in totals:
+        r.pop("_groups"), r.pop("_groups_err")
+    sp = [r for r in records if r["kind"] == "spearman"]
+    if sp:
+        print("\nrouting scores: Spearman rank correlation with the true per-(sample, group) gradient cosine")
+        print(table(sp, [("checkpoint", "checkpoint", ""), ("window", "W", ""), ("score", "score", ""),
+                         ("spearman", "spearman", ".3f"), ("pairs", "pairs", ""),
+                         ("mean_pair_cosine", "mean pair cos", ".4f"), ("min_pair_cosine", "min pair cos", ".4f")]))
+    rt = [r for r in records if r["kind"] == "routing"]
+    if rt:
+        rows = {}
+        for r in rt:
+            key = (r["checkpoint"], r["window"], r["exact_first_groups"], r["jagg_frac"])
+            row = rows.setdefault(key, {"checkpoint": key[0], "window": key[1], "edges": key[2], "jagg_frac": key[3],
+                                        "backward_items": r["backward_items"]})
+            for s in SCORES:
+                if r["score"] in (s, "any"):
+                    row[s] = r["cosine"]
+        print("\nrouting: total-gradient cosine vs exact when the top jagg_frac (sample, group) pairs by each score "
+              "go through JAGG (edges=1: first and last groups always exact)")
+        cols = [("checkpoint", "checkpoint", ""), ("window", "W", ""), ("edges", "edges", ""),
+                ("jagg_frac", "frac", ".2f"), ("backward_items", "bwd", "")]
+        print(table(list(rows.values()), cols + [(s, s, ".4f") for s in SCORES]))
+
+
+def run_fidelity(cfg: FidelityConfig) -> list[dict]:
+    set_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    records = []
+    for ckpt in cfg.checkpoints:
+        model = load_model(ckpt).to(device).train()
+        ro = draw_rollout(model, cfg, device)
+        print(f"{ckpt}: rollout of {ro.sampled} samples, reward {ro.reward_mean:.3f}, {ro.traj.batch_size} kept "
+              f"(advantages: {cfg.advantages}); trained steps {ro.traj.train_steps.tolist()}", flush=True)
+        records += fidelity(model, ro, cfg, "on", ckpt)
+        if cfg.off_policy:
+            off = off_policy_rollout(model, ro, cfg)
+            if off is not None:
+                records += fidelity(off[0], off[1], cfg, "off", ckpt)
+        if cfg.routing:
+            records += routing(model, ro, cfg, ckpt)
+    return records
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _run(args: argparse.Namespace) -> int:
+    sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
+    train = configuration.load(TrainConfig, args.config, sets)
+    d = FidelityConfig()
+    cfg = FidelityConfig(
+        checkpoints=args.checkpoint or d.checkpoints, windows=args.windows or d.windows,
+        intermediates=args.intermediates or d.intermediates,
+        fracs=args.fracs or (QUICK_FRACS if args.quick else d.fracs),
+        advantages=args.advantages, routing=not args.no_routing, off_policy=not args.no_off_policy,
+        seed=args.seed, device=args.device, threads=args.threads if args.threads is not None else train.threads,
+        train=train)
+    records = run_fidelity(cfg)
+    _print_report(records)
+    if args.json:
+        write_json(args.json, records)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("fidelity", help="JAGG vs exact gradient cosine per window/mode/group; routing-score study",
+                       description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = FidelityConfig()
+    p.add_argument("--checkpoint", action="append",
+                   help="a trained checkpoint (builtin:tiny_dit, .safetensors, training .pt or run dir); "
+                        "repeatable [default: builtin:tiny_dit]")
+    p.add_argument("--config", default=default_config_path(),
+                   help="trainer YAML whose sample/reward/grpo/estimator/optim settings define the rollout and "
+                        "the loss [default: configs/default.yaml when present]")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a trainer config key (repeatable), e.g. sample.prompts_per_iter=16")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smaller study: {' '.join(QUICK_SETS)}, --fracs {' '.join(map(str, QUICK_FRACS))}")
+    p.add_argument("--windows", nargs="+", type=int, help=f"[default: {' '.join(map(str, d.windows))}]")
+    p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES,
+                   help=f"[default: {' '.join(d.intermediates)}]")
+    p.add_argument("--fracs", nargs="+", type=float,
+                   help=f"routing jagg_frac values [default: {' '.join(map(str, d.fracs))}]")
+    p.add_argument("--advantages", choices=ADVANTAGES, default="reward",
+                   help="reward: the trainer's group-relative advantages (zero-spread groups dropped); random: "
+                        "N(0,1) per sample, for untrained checkpoints [default: reward]")
+    p.add_argument("--no-routing", action="store_true", help="skip the routing study")
+    p.add_argument("--no-off-policy", action="store_true", help="skip the off-policy (after one update) comparison")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts, noise and the minibatch split [default: 0]")
+    p.add_argument("--device", default="cpu", help="cpu or cuda [default: cpu]")
+    p.add_argument("--threads", type=int, help="torch CPU threads [default: the config's threads]")
+    p.add_argument("--json", help="write the records to this JSON file")
+    p.set_defaults(func=_run)

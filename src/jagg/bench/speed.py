@@ -1,0 +1,366 @@
+"""``jagg bench speed``: exact vs JAGG on the same model, batch, trajectory and micro-batch size.
+
+For each model and each (window, intermediate) pair, :func:`jagg.policy_gradient` runs alternately in
+``exact`` and ``jagg`` mode (exact, jagg, exact, jagg, ... after a warm-up of every mode), ``repeats`` times
+each, on one stored trajectory. Reported per pair: the median seconds of each call (the training phase:
+forward passes, loss head and backward), their ratio (the speed-up), the cost-model limit of DESIGN §3 with
+``B = 2F`` and the limit computed from this model's measured forward/backward times of one micro-batch,
+forward/backward row counts, and peak memory.
+
+Models:
+- ``tiny_dit``: the embedded TinyDiT (``builtin:tiny_dit``, or a random one if the asset is missing) through
+  :class:`jagg.models.GuidedVelocity` with classifier-free guidance;
+- ``sd3``: a diffusers ``SD3Transformer2DModel`` from a small config with random weights, through the
+  project's adapter ``jagg.integrations.velocity_adapter`` with the same guidance scheme (skipped with a
+  message when diffusers is not installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ..config import INTERMEDIATES, EstimatorConfig
+from ..estimator import GradientStats, policy_gradient
+from ..schedule import flow_sigmas
+from ..trajectory import Trajectory, VelocityFn, sample_trajectories
+from .common import (PeakMemory, cost_limit, median, resolve_device, set_threads, table, timed, write_json)
+
+MODELS = ("tiny_dit", "sd3")
+
+
+@dataclass
+class SD3Spec:
+    """A small ``SD3Transformer2DModel`` (random weights) whose network dominates the step time."""
+
+    layers: int = 4
+    heads: int = 4                 # hidden size = heads * head_dim
+    head_dim: int = 64
+    latent_size: int = 32          # latents [C, latent_size, latent_size], patch 2 -> (latent_size / 2)^2 tokens
+    channels: int = 16
+    text_len: int = 32             # prompt-embedding tokens
+    joint_dim: int = 256           # prompt-embedding width
+    pooled_dim: int = 128
+
+    def __post_init__(self):
+        for k, v in asdict(self).items():
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"sd3 {k} must be a positive integer; got {v!r}")
+        if self.latent_size % 2:
+            raise ValueError(f"sd3 latent_size must be even (patch size 2); got {self.latent_size}")
+
+
+@dataclass
+class SpeedConfig:
+    models: list[str] = field(default_factory=lambda: list(MODELS))
+    windows: list[int] = field(default_factory=lambda: [2, 4, 8])
+    intermediates: list[str] = field(default_factory=lambda: list(INTERMEDIATES))
+    batch: int = 4                 # trajectories B
+    steps: int = 16                # sampling steps T, all trained
+    micro_batch: int = 8           # rows per network call, the same in every mode
+    repeats: int = 3               # timed calls of each mode per pair (medians)
+    guidance_scale: float = 3.0
+    shift: float = 3.0             # SD3's schedule shift
+    eta: float = 0.7
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 0
+    tiny_checkpoint: str = "builtin:tiny_dit"
+    sd3: SD3Spec = field(default_factory=SD3Spec)
+
+    def __post_init__(self):
+        bad = [m for m in self.models if m not in MODELS]
+        if bad or not self.models:
+            raise ValueError(f"--models must be some of {MODELS}; got {self.models}")
+        bad = [i for i in self.intermediates if i not in INTERMEDIATES]
+        if bad or not self.intermediates:
+            raise ValueError(f"--intermediates must be some of {INTERMEDIATES}; got {self.intermediates}")
+        if not self.windows or any(w < 2 for w in self.windows):
+            raise ValueError(f"--windows must be integers >= 2; got {self.windows}")
+        for name in ("batch", "steps", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1; got {getattr(self, name)}")
+        if self.micro_batch < 2:
+            raise ValueError(f"--micro-batch must be >= 2 (a JAGG group's two endpoints go together); "
+                             f"got {self.micro_batch}")
+        if max(self.windows) > self.steps:
+            raise ValueError(f"--steps ({self.steps}) must be >= the largest window ({max(self.windows)})")
+
+
+QUICK = dict(batch=2, steps=8, micro_batch=4, repeats=2,
+             sd3=SD3Spec(layers=2, heads=4, latent_size=16, text_len=16))
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@dataclass
+class Subject:
+    """One model set up for timing: its velocity callable, a sampled trajectory and advantages."""
+
+    name: str
+    model: nn.Module
+    velocity: VelocityFn
+    traj: Trajectory
+    adv: Tensor
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def _tiny_dit(cfg: SpeedConfig, device: torch.device, gen: torch.Generator):
+    from ..checkpoint import load_model
+    from ..models import DiTConfig, GuidedVelocity, TinyDiT
+    from ..world import tokenizer, train_prompts
+
+    name = "tiny_dit"
+    try:
+        model = load_model(cfg.tiny_checkpoint)
+    except FileNotFoundError:
+        if cfg.tiny_checkpoint != "builtin:tiny_dit":
+            raise
+        print("speed: the shipped builtin:tiny_dit asset is missing; timing a randomly initialised TinyDiT "
+              "(same architecture, same cost)")
+        model, name = TinyDiT(DiTConfig(vocab_size=tokenizer.vocab_size)), "tiny_dit(random)"
+    model = model.to(device).train()
+    prompts = train_prompts()
+    tokens = tokenizer.encode([prompts[i % len(prompts)] for i in range(cfg.batch)],
+                              max_len=model.config.max_text_len).to(device)
+    shape = (model.config.channels, model.config.image_size, model.config.image_size)
+    return name, model, GuidedVelocity(model, tokens, cfg.guidance_scale), shape
+
+
+def _sd3(cfg: SpeedConfig, device: torch.device, gen: torch.Generator):
+    try:
+        from diffusers import SD3Transformer2DModel
+
+        from ..integrations import PromptEmbeddings, VelocityConfig, velocity_adapter
+    except ImportError as e:
+        print(f"speed: skipping model 'sd3': {e} (pip install 'jagg[diffusers]')")
+        return None
+    s = cfg.sd3
+    model = SD3Transformer2DModel(
+        sample_size=s.latent_size, patch_size=2, in_channels=s.channels, out_channels=s.channels,
+        num_layers=s.layers, attention_head_dim=s.head_dim, num_attention_heads=s.heads,
+        joint_attention_dim=s.joint_dim, caption_projection_dim=s.heads * s.head_dim,
+        pooled_projection_dim=s.pooled_dim, pos_embed_max_size=max(s.latent_size // 2, 16),
+    ).to(device).train()
+    cond = PromptEmbeddings(torch.randn(cfg.batch, s.text_len, s.joint_dim, generator=gen, device=device),
+                            torch.randn(cfg.batch, s.pooled_dim, generator=gen, device=device))
+    uncond = PromptEmbeddings(torch.zeros(1, s.text_len, s.joint_dim, device=device),
+                              torch.zeros(1, s.pooled_dim, device=device))
+    # Flow-GRPO's guidance: the unconditional branch is a separate no-grad forward in training
+    velocity = velocity_adapter(model, cond, uncond, VelocityConfig(cfg_scale=cfg.guidance_scale))
+    name = f"sd3(L{s.layers},d{s.heads * s.head_dim},{s.latent_size}x{s.latent_size})"
+    return name, model, velocity, (s.channels, s.latent_size, s.latent_size)
+
+
+def build_subject(model_name: str, cfg: SpeedConfig, device: torch.device) -> Subject | None:
+    """Build the model and sample one on-policy trajectory batch (all steps trained) with it."""
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    built = (_tiny_dit if model_name == "tiny_dit" else _sd3)(cfg, device, gen)
+    if built is None:
+        return None
+    name, model, velocity, shape = built
+    noise = torch.randn(cfg.batch, *shape, generator=gen, device=device)
+    traj = sample_trajectories(velocity, noise, flow_sigmas(cfg.steps, cfg.shift), cfg.eta, generator=gen,
+                               micro_batch=cfg.micro_batch)
+    adv = torch.randn(cfg.batch, generator=gen, device=device)
+    return Subject(name, model, velocity, traj, adv)
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def gradient_call(s: Subject, est: EstimatorConfig, device: torch.device) -> tuple[float, GradientStats]:
+    """Seconds of one ``policy_gradient`` call (grads zeroed first, outside the timing) and its stats."""
+    s.model.zero_grad(set_to_none=True)
+    return timed(lambda: policy_gradient(s.velocity, s.traj, s.adv, est), device)
+
+
+def measure_costs(s: Subject, rows: int, repeats: int, device: torch.device) -> dict:
+    """Median seconds of a forward with grad, a forward without grad and a backward of ``rows`` rows.
+
+    Measured through the velocity callable (guidance included), on rows of the stored trajectory, with the
+    backward of the scalar ``sum(v * G)`` as the estimator runs it.
+    """
+    T = s.traj.num_steps
+    b = torch.arange(rows, device=device) % s.traj.batch_size
+    k = torch.arange(rows, device=device) % T
+    x, sig = s.traj.latents[b, k], s.traj.sigmas[k]
+    signal = torch.randn_like(x)
+    fg, fn, bw = [], [], []
+    for _ in range(repeats + 1):                     # the first round is a warm-up
+        s.model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            t_n, _ = timed(lambda: s.velocity(x, sig, b), device)
+        t_g, v = timed(lambda: s.velocity(x, sig, b), device)
+        t_b, _ = timed(lambda: (v * signal).sum().backward(), device)
+        fn.append(t_n); fg.append(t_g); bw.append(t_b)
+    s.model.zero_grad(set_to_none=True)
+    return {"f_grad_s": median(fg[1:]), "f_nograd_s": median(fn[1:]), "backward_s": median(bw[1:])}
+
+
+def _free_memory() -> None:
+    """Return freed memory to the OS before a CPU RSS measurement (glibc only; harmless elsewhere)."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_memory(s: Subject, est: EstimatorConfig, device: torch.device) -> tuple[float | None, str]:
+    """Peak extra memory (MiB) of one untimed ``policy_gradient`` call."""
+    s.model.zero_grad(set_to_none=True)
+    _free_memory()
+    with PeakMemory(device) as pm:
+        policy_gradient(s.velocity, s.traj, s.adv, est)
+    s.model.zero_grad(set_to_none=True)
+    return pm.mb, pm.kind
+
+
+def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[dict]:
+    """All (window, intermediate) pairs of one model; one record per pair."""
+    exact = EstimatorConfig(mode="exact", micro_batch=cfg.micro_batch)
+    jaggs = {(w, i): EstimatorConfig(mode="jagg", window=w, intermediate=i, micro_batch=cfg.micro_batch)
+             for w in cfg.windows for i in cfg.intermediates}
+    # warm-up: every mode once
+    _, st_exact = gradient_call(s, exact, device)
+    for i in cfg.intermediates:
+        gradient_call(s, jaggs[(max(cfg.windows), i)], device)
+    costs = measure_costs(s, cfg.micro_batch, max(cfg.repeats, 3), device)
+    fg, fn, bw = costs["f_grad_s"], costs["f_nograd_s"], costs["backward_s"]
+    print(f"{s.name}: {s.params / 1e6:.2f}M parameters; one micro-batch of {cfg.micro_batch} rows: forward with "
+          f"grad {fg * 1e3:.1f} ms, forward without grad {fn * 1e3:.1f} ms, backward {bw * 1e3:.1f} ms "
+          f"(B/F_grad = {bw / fg:.2f})", flush=True)
+    mem_exact, mem_kind = peak_memory(s, exact, device)
+
+    records = []
+    for (w, inter), est in jaggs.items():
+        t_exact, t_jagg = [], []
+        st_jagg = None
+        for _ in range(cfg.repeats):                       # interleaved: exact, jagg, exact, jagg, ...
+            t, _ = gradient_call(s, exact, device)
+            t_exact.append(t)
+            t, st_jagg = gradient_call(s, est, device)
+            t_jagg.append(t)
+        mem_jagg, _ = peak_memory(s, est, device)
+        # the network's share: rows through the network at the measured per-micro-batch costs
+        net = lambda st: (st.forward_grad_items * (fg + bw) + st.forward_nograd_items * fn) / cfg.micro_batch
+        ex, jg = median(t_exact), median(t_jagg)
+        K = int(s.traj.train_steps.numel())
+        lim_meas = cost_limit(w, inter, fg, fn, bw, steps=K)
+        rec = {
+            "model": s.name, "model_params": s.params, "device": str(device), "threads": torch.get_num_threads(),
+            "batch": cfg.batch, "steps": cfg.steps, "trained_steps": K,
+            "micro_batch": cfg.micro_batch, "guidance_scale": cfg.guidance_scale, "repeats": cfg.repeats,
+            "mode": "jagg", "intermediate": inter, "window": w,
+            "exact_s": ex, "jagg_s": jg, "speedup": ex / jg,
+            "limit": cost_limit(w, inter, steps=K), "limit_measured": lim_meas, "efficiency": (ex / jg) / lim_meas,
+            "network_exact_s": net(st_exact), "network_jagg_s": net(st_jagg),
+            "overhead_exact": ex / net(st_exact), "overhead_jagg": jg / net(st_jagg),
+            "exact_times": t_exact, "jagg_times": t_jagg, **costs,
+            "backward_items_exact": st_exact.backward_items, "backward_items_jagg": st_jagg.backward_items,
+            "forward_grad_items_exact": st_exact.forward_grad_items,
+            "forward_grad_items_jagg": st_jagg.forward_grad_items,
+            "forward_nograd_items_exact": st_exact.forward_nograd_items,
+            "forward_nograd_items_jagg": st_jagg.forward_nograd_items,
+            "forward_calls_exact": st_exact.forward_calls, "forward_calls_jagg": st_jagg.forward_calls,
+            "backward_calls_exact": st_exact.backward_calls, "backward_calls_jagg": st_jagg.backward_calls,
+            "peak_mem_exact_mb": mem_exact, "peak_mem_jagg_mb": mem_jagg, "mem_kind": mem_kind,
+        }
+        records.append(rec)
+        print(f"  W={w} {inter:<6} exact {ex:.3f}s  jagg {jg:.3f}s  speed-up {ex / jg:.2f}x  "
+              f"(limit {rec['limit']:.2f}, measured-cost limit {lim_meas:.2f})", flush=True)
+    return records
+
+
+COLUMNS = [
+    ("model", "model", ""), ("window", "W", ""), ("intermediate", "interm.", ""),
+    ("exact_s", "exact s", ".3f"), ("jagg_s", "jagg s", ".3f"), ("speedup", "speed-up", ".2f"),
+    ("limit", "limit B=2F", ".2f"), ("limit_measured", "limit meas.", ".2f"), ("efficiency", "eff.", ".2f"),
+    ("overhead_exact", "ovh ex", ".2f"), ("overhead_jagg", "ovh jg", ".2f"),
+    ("backward_items_exact", "bwd ex", ""), ("backward_items_jagg", "bwd jg", ""),
+    ("forward_nograd_items_jagg", "fwd-ng jg", ""),
+    ("peak_mem_exact_mb", "mem ex MiB", ".0f"), ("peak_mem_jagg_mb", "mem jg MiB", ".0f"),
+]
+
+
+def run_speed(cfg: SpeedConfig) -> list[dict]:
+    """Run the benchmark; returns one record per (model, window, intermediate)."""
+    set_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    records = []
+    for name in cfg.models:
+        s = build_subject(name, cfg, device)
+        if s is not None:
+            records += bench_subject(s, cfg, device)
+            del s
+            gc.collect()
+    return records
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _run(args: argparse.Namespace) -> int:
+    base = SpeedConfig(**QUICK) if args.quick else SpeedConfig()
+    sd3 = base.sd3
+    sd3 = SD3Spec(**{**asdict(sd3), **{k: v for k, v in (("layers", args.sd3_layers), ("heads", args.sd3_heads),
+                                                          ("latent_size", args.sd3_latent)) if v is not None}})
+    over = {k: getattr(args, k) for k in ("models", "windows", "intermediates", "batch", "steps", "micro_batch",
+                                          "repeats", "guidance_scale", "seed", "device", "threads",
+                                          "tiny_checkpoint") if getattr(args, k) is not None}
+    cfg = SpeedConfig(**{**asdict(base), **over, "sd3": sd3})
+    records = run_speed(cfg)
+    if not records:
+        raise ValueError("no model could be benchmarked (see the messages above)")
+    print()
+    print(table(records, COLUMNS))
+    print(f"\nmemory: {records[0]['mem_kind']} (peak above the start of the call; CPU RSS is approximate)")
+    if args.json:
+        write_json(args.json, records)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "speed", help="time exact vs JAGG (fresh, interp) per window against the cost model",
+        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Cost model per group of W trained steps (F forward, B backward): exact W(F+B); JAGG fresh "
+               "2F_grad + (W-2)F_nograd + 2B -> 3W/(W+4) with B=2F; interp 2(F+B) -> W/2. With guidance, "
+               "F_grad includes the no-grad unconditional branch.")
+    d = SpeedConfig()
+    p.add_argument("--quick", action="store_true",
+                   help="tiny settings that finish in about a minute on 2 cores: "
+                        + ", ".join(f"{k}={v}" for k, v in QUICK.items() if k != "sd3")
+                        + ", a 2-layer SD3 (hidden 256) on 16x16 latents")
+    p.add_argument("--models", nargs="+", choices=MODELS, help=f"models to time [default: {' '.join(d.models)}]")
+    p.add_argument("--windows", nargs="+", type=int, help=f"JAGG windows [default: {' '.join(map(str, d.windows))}]")
+    p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES,
+                   help=f"inner-step velocities [default: {' '.join(d.intermediates)}]")
+    p.add_argument("--batch", type=int, help=f"trajectories B [default: {d.batch}]")
+    p.add_argument("--steps", type=int, help=f"sampling steps T, all trained [default: {d.steps}]")
+    p.add_argument("--micro-batch", type=int, help=f"rows per network call, every mode [default: {d.micro_batch}]")
+    p.add_argument("--repeats", type=int, help=f"timed calls of each mode per pair [default: {d.repeats}]")
+    p.add_argument("--guidance-scale", type=float, help=f"CFG scale (1 = off) [default: {d.guidance_scale}]")
+    p.add_argument("--seed", type=int, help=f"seed of weights, noise, advantages [default: {d.seed}]")
+    p.add_argument("--device", help="cpu or cuda [default: cpu]")
+    p.add_argument("--threads", type=int, help="torch CPU threads, 0 = torch's default [default: 0]; "
+                                               "1 gives stable timings on a busy machine")
+    p.add_argument("--tiny-checkpoint", help="TinyDiT to time [default: builtin:tiny_dit, random weights if missing]")
+    p.add_argument("--sd3-layers", type=int, help=f"SD3 transformer layers [default: {d.sd3.layers}]")
+    p.add_argument("--sd3-heads", type=int, help=f"SD3 heads of 64 channels [default: {d.sd3.heads}]")
+    p.add_argument("--sd3-latent", type=int, help=f"SD3 latent side (16 channels) [default: {d.sd3.latent_size}]")
+    p.add_argument("--json", help="write the records to this JSON file")
+    p.set_defaults(func=_run)

@@ -1,0 +1,122 @@
+"""Smoke tests of ``jagg bench speed | fidelity | quality`` at their tiniest settings, through ``jagg.cli.main``.
+
+They check that each sub-command runs, writes the documented JSON keys and sane values, and that the
+counts match the cost model exactly. They time nothing: speed is measured by the benchmark itself.
+"""
+
+import json
+
+import pytest
+import torch
+
+from jagg.bench.common import cost_limit, spearman
+from jagg.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The benchmarks run with one torch thread here (tiny models; robust on a busy machine); restore after."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def bench_ckpt(tmp_path_factory):
+    """A tiny TinyDiT whose zero-initialised layers are randomised (non-zero velocities and gradients)."""
+    from jagg.models import DiTConfig, TinyDiT, save_pretrained
+    from jagg.world import tokenizer
+
+    torch.manual_seed(0)
+    model = TinyDiT(DiTConfig(vocab_size=tokenizer.vocab_size, image_size=16, dim=32, depth=1, heads=2,
+                              text_dim=16, text_depth=1, text_heads=2, patch_size=4))
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.abs().sum():
+                p.normal_(std=0.05)
+    path = tmp_path_factory.mktemp("bench_ckpt") / "tiny.safetensors"
+    save_pretrained(model, path)
+    return str(path)
+
+
+def test_cost_model_and_spearman():
+    assert cost_limit(4, "interp") == 2.0 and cost_limit(8, "interp") == 4.0
+    assert cost_limit(4, "fresh") == pytest.approx(12 / 8) and cost_limit(8, "fresh") == pytest.approx(24 / 12)
+    assert cost_limit(2, "fresh") == cost_limit(2, "interp") == 1.0
+    assert cost_limit(4, "interp", steps=10) == pytest.approx(10 / 6)       # groups 4, 4, 2
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2, 3], [5, 5, 6, 7]) == pytest.approx(1.0)       # ties get average ranks
+
+
+def test_bench_speed_smoke(tmp_path, bench_ckpt):
+    out = tmp_path / "speed.json"
+    B, T = 2, 8
+    assert main(["bench", "speed", "--models", "tiny_dit", "--tiny-checkpoint", bench_ckpt,
+                 "--windows", "2", "4", "8", "--batch", str(B), "--steps", str(T), "--micro-batch", "4",
+                 "--repeats", "1", "--threads", "1", "--json", str(out)]) == 0
+    recs = json.loads(out.read_text())
+    pairs = {(w, i) for w in (2, 4, 8) for i in ("fresh", "interp")}
+    assert {(r["window"], r["intermediate"]) for r in recs} == pairs
+    for r in recs:
+        assert {"model", "mode", "intermediate", "window", "exact_s", "jagg_s", "speedup", "limit",
+                "backward_items_exact", "backward_items_jagg", "limit_measured", "peak_mem_exact_mb"} <= set(r)
+        W, fresh = r["window"], r["intermediate"] == "fresh"
+        assert r["exact_s"] > 0 and r["jagg_s"] > 0 and r["speedup"] > 0 and r["limit_measured"] >= 1.0
+        groups = B * T // W                                     # (sample, group) pairs
+        assert r["backward_items_exact"] == groups * W          # exact: W backward rows per group per sample
+        assert r["backward_items_jagg"] == groups * 2           # JAGG: 2
+        assert r["forward_nograd_items_jagg"] == (groups * (W - 2) if fresh else 0)
+        assert r["limit"] == pytest.approx(1.0 if W == 2 else (3 * W / (W + 4) if fresh else W / 2))
+
+
+def test_bench_fidelity_smoke(tmp_path, bench_ckpt):
+    out = tmp_path / "fidelity.json"
+    sets = ["sample.num_steps=6", "sample.prompts_per_iter=2", "sample.group_size=2", "estimator.micro_batch=4",
+            "estimator.intermediate=interp"]
+    args = ["bench", "fidelity", "--checkpoint", bench_ckpt, "--advantages", "random", "--windows", "2", "4",
+            "--fracs", "0.5", "1.0", "--threads", "1", "--json", str(out)]
+    assert main(args + [a for s in sets for a in ("--set", s)]) == 0
+    recs = json.loads(out.read_text())
+    tot = {(r["policy"], r["window"], r["intermediate"]): r for r in recs
+           if r["kind"] == "fidelity" and r["scope"] == "total"}
+    assert set(tot) == {(p, w, i) for p in ("on", "off") for w in (2, 4) for i in ("fresh", "interp")}
+    for (policy, W, inter), r in tot.items():
+        assert -1 <= r["cosine"] <= 1 + 1e-9 and r["rel_err"] >= 0
+        if W == 2:                                              # groups of two steps are exact
+            assert r["cosine"] == pytest.approx(1.0, abs=1e-5) and r["rel_err"] < 1e-3
+    on4 = tot[("on", 4, "interp")]["cosine"]
+    assert on4 == pytest.approx(tot[("on", 4, "fresh")]["cosine"], abs=1e-4)   # interp is exact on-policy
+    groups = [r for r in recs if r["kind"] == "fidelity" and r["scope"] == "group" and r["window"] == 4]
+    assert {tuple(r["steps"]) for r in groups} == {(0, 1, 2, 3), (4, 5)}
+    sp = [r for r in recs if r["kind"] == "spearman"]
+    assert {r["score"] for r in sp} == {"chord", "cosine", "cosine_min", "velocity_cosine"}
+    assert all(r["pairs"] == 4 for r in sp)                     # 4 samples x 1 group of > 2 steps
+    full = [r for r in recs if r["kind"] == "routing" and r["jagg_frac"] == 1.0 and r["exact_first_groups"] == 0]
+    assert full and full[0]["cosine"] == pytest.approx(on4, abs=1e-6)  # routing everything = JAGG everywhere
+
+
+def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
+    out = tmp_path / "quality"
+    sets = [f"model.checkpoint={bench_ckpt}", "grpo.iterations=2", "sample.num_steps=4", "sample.prompts_per_iter=2",
+            "sample.group_size=2", "eval.num_prompts=4", "eval.num_steps=3", "estimator.micro_batch=4",
+            "grpo.drop_zero_spread=false", "threads=1"]
+    args = ["bench", "quality", "--quick", "--out", str(out)] + [a for s in sets for a in ("--set", s)]
+    assert main(args) == 0
+    recs = json.loads((out / "quality.json").read_text())
+    runs = [r for r in recs if r["kind"] == "run"]
+    assert {r["variant"] for r in runs} == {"exact", "jagg_fresh", "jagg_interp"}
+    for r in runs:
+        assert r["updates"] == 4 and r["train_s_total"] > 0 and len(r["curve"]) == 3   # evals at 0, 1, 2
+        assert (out / r["variant"] / "seed0" / "result.json").is_file()
+    bwd = {r["variant"]: r["backward_items"] for r in runs}
+    assert bwd["jagg_interp"] == bwd["jagg_fresh"] < bwd["exact"]
+    var = {r["variant"]: r for r in recs if r["kind"] == "variant"}
+    assert var["exact"]["iter_ratio"] == pytest.approx(1.0)
+    for v in ("jagg_fresh", "jagg_interp"):
+        assert var[v]["iter_ratio"] > 0 and 1.0 < var[v]["iter_ratio_ideal"] <= var[v]["limit"]
+        assert {"final_reward_mean", "final_reward_std", "train_s_total", "train_ratio"} <= set(var[v])
+    assert (out / "quality.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main(args) == 0                                      # finished runs are skipped
+    assert capsys.readouterr().out.count("already done") == 3
