@@ -4,7 +4,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/toy.py
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(1)  # tiny models: threads only add contention (30-60x slower on a busy 2-core box)
 
 import pytest
 

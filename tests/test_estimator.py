@@ -78,6 +78,15 @@ def test_loss_scale_and_backward_context():
     g2, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, micro_batch=2), loss_scale=0.25)
     assert torch.allclose(g2, 0.25 * g1, **TIGHT)
     assert calls == [False] * (st.backward_calls - 1) + [True]
+    seen = []
+
+    def engine_backward(loss):  # e.g. DeepSpeed's engine.backward
+        assert loss.ndim == 0
+        seen.append(loss)
+        (2 * loss).backward()
+
+    g3, st3 = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, micro_batch=2), backward_fn=engine_backward)
+    assert len(seen) == st3.backward_calls and torch.allclose(g3, 2 * g1, **TIGHT)
 
 
 @pytest.mark.parametrize("intermediate", ["fresh", "interp"])

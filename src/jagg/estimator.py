@@ -111,6 +111,7 @@ def policy_gradient(
     ref_velocities: Tensor | None = None,
     loss_scale: float = 1.0,
     backward_context: Callable[[bool], ContextManager] | None = None,
+    backward_fn: Callable[[Tensor], None] | None = None,
 ) -> GradientStats:
     """Accumulate the Flow-GRPO policy gradient of one update into the parameters' ``.grad``.
 
@@ -123,8 +124,11 @@ def policy_gradient(
         ref_velocities: ``[B, T, *S]`` reference-policy velocities (from
             :func:`reference_velocities`, computed once per rollout); required when ``config.kl_beta > 0``.
         loss_scale: multiplies the loss (e.g. ``1 / grad_accum_steps``).
-        backward_context: ``f(is_last) -> context manager`` wrapped around each backward, e.g.
+        backward_context: ``f(is_last) -> context manager`` entered around each chunk's forward with grad and
+            its backward (DDP decides at forward time whether the backward all-reduces), e.g.
             ``lambda last: contextlib.nullcontext() if last else ddp_model.no_sync()``.
+        backward_fn: called with each chunk's scalar surrogate instead of ``surrogate.backward()``, for
+            engines that own the backward (DeepSpeed: ``engine.backward``).
 
     Returns:
         :class:`GradientStats`.
@@ -142,6 +146,7 @@ def policy_gradient(
         if tuple(ref_velocities.shape) != (B, T, *S):
             raise ValueError(f"ref_velocities must have shape {(B, T, *S)}; got {tuple(ref_velocities.shape)}")
     backward_context = backward_context or (lambda last: contextlib.nullcontext())
+    backward_fn = backward_fn or (lambda loss: loss.backward())
 
     units, n_pairs, n_jagg = _plan(traj, config)
     chunks = _pack(units, config.micro_batch)
@@ -196,44 +201,44 @@ def policy_gradient(
                     n_calls += 1
             fwd_nograd += len(inner)
 
-        v = velocity_fn(lat[rb_t, rk_t], sig[rk_t], rb_t)                # [R, *S], with grad
-        fwd_grad += R
-        n_calls += 1
-        dtype = compute_dtype(v, lat)
-        vd = v.detach().to(dtype)
+        with backward_context(ci == len(chunks) - 1):  # DDP: no_sync must cover the forward too
+            v = velocity_fn(lat[rb_t, rk_t], sig[rk_t], rb_t)                # [R, *S], with grad
+            fwd_grad += R
+            n_calls += 1
+            dtype = compute_dtype(v, lat)
+            vd = v.detach().to(dtype)
 
-        # velocities of every evaluation at the current parameters
-        direct = src[:, 1] < 0
-        v_eval = torch.empty((E, *S), dtype=dtype, device=dev)
-        v_eval[direct] = vd[src[direct, 0].long()]
-        if inner:
-            if config.intermediate == "fresh":
-                for part, vp in fresh:
-                    v_eval[part] = vp.to(dtype)
-            else:
-                ra, rbb = src[inn, 0].long(), src[inn, 1].long()
-                al = src[inn, 2].to(dtype).view(-1, *([1] * len(S)))
-                ib = eb_t[inn]
-                va_old = v_old[ib, rk_t[ra]].to(dtype)
-                vb_old = v_old[ib, rk_t[rbb]].to(dtype)
-                v_eval[inn] = (v_old[ib, ek_t[inn]].to(dtype)
-                               + (1 - al) * (vd[ra] - va_old) + al * (vd[rbb] - vb_old))
+            # velocities of every evaluation at the current parameters
+            direct = src[:, 1] < 0
+            v_eval = torch.empty((E, *S), dtype=dtype, device=dev)
+            v_eval[direct] = vd[src[direct, 0].long()]
+            if inner:
+                if config.intermediate == "fresh":
+                    for part, vp in fresh:
+                        v_eval[part] = vp.to(dtype)
+                else:
+                    ra, rbb = src[inn, 0].long(), src[inn, 1].long()
+                    al = src[inn, 2].to(dtype).view(-1, *([1] * len(S)))
+                    ib = eb_t[inn]
+                    va_old = v_old[ib, rk_t[ra]].to(dtype)
+                    vb_old = v_old[ib, rk_t[rbb]].to(dtype)
+                    v_eval[inn] = (v_old[ib, ek_t[inn]].to(dtype)
+                                   + (1 - al) * (vd[ra] - va_old) + al * (vd[rbb] - vb_old))
 
-        # upstream signals g = dl/dv through the loss head alone
-        v_eval.requires_grad_(True)
-        out = step_loss(
-            v_eval, lat[eb_t, ek_t], lat[eb_t, ek_t + 1], sig[ek_t], sig[ek_t + 1], sigma_one, traj.eta,
-            traj.log_probs[eb_t, ek_t], advantages[eb_t], config.clip_range, config.kl_beta,
-            None if ref_velocities is None else ref_velocities[eb_t, ek_t], traj.logprob_reduction,
-        )
-        (g,) = torch.autograd.grad(out.loss.sum() * c, v_eval)             # [E, *S]
-        w = torch.zeros(R, E, dtype=dtype, device=dev)
-        wi = torch.tensor(weights, dtype=torch.float64, device=dev)
-        w[wi[:, 0].long(), wi[:, 1].long()] = wi[:, 2].to(dtype)
-        signal = (w @ g.flatten(1)).view(R, *S)                           # [R, *S]
+            # upstream signals g = dl/dv through the loss head alone
+            v_eval.requires_grad_(True)
+            out = step_loss(
+                v_eval, lat[eb_t, ek_t], lat[eb_t, ek_t + 1], sig[ek_t], sig[ek_t + 1], sigma_one, traj.eta,
+                traj.log_probs[eb_t, ek_t], advantages[eb_t], config.clip_range, config.kl_beta,
+                None if ref_velocities is None else ref_velocities[eb_t, ek_t], traj.logprob_reduction,
+            )
+            (g,) = torch.autograd.grad(out.loss.sum() * c, v_eval)             # [E, *S]
+            w = torch.zeros(R, E, dtype=dtype, device=dev)
+            wi = torch.tensor(weights, dtype=torch.float64, device=dev)
+            w[wi[:, 0].long(), wi[:, 1].long()] = wi[:, 2].to(dtype)
+            signal = (w @ g.flatten(1)).view(R, *S)                           # [R, *S]
 
-        with backward_context(ci == len(chunks) - 1):
-            (v.to(dtype) * signal).sum().backward()
+            backward_fn((v.to(dtype) * signal).sum())
 
         old = traj.log_probs[eb_t, ek_t].to(out.log_prob.dtype)
         acc += torch.stack([

@@ -65,6 +65,8 @@ class DiTConfig:
             )
         if self.dim % self.heads:
             raise ValueError(f"DiTConfig.dim ({self.dim}) must be divisible by heads ({self.heads})")
+        if self.dim % 4:
+            raise ValueError(f"DiTConfig.dim ({self.dim}) must be divisible by 4 (2-D sin-cos position embedding)")
         if self.text_dim % self.text_heads:
             raise ValueError(
                 f"DiTConfig.text_dim ({self.text_dim}) must be divisible by text_heads ({self.text_heads})"
@@ -93,6 +95,18 @@ class DiTConfig:
 
 
 # ----------------------------------------------------------------------------- building blocks
+
+
+def sincos_2d(h: int, w: int, dim: int) -> Tensor:
+    """2-D sin-cos position embedding [h*w, dim]: half the channels encode the row, half the column."""
+    def axis(n: int, d: int) -> Tensor:
+        freq = 1.0 / 10000 ** (torch.arange(d // 2, dtype=torch.float64) / (d // 2))
+        ang = torch.arange(n, dtype=torch.float64)[:, None] * freq[None]  # [n, d/2]
+        return torch.cat([ang.sin(), ang.cos()], dim=1)  # [n, d]
+
+    rows = axis(h, dim // 2)[:, None, :].expand(h, w, dim // 2)  # [h, w, dim/2]
+    cols = axis(w, dim // 2)[None, :, :].expand(h, w, dim // 2)  # [h, w, dim/2]
+    return torch.cat([rows, cols], dim=-1).reshape(h * w, dim).float()
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -247,8 +261,11 @@ class TinyDiT(nn.Module):
                 nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=0.02)
-        for prm in (self.pos, self.text.pos, self.text.null):
+        for prm in (self.text.pos, self.text.null):
             nn.init.normal_(prm, std=0.02)
+        with torch.no_grad():  # fixed-style 2-D sin-cos start (DiT/MAE), still learnable
+            h = self.config.image_size // self.config.patch_size
+            self.pos.copy_(sincos_2d(h, h, self.config.dim)[None])
         # adaLN-Zero: every gate/shift/scale starts at 0 (blocks start as identity on the attn/MLP paths),
         # and the output layer starts at 0, so the initial velocity is exactly 0.
         for lin in [blk.ada[-1] for blk in self.blocks] + [self.final_ada[-1], self.final]:
