@@ -1,0 +1,354 @@
+"""Exact vs JAGG training-step time and peak memory on full-size SD3.5-Medium and FLUX.1-dev transformers.
+
+Random weights built from the published transformer configs (nothing is downloaded), bf16, Flow-GRPO's LoRA
+(SD3.5: rank 32 on the attention projections; FLUX: rank 64 plus the MLPs; adapters in bf16 too, or fp32 under
+bf16 autocast with ``--autocast``), Flow-GRPO's guidance (SD3.5: CFG 4.5 with the unconditional branch a separate
+no-grad forward;
+FLUX.1-dev: embedded guidance 3.5, no CFG).
+For each model and resolution one rollout of ``--samples`` trajectories x ``--steps`` steps (all trained) is
+sampled with the model itself, then :func:`jagg.policy_gradient` computes the gradient of one update in ``exact``
+mode and in ``jagg`` mode for every window and intermediate, all with the same ``--micro-batch``. Every
+configuration runs once to warm up, then ``--repeats`` times in alternating (rotated) order; the table reports the
+median seconds, the speed-up over exact, DESIGN §3's cost-model limit (``B = 2F``: fresh ``3W/(W+4)``, interp
+``W/2``; CFG's extra no-grad forward is not in it) and the peak GPU memory of the call.
+
+    python benchmarks/gpu_bench.py                       # one H200: < 5 minutes (a time budget guards it)
+    python benchmarks/gpu_bench.py --scaled-down         # tiny configs on the CPU, seconds (used by the tests)
+
+Whatever does not fit in ``--time-budget`` seconds is reported as skipped, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+import jagg
+from jagg.integrations import LoraSettings, PromptEmbeddings, VelocityConfig, add_lora, velocity_adapter
+
+# -- the published transformer configs (diffusers config.json of the model repos) ------------------------------
+
+SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                   pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                   dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+# text tokens as Flow-GRPO encodes them (max_sequence_length 128): SD3 77 CLIP + 128 T5; FLUX 128 T5
+FULL = {"sd35m": dict(cls="SD3Transformer2DModel", config=SD35_MEDIUM, text_len=77 + 128, pooled=2048),
+        "flux": dict(cls="FluxTransformer2DModel", config=FLUX_DEV, text_len=128, pooled=768)}
+TINY = {"sd35m": dict(cls="SD3Transformer2DModel", text_len=8, pooled=8, config=dict(
+            sample_size=16, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+            joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8, out_channels=16,
+            pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm")),
+        "flux": dict(cls="FluxTransformer2DModel", text_len=8, pooled=8, config=dict(
+            patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, guidance_embeds=True,
+            axes_dims_rope=(2, 2, 4)))}
+FAMILY = {"sd35m": "sd3", "flux": "flux"}
+GUIDANCE = {"sd35m": VelocityConfig(cfg_scale=4.5), "flux": VelocityConfig(guidance_embed=3.5)}
+SHIFT = {"sd35m": lambda res: 3.0, "flux": lambda res: float(torch.exp(torch.tensor(
+    0.5 + 0.65 * ((res // 16) ** 2 - 256) / 3840)))}
+
+
+@dataclass
+class BenchConfig:
+    models: list[str] = field(default_factory=lambda: ["sd35m", "flux"])
+    resolutions: list[int] = field(default_factory=lambda: [512, 1024])
+    windows: list[int] = field(default_factory=lambda: [2, 4, 8])
+    intermediates: list[str] = field(default_factory=lambda: ["fresh", "interp"])
+    samples: int = 1
+    steps: int = 8
+    micro_batch: int = 2
+    repeats: int = 2
+    time_budget: float = 270.0
+    lora: bool = True
+    gradient_checkpointing: bool = False
+    autocast: bool = False
+    dtype: str = "bf16"
+    device: str = "auto"
+    scaled_down: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        bad = [m for m in self.models if m not in FULL]
+        if bad:
+            raise ValueError(f"unknown models {bad}; choose from {list(FULL)}")
+        if any(r % 16 or r < 16 for r in self.resolutions):
+            raise ValueError(f"resolutions must be positive multiples of 16; got {self.resolutions}")
+        if any(w < 1 for w in self.windows) or any(i not in ("fresh", "interp") for i in self.intermediates):
+            raise ValueError("windows must be >= 1 and intermediates in {fresh, interp}")
+        for name in ("samples", "steps", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1")
+        if self.micro_batch < 2:
+            raise ValueError("--micro-batch must be >= 2 (a JAGG group's two endpoints go through together)")
+
+
+def cost_limit(window: int, intermediate: str, steps: int) -> float:
+    """DESIGN §3 with B = 2F over ``steps`` trained steps split into groups of ``window``."""
+    sizes = [min(window, steps - s) for s in range(0, steps, window)]
+    exact = 3.0 * sum(sizes)
+    jagg_cost = sum(3.0 * m if m <= 2 else (6.0 + (m - 2 if intermediate == "fresh" else 0.0)) for m in sizes)
+    return exact / jagg_cost
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def build_transformer(name: str, cfg: BenchConfig, dev: torch.device, dtype: torch.dtype):
+    """The transformer with random weights, created directly on ``dev`` in ``dtype`` (no fp32 copy on the host)."""
+    import diffusers
+
+    spec = (TINY if cfg.scaled_down else FULL)[name]
+    old_dtype = torch.get_default_dtype()
+    torch.manual_seed(cfg.seed)
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(dev):
+            model = getattr(diffusers, spec["cls"])(**spec["config"])
+    finally:
+        torch.set_default_dtype(old_dtype)
+    model.to(dev, dtype)
+    if cfg.lora:
+        add_lora(model, LoraSettings(fp32_params=cfg.autocast), FAMILY[name])
+    else:
+        model.requires_grad_(True)
+    if cfg.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    return model, spec
+
+
+def run_configs(cfg: BenchConfig) -> list[tuple[str, int, str]]:
+    out = [("exact", 1, "-")]
+    for w in cfg.windows:
+        if w <= 2:                                     # groups of <= 2 steps: fresh == interp == exact math
+            out.append(("jagg", w, "-"))
+        else:
+            out += [("jagg", w, i) for i in cfg.intermediates]
+    return out
+
+
+def time_call(model, v, traj, adv, c: tuple, cfg: BenchConfig, dev: torch.device) -> tuple[float, dict]:
+    """Seconds and stats of one ``jagg.policy_gradient`` call of configuration ``c = (mode, window, intermediate)``,
+    device work included, and its peak memory (GiB, CUDA only)."""
+    mode, w, inter = c
+    est = jagg.EstimatorConfig(mode=mode, window=max(w, 1), intermediate="interp" if inter == "-" else inter,
+                               micro_batch=cfg.micro_batch, clip_range=1e-4)
+    model.zero_grad(set_to_none=True)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    _sync(dev)
+    t0 = time.perf_counter()
+    stats = jagg.policy_gradient(v, traj, adv, est)
+    _sync(dev)
+    dt = time.perf_counter() - t0
+    return dt, dict(stats=stats, peak_gb=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else float("nan"))
+
+
+def bench_model(name: str, cfg: BenchConfig, dev: torch.device, dtype: torch.dtype, t_start: float, rows: list):
+    model, spec = build_transformer(name, cfg, dev, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    g = torch.Generator().manual_seed(cfg.seed)
+    cond = PromptEmbeddings(torch.randn(1, spec["text_len"], spec["config"]["joint_attention_dim"], generator=g),
+                            torch.randn(1, spec["pooled"], generator=g)).to(dev, dtype)
+    uncond = PromptEmbeddings(torch.randn(1, spec["text_len"], spec["config"]["joint_attention_dim"], generator=g),
+                              torch.randn(1, spec["pooled"], generator=g)).to(dev, dtype)
+    # --autocast: fp32 adapter weights on the bf16 base, run under bf16 autocast (mixed precision); default: all bf16
+    vcfg = dataclasses.replace(GUIDANCE[name], autocast="bf16" if cfg.autocast and dtype == torch.bfloat16 else None)
+    v = velocity_adapter(model, cond.select([0] * cfg.samples), uncond, vcfg, FAMILY[name])
+    for res in cfg.resolutions:
+        lat = res // 8 if not cfg.scaled_down else res // 64        # scaled-down: 512 px -> 8x8 latents
+        key = dict(model=name, resolution=res, params=n_params, trainable=n_train)
+        if time.perf_counter() - t_start > cfg.time_budget:
+            rows += [dict(key, mode=m, window=w, intermediate=i, status="skipped (time budget)")
+                     for m, w, i in run_configs(cfg)]
+            continue
+        try:
+            noise = torch.randn(cfg.samples, 16, lat, lat, generator=g).to(dev)
+            sig = jagg.flow_sigmas(cfg.steps, shift=SHIFT[name](res))
+            with torch.no_grad():
+                traj = jagg.sample_trajectories(v, noise, sig, 0.7, generator=torch.Generator(dev).manual_seed(1),
+                                                micro_batch=cfg.micro_batch)
+        except torch.cuda.OutOfMemoryError:
+            rows += [dict(key, mode=m, window=w, intermediate=i, status="OOM (sampling)")
+                     for m, w, i in run_configs(cfg)]
+            continue
+        adv = torch.linspace(-1, 1, cfg.samples, device=dev) if cfg.samples > 1 else torch.ones(1, device=dev)
+        configs = run_configs(cfg)
+        times: dict = {c: [] for c in configs}
+        info: dict = {}
+
+        status: dict = {}
+        for r in range(cfg.repeats + 1):                      # pass 0 = warm-up (discarded)
+            order = configs[r % len(configs):] + configs[: r % len(configs)]
+            for c in order:
+                if c in status:
+                    continue
+                elapsed = time.perf_counter() - t_start
+                guess = statistics.median(times[c]) if times[c] else 0.0
+                if elapsed + guess > cfg.time_budget:
+                    status.setdefault(c, "skipped (time budget)" if not times[c] else "partial (time budget)")
+                    continue
+                try:
+                    dt, info[c] = time_call(model, v, traj, adv, c, cfg, dev)
+                    times[c].append(dt)
+                except torch.cuda.OutOfMemoryError:
+                    status[c] = "OOM"
+                    model.zero_grad(set_to_none=True)
+                    gc.collect()
+                    torch.cuda.empty_cache()
+            if r == 0:
+                for c in configs:
+                    times[c] = times[c][:0]                     # drop the warm-up
+        exact_t = statistics.median(times[configs[0]]) if times[configs[0]] else float("nan")
+        for c in configs:
+            mode, w, inter = c
+            t = statistics.median(times[c]) if times[c] else float("nan")
+            st = info[c]["stats"] if c in info else None
+            rows.append(dict(
+                key, mode=mode, window=w, intermediate=inter, status=status.get(c, "ok"), seconds=t,
+                times=times[c], speedup=exact_t / t if times[c] and times[configs[0]] else float("nan"),
+                cost_limit=1.0 if mode == "exact" or w <= 2 else cost_limit(w, inter, cfg.steps),
+                peak_gb=info[c]["peak_gb"] if c in info else float("nan"),
+                backward_items=st.backward_items if st else None,
+                forward_nograd_items=st.forward_nograd_items if st else None,
+                forward_calls=st.forward_calls if st else None))
+        del traj
+    del model, v
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'model':6} {'res':>5} {'mode':5} {'W':>2} {'inter':6} {'sec':>8} {'speedup':>7} {'limit':>5} " \
+           f"{'peak GB':>7} {'bwd':>4} {'fwd0':>4}  status"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        def f(x, fmt):
+            return format(x, fmt) if isinstance(x, (int, float)) and x == x else "-"
+        lines.append(f"{r['model']:6} {r['resolution']:>5} {r['mode']:5} {r['window']:>2} {r['intermediate']:6} "
+                     f"{f(r.get('seconds'), '8.3f'):>8} {f(r.get('speedup'), '7.2f'):>7} "
+                     f"{f(r.get('cost_limit'), '5.2f'):>5} {f(r.get('peak_gb'), '7.1f'):>7} "
+                     f"{f(r.get('backward_items'), 'd'):>4} {f(r.get('forward_nograd_items'), 'd'):>4}  "
+                     f"{r['status']}")
+    return "\n".join(lines)
+
+
+def _clean(x):
+    """JSON-safe: NaN -> null, tuples -> lists, unknown objects -> str."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, float):
+        return None if x != x else x
+    if isinstance(x, (int, str, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="sd35m,flux", help="comma list of sd35m, flux")
+    ap.add_argument("--resolutions", default=None, help="comma list of image sizes (default 512,1024; "
+                    "scaled-down: 512,1024 mapped to 8x8 and 16x16 latents)")
+    ap.add_argument("--windows", default="2,4,8")
+    ap.add_argument("--intermediates", default="fresh,interp")
+    ap.add_argument("--samples", type=int, default=1, help="trajectories in the batch")
+    ap.add_argument("--steps", type=int, default=8, help="sampling steps, all trained")
+    ap.add_argument("--micro-batch", type=int, default=2, help="rows per network call, every mode")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per configuration after one warm-up "
+                    "(default 2; scaled-down 1)")
+    ap.add_argument("--time-budget", type=float, default=270.0, help="seconds; later configurations are skipped")
+    ap.add_argument("--full", action="store_true", help="full fine-tuning instead of Flow-GRPO's LoRA")
+    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--autocast", action="store_true", help="fp32 LoRA weights + bf16 autocast (default: all bf16)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; scaled-down: 1, "
+                    "tiny ops on a busy CPU are far slower with more threads)")
+    ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="weights dtype (default bf16; "
+                    "scaled-down fp32)")
+    ap.add_argument("--scaled-down", action="store_true", help="tiny configs, fp32, CPU: a smoke run in seconds")
+    ap.add_argument("--out", default="bench_gpu.json", help="JSON output path")
+    a = ap.parse_args(argv)
+    cfg = BenchConfig(models=a.models.split(","), windows=[int(x) for x in a.windows.split(",")],
+                      resolutions=[int(x) for x in (a.resolutions or "512,1024").split(",")],
+                      intermediates=a.intermediates.split(","), samples=a.samples, steps=a.steps,
+                      micro_batch=a.micro_batch, repeats=a.repeats or (1 if a.scaled_down else 2),
+                      time_budget=a.time_budget, lora=not a.full, gradient_checkpointing=a.gradient_checkpointing,
+                      autocast=a.autocast,
+                      device=("cpu" if a.scaled_down and a.device == "auto" else a.device),
+                      dtype=a.dtype or ("fp32" if a.scaled_down else "bf16"), scaled_down=a.scaled_down)
+    dev = _device(cfg.device)
+    threads = a.threads if a.threads is not None else (1 if cfg.scaled_down else 0)
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _run(cfg, dev, a.out)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _run(cfg: BenchConfig, dev: torch.device, out: str) -> dict:
+    if dev.type == "cpu" and not cfg.scaled_down:
+        print("warning: full-size models on the CPU will not finish; use a GPU or --scaled-down", file=sys.stderr)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    t_start = time.perf_counter()
+    rows: list[dict] = []
+    for name in cfg.models:
+        if time.perf_counter() - t_start > cfg.time_budget:
+            rows += [dict(model=name, resolution=res, mode=m, window=w, intermediate=i, status="skipped (time budget)")
+                     for res in cfg.resolutions for m, w, i in run_configs(cfg)]
+            continue
+        try:
+            bench_model(name, cfg, dev, dtype, t_start, rows)
+        except torch.cuda.OutOfMemoryError:
+            rows += [dict(model=name, resolution=res, mode="-", window=0, intermediate="-", status="OOM (model)")
+                     for res in cfg.resolutions]
+            gc.collect()
+            torch.cuda.empty_cache()
+    import diffusers
+
+    result = dict(config=asdict(cfg), rows=rows, wall_seconds=time.perf_counter() - t_start,
+                  env=dict(device=(torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                                   else platform.processor() or "cpu"),
+                           torch=torch.__version__, diffusers=diffusers.__version__,
+                           python=platform.python_version(), threads=torch.get_num_threads()))
+    print(table(rows))
+    print(f"total {result['wall_seconds']:.1f} s; speedup = exact seconds / seconds (same micro-batch); limit = cost "
+          "model with B = 2F; bwd = rows back-propagated, fwd0 = no-grad rows (fresh)")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(_clean(result), indent=1, allow_nan=False))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Data-parallel GRPO: split sampling across processes, advantages on the gathered batch, DDP-correct gradients.
+
+One optimizer update over a *global* batch of ``N`` trajectories on ``P`` processes (DDP, FSDP, torchrun,
+accelerate)::
+
+    sl = shard(N)                                     # this rank's contiguous slice of the global batch
+    traj = jagg.sample_trajectories(v_local, noise[sl], sigmas, eta)       # sampling is split
+    scores, _ = reward_fn(images, prompts[sl], None)                       # so are the rewards
+    adv = distributed_advantages(scores, prompts[sl])  # gathered, per prompt on all N, then this rank's slice
+    for j, part in enumerate(micro_batches):          # optional accumulation inside the rank
+        jagg.policy_gradient(v, part, adv[...], cfg, loss_scale=loss_scale(len(part), N),
+                             backward_context=no_sync_except_last(ddp_model, sync=(j == last)))
+    opt.step()
+
+or, communicating once per update: ``with ddp_model.no_sync(): <the calls>`` then
+``all_reduce_gradients(params)`` before ``opt.step()``.
+
+Loss normalisation. ``policy_gradient`` averages its loss over the samples it is given. DDP / FSDP / DeepSpeed
+*average* gradients over ranks. With ``loss_scale(n_call, N) = P * n_call / N`` the result is exactly the
+gradient of the single-process loss over the global batch: ``1/P * sum_r sum_calls P n/N * grad(mean over n) =
+1/N * sum over all N samples``. With equal shards and no accumulation it is 1.
+
+Prompts must not be split away from their group for the advantages: :func:`distributed_advantages` therefore
+gathers rewards *and* prompt ids of every rank before normalising per prompt (as Flow-GRPO's gather + per-prompt
+stat tracker). Sampling itself may split a prompt's group across ranks freely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .advantages import group_advantages
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)``; ``(0, 1)`` without an initialised process group."""
+    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+
+
+def init_process_group_from_env(backend: str | None = None) -> tuple[int, int]:
+    """Initialise the default process group from torchrun / accelerate variables (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``); a no-op when already initialised or when ``WORLD_SIZE`` is unset or 1.
+    ``backend`` defaults to nccl with CUDA, else gloo. Returns ``(rank, world_size)``."""
+    if is_distributed() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return rank_and_world()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return rank_and_world()
+
+
+def shard(n: int, rank: int | None = None, world_size: int | None = None) -> slice:
+    """This rank's contiguous slice of a global batch of ``n`` items. ``n`` must divide evenly: unequal shards
+    would make ranks run different numbers of backward passes (a DDP hang) and change the gradient weighting."""
+    r, w = rank_and_world()
+    rank = r if rank is None else rank
+    world_size = w if world_size is None else world_size
+    if n % world_size:
+        raise ValueError(f"global batch of {n} samples does not split evenly over {world_size} processes; make "
+                         "prompts_per_iter * group_size a multiple of the number of processes")
+    per = n // world_size
+    return slice(rank * per, (rank + 1) * per)
+
+
+def gather(t: Tensor) -> Tensor:
+    """Concatenate ``t`` ``[n_r, ...]`` of every rank in rank order -> ``[sum_r n_r, ...]`` (sizes may differ).
+    Without a process group it returns ``t``. Not differentiable (for rewards, statistics)."""
+    if not is_distributed():
+        return t
+    world = dist.get_world_size()
+    n = torch.tensor([t.shape[0]], device=t.device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    sizes = [int(s) for s in sizes]
+    pad = max(sizes)
+    buf = torch.zeros((pad, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    buf[: t.shape[0]] = t
+    parts = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(parts, buf.contiguous())
+    return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+
+
+def gather_objects(items: Sequence) -> list:
+    """Concatenate Python lists (prompt ids, metadata) of every rank in rank order."""
+    if not is_distributed():
+        return list(items)
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, list(items))
+    return [x for part in out for x in part]
+
+
+def distributed_advantages(local_rewards: Tensor, local_prompt_ids: Sequence, **kwargs) -> Tensor:
+    """Group-relative advantages computed on the *gathered* batch, returned for this rank's samples.
+
+    Args:
+        local_rewards: ``[n]`` rewards of this rank's samples.
+        local_prompt_ids: ``n`` prompt ids (strings or ints) of this rank's samples.
+        kwargs: passed to :func:`jagg.group_advantages` (``global_std``, ``adv_clip_max``, ``eps``).
+
+    Returns ``[n]`` advantages, identical to slicing the single-process advantages of the global batch.
+    """
+    local_rewards = local_rewards.detach().float().flatten()
+    if len(local_prompt_ids) != local_rewards.numel():
+        raise ValueError(f"got {local_rewards.numel()} rewards but {len(local_prompt_ids)} prompt ids on this rank")
+    rewards = gather(local_rewards)
+    prompt_ids = gather_objects(list(local_prompt_ids.tolist() if isinstance(local_prompt_ids, Tensor)
+                                     else local_prompt_ids))
+    adv = group_advantages(rewards, prompt_ids, **kwargs)
+    if not is_distributed():
+        return adv
+    n = torch.tensor([local_rewards.numel()], device=local_rewards.device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    start = sum(int(s) for s in sizes[: dist.get_rank()])
+    return adv[start:start + local_rewards.numel()]
+
+
+def loss_scale(samples_in_call: int, global_batch: int, world_size: int | None = None) -> float:
+    """``loss_scale`` for one :func:`jagg.policy_gradient` call so that the ranks' *averaged* gradient equals the
+    single-process gradient over the ``global_batch`` samples of one optimizer update: ``P * n_call / N``.
+
+    Examples: equal shards, one call per rank -> 1; ``A`` equal accumulation calls per rank -> ``1 / A``.
+    """
+    world = rank_and_world()[1] if world_size is None else world_size
+    if samples_in_call < 1 or global_batch < samples_in_call:
+        raise ValueError(f"need 1 <= samples_in_call <= global_batch; got {samples_in_call}, {global_batch}")
+    return world * samples_in_call / global_batch
+
+
+def _no_sync(model: torch.nn.Module) -> Callable[[], ContextManager] | None:
+    """The model's "accumulate locally" context: DDP / FSDP1 ``no_sync``, FSDP2 ``set_requires_gradient_sync``."""
+    if hasattr(model, "no_sync"):
+        return model.no_sync
+    if hasattr(model, "set_requires_gradient_sync"):
+        @contextlib.contextmanager
+        def fsdp2_no_sync():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        return fsdp2_no_sync
+    return None
+
+
+def no_sync_except_last(model: torch.nn.Module, sync: bool = True) -> Callable[[bool], ContextManager]:
+    """A ``backward_context`` for :func:`jagg.policy_gradient`: every backward of the call runs under the model's
+    ``no_sync`` (DDP / FSDP: gradients accumulate locally) except the call's last one when ``sync`` is True, which
+    reduces the accumulated gradient once. With several accumulation calls before one optimizer step pass
+    ``sync=False`` to all but the last call. Models without ``no_sync`` (one process) get a null context.
+
+    ``policy_gradient`` enters the context around each chunk's forward with grad and its backward (DDP reads
+    ``require_backward_grad_sync`` in the forward), so only the last chunk of the last call all-reduces. The
+    alternative: ``with model.no_sync(): policy_gradient(...)`` followed by :func:`all_reduce_gradients` (and
+    DDP's ``broadcast_buffers=False``).
+
+    DeepSpeed: pass ``backward_fn=engine.backward`` to :func:`jagg.policy_gradient` as well.
+    """
+    no_sync = _no_sync(model)
+    if no_sync is None:
+        return lambda last: contextlib.nullcontext()
+    return lambda last: contextlib.nullcontext() if (last and sync) else no_sync()
+
+
+@torch.no_grad()
+def all_reduce_gradients(parameters, bucket_mb: float = 64.0) -> None:
+    """Average ``.grad`` of ``parameters`` over all ranks (in place, bucketed); a no-op in a single process.
+
+    Pair with ``with ddp_model.no_sync(): jagg.policy_gradient(...)`` (every forward and backward local) to
+    communicate once per optimizer update: the result equals DDP's own averaged gradient.
+    """
+    if not is_distributed():
+        return
+    world = dist.get_world_size()
+    grads = [p.grad for p in parameters if p.grad is not None]
+    limit = int(bucket_mb * 2**20)
+    bucket: list[Tensor] = []
+    size = 0
+
+    def flush():
+        if not bucket:
+            return
+        flat = torch.cat([g.flatten() for g in bucket])
+        dist.all_reduce(flat)
+        flat /= world
+        off = 0
+        for g in bucket:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
+    for g in grads:
+        if bucket and (size + g.numel() * g.element_size() > limit or g.dtype != bucket[0].dtype
+                       or g.device != bucket[0].device):
+            flush()
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+    flush()

@@ -1,0 +1,453 @@
+"""Real diffusers architectures (tiny random configs, no downloads) through the jagg estimators.
+
+SD3Transformer2DModel and FluxTransformer2DModel with 1-2 layers on 16x16 latents: on-policy ratio 1, JAGG with
+2-step groups equals exact, LoRA trains only adapters, the reference is the base model, saved adapters load back
+through diffusers' own ``load_lora_weights``, the loader's errors, and a full load from a local directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+import diffusers  # noqa: E402
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel  # noqa: E402
+from diffusers import SD3Transformer2DModel  # noqa: E402
+
+import jagg  # noqa: E402
+from jagg.integrations import (LoraSettings, PipelineConfig, PromptEmbeddings, RealModel, VelocityConfig,  # noqa: E402
+                               adapters_disabled, add_lora, check_model_dir, load_lora, load_model,
+                               load_pipeline_config, pack_latents, reference_velocity, save_lora, unpack_latents,
+                               velocity_adapter)
+from jagg.integrations.pipeline import build_prompt_cache, decode_latents, default_shift  # noqa: E402
+
+C, H, W = 4, 16, 16          # latent channels and size
+L, D, DP = 5, 16, 8          # text tokens, text width, pooled width
+B, T = 4, 6
+
+
+def tiny_sd3(seed=0) -> SD3Transformer2DModel:
+    torch.manual_seed(seed)
+    return SD3Transformer2DModel(sample_size=H, patch_size=2, in_channels=C, num_layers=2, attention_head_dim=8,
+                                 num_attention_heads=2, joint_attention_dim=D, caption_projection_dim=16,
+                                 pooled_projection_dim=DP, out_channels=C, pos_embed_max_size=16,
+                                 dual_attention_layers=(0,), qk_norm="rms_norm")
+
+
+def tiny_flux(seed=0) -> FluxTransformer2DModel:
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(patch_size=1, in_channels=4 * C, num_layers=1, num_single_layers=1,
+                                  attention_head_dim=8, num_attention_heads=2, joint_attention_dim=D,
+                                  pooled_projection_dim=DP, guidance_embeds=True, axes_dims_rope=(2, 2, 4))
+
+
+def tiny_vae() -> AutoencoderKL:
+    torch.manual_seed(0)
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8,) * 4, layers_per_block=1,
+                         latent_channels=C, norm_num_groups=4, sample_size=32, scaling_factor=1.5305,
+                         shift_factor=0.0609)
+
+
+MODELS = {"sd3": (tiny_sd3, VelocityConfig(cfg_scale=4.5)), "flux": (tiny_flux, VelocityConfig(guidance_embed=3.5))}
+
+
+def embeds(seed=0, prompts=("a red cube", "a blue ball")) -> tuple[PromptEmbeddings, PromptEmbeddings]:
+    g = torch.Generator().manual_seed(seed)
+    cond = PromptEmbeddings(torch.randn(len(prompts), L, D, generator=g), torch.randn(len(prompts), DP, generator=g),
+                            list(prompts))
+    neg = PromptEmbeddings(torch.randn(1, L, D, generator=g), torch.randn(1, DP, generator=g), [""])
+    return cond.select([0, 0, 1, 1]), neg
+
+
+def rollout(v, seed=0, T=T):
+    g = torch.Generator().manual_seed(seed)
+    return jagg.sample_trajectories(v, torch.randn(B, C, H, W, generator=g), jagg.flow_sigmas(T, shift=3.0), 0.7,
+                                    generator=g)
+
+
+def grads(model) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                      for p in model.parameters() if p.requires_grad])
+
+
+def assert_rel(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
+    """``||a - b|| <= tol ||b||``: fp32 gradients summed in a different order agree to ~1e-6 relative."""
+    err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.fixture(params=["sd3", "flux"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is as fast, and far faster on a busy CPU (no OpenMP spin-waiting)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_on_policy_ratio_is_one_and_jagg_pairs_equal_exact(family):
+    make, vcfg = MODELS[family]
+    model = make()
+    cond, neg = embeds()
+    v = velocity_adapter(model, cond, neg, vcfg)
+    traj = rollout(v)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    out = []
+    for cfg in (jagg.EstimatorConfig(mode="exact", micro_batch=4),
+                jagg.EstimatorConfig(mode="jagg", window=2, micro_batch=4)):
+        model.zero_grad(set_to_none=True)
+        stats = jagg.policy_gradient(v, traj, adv, cfg)
+        assert abs(stats.ratio_mean - 1.0) < 1e-5 and stats.approx_kl < 1e-10 and stats.clip_frac == 0.0
+        out.append(grads(model))
+    assert out[0].norm() > 0
+    assert_rel(out[1], out[0])
+
+
+@pytest.mark.parametrize("intermediate", ["fresh", "interp"])
+def test_jagg_group_gradient_is_the_endpoint_vjp(family, intermediate):
+    """W = 3 through the real transformers: the accumulated gradient is exactly J_a^T G_a + J_b^T G_b with
+    G_a = sum_k (1 - alpha_k) g_k, G_b = sum_k alpha_k g_k (alpha by sigma), written out here step by step."""
+    from jagg.routing import group_alphas
+
+    make, vcfg = MODELS[family]
+    model = make()
+    cond, neg = embeds()
+    v = velocity_adapter(model, cond, neg, vcfg)
+    traj = rollout(v)                                            # T = 6 -> groups [0, 1, 2], [3, 4, 5]
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    cfg = jagg.EstimatorConfig(mode="jagg", window=3, intermediate=intermediate, micro_batch=4)
+    model.zero_grad(set_to_none=True)
+    stats = jagg.policy_gradient(v, traj, adv, cfg)
+    assert stats.jagg_frac_routed == 1.0 and stats.backward_items == B * 2 * 2
+    got = grads(model)
+
+    model.zero_grad(set_to_none=True)
+    lat, sig, K = traj.latents, traj.sigmas, traj.train_steps.numel()
+    for group in ([0, 1, 2], [3, 4, 5]):
+        al = group_alphas(sig, group).float()
+        a, b = group[0], group[-1]
+        for i in range(B):
+            idx = torch.tensor([i, i])
+            v_ab = v(torch.stack([lat[i, a], lat[i, b]]), sig[[a, b]], idx)          # with grad
+            Ga, Gb = torch.zeros_like(lat[i, a]), torch.zeros_like(lat[i, a])
+            for j, k in enumerate(group):
+                if j == 0 or j == len(group) - 1:
+                    vk = v_ab[0 if j == 0 else 1].detach()
+                elif intermediate == "fresh":
+                    with torch.no_grad():
+                        vk = v(lat[i, k][None], sig[k][None], idx[:1])[0]
+                else:
+                    vk = (traj.velocities[i, k] + (1 - al[j]) * (v_ab[0].detach() - traj.velocities[i, a])
+                          + al[j] * (v_ab[1].detach() - traj.velocities[i, b]))
+                vk = vk.clone().requires_grad_(True)
+                out = jagg.step_loss(vk[None], lat[i, k][None], lat[i, k + 1][None], sig[k][None], sig[k + 1][None],
+                                     float(sig[1]), traj.eta, traj.log_probs[i, k][None], adv[i][None], cfg.clip_range)
+                (g,) = torch.autograd.grad(out.loss.sum() / (B * K), vk)
+                Ga += (1 - al[j]) * g
+                Gb += al[j] * g
+            (v_ab[0] * Ga).sum().backward(retain_graph=True)
+            (v_ab[1] * Gb).sum().backward()
+    assert_rel(got, grads(model))
+
+
+def test_uncond_forward_modes_agree_and_uncond_is_detached():
+    model = tiny_sd3()
+    cond, neg = embeds()
+    x, s, i = torch.randn(3, C, H, W), torch.tensor([0.9, 0.5, 0.2]), torch.tensor([0, 2, 3])
+    res = {}
+    for mode in ("separate", "batched"):
+        model.zero_grad(set_to_none=True)
+        v = velocity_adapter(model, cond, neg, VelocityConfig(cfg_scale=4.5, uncond_forward=mode))(x, s, i)
+        (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum().backward()
+        res[mode] = (v.detach(), grads(model))
+    torch.testing.assert_close(res["batched"][0], res["separate"][0], rtol=1e-4, atol=1e-5)
+    assert_rel(res["batched"][1], res["separate"][1])
+    # detached unconditional branch: the gradient is w times the conditional branch's
+    model.zero_grad(set_to_none=True)
+    vc = velocity_adapter(model, cond, None, VelocityConfig())(x, s, i)
+    (vc * torch.linspace(-1, 1, vc.numel()).view_as(vc)).sum().backward()
+    assert_rel(res["separate"][1], 4.5 * grads(model))
+
+
+def test_flux_packing_matches_diffusers_and_needs_guidance():
+    x = torch.randn(2, C, H, W)
+    packed = pack_latents(x)
+    torch.testing.assert_close(packed, diffusers.FluxPipeline._pack_latents(x, 2, C, H, W))
+    torch.testing.assert_close(unpack_latents(packed, H, W), x)
+    from jagg.integrations.diffusers_adapters import latent_image_ids
+    torch.testing.assert_close(latent_image_ids(H, W),
+                               diffusers.FluxPipeline._prepare_latent_image_ids(2, H // 2, W // 2, "cpu",
+                                                                                torch.float32))
+    cond, _ = embeds()
+    with pytest.raises(ValueError, match="guidance_embed"):
+        velocity_adapter(tiny_flux(), cond, None, VelocityConfig())
+
+
+def test_bf16_weights_return_fp32_and_autocast_runs():
+    model = tiny_sd3().to(torch.bfloat16)
+    cond, neg = embeds()
+    x, s, i = torch.randn(2, C, H, W), torch.tensor([0.9, 0.3]), torch.tensor([0, 3])
+    v = velocity_adapter(model, cond, neg, VelocityConfig(cfg_scale=2.0))(x, s, i)
+    assert v.dtype == torch.float32 and torch.isfinite(v).all()
+    v16 = velocity_adapter(model, cond, neg, VelocityConfig(cfg_scale=2.0, output_dtype="model"))(x, s, i)
+    assert v16.dtype == torch.bfloat16
+    va = velocity_adapter(tiny_sd3(), cond, neg, VelocityConfig(cfg_scale=2.0, autocast="bf16"))(x, s, i)
+    assert va.dtype == torch.float32 and torch.isfinite(va).all()
+
+
+def test_gradient_checkpointing_gives_the_same_gradient():
+    cond, neg = embeds()
+    x, s, i = torch.randn(2, C, H, W), torch.tensor([0.9, 0.3]), torch.tensor([0, 3])
+    out = []
+    for ckpt in (False, True):
+        model = tiny_sd3()
+        if ckpt:
+            model.enable_gradient_checkpointing()
+        v = velocity_adapter(model, cond, neg, VelocityConfig(cfg_scale=4.5))(x, s, i)
+        v.square().sum().backward()
+        out.append(grads(model))
+    assert_rel(out[1], out[0])
+
+
+def test_lora_trains_only_adapters_and_reference_is_the_base_model(family):
+    make, vcfg = MODELS[family]
+    base = make()
+    model = make()
+    params = add_lora(model, LoraSettings(rank=4, alpha=8.0))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names) and len(params) == len(names)
+    cond, neg = embeds()
+    v = velocity_adapter(model, cond, neg, vcfg)
+    ref = reference_velocity(v)
+    traj = rollout(v, T=4)
+    opt = torch.optim.SGD(params, lr=5.0)
+    stats = jagg.policy_gradient(v, traj, torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                                 jagg.EstimatorConfig(mode="jagg", window=2, micro_batch=4))
+    assert stats.backward_items > 0
+    assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+    assert all(p.grad is not None for p in params)
+    opt.step()
+    x, s, i = traj.latents[:, 1], traj.sigmas[1].expand(B), torch.arange(B)
+    with torch.no_grad():
+        v_pol, v_ref = v(x, s, i), ref(x, s, i)
+        v_base = velocity_adapter(base, cond, neg, vcfg)(x, s, i)
+    assert (v_pol - v_ref).abs().max() > 1e-4                       # the update moved the policy
+    torch.testing.assert_close(v_ref, v_base, rtol=1e-5, atol=1e-6)  # the reference did not move
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == names   # flags restored
+    r = jagg.reference_velocities(ref, traj, micro_batch=4)
+    assert r.shape == traj.velocities.shape
+
+
+def test_saved_adapter_loads_back_with_diffusers(tmp_path, family):
+    make, vcfg = MODELS[family]
+    model = make()
+    add_lora(model, LoraSettings(rank=4, alpha=16.0))                # alpha != rank must survive the round trip
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    save_lora(model, tmp_path / "adapter", family)
+    cond, neg = embeds()
+    x, s, i = torch.randn(2, C, H, W), torch.tensor([0.8, 0.4]), torch.tensor([0, 3])
+    with torch.no_grad():
+        want = velocity_adapter(model, cond, neg, vcfg)(x, s, i)
+    # 1) diffusers' own loader, on a pipeline around a fresh base transformer
+    if family == "sd3":
+        pipe = diffusers.StableDiffusion3Pipeline(transformer=make(), scheduler=FlowMatchEulerDiscreteScheduler(),
+                                                  vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                                                  tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
+    else:
+        pipe = diffusers.FluxPipeline(transformer=make(), scheduler=FlowMatchEulerDiscreteScheduler(), vae=None,
+                                      text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    pipe.load_lora_weights(str(tmp_path / "adapter"))
+    with torch.no_grad():
+        got = velocity_adapter(pipe.transformer, cond, neg, vcfg)(x, s, i)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # 2) resuming training: jagg's loader, trainable again
+    fresh = make()
+    fresh.requires_grad_(False)
+    params = load_lora(fresh, tmp_path / "adapter")
+    assert params and all(p.requires_grad for p in params)
+    with torch.no_grad():
+        torch.testing.assert_close(velocity_adapter(fresh, cond, neg, vcfg)(x, s, i), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(FileNotFoundError, match="no LoRA adapter"):
+        load_lora(make(), tmp_path / "nothing")
+
+
+def test_lora_settings_defaults_and_errors():
+    assert LoraSettings().resolved("sd3")[:2] == (32, 64.0)
+    assert LoraSettings().resolved("flux")[:2] == (64, 128.0)
+    assert "ff_context.net.2" in LoraSettings().resolved("flux")[2]
+    assert LoraSettings(rank=8).resolved("sd3")[:2] == (8, 16.0)
+    with pytest.raises(ValueError, match="rank"):
+        LoraSettings(rank=0)
+    with pytest.raises(ValueError, match="match no Linear"):
+        add_lora(tiny_sd3(), LoraSettings(rank=2, target_modules=["attn.nonexistent"]))
+    with pytest.raises(ValueError, match="no LoRA adapter to disable"):
+        with adapters_disabled(tiny_sd3()):
+            pass
+
+
+def test_prompt_embedding_cache_roundtrip(tmp_path):
+    cond, _ = embeds()
+    uniq = cond.select([0, 2])
+    for suffix in (".safetensors", ".pt"):
+        uniq.save(tmp_path / f"cache{suffix}")
+        back = PromptEmbeddings.load(tmp_path / f"cache{suffix}")
+        assert back.prompts == uniq.prompts
+        torch.testing.assert_close(back.lookup(["a blue ball", "a red cube"]).pooled, uniq.pooled.flip(0))
+    torch.save({p: (uniq.prompt_embeds[k], uniq.pooled[k]) for k, p in enumerate(uniq.prompts)}, tmp_path / "d.pt")
+    torch.testing.assert_close(PromptEmbeddings.load(tmp_path / "d.pt").prompt_embeds, uniq.prompt_embeds)
+    with pytest.raises(KeyError, match="not in the prompt-embedding cache"):
+        uniq.lookup(["a green cone"])
+    with pytest.raises(FileNotFoundError, match="python -m jagg.integrations.pipeline cache"):
+        PromptEmbeddings.load(tmp_path / "missing.safetensors")
+
+
+def test_loader_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist; jagg never downloads"):
+        check_model_dir(tmp_path / "nope", "sd3")
+    (tmp_path / "file.safetensors").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError, match="diffusers model directory"):
+        check_model_dir(tmp_path / "file.safetensors", "sd3")
+    with pytest.raises(FileNotFoundError, match="no model_index.json"):
+        check_model_dir(tmp_path, "sd3")
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(FileNotFoundError, match="no transformer/ subfolder"):
+        check_model_dir(tmp_path, "sd3")
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="set pipeline.family: 'flux'"):
+        check_model_dir(tmp_path, "sd3")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PipelineConfig(resolution=500)
+    (tmp_path / "bad.yaml").write_text("pipeline:\n  family: sd3\n  cfg_scal: 2.0\n")
+    with pytest.raises(ValueError, match="pipeline.cfg_scal'; did you mean 'cfg_scale'"):
+        load_pipeline_config(tmp_path / "bad.yaml")
+
+
+def tiny_clip_tokenizer(cls, vocab: dict, tmp_dir: Path | None = None):
+    """A character-level CLIP tokenizer (transformers >= 5 takes the vocab directly; 4.x reads files)."""
+    try:
+        return cls(vocab=vocab, merges=[], model_max_length=77)
+    except TypeError:
+        import tempfile
+
+        d = Path(tmp_dir or tempfile.mkdtemp())
+        (d / "vocab.json").write_text(json.dumps(vocab))
+        (d / "merges.txt").write_text("#version: 0.2\n")
+        return cls(vocab_file=str(d / "vocab.json"), merges_file=str(d / "merges.txt"), model_max_length=77)
+
+
+def _tiny_clip(vocab_size_seed=0):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for ch in "abcdefghijklmnopqrstuvwxyz":
+        vocab[ch] = len(vocab)
+        vocab[ch + "</w>"] = len(vocab)
+    tok = tiny_clip_tokenizer(CLIPTokenizer, vocab)
+    cfg = CLIPTextConfig(vocab_size=len(vocab), hidden_size=D // 2, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=77, projection_dim=DP // 2,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(vocab_size_seed)
+    return tok, CLIPTextModelWithProjection(cfg)
+
+
+def test_load_model_from_a_local_directory(tmp_path):
+    """A tiny SD3 pipeline saved to disk: load with text encoders (encode_prompt), build a prompt cache, load without
+    them from the cache, sample a rollout, decode it and compute the KL reference."""
+    tok, te = _tiny_clip(0)
+    tok2, te2 = _tiny_clip(1)
+    pipe = diffusers.StableDiffusion3Pipeline(transformer=tiny_sd3(),
+                                              scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                                              vae=tiny_vae(), text_encoder=te, tokenizer=tok, text_encoder_2=te2,
+                                              tokenizer_2=tok2, text_encoder_3=None, tokenizer_3=None)
+    pipe.save_pretrained(tmp_path / "sd3")
+    yaml_text = (f"pipeline:\n  family: sd3\n  path: {tmp_path / 'sd3'}\n  dtype: fp32\n  device: cpu\n"
+                 "  resolution: 128\n  num_steps: 4\n  max_sequence_length: 8\n  lora: {rank: 2}\n"
+                 "sample: {group_size: 4}\n")
+    (tmp_path / "cfg.yaml").write_text(yaml_text)
+    cfg = load_pipeline_config(tmp_path / "cfg.yaml")
+    assert cfg.lora.rank == 2 and cfg.cfg_scale == 4.5
+    prompts = ["a red cube", "a red cube", "a blue ball", "a blue ball"]
+
+    model = load_model(cfg)                               # text encoders loaded: embeds with encode_prompt
+    assert model.latent_shape == (C, H, W) and model.shift == default_shift("sd3", 128, {"shift": 3.0}) == 3.0
+    e = model.embeddings(prompts)
+    assert e.prompt_embeds.shape == (4, 77 + 8, D) and not torch.allclose(e.pooled[0], e.pooled[2])
+    build_prompt_cache(cfg, prompts, tmp_path / "cache.safetensors")
+
+    import dataclasses
+    cached = load_model(dataclasses.replace(cfg, prompt_cache=str(tmp_path / "cache.safetensors")))
+    assert cached.pipe.text_encoder is None                # not loaded at all
+    torch.testing.assert_close(cached.embeddings(prompts).pooled, e.pooled)
+    with pytest.raises(KeyError, match="not in the prompt-embedding cache"):
+        cached.embeddings(["an unseen prompt"])
+    v = cached.velocity(prompts)
+    traj = jagg.sample_trajectories(v, cached.noise(4, torch.Generator().manual_seed(0)), cached.sigmas(), cfg.eta)
+    images = cached.decode(traj.latents[:, -1])
+    assert images.shape == (4, 128, 128, 3) and images.dtype == np.uint8
+    ref = jagg.reference_velocities(cached.reference(v), traj)
+    torch.testing.assert_close(ref[:, 0], traj.velocities[:, 0], rtol=1e-4, atol=1e-5)   # B = 0 at init
+    cached.save_adapter(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_flux_model_from_directory_with_prompt_cache(tmp_path):
+    pipe = diffusers.FluxPipeline(transformer=tiny_flux(), scheduler=FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True), vae=tiny_vae(), text_encoder=None, tokenizer=None, text_encoder_2=None,
+        tokenizer_2=None)
+    pipe.save_pretrained(tmp_path / "flux")
+    cond, _ = embeds(prompts=("a red cube", ""))
+    cond.select([0, 2]).save(tmp_path / "cache.pt")
+    cfg = PipelineConfig(family="flux", path=str(tmp_path / "flux"), dtype="fp32", device="cpu", resolution=128,
+                         num_steps=4, cfg_scale=1.0, guidance_embed=3.5, eta=0.9,
+                         prompt_cache=str(tmp_path / "cache.pt"),
+                         lora=LoraSettings(enabled=False), keep_reference=True, gradient_checkpointing=True)
+    model = load_model(cfg)
+    assert model.latent_shape == (C, H, W) and abs(model.shift - np.exp(0.5 + 0.65 * (64 - 256) / 3840)) < 1e-9
+    assert all(p.requires_grad for p in model.transformer.parameters())        # full fine-tuning
+    v = model.velocity(["a red cube"] * 2)
+    traj = jagg.sample_trajectories(v, model.noise(2), model.sigmas(), cfg.eta)
+    stats = jagg.policy_gradient(v, traj, torch.tensor([1.0, -1.0]), jagg.EstimatorConfig(mode="exact", micro_batch=2))
+    assert stats.backward_items == 2 * 4
+    assert decode_latents(model.vae, traj.latents[:, -1]).shape == (2, 128, 128, 3)
+    assert isinstance(model, RealModel) and model.reference(v) is not None
+
+
+@pytest.mark.parametrize("name, family, rank", [("sd35_medium", "sd3", 32), ("flux_dev", "flux", 64)])
+def test_shipped_yaml_configs_load(name, family, rank):
+    """configs/<name>.yaml: the pipeline section loads, the trainer sections use the trainer's keys, the reward
+    server section builds a client, and the placeholder model path fails with the download hint."""
+    import yaml
+
+    from jagg import train_config
+    from jagg.configuration import from_dict
+    from jagg.reward_server import RewardClient
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+    cfg = load_pipeline_config(path)
+    assert cfg.family == family and cfg.lora.resolved(family)[0] == rank
+    assert set(cfg.lora.resolved(family)[2]) == set(LoraSettings().resolved(family)[2])   # = Flow-GRPO's list
+    data = yaml.safe_load(path.read_text())
+    for section, cls in (("sample", train_config.SampleConfig), ("estimator", jagg.EstimatorConfig),
+                         ("optim", train_config.OptimConfig), ("grpo", train_config.GRPOConfig)):
+        from_dict(cls, data[section], section)
+    RewardClient(**data["reward_server"])
+    if not Path(cfg.path).exists():
+        with pytest.raises(FileNotFoundError, match="never downloads weights"):
+            load_model(cfg)

@@ -1,0 +1,179 @@
+"""Two CPU processes (gloo, loopback) give the same optimizer update as one process on the same global batch.
+
+The parent samples one global batch of trajectories; each of 2 spawned ranks takes its shard, computes rewards
+locally, gets advantages from the gathered batch (per prompt), and accumulates the policy gradient of its shard in
+two calls through a DDP-wrapped model, with the KL term, in `exact` and `jagg` (fresh and interp) modes. After one
+SGD step its parameters must equal the single-process ones. Two synchronisation styles are checked: the
+``no_sync_except_last`` backward context, and ``no_sync`` around everything plus ``all_reduce_gradients``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import jagg
+from jagg.distributed import (all_reduce_gradients, distributed_advantages, gather, gather_objects, loss_scale,
+                              no_sync_except_last, shard)
+
+S = (2, 3, 3)
+N_PROMPTS, GROUP = 4, 2
+N = N_PROMPTS * GROUP            # global batch
+T = 6
+MODES = [("exact", 1, "interp"), ("jagg", 3, "fresh"), ("jagg", 3, "interp")]
+SYNCS = ("context", "allreduce")
+
+
+class CondMLP(nn.Module):
+    """Velocity MLP in (x, sigma) with a learned per-prompt embedding."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(N_PROMPTS, 4).double()
+        self.net = nn.Sequential(nn.Linear(18 + 1 + 4, 32), nn.Tanh(), nn.Linear(32, 18)).double()
+
+    def forward(self, x, sigma, prompt):
+        h = torch.cat([x.flatten(1).double(), sigma.double()[:, None], self.emb(prompt)], 1)
+        return self.net(h).view(-1, *S)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is as fast, and far faster on a busy CPU (no OpenMP spin-waiting)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+PROMPTS = torch.arange(N) % N_PROMPTS           # sample -> prompt id (a prompt's group spans both ranks)
+
+
+def reward(latents):                            # [n, *S] -> [n]: any deterministic function of the sample
+    return latents.flatten(1).tanh().mean(1) * 10
+
+
+def make_batch():
+    model = CondMLP()
+    g = torch.Generator().manual_seed(0)
+    v = lambda x, s, i: model(x, s, PROMPTS[i])                        # noqa: E731
+    with torch.no_grad():
+        traj = jagg.sample_trajectories(v, torch.randn(N, *S, generator=g, dtype=torch.float64),
+                                        jagg.flow_sigmas(T, shift=3.0, dtype=torch.float64), 0.7, generator=g)
+    return traj
+
+
+def config(mode, window, inter):
+    return jagg.EstimatorConfig(mode=mode, window=window, intermediate=inter, micro_batch=4, kl_beta=0.5,
+                                clip_range=0.2)
+
+
+def single_process_update(traj, mode, window, inter):
+    model = CondMLP()
+    ref = copy.deepcopy(model)
+    with torch.no_grad():                                  # move off-policy so ratios, clipping and KL all matter
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype))
+    adv = jagg.group_advantages(reward(traj.latents[:, -1]), PROMPTS.tolist())
+    v = lambda x, s, i: model(x, s, PROMPTS[i])                        # noqa: E731
+    rv = jagg.reference_velocities(lambda x, s, i: ref(x, s, PROMPTS[i]), traj)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    jagg.policy_gradient(v, traj, adv, config(mode, window, inter), ref_velocities=rv)
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _worker(rank, world, traj, out_dir):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"                           # loopback only
+    torch.set_num_threads(1)
+    # rendezvous through a file (no port to pick and race for); gloo then connects over loopback
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))  # fails, never hangs
+    try:
+        sl = shard(N)
+        idx = torch.arange(N)[sl]
+        local = traj.select(idx)
+        # rewards and prompt ids are local; advantages come from the gathered batch
+        adv = distributed_advantages(reward(local.latents[:, -1]), PROMPTS[idx].tolist())
+        assert gather(adv).shape == (N,) and gather_objects([rank]) == list(range(world))
+        results = {}
+        for mode, window, inter in MODES:
+            for sync in SYNCS:
+                model = CondMLP()
+                ref = copy.deepcopy(model)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3),
+                                                  dtype=p.dtype))
+                ddp = nn.parallel.DistributedDataParallel(model)
+                glob = idx                                         # local sample -> global prompt via its index
+                opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+                halves = [torch.arange(0, 2), torch.arange(2, 4)]  # two accumulation calls per rank
+                outer = ddp.no_sync() if sync == "allreduce" else contextlib.nullcontext()
+                with outer:
+                    for j, h in enumerate(halves):
+                        part = local.select(h)
+                        rows = glob[h]                                  # this call's samples -> global index
+                        v = lambda x, s, i, m=ddp, r=rows: m(x, s, PROMPTS[r[i]])              # noqa: E731
+                        rv = jagg.reference_velocities(lambda x, s, i, m=ref, r=rows: m(x, s, PROMPTS[r[i]]), part)
+                        ctx = (no_sync_except_last(ddp, sync=(j == len(halves) - 1)) if sync == "context"
+                               else None)
+                        jagg.policy_gradient(v, part, adv[h], config(mode, window, inter), ref_velocities=rv,
+                                             loss_scale=loss_scale(len(h), N), backward_context=ctx)
+                if sync == "allreduce":
+                    all_reduce_gradients(ddp.parameters())
+                opt.step()
+                results[(mode, window, inter, sync)] = [p.detach().clone() for p in model.parameters()]
+        all_adv = gather(adv)                                      # a collective: every rank calls it
+        if rank == 0:
+            torch.save({"results": results, "adv": all_adv}, os.path.join(out_dir, "rank0.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shard_and_loss_scale_without_process_group():
+    assert shard(8, 1, 2) == slice(4, 8)
+    with pytest.raises(ValueError, match="does not split evenly"):
+        shard(7, 0, 2)
+    assert loss_scale(4, 8, 2) == 1.0 and loss_scale(2, 8, 2) == 0.5
+    adv = distributed_advantages(torch.tensor([1.0, 2.0, 3.0, 5.0]), ["a", "a", "b", "b"])
+    torch.testing.assert_close(adv, jagg.group_advantages(torch.tensor([1.0, 2.0, 3.0, 5.0]), ["a", "a", "b", "b"]))
+    ctx = no_sync_except_last(nn.Linear(1, 1))
+    with ctx(False), ctx(True):
+        pass
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_two_processes_equal_one_process(tmp_path):
+    traj = make_batch()
+    mp.spawn(_worker, args=(2, traj, str(tmp_path)), nprocs=2, join=True)
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    torch.testing.assert_close(got["adv"], jagg.group_advantages(reward(traj.latents[:, -1]), PROMPTS.tolist()))
+    for mode, window, inter in MODES:
+        want = single_process_update(traj, mode, window, inter)
+        start = CondMLP()
+        moved = sum(float((w - p).abs().max()) for w, p in zip(want, start.parameters()))
+        assert moved > 1e-3, "the update must move the parameters for the comparison to mean anything"
+        for sync in SYNCS:
+            for a, b in zip(got["results"][(mode, window, inter, sync)], want):
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=f"{mode} W={window} {inter} {sync}")
+
+
+@pytest.mark.parametrize("name, kind", [("ddp", "MULTI_GPU"), ("fsdp", "FSDP"), ("deepspeed_zero2", "DEEPSPEED")])
+def test_accelerate_configs_parse(name, kind):
+    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    from pathlib import Path
+
+    cfg = config_args.load_config_from_file(str(Path(__file__).resolve().parents[1] / "configs" / "accelerate"
+                                                 / f"{name}.yaml"))
+    assert cfg.distributed_type.name == kind and cfg.mixed_precision == "bf16"

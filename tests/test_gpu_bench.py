@@ -1,0 +1,72 @@
+"""benchmarks/gpu_bench.py: the --scaled-down smoke run on the CPU, its JSON, the time budget, and the full-size
+configs (built on the meta device: no memory, no download)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_bench"] = mod                  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_scaled_down_run_writes_table_and_json(bench, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    result = bench.main(["--scaled-down", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert "speedup" in text and f"wrote {out}" in text
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert len(rows) == 2 * 2 * 6 == len(result["rows"])        # models x resolutions x (exact, W2, W4 x2, W8 x2)
+    assert all(r["status"] == "ok" and r["seconds"] > 0 for r in rows)
+    by = {(r["model"], r["resolution"], r["mode"], r["window"], r["intermediate"]): r for r in rows}
+    for model in ("sd35m", "flux"):
+        for res in (512, 1024):
+            k = (model, res)
+            assert by[k + ("exact", 1, "-")]["backward_items"] == 8      # 1 sample x 8 trained steps
+            assert by[k + ("jagg", 2, "-")]["backward_items"] == 8
+            assert by[k + ("jagg", 4, "fresh")]["backward_items"] == 4
+            assert by[k + ("jagg", 4, "fresh")]["forward_nograd_items"] == 4
+            assert by[k + ("jagg", 8, "interp")]["backward_items"] == 2
+            assert by[k + ("jagg", 8, "interp")]["forward_nograd_items"] == 0
+            assert by[k + ("jagg", 8, "fresh")]["cost_limit"] == pytest.approx(2.0)
+            assert by[k + ("jagg", 8, "interp")]["cost_limit"] == pytest.approx(4.0)
+    assert data["config"]["scaled_down"] is True and data["env"]["torch"] == torch.__version__
+
+
+def test_bf16_path_and_time_budget(bench, tmp_path):
+    r = bench.main(["--scaled-down", "--dtype", "bf16", "--models", "sd35m", "--resolutions", "512", "--windows", "4",
+                    "--intermediates", "interp", "--autocast", "--out", str(tmp_path / "a.json")])
+    assert [x["status"] for x in r["rows"]] == ["ok", "ok"]
+    r = bench.main(["--scaled-down", "--time-budget", "0", "--out", str(tmp_path / "b.json")])
+    assert r["rows"] and all(x["status"].startswith("skipped") for x in r["rows"])
+    with pytest.raises(ValueError, match="micro-batch"):
+        bench.main(["--scaled-down", "--micro-batch", "1"])
+
+
+def test_full_size_configs_build(bench):
+    import diffusers
+
+    counts = {}
+    for name, spec in bench.FULL.items():
+        with torch.device("meta"):
+            model = getattr(diffusers, spec["cls"])(**spec["config"])
+        counts[name] = sum(p.numel() for p in model.parameters())
+    assert 2.2e9 < counts["sd35m"] < 2.6e9          # SD3.5-Medium transformer
+    assert 11.8e9 < counts["flux"] < 12.0e9         # FLUX.1-dev transformer
