@@ -51,8 +51,9 @@ def test_train_smoke(tmp_path, tiny_ckpt):
 
 def test_training_changes_weights_and_is_deterministic(tmp_path, tiny_ckpt):
     a, b = tmp_path / "a", tmp_path / "b"
-    assert main(tiny_train_args(tiny_ckpt, a, 2)) == 0
-    assert main(tiny_train_args(tiny_ckpt, b, 2)) == 0
+    jpeg = "reward.name=jpeg_compressibility"  # a random model scores 0 on geneval: no advantage, no gradient
+    assert main(tiny_train_args(tiny_ckpt, a, 2, jpeg)) == 0
+    assert main(tiny_train_args(tiny_ckpt, b, 2, jpeg)) == 0
     ra = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in _records(a)]
     rb = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in _records(b)]
     assert ra == rb
@@ -62,6 +63,11 @@ def test_training_changes_weights_and_is_deterministic(tmp_path, tiny_ckpt):
     pa, pb = _params(a), _params(b)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     assert any(not torch.equal(pa[k], init[k]) for k in pa)
+    c = tmp_path / "c"  # only the matching parameters move when model.trainable restricts them
+    assert main(tiny_train_args(tiny_ckpt, c, 2, jpeg, "model.trainable=final")) == 0
+    pc = _params(c)
+    assert {k for k in pc if not torch.equal(pc[k], init[k])} <= {k for k in pc if "final" in k}
+    assert any(not torch.equal(pc[k], init[k]) for k in pc)
 
 
 @pytest.mark.parametrize("extra", [(), ("optim.ema_decay=0.9", "estimator.mode=exact")])

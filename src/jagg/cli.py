@@ -81,13 +81,10 @@ def _pretrain(args) -> int:
 
 
 def _sample(args) -> int:
-    import torch
-
     from .checkpoint import load_model
     from .evaluation import generate
     from .metrics import save_grid
 
-    torch.set_grad_enabled(False)
     model = load_model(args.checkpoint)
     prompts = list(args.prompt or [])
     if args.prompt_file:
@@ -105,13 +102,10 @@ def _sample(args) -> int:
 
 
 def _eval(args) -> int:
-    import torch
-
     from .checkpoint import load_model
     from .evaluation import evaluate
     from .rewards.registry import get_reward
 
-    torch.set_grad_enabled(False)
     metrics, _, _ = evaluate(load_model(args.checkpoint), get_reward(args.reward), args.num_prompts,
                              args.images_per_prompt, args.steps, args.guidance_scale, args.seed, args.shift)
     text = json.dumps(metrics, indent=2)

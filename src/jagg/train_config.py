@@ -48,9 +48,20 @@ class ModelConfig:
     checkpoint: str = field(default=DEFAULT_CHECKPOINT, metadata=_help(
         "Pretrained TinyDiT .safetensors to fine-tune; 'builtin:tiny_dit' is the checkpoint shipped with jagg."))
 
+    trainable: str = field(default="all", metadata=_help(
+        "Parameters GRPO updates: 'all', or a regular expression over parameter names (re.search), e.g. "
+        "'ada|final' for the adaLN modulation and output layers only; the rest stay frozen."))
+
     def __post_init__(self):
+        import re
+
         if not self.checkpoint:
             raise ValueError("model.checkpoint must be a path or 'builtin:tiny_dit'")
+        if self.trainable != "all":
+            try:
+                re.compile(self.trainable)
+            except re.error as e:
+                raise ValueError(f"model.trainable {self.trainable!r} is not a valid regular expression: {e}") from None
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -66,8 +67,14 @@ class Trainer:
         self.model = load_model(cfg.model.checkpoint, use_ema=True)
         self.model_config = self.model.config.to_dict()
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if cfg.estimator.kl_beta > 0 else None
+        if cfg.model.trainable != "all":
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(re.search(cfg.model.trainable, name) is not None)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"model.trainable {cfg.model.trainable!r} matches no parameter name")
         o = cfg.optim
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.ema = [p.detach().clone() for p in self.model.parameters()] if o.ema_decay > 0 else None
         self.reward_fn = get_reward(cfg.reward.weights or cfg.reward.name)
         self.prompts = cfg.sample.prompts()
@@ -132,6 +139,7 @@ class Trainer:
                                    generator=self.gen, micro_batch=c.micro_batch)
         return prompts, tokens, traj
 
+    @torch.enable_grad()
     def _update(self, traj, tokens, adv, ref_v) -> dict:
         """One optimizer update on a minibatch; returns its statistics."""
         c = self.cfg
