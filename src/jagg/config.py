@@ -23,7 +23,9 @@ class EstimatorConfig:
     jagg_frac: float = field(default=1.0, metadata={"help": "Fraction in [0, 1] of (sample, group) pairs sent "
                              "through JAGG, the most linear first by `score`; the rest run exact. 0 = exact. Only "
                              "groups of >= 3 steps count (JAGG is exact and no cheaper on 1- or 2-step groups)."})
-    score: str = field(default="chord", metadata={"help": f"Linearity score used by routing, one of {SCORES}."})
+    score: str = field(default="cosine", metadata={"help": f"Linearity score used by routing, one of {SCORES}. "
+                       "'cosine' (mean cosine of consecutive velocity increments with the chord) ranked the true "
+                       "per-group gradient cosine best in `jagg bench fidelity` (docs/RESULTS.md)."})
     exact_first_groups: int = field(default=0, metadata={"help": "Always run the first N groups of the "
                                     "trajectory (highest noise) exact."})
     exact_last_groups: int = field(default=0, metadata={"help": "Always run the last N groups exact."})
