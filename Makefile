@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 train: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(VENV)/bin/jagg train --config configs/default.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
