@@ -73,7 +73,7 @@ def test_bench_speed_smoke(tmp_path, bench_ckpt):
 def test_bench_fidelity_smoke(tmp_path, bench_ckpt):
     out = tmp_path / "fidelity.json"
     sets = ["sample.num_steps=6", "sample.prompts_per_iter=2", "sample.group_size=2", "estimator.micro_batch=4",
-            "estimator.intermediate=interp"]
+            "estimator.intermediate=interp", "sample.sde_window=null"]
     args = ["bench", "fidelity", "--checkpoint", bench_ckpt, "--advantages", "random", "--windows", "2", "4",
             "--fracs", "0.5", "1.0", "--threads", "1", "--json", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
@@ -100,7 +100,7 @@ def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "quality"
     sets = [f"model.checkpoint={bench_ckpt}", "grpo.iterations=2", "sample.num_steps=4", "sample.prompts_per_iter=2",
             "sample.group_size=2", "eval.num_prompts=4", "eval.num_steps=3", "estimator.micro_batch=4",
-            "grpo.drop_zero_spread=false", "threads=1"]
+            "grpo.drop_zero_spread=false", "threads=1", "grpo.updates_per_epoch=2", "sample.sde_window=null"]
     args = ["bench", "quality", "--quick", "--out", str(out)] + [a for s in sets for a in ("--set", s)]
     assert main(args) == 0
     recs = json.loads((out / "quality.json").read_text())

@@ -246,7 +246,7 @@ def test_pretrain_is_deterministic_and_ema_runs():
 
 def test_pretrain_loss_decreases_and_model_follows_prompt():
     torch.manual_seed(0)
-    model = TinyDiT(tiny_cfg(cfg_dropout=0.1))
+    model = TinyDiT(tiny_cfg(cfg_dropout=0.1, pos_init="normal"))  # at 4x4 tokens the sin-cos start learns slower
     logs = []
     cfg = PretrainConfig(steps=100, batch_size=32, lr=3e-3, warmup=10, log_every=10, sigma_sampling="uniform")
     pretrain(model, solid_colours, cfg, log=logs.append)

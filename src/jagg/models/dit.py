@@ -48,10 +48,13 @@ class DiTConfig:
     text_depth: int = 2
     text_heads: int = 4
     cfg_dropout: float = 0.1  # training-time probability of replacing the prompt by the empty prompt
+    pos_init: str = "sincos"  # image position embedding init: "sincos" (2-D sin-cos, DiT) or "normal" (N(0, 0.02))
 
     def __post_init__(self):
+        if self.pos_init not in ("sincos", "normal"):
+            raise ValueError(f"DiTConfig.pos_init must be 'sincos' or 'normal', got {self.pos_init!r}")
         for f in fields(self):
-            if f.name == "cfg_dropout":
+            if f.name in ("cfg_dropout", "pos_init"):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -263,9 +266,12 @@ class TinyDiT(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
         for prm in (self.text.pos, self.text.null):
             nn.init.normal_(prm, std=0.02)
-        with torch.no_grad():  # fixed-style 2-D sin-cos start (DiT/MAE), still learnable
-            h = self.config.image_size // self.config.patch_size
-            self.pos.copy_(sincos_2d(h, h, self.config.dim)[None])
+        if self.config.pos_init == "normal":
+            nn.init.normal_(self.pos, std=0.02)
+        else:
+            with torch.no_grad():  # fixed-style 2-D sin-cos start (DiT/MAE), still learnable
+                h = self.config.image_size // self.config.patch_size
+                self.pos.copy_(sincos_2d(h, h, self.config.dim)[None])
         # adaLN-Zero: every gate/shift/scale starts at 0 (blocks start as identity on the attn/MLP paths),
         # and the output layer starts at 0, so the initial velocity is exactly 0.
         for lin in [blk.ada[-1] for blk in self.blocks] + [self.final_ada[-1], self.final]:
