@@ -89,13 +89,6 @@ def family(request):
     return request.param
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is as fast, and far faster on a busy CPU (no OpenMP spin-waiting)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def test_on_policy_ratio_is_one_and_jagg_pairs_equal_exact(family):

@@ -46,13 +46,6 @@ class CondMLP(nn.Module):
         return self.net(h).view(-1, *S)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is as fast, and far faster on a busy CPU (no OpenMP spin-waiting)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 PROMPTS = torch.arange(N) % N_PROMPTS           # sample -> prompt id (a prompt's group spans both ranks)

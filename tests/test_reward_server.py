@@ -21,15 +21,6 @@ from jagg.reward_server import (AestheticReward, ClipScoreReward, PickScoreRewar
                                 load_reward, make_server)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is as fast, and far faster on a busy CPU (no OpenMP spin-waiting)."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def echo_reward(images, prompts, metadata=None):
