@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .advantages import group_advantages, nonzero_spread_mask
-from .checkpoint import list_checkpoints, load_latest, load_model, save_checkpoint
+from .checkpoint import load_latest, load_model, save_checkpoint
 from .configuration import to_dict
 from .estimator import policy_gradient, reference_velocities
 from .evaluation import evaluate
