@@ -12,3 +12,23 @@ def flaky_geneval(images, prompts, metadata):
     if CALLS == FAIL_AT:
         raise ConnectionError("reward server went away")
     return GenevalReward()(images, prompts, metadata)
+
+
+def brightness(images, prompts, metadata):
+    """Mean pixel value in [0, 1]: smooth and prompt-independent, so its policy gradient has a clear signal."""
+    import numpy as np
+
+    from jagg.world.render import to_uint8
+
+    return to_uint8(images).reshape(len(prompts), -1).mean(1).astype(np.float32) / 255.0
+
+
+def coin(images, prompts, metadata):
+    """A reward that ignores what the image shows (a hash of its bytes): no signal to learn."""
+    import zlib
+
+    import numpy as np
+
+    from jagg.world.render import to_uint8
+
+    return np.array([zlib.crc32(im.tobytes()) % 1000 / 1000 for im in to_uint8(images)], dtype=np.float32)

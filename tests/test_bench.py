@@ -120,3 +120,36 @@ def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
     capsys.readouterr()
     assert main(args) == 0                                      # finished runs are skipped
     assert capsys.readouterr().out.count("already done") == 3
+
+
+def test_agreement_statistic_on_synthetic_gradients():
+    from jagg.bench.signal import agreement, samples_for_half
+
+    gen = torch.Generator().manual_seed(0)
+    mu = torch.randn(2000, generator=gen, dtype=torch.float64)
+    # K estimates = mu + noise with tr(Cov) = 4 |mu|^2 -> expected c = 1 / 5
+    est = mu + 2 * torch.randn(12, 2000, generator=gen, dtype=torch.float64) * mu.norm() / 2000 ** 0.5
+    c, se = agreement(est)
+    assert c == pytest.approx(0.2, abs=0.03) and 0 < se < 0.05
+    noise = torch.randn(12, 2000, generator=gen, dtype=torch.float64)
+    c0, se0 = agreement(noise)
+    assert abs(c0) < 3 * se0 + 0.01
+    assert samples_for_half(0.2, 0.01, 32) == (pytest.approx(128.0), False)   # N (1 - c) / c
+    assert samples_for_half(0.0, 0.01, 32)[1] is True                       # not significant: a lower bound
+
+
+def test_bench_signal_separates_a_learnable_reward_from_noise(tmp_path, bench_ckpt, capsys):
+    out = tmp_path / "signal.json"
+    sets = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=4", "sample.prompts_per_iter=8",
+            "sample.group_size=4", "estimator.micro_batch=8", "threads=1", "model.trainable=final.bias",
+            "sample.sde_window=null"]
+    args = ["bench", "signal", "--batches", "8", "--rewards", "reward_plugins:brightness", "reward_plugins:coin",
+            "--out", str(tmp_path / "scratch"), "--json", str(out)] + [a for s in sets for a in ("--set", s)]
+    assert main(args) == 0
+    recs = {r["reward"]: r for r in json.loads(out.read_text())}
+    bright, coin = recs["reward_plugins:brightness"], recs["reward_plugins:coin"]
+    assert bright["samples_per_batch"] == 32 and bright["batches"] == 8
+    assert bright["cosine"] > 2 * bright["cosine_se"] and bright["cosine"] > coin["cosine"] + 0.1
+    assert abs(coin["cosine"]) < 3 * coin["cosine_se"] + 0.05
+    assert bright["lower_bound"] is False and bright["samples_for_cosine_0.5"] > 0
+    assert "N for cos 0.5" in capsys.readouterr().out

@@ -122,7 +122,8 @@ class Trainer:
         return save_checkpoint(self._state(), self.ckpt_dir, self.iteration, self.cfg.log.keep_last)
 
     # ------------------------------------------------------------------ one iteration
-    def _sample(self):
+    def sample_batch(self):
+        """Sample one iteration's batch: ``(prompts [B], tokens [B, L], Trajectory)`` (advances the RNGs)."""
         c = self.cfg.sample
         idx = self.np_rng.choice(len(self.prompts), size=c.prompts_per_iter, replace=len(self.prompts) < c.prompts_per_iter)
         prompts = [self.prompts[i] for i in idx for _ in range(c.group_size)]
@@ -178,7 +179,7 @@ class Trainer:
         c = self.cfg
         self._rng_at_start, self._updating = self._rng_state(), False
         t0 = time.perf_counter()
-        prompts, tokens, traj = self._sample()
+        prompts, tokens, traj = self.sample_batch()
         t1 = time.perf_counter()
         images = from_tensor(traj.latents[:, -1])
         scores, info = self.reward_fn(images, prompts, None)

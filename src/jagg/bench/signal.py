@@ -1,0 +1,167 @@
+"""``jagg bench signal``: does the policy gradient carry a learnable signal at this batch size?
+
+GRPO only improves a reward when the gradient of one update points, more than by chance, where the next one
+does. This benchmark measures that directly, with the trainer's own sampling (the same config) and the
+trainer's own gradient (:func:`jagg.policy_gradient`, no optimizer step): it draws ``K`` independent batches,
+computes one gradient ``g_i`` per batch over the trainable parameters, and reports per reward
+
+    c = mean_{i != j} <g_i, g_j> / mean_i |g_i|^2
+
+the expected cosine between two updates (an unbiased ratio of ``|E g|^2`` to ``E |g|^2``; jackknife standard
+error over the batches). With ``N`` samples per batch, ``c = N s / (N s + 1)`` where ``s`` is the per-sample
+signal-to-noise ratio ``|E g_1|^2 / tr Cov(g_1)``, so ``s = c / ((1 - c) N)`` and two updates agree with a
+cosine of 0.5 from ``1 / s`` samples per update on (reported as a lower bound from ``c + 2 SE`` when ``c``
+is not significant). A value of ``c`` near 0 means the update is noise: Adam turns it into a random walk
+that drifts the model away from its pretrained optimum.
+
+Several rewards (``--rewards``) are compared on the same trajectories: each batch is sampled once and
+differentiated once per reward. ``--fixed-prompts`` gives every batch the same prompts, which separates "no
+signal" from "a different direction for each prompt".
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import statistics
+
+import numpy as np
+import torch
+
+from .. import configuration
+from ..advantages import group_advantages
+from ..estimator import policy_gradient
+from ..models import GuidedVelocity
+from ..rewards.registry import get_reward
+from ..train_config import TrainConfig
+from ..world import from_tensor
+from .common import default_config_path, flat_grad, table, write_json
+
+QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=0"]
+
+
+def agreement(grads: torch.Tensor) -> tuple[float, float]:
+    """``grads`` ``[K, P]`` (K >= 3 independent estimates) -> ``(c, jackknife standard error of c)``.
+
+    ``c = mean_{i != j} <g_i, g_j> / mean_i |g_i|^2``: the expected cosine between two independent estimates.
+    """
+    k = grads.shape[0]
+    if k < 3:
+        raise ValueError(f"need >= 3 gradient estimates for a standard error; got {k}")
+    gram = (grads @ grads.T).double()                     # [K, K]
+
+    def c_of(idx: list[int]) -> float:
+        sub = gram[idx][:, idx]
+        n = len(idx)
+        off = (sub.sum() - sub.diagonal().sum()) / (n * (n - 1))
+        return float(off / sub.diagonal().mean())
+
+    c = c_of(list(range(k)))
+    loo = np.array([c_of([j for j in range(k) if j != i]) for i in range(k)])
+    se = math.sqrt((k - 1) / k * float(((loo - loo.mean()) ** 2).sum()))
+    return c, se
+
+
+def samples_for_half(c: float, se: float, n: float) -> tuple[float, bool]:
+    """Samples per update at which two updates have an expected cosine of 0.5, and whether that is a
+    lower bound (``c`` within 2 SE of 0: computed from ``c + 2 SE``)."""
+    bound = c <= 2 * se
+    cc = c + 2 * se if bound else c
+    if cc <= 0:
+        return math.inf, True
+    cc = min(cc, 1 - 1e-12)
+    return n * (1 - cc) / cc, bound
+
+
+def measure(cfg: TrainConfig, rewards: list[str], batches: int, fixed_prompts: bool = False) -> list[dict]:
+    """One record per reward: the agreement of ``batches`` independent gradient estimates (module docstring)."""
+    from ..trainer import Trainer
+
+    if batches < 3:
+        raise ValueError(f"--batches must be >= 3; got {batches}")
+    trainer = Trainer(cfg)
+    fns = {name: get_reward(name) for name in rewards}
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads = {name: [] for name in rewards}
+    spread = {name: [] for name in rewards}
+    stds = {name: [] for name in rewards}
+    means = {name: [] for name in rewards}
+    trained = []
+    for _ in range(batches):
+        if fixed_prompts:
+            trainer.np_rng = np.random.default_rng(cfg.seed)
+        prompts, tokens, traj = trainer.sample_batch()
+        images = from_tensor(traj.latents[:, -1])
+        trained.append(len(prompts))
+        for name, fn in fns.items():
+            scores, _ = fn(images, prompts, None)
+            r = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
+            groups = r.view(-1, cfg.sample.group_size)    # [prompts_per_iter, group_size]
+            spread[name].append(float((groups.std(1) > 0).float().mean()))
+            stds[name].append(float(groups.std(1).mean()))
+            means[name].append(float(r.mean()))
+            adv = group_advantages(r, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
+            trainer.opt.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                policy_gradient(GuidedVelocity(trainer.model, tokens, cfg.sample.guidance_scale), traj, adv,
+                                cfg.estimator)
+            grads[name].append(flat_grad(params))
+    n = statistics.fmean(trained)
+    out = []
+    for name in rewards:
+        g = torch.stack(grads[name])                       # [K, P]
+        c, se = agreement(g)
+        need, bound = samples_for_half(c, se, n)
+        out.append({
+            "reward": name, "batches": batches, "samples_per_batch": n, "fixed_prompts": fixed_prompts,
+            "trainable": cfg.model.trainable, "params": int(g.shape[1]), "mode": cfg.estimator.mode,
+            "cosine": c, "cosine_se": se, "snr_per_sample": c / ((1 - c) * n) if 0 < c < 1 else None,
+            "samples_for_cosine_0.5": need, "lower_bound": bound,
+            "grad_norm": float(g.norm(dim=1).mean()), "reward_mean": statistics.fmean(means[name]),
+            "within_group_std": statistics.fmean(stds[name]), "groups_with_spread": statistics.fmean(spread[name]),
+        })
+    return out
+
+
+COLUMNS = [("reward", "reward", ""), ("samples_per_batch", "N", ".0f"), ("cosine", "cos(g_i, g_j)", ".4f"),
+           ("cosine_se", "± SE", ".4f"), ("need", "N for cos 0.5", ""),
+           ("reward_mean", "reward", ".3f"), ("within_group_std", "group std", ".3f"),
+           ("groups_with_spread", "groups w/ spread", ".2f"), ("grad_norm", "|g|", ".2e")]
+
+
+def _run(args: argparse.Namespace) -> int:
+    sets = (QUICK_SETS if args.quick else []) + ["log.progress=false", "log.tensorboard=false"]
+    sets += [f"log.output_dir={args.out}"] + list(args.set or [])
+    cfg = configuration.load(TrainConfig, args.config, sets)
+    rewards = args.rewards or [cfg.reward.name]
+    batches = args.batches if args.batches is not None else (3 if args.quick else 8)
+    records = measure(cfg, rewards, batches, args.fixed_prompts)
+    shown = [{**r, "need": (">= " if r["lower_bound"] else "") + (
+        "inf" if math.isinf(r["samples_for_cosine_0.5"]) else f"{r['samples_for_cosine_0.5']:.0f}")} for r in records]
+    print(f"{batches} batches of {records[0]['samples_per_batch']:.0f} samples, {cfg.estimator.mode} gradients over "
+          f"{records[0]['params']} trainable parameters ({cfg.model.trainable!r})"
+          f"{', the same prompts in every batch' if args.fixed_prompts else ''}")
+    print(table(shown, COLUMNS))
+    if args.json:
+        write_json(args.json, records)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("signal", help="gradient agreement between independent batches: is there a signal to learn?",
+                       description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=default_config_path(),
+                   help="trainer YAML [default: configs/default.yaml when present]")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a trainer config key (repeatable), e.g. model.trainable=all")
+    p.add_argument("--rewards", nargs="+", metavar="REWARD",
+                   help="rewards to compare on the same trajectories: registry names or module:function "
+                        "[default: the config's reward.name]")
+    p.add_argument("--batches", type=int, help="independent batches K (>= 3) [default: 8; 3 with --quick]")
+    p.add_argument("--fixed-prompts", action="store_true", help="every batch uses the same prompts")
+    p.add_argument("--out", default="runs/bench_signal", help="scratch run directory [default: runs/bench_signal]")
+    p.add_argument("--json", help="also write the records to this JSON file")
+    p.add_argument("--quick", action="store_true", help=f"smaller batches: {' '.join(QUICK_SETS)}")
+    p.set_defaults(func=_run)
