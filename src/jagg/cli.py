@@ -22,6 +22,14 @@ def _keys_epilog(cls) -> str:
     return "config keys (set in YAML or with --set key=value):\n" + "\n".join(lines)
 
 
+def _real_keys_epilog() -> str:
+    try:
+        from .integrations.train import RealTrainConfig
+    except ImportError:
+        return ""
+    return "\n\nwith a pipeline: section (real models), " + _keys_epilog(RealTrainConfig)
+
+
 @dataclass
 class PretrainRunConfig:
     """``jagg pretrain``: the TinyDiT architecture, the optimisation, and where to write the checkpoint."""
@@ -36,11 +44,17 @@ class PretrainRunConfig:
 
 
 def _train(args) -> int:
-    from .trainer import Trainer
-
     overrides = list(args.set or [])
     if args.output_dir:
         overrides.append(f"log.output_dir={args.output_dir}")
+    from .integrations.train import has_pipeline_section
+
+    if has_pipeline_section(args.config):          # a real diffusers model (SD3/FLUX): jagg.integrations.train
+        from .integrations.train import run
+
+        return run(args.config, overrides, resume=args.resume)
+    from .trainer import Trainer
+
     cfg = configuration.load(TrainConfig, args.config, overrides)
     records = Trainer(cfg, resume=args.resume).train()
     evals = [r for r in records if r["kind"] == "eval"]
@@ -119,8 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jagg", description="GRPO fine-tuning of flow-matching models with JAGG.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="GRPO training on the embedded shapes world",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_epilog(TrainConfig))
+    t = sub.add_parser("train", help="GRPO training on the embedded shapes world, or on SD3/FLUX (pipeline: config)",
+                       description="GRPO training. A --config whose YAML has a top-level `pipeline:` section "
+                       "(configs/sd35_medium.yaml, configs/flux_dev.yaml) trains that diffusers model (SD3/SD3.5, "
+                       "FLUX.1) from its local directory with jagg.integrations.train (its keys: the second list "
+                       "below; docs/real_models.md); any other config trains the embedded TinyDiT.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=_keys_epilog(TrainConfig) + _real_keys_epilog())
     t.add_argument("--config", default=DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None,
                    help=f"YAML config (default: {DEFAULT_CONFIG} when present, else built-in defaults)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")

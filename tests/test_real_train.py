@@ -1,0 +1,355 @@
+"""``jagg train --config <yaml with pipeline:>`` end to end on tiny random diffusers models saved to disk.
+
+SD3 with LoRA: metrics, diffusers-loadable adapters, only the adapters train, ``--resume`` continues exactly as an
+uninterrupted run. FLUX with full fine-tuning, the KL reference and an HTTP reward server. Clear errors for bad model
+paths, prompt files, prompt caches and rewards; SIGTERM saves and exits; non-finite updates are skipped, then the run
+aborts. Two gloo processes keep their replicas identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+import diffusers  # noqa: E402
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: E402
+from test_diffusers import _tiny_clip, embeds, tiny_flux, tiny_sd3, tiny_vae  # noqa: E402
+
+from jagg.cli import main  # noqa: E402
+from jagg.integrations import VelocityConfig, velocity_adapter  # noqa: E402
+from jagg.integrations import train as real_train  # noqa: E402
+
+PROMPTS = ["a red cube", "a blue ball", "a green cone"]
+
+
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory) -> Path:
+    """A tiny random SD3 pipeline (2 tiny CLIP text encoders, no T5) saved as a local diffusers directory."""
+    tok, te = _tiny_clip(0)
+    tok2, te2 = _tiny_clip(1)
+    pipe = diffusers.StableDiffusion3Pipeline(transformer=tiny_sd3(), vae=tiny_vae(),
+                                              scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                                              text_encoder=te, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok2,
+                                              text_encoder_3=None, tokenizer_3=None)
+    path = tmp_path_factory.mktemp("models") / "sd3"
+    pipe.save_pretrained(path)
+    return path
+
+
+def write_sd3_config(tmp_path: Path, model_dir: Path | str) -> Path:
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n\n")
+    cfg = tmp_path / "sd3.yaml"
+    cfg.write_text(f"""\
+pipeline:
+  family: sd3
+  path: {model_dir}
+  dtype: fp32
+  device: cpu
+  resolution: 128
+  num_steps: 4
+  cfg_scale: 4.5
+  max_sequence_length: 8
+  lora: {{enabled: true, rank: 2}}
+reward:
+  name: jpeg_compressibility
+sample:
+  prompts_file: {tmp_path / "prompts.txt"}
+  prompts_per_iter: 2
+  group_size: 2
+  micro_batch: 4
+estimator: {{mode: jagg, window: 3, intermediate: interp, micro_batch: 4, clip_range: 0.2, kl_beta: 0.01}}
+optim: {{lr: 0.01}}
+grpo: {{iterations: 2, updates_per_epoch: 2, drop_zero_spread: false}}
+log: {{output_dir: {tmp_path / "default_run"}, checkpoint_every: 1, keep_last: 2, tensorboard: false, progress: false}}
+threads: 1
+""")
+    return cfg
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Every RealTrainer that `jagg train` runs, with copies of its trainable weights when training starts."""
+    seen = []
+    original = real_train.RealTrainer.train
+
+    def train(self):
+        seen.append((self, lora_weights(self), [int(self.opt.state[p]["step"]) for p in self.params
+                                                 if p in self.opt.state]))
+        return original(self)
+
+    monkeypatch.setattr(real_train.RealTrainer, "train", train)
+    return seen
+
+
+def lora_weights(trainer) -> dict:
+    return {n: p.detach().clone() for n, p in trainer.named_params.items()}
+
+
+def test_sd3_lora_train_adapters_and_resume(tmp_path, sd3_dir, captured):
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(cfg), "--output-dir", str(out)]) == 0
+    rec = records(out)
+    assert [r["iteration"] for r in rec] == [1, 2] and all(r["kind"] == "train" for r in rec)
+    for r in rec:
+        assert np.isfinite(r["reward_mean"]) and np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"])
+        assert r["samples"] == 4 and r["trained_samples"] == 4 and r["updates"] == 2 and r["skipped"] == 0
+        # 4 samples x 4 trained steps in groups [0,1,2] (JAGG: 2 endpoint rows) + [3] (exact: 1 row)
+        assert r["backward_items"] == 4 * 3 and r["jagg_frac_routed"] == 1.0
+    assert rec[1]["kl"] > 0                                  # the policy moved away from the reference
+    ck = out / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["adapter_000001", "adapter_000002", "ckpt_000001.pt",
+                                                    "ckpt_000002.pt"]
+    assert (out / "samples" / "iter_000002.png").is_file() and (out / "reward_curve.png").is_file()
+
+    trainer, start, _ = captured[0]
+    assert trainer.params and all("lora_" in n for n in trainer.named_params)
+    end = lora_weights(trainer)
+    changed = {n for n in end if not torch.equal(start[n], end[n])}
+    # the adapters trained: every lora_B but those with an exactly zero gradient (the last SD3 block's context query
+    # only feeds context outputs that the last block discards)
+    assert changed >= {n for n, p in trainer.named_params.items() if "lora_B" in n and p.grad is not None
+                       and p.grad.abs().max() > 0}
+    assert len(changed) > 0.9 * len(end)
+    fresh = SD3Transformer2DModel.from_pretrained(sd3_dir / "transformer")
+    base = dict(fresh.named_parameters())
+    trained_base = {n.replace(".base_layer", ""): p for n, p in trainer.model.transformer.named_parameters()
+                    if "lora_" not in n}
+    assert set(trained_base) == set(base)
+    assert all(torch.equal(trained_base[n], base[n]) for n in base)                      # the base did not
+
+    # the adapter directory loads into a fresh pipeline with diffusers' own loader and gives the trained policy
+    pipe = diffusers.StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel.from_pretrained(sd3_dir / "transformer"), scheduler=None, vae=None,
+        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
+    pipe.load_lora_weights(str(ck / "adapter_000002"))
+    cond = trainer.model.embeddings(PROMPTS[:2])
+    neg = trainer.model.negative()
+    x, s, i = torch.randn(2, 4, 16, 16), torch.tensor([0.9, 0.4]), torch.tensor([0, 1])
+    with torch.no_grad():
+        want = trainer.model.velocity(cond)(x, s, i)
+        got = velocity_adapter(pipe.transformer, cond, neg, VelocityConfig(cfg_scale=4.5))(x, s, i)
+        base_v = velocity_adapter(fresh, cond, neg, VelocityConfig(cfg_scale=4.5))(x, s, i)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert (want - base_v).abs().max() > 1e-6
+
+    # --resume: one more iteration from iteration 2, weights and optimizer restored ...
+    assert main(["train", "--config", str(cfg), "--output-dir", str(out), "--resume",
+                 "--set", "grpo.iterations=3"]) == 0
+    resumed, resumed_start, steps = captured[1]
+    assert all(torch.equal(resumed_start[n], end[n]) for n in end)
+    assert len(steps) == len(end) and set(steps) == {4}          # 2 iterations x 2 AdamW updates
+    assert [r["iteration"] for r in records(out)] == [1, 2, 3]
+    assert sorted(p.name for p in ck.iterdir()) == ["adapter_000002", "adapter_000003", "ckpt_000002.pt",
+                                                    "ckpt_000003.pt"]            # keep_last = 2
+    # ... exactly as a run that was never interrupted
+    straight = tmp_path / "straight"
+    assert main(["train", "--config", str(cfg), "--output-dir", str(straight), "--set", "grpo.iterations=3"]) == 0
+    a, b = lora_weights(resumed), lora_weights(captured[2][0])
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert [r["reward_mean"] for r in records(out)] == [r["reward_mean"] for r in records(straight)]
+    # a changed key that breaks continuation is refused, naming it
+    assert main(["train", "--config", str(cfg), "--output-dir", str(out), "--resume",
+                 "--set", "grpo.iterations=4", "--set", "optim.lr=0.5"]) == 2
+
+
+def test_bad_model_paths_and_config_errors(tmp_path, sd3_dir, capsys):
+    cfg = write_sd3_config(tmp_path, tmp_path / "no_such_model")
+    assert main(["train", "--config", str(cfg), "--output-dir", str(tmp_path / "r")]) == 2
+    assert "does not exist; jagg never downloads weights" in capsys.readouterr().err
+    (tmp_path / "not_diffusers").mkdir()
+    cfg = write_sd3_config(tmp_path, tmp_path / "not_diffusers")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "is not a diffusers model directory: no model_index.json" in capsys.readouterr().err
+    cfg = write_sd3_config(tmp_path, tmp_path / "prompts.txt")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "is a file; it must be a diffusers model directory" in capsys.readouterr().err
+
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    cases = [(["sample.prompts_file=null"], "sample.prompts_file must be set"),
+             ([f"sample.prompts_file={tmp_path / 'missing.txt'}"], "missing.txt' does not exist"),
+             (["reward=null"], "set exactly one of reward"),
+             (["reward_server.url=http://127.0.0.1:1"], "both are set"),
+             (["sample.sde_window=[2, 9]"], "pipeline.num_steps=4"),
+             (["pipeline.lora.enabled=false"], "keep_reference"),
+             (["pipeline.cfg_scal=2"], "did you mean 'cfg_scale'")]
+    for sets, message in cases:
+        args = ["train", "--config", str(cfg)] + [a for s in sets for a in ("--set", s)]
+        assert main(args) == 2, sets
+        assert message in capsys.readouterr().err, sets
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    assert main(["train", "--config", str(cfg), "--set", f"sample.prompts_file={tmp_path / 'empty.txt'}"]) == 2
+    assert "holds no prompt" in capsys.readouterr().err
+
+
+def test_shipped_configs_reach_the_model_check(tmp_path, capsys):
+    """configs/sd35_medium.yaml and flux_dev.yaml load as real-model configs; with a prompts file the placeholder model
+    path fails with the download hint (no weights here)."""
+    (tmp_path / "p.txt").write_text("a photo of a cat\n")
+    root = Path(__file__).resolve().parents[1]
+    for name in ("sd35_medium", "flux_dev"):
+        path = root / "configs" / f"{name}.yaml"
+        assert real_train.has_pipeline_section(path)
+        assert main(["train", "--config", str(path), "--output-dir", str(tmp_path / name)]) == 2
+        assert "sample.prompts_file must be set" in capsys.readouterr().err
+        cfg = real_train.load_config(path, [f"sample.prompts_file={tmp_path / 'p.txt'}"])
+        assert cfg.reward_server is not None and cfg.reward is None
+        if not Path(cfg.pipeline.path).exists():
+            assert main(["train", "--config", str(path), "--output-dir", str(tmp_path / name),
+                         "--set", f"sample.prompts_file={tmp_path / 'p.txt'}"]) == 2
+            assert "never downloads weights" in capsys.readouterr().err
+
+
+CALLS = {"n": 0}
+
+
+def sigterm_reward(images, prompts, metadata):
+    """A `module:function` reward that sends this process SIGTERM during its first call."""
+    from jagg.rewards.registry import jpeg_compressibility
+
+    CALLS["n"] += 1
+    if CALLS["n"] == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return jpeg_compressibility(images, prompts, metadata)
+
+
+def test_sigterm_finishes_the_iteration_and_saves(tmp_path, sd3_dir, capsys):
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    out = tmp_path / "run"
+    CALLS["n"] = 0
+    assert main(["train", "--config", str(cfg), "--output-dir", str(out), "--set", "grpo.iterations=5",
+                 "--set", "log.checkpoint_every=0", "--set", "reward.name=test_real_train:sigterm_reward"]) == 0
+    assert "continue with --resume" in capsys.readouterr().out
+    assert [r["iteration"] for r in records(out)] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["adapter_000001", "ckpt_000001.pt"]
+
+
+def test_non_finite_updates_are_skipped_then_the_run_aborts(tmp_path, sd3_dir):
+    """lr = 1e30 blows the adapters up after the first update: later updates have a NaN loss and are skipped (weights
+    untouched), and after grpo.max_consecutive_skips in a row the run saves and aborts with a message."""
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="2 consecutive updates had a non-finite loss"):
+        main(["train", "--config", str(cfg), "--output-dir", str(out), "--set", "optim.lr=1e30",
+              "--set", "optim.max_grad_norm=0", "--set", "grpo.iterations=5", "--set", "grpo.max_consecutive_skips=2"])
+    rec = records(out)
+    assert [(r["iteration"], r["skipped"], r["skipped_total"]) for r in rec] == [(1, 1, 1), (2, 2, 3)]
+    assert (out / "checkpoints" / "ckpt_000002.pt").is_file()
+
+
+def _serve(reward_fn):
+    from jagg.reward_server import make_server
+
+    server = make_server(reward_fn, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_flux_full_finetune_with_kl_and_reward_server(tmp_path, capsys):
+    from jagg.rewards.registry import jpeg_compressibility
+
+    pipe = diffusers.FluxPipeline(transformer=tiny_flux(), scheduler=FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True), vae=tiny_vae(), text_encoder=None, tokenizer=None, text_encoder_2=None,
+        tokenizer_2=None)
+    pipe.save_pretrained(tmp_path / "flux")
+    cond, _ = embeds(prompts=("a red cube", "a blue ball"))
+    cond.select([0, 2]).save(tmp_path / "cache.pt")                 # embeds() repeats each prompt twice
+    (tmp_path / "prompts.txt").write_text("a red cube\na blue ball\n")
+    server = _serve(jpeg_compressibility)
+    try:
+        (tmp_path / "flux.yaml").write_text(f"""\
+pipeline:
+  family: flux
+  path: {tmp_path / "flux"}
+  dtype: fp32
+  device: cpu
+  resolution: 128
+  num_steps: 4
+  cfg_scale: 1.0
+  guidance_embed: 3.5
+  eta: 0.9
+  prompt_cache: {tmp_path / "cache.pt"}
+  keep_reference: true
+  lora: {{enabled: false}}
+reward_server: {{url: "http://127.0.0.1:{server.server_address[1]}", batch_size: 3, timeout: 30}}
+sample: {{prompts_file: {tmp_path / "prompts.txt"}, prompts_per_iter: 2, group_size: 2}}
+estimator: {{mode: jagg, window: 4, micro_batch: 4, clip_range: 0.2, kl_beta: 0.1}}
+optim: {{lr: 0.001}}
+grpo: {{iterations: 1, updates_per_epoch: 2, drop_zero_spread: false}}
+log: {{output_dir: {tmp_path / "run"}, tensorboard: false, progress: false}}
+threads: 1
+""")
+        assert main(["train", "--config", str(tmp_path / "flux.yaml")]) == 0
+        (r,) = records(tmp_path / "run")
+        assert np.isfinite(r["reward_mean"]) and r["reward_mean"] < 0 and np.isfinite(r["loss"])
+        assert r["kl"] > 0 and r["backward_items"] == 4 * 2                  # one JAGG group of 4 steps
+        ck = tmp_path / "run" / "checkpoints"
+        assert [p.name for p in ck.iterdir()] == ["ckpt_000001.pt"]          # full fine-tuning: no adapter
+        state = torch.load(ck / "ckpt_000001.pt", weights_only=False)
+        start = dict(tiny_flux().named_parameters())
+        assert set(state["model"]) == set(start)                            # every weight is trained
+        assert any(not torch.equal(state["model"][n], start[n]) for n in start)
+        # a training prompt missing from the prompt cache (no text encoders) is named before anything runs
+        (tmp_path / "prompts.txt").write_text("a red cube\na purple cone\n")
+        assert main(["train", "--config", str(tmp_path / "flux.yaml"), "--output-dir", str(tmp_path / "r2")]) == 2
+        assert "'a purple cone'" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, cfg_path: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        cfg = real_train.load_config(cfg_path, [f"log.output_dir={out}", "grpo.iterations=1",
+                                                "grpo.drop_zero_spread=true"])
+        trainer = real_train.RealTrainer(cfg)
+        start = lora_weights(trainer)
+        trainer.train()
+        torch.save({"start": start, "end": lora_weights(trainer)}, Path(out) / f"rank{rank}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_two_processes_keep_replicas_identical(tmp_path, sd3_dir):
+    """torchrun-style launch with 2 gloo processes: each samples half of the global batch, rewards are gathered for the
+    advantages, gradients are averaged once per update: both replicas end with the same trained weights."""
+    import torch.multiprocessing as mp
+
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    out = tmp_path / "ddp"
+    out.mkdir()
+    mp.spawn(_rank, args=(2, _free_port(), str(cfg), str(out)), nprocs=2, join=True)
+    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    for n in r0["end"]:
+        torch.testing.assert_close(r0["start"][n], r1["start"][n], rtol=0, atol=0)
+        torch.testing.assert_close(r0["end"][n], r1["end"][n], rtol=0, atol=0)
+    assert any(not torch.equal(r0["start"][n], r0["end"][n]) for n in r0["end"])
+    (rec,) = records(out)
+    assert rec["processes"] == 2 and rec["samples"] == 4 and np.isfinite(rec["loss"])
+    assert rec["updates"] == 2 and rec["backward_items"] == 3 * rec["trained_samples"]
