@@ -2,7 +2,7 @@
 
 Each variant (``exact``, ``jagg_fresh``, ``jagg_interp``) trains with :class:`jagg.trainer.Trainer` from the
 same config (``configs/default.yaml`` plus ``--set`` overrides), for the same number of iterations and
-optimizer updates, once per seed. Every run writes into ``OUT/<variant>/seed<k>/`` (the trainer's usual
+optimizer updates, once per seed; the runs alternate (seed 0 of every variant, then seed 1, ...). Every run writes into ``OUT/<variant>/seed<k>/`` (the trainer's usual
 outputs) and, when it is finished, ``result.json``; a run whose ``result.json`` exists for the requested
 number of iterations is skipped and an unfinished one resumes from its newest checkpoint, so the benchmark
 can be interrupted and restarted.
@@ -204,7 +204,9 @@ VARIANT_COLUMNS = [("variant", "variant", ""), ("seeds", "seeds", ""), ("final_r
 
 
 def run_quality(q: QualityConfig) -> list[dict]:
-    runs = [run_one(q, v, s) for v in q.variants for s in q.seeds]
+    # seed-major: exact, jagg_fresh, jagg_interp, exact, ... so a slow or busy stretch of the machine hits every
+    # variant alike (each run still takes its own wall-clock; compare medians over seeds)
+    runs = [run_one(q, v, s) for s in q.seeds for v in q.variants]
     return runs + aggregate(runs)
 
 

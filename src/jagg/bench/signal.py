@@ -5,10 +5,10 @@ does. This benchmark measures that directly, with the trainer's own sampling (th
 trainer's own gradient (:func:`jagg.policy_gradient`, no optimizer step): it draws ``K`` independent batches,
 computes one gradient ``g_i`` per batch over the trainable parameters, and reports per reward
 
-    c = mean_{i != j} <g_i, g_j> / mean_i |g_i|^2
+    c = mean_{i != j} cos(g_i, g_j)
 
-the expected cosine between two updates (an unbiased ratio of ``|E g|^2`` to ``E |g|^2``; jackknife standard
-error over the batches). With ``N`` samples per batch, ``c = N s / (N s + 1)`` where ``s`` is the per-sample
+the expected cosine between two updates (jackknife standard error over the batches). With ``N`` samples per
+batch and gradient norms that vary little, ``c ~ N s / (N s + 1)`` where ``s`` is the per-sample
 signal-to-noise ratio ``|E g_1|^2 / tr Cov(g_1)``, so ``s = c / ((1 - c) N)`` and two updates agree with a
 cosine of 0.5 from ``1 / s`` samples per update on (reported as a lower bound from ``c + 2 SE`` when ``c``
 is not significant). A value of ``c`` near 0 means the update is noise: Adam turns it into a random walk
@@ -44,18 +44,19 @@ QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=0"
 def agreement(grads: torch.Tensor) -> tuple[float, float]:
     """``grads`` ``[K, P]`` (K >= 3 independent estimates) -> ``(c, jackknife standard error of c)``.
 
-    ``c = mean_{i != j} <g_i, g_j> / mean_i |g_i|^2``: the expected cosine between two independent estimates.
+    ``c = mean_{i != j} cos(g_i, g_j)``: the expected cosine between two independent estimates (each
+    estimate normalised first, so one batch with a large gradient does not dominate).
     """
     k = grads.shape[0]
     if k < 3:
         raise ValueError(f"need >= 3 gradient estimates for a standard error; got {k}")
-    gram = (grads @ grads.T).double()                     # [K, K]
+    unit = grads.double() / grads.double().norm(dim=1, keepdim=True).clamp_min(1e-300)
+    cos = unit @ unit.T                                   # [K, K]
 
     def c_of(idx: list[int]) -> float:
-        sub = gram[idx][:, idx]
+        sub = cos[idx][:, idx]
         n = len(idx)
-        off = (sub.sum() - sub.diagonal().sum()) / (n * (n - 1))
-        return float(off / sub.diagonal().mean())
+        return float((sub.sum() - sub.diagonal().sum()) / (n * (n - 1)))
 
     c = c_of(list(range(k)))
     loo = np.array([c_of([j for j in range(k) if j != i]) for i in range(k)])
