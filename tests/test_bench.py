@@ -153,3 +153,29 @@ def test_bench_signal_separates_a_learnable_reward_from_noise(tmp_path, bench_ck
     assert abs(coin["cosine"]) < 3 * coin["cosine_se"] + 0.05
     assert bright["lower_bound"] is False and bright["samples_for_cosine_0.5"] > 0
     assert "N for cos 0.5" in capsys.readouterr().out
+
+
+def test_bench_e2e_round_robin(tmp_path, bench_ckpt, capsys):
+    from jagg.bench.e2e import routed_limit
+    from jagg import configuration
+    from jagg.train_config import TrainConfig
+
+    out = tmp_path / "e2e.json"
+    sets = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=2",
+            "estimator.micro_batch=4", "estimator.window=4", "estimator.jagg_frac=1.0", "threads=1",
+            "grpo.drop_zero_spread=false", "sample.sde_window=null"]
+    args = ["bench", "e2e", "--iterations", "2", "--variants", "jagg_fresh", "jagg_interp", "--json", str(out)]
+    assert main(args + [a for s in sets for a in ("--set", s)]) == 0
+    recs = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert set(recs) == {"exact", "jagg_fresh", "jagg_interp"}
+    assert recs["exact"]["iter_ratio"] == pytest.approx(1.0) and recs["exact"]["limit"] == 1.0
+    # 8 trained steps, W=4: 32 backward rows exact, 16 with JAGG (two endpoints per group)
+    assert recs["exact"]["backward_items"] == 32 and recs["jagg_interp"]["backward_items"] == 16
+    for v in ("jagg_fresh", "jagg_interp"):
+        r = recs[v]
+        assert r["iter_s"] > 0 and r["sample_s"] > 0 and 1.0 < r["iter_ratio_ideal"] < r["limit"]
+    assert recs["jagg_interp"]["limit"] == pytest.approx(2.0) and recs["jagg_fresh"]["limit"] == pytest.approx(1.5)
+    half = configuration.load(TrainConfig, None, ["estimator.jagg_frac=0.5", "sample.num_steps=8",
+                                                  "sample.sde_window=null", "estimator.window=4"])
+    assert routed_limit(half) == pytest.approx(1 / (0.5 + 0.5 / 2))        # half the groups at the W/2 limit
+    assert "ideal" in capsys.readouterr().out

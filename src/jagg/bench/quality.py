@@ -25,6 +25,7 @@ from .. import configuration
 from ..train_config import TrainConfig
 from ..trajectory import select_train_steps
 from .common import cost_limit, default_config_path, table, write_json
+from .e2e import routed_limit
 
 VARIANTS = {
     "exact": ["estimator.mode=exact"],
@@ -76,7 +77,8 @@ def summarize(records: list[dict], cfg: TrainConfig, variant: str, seed: int) ->
     steps = select_train_steps(c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)[0]
     return {
         "kind": "run", "variant": variant, "seed": seed, "mode": e.mode, "window": e.window,
-        "intermediate": e.intermediate, "trained_steps": int(steps.numel()),
+        "intermediate": e.intermediate, "jagg_frac": e.jagg_frac, "trained_steps": int(steps.numel()),
+        "limit": routed_limit(cfg),
         "iterations": cfg.grpo.iterations, "updates": len(train) * per_iter,
         "final_reward": evals[-1]["reward_mean"] if evals else None,
         "final_held_out_reward": evals[-1].get("held_out_reward") if evals else None,
@@ -99,6 +101,8 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     if done.is_file():
         result = json.loads(done.read_text())
         if result.get("iterations") == cfg.grpo.iterations:
+            result.setdefault("jagg_frac", cfg.estimator.jagg_frac)   # result files of older versions
+            result.setdefault("limit", routed_limit(cfg))
             print(f"quality: {variant} seed {seed}: already done ({done}), skipped", flush=True)
             return result
     print(f"quality: {variant} seed {seed}: training {cfg.grpo.iterations} iterations into {out}", flush=True)
@@ -144,7 +148,8 @@ def aggregate(runs: list[dict]) -> list[dict]:
     ex = next((a for a in out if a["variant"] == "exact"), None)
     for a in out:
         exact_mode = a["mode"] == "exact"
-        a["limit"] = 1.0 if exact_mode else cost_limit(a["window"], a["intermediate"], steps=a["trained_steps"])
+        a["limit"] = 1.0 if exact_mode else by[a["variant"]][0].get("limit") or cost_limit(
+            a["window"], a["intermediate"], steps=a["trained_steps"])
         if ex is None:
             continue
         ratio = lambda k: ex[k] / a[k] if ex.get(k) and a.get(k) else None

@@ -1,0 +1,114 @@
+"""``jagg bench e2e``: one whole GRPO iteration (sampling + reward + training), exact vs JAGG, side by side.
+
+One :class:`jagg.trainer.Trainer` per variant is built from the same config (``configs/default.yaml`` plus
+``--set``) and seed; their iterations then run round-robin in one process (``exact``, ``jagg``, ``exact``,
+``jagg``, ... after one warm-up iteration each), so a busy stretch of the machine slows every variant alike.
+Reported per variant: the median seconds of sampling ``S``, reward ``R``, training ``T`` and the whole
+iteration, the iteration ratio exact / variant, and its ideal
+
+    ideal = (S + R + T) / (S + R + T / limit)
+
+from the exact trainer's medians and the cost-model limit of the variant (DESIGN §3, ``B = 2F``, the config's
+trained steps and window): what the ratio would be if sampling and rewards stayed as they are and training
+shrank by exactly the cost model. With routing (``jagg_frac < 1``) the limit is the one of the routed
+fraction: ``1 / ((1 - f) + f / limit)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from .. import configuration
+from ..train_config import TrainConfig
+from ..trajectory import select_train_steps
+from .common import cost_limit, default_config_path, table, write_json
+
+VARIANTS = {
+    "exact": ["estimator.mode=exact"],
+    "jagg_fresh": ["estimator.mode=jagg", "estimator.intermediate=fresh"],
+    "jagg_interp": ["estimator.mode=jagg", "estimator.intermediate=interp"],
+}
+KEYS = ("sample_s", "reward_s", "train_s", "iter_s")
+
+
+def routed_limit(cfg: TrainConfig) -> float:
+    """Cost-model limit of the config's estimator, with the routed fraction ``jagg_frac`` of the groups."""
+    e, c = cfg.estimator, cfg.sample
+    if e.mode == "exact":
+        return 1.0
+    steps = int(select_train_steps(c.num_steps, c.timestep_fraction,
+                                   tuple(c.sde_window) if c.sde_window else None)[0].numel())
+    lim = cost_limit(e.window, e.intermediate, steps=steps)
+    return 1.0 / ((1.0 - e.jagg_frac) + e.jagg_frac / lim)
+
+
+def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:
+    from ..trainer import Trainer
+
+    if iterations < 1:
+        raise ValueError(f"--iterations must be >= 1; got {iterations}")
+    base = ["log.progress=false", "log.tensorboard=false", "eval.every=0", "log.checkpoint_every=0"]
+    trainers = {}
+    for v in variants:
+        cfg = configuration.load(TrainConfig, config, base + list(sets) + VARIANTS[v] + [f"log.output_dir=runs/bench_e2e/{v}"])
+        trainers[v] = Trainer(cfg)
+    times = {v: {k: [] for k in KEYS} for v in variants}
+    backward = {v: [] for v in variants}
+    for it in range(iterations + 1):                       # iteration 0 is the warm-up
+        for v, t in trainers.items():
+            rec = t.step()
+            if it:
+                for k in KEYS:
+                    times[v][k].append(rec[k])
+                backward[v].append(rec.get("backward_items", 0))
+    med = {v: {k: statistics.median(xs) for k, xs in times[v].items()} for v in variants}
+    out = []
+    ex = med.get("exact")
+    for v in variants:
+        m = med[v]
+        lim = routed_limit(trainers[v].cfg)
+        rec = {"variant": v, "iterations": iterations, "limit": lim, **m,
+               "backward_items": statistics.fmean(backward[v])}
+        if ex is not None:
+            sr = ex["sample_s"] + ex["reward_s"]
+            rec["iter_ratio"] = ex["iter_s"] / m["iter_s"]
+            rec["train_ratio"] = ex["train_s"] / m["train_s"]
+            rec["iter_ratio_ideal"] = (sr + ex["train_s"]) / (sr + ex["train_s"] / lim)
+            rec["fraction_of_ideal"] = (rec["iter_ratio"] - 1) / (rec["iter_ratio_ideal"] - 1) \
+                if rec["iter_ratio_ideal"] > 1 else None
+        out.append(rec)
+    return out
+
+
+COLUMNS = [("variant", "variant", ""), ("sample_s", "sample s", ".3f"), ("reward_s", "reward s", ".3f"),
+           ("train_s", "train s", ".3f"), ("iter_s", "iter s", ".3f"), ("backward_items", "bwd rows", ".0f"),
+           ("train_ratio", "train ratio", ".2f"), ("limit", "limit", ".2f"), ("iter_ratio", "iter ratio", ".2f"),
+           ("iter_ratio_ideal", "ideal", ".2f")]
+
+
+def _run(args: argparse.Namespace) -> int:
+    variants = args.variants or ["exact", "jagg_interp"]
+    if "exact" not in variants:
+        variants = ["exact", *variants]
+    records = run_e2e(args.config, args.set or [], variants, args.iterations)
+    print(f"median seconds over {args.iterations} round-robin iterations per variant (after a warm-up)")
+    print(table(records, COLUMNS))
+    if args.json:
+        write_json(args.json, records)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("e2e", help="whole GRPO iterations exact vs JAGG, round-robin: ratio vs its ideal",
+                       description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=default_config_path(),
+                   help="trainer YAML [default: configs/default.yaml when present]")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a trainer config key for every variant (repeatable)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                   help="variants besides exact (always included) [default: exact jagg_interp]")
+    p.add_argument("--iterations", type=int, default=20, help="timed iterations per variant [default: 20]")
+    p.add_argument("--json", help="also write the records to this JSON file")
+    p.set_defaults(func=_run)
