@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # includes RewardError: a message, not a traceback
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:  # incl. RewardError: a message, not a traceback
         print(f"jagg {args.command}: error: {e}", file=sys.stderr)
         return 2
 

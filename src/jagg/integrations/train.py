@@ -33,7 +33,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -570,11 +569,7 @@ def run(config_path: str, overrides: list[str] | None = None, resume: bool = Fal
     cfg = load_config(config_path, overrides)
     owns_group = not dist.is_initialized()
     try:
-        try:
-            trainer = RealTrainer(cfg, resume=resume)
-        except NotADirectoryError as e:               # check_model_dir: a file given as the model directory
-            print(f"jagg train: error: {e}", file=sys.stderr)
-            return 2
+        trainer = RealTrainer(cfg, resume=resume)
         records = trainer.train()
     finally:
         if owns_group and dist.is_initialized():
