@@ -1,6 +1,7 @@
 """Exactness and invariance of the gradient estimators (float64, tiny models)."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -315,3 +316,41 @@ def test_bad_trajectories_raise():
         jagg.policy_gradient(model, traj, torch.ones(3), cfg)
     with pytest.raises(ValueError, match="ref_velocities"):
         jagg.policy_gradient(model, traj, adv, EstimatorConfig(kl_beta=0.1))
+
+
+def test_routing_whole_grpo_groups():
+    """With sample_groups, a GRPO group's members are routed together, by their mean score, and the gradient is
+    the exact gradient of the unrouted groups plus the JAGG gradient of the routed ones."""
+    from jagg.estimator import _plan
+    from jagg.routing import group_scores, make_groups, route
+
+    torch.manual_seed(9)
+    model = Nonlinear(batch=6)
+    traj = sampled_traj(model, B=6, T=8)
+    members = torch.tensor([0, 0, 1, 1, 2, 2])                   # three GRPO groups of two samples
+    cfg = EstimatorConfig(mode="jagg", window=4, jagg_frac=0.5, score="chord")
+    units, n_pairs, n_jagg = _plan(traj, cfg, members)
+    routed = {(u.sample, u.steps[0] // 4) for u in units if u.jagg}
+    assert n_pairs == 12 and n_jagg == 6                           # round(0.5 * 6 units) = 3 units x 2 samples
+    for i, g in routed:
+        assert (i ^ 1, g) in routed                                # the partner sample is routed alike
+    scores = group_scores(traj.velocities, traj.sigmas, make_groups(list(range(8)), 4), "chord")
+    unit = scores.view(3, 2, 2).mean(1)                           # [GRPO group, step group]
+    expect = {(2 * u + k, g) for u, g in torch.nonzero(route(unit, 0.5, torch.ones(2, dtype=torch.bool)))
+              .tolist() for k in (0, 1)}
+    assert routed == {(int(i), int(g)) for i, g in expect}
+    # the gradient decomposes: per (sample, step group), exact or JAGG
+    adv = torch.randn(6, dtype=torch.float64)
+    g_mixed, _ = run(model, traj, adv, cfg, sample_groups=members)
+    total = torch.zeros_like(g_mixed)
+    for i in range(6):                                             # sample i alone: the others' advantages 0
+        only = torch.zeros(6, dtype=torch.float64)
+        only[i] = adv[i]
+        for g in range(2):
+            part = dataclasses.replace(traj, train_steps=torch.arange(4 * g, 4 * g + 4))
+            mode = dict(mode="jagg", window=4) if (i, g) in routed else dict(mode="exact")
+            gi, _ = run(model, part, only, EstimatorConfig(**mode))
+            total += gi * 4 / 8                                    # the loss averages over the K trained steps
+    assert torch.allclose(g_mixed, total, **TIGHT)
+    with pytest.raises(ValueError, match="sample_groups"):
+        route(scores, 0.5, torch.ones(2, dtype=torch.bool), torch.zeros(5))

@@ -64,7 +64,8 @@ class _Unit:
     jagg: bool                  # True: rows are the endpoints steps[0], steps[-1]
 
 
-def _plan(traj: Trajectory, config: EstimatorConfig) -> tuple[list[_Unit], int, int]:
+def _plan(traj: Trajectory, config: EstimatorConfig,
+          sample_groups: Tensor | None = None) -> tuple[list[_Unit], int, int]:
     """Route (sample, group) pairs and return the units in execution order, #eligible pairs and #JAGG pairs."""
     steps = traj.train_steps.tolist()
     window = config.window if config.mode == "jagg" else 1
@@ -82,7 +83,7 @@ def _plan(traj: Trajectory, config: EstimatorConfig) -> tuple[list[_Unit], int, 
         scores = group_scores(traj.velocities, traj.sigmas, groups, config.score).cpu()
     else:
         scores = torch.zeros(B, G)
-    routed = route(scores, config.jagg_frac, eligible)     # [B, G]
+    routed = route(scores, config.jagg_frac, eligible, sample_groups)     # [B, G]
     units = []
     for gi, group in enumerate(groups):                    # group-major, like Flow-GRPO's step loop
         units += [_Unit(i, group, True) for i in range(B) if routed[i, gi]]
@@ -112,6 +113,7 @@ def policy_gradient(
     loss_scale: float = 1.0,
     backward_context: Callable[[bool], ContextManager] | None = None,
     backward_fn: Callable[[Tensor], None] | None = None,
+    sample_groups: Tensor | None = None,
 ) -> GradientStats:
     """Accumulate the Flow-GRPO policy gradient of one update into the parameters' ``.grad``.
 
@@ -129,6 +131,10 @@ def policy_gradient(
             ``lambda last: contextlib.nullcontext() if last else ddp_model.no_sync()``.
         backward_fn: called with each chunk's scalar surrogate instead of ``surrogate.backward()``, for
             engines that own the backward (DeepSpeed: ``engine.backward``).
+        sample_groups: optional ``[B]`` ints, the GRPO group (prompt) of each sample. With routing
+            (``0 < jagg_frac < 1``) a GRPO group's members are then routed together (see
+            :func:`jagg.routing.route`), which keeps the JAGG error they share cancelling in their zero-sum
+            advantages. The trainers pass it; without it, routing picks single (sample, group) pairs.
 
     Returns:
         :class:`GradientStats`.
@@ -148,7 +154,7 @@ def policy_gradient(
     backward_context = backward_context or (lambda last: contextlib.nullcontext())
     backward_fn = backward_fn or (lambda loss: loss.backward())
 
-    units, n_pairs, n_jagg = _plan(traj, config)
+    units, n_pairs, n_jagg = _plan(traj, config, sample_groups)
     chunks = _pack(units, config.micro_batch)
     K = traj.train_steps.numel()
     c = loss_scale / (B * K)

@@ -7,6 +7,8 @@ Scores are computed from the rollout's stored velocities only (no forward passes
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -60,19 +62,35 @@ def group_scores(velocities: Tensor, sigmas: Tensor, groups: list[list[int]], sc
     return out
 
 
-def route(scores: Tensor, jagg_frac: float, eligible: Tensor) -> Tensor:
-    """Pick the top ``round(jagg_frac * n_eligible)`` eligible (sample, group) pairs by score.
+def route(scores: Tensor, jagg_frac: float, eligible: Tensor, sample_groups: Tensor | None = None) -> Tensor:
+    """Pick the top ``jagg_frac`` of the eligible (sample, group) pairs by score.
 
     Args:
         scores: ``[B, G]`` linearity scores (higher = more linear).
         eligible: ``[G]`` bool, groups allowed to go through JAGG.
+        sample_groups: optional ``[B]`` ints, the GRPO group (prompt) of each sample. When given, the members of
+            a GRPO group are routed together: the unit is (GRPO group, step group), its score the members' mean,
+            and the top ``jagg_frac * n_eligible_units`` (rounded half up) units go through JAGG. Group-relative advantages
+            sum to zero within a GRPO group, so an error that its members' JAGG gradients share cancels when
+            they are all routed alike (and survives when only some are).
 
-    Returns ``[B, G]`` bool: True = JAGG. Ties break towards the lower flat index (deterministic).
+    Returns ``[B, G]`` bool: True = JAGG. Without ``sample_groups``, ``jagg_frac * n_eligible_pairs`` pairs
+    (rounded half up). Ties break towards the lower index (deterministic).
     """
     B, G = scores.shape
+    if sample_groups is not None:
+        sample_groups = torch.as_tensor(sample_groups, device=scores.device).flatten()
+        if sample_groups.numel() != B:
+            raise ValueError(f"sample_groups must have shape [B] = [{B}]; got {tuple(sample_groups.shape)}")
+        ids, member = torch.unique(sample_groups, return_inverse=True)          # member: [B] in 0..U-1
+        U = ids.numel()
+        total = torch.zeros(U, G, dtype=torch.float64, device=scores.device).index_add_(0, member, scores.double())
+        count = torch.bincount(member, minlength=U).double()[:, None]
+        unit_routed = route(total / count, jagg_frac, eligible)                 # [U, G]
+        return unit_routed[member]
     mask = eligible[None, :].expand(B, G).reshape(-1)
     n_elig = int(mask.sum())
-    n = int(round(float(jagg_frac) * n_elig))
+    n = int(math.floor(float(jagg_frac) * n_elig + 0.5))    # round half up: 1 of 1 unit at 0.5, not 0
     routed = torch.zeros(B * G, dtype=torch.bool, device=scores.device)
     if n > 0:
         s = scores.reshape(-1).double().masked_fill(~mask, -torch.inf)

@@ -141,12 +141,12 @@ class Trainer:
         return prompts, tokens, traj
 
     @torch.enable_grad()
-    def _update(self, traj, tokens, adv, ref_v) -> dict:
+    def _update(self, traj, tokens, adv, ref_v, groups) -> dict:
         """One optimizer update on a minibatch; returns its statistics."""
         c = self.cfg
         self.opt.zero_grad(set_to_none=True)
         vf = GuidedVelocity(self.model, tokens, c.sample.guidance_scale)
-        stats = policy_gradient(vf, traj, adv, c.estimator, ref_velocities=ref_v).to_dict()
+        stats = policy_gradient(vf, traj, adv, c.estimator, ref_velocities=ref_v, sample_groups=groups).to_dict()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, c.optim.max_grad_norm if c.optim.max_grad_norm > 0 else float("inf"))
         stats["grad_norm"] = float(norm)
@@ -191,7 +191,8 @@ class Trainer:
         per_update = []
         self._updating = True
         if keep_idx.numel():
-            traj, tokens, adv = traj.select(keep_idx), tokens[keep_idx], adv[keep_idx]
+            groups = torch.arange(len(prompts)) // c.sample.group_size   # [B] GRPO group of each sample
+            traj, tokens, adv, groups = traj.select(keep_idx), tokens[keep_idx], adv[keep_idx], groups[keep_idx]
             ref_v = None
             if self.ref_model is not None:
                 ref_v = reference_velocities(GuidedVelocity(self.ref_model, tokens, c.sample.guidance_scale), traj,
@@ -201,7 +202,7 @@ class Trainer:
                 for mb in perm.tensor_split(c.grpo.updates_per_epoch):
                     if mb.numel():
                         per_update.append(self._update(traj.select(mb), tokens[mb], adv[mb],
-                                                       None if ref_v is None else ref_v[mb]))
+                                                       None if ref_v is None else ref_v[mb], groups[mb]))
         t3 = time.perf_counter()
         self.iteration += 1
         self.wall += t3 - t0

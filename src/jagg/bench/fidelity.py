@@ -12,8 +12,9 @@ then every gradient below comes from :func:`jagg.policy_gradient`:
    cleanest).
 2. Routing study (on-policy, windows > 2): per (sample, group) the true gradient cosine of JAGG vs exact;
    for each score of ``jagg.config.SCORES`` its Spearman rank correlation with that cosine, and the
-   total-gradient cosine reached when only the top ``jagg_frac`` of pairs by that score go through JAGG
-   (also with the first and last groups kept exact).
+   total-gradient cosine reached when only the top ``jagg_frac`` by that score go through JAGG, routing whole
+   GRPO groups (the trainer's way) and single (sample, group) pairs (also with the first and last groups
+   kept exact).
 """
 
 from __future__ import annotations
@@ -93,10 +94,12 @@ class Rollout:
     ref_v: Tensor | None    # [B, T, *S] when estimator.kl_beta > 0
     reward_mean: float
     sampled: int            # samples drawn before dropping zero-spread groups
+    groups: Tensor          # [B] GRPO group (prompt) of each sample, for routing
 
     def select(self, idx: Tensor) -> "Rollout":
         return Rollout(self.traj.select(idx), self.tokens[idx], self.adv[idx],
-                       None if self.ref_v is None else self.ref_v[idx], self.reward_mean, self.sampled)
+                       None if self.ref_v is None else self.ref_v[idx], self.reward_mean, self.sampled,
+                       self.groups[idx.cpu()])
 
 
 def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) -> Rollout:
@@ -138,7 +141,8 @@ def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) ->
     if t.estimator.kl_beta > 0:
         ref = copy.deepcopy(model).requires_grad_(False)
         ref_v = reference_velocities(GuidedVelocity(ref, tokens, c.guidance_scale), traj, t.estimator.micro_batch)
-    ro = Rollout(traj, tokens, adv.to(device), ref_v, float(rewards.mean()), len(prompts))
+    ro = Rollout(traj, tokens, adv.to(device), ref_v, float(rewards.mean()), len(prompts),
+                 torch.arange(len(prompts)) // c.group_size)
     return ro.select(torch.nonzero(keep).flatten().to(device))
 
 
@@ -146,15 +150,17 @@ def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) ->
 
 
 def gradient(model: nn.Module, ro: Rollout, est: EstimatorConfig, guidance: float,
-             steps: list[int] | None = None) -> tuple[Tensor, GradientStats]:
+             steps: list[int] | None = None, route_groups: bool = True) -> tuple[Tensor, GradientStats]:
     """The flattened gradient ``policy_gradient`` accumulates (``.grad`` zeroed first), optionally with the
-    trajectory's trained steps restricted to ``steps``."""
+    trajectory's trained steps restricted to ``steps``; routing moves whole GRPO groups unless ``route_groups``
+    is False (then single (sample, group) pairs)."""
     traj = ro.traj
     if steps is not None:
         ts = torch.tensor(steps, dtype=torch.long, device=traj.latents.device)
         traj = dataclasses.replace(traj, train_steps=ts)
     model.zero_grad(set_to_none=True)
-    stats = policy_gradient(GuidedVelocity(model, ro.tokens, guidance), traj, ro.adv, est, ref_velocities=ro.ref_v)
+    stats = policy_gradient(GuidedVelocity(model, ro.tokens, guidance), traj, ro.adv, est, ref_velocities=ro.ref_v,
+                            sample_groups=ro.groups if route_groups else None)
     g = flat_grad(list(model.parameters()))
     model.zero_grad(set_to_none=True)
     return g, stats
@@ -245,14 +251,15 @@ def routing(model: nn.Module, ro: Rollout, cfg: FidelityConfig, ckpt: str) -> li
                         "min_pair_cosine": float(cos[valid].min())})
         for edge in (0, 1):
             for frac in cfg.fracs:
-                for score in (SCORES if frac < 1 else SCORES[:1]):   # frac 1 routes everything: score-free
-                    e = _est(base, mode="jagg", window=W, jagg_frac=frac, score=score,
-                             exact_first_groups=edge, exact_last_groups=edge)
-                    g, st = gradient(model, ro, e, w)
-                    out.append({**head, "kind": "routing", "window": W, "score": score if frac < 1 else "any",
-                                "jagg_frac": frac, "exact_first_groups": edge, "exact_last_groups": edge,
-                                "cosine": cosine(g, g_ex), "rel_err": rel_err(g, g_ex),
-                                "jagg_frac_routed": st.jagg_frac_routed, "backward_items": st.backward_items})
+                for unit in (("group", "pair") if frac < 1 else ("any",)):   # frac 1 routes everything
+                    for score in (SCORES if frac < 1 else SCORES[:1]):
+                        e = _est(base, mode="jagg", window=W, jagg_frac=frac, score=score,
+                                 exact_first_groups=edge, exact_last_groups=edge)
+                        g, st = gradient(model, ro, e, w, route_groups=unit == "group")
+                        out.append({**head, "kind": "routing", "window": W, "score": score if frac < 1 else "any",
+                                    "route_unit": unit, "jagg_frac": frac, "exact_first_groups": edge,
+                                    "exact_last_groups": edge, "cosine": cosine(g, g_ex), "rel_err": rel_err(g, g_ex),
+                                    "jagg_frac_routed": st.jagg_frac_routed, "backward_items": st.backward_items})
     return out
 
 
@@ -285,16 +292,16 @@ def _print_report(records: list[dict]) -> None:
     if rt:
         rows = {}
         for r in rt:
-            key = (r["checkpoint"], r["window"], r["exact_first_groups"], r["jagg_frac"])
+            key = (r["checkpoint"], r["window"], r["exact_first_groups"], r["jagg_frac"], r.get("route_unit", "pair"))
             row = rows.setdefault(key, {"checkpoint": key[0], "window": key[1], "edges": key[2], "jagg_frac": key[3],
-                                        "backward_items": r["backward_items"]})
+                                        "unit": key[4], "backward_items": r["backward_items"]})
             for s in SCORES:
                 if r["score"] in (s, "any"):
                     row[s] = r["cosine"]
-        print("\nrouting: total-gradient cosine vs exact when the top jagg_frac (sample, group) pairs by each score "
-              "go through JAGG (edges=1: first and last groups always exact)")
+        print("\nrouting: total-gradient cosine vs exact when the top jagg_frac by each score go through JAGG; unit "
+              "group: whole GRPO groups, pair: single (sample, group) pairs (edges=1: first and last groups exact)")
         cols = [("checkpoint", "checkpoint", ""), ("window", "W", ""), ("edges", "edges", ""),
-                ("jagg_frac", "frac", ".2f"), ("backward_items", "bwd", "")]
+                ("jagg_frac", "frac", ".2f"), ("unit", "unit", ""), ("backward_items", "bwd", "")]
         print(table(list(rows.values()), cols + [(s, s, ".4f") for s in SCORES]))
 
 

@@ -423,7 +423,7 @@ class RealTrainer:
         return t.tolist()
 
     @torch.enable_grad()
-    def _update(self, traj, emb, adv, ref_v) -> dict:
+    def _update(self, traj, emb, adv, ref_v, groups) -> dict:
         """One optimizer update on this rank's minibatch (possibly empty); gradients averaged over the ranks."""
         c = self.cfg
         self.opt.zero_grad(set_to_none=True)
@@ -436,7 +436,7 @@ class RealTrainer:
         local = [0.0] * (len(names) + len(counts))
         if n:
             st = policy_gradient(self.model.velocity(emb), traj, adv, c.estimator, ref_velocities=ref_v,
-                                 loss_scale=loss_scale(n, n_global, self.world)).to_dict()
+                                 loss_scale=loss_scale(n, n_global, self.world), sample_groups=groups).to_dict()
             local = [n * st[k] for k in names] + [st[k] for k in counts]
         if self.world > 1:
             for p in self.params:                              # same buckets on every rank, even with no samples
@@ -482,6 +482,7 @@ class RealTrainer:
         self._updating = True
         per_update = []
         dev_idx = keep_idx.to(self.device)
+        groups = (torch.arange(len(prompts)) // c.sample.group_size)[sl][keep_idx]   # [b] GRPO group per sample
         traj, emb, adv = traj.select(dev_idx), emb.select(dev_idx), adv[keep_idx].to(self.device)
         ref_v = None
         if c.estimator.kl_beta > 0 and keep_idx.numel():
@@ -491,7 +492,7 @@ class RealTrainer:
             for mb in perm.tensor_split(c.grpo.updates_per_epoch):
                 mb = mb.to(self.device)
                 stats = self._update(traj.select(mb) if mb.numel() else None, emb.select(mb), adv[mb],
-                                     None if ref_v is None else ref_v[mb])
+                                     None if ref_v is None else ref_v[mb], groups[mb.cpu()])
                 if stats:
                     per_update.append(stats)
         t3 = time.perf_counter()
