@@ -23,14 +23,15 @@ sigmas = jagg.flow_sigmas(16, shift=3.0)
 traj = jagg.sample_trajectories(velocity, torch.randn(B, *S), sigmas, eta=0.7)
 # 2. rewards -> group-relative advantages (here: 2 prompts x 4 images)
 rewards = -traj.latents[:, -1].pow(2).mean(dim=(1, 2, 3))
-adv = jagg.group_advantages(rewards, prompt_ids=[0] * 4 + [1] * 4)
+prompt_ids = [0] * 4 + [1] * 4
+adv = jagg.group_advantages(rewards, prompt_ids=prompt_ids)
 # 3. the gradient: replaces the per-step forward/backward loop
 opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
 grads = {}
 for mode in ("exact", "jagg"):
     opt.zero_grad()
     cfg = jagg.EstimatorConfig(mode=mode, window=4, intermediate="interp", micro_batch=8)
-    stats = jagg.policy_gradient(velocity, traj, adv, cfg)
+    stats = jagg.policy_gradient(velocity, traj, adv, cfg, sample_groups=prompt_ids)  # groups: for routing
     grads[mode] = torch.cat([p.grad.flatten() for p in net.parameters()])
     print(f"{mode:5s}: loss={stats.loss:+.4f}  backward items={stats.backward_items:4d}  "
           f"no-grad forwards={stats.forward_nograd_items}  routed to JAGG={stats.jagg_frac_routed:.2f}")

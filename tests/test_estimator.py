@@ -352,5 +352,8 @@ def test_routing_whole_grpo_groups():
             gi, _ = run(model, part, only, EstimatorConfig(**mode))
             total += gi * 4 / 8                                    # the loss averages over the K trained steps
     assert torch.allclose(g_mixed, total, **TIGHT)
+    prompts = ["a", "a", "b", "b", "c", "c"]                      # any hashables work as group labels
+    assert torch.equal(route(scores, 0.5, torch.ones(2, dtype=torch.bool), prompts),
+                       route(scores, 0.5, torch.ones(2, dtype=torch.bool), members))
     with pytest.raises(ValueError, match="sample_groups"):
         route(scores, 0.5, torch.ones(2, dtype=torch.bool), torch.zeros(5))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Sequence
 
 import torch
 from torch import Tensor
@@ -113,7 +113,7 @@ def policy_gradient(
     loss_scale: float = 1.0,
     backward_context: Callable[[bool], ContextManager] | None = None,
     backward_fn: Callable[[Tensor], None] | None = None,
-    sample_groups: Tensor | None = None,
+    sample_groups: Tensor | Sequence | None = None,
 ) -> GradientStats:
     """Accumulate the Flow-GRPO policy gradient of one update into the parameters' ``.grad``.
 
@@ -131,7 +131,7 @@ def policy_gradient(
             ``lambda last: contextlib.nullcontext() if last else ddp_model.no_sync()``.
         backward_fn: called with each chunk's scalar surrogate instead of ``surrogate.backward()``, for
             engines that own the backward (DeepSpeed: ``engine.backward``).
-        sample_groups: optional ``[B]`` ints, the GRPO group (prompt) of each sample. With routing
+        sample_groups: optional ``[B]`` GRPO group of each sample (ints, or e.g. the prompts). With routing
             (``0 < jagg_frac < 1``) a GRPO group's members are then routed together (see
             :func:`jagg.routing.route`), which keeps the JAGG error they share cancelling in their zero-sum
             advantages. The trainers pass it; without it, routing picks single (sample, group) pairs.

@@ -68,7 +68,8 @@ def route(scores: Tensor, jagg_frac: float, eligible: Tensor, sample_groups: Ten
     Args:
         scores: ``[B, G]`` linearity scores (higher = more linear).
         eligible: ``[G]`` bool, groups allowed to go through JAGG.
-        sample_groups: optional ``[B]`` ints, the GRPO group (prompt) of each sample. When given, the members of
+        sample_groups: optional ``[B]``: the GRPO group of each sample (an int tensor, or any sequence of
+            hashables such as the prompts). When given, the members of
             a GRPO group are routed together: the unit is (GRPO group, step group), its score the members' mean,
             and the top ``jagg_frac * n_eligible_units`` (rounded half up) units go through JAGG. Group-relative advantages
             sum to zero within a GRPO group, so an error that its members' JAGG gradients share cancels when
@@ -79,7 +80,10 @@ def route(scores: Tensor, jagg_frac: float, eligible: Tensor, sample_groups: Ten
     """
     B, G = scores.shape
     if sample_groups is not None:
-        sample_groups = torch.as_tensor(sample_groups, device=scores.device).flatten()
+        if not isinstance(sample_groups, Tensor):            # e.g. the prompts themselves, or prompt ids
+            first = {}
+            sample_groups = torch.tensor([first.setdefault(k, len(first)) for k in sample_groups])
+        sample_groups = sample_groups.to(scores.device).flatten()
         if sample_groups.numel() != B:
             raise ValueError(f"sample_groups must have shape [B] = [{B}]; got {tuple(sample_groups.shape)}")
         ids, member = torch.unique(sample_groups, return_inverse=True)          # member: [B] in 0..U-1
