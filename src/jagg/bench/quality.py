@@ -25,13 +25,7 @@ from .. import configuration
 from ..train_config import TrainConfig
 from ..trajectory import select_train_steps
 from .common import cost_limit, default_config_path, table, write_json
-from .e2e import routed_limit
-
-VARIANTS = {
-    "exact": ["estimator.mode=exact"],
-    "jagg_fresh": ["estimator.mode=jagg", "estimator.intermediate=fresh"],
-    "jagg_interp": ["estimator.mode=jagg", "estimator.intermediate=interp"],
-}
+from .e2e import VARIANTS, routed_limit
 # bench defaults, before the user's --set (which win)
 DEFAULT_SETS = ["log.progress=false", "log.tensorboard=false", "eval.every=10"]
 QUICK_SETS = ["grpo.iterations=3", "sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=1",

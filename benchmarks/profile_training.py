@@ -1,0 +1,131 @@
+"""Profile one training phase of the main job: where does the time of ``jagg.policy_gradient`` go?
+
+Samples one iteration's batch exactly as ``jagg train`` does (configs/default.yaml plus ``--set``), then runs
+the training phase (one ``policy_gradient`` call over the batch) in ``exact`` and in the configured JAGG mode
+under ``torch.profiler``. The velocity function and the backward are wrapped in ``record_function`` labels
+through the estimator's public hooks, so the wall time splits into
+
+    network forward   every call of the velocity function (with or without grad)
+    network backward  every ``backward_fn`` call (autograd through the network and the loss head)
+    rest              everything else: the SDE log-prob and loss head, routing scores, interpolation,
+                      bookkeeping and Python
+
+and the top operators of "rest" are listed. Usage::
+
+    python benchmarks/profile_training.py [--set KEY=VALUE ...] [--repeats 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from jagg import configuration, policy_gradient
+from jagg.advantages import group_advantages
+from jagg.bench.common import default_config_path
+from jagg.config import EstimatorConfig
+from jagg.models import GuidedVelocity
+from jagg.train_config import TrainConfig
+from jagg.trainer import Trainer
+from jagg.world import from_tensor
+
+LABELS = ("network_forward", "network_backward")
+
+
+class LabelledVelocity:
+    """The trainer's velocity function with every call inside ``record_function('network_forward')``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        with record_function("network_forward"):
+            return self.fn(*args, **kwargs)
+
+
+def labelled_backward(loss):
+    with record_function("network_backward"):
+        loss.backward()
+
+
+def phase(trainer: Trainer, batch, est: EstimatorConfig) -> float:
+    prompts, tokens, traj, adv = batch
+    trainer.opt.zero_grad(set_to_none=True)
+    vf = LabelledVelocity(GuidedVelocity(trainer.model, tokens, trainer.cfg.sample.guidance_scale))
+    t0 = time.perf_counter()
+    with torch.enable_grad():
+        policy_gradient(vf, traj, adv, est, backward_fn=labelled_backward)
+    return time.perf_counter() - t0
+
+
+def profile_mode(trainer: Trainer, batch, est: EstimatorConfig, repeats: int) -> dict:
+    phase(trainer, batch, est)                                    # warm-up
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            walls.append(phase(trainer, batch, est))
+    wall = sum(walls)
+    label_s = dict.fromkeys(LABELS, 0.0)
+    outside: dict[str, list] = {}                                 # op -> [self seconds, calls] outside the labels
+    for e in prof.events():
+        if e.name in LABELS:
+            label_s[e.name] += e.cpu_time_total / 1e6
+            continue
+        p = e.cpu_parent
+        while p is not None and p.name not in LABELS:
+            p = p.cpu_parent
+        if p is None:
+            acc = outside.setdefault(e.name, [0.0, 0])
+            acc[0] += e.self_cpu_time_total / 1e6
+            acc[1] += 1
+    rest = wall - sum(label_s.values())
+    top = sorted(outside.items(), key=lambda kv: kv[1][0], reverse=True)[:12]
+    return {
+        "mode": est.mode, "window": est.window, "intermediate": est.intermediate, "jagg_frac": est.jagg_frac,
+        "repeats": repeats, "wall_s_median": statistics.median(walls),
+        "forward_s": label_s["network_forward"] / repeats, "backward_s": label_s["network_backward"] / repeats,
+        "rest_s": rest / repeats, "rest_fraction": rest / wall,
+        "top_ops_outside_network": [{"op": k, "self_cpu_s": v[0] / repeats, "calls": v[1] // repeats} for k, v in top],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=default_config_path())
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE", default=[])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    cfg = configuration.load(TrainConfig, args.config, ["log.output_dir=runs/profile_training", "log.tensorboard=false",
+                                                        "log.progress=false", *args.set])
+    trainer = Trainer(cfg)
+    prompts, tokens, traj = trainer.sample_batch()
+    scores, _ = trainer.reward_fn(from_tensor(traj.latents[:, -1]), prompts, None)
+    adv = group_advantages(torch.as_tensor(scores, dtype=torch.float32), prompts, cfg.grpo.global_std,
+                           cfg.grpo.adv_clip_max)
+    batch = (prompts, tokens, traj, adv)
+    exact = dataclasses.replace(cfg.estimator, mode="exact")
+    records = [profile_mode(trainer, batch, est, args.repeats) for est in (exact, cfg.estimator)]
+    print(f"one training phase of the main job: {len(prompts)} samples x {int(traj.train_steps.numel())} trained "
+          f"steps, micro-batch {cfg.estimator.micro_batch}, {torch.get_num_threads()} thread(s)")
+    for r in records:
+        print(f"\n{r['mode']} (W={r['window']}, {r['intermediate']}, jagg_frac {r['jagg_frac']}): "
+              f"wall {r['wall_s_median']:.3f} s; network forward {r['forward_s']:.3f} s, backward "
+              f"{r['backward_s']:.3f} s, rest {r['rest_s']:.3f} s ({100 * r['rest_fraction']:.1f}%)")
+        print("  top operators outside the network calls (self CPU s per phase, calls):")
+        for op in r["top_ops_outside_network"]:
+            print(f"    {op['op']:<40} {op['self_cpu_s']:.4f}  {op['calls']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
