@@ -8,6 +8,7 @@ Scores are computed from the rollout's stored velocities only (no forward passes
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -62,21 +63,22 @@ def group_scores(velocities: Tensor, sigmas: Tensor, groups: list[list[int]], sc
     return out
 
 
-def route(scores: Tensor, jagg_frac: float, eligible: Tensor, sample_groups: Tensor | None = None) -> Tensor:
+def route(scores: Tensor, jagg_frac: float, eligible: Tensor,
+          sample_groups: Tensor | Sequence | None = None) -> Tensor:
     """Pick the top ``jagg_frac`` of the eligible (sample, group) pairs by score.
 
     Args:
         scores: ``[B, G]`` linearity scores (higher = more linear).
         eligible: ``[G]`` bool, groups allowed to go through JAGG.
-        sample_groups: optional ``[B]``: the GRPO group of each sample (an int tensor, or any sequence of
-            hashables such as the prompts). When given, the members of
-            a GRPO group are routed together: the unit is (GRPO group, step group), its score the members' mean,
-            and the top ``jagg_frac * n_eligible_units`` (rounded half up) units go through JAGG. Group-relative advantages
-            sum to zero within a GRPO group, so an error that its members' JAGG gradients share cancels when
-            they are all routed alike (and survives when only some are).
+        sample_groups: optional ``[B]``, the GRPO group of each sample (an int tensor, or any sequence of
+            hashables such as the prompts). When given, a GRPO group's members are routed together: the unit
+            is (GRPO group, step group), its score the members' mean, and the top ``jagg_frac`` of the
+            eligible units go through JAGG. Group-relative advantages sum to zero within a GRPO group, so an
+            error that its members' JAGG gradients share cancels when they are all routed alike (and survives
+            when only some are).
 
-    Returns ``[B, G]`` bool: True = JAGG. Without ``sample_groups``, ``jagg_frac * n_eligible_pairs`` pairs
-    (rounded half up). Ties break towards the lower index (deterministic).
+    Returns ``[B, G]`` bool: True = JAGG. The count is ``jagg_frac * n_eligible`` rounded half up (pairs, or
+    units with ``sample_groups``); ties break towards the lower index (deterministic).
     """
     B, G = scores.shape
     if sample_groups is not None:
