@@ -15,14 +15,17 @@ is not significant). A value of ``c`` near 0 means the update is noise: Adam tur
 that drifts the model away from its pretrained optimum.
 
 Several rewards (``--rewards``) are compared on the same trajectories: each batch is sampled once and
-differentiated once per reward. ``--fixed-prompts`` gives every batch the same prompts, which separates "no
+differentiated once per reward. ``--estimators config exact`` also differentiates each batch with the exact
+estimator and reports the cross-agreement ``mean_{i != j} cos(g_jagg_i, g_exact_j)`` (does a JAGG update
+point where an exact update on another batch points?) next to the same-batch cosine (the fidelity metric of
+``jagg bench fidelity``), which is dominated by the noise both share. ``--fixed-prompts`` gives every batch the same prompts, which separates "no
 signal" from "a different direction for each prompt".
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 import math
 import statistics
 
@@ -41,17 +44,22 @@ from .common import default_config_path, flat_grad, table, write_json
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=0"]
 
 
-def agreement(grads: torch.Tensor) -> tuple[float, float]:
+def agreement(grads: torch.Tensor, other: torch.Tensor | None = None) -> tuple[float, float]:
     """``grads`` ``[K, P]`` (K >= 3 independent estimates) -> ``(c, jackknife standard error of c)``.
 
     ``c = mean_{i != j} cos(g_i, g_j)``: the expected cosine between two independent estimates (each
-    estimate normalised first, so one batch with a large gradient does not dominate).
+    estimate normalised first, so one batch with a large gradient does not dominate). With ``other``
+    ``[K, P]`` (another estimator on the same K batches): ``mean_{i != j} cos(g_i, h_j)``, the agreement of
+    one estimator's update with the other's on an independent batch, i.e. of their expected directions.
     """
     k = grads.shape[0]
     if k < 3:
         raise ValueError(f"need >= 3 gradient estimates for a standard error; got {k}")
-    unit = grads.double() / grads.double().norm(dim=1, keepdim=True).clamp_min(1e-300)
-    cos = unit @ unit.T                                   # [K, K]
+
+    def unit(g: torch.Tensor) -> torch.Tensor:
+        return g.double() / g.double().norm(dim=1, keepdim=True).clamp_min(1e-300)
+
+    cos = unit(grads) @ unit(grads if other is None else other).T      # [K, K]
 
     def c_of(idx: list[int]) -> float:
         sub = cos[idx][:, idx]
@@ -75,16 +83,23 @@ def samples_for_half(c: float, se: float, n: float) -> tuple[float, bool]:
     return n * (1 - cc) / cc, bound
 
 
-def measure(cfg: TrainConfig, rewards: list[str], batches: int, fixed_prompts: bool = False) -> list[dict]:
-    """One record per reward: the agreement of ``batches`` independent gradient estimates (module docstring)."""
+def measure(cfg: TrainConfig, rewards: list[str], batches: int, fixed_prompts: bool = False,
+            estimators: tuple[str, ...] = ("config",)) -> list[dict]:
+    """Records per (reward, estimator): the agreement of ``batches`` independent gradient estimates (module
+    docstring). ``estimators``: ``config`` (the config's estimator) and/or ``exact``; with both, one more record
+    per reward compares them (``estimator: "config x exact"``)."""
     from ..trainer import Trainer
 
     if batches < 3:
         raise ValueError(f"--batches must be >= 3; got {batches}")
+    bad = [e for e in estimators if e not in ESTIMATORS]
+    if bad or not estimators:
+        raise ValueError(f"--estimators must be some of {ESTIMATORS}; got {list(estimators)}")
     trainer = Trainer(cfg)
     fns = {name: get_reward(name) for name in rewards}
+    ests = {"config": cfg.estimator, "exact": dataclasses.replace(cfg.estimator, mode="exact")}
     params = [p for p in trainer.model.parameters() if p.requires_grad]
-    grads = {name: [] for name in rewards}
+    grads = {(name, e): [] for name in rewards for e in estimators}
     spread = {name: [] for name in rewards}
     stds = {name: [] for name in rewards}
     means = {name: [] for name in rewards}
@@ -103,32 +118,45 @@ def measure(cfg: TrainConfig, rewards: list[str], batches: int, fixed_prompts: b
             stds[name].append(float(groups.std(1).mean()))
             means[name].append(float(r.mean()))
             adv = group_advantages(r, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
-            trainer.opt.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                policy_gradient(GuidedVelocity(trainer.model, tokens, cfg.sample.guidance_scale), traj, adv,
-                                cfg.estimator)
-            grads[name].append(flat_grad(params))
+            for e in estimators:
+                trainer.opt.zero_grad(set_to_none=True)
+                with torch.enable_grad():
+                    policy_gradient(GuidedVelocity(trainer.model, tokens, cfg.sample.guidance_scale), traj, adv,
+                                    ests[e], sample_groups=prompts)
+                grads[(name, e)].append(flat_grad(params))
     n = statistics.fmean(trained)
     out = []
     for name in rewards:
-        g = torch.stack(grads[name])                       # [K, P]
-        c, se = agreement(g)
-        need, bound = samples_for_half(c, se, n)
-        out.append({
-            "reward": name, "batches": batches, "samples_per_batch": n, "fixed_prompts": fixed_prompts,
-            "trainable": cfg.model.trainable, "params": int(g.shape[1]), "mode": cfg.estimator.mode,
-            "cosine": c, "cosine_se": se, "snr_per_sample": c / ((1 - c) * n) if 0 < c < 1 else None,
-            "samples_for_cosine_0.5": need, "lower_bound": bound,
-            "grad_norm": float(g.norm(dim=1).mean()), "reward_mean": statistics.fmean(means[name]),
-            "within_group_std": statistics.fmean(stds[name]), "groups_with_spread": statistics.fmean(spread[name]),
-        })
+        head = {"reward": name, "batches": batches, "samples_per_batch": n, "fixed_prompts": fixed_prompts,
+                "trainable": cfg.model.trainable, "reward_mean": statistics.fmean(means[name]),
+                "within_group_std": statistics.fmean(stds[name]),
+                "groups_with_spread": statistics.fmean(spread[name])}
+        for e in estimators:
+            g = torch.stack(grads[(name, e)])              # [K, P]
+            c, se = agreement(g)
+            need, bound = samples_for_half(c, se, n)
+            out.append({**head, "estimator": e, "mode": ests[e].mode, "params": int(g.shape[1]),
+                        "cosine": c, "cosine_se": se, "snr_per_sample": c / ((1 - c) * n) if 0 < c < 1 else None,
+                        "samples_for_cosine_0.5": need, "lower_bound": bound,
+                        "grad_norm": float(g.norm(dim=1).mean())})
+        if len(estimators) == 2:
+            a, b = torch.stack(grads[(name, "config")]), torch.stack(grads[(name, "exact")])
+            c, se = agreement(a, b)
+            same = float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=1).mean())
+            out.append({**head, "estimator": "config x exact", "mode": f"{ests['config'].mode} x exact",
+                        "params": int(a.shape[1]), "cosine": c, "cosine_se": se, "same_batch_cosine": same,
+                        "snr_per_sample": None, "samples_for_cosine_0.5": math.nan, "lower_bound": False,
+                        "grad_norm": float(a.norm(dim=1).mean())})
     return out
 
 
-COLUMNS = [("reward", "reward", ""), ("samples_per_batch", "N", ".0f"), ("cosine", "cos(g_i, g_j)", ".4f"),
+COLUMNS = [("reward", "reward", ""), ("mode", "estimator", ""), ("samples_per_batch", "N", ".0f"),
+           ("cosine", "cos(g_i, g_j)", ".4f"),
            ("cosine_se", "± SE", ".4f"), ("need", "N for cos 0.5", ""),
            ("reward_mean", "reward", ".3f"), ("within_group_std", "group std", ".3f"),
-           ("groups_with_spread", "groups w/ spread", ".2f"), ("grad_norm", "|g|", ".2e")]
+           ("groups_with_spread", "groups w/ spread", ".2f"), ("grad_norm", "|g|", ".2e"),
+           ("same_batch_cosine", "same-batch cos", ".4f")]
+ESTIMATORS = ("config", "exact")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -137,10 +165,10 @@ def _run(args: argparse.Namespace) -> int:
     cfg = configuration.load(TrainConfig, args.config, sets)
     rewards = args.rewards or [cfg.reward.name]
     batches = args.batches if args.batches is not None else (3 if args.quick else 8)
-    records = measure(cfg, rewards, batches, args.fixed_prompts)
-    shown = [{**r, "need": (">= " if r["lower_bound"] else "") + (
+    records = measure(cfg, rewards, batches, args.fixed_prompts, tuple(args.estimators))
+    shown = [{**r, "need": "" if math.isnan(r["samples_for_cosine_0.5"]) else (">= " if r["lower_bound"] else "") + (
         "inf" if math.isinf(r["samples_for_cosine_0.5"]) else f"{r['samples_for_cosine_0.5']:.0f}")} for r in records]
-    print(f"{batches} batches of {records[0]['samples_per_batch']:.0f} samples, {cfg.estimator.mode} gradients over "
+    print(f"{batches} batches of {records[0]['samples_per_batch']:.0f} samples, gradients over "
           f"{records[0]['params']} trainable parameters ({cfg.model.trainable!r})"
           f"{', the same prompts in every batch' if args.fixed_prompts else ''}")
     print(table(shown, COLUMNS))
@@ -162,6 +190,9 @@ def add_parser(sub) -> None:
                         "[default: the config's reward.name]")
     p.add_argument("--batches", type=int, help="independent batches K (>= 3) [default: 8; 3 with --quick]")
     p.add_argument("--fixed-prompts", action="store_true", help="every batch uses the same prompts")
+    p.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=["config"],
+                   help="config: the config's estimator; exact: mode=exact; both: also their cross-agreement "
+                        "'config x exact' (does the JAGG update point where the exact one does?) [default: config]")
     p.add_argument("--out", default="runs/bench_signal", help="scratch run directory [default: runs/bench_signal]")
     p.add_argument("--json", help="also write the records to this JSON file")
     p.add_argument("--quick", action="store_true", help=f"smaller batches: {' '.join(QUICK_SETS)}")
