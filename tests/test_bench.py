@@ -179,3 +179,22 @@ def test_bench_e2e_round_robin(tmp_path, bench_ckpt, capsys):
                                                   "sample.sde_window=null", "estimator.window=4"])
     assert routed_limit(half) == pytest.approx(1 / (0.5 + 0.5 / 2))        # half the groups at the W/2 limit
     assert "ideal" in capsys.readouterr().out
+
+
+def test_bench_signal_compares_estimators_on_the_same_batches(tmp_path, bench_ckpt):
+    out = tmp_path / "signal.json"
+    base = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2",
+            "sample.group_size=4", "estimator.micro_batch=8", "threads=1", "sample.sde_window=null",
+            "estimator.window=4", "estimator.jagg_frac=1.0"]
+    for mode, same in (("exact", True), ("jagg", False)):
+        args = ["bench", "signal", "--batches", "3", "--rewards", "reward_plugins:brightness", "--estimators",
+                "config", "exact", "--out", str(tmp_path / mode), "--json", str(out)]
+        assert main(args + [a for s in base + [f"estimator.mode={mode}"] for a in ("--set", s)]) == 0
+        recs = {r["estimator"]: r for r in json.loads(out.read_text())}
+        assert set(recs) == {"config", "exact", "config x exact"}
+        cross = recs["config x exact"]["same_batch_cosine"]
+        if same:     # exact vs exact on the same batch: the same gradient
+            assert cross == pytest.approx(1.0, abs=1e-9)
+            assert recs["config"]["cosine"] == pytest.approx(recs["exact"]["cosine"], abs=1e-9)
+        else:        # JAGG: close to exact on the same batch, not equal (8 steps, W=4: two JAGG groups)
+            assert 0.5 < cross < 1 - 1e-6
