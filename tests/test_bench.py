@@ -120,6 +120,8 @@ def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
     capsys.readouterr()
     assert main(args) == 0                                      # finished runs are skipped
     assert capsys.readouterr().out.count("already done") == 3
+    assert main(args + ["--set", "optim.lr=0.5"]) == 2          # ... but not reused under another config
+    assert "optim.lr" in capsys.readouterr().err
 
 
 def test_agreement_statistic_on_synthetic_gradients():

@@ -4,7 +4,7 @@ Each variant (``exact``, ``jagg_fresh``, ``jagg_interp``) trains with :class:`ja
 same config (``configs/default.yaml`` plus ``--set`` overrides), for the same number of iterations and
 optimizer updates, once per seed; the runs alternate (seed 0 of every variant, then seed 1, ...). Every run writes into ``OUT/<variant>/seed<k>/`` (the trainer's usual
 outputs) and, when it is finished, ``result.json``; a run whose ``result.json`` exists for the requested
-number of iterations is skipped and an unfinished one resumes from its newest checkpoint, so the benchmark
+number of iterations (and the same config; another config is an error) is skipped and an unfinished one resumes from its newest checkpoint, so the benchmark
 can be interrupted and restarted.
 
 Reported: the held-out (test-split) reward against optimizer updates and against wall-clock seconds of
@@ -87,7 +87,8 @@ def summarize(records: list[dict], cfg: TrainConfig, variant: str, seed: int) ->
 
 def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     """Train (or resume, or skip) one run and return its summary."""
-    from ..trainer import Trainer
+    from ..configuration import to_dict
+    from ..trainer import Trainer, check_resumable
 
     cfg = q.train_config(variant, seed)
     out = q.run_dir(variant, seed)
@@ -95,6 +96,11 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     if done.is_file():
         result = json.loads(done.read_text())
         if result.get("iterations") == cfg.grpo.iterations:
+            if "config" in result:                                      # a finished run of another config
+                try:
+                    check_resumable(result["config"], to_dict(cfg))
+                except ValueError as e:
+                    raise ValueError(f"{done} was trained with another config ({e}); use another --out") from None
             result.setdefault("jagg_frac", cfg.estimator.jagg_frac)   # result files of older versions
             result.setdefault("limit", routed_limit(cfg))
             print(f"quality: {variant} seed {seed}: already done ({done}), skipped", flush=True)
@@ -103,7 +109,7 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     records = Trainer(cfg, resume=True).train()
     if not records or max(r["iteration"] for r in records) < cfg.grpo.iterations:
         raise RuntimeError(f"run {out} stopped before iteration {cfg.grpo.iterations}; rerun to resume it")
-    result = summarize(records, cfg, variant, seed)
+    result = {**summarize(records, cfg, variant, seed), "config": to_dict(cfg)}
     write_json(done, result)
     return result
 
