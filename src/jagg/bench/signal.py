@@ -18,8 +18,8 @@ Several rewards (``--rewards``) are compared on the same trajectories: each batc
 differentiated once per reward. ``--estimators config exact`` also differentiates each batch with the exact
 estimator and reports the cross-agreement ``mean_{i != j} cos(g_jagg_i, g_exact_j)`` (does a JAGG update
 point where an exact update on another batch points?) next to the same-batch cosine (the fidelity metric of
-``jagg bench fidelity``), which is dominated by the noise both share. ``--fixed-prompts`` gives every batch the same prompts, which separates "no
-signal" from "a different direction for each prompt".
+``jagg bench fidelity``), which is dominated by the noise both share. ``--fixed-prompts`` gives every batch
+the same prompts, which separates "no signal" from "a different direction for each prompt".
 """
 
 from __future__ import annotations
