@@ -54,7 +54,25 @@ def check_resumable(saved: dict, current: dict) -> None:
                              f"{b.get(key)!r} now; use the checkpoint's value or start a new run (another log.output_dir)")
 
 
-class Trainer:
+class GuardedStep:
+    """The optimizer step of both trainers: skipped (gradient dropped, counted) when the update's loss or
+    gradient norm is not finite. Needs ``self.opt``, ``self.skipped_updates`` and ``self.consecutive_skips``."""
+
+    def guarded_step(self, stats: dict) -> bool:
+        """Step unless ``stats["loss"]`` or ``stats["grad_norm"]`` is non-finite; sets ``stats["skipped"]``."""
+        if not (np.isfinite(stats["loss"]) and np.isfinite(stats["grad_norm"])):
+            self.opt.zero_grad(set_to_none=True)
+            self.skipped_updates += 1
+            self.consecutive_skips += 1
+            stats["skipped"] = 1
+            return False
+        self.opt.step()
+        self.consecutive_skips = 0
+        stats["skipped"] = 0
+        return True
+
+
+class Trainer(GuardedStep):
     """Runs ``jagg train``. ``Trainer(cfg, resume=True).train()`` continues from the newest checkpoint."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False):
@@ -150,16 +168,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, c.optim.max_grad_norm if c.optim.max_grad_norm > 0 else float("inf"))
         stats["grad_norm"] = float(norm)
-        if not (np.isfinite(stats["loss"]) and np.isfinite(stats["grad_norm"])):
-            self.opt.zero_grad(set_to_none=True)
-            self.skipped_updates += 1
-            self.consecutive_skips += 1
-            stats["skipped"] = 1
-            return stats
-        self.opt.step()
-        self.consecutive_skips = 0
-        stats["skipped"] = 0
-        if self.ema is not None:
+        if self.guarded_step(stats) and self.ema is not None:
             with torch.no_grad():
                 torch._foreach_lerp_(self.ema, [p.detach() for p in self.model.parameters()], 1 - c.optim.ema_decay)
         return stats

@@ -47,13 +47,13 @@ from ..advantages import group_advantages, nonzero_spread_mask
 from ..checkpoint import load_latest, save_checkpoint
 from ..config import EstimatorConfig
 from ..distributed import (all_reduce_gradients, gather, gather_objects, init_process_group_from_env, loss_scale,
-                           rank_and_world, shard)
+                           shard)
 from ..estimator import policy_gradient, reference_velocities
 from ..metrics import MetricsLogger, plot_reward_curve, save_grid
 from ..reward_server import RewardClient
 from ..rewards.registry import get_reward
 from ..train_config import GRPOConfig, LogConfig, OptimConfig, RewardConfig
-from ..trainer import check_resumable
+from ..trainer import GuardedStep, check_resumable
 from ..trajectory import sample_trajectories, select_train_steps
 from .diffusers_adapters import unwrap_model
 from .pipeline import PipelineConfig, RealModel, load_model
@@ -237,7 +237,7 @@ def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
 
-class RealTrainer:
+class RealTrainer(GuardedStep):
     """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX model; ``RealTrainer(cfg, resume=True)``
     continues from the newest checkpoint of ``cfg.log.output_dir``. Launch with torchrun / accelerate for several
     processes (``WORLD_SIZE > 1``)."""
@@ -450,15 +450,7 @@ class RealTrainer:
         grads = [p for p in self.params if p.grad is not None]
         max_norm = c.optim.max_grad_norm if c.optim.max_grad_norm > 0 else float("inf")
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
-        if not (np.isfinite(stats["loss"]) and np.isfinite(stats["grad_norm"])):
-            self.opt.zero_grad(set_to_none=True)
-            self.skipped_updates += 1
-            self.consecutive_skips += 1
-            stats["skipped"] = 1
-            return stats
-        self.opt.step()
-        self.consecutive_skips = 0
-        stats["skipped"] = 0
+        self.guarded_step(stats)
         return stats
 
     def step(self) -> dict:
