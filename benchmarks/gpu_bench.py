@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 import jagg
+from jagg.bench.common import cost_limit
 from jagg.integrations import LoraSettings, PromptEmbeddings, VelocityConfig, add_lora, velocity_adapter
 
 # -- the published transformer configs (diffusers config.json of the model repos) ------------------------------
@@ -94,14 +95,6 @@ class BenchConfig:
                 raise ValueError(f"--{name} must be >= 1")
         if self.micro_batch < 2:
             raise ValueError("--micro-batch must be >= 2 (a JAGG group's two endpoints go through together)")
-
-
-def cost_limit(window: int, intermediate: str, steps: int) -> float:
-    """DESIGN §3 with B = 2F over ``steps`` trained steps split into groups of ``window``."""
-    sizes = [min(window, steps - s) for s in range(0, steps, window)]
-    exact = 3.0 * sum(sizes)
-    jagg_cost = sum(3.0 * m if m <= 2 else (6.0 + (m - 2 if intermediate == "fresh" else 0.0)) for m in sizes)
-    return exact / jagg_cost
 
 
 def _device(name: str) -> torch.device:
@@ -230,7 +223,7 @@ def bench_model(name: str, cfg: BenchConfig, dev: torch.device, dtype: torch.dty
             rows.append(dict(
                 key, mode=mode, window=w, intermediate=inter, status=status.get(c, "ok"), seconds=t,
                 times=times[c], speedup=exact_t / t if times[c] and times[configs[0]] else float("nan"),
-                cost_limit=1.0 if mode == "exact" or w <= 2 else cost_limit(w, inter, cfg.steps),
+                cost_limit=1.0 if mode == "exact" or w <= 2 else cost_limit(w, inter, steps=cfg.steps),
                 peak_gb=info[c]["peak_gb"] if c in info else float("nan"),
                 backward_items=st.backward_items if st else None,
                 forward_nograd_items=st.forward_nograd_items if st else None,

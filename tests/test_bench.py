@@ -44,6 +44,9 @@ def test_cost_model_and_spearman():
     assert cost_limit(4, "fresh") == pytest.approx(12 / 8) and cost_limit(8, "fresh") == pytest.approx(24 / 12)
     assert cost_limit(2, "fresh") == cost_limit(2, "interp") == 1.0
     assert cost_limit(4, "interp", steps=10) == pytest.approx(10 / 6)       # groups 4, 4, 2
+    # routing: half of each eligible group through JAGG; exact first/last groups count as exact
+    assert cost_limit(4, "interp", steps=8, jagg_frac=0.5) == pytest.approx(24 / (2 * (0.5 * 6 + 0.5 * 12)))
+    assert cost_limit(4, "interp", steps=10, exact_first=1) == pytest.approx(30 / (12 + 6 + 6))
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 1, 2, 3], [5, 5, 6, 7]) == pytest.approx(1.0)       # ties get average ranks

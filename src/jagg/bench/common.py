@@ -24,7 +24,8 @@ from ..routing import make_groups
 
 
 def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: float = 1.0,
-               backward: float = 2.0, steps: int | None = None) -> float:
+               backward: float = 2.0, steps: int | None = None, jagg_frac: float = 1.0,
+               exact_first: int = 0, exact_last: int = 0) -> float:
     """Ideal speed-up of JAGG over exact: exact cost / JAGG cost of the trained steps.
 
     Per group of ``m`` trained steps:  exact ``m (F_grad + B)``;  JAGG fresh ``2 F_grad + (m - 2) F_nograd + 2 B``;
@@ -32,18 +33,21 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
     limit is for one full group of ``window`` steps: the defaults (``B = 2F``, ``F_grad = F_nograd``) give
     DESIGN's ``3W / (W + 4)`` (fresh) and ``W / 2`` (interp). With ``steps=K`` the ``K`` trained steps are
     split into groups as the estimator splits them (the last group may be shorter). Pass measured times to
-    get the limit of a given model.
+    get the limit of a given model. Routing: the fraction ``jagg_frac`` of each eligible group (>= 3 steps,
+    not among the first ``exact_first`` / last ``exact_last`` groups) goes through JAGG, the rest exact.
     """
     if intermediate not in ("fresh", "interp"):
         raise ValueError(f"intermediate must be 'fresh' or 'interp'; got {intermediate!r}")
     sizes = [window] if steps is None else [len(g) for g in make_groups(list(range(steps)), window)]
     exact = sum(sizes) * (f_grad + backward)
     jagg = 0.0
-    for m in sizes:
-        if m <= 2:
-            jagg += m * (f_grad + backward)
-        else:
-            jagg += 2 * (f_grad + backward) + ((m - 2) * f_nograd if intermediate == "fresh" else 0.0)
+    for gi, m in enumerate(sizes):
+        group_exact = m * (f_grad + backward)
+        if m <= 2 or gi < exact_first or gi >= len(sizes) - exact_last:
+            jagg += group_exact
+            continue
+        routed = 2 * (f_grad + backward) + ((m - 2) * f_nograd if intermediate == "fresh" else 0.0)
+        jagg += jagg_frac * routed + (1.0 - jagg_frac) * group_exact
     return exact / jagg
 
 

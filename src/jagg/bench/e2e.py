@@ -20,9 +20,8 @@ import statistics
 
 from .. import configuration
 from ..train_config import TrainConfig
-from ..routing import make_groups
 from ..trajectory import select_train_steps
-from .common import default_config_path, table, write_json
+from .common import cost_limit, default_config_path, table, write_json
 
 VARIANTS = {
     "exact": ["estimator.mode=exact"],
@@ -33,23 +32,14 @@ KEYS = ("sample_s", "reward_s", "train_s", "iter_s")
 
 
 def routed_limit(cfg: TrainConfig) -> float:
-    """Cost-model limit (``B = 2F``) of the config's estimator: its trained steps split into groups of
-    ``window``, the fraction ``jagg_frac`` of the eligible groups (>= 3 steps, not among the
-    ``exact_first_groups`` / ``exact_last_groups``) through JAGG, every other group exact."""
+    """:func:`~jagg.bench.common.cost_limit` (``B = 2F``) of the config's estimator: its trained steps, window,
+    routed fraction and exact first/last groups."""
     e, c = cfg.estimator, cfg.sample
     if e.mode == "exact":
         return 1.0
-    steps = select_train_steps(c.num_steps, c.timestep_fraction,
-                               tuple(c.sde_window) if c.sde_window else None)[0].tolist()
-    sizes = [len(g) for g in make_groups(steps, e.window)]
-    G = len(sizes)
-    exact = jagg = 0.0
-    for gi, m in enumerate(sizes):
-        exact += 3.0 * m                                   # m (F + B) with B = 2F, in units of F
-        eligible = m >= 3 and gi >= e.exact_first_groups and gi < G - e.exact_last_groups
-        routed = (6.0 if e.intermediate == "interp" else m + 4.0) if eligible else 3.0 * m
-        jagg += e.jagg_frac * routed + (1.0 - e.jagg_frac) * 3.0 * m
-    return exact / jagg
+    steps = select_train_steps(c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)[0]
+    return cost_limit(e.window, e.intermediate, steps=int(steps.numel()), jagg_frac=e.jagg_frac,
+                      exact_first=e.exact_first_groups, exact_last=e.exact_last_groups)
 
 
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:

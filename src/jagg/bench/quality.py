@@ -24,7 +24,7 @@ from pathlib import Path
 from .. import configuration
 from ..train_config import TrainConfig
 from ..trajectory import select_train_steps
-from .common import cost_limit, default_config_path, table, write_json
+from .common import default_config_path, table, write_json
 from .e2e import VARIANTS, routed_limit
 # bench defaults, before the user's --set (which win)
 DEFAULT_SETS = ["log.progress=false", "log.tensorboard=false", "eval.every=10"]
@@ -144,12 +144,10 @@ def aggregate(runs: list[dict]) -> list[dict]:
             "reward_s": statistics.fmean(r["reward_s"] for r in rs),
             "train_s": statistics.fmean(r["train_s"] for r in rs),
             "iter_s": statistics.fmean(r["iter_s"] for r in rs),
+            "limit": rs[0]["limit"],                      # the cost model (1 for exact), from the run summary
         })
     ex = next((a for a in out if a["variant"] == "exact"), None)
     for a in out:
-        exact_mode = a["mode"] == "exact"
-        a["limit"] = 1.0 if exact_mode else by[a["variant"]][0].get("limit") or cost_limit(
-            a["window"], a["intermediate"], steps=a["trained_steps"])
         if ex is None:
             continue
         ratio = lambda k: ex[k] / a[k] if ex.get(k) and a.get(k) else None
