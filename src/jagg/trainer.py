@@ -54,9 +54,14 @@ def check_resumable(saved: dict, current: dict) -> None:
                              f"{b.get(key)!r} now; use the checkpoint's value or start a new run (another log.output_dir)")
 
 
-class GuardedStep:
-    """The optimizer step of both trainers: skipped (gradient dropped, counted) when the update's loss or
-    gradient norm is not finite. Needs ``self.opt``, ``self.skipped_updates`` and ``self.consecutive_skips``."""
+class TrainerCore:
+    """What both trainers (TinyDiT and diffusers) share around the loop: the optimizer step, skipped (gradient
+    dropped, counted) when the update's loss or gradient norm is not finite, the abort after too many skips,
+    the checkpoint after a failure before the first update, and the SIGINT/SIGTERM handler. Needs ``self.opt``,
+    ``self.skipped_updates``, ``self.consecutive_skips``, ``self._stop``, ``self._updating``,
+    ``self._rng_at_start``, ``save()`` and ``_set_rng_state()``."""
+
+    world, rank = 1, 0                                     # processes and this one's rank
 
     def guarded_step(self, stats: dict) -> bool:
         """Step unless ``stats["loss"]`` or ``stats["grad_norm"]`` is non-finite; sets ``stats["skipped"]``."""
@@ -71,8 +76,33 @@ class GuardedStep:
         stats["skipped"] = 0
         return True
 
+    def skip_limit_error(self, limit: int) -> RuntimeError | None:
+        """The error to stop with after ``limit`` consecutive skipped updates (0 = never), else None."""
+        if limit and self.consecutive_skips >= limit:
+            return RuntimeError(f"aborting: {limit} consecutive updates had a non-finite loss or gradient "
+                                "(see metrics.jsonl 'skipped'); lower optim.lr")
+        return None
 
-class Trainer(GuardedStep):
+    def _print(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+
+    def _save_on_failure(self) -> None:
+        """A failure before this iteration's first update (sampling, reward) left the weights untouched: in a
+        single process, rewind the RNGs to the iteration's start and save, so ``--resume`` retries exactly
+        this iteration."""
+        if self._updating or self.world > 1:
+            return
+        self._set_rng_state(self._rng_at_start)
+        path = self.save()
+        print(f"\nthe run failed in iteration {self.iteration + 1}; saved {path}: fix the cause and use --resume")
+
+    def _handle_signal(self, signum, frame):
+        self._stop = True
+        self._print(f"\nreceived signal {signum}: finishing this iteration, saving a checkpoint, exiting")
+
+
+class Trainer(TrainerCore):
     """Runs ``jagg train``. ``Trainer(cfg, resume=True).train()`` continues from the newest checkpoint."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False):
@@ -252,19 +282,6 @@ class Trainer(GuardedStep):
                           f"GRPO ({self.cfg.estimator.mode}) on the shapes world")
         return rec
 
-    def _save_on_failure(self) -> None:
-        """A failure before this iteration's first update (sampling, reward) left the weights untouched:
-        rewind the RNGs to the iteration's start and save, so ``--resume`` retries exactly this iteration."""
-        if self._updating:
-            return
-        self._set_rng_state(self._rng_at_start)
-        path = self.save()
-        print(f"\nthe run failed in iteration {self.iteration + 1}; saved {path}: fix the cause and use --resume")
-
-    def _handle_signal(self, signum, frame):
-        self._stop = True
-        print(f"\nreceived signal {signum}: finishing this iteration, saving a checkpoint, exiting")
-
     def train(self) -> list[dict]:
         c = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
@@ -291,10 +308,10 @@ class Trainer(GuardedStep):
                 bar.update(1)
                 bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", test=f"{last_eval['reward_mean']:.3f}" if last_eval else "-",
                                 bwd=rec.get("backward_items", 0), s_it=f"{rec['iter_s']:.2f}")
-                if c.grpo.max_consecutive_skips and self.consecutive_skips >= c.grpo.max_consecutive_skips:
+                abort = self.skip_limit_error(c.grpo.max_consecutive_skips)
+                if abort is not None:
                     self.save()
-                    raise RuntimeError(f"aborting: {c.grpo.max_consecutive_skips} consecutive updates had a "
-                                       "non-finite loss or gradient (see metrics.jsonl 'skipped'); lower optim.lr")
+                    raise abort
             bar.close()
             if self._stop:
                 path = self.save()

@@ -53,7 +53,7 @@ from ..metrics import MetricsLogger, plot_reward_curve, save_grid
 from ..reward_server import RewardClient
 from ..rewards.registry import get_reward
 from ..train_config import GRPOConfig, LogConfig, OptimConfig, RewardConfig
-from ..trainer import GuardedStep, check_resumable
+from ..trainer import TrainerCore, check_resumable
 from ..trajectory import sample_trajectories, select_train_steps
 from .diffusers_adapters import unwrap_model
 from .pipeline import PipelineConfig, RealModel, load_model
@@ -237,7 +237,7 @@ def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
 
-class RealTrainer(GuardedStep):
+class RealTrainer(TrainerCore):
     """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX model; ``RealTrainer(cfg, resume=True)``
     continues from the newest checkpoint of ``cfg.log.output_dir``. Launch with torchrun / accelerate for several
     processes (``WORLD_SIZE > 1``)."""
@@ -290,10 +290,6 @@ class RealTrainer(GuardedStep):
                 self._print(f"resumed from {found[1]} (iteration {self.iteration})")
         self.logger = (MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from if resume else None)
                        if self.main else None)
-
-    def _print(self, text: str) -> None:
-        if self.main:
-            print(text, flush=True)
 
     def _check_prompt_cache(self) -> None:
         """Without text encoders every training prompt and the negative prompt must be in the prompt cache."""
@@ -505,19 +501,6 @@ class RealTrainer(GuardedStep):
         return rec
 
     # ------------------------------------------------------------------ the loop
-    def _save_on_failure(self) -> None:
-        """Single process: a failure before the iteration's first update (sampling, reward) left the weights
-        untouched: rewind the RNGs and save, so ``--resume`` retries exactly this iteration."""
-        if self._updating or self.world > 1:
-            return
-        self._set_rng_state(self._rng_at_start)
-        path = self.save()
-        print(f"\nthe run failed in iteration {self.iteration + 1}; saved {path}: fix the cause and use --resume")
-
-    def _handle_signal(self, signum, frame):
-        self._stop = True
-        self._print(f"\nreceived signal {signum}: finishing this iteration, saving a checkpoint, exiting")
-
     def train(self) -> list[dict]:
         c = self.cfg
         if self.main:
@@ -536,15 +519,14 @@ class RealTrainer(GuardedStep):
                     self.logger.log(rec)
                 stop = bool(self._reduce([float(self._stop)])[0])  # every rank stops at the same iteration
                 done = self.iteration == c.grpo.iterations
-                aborting = bool(c.grpo.max_consecutive_skips and self.consecutive_skips >= c.grpo.max_consecutive_skips)
-                if (c.log.checkpoint_every and self.iteration % c.log.checkpoint_every == 0) or done or stop or aborting:
+                abort = self.skip_limit_error(c.grpo.max_consecutive_skips)
+                if (c.log.checkpoint_every and self.iteration % c.log.checkpoint_every == 0) or done or stop or abort:
                     self.save()
                 bar.update(1)
                 bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", bwd=rec.get("backward_items", 0),
                                 s_it=f"{rec['iter_s']:.2f}")
-                if aborting:
-                    raise RuntimeError(f"aborting: {c.grpo.max_consecutive_skips} consecutive updates had a "
-                                       "non-finite loss or gradient (see metrics.jsonl 'skipped'); lower optim.lr")
+                if abort is not None:
+                    raise abort
                 if stop:
                     self._print(f"saved iteration {self.iteration}; continue with --resume")
                     break
