@@ -444,3 +444,21 @@ def test_shipped_yaml_configs_load(name, family, rank):
     if not Path(cfg.path).exists():
         with pytest.raises(FileNotFoundError, match="never downloads weights"):
             load_model(cfg)
+
+
+@pytest.mark.parametrize("fp32_params", [True, False])
+def test_full_finetune_master_weights(fp32_params):
+    """Full fine-tuning of a bf16 transformer: fp32_params gives fp32 master weights (AdamW updates below bf16's
+    resolution are kept) while the KL reference copy stays bf16; without it the weights stay bf16."""
+    cfg = PipelineConfig(family="sd3", path="unused", dtype="bf16", device="cpu", resolution=128, num_steps=2,
+                         autocast="bf16", keep_reference=True,
+                         lora=LoraSettings(enabled=False, fp32_params=fp32_params))
+    model = RealModel(cfg, tiny_sd3().to(torch.bfloat16))
+    want = torch.float32 if fp32_params else torch.bfloat16
+    assert model.params and all(p.dtype == want and p.requires_grad for p in model.params)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in model.reference_model.parameters())
+    p = model.params[0]
+    before = p.detach().clone()
+    with torch.no_grad():
+        p.add_(1e-3 * before)       # a relative step of 1e-3: below half of bf16's resolution (2^-8)
+    assert (p != before).any() == fp32_params

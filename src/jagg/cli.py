@@ -37,7 +37,7 @@ class PretrainRunConfig:
     out: str = field(default="src/jagg/assets/tiny_dit.safetensors", metadata={"help": "Output .safetensors path."})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)."})
     snapshot_every: int = field(default=0, metadata={"help": "Also save <out>.step<N>.safetensors every N steps "
-                                                     "(a multiple of train.log_every; 0 = off)."})
+                                                     "(the EMA weights when train.ema_decay is set; 0 = off)."})
     model: dict = field(default_factory=dict, metadata={"help": "TinyDiT architecture overrides (DiTConfig keys), "
                                                         "e.g. {dim: 128, depth: 4}."})
     train: PretrainConfig = field(default_factory=PretrainConfig)
@@ -85,10 +85,11 @@ def _pretrain(args) -> int:
     print(f"TinyDiT: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {train.steps} steps")
     def log(record: dict) -> None:
         print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}), flush=True)
-        if run.snapshot_every and record["step"] % run.snapshot_every == 0 and record["step"] < train.steps:
-            save_pretrained(model, Path(run.out).with_suffix(f".step{record['step']}.safetensors"))
 
-    pretrain(model, WorldBatches(mcfg.image_size, mcfg.max_text_len), train, log)
+    def snapshot(step: int, weights: torch.nn.Module) -> None:
+        save_pretrained(weights, Path(run.out).with_suffix(f".step{step}.safetensors"))
+
+    pretrain(model, WorldBatches(mcfg.image_size, mcfg.max_text_len), train, log, snapshot, run.snapshot_every)
     save_pretrained(model, run.out)
     print(f"wrote {run.out}")
     return 0

@@ -87,13 +87,16 @@ def pretrain(
     sample_batch: SampleBatch,
     cfg: PretrainConfig,
     log: Callable[[dict], None] | None = None,
+    snapshot: Callable[[int, nn.Module], None] | None = None,
+    snapshot_every: int = 0,
 ) -> nn.Module:
     """Train `model(x [N,C,H,W], sigma [N], tokens [N,L]) -> v [N,C,H,W]` in place with the rectified-flow loss.
 
     `sample_batch(gen, n)` returns (x0 [n, C, H, W] in [-1, 1], tokens [n, L] long, pad id 0).
     `log`, if given, receives {"step", "loss" (mean over the last log_every steps), "lr", "grad_norm",
-    "sec_per_step"} every `log_every` steps and at the last step. Returns the model (holding the EMA
-    weights when cfg.ema_decay is set).
+    "sec_per_step"} every `log_every` steps and at the last step. `snapshot`, if given, receives
+    (step, weights) every `snapshot_every` steps before the last: the EMA copy when cfg.ema_decay is set,
+    else the model. Returns the model (holding the EMA weights when cfg.ema_decay is set).
     """
     p0 = next(model.parameters())
     device, dtype = p0.device, p0.dtype
@@ -145,6 +148,8 @@ def pretrain(
                  "grad_norm": float(gn), "sec_per_step": dt / k})
             loss_sum.zero_()
             t0 = time.perf_counter()
+        if snapshot is not None and snapshot_every > 0 and (step + 1) % snapshot_every == 0 and step + 1 < cfg.steps:
+            snapshot(step + 1, ema if ema is not None else model)
     if ema is not None:
         model.load_state_dict(ema.state_dict())
     model.eval()

@@ -62,8 +62,10 @@ class LoraSettings:
     init: str = field(default="gaussian", metadata={"help": "peft init_lora_weights: 'gaussian' (Flow-GRPO) or "
                       "'default' (kaiming A); B starts at zero either way, so the policy starts at the base model."})
     dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    fp32_params: bool = field(default=True, metadata={"help": "Keep trainable parameters in fp32 while the frozen base "
-                              "runs in bf16 (mixed precision; the optimizer state stays accurate)."})
+    fp32_params: bool = field(default=True, metadata={"help": "Keep trainable parameters in fp32 (master weights: "
+                              "AdamW updates below bf16's resolution are not lost). LoRA: the adapters, on the bf16 "
+                              "base. Full fine-tuning: the whole transformer, so set pipeline.autocast: bf16 to "
+                              "compute in bf16; the KL reference copy stays in pipeline.dtype."})
     path: str | None = field(default=None, metadata={"help": "Resume from a saved adapter directory "
                              f"(containing {LORA_WEIGHT_NAME})."})
 
@@ -131,7 +133,9 @@ def add_lora(transformer: nn.Module, settings: LoraSettings, family: str | None 
 
 
 def full_finetune(transformer: nn.Module, fp32_params: bool = False) -> list[nn.Parameter]:
-    """Make every transformer weight trainable (full fine-tuning). Returns the parameters."""
+    """Make every transformer weight trainable (full fine-tuning). Returns the parameters.
+
+    ``fp32_params`` upcasts them to fp32 master weights (pair with ``autocast`` to keep bf16 compute)."""
     model = unwrap_model(transformer)
     model.requires_grad_(True)
     if fp32_params:

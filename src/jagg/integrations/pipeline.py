@@ -265,11 +265,12 @@ class RealModel:
         base.to(self.device)
         if vae is not None:
             vae.to(self.device).requires_grad_(False).eval()
+        # the full fine-tuning reference is copied before any fp32 upcast: it stays in the load dtype
+        self.reference_model = frozen_copy(base) if config.keep_reference else None
         if config.lora.enabled:
             self.params = add_lora(base, config.lora, config.family)
         else:
-            self.params = full_finetune(base)
-        self.reference_model = frozen_copy(base) if config.keep_reference else None
+            self.params = full_finetune(base, fp32_params=config.lora.fp32_params)
         if config.gradient_checkpointing:
             base.enable_gradient_checkpointing()
         self.scheduler_config = dict(scheduler_config or {})
