@@ -243,6 +243,18 @@ def test_pretrain_is_deterministic_and_ema_runs():
     assert all(torch.isfinite(p).all() for p in e.parameters())
     assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), e.parameters()))
 
+    # snapshots (every 2 steps, before the last) hold the EMA copy: with a decay near 1 it is still the init
+    snaps = {}
+    torch.manual_seed(0)
+    m = TinyDiT(tiny_cfg())
+    init = [p.detach().clone() for p in m.parameters()]
+    pretrain(m, solid_colours, PretrainConfig(steps=4, batch_size=8, warmup=1, seed=3, lr=1e-2, ema_decay=1 - 1e-9),
+             snapshot=lambda step, w: snaps.update({step: [p.detach().clone() for p in w.parameters()]}),
+             snapshot_every=2)
+    assert list(snaps) == [2]
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(snaps[2], init))
+    assert not all(torch.allclose(p, q, atol=1e-6) for p, q in zip(a.parameters(), init))  # training moves weights
+
 
 def test_pretrain_loss_decreases_and_model_follows_prompt():
     torch.manual_seed(0)
