@@ -26,9 +26,9 @@ SampleBatch = Callable[[torch.Generator, int], "tuple[Tensor, Tensor]"]  # (gen,
 
 @dataclass
 class PretrainConfig:
-    steps: int = field(default=2000, metadata={"help": 'Optimizer steps.'})
+    steps: int = field(default=10000, metadata={"help": 'Optimizer steps.'})
     batch_size: int = field(default=64, metadata={"help": 'Rendered images per step.'})
-    lr: float = field(default=3e-4, metadata={"help": 'Peak AdamW learning rate.'})
+    lr: float = field(default=1e-3, metadata={"help": 'Peak AdamW learning rate.'})
     min_lr_ratio: float = field(default=0.1, metadata={"help": 'Cosine decay ends at lr * min_lr_ratio.'})
     weight_decay: float = field(default=0.01, metadata={"help": 'AdamW weight decay (matrices and embeddings only).'})
     betas: tuple[float, float] = field(default=(0.9, 0.99), metadata={"help": 'AdamW betas.'})
@@ -39,7 +39,7 @@ class PretrainConfig:
     sigma_sampling: str = field(default="logit_normal", metadata={"help": "'logit_normal' (SD3) or 'uniform' sigma sampling."})
     logit_mean: float = field(default=0.0, metadata={"help": 'Mean of the logit-normal sigma distribution.'})
     logit_std: float = field(default=1.0, metadata={"help": 'Std of the logit-normal sigma distribution.'})
-    ema_decay: float | None = field(default=None, metadata={"help": 'EMA decay of the returned weights (None = off).'})
+    ema_decay: float | None = field(default=0.999, metadata={"help": 'EMA decay of the returned weights (None = off).'})
     cfg_dropout: float | None = field(default=None, metadata={"help": "Probability of the empty prompt (None = the model's cfg_dropout)."})
 
     def __post_init__(self):
