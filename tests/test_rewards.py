@@ -135,3 +135,20 @@ def test_reward_errors(user_module):
         get_reward("geneval")(images.astype(np.float32), prompts, None)
     with pytest.raises(ValueError, match="'purple'"):
         get_reward("geneval")(images, ["a purple circle"] * 4, None)
+
+
+def test_evaluate_reports_pass_rate_per_constraint_kind(monkeypatch):
+    """`evaluate` (jagg eval, the trainer's evaluation) reports pass/<kind>: 1.0 for every kind on ground truth,
+    0.0 for every kind on blank images (every prompt asks for at least one object)."""
+    from jagg import evaluation
+    from jagg.world.scene import BACKGROUND
+
+    prompts = test_prompts()
+    truth = {"images": render_prompts([p for p in prompts for _ in range(2)], 0)[0]}   # evaluate's order
+    monkeypatch.setattr(evaluation, "generate", lambda model, batch, *a, **k: truth["images"][:len(batch)])
+    m, _, batch = evaluation.evaluate(None, GenevalReward(), images_per_prompt=2)
+    kinds = {"pass/shape", "pass/color", "pass/relation", "pass/no_extra"}
+    assert kinds <= set(m) and all(m[k] == 1.0 for k in kinds)
+    truth["images"] = np.zeros_like(truth["images"]) + np.array(BACKGROUND, np.uint8)
+    m, _, _ = evaluation.evaluate(None, GenevalReward(), images_per_prompt=2)
+    assert all(m[k] == 0.0 for k in kinds), m

@@ -30,7 +30,9 @@ def evaluate(model: nn.Module, reward_fn, num_prompts: int = 0, images_per_promp
     """Reward of the test split (the first ``num_prompts``, 0 = all), ``images_per_prompt`` each.
 
     Returns ``(metrics, images uint8 [N, H, W, 3], prompts)``; metrics hold ``reward_mean``, ``accuracy``,
-    ``held_out_reward`` (prompts using a held-out colour+shape pair) and per-category accuracies.
+    ``held_out_reward`` (prompts using a held-out colour+shape pair), per-category accuracies and, for rewards
+    that report ``constraints`` (geneval), the pass rate of each constraint kind (``pass/shape``, ``pass/color``,
+    ``pass/relation``, ``pass/no_extra``).
     """
     prompts = test_prompts()
     prompts = prompts[:num_prompts] if num_prompts else prompts
@@ -46,4 +48,10 @@ def evaluate(model: nn.Module, reward_fn, num_prompts: int = 0, images_per_promp
     if (~held).any():
         metrics["seen_reward"] = float(scores[~held].mean())
     metrics.update({k: v for k, v in info.items() if k.startswith("accuracy/")})
+    if "constraints" in info:      # GenEval-like rewards: pass rate per constraint kind ("shape:circle" -> shape)
+        passed: dict[str, list[bool]] = {}
+        for c in info["constraints"]:
+            for k, v in c.items():
+                passed.setdefault("pass/" + k.split(":")[0], []).append(bool(v))
+        metrics.update({k: float(np.mean(v)) for k, v in passed.items()})
     return metrics, images, batch
