@@ -203,3 +203,36 @@ def test_bench_signal_compares_estimators_on_the_same_batches(tmp_path, bench_ck
             assert recs["config"]["cosine"] == pytest.approx(recs["exact"]["cosine"], abs=1e-9)
         else:        # JAGG: close to exact on the same batch, not equal (8 steps, W=4: two JAGG groups)
             assert 0.5 < cross < 1 - 1e-6
+
+
+def test_paired_eval_script(tiny_ckpt, tmp_path, capsys):
+    """benchmarks/paired_eval.py: a checkpoint against itself differs by exactly 0; against another model the
+    difference is non-zero, inside its interval, and the whole split is the prompt-weighted mean of its parts."""
+    import importlib.util
+    from pathlib import Path
+
+    from jagg.models import DiTConfig, TinyDiT, save_pretrained
+    from jagg.world import tokenizer
+
+    spec = importlib.util.spec_from_file_location(
+        "paired_eval", Path(__file__).resolve().parents[1] / "benchmarks" / "paired_eval.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    same = mod.main([tiny_ckpt, tiny_ckpt, "--images-per-prompt", "1", "--steps", "2", "--bootstrap", "50"])
+    assert all(r["diff"] == 0 and r["ci95"] == [0, 0] for r in same.values())
+    assert same["all"]["prompts"] == same["seen_pairs"]["prompts"] + same["held_out_pairs"]["prompts"] == 69
+
+    torch.manual_seed(1)
+    other = tmp_path / "other.safetensors"
+    m = TinyDiT(DiTConfig(vocab_size=tokenizer.vocab_size, dim=32, depth=1, heads=2, text_dim=16, text_depth=1,
+                          text_heads=2, patch_size=8))
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.05)          # a non-zero output layer: images differ from tiny_ckpt's
+    save_pretrained(m, other)
+    js = tmp_path / "paired.json"
+    r = mod.main([tiny_ckpt, str(other), "--images-per-prompt", "1", "--steps", "2", "--reward",
+                  "jpeg_compressibility", "--json", str(js)])
+    a, s, h = r["all"], r["seen_pairs"], r["held_out_pairs"]
+    assert a["diff"] != 0 and a["ci95"][0] <= a["diff"] <= a["ci95"][1]
+    assert abs(a["diff"] * 69 - s["diff"] * s["prompts"] - h["diff"] * h["prompts"]) < 1e-9
+    assert json.loads(js.read_text())["results"]["all"]["diff"] == pytest.approx(a["diff"])
