@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"diff {r['diff']:+.3f} +- {r['se']:.3f}  95% [{r['ci95'][0]:+.3f}, {r['ci95'][1]:+.3f}]")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"before": args.before, "after": args.after, **vars(args), "results": out}, f, indent=1)
+            json.dump({**vars(args), "results": out}, f, indent=1)
     return out
 
 

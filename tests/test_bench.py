@@ -205,7 +205,7 @@ def test_bench_signal_compares_estimators_on_the_same_batches(tmp_path, bench_ck
             assert 0.5 < cross < 1 - 1e-6
 
 
-def test_paired_eval_script(tiny_ckpt, tmp_path, capsys):
+def test_paired_eval_script(tiny_ckpt, tmp_path):
     """benchmarks/paired_eval.py: a checkpoint against itself differs by exactly 0; against another model the
     difference is non-zero, inside its interval, and the whole split is the prompt-weighted mean of its parts."""
     import importlib.util
