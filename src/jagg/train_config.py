@@ -13,6 +13,21 @@ from .config import EstimatorConfig
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
 
 
+def check_sde_window(window: list[int] | None, num_steps: int, steps_key: str = "num_steps") -> None:
+    """Raise unless ``window`` is None or ``[start, end]`` with 0 <= start < end <= num_steps (``steps_key`` names
+    the config key that holds num_steps)."""
+    if window is not None and (len(window) != 2 or not 0 <= window[0] < window[1] <= num_steps):
+        raise ValueError(f"sample.sde_window must be [start, end] with 0 <= start < end <= {steps_key}="
+                         f"{num_steps}; got {window}")
+
+
+def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:
+    """Raise unless one iteration's samples split evenly into ``grpo.updates_per_epoch`` updates."""
+    if batch_size % updates_per_epoch:
+        raise ValueError(f"sample.prompts_per_iter * sample.group_size = {batch_size} samples must be divisible "
+                         f"by grpo.updates_per_epoch = {updates_per_epoch}")
+
+
 def read_prompts(path: str) -> list[str]:
     """Prompts of a text file, one per line (blank lines skipped), each checked against the world's grammar."""
     from pathlib import Path
@@ -93,11 +108,8 @@ class SampleConfig:
             raise ValueError(f"sample.guidance_scale must be >= 1; got {self.guidance_scale}")
         if not 0 < self.timestep_fraction <= 1:
             raise ValueError(f"sample.timestep_fraction must be in (0, 1]; got {self.timestep_fraction}")
+        check_sde_window(self.sde_window, self.num_steps)
         if self.sde_window is not None:
-            w = self.sde_window
-            if len(w) != 2 or not 0 <= w[0] < w[1] <= self.num_steps:
-                raise ValueError(f"sample.sde_window must be [start, end] with 0 <= start < end <= num_steps="
-                                 f"{self.num_steps}; got {w}")
             if self.timestep_fraction != 1.0:
                 raise ValueError("set either sample.timestep_fraction or sample.sde_window, not both")
         if self.prompts_file is not None:
@@ -218,9 +230,6 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self):
-        if self.sample.batch_size % self.grpo.updates_per_epoch:
-            raise ValueError(
-                f"sample.prompts_per_iter * sample.group_size = {self.sample.batch_size} samples must be divisible "
-                f"by grpo.updates_per_epoch = {self.grpo.updates_per_epoch}")
+        check_updates_divide_batch(self.sample.batch_size, self.grpo.updates_per_epoch)
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0; got {self.threads}")

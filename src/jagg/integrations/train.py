@@ -52,7 +52,8 @@ from ..estimator import policy_gradient, reference_velocities
 from ..metrics import MetricsLogger, plot_reward_curve, save_grid
 from ..reward_server import RewardClient
 from ..rewards.registry import get_reward
-from ..train_config import GRPOConfig, LogConfig, OptimConfig, RewardConfig
+from ..train_config import (GRPOConfig, LogConfig, OptimConfig, RewardConfig, check_sde_window,
+                            check_updates_divide_batch)
 from ..trainer import TrainerCore, check_resumable
 from ..trajectory import sample_trajectories, select_train_steps
 from .diffusers_adapters import unwrap_model
@@ -178,15 +179,11 @@ class RealTrainConfig:
         if self.optim.ema_decay > 0:
             raise ValueError("optim.ema_decay is not supported by the real-model trainer; set it to 0")
         s, T = self.sample, self.pipeline.num_steps
-        if s.sde_window is not None and (len(s.sde_window) != 2 or not 0 <= s.sde_window[0] < s.sde_window[1] <= T):
-            raise ValueError(f"sample.sde_window must be [start, end] with 0 <= start < end <= pipeline.num_steps="
-                             f"{T}; got {s.sde_window}")
+        check_sde_window(s.sde_window, T, "pipeline.num_steps")
         if s.sde_window is None and int(T * s.timestep_fraction) < 1:
             raise ValueError(f"sample.timestep_fraction={s.timestep_fraction} of pipeline.num_steps={T} trains no "
                              "step; raise it")
-        if s.batch_size % self.grpo.updates_per_epoch:
-            raise ValueError(f"sample.prompts_per_iter * sample.group_size = {s.batch_size} samples must be divisible "
-                             f"by grpo.updates_per_epoch = {self.grpo.updates_per_epoch}")
+        check_updates_divide_batch(s.batch_size, self.grpo.updates_per_epoch)
         if self.estimator.kl_beta > 0 and not self.pipeline.lora.enabled and not self.pipeline.keep_reference:
             raise ValueError("estimator.kl_beta > 0 with full fine-tuning (pipeline.lora.enabled: false) needs a "
                              "reference model: set pipeline.keep_reference: true, or estimator.kl_beta: 0")
