@@ -1,0 +1,149 @@
+"""How often the real-model trainer's path changes source file, from ``jagg train`` to the first optimizer step.
+
+Builds a tiny random SD3 pipeline (two tiny CLIP text encoders, no T5; the builders of tests/test_diffusers.py) in a
+temporary directory, writes a LoRA training config for it, and runs ``jagg train --config <it>`` under
+``sys.setprofile``. A call of a function defined inside the ``jagg`` package moves "the current file" to
+that function's file, its return moves it back to the file of the nearest ``jagg`` caller; each move to another
+file counts as one change (frames outside ``jagg``, e.g. torch and diffusers, are transparent). What runs while a
+``jagg`` module is being imported is left out by default: that is the import graph rather than the call path
+(``--imports`` counts it too).
+Tracing stops at the first ``optimizer.step()``.
+
+    python benchmarks/trace_file_changes.py [--json out.json]
+
+Prints the number of file changes, the number of distinct files visited, and the files most often entered.
+Needs the test extras (diffusers, peft, transformers). CPU only, about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+class _FirstStep(Exception):
+    pass
+
+
+def tiny_sd3_dir(path: Path) -> Path:
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from test_diffusers import _tiny_clip, tiny_sd3, tiny_vae
+
+    tok, te = _tiny_clip(0)
+    tok2, te2 = _tiny_clip(1)
+    pipe = diffusers.StableDiffusion3Pipeline(transformer=tiny_sd3(), vae=tiny_vae(),
+                                              scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                                              text_encoder=te, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok2,
+                                              text_encoder_3=None, tokenizer_3=None)
+    pipe.save_pretrained(path)
+    return path
+
+
+def write_config(tmp: Path, model_dir: Path) -> Path:
+    (tmp / "prompts.txt").write_text("a red cube\na blue ball\n")
+    cfg = tmp / "sd3.yaml"
+    cfg.write_text(f"""\
+pipeline:
+  family: sd3
+  path: {model_dir}
+  dtype: fp32
+  device: cpu
+  resolution: 128
+  num_steps: 4
+  max_sequence_length: 8
+  lora: {{enabled: true, rank: 2}}
+reward: {{name: jpeg_compressibility}}
+sample: {{prompts_file: {tmp / "prompts.txt"}, prompts_per_iter: 2, group_size: 2, micro_batch: 4}}
+estimator: {{mode: jagg, window: 3, micro_batch: 4}}
+grpo: {{iterations: 1, updates_per_epoch: 1, drop_zero_spread: false}}
+log: {{output_dir: {tmp / "run"}, checkpoint_every: 0, tensorboard: false, progress: false}}
+threads: 1
+""")
+    return cfg
+
+
+def trace(config: Path, imports: bool = False) -> dict:
+    import jagg
+    from jagg.cli import main
+
+    pkg = str(Path(jagg.__file__).resolve().parent)
+    changes, current = 0, None
+    entered = collections.Counter()
+
+    def in_jagg(frame) -> bool:
+        return frame.f_code.co_filename.startswith(pkg)
+
+    def importing(frame) -> bool:
+        while frame is not None:
+            if frame.f_code.co_name == "<module>" and in_jagg(frame):
+                return True
+            frame = frame.f_back
+        return False
+
+    def caller_file(frame) -> str | None:
+        while frame is not None and not in_jagg(frame):
+            frame = frame.f_back
+        return None if frame is None else frame.f_code.co_filename
+
+    def profile(frame, event, arg):
+        nonlocal changes, current
+        if event not in ("call", "return") or not in_jagg(frame) or (not imports and importing(frame)):
+            return
+        f = frame.f_code.co_filename if event == "call" else caller_file(frame.f_back)
+        if f is None or f == current:
+            return
+        if current is not None:
+            changes += 1
+        current = f
+        entered[f] += 1
+
+    def stop(optimizer, args, kwargs):
+        sys.setprofile(None)
+        raise _FirstStep
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(stop)
+    sys.setprofile(profile)
+    try:
+        main(["train", "--config", str(config)])
+    except _FirstStep:
+        pass
+    finally:
+        sys.setprofile(None)
+        handle.remove()
+    rel = lambda f: str(Path(f).relative_to(Path(pkg).parent))
+    return {"file_changes": changes, "files_visited": len(entered),
+            "entered": {rel(f): n for f, n in entered.most_common()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", help="also write the result here")
+    p.add_argument("--imports", action="store_true", help="count the module bodies run at import time too")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        result = trace(write_config(tmp, tiny_sd3_dir(tmp / "sd3")), args.imports)
+    print(f"source-file changes from `jagg train` to the first optimizer step: {result['file_changes']}")
+    print(f"distinct files: {result['files_visited']}")
+    for f, n in list(result["entered"].items())[:12]:
+        print(f"  {n:5d}  {f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
