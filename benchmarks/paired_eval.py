@@ -18,11 +18,11 @@ import json
 import numpy as np
 import torch
 
-from jagg.checkpoint import load_model
-from jagg.evaluation import generate
+from jagg.shapes.weights import load_model
+from jagg.shapes.evaluation import generate
 from jagg.rewards import get_reward
-from jagg.world import test_prompts
-from jagg.world.scene import uses_held_out
+from jagg.shapes import test_prompts
+from jagg.shapes.scene import uses_held_out
 
 
 def per_prompt_rewards(checkpoint: str, prompts: list[str], images: int, args) -> np.ndarray:

@@ -26,14 +26,15 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from jagg import configuration, policy_gradient
+from jagg import policy_gradient
+from jagg.training import config_loader as configuration
 from jagg.advantages import group_advantages
 from jagg.bench.common import default_config_path
-from jagg.config import EstimatorConfig
-from jagg.models import GuidedVelocity
-from jagg.train_config import TrainConfig
-from jagg.trainer import Trainer
-from jagg.world import from_tensor
+from jagg.estimator_config import EstimatorConfig
+from jagg.shapes.velocity import GuidedVelocity
+from jagg.shapes.config import TrainConfig
+from jagg.shapes.trainer import Trainer
+from jagg.shapes import from_tensor
 
 LABELS = ("network_forward", "network_backward")
 

@@ -12,8 +12,8 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """A tiny random TinyDiT checkpoint (fast to sample and train)."""
-    from jagg.models import DiTConfig, TinyDiT, save_pretrained
-    from jagg.world import tokenizer
+    from jagg.shapes.dit import DiTConfig, TinyDiT, save_pretrained
+    from jagg.shapes import tokenizer
 
     torch.manual_seed(0)
     model = TinyDiT(DiTConfig(vocab_size=tokenizer.vocab_size, dim=32, depth=1, heads=2, text_dim=16,

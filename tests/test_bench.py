@@ -24,8 +24,8 @@ def _restore_threads():
 @pytest.fixture(scope="module")
 def bench_ckpt(tmp_path_factory):
     """A tiny TinyDiT whose zero-initialised layers are randomised (non-zero velocities and gradients)."""
-    from jagg.models import DiTConfig, TinyDiT, save_pretrained
-    from jagg.world import tokenizer
+    from jagg.shapes.dit import DiTConfig, TinyDiT, save_pretrained
+    from jagg.shapes import tokenizer
 
     torch.manual_seed(0)
     model = TinyDiT(DiTConfig(vocab_size=tokenizer.vocab_size, image_size=16, dim=32, depth=1, heads=2,
@@ -162,8 +162,8 @@ def test_bench_signal_separates_a_learnable_reward_from_noise(tmp_path, bench_ck
 
 def test_bench_e2e_round_robin(tmp_path, bench_ckpt, capsys):
     from jagg.bench.e2e import routed_limit
-    from jagg import configuration
-    from jagg.train_config import TrainConfig
+    from jagg.training import config_loader as configuration
+    from jagg.shapes.config import TrainConfig
 
     out = tmp_path / "e2e.json"
     sets = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=2",
@@ -211,8 +211,8 @@ def test_paired_eval_script(tiny_ckpt, tmp_path):
     import importlib.util
     from pathlib import Path
 
-    from jagg.models import DiTConfig, TinyDiT, save_pretrained
-    from jagg.world import tokenizer
+    from jagg.shapes.dit import DiTConfig, TinyDiT, save_pretrained
+    from jagg.shapes import tokenizer
 
     spec = importlib.util.spec_from_file_location(
         "paired_eval", Path(__file__).resolve().parents[1] / "benchmarks" / "paired_eval.py")

@@ -428,9 +428,9 @@ def test_shipped_yaml_configs_load(name, family, rank):
     server section builds a client, and the placeholder model path fails with the download hint."""
     import yaml
 
-    from jagg import train_config
-    from jagg.configuration import from_dict
-    from jagg.reward_server import RewardClient
+    from jagg.shapes import config as train_config
+    from jagg.training.config_loader import from_dict
+    from jagg.rewards.server import RewardClient
 
     path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
     cfg = load_pipeline_config(path)

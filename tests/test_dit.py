@@ -1,4 +1,4 @@
-"""Tiny DiT (jagg.models.dit) and rectified-flow pretraining (jagg.pretrain): fast CPU units."""
+"""Tiny DiT (jagg.shapes.dit) and rectified-flow pretraining (jagg.shapes.pretrain): fast CPU units."""
 
 import math
 import os
@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from jagg.models import DiTConfig, TinyDiT, cfg_velocity, load_pretrained, save_pretrained
-from jagg.pretrain import PretrainConfig, lr_at, pretrain
+from jagg.shapes.dit import DiTConfig, TinyDiT, cfg_velocity, load_pretrained, save_pretrained
+from jagg.shapes.pretrain import PretrainConfig, lr_at, pretrain
 
 torch.set_num_threads(2)
 

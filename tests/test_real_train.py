@@ -253,7 +253,7 @@ def test_non_finite_updates_are_skipped_then_the_run_aborts(tmp_path, sd3_dir):
 
 
 def _serve(reward_fn):
-    from jagg.reward_server import make_server
+    from jagg.rewards.server import make_server
 
     server = make_server(reward_fn, port=0)
     threading.Thread(target=server.serve_forever, daemon=True).start()

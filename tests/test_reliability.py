@@ -13,11 +13,11 @@ import torch
 
 import reward_plugins
 from conftest import tiny_train_args
-from jagg import configuration
-from jagg.checkpoint import list_checkpoints, load_latest
+from jagg.training import config_loader as configuration
+from jagg.training.checkpoint import list_checkpoints, load_latest
 from jagg.cli import main
-from jagg.train_config import TrainConfig
-from jagg.trainer import Trainer
+from jagg.shapes.config import TrainConfig
+from jagg.shapes.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]))
@@ -91,7 +91,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, tiny_ckpt):
 
 
 def test_nonfinite_gradient_skips_update_and_aborts(tmp_path, tiny_ckpt, monkeypatch):
-    import jagg.trainer as tr
+    import jagg.shapes.trainer as tr
 
     real = tr.policy_gradient
 

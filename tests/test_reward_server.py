@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jagg.reward_server import (AestheticReward, ClipScoreReward, PickScoreReward, RewardClient, RewardServerError,
+from jagg.rewards.server import (AestheticReward, ClipScoreReward, PickScoreReward, RewardClient, RewardServerError,
                                 load_reward, make_server)
 
 
@@ -106,7 +106,7 @@ def test_refused_connection():
 
 def test_cli_serves_module_function():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "jagg.reward_server", "--reward", "test_reward_server:echo_reward",
+    proc = subprocess.Popen([sys.executable, "-m", "jagg.rewards.server", "--reward", "test_reward_server:echo_reward",
                              "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline().strip()

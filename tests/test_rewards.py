@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from jagg.rewards import GenevalReward, get_reward
-from jagg.world import Scene, SceneObject, parse_prompt, render, render_prompts, test_prompts, to_tensor
+from jagg.rewards import get_reward
+from jagg.shapes.geneval import GenevalReward
+from jagg.shapes import Scene, SceneObject, parse_prompt, render, render_prompts, test_prompts, to_tensor
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +141,8 @@ def test_reward_errors(user_module):
 def test_evaluate_reports_pass_rate_per_constraint_kind(monkeypatch):
     """`evaluate` (jagg eval, the trainer's evaluation) reports pass/<kind>: 1.0 for every kind on ground truth,
     0.0 for every kind on blank images (every prompt asks for at least one object)."""
-    from jagg import evaluation
-    from jagg.world.scene import BACKGROUND
+    from jagg.shapes import evaluation
+    from jagg.shapes.scene import BACKGROUND
 
     prompts = test_prompts()
     truth = {"images": render_prompts([p for p in prompts for _ in range(2)], 0)[0]}   # evaluate's order

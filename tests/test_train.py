@@ -9,10 +9,10 @@ import torch
 from PIL import Image
 
 from conftest import tiny_train_args
-from jagg import configuration
-from jagg.checkpoint import list_checkpoints, load_latest
+from jagg.training import config_loader as configuration
+from jagg.training.checkpoint import list_checkpoints, load_latest
 from jagg.cli import main
-from jagg.train_config import TrainConfig
+from jagg.shapes.config import TrainConfig
 
 
 def _records(out):
@@ -57,7 +57,7 @@ def test_training_changes_weights_and_is_deterministic(tmp_path, tiny_ckpt):
     ra = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in _records(a)]
     rb = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in _records(b)]
     assert ra == rb
-    from jagg.models import load_pretrained
+    from jagg.shapes.dit import load_pretrained
 
     init = load_pretrained(tiny_ckpt).state_dict()
     pa, pb = _params(a), _params(b)

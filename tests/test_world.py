@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from jagg.world import (BACKGROUND, CATEGORIES, COLORS, HELD_OUT_PAIRS, ObjectSpec, PromptSpec, all_prompts,
+from jagg.shapes import (BACKGROUND, CATEGORIES, COLORS, HELD_OUT_PAIRS, ObjectSpec, PromptSpec, all_prompts,
                         from_tensor, parse_prompt, render, render_batch, sample_scene, test_prompts, to_tensor,
                         tokenizer, train_prompts, uses_held_out)
-from jagg.world.scene import GAP
+from jagg.shapes.scene import GAP
 
 
 def test_parse_round_trip_over_the_whole_grammar():

@@ -1,7 +1,7 @@
 """jagg: Jacobian-Aggregated Group Gradient for GRPO fine-tuning of flow-matching models."""
 
 from .advantages import group_advantages, nonzero_spread_mask
-from .config import EstimatorConfig
+from .estimator_config import EstimatorConfig
 from .estimator import GradientStats, policy_gradient, reference_velocities
 from .loss import step_loss
 from .schedule import flow_sigmas, shift_sigmas

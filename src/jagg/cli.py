@@ -8,9 +8,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import configuration
-from .pretrain import PretrainConfig
-from .train_config import TrainConfig
+from .training import config_loader as configuration
+from .shapes.pretrain import PretrainConfig
+from .shapes.config import TrainConfig
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -34,7 +34,7 @@ def _real_keys_epilog() -> str:
 class PretrainRunConfig:
     """``jagg pretrain``: the TinyDiT architecture, the optimisation, and where to write the checkpoint."""
 
-    out: str = field(default="src/jagg/assets/tiny_dit.safetensors", metadata={"help": "Output .safetensors path."})
+    out: str = field(default="src/jagg/shapes/assets/tiny_dit.safetensors", metadata={"help": "Output .safetensors path."})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)."})
     snapshot_every: int = field(default=0, metadata={"help": "Also save <out>.step<N>.safetensors every N steps "
                                                      "(the EMA weights when train.ema_decay is set; 0 = off)."})
@@ -53,7 +53,7 @@ def _train(args) -> int:
         from .integrations.train import run
 
         return run(args.config, overrides, resume=args.resume)
-    from .trainer import Trainer
+    from .shapes.trainer import Trainer
 
     cfg = configuration.load(TrainConfig, args.config, overrides)
     records = Trainer(cfg, resume=args.resume).train()
@@ -68,10 +68,10 @@ def _train(args) -> int:
 def _pretrain(args) -> int:
     import torch
 
-    from .models import DiTConfig, TinyDiT, save_pretrained
-    from .pretrain import pretrain
-    from .world import tokenizer
-    from .world_data import WorldBatches
+    from .shapes.dit import DiTConfig, TinyDiT, save_pretrained
+    from .shapes.pretrain import pretrain
+    from .shapes import tokenizer
+    from .shapes.data import WorldBatches
 
     run = configuration.load(PretrainRunConfig, None, args.set or [])
     train = run.train
@@ -96,9 +96,9 @@ def _pretrain(args) -> int:
 
 
 def _sample(args) -> int:
-    from .checkpoint import load_model
-    from .evaluation import generate
-    from .metrics import save_grid
+    from .shapes.weights import load_model
+    from .shapes.evaluation import generate
+    from .training.metrics import save_grid
 
     model = load_model(args.checkpoint)
     prompts = list(args.prompt or [])
@@ -117,8 +117,8 @@ def _sample(args) -> int:
 
 
 def _eval(args) -> int:
-    from .checkpoint import load_model
-    from .evaluation import evaluate
+    from .shapes.weights import load_model
+    from .shapes.evaluation import evaluate
     from .rewards.registry import get_reward
 
     metrics, _, _ = evaluate(load_model(args.checkpoint), get_reward(args.reward), args.num_prompts,

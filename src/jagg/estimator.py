@@ -28,7 +28,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 from torch import Tensor
 
-from .config import EstimatorConfig
+from .estimator_config import EstimatorConfig
 from .loss import step_loss
 from .routing import group_alphas, group_scores, make_groups, route
 from .sde import compute_dtype
@@ -122,7 +122,7 @@ def policy_gradient(
             parameters, with grad enabled (guidance included; detach the unconditional branch if desired).
         traj: the stored :class:`~jagg.trajectory.Trajectory` (``B`` samples, ``T`` steps).
         advantages: ``[B]`` per-sample advantages.
-        config: :class:`~jagg.config.EstimatorConfig`.
+        config: :class:`~jagg.estimator_config.EstimatorConfig`.
         ref_velocities: ``[B, T, *S]`` reference-policy velocities (from
             :func:`reference_velocities`, computed once per rollout); required when ``config.kl_beta > 0``.
         loss_scale: multiplies the loss (e.g. ``1 / grad_accum_steps``).

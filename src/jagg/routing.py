@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .config import SCORES
+from .estimator_config import SCORES
 
 
 def make_groups(train_steps: list[int], window: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """``jagg bench e2e``: one whole GRPO iteration (sampling + reward + training), exact vs JAGG, side by side.
 
-One :class:`jagg.trainer.Trainer` per variant is built from the same config (``configs/default.yaml`` plus
+One :class:`jagg.shapes.trainer.Trainer` per variant is built from the same config (``configs/default.yaml`` plus
 ``--set``) and seed; their iterations then run round-robin in one process (``exact``, ``jagg``, ``exact``,
 ``jagg``, ... after one warm-up iteration each), so a busy stretch of the machine slows every variant alike.
 Reported per variant: the median seconds of sampling ``S``, reward ``R``, training ``T`` and the whole
@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from .. import configuration
-from ..train_config import TrainConfig
+from ..training import config_loader as configuration
+from ..shapes.config import TrainConfig
 from ..trajectory import select_train_steps
 from .common import cost_limit, default_config_path, table, write_json
 
@@ -43,7 +43,7 @@ def routed_limit(cfg: TrainConfig) -> float:
 
 
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:
-    from ..trainer import Trainer
+    from ..shapes.trainer import Trainer
 
     if iterations < 1:
         raise ValueError(f"--iterations must be >= 1; got {iterations}")

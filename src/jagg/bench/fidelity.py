@@ -11,7 +11,7 @@ then every gradient below comes from :func:`jagg.policy_gradient`:
    exact and JAGG gradients of that group alone are compared; group 0 is the noisiest, the last the
    cleanest).
 2. Routing study (on-policy, windows > 2): per (sample, group) the true gradient cosine of JAGG vs exact;
-   for each score of ``jagg.config.SCORES`` its Spearman rank correlation with that cosine, and the
+   for each score of ``jagg.estimator_config.SCORES`` its Spearman rank correlation with that cosine, and the
    total-gradient cosine reached when only the top ``jagg_frac`` by that score go through JAGG, routing whole
    GRPO groups (the trainer's way) and single (sample, group) pairs (also with the first and last groups
    kept exact).
@@ -29,18 +29,18 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .. import configuration
+from ..training import config_loader as configuration
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..checkpoint import load_model
-from ..config import INTERMEDIATES, SCORES, EstimatorConfig
+from ..shapes.weights import load_model
+from ..estimator_config import INTERMEDIATES, SCORES, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient, reference_velocities
-from ..models import GuidedVelocity
+from ..shapes.velocity import GuidedVelocity
 from ..rewards.registry import get_reward
 from ..routing import group_scores, make_groups
 from ..schedule import flow_sigmas
-from ..train_config import TrainConfig
+from ..shapes.config import TrainConfig
 from ..trajectory import Trajectory, sample_trajectories, select_train_steps
-from ..world import from_tensor, tokenizer, train_prompts
+from ..shapes import from_tensor, tokenizer, train_prompts
 from .common import (cosine, default_config_path, flat_grad, fmt, rel_err, resolve_device, set_threads,
                      spearman, table, write_json)
 
@@ -103,7 +103,7 @@ class Rollout:
 
 
 def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) -> Rollout:
-    """Sample, reward and compute advantages exactly as ``jagg.trainer.Trainer.step`` does."""
+    """Sample, reward and compute advantages exactly as ``jagg.shapes.trainer.Trainer.step`` does."""
     c, t = cfg.train.sample, cfg.train
     rng = np.random.default_rng(cfg.seed)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)

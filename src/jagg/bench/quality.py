@@ -1,6 +1,6 @@
 """``jagg bench quality``: GRPO runs with exact and JAGG gradients on the embedded task, side by side.
 
-Each variant (``exact``, ``jagg_fresh``, ``jagg_interp``) trains with :class:`jagg.trainer.Trainer` from the
+Each variant (``exact``, ``jagg_fresh``, ``jagg_interp``) trains with :class:`jagg.shapes.trainer.Trainer` from the
 same config (``configs/default.yaml`` plus ``--set`` overrides), for the same number of iterations and
 optimizer updates, once per seed; the runs alternate (seed 0 of every variant, then seed 1, ...). Every run writes into ``OUT/<variant>/seed<k>/`` (the trainer's usual
 outputs) and, when it is finished, ``result.json``; a run whose ``result.json`` exists for the requested
@@ -21,8 +21,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import configuration
-from ..train_config import TrainConfig
+from ..training import config_loader as configuration
+from ..shapes.config import TrainConfig
 from ..trajectory import select_train_steps
 from .common import default_config_path, table, write_json
 from .e2e import VARIANTS, routed_limit
@@ -87,8 +87,9 @@ def summarize(records: list[dict], cfg: TrainConfig, variant: str, seed: int) ->
 
 def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     """Train (or resume, or skip) one run and return its summary."""
-    from ..configuration import to_dict
-    from ..trainer import Trainer, check_resumable
+    from ..training.config_loader import to_dict
+    from ..shapes.trainer import Trainer
+    from ..training.core import check_resumable
 
     cfg = q.train_config(variant, seed)
     out = q.run_dir(variant, seed)

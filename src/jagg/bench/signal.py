@@ -32,13 +32,13 @@ import statistics
 import numpy as np
 import torch
 
-from .. import configuration
+from ..training import config_loader as configuration
 from ..advantages import group_advantages
 from ..estimator import policy_gradient
-from ..models import GuidedVelocity
+from ..shapes.velocity import GuidedVelocity
 from ..rewards.registry import get_reward
-from ..train_config import TrainConfig
-from ..world import from_tensor
+from ..shapes.config import TrainConfig
+from ..shapes import from_tensor
 from .common import default_config_path, flat_grad, table, write_json
 
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=0"]
@@ -88,7 +88,7 @@ def measure(cfg: TrainConfig, rewards: list[str], batches: int, fixed_prompts: b
     """Records per (reward, estimator): the agreement of ``batches`` independent gradient estimates (module
     docstring). ``estimators``: ``config`` (the config's estimator) and/or ``exact``; with both, one more record
     per reward compares them (``estimator: "config x exact"``)."""
-    from ..trainer import Trainer
+    from ..shapes.trainer import Trainer
 
     if batches < 3:
         raise ValueError(f"--batches must be >= 3; got {batches}")

@@ -9,7 +9,7 @@ forward/backward row counts, and peak memory.
 
 Models:
 - ``tiny_dit``: the embedded TinyDiT (``builtin:tiny_dit``, or a random one if the asset is missing) through
-  :class:`jagg.models.GuidedVelocity` with classifier-free guidance;
+  :class:`jagg.shapes.velocity.GuidedVelocity` with classifier-free guidance;
 - ``sd3``: a diffusers ``SD3Transformer2DModel`` from a small config with random weights, through the
   project's adapter ``jagg.integrations.velocity_adapter`` with the same guidance scheme (skipped with a
   message when diffusers is not installed).
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..config import INTERMEDIATES, EstimatorConfig
+from ..estimator_config import INTERMEDIATES, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
 from ..trajectory import Trajectory, VelocityFn, sample_trajectories
@@ -114,9 +114,10 @@ class Subject:
 
 
 def _tiny_dit(cfg: SpeedConfig, device: torch.device, gen: torch.Generator):
-    from ..checkpoint import load_model
-    from ..models import DiTConfig, GuidedVelocity, TinyDiT
-    from ..world import tokenizer, train_prompts
+    from ..shapes.weights import load_model
+    from ..shapes.dit import DiTConfig, TinyDiT
+    from ..shapes.velocity import GuidedVelocity
+    from ..shapes import tokenizer, train_prompts
 
     name = "tiny_dit"
     try:

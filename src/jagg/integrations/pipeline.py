@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..configuration import from_dict
+from ..training.config_loader import from_dict
 from ..schedule import flow_sigmas
 from .diffusers_adapters import (FAMILIES, UNCOND_FORWARDS, PromptEmbeddings, TransformerVelocity, VelocityConfig,
                                  torch_dtype, unwrap_model, velocity_adapter)

@@ -12,8 +12,8 @@ A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``c
    (:func:`jagg.group_advantages`), drop zero-spread groups;
 4. ``inner_epochs x updates_per_epoch`` AdamW updates whose gradients come from :func:`jagg.policy_gradient`
    (KL reference = the adapters switched off, or a frozen copy for full fine-tuning); with several ranks the
-   local gradients are averaged once per update with :func:`jagg.distributed.all_reduce_gradients`, each rank's
-   loss scaled by :func:`jagg.distributed.loss_scale` so the result is the gradient of the global minibatch.
+   local gradients are averaged once per update with :func:`jagg.training.distributed.all_reduce_gradients`, each rank's
+   loss scaled by :func:`jagg.training.distributed.loss_scale` so the result is the gradient of the global minibatch.
 
 Outputs in ``log.output_dir``: ``metrics.jsonl`` (+ TensorBoard), ``reward_curve.png``, ``samples/iter_<n>.png``
 (a few rollout images at each checkpoint), ``checkpoints/ckpt_<n>.pt`` (trainable weights, optimizer, every RNG,
@@ -42,19 +42,19 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .. import configuration
+from ..training import config_loader as configuration
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..checkpoint import load_latest, save_checkpoint
-from ..config import EstimatorConfig
-from ..distributed import (all_reduce_gradients, gather, gather_objects, init_process_group_from_env, loss_scale,
+from ..training.checkpoint import load_latest, save_checkpoint
+from ..estimator_config import EstimatorConfig
+from ..training.distributed import (all_reduce_gradients, gather, gather_objects, init_process_group_from_env, loss_scale,
                            shard)
 from ..estimator import policy_gradient, reference_velocities
-from ..metrics import MetricsLogger, plot_reward_curve, save_grid
-from ..reward_server import RewardClient
+from ..training.metrics import MetricsLogger, plot_reward_curve, save_grid
+from ..rewards.server import RewardClient
 from ..rewards.registry import get_reward
-from ..train_config import (GRPOConfig, LogConfig, OptimConfig, RewardConfig, check_sde_window,
+from ..training.sections import (GRPOConfig, LogConfig, OptimConfig, RewardConfig, check_sde_window,
                             check_updates_divide_batch)
-from ..trainer import TrainerCore, check_resumable
+from ..training.core import TrainerCore, check_resumable
 from ..trajectory import sample_trajectories, select_train_steps
 from .diffusers_adapters import unwrap_model
 from .pipeline import PipelineConfig, RealModel, load_model
@@ -128,7 +128,7 @@ class RealSampleConfig:
 
 @dataclass
 class RealLogConfig(LogConfig):
-    """:class:`jagg.train_config.LogConfig` with its own default run directory."""
+    """:class:`jagg.shapes.config.LogConfig` with its own default run directory."""
 
     output_dir: str = field(default="runs/real", metadata=_help(
         "Run directory: metrics, sample images, checkpoints and LoRA adapters."))
@@ -154,10 +154,10 @@ class RealTrainConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     reward: RewardConfig | None = field(default=None, metadata=_help(
         "Local reward, {name: <registry name | package.module:function>} or {weights: {name: w, ...}} "
-        "(jagg.train_config.RewardConfig); the function takes (images uint8 [N,H,W,3], prompts, metadata). "
+        "(jagg.shapes.config.RewardConfig); the function takes (images uint8 [N,H,W,3], prompts, metadata). "
         "Set this or reward_server."))
     reward_server: RewardClient | None = field(default=None, metadata=_help(
-        "HTTP reward server, jagg.reward_server.RewardClient arguments {url, batch_size, timeout, retries, backoff, "
+        "HTTP reward server, jagg.rewards.server.RewardClient arguments {url, batch_size, timeout, retries, backoff, "
         "image_format, concurrency}. Set this or reward."))
     log: RealLogConfig = field(default_factory=RealLogConfig)
 
@@ -167,7 +167,7 @@ class RealTrainConfig:
         if isinstance(self.reward_server, dict):
             if "url" not in self.reward_server:
                 raise ValueError("reward_server.url is required, e.g. http://127.0.0.1:8000 (start a server with "
-                                 "python -m jagg.reward_server --reward module:function)")
+                                 "python -m jagg.rewards.server --reward module:function)")
             self.reward_server = configuration.from_dict(RewardClient, self.reward_server, "reward_server")
         if (self.reward is None) == (self.reward_server is None):
             raise ValueError("set exactly one of reward (e.g. --set reward.name=jpeg_compressibility or "

@@ -1,10 +1,11 @@
-"""Rewards: the verifiable shapes-world GenEval reward, DDPO's JPEG rewards, and a registry for specs."""
+"""Rewards: a registry of reward specs (names, weighted sums, ``module:function``), DDPO's JPEG rewards, and the
+HTTP reward server and client. The shapes world's GenEval-like reward lives with its task (:mod:`jagg.shapes.geneval`)
+and is registered here as ``geneval``."""
 
-from .geneval import Detection, GenevalReward
 from .registry import (REWARDS, CheckedReward, WeightedSum, available_rewards, get_reward, jpeg_compressibility,
                        jpeg_incompressibility, jpeg_size_kb, register_reward)
 
 __all__ = [
-    "REWARDS", "CheckedReward", "Detection", "GenevalReward", "WeightedSum", "available_rewards", "get_reward",
-    "jpeg_compressibility", "jpeg_incompressibility", "jpeg_size_kb", "register_reward",
+    "REWARDS", "CheckedReward", "WeightedSum", "available_rewards", "get_reward", "jpeg_compressibility",
+    "jpeg_incompressibility", "jpeg_size_kb", "register_reward",
 ]

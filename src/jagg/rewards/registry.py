@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..world.render import to_uint8
-from .geneval import GenevalReward
+from ..shapes.render import to_uint8
+from ..shapes.geneval import GenevalReward
 
 RewardFn = Callable[..., "tuple[np.ndarray, dict] | np.ndarray"]
 

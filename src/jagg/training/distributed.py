@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .advantages import group_advantages
+from ..advantages import group_advantages
 
 
 def is_distributed() -> bool:

@@ -6,10 +6,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .models import GuidedVelocity
-from .schedule import flow_sigmas
-from .trajectory import sample_ode
-from .world import from_tensor, test_prompts, tokenizer, uses_held_out
+from .velocity import GuidedVelocity
+from ..schedule import flow_sigmas
+from ..trajectory import sample_ode
+from . import from_tensor, test_prompts, tokenizer, uses_held_out
 
 
 @torch.no_grad()

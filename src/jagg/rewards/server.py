@@ -13,8 +13,8 @@ Protocol (JSON in, JSON out)::
 
 Serve any reward callable (``module:function``; a class is instantiated with ``--kwargs``)::
 
-    python -m jagg.reward_server --reward jagg.rewards:GenevalReward --port 8000
-    python -m jagg.reward_server --reward jagg.reward_server:PickScoreReward \\
+    python -m jagg.rewards.server --reward jagg.rewards:GenevalReward --port 8000
+    python -m jagg.rewards.server --reward jagg.rewards.server:PickScoreReward \\
         --kwargs '{"model_path": "/models/PickScore_v1", "processor_path": "/models/CLIP-ViT-H-14"}'
 
 The server prints ``jagg reward server listening on http://HOST:PORT`` once ready (``--port 0`` picks a free port).
@@ -338,7 +338,7 @@ def make_server(reward_fn: RewardFn, host: str = "127.0.0.1", port: int = 0, nam
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jagg.reward_server", description="Serve a jagg reward over HTTP.")
+    ap = argparse.ArgumentParser(prog="python -m jagg.rewards.server", description="Serve a jagg reward over HTTP.")
     ap.add_argument("--reward", required=True, help="module:function (or module:Class) of the reward callable")
     ap.add_argument("--kwargs", default="{}", help="JSON keyword arguments for a reward class")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")

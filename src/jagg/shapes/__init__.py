@@ -1,4 +1,10 @@
-"""The "shapes" world: a procedural text-to-image task with a verifiable reward (see docs/world.md)."""
+"""The embedded task: the "shapes" world, a procedural text-to-image task with a verifiable GenEval-like reward
+(docs/world.md), its TinyDiT and guided velocity, pretraining, the GRPO trainer of ``jagg train`` and evaluation.
+
+Importing this package loads the world only (scene grammar, renderer, tokenizer); the modules load on demand:
+``scene``, ``render``, ``tokenizer`` (the world), ``data`` (pretraining batches), ``dit`` and ``velocity`` (the model and
+its classifier-free-guided velocity callable), ``weights`` (the shipped checkpoint and checkpoint loading),
+``geneval`` (the reward), ``pretrain``, ``config`` and ``trainer`` (GRPO), ``evaluation``."""
 
 from . import tokenizer
 from .render import from_tensor, render, render_batch, render_prompts, to_tensor, to_uint8

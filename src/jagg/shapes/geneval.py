@@ -44,8 +44,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..world.render import to_uint8
-from ..world.scene import BACKGROUND, CATEGORIES, COLORS, PromptSpec, parse_prompt
+from .render import to_uint8
+from .scene import BACKGROUND, CATEGORIES, COLORS, PromptSpec, parse_prompt
 
 _NAMES = tuple(COLORS)
 _PALETTE = np.array([BACKGROUND, *COLORS.values()], dtype=np.float32)  # [C + 1, 3]; row 0 = background

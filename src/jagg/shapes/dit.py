@@ -351,7 +351,7 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     with safe_open(path, framework="pt") as f:
         meta = f.metadata() or {}
     if _META_KEY not in meta:
-        raise ValueError(f"{path} has no '{_META_KEY}' metadata; it was not written by jagg.models.save_pretrained")
+        raise ValueError(f"{path} has no '{_META_KEY}' metadata; it was not written by jagg.shapes.dit.save_pretrained")
     cfg = DiTConfig.from_dict(json.loads(meta[_META_KEY]))
     sd = load_file(path, device=str(device))
     model = TinyDiT(cfg)

@@ -1,4 +1,4 @@
-"""Rectified-flow pretraining of a velocity model (e.g. jagg.models.TinyDiT) from an abstract data source.
+"""Rectified-flow pretraining of a velocity model (e.g. jagg.shapes.dit.TinyDiT) from an abstract data source.
 
 Per step: draw x0 and prompt tokens from `sample_batch`, sigma (logit-normal or uniform), noise;
 x_sigma = (1 - sigma) x0 + sigma * noise, target v = noise - x0, MSE loss. Prompts are replaced by the

@@ -12,27 +12,13 @@ import os
 import re
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 
-from . import __version__
-from .models import TinyDiT, load_pretrained
+from .. import __version__
 
-BUILTIN = {"builtin:tiny_dit": "tiny_dit.safetensors"}
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
-
-
-def builtin_path(name: str) -> Path:
-    """Path of a checkpoint shipped inside the package (``builtin:tiny_dit``)."""
-    if name not in BUILTIN:
-        raise ValueError(f"unknown builtin checkpoint {name!r}; available: {', '.join(BUILTIN)}")
-    path = Path(str(resources.files("jagg") / "assets" / BUILTIN[name]))
-    if not path.is_file():
-        raise FileNotFoundError(f"the shipped checkpoint {path} is missing; rebuild it with `jagg pretrain` "
-                                "(see docs/pretrain.md)")
-    return path
 
 
 def atomic_torch_save(obj, path: Path) -> None:
@@ -82,27 +68,3 @@ def load_latest(directory: Path) -> tuple[dict, Path] | None:
     return None
 
 
-def load_model(spec: str, use_ema: bool = True) -> TinyDiT:
-    """A TinyDiT from ``builtin:tiny_dit``, a ``.safetensors`` file, or a training checkpoint ``.pt``
-    (its EMA weights when present and ``use_ema``) or run directory (its newest checkpoint)."""
-    if spec.startswith("builtin:"):
-        return load_pretrained(builtin_path(spec))
-    path = Path(spec)
-    if path.is_dir():
-        found = load_latest(path / "checkpoints") or load_latest(path)
-        if found is None:
-            raise FileNotFoundError(f"no checkpoint found in {path} (looked for checkpoints/ckpt_*.pt)")
-        state = found[0]
-    elif not path.is_file():
-        raise FileNotFoundError(f"checkpoint {spec!r} not found; pass a .safetensors file, a training "
-                                "checkpoint .pt, a run directory, or builtin:tiny_dit")
-    elif path.suffix == ".safetensors":
-        return load_pretrained(path)
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    from .models import DiTConfig
-
-    model = TinyDiT(DiTConfig.from_dict(state["model_config"]))
-    weights = state["ema"] if use_ema and state.get("ema") is not None else state["model"]
-    model.load_state_dict(weights)
-    return model

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .world import render_prompts, to_tensor, tokenizer, train_prompts
+from . import render_prompts, to_tensor, tokenizer, train_prompts
 
 
 class WorldBatches:

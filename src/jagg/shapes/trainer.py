@@ -18,89 +18,20 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .advantages import group_advantages, nonzero_spread_mask
-from .checkpoint import load_latest, load_model, save_checkpoint
-from .configuration import to_dict
-from .estimator import policy_gradient, reference_velocities
+from ..advantages import group_advantages, nonzero_spread_mask
+from ..training.checkpoint import load_latest, save_checkpoint
+from .weights import load_model
+from ..training.config_loader import to_dict
+from ..training.core import TrainerCore, check_resumable
+from ..estimator import policy_gradient, reference_velocities
 from .evaluation import evaluate
-from .metrics import MetricsLogger, plot_reward_curve, save_grid
-from .models import GuidedVelocity
-from .rewards.registry import get_reward
-from .schedule import flow_sigmas
-from .train_config import TrainConfig
-from .trajectory import sample_trajectories, select_train_steps
-from .world import from_tensor, tokenizer
-
-# config keys that may change between a checkpoint and its resumption
-RESUMABLE_CHANGES = ("grpo.iterations", "log.", "eval.", "threads")
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k != "weights":
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def check_resumable(saved: dict, current: dict) -> None:
-    """Raise a ValueError naming the first config key whose change would break continuation."""
-    a, b = _flatten(saved), _flatten(current)
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key) and not key.startswith(RESUMABLE_CHANGES):
-            raise ValueError(f"cannot resume: config key {key!r} was {a.get(key)!r} in the checkpoint but is "
-                             f"{b.get(key)!r} now; use the checkpoint's value or start a new run (another log.output_dir)")
-
-
-class TrainerCore:
-    """What both trainers (TinyDiT and diffusers) share around the loop: the optimizer step, skipped (gradient
-    dropped, counted) when the update's loss or gradient norm is not finite, the abort after too many skips,
-    the checkpoint after a failure before the first update, and the SIGINT/SIGTERM handler. Needs ``self.opt``,
-    ``self.skipped_updates``, ``self.consecutive_skips``, ``self._stop``, ``self._updating``,
-    ``self._rng_at_start``, ``save()`` and ``_set_rng_state()``."""
-
-    world, rank = 1, 0                                     # processes and this one's rank
-
-    def guarded_step(self, stats: dict) -> bool:
-        """Step unless ``stats["loss"]`` or ``stats["grad_norm"]`` is non-finite; sets ``stats["skipped"]``."""
-        if not (np.isfinite(stats["loss"]) and np.isfinite(stats["grad_norm"])):
-            self.opt.zero_grad(set_to_none=True)
-            self.skipped_updates += 1
-            self.consecutive_skips += 1
-            stats["skipped"] = 1
-            return False
-        self.opt.step()
-        self.consecutive_skips = 0
-        stats["skipped"] = 0
-        return True
-
-    def skip_limit_error(self, limit: int) -> RuntimeError | None:
-        """The error to stop with after ``limit`` consecutive skipped updates (0 = never), else None."""
-        if limit and self.consecutive_skips >= limit:
-            return RuntimeError(f"aborting: {limit} consecutive updates had a non-finite loss or gradient "
-                                "(see metrics.jsonl 'skipped'); lower optim.lr")
-        return None
-
-    def _print(self, text: str) -> None:
-        if self.rank == 0:
-            print(text, flush=True)
-
-    def _save_on_failure(self) -> None:
-        """A failure before this iteration's first update (sampling, reward) left the weights untouched: in a
-        single process, rewind the RNGs to the iteration's start and save, so ``--resume`` retries exactly
-        this iteration."""
-        if self._updating or self.world > 1:
-            return
-        self._set_rng_state(self._rng_at_start)
-        path = self.save()
-        print(f"\nthe run failed in iteration {self.iteration + 1}; saved {path}: fix the cause and use --resume")
-
-    def _handle_signal(self, signum, frame):
-        self._stop = True
-        self._print(f"\nreceived signal {signum}: finishing this iteration, saving a checkpoint, exiting")
-
+from ..training.metrics import MetricsLogger, plot_reward_curve, save_grid
+from .velocity import GuidedVelocity
+from ..rewards.registry import get_reward
+from ..schedule import flow_sigmas
+from .config import TrainConfig
+from ..trajectory import sample_trajectories, select_train_steps
+from . import from_tensor, tokenizer
 
 class Trainer(TrainerCore):
     """Runs ``jagg train``. ``Trainer(cfg, resume=True).train()`` continues from the newest checkpoint."""

@@ -1,0 +1,96 @@
+"""Config sections both trainers share (optimizer, GRPO, reward, logging) and the checks both apply.
+
+One typed dataclass per concern, validated in ``__post_init__``; ``jagg train --help`` lists every key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+def check_sde_window(window: list[int] | None, num_steps: int, steps_key: str = "num_steps") -> None:
+    """Raise unless ``window`` is None or ``[start, end]`` with 0 <= start < end <= num_steps (``steps_key`` names
+    the config key that holds num_steps)."""
+    if window is not None and (len(window) != 2 or not 0 <= window[0] < window[1] <= num_steps):
+        raise ValueError(f"sample.sde_window must be [start, end] with 0 <= start < end <= {steps_key}="
+                         f"{num_steps}; got {window}")
+
+
+def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:
+    """Raise unless one iteration's samples split evenly into ``grpo.updates_per_epoch`` updates."""
+    if batch_size % updates_per_epoch:
+        raise ValueError(f"sample.prompts_per_iter * sample.group_size = {batch_size} samples must be divisible "
+                         f"by grpo.updates_per_epoch = {updates_per_epoch}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = field(default=3e-4, metadata=_help("AdamW learning rate."))
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=_help("AdamW betas."))
+    weight_decay: float = field(default=1e-4, metadata=_help("AdamW weight decay."))
+    max_grad_norm: float = field(default=1.0, metadata=_help("Gradient-norm clipping (0 = off)."))
+    ema_decay: float = field(default=0.0, metadata=_help("EMA of the weights used for evaluation (0 = off)."))
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0; got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1); got {self.betas}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError("optim.weight_decay and optim.max_grad_norm must be >= 0")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"optim.ema_decay must be in [0, 1); got {self.ema_decay}")
+
+
+@dataclass
+class GRPOConfig:
+    iterations: int = field(default=100, metadata=_help("Sampling + training iterations (epochs)."))
+    inner_epochs: int = field(default=1, metadata=_help("Passes of optimizer updates over each iteration's samples."))
+    updates_per_epoch: int = field(default=2, metadata=_help(
+        "Optimizer updates per inner epoch; the samples are split into this many minibatches."))
+    adv_clip_max: float = field(default=5.0, metadata=_help("Advantages are clipped to [-adv_clip_max, adv_clip_max]."))
+    global_std: bool = field(default=False, metadata=_help("Normalise advantages by the batch std, not per prompt."))
+    drop_zero_spread: bool = field(default=True, metadata=_help(
+        "Skip training on prompt groups whose rewards are all equal (no signal)."))
+    max_consecutive_skips: int = field(default=5, metadata=_help(
+        "Abort after this many consecutive updates skipped for a non-finite loss or gradient (0 = never)."))
+
+    def __post_init__(self):
+        for name in ("iterations", "inner_epochs", "updates_per_epoch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"grpo.{name} must be >= 1; got {getattr(self, name)}")
+        if self.max_consecutive_skips < 0:
+            raise ValueError(f"grpo.max_consecutive_skips must be >= 0; got {self.max_consecutive_skips}")
+        if self.adv_clip_max <= 0:
+            raise ValueError(f"grpo.adv_clip_max must be > 0; got {self.adv_clip_max}")
+
+
+@dataclass
+class RewardConfig:
+    name: str = field(default="geneval", metadata=_help(
+        "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility) or module:function."))
+    weights: dict | None = field(default=None, metadata=_help(
+        "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1}; overrides name."))
+
+    def __post_init__(self):
+        if not self.name and not self.weights:
+            raise ValueError("reward.name or reward.weights must be set")
+
+
+@dataclass
+class LogConfig:
+    output_dir: str = field(default="runs/default", metadata=_help("Run directory: metrics, plots, checkpoints."))
+    checkpoint_every: int = field(default=25, metadata=_help("Save a checkpoint every N iterations (0 = only at the end)."))
+    keep_last: int = field(default=2, metadata=_help("Checkpoints kept (older ones are deleted)."))
+    tensorboard: bool = field(default=True, metadata=_help("Write TensorBoard events (needs the tensorboard package)."))
+    progress: bool = field(default=True, metadata=_help("Show a progress bar."))
+
+    def __post_init__(self):
+        if not self.output_dir:
+            raise ValueError("log.output_dir must be set")
+        if self.checkpoint_every < 0 or self.keep_last < 1:
+            raise ValueError("log.checkpoint_every must be >= 0 and log.keep_last >= 1")
