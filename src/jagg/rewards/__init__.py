@@ -1,11 +1,13 @@
 """Rewards: a registry of reward specs (names, weighted sums, ``module:function``), DDPO's JPEG rewards, and the
-HTTP reward server and client. The shapes world's GenEval-like reward lives with its task (:mod:`jagg.shapes.geneval`)
-and is registered here as ``geneval``."""
+HTTP reward client (:class:`RewardClient`, in :mod:`jagg.rewards.client`; the server is :mod:`jagg.rewards.server`,
+their wire format :mod:`jagg.rewards.protocol`). The shapes world's GenEval-like reward lives with its task
+(:mod:`jagg.shapes.geneval`) and is registered here as ``geneval``."""
 
+from .client import RewardClient, RewardServerError
 from .registry import (REWARDS, CheckedReward, WeightedSum, available_rewards, get_reward, jpeg_compressibility,
                        jpeg_incompressibility, jpeg_size_kb, register_reward)
 
 __all__ = [
-    "REWARDS", "CheckedReward", "WeightedSum", "available_rewards", "get_reward", "jpeg_compressibility",
-    "jpeg_incompressibility", "jpeg_size_kb", "register_reward",
+    "REWARDS", "CheckedReward", "RewardClient", "RewardServerError", "WeightedSum", "available_rewards",
+    "get_reward", "jpeg_compressibility", "jpeg_incompressibility", "jpeg_size_kb", "register_reward",
 ]

@@ -1,24 +1,20 @@
-"""Rewards over HTTP: a client with the reward-callable signature, a small server, and model-weight rewards.
+"""A reward server: serve any jagg reward callable over HTTP, plus rewards that need model weights.
 
-Every jagg reward is a callable ``(images uint8 [N, H, W, 3] np.ndarray, prompts list[str], metadata list[dict] |
-None) -> (scores np.float32 [N], info dict)``. :class:`RewardClient` is one too: it sends the batch, in chunks, to
-a reward server (a GPU box running PickScore, an OCR model, a VLM judge, ...) and returns what the server scored.
-
-Protocol (JSON in, JSON out)::
-
-    POST /score   {"images": {"format": "png" | "npy", "data": [base64 PNG, ...] | base64 of one .npy [n,H,W,3]},
-                   "prompts": [...], "metadata": [...] | null}
-              ->  200 {"scores": [n floats], "info": {...}}       or   4xx/5xx {"error": "..."}
-    GET  /health  -> 200 {"status": "ok", "reward": "<name>"}
-
+Every jagg reward is a callable ``(images uint8 [N, H, W, 3], prompts list[str], metadata list[dict] | None) ->
+(scores float32 [N], info dict)``. This server scores ``POST /score`` requests with one (wire format:
+:mod:`jagg.rewards.protocol`); :class:`jagg.rewards.RewardClient` is the matching reward callable for the trainer.
 Serve any reward callable (``module:function``; a class is instantiated with ``--kwargs``)::
 
-    python -m jagg.rewards.server --reward jagg.rewards:GenevalReward --port 8000
+    python -m jagg.rewards.server --reward jagg.shapes.geneval:GenevalReward --port 8000
     python -m jagg.rewards.server --reward jagg.rewards.server:PickScoreReward \\
         --kwargs '{"model_path": "/models/PickScore_v1", "processor_path": "/models/CLIP-ViT-H-14"}'
 
 The server prints ``jagg reward server listening on http://HOST:PORT`` once ready (``--port 0`` picks a free port).
-It binds to 127.0.0.1 unless ``--host`` says otherwise.
+It binds to 127.0.0.1 unless ``--host`` says otherwise. Answers: 200 with the scores; 400 naming the wrong or
+missing field of a bad request; 401 without the token (``--token`` or ``$JAGG_REWARD_TOKEN``); 408 when the body
+does not arrive within ``--read-timeout`` seconds; 411/413 without a Content-Length or over ``--max-body-mb``; 422
+when the reward raised or returned wrong scores (wrong count, NaN, inf) on this input. Calls to the reward are
+serialised (models are rarely thread-safe); at most ``--max-connections`` requests are handled at once.
 
 Rewards needing model weights (:class:`ClipScoreReward`, :class:`PickScoreReward`, :class:`AestheticReward`) load
 them from local paths only; a missing path is an error naming what to download, never a silent zero.
@@ -27,230 +23,35 @@ them from local paths only; a missing path is an error naming what to download, 
 from __future__ import annotations
 
 import argparse
-import base64
+import hmac
 import importlib
 import inspect
-import io
+import ipaddress
 import json
 import os
-import socket
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..shapes.render import to_uint8
+from .protocol import TOKEN_ENV, auth_header, decode_images, jsonable
+from .registry import CheckedReward
+
 RewardFn = Callable[..., tuple]
-IMAGE_FORMATS = ("png", "npy")
+_MOVED = {"RewardClient": "jagg.rewards.client", "RewardServerError": "jagg.rewards.client",
+          "encode_images": "jagg.rewards.protocol", "decode_images": "jagg.rewards.protocol",
+          "IMAGE_FORMATS": "jagg.rewards.protocol"}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# wire format
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _as_uint8(images) -> np.ndarray:
-    """uint8 ``[N, H, W, 3]`` from a uint8 array, or a float array / torch tensor ``[N, 3, H, W]`` in [-1, 1]."""
-    if hasattr(images, "detach"):                                  # torch tensor, channels first, [-1, 1]
-        images = images.detach().float().cpu().numpy()
-        images = np.transpose(images, (0, 2, 3, 1))
-        images = (np.clip(images / 2 + 0.5, 0, 1) * 255).round().astype(np.uint8)
-    images = np.asarray(images)
-    if images.ndim != 4 or images.shape[-1] != 3:
-        raise ValueError(f"images must be uint8 [N, H, W, 3]; got shape {images.shape}")
-    if images.dtype != np.uint8:
-        raise ValueError(f"images must be uint8 [N, H, W, 3]; got dtype {images.dtype}")
-    return images
-
-
-def encode_images(images: np.ndarray, fmt: str = "png") -> dict:
-    """uint8 ``[n, H, W, 3]`` -> the JSON ``images`` field."""
-    if fmt == "png":
-        from PIL import Image
-
-        data = []
-        for im in images:
-            buf = io.BytesIO()
-            Image.fromarray(im).save(buf, format="PNG")
-            data.append(base64.b64encode(buf.getvalue()).decode("ascii"))
-        return {"format": "png", "data": data}
-    if fmt == "npy":
-        buf = io.BytesIO()
-        np.save(buf, np.ascontiguousarray(images), allow_pickle=False)
-        return {"format": "npy", "data": base64.b64encode(buf.getvalue()).decode("ascii")}
-    raise ValueError(f"image format must be one of {IMAGE_FORMATS}; got {fmt!r}")
-
-
-def decode_images(payload: dict) -> np.ndarray:
-    """The JSON ``images`` field -> uint8 ``[n, H, W, 3]``."""
-    if not isinstance(payload, dict) or payload.get("format") not in IMAGE_FORMATS:
-        raise ValueError(f"'images' must be {{'format': one of {IMAGE_FORMATS}, 'data': ...}}")
-    if payload["format"] == "npy":
-        arr = np.load(io.BytesIO(base64.b64decode(payload["data"])), allow_pickle=False)
-    else:
-        from PIL import Image
-
-        arr = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(d))).convert("RGB"))
-                        for d in payload["data"]])
-    return _as_uint8(arr)
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, np.generic):
-        return x.item()
-    if hasattr(x, "detach"):
-        return x.detach().cpu().tolist()
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    return str(x)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# client
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class RewardServerError(RuntimeError):
-    """A batch could not be scored: names the server URL, the failing sample indices and the last cause."""
-
-    def __init__(self, url: str, indices: Sequence[int], cause: str, attempts: int):
-        self.url, self.indices, self.cause = url, list(indices), cause
-        span = f"{self.indices[0]}..{self.indices[-1]}" if self.indices else "-"
-        super().__init__(f"reward server {url} failed on batch samples [{span}] ({len(self.indices)} images) after "
-                         f"{attempts} attempt(s): {cause}")
-
-
-class _Retryable(Exception):
-    pass
-
-
-@dataclass
-class RewardClient:
-    """Reward callable that scores images on an HTTP reward server.
-
-    Call: ``(images uint8 [N, H, W, 3] (or a float tensor [N, 3, H, W] in [-1, 1]), prompts list[str],
-    metadata list[dict] | None) -> (scores np.float32 [N], info dict)``. Per-sample info lists of the chunks are
-    concatenated (numeric ones as arrays); other info values are collected per chunk in a list.
-    """
-
-    url: str = field(metadata={"help": "Server base URL, e.g. http://127.0.0.1:8000 (POST <url>/score)."})
-    batch_size: int = field(default=32, metadata={"help": "Images per request."})
-    timeout: float = field(default=120.0, metadata={"help": "Seconds to wait for one request."})
-    retries: int = field(default=3, metadata={"help": "Extra attempts after a timeout, connection error or 5xx/429."})
-    backoff: float = field(default=1.0, metadata={"help": "Seconds before the first retry; doubles each retry."})
-    image_format: str = field(default="png", metadata={"help": f"Wire format of the images, one of {IMAGE_FORMATS} "
-                              "(png: lossless and ~3x smaller; npy: no encoding cost)."})
-    concurrency: int = field(default=1, metadata={"help": "Requests in flight at once."})
-
-    def __post_init__(self):
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"reward server url must start with http:// or https://; got {self.url!r}")
-        self.url = self.url.rstrip("/")
-        if self.batch_size < 1 or self.concurrency < 1 or self.retries < 0:
-            raise ValueError("batch_size and concurrency must be >= 1 and retries >= 0")
-        if self.timeout <= 0 or self.backoff < 0:
-            raise ValueError("timeout must be > 0 and backoff >= 0")
-        if self.image_format not in IMAGE_FORMATS:
-            raise ValueError(f"image_format must be one of {IMAGE_FORMATS}; got {self.image_format!r}")
-
-    def health(self) -> dict:
-        with urllib.request.urlopen(self.url + "/health", timeout=self.timeout) as r:
-            return json.loads(r.read())
-
-    def _post(self, body: bytes) -> dict:
-        req = urllib.request.Request(self.url + "/score", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                raw = r.read()
-            try:
-                return json.loads(raw)
-            except ValueError as e:
-                raise RuntimeError(f"bad response: not JSON ({raw[:100]!r})") from e
-        except urllib.error.HTTPError as e:
-            try:
-                msg = json.loads(e.read()).get("error", "")
-            except Exception:                                   # noqa: BLE001 - any unparsable body
-                msg = ""
-            text = f"HTTP {e.code}: {msg or e.reason}"
-            if e.code >= 500 or e.code == 429:
-                raise _Retryable(text) from e
-            raise RuntimeError(text) from e                     # a client error: retrying cannot help
-        except (TimeoutError, socket.timeout) as e:
-            raise _Retryable(f"timed out after {self.timeout:g} s") from e
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, (TimeoutError, socket.timeout)):
-                raise _Retryable(f"timed out after {self.timeout:g} s") from e
-            raise _Retryable(f"connection error: {e.reason}") from e
-        except (ConnectionError, OSError) as e:
-            raise _Retryable(f"connection error: {e}") from e
-
-    def _score_chunk(self, images: np.ndarray, prompts: list, metadata: list | None, indices: range) -> dict:
-        body = json.dumps({"images": encode_images(images, self.image_format), "prompts": list(prompts),
-                           "metadata": _jsonable(metadata)}).encode()
-        cause, attempt = "", 0
-        for attempt in range(1, self.retries + 2):
-            try:
-                out = self._post(body)
-            except _Retryable as e:
-                cause = str(e)
-                if attempt <= self.retries:
-                    time.sleep(self.backoff * 2 ** (attempt - 1))
-                continue
-            except RuntimeError as e:
-                raise RewardServerError(self.url, indices, str(e), attempt) from e
-            scores = out.get("scores") if isinstance(out, dict) else None
-            if not isinstance(scores, list) or len(scores) != len(indices):
-                raise RewardServerError(self.url, indices, f"bad response: expected 'scores' with {len(indices)} "
-                                        f"values, got {str(out)[:200]}", attempt)
-            return out
-        raise RewardServerError(self.url, indices, cause, attempt)
-
-    def __call__(self, images, prompts: Sequence[str], metadata: Sequence[dict] | None = None):
-        images = _as_uint8(images)
-        n = len(images)
-        if len(prompts) != n or (metadata is not None and len(metadata) != n):
-            raise ValueError(f"got {n} images, {len(prompts)} prompts and "
-                             f"{'no' if metadata is None else len(metadata)} metadata entries")
-        spans = [range(s, min(s + self.batch_size, n)) for s in range(0, n, self.batch_size)]
-
-        def run(r: range) -> dict:
-            return self._score_chunk(images[r.start:r.stop], list(prompts[r.start:r.stop]),
-                                     None if metadata is None else list(metadata[r.start:r.stop]), r)
-
-        if self.concurrency == 1 or len(spans) == 1:
-            outs = [run(r) for r in spans]
-        else:
-            with ThreadPoolExecutor(self.concurrency) as pool:
-                outs = list(pool.map(run, spans))
-        scores = np.asarray([s for o in outs for s in o["scores"]], dtype=np.float32)
-        return scores, _merge_info([o.get("info") or {} for o in outs], [len(r) for r in spans])
-
-
-def _merge_info(infos: list[dict], sizes: list[int]) -> dict:
-    merged: dict = {}
-    for key in dict.fromkeys(k for i in infos for k in i):
-        vals = [i.get(key) for i in infos]
-        if all(isinstance(v, list) and len(v) == s for v, s in zip(vals, sizes)):
-            flat = [x for v in vals for x in v]
-            numeric = all(isinstance(x, (int, float, bool)) for x in flat)
-            merged[key] = np.asarray(flat) if numeric else flat
-        else:
-            merged[key] = vals if len(vals) > 1 else vals[0]
-    return merged
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise ImportError(f"{name} moved from jagg.rewards.server to {_MOVED[name]}: import it from there "
+                          f"(RewardClient and RewardServerError also from jagg.rewards)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -261,7 +62,7 @@ def _merge_info(infos: list[dict], sizes: list[int]) -> dict:
 def load_reward(spec: str, kwargs: dict | None = None) -> RewardFn:
     """``"module:attr"`` -> a reward callable. A class is instantiated with ``kwargs``; a function is used as is."""
     if ":" not in spec:
-        raise ValueError(f"reward must be 'module:function' (e.g. jagg.rewards:GenevalReward); got {spec!r}")
+        raise ValueError(f"reward must be 'module:function' (e.g. jagg.shapes.geneval:GenevalReward); got {spec!r}")
     mod_name, attr = spec.split(":", 1)
     try:
         obj = getattr(importlib.import_module(mod_name), attr)
@@ -276,77 +77,217 @@ def load_reward(spec: str, kwargs: dict | None = None) -> RewardFn:
     return obj
 
 
+def parse_score_request(body: bytes) -> tuple[np.ndarray, list[str], list | None]:
+    """The body of ``POST /score`` -> ``(images, prompts, metadata)``; a ValueError names the wrong field."""
+    try:
+        req = json.loads(body)
+    except ValueError as e:
+        raise ValueError(f"the body is not JSON ({e})") from None
+    if not isinstance(req, dict):
+        raise ValueError(f"the body must be a JSON object {{'images': ..., 'prompts': [...], 'metadata': ...}}; "
+                         f"got a JSON {type(req).__name__}")
+    missing = [k for k in ("images", "prompts") if k not in req]
+    if missing:
+        raise ValueError(f"missing field(s) {missing}; the body needs 'images' and 'prompts' ('metadata' optional)")
+    images = decode_images(req["images"])
+    prompts, metadata = req["prompts"], req.get("metadata")
+    if not isinstance(prompts, list) or len(prompts) != len(images) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"'prompts' must be a list of {len(images)} strings (one per image); got {str(prompts)[:80]}")
+    if metadata is not None and (not isinstance(metadata, list) or len(metadata) != len(images)):
+        raise ValueError(f"'metadata' must be null or a list of {len(images)} entries (one per image); got "
+                         f"{str(metadata)[:80]}")
+    return images, prompts, metadata
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "jagg-reward/1"
-    reward_fn: RewardFn
+    timeout: float                                              # per socket read/write (StreamRequestHandler)
+    reward_fn: CheckedReward
     reward_name: str
     lock: threading.Lock
+    token: str | None
+    max_body: int
 
     def log_message(self, fmt, *args):                          # quiet; errors are returned to the client
         pass
 
     def _send(self, code: int, payload: dict) -> None:
-        body = json.dumps(payload).encode()
+        body = json.dumps(payload, allow_nan=False).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        if code >= 400:
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         try:
             self.wfile.write(body)
         except (BrokenPipeError, ConnectionResetError):        # the client gave up (timeout)
             pass
 
+    def _authorised(self) -> bool:
+        if not self.token:
+            return True
+        got = self.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(got, auth_header(self.token).encode("utf-8", "surrogateescape")):
+            return True
+        self._send(401, {"error": "missing or wrong token: this server was started with a token (--token or "
+                                  f"${TOKEN_ENV}); give the client the same one (reward_server.token or "
+                                  f"${TOKEN_ENV})"})
+        return False
+
+    def _body(self) -> bytes | None:
+        """The request body, or None after answering why it cannot be read."""
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self._send(411, {"error": "a Content-Length header is required (chunked bodies are not accepted)"})
+            return None
+        if not length.strip().isdigit():
+            self._send(400, {"error": f"bad request: Content-Length {length!r} is not a byte count"})
+            return None
+        if int(length) > self.max_body:
+            self._send(413, {"error": f"request body of {int(length)} bytes is over this server's limit of "
+                                      f"{self.max_body} bytes (--max-body-mb {self.max_body / 2**20:.4g}): send fewer "
+                                      "images per request (reward_server.batch_size) or raise --max-body-mb"})
+            return None
+        try:
+            body = self.rfile.read(int(length))
+        except TimeoutError:
+            self._send(408, {"error": f"the request body did not arrive within {self.timeout:g} s (--read-timeout)"})
+            return None
+        if len(body) != int(length):
+            self._send(400, {"error": f"bad request: body of {len(body)} bytes, Content-Length says {length}"})
+            return None
+        return body
+
     def do_GET(self):
-        if self.path.rstrip("/") == "/health":
-            self._send(200, {"status": "ok", "reward": self.reward_name})
-        else:
+        if self.path.rstrip("/") != "/health":
             self._send(404, {"error": f"unknown path {self.path}; use POST /score or GET /health"})
+        elif self._authorised():
+            self._send(200, {"status": "ok", "reward": self.reward_name, "max_body_bytes": self.max_body})
 
     def do_POST(self):
         if self.path.rstrip("/") != "/score":
             self._send(404, {"error": f"unknown path {self.path}; use POST /score"})
             return
+        if not self._authorised():
+            return
+        body = self._body()
+        if body is None:
+            return
         try:
-            req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            images = decode_images(req["images"])
-            prompts = req["prompts"]
-            if not isinstance(prompts, list) or len(prompts) != len(images):
-                raise ValueError(f"'prompts' must be a list of {len(images)} strings")
-        except Exception as e:                                  # noqa: BLE001 - malformed request
+            images, prompts, metadata = parse_score_request(body)
+        except ValueError as e:
             self._send(400, {"error": f"bad request: {e}"})
             return
         try:
             with self.lock:                                     # reward models are rarely thread-safe
-                scores, info = self.reward_fn(images, prompts, req.get("metadata"))
-            scores = np.asarray(scores, dtype=np.float32).reshape(-1)
-            if scores.shape[0] != len(images):
-                raise ValueError(f"reward returned {scores.shape[0]} scores for {len(images)} images")
-            self._send(200, {"scores": scores.tolist(), "info": _jsonable(info or {})})
-        except Exception as e:                                  # noqa: BLE001 - report, keep serving
-            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+                scores, info = self.reward_fn(images, prompts, metadata)
+        except ValueError as e:                                 # raised, or wrong/NaN/inf scores (CheckedReward)
+            self._send(422, {"error": f"the reward failed on this input: {e}"})
+            return
+        self._send(200, {"scores": scores.tolist(), "info": jsonable(info)})
 
 
-def make_server(reward_fn: RewardFn, host: str = "127.0.0.1", port: int = 0, name: str = "") -> ThreadingHTTPServer:
+class _Server(ThreadingHTTPServer):
+    """A threading HTTP server that handles at most ``max_connections`` connections at once (the others wait in the
+    listen queue)."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int):
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        self._slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def make_server(reward_fn: RewardFn, host: str = "127.0.0.1", port: int = 0, name: str = "", *,
+                token: str | None = None, read_timeout: float = 30.0, max_body_bytes: int = 512 * 2**20,
+                max_connections: int = 8) -> ThreadingHTTPServer:
     """An HTTP server scoring with ``reward_fn`` (not started: call ``serve_forever()``, e.g. in a thread).
-    ``server.server_address`` holds the bound ``(host, port)``."""
-    handler = type("RewardHandler", (_Handler,), {"reward_fn": staticmethod(reward_fn),
-                                                  "reward_name": name or getattr(reward_fn, "__name__", "reward"),
-                                                  "lock": threading.Lock()})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    ``server.server_address`` holds the bound ``(host, port)``.
+
+    ``token``: when set, every request needs ``Authorization: Bearer <token>`` (else 401). ``read_timeout``: seconds
+    each socket read may wait (408 or a closed connection after). ``max_body_bytes``: larger bodies get 413.
+    ``max_connections``: connections handled at once."""
+    if token is not None and (not isinstance(token, str) or not token):
+        raise ValueError(f"token must be a non-empty string or None; got {token!r}")
+    for what, value in (("read_timeout (--read-timeout)", read_timeout), ("max_body_bytes (--max-body-mb)",
+                        max_body_bytes), ("max_connections (--max-connections)", max_connections)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+            raise ValueError(f"{what} must be a finite number > 0; got {value!r}")
+    name = name or getattr(reward_fn, "__name__", type(reward_fn).__name__)
+    handler = type("RewardHandler", (_Handler,), {"reward_fn": CheckedReward(name, reward_fn), "reward_name": name,
+                                                  "lock": threading.Lock(), "token": token,
+                                                  "timeout": float(read_timeout), "max_body": int(max_body_bytes)})
+    return _Server((host, port), handler, int(max_connections))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} > 0, got {text!r}")
+        return value
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jagg.rewards.server", description="Serve a jagg reward over HTTP.")
+    ap = argparse.ArgumentParser(
+        prog="python -m jagg.rewards.server", description="Serve a jagg reward over HTTP (POST /score, GET /health).",
+        epilog="Security: the server has no TLS. Off loopback (--host 0.0.0.0 or a LAN address) anyone who can reach "
+               f"the port can use it: set a token (--token or ${TOKEN_ENV}, sent by the client as reward_server.token"
+               f" or ${TOKEN_ENV}) and keep it on a trusted network or behind an SSH tunnel.")
     ap.add_argument("--reward", required=True, help="module:function (or module:Class) of the reward callable")
     ap.add_argument("--kwargs", default="{}", help="JSON keyword arguments for a reward class")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     ap.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
+    ap.add_argument("--token", default=None, help=f"shared token every request must carry (default: ${TOKEN_ENV} "
+                    "if set, else none); prefer the environment variable, the command line is visible to other users")
+    ap.add_argument("--read-timeout", type=_positive(float), default=30.0,
+                    help="seconds each socket read may wait; then 408 or a closed connection (default: 30)")
+    ap.add_argument("--max-body-mb", type=_positive(float), default=512.0,
+                    help="largest request body in MiB; larger ones get 413 (default: 512)")
+    ap.add_argument("--max-connections", type=_positive(int), default=8,
+                    help="connections handled at once; more wait in the listen queue (default: 8)")
     args = ap.parse_args(argv)
-    reward = load_reward(args.reward, json.loads(args.kwargs))
-    server = make_server(reward, args.host, args.port, args.reward)
+    try:
+        kwargs = json.loads(args.kwargs)
+    except ValueError as e:
+        ap.error(f"--kwargs is not JSON ({e}); give an object, e.g. '{{\"model_path\": \"/models/x\"}}'")
+    if not isinstance(kwargs, dict):
+        ap.error(f"--kwargs must be a JSON object, e.g. '{{\"model_path\": \"/models/x\"}}'; got {args.kwargs!r}")
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    server = make_server(load_reward(args.reward, kwargs), args.host, args.port, args.reward, token=token,
+                         read_timeout=args.read_timeout, max_body_bytes=int(args.max_body_mb * 2**20),
+                         max_connections=args.max_connections)
     host, port = server.server_address[:2]
+    if not token and not _is_loopback(host):
+        print(f"warning: serving on {host} without a token: anyone who can reach port {port} can use this reward; "
+              f"set --token or ${TOKEN_ENV}", file=sys.stderr, flush=True)
     print(f"jagg reward server listening on http://{host}:{port}", flush=True)
     try:
         server.serve_forever()
@@ -394,7 +335,7 @@ class _ClipBase:
         import torch
 
         with torch.no_grad():
-            pix = self.processor(images=list(_as_uint8(images)), return_tensors="pt")["pixel_values"]
+            pix = self.processor(images=list(to_uint8(images)), return_tensors="pt")["pixel_values"]
             img = self.model.get_image_features(pixel_values=pix.to(self.device, self.dtype))
             img = getattr(img, "pooler_output", img)
             img = torch.nn.functional.normalize(img.float(), dim=-1)
