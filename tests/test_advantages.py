@@ -35,3 +35,25 @@ def test_bad_rewards_raise():
         jagg.group_advantages(torch.tensor([1.0, float("nan")]), [0, 0])
     with pytest.raises(ValueError, match="prompt ids"):
         jagg.group_advantages(torch.tensor([1.0, 2.0]), [0])
+
+
+def test_advantages_under_float64_default_dtype_and_array_likes():
+    """Whatever the default dtype and the rewards' container (tensor of any dtype, list, numpy array)."""
+    import numpy as np
+
+    from jagg import group_advantages, nonzero_spread_mask
+
+    want = group_advantages(torch.tensor([1.0, 2.0, 3.0, 3.0]), ["a", "a", "b", "b"])
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for r in (torch.tensor([1.0, 2.0, 3.0, 3.0]), torch.tensor([1, 2, 3, 3]), [1.0, 2.0, 3.0, 3.0],
+                  np.array([1.0, 2.0, 3.0, 3.0])):
+            assert torch.allclose(group_advantages(r, ["a", "a", "b", "b"]), want)
+            assert nonzero_spread_mask(r, ["a", "a", "b", "b"]).tolist() == [True, True, False, False]
+    finally:
+        torch.set_default_dtype(old)
+    with pytest.raises(TypeError, match="rewards must be"):
+        group_advantages(["x", "y"], [0, 0])
+    with pytest.raises(ValueError, match="prompt ids"):
+        nonzero_spread_mask([1.0, 2.0], [0])

@@ -141,15 +141,14 @@ def test_jagg_exact_when_jacobian_affine_in_sigma(case, window, intermediate):
     assert sj.backward_items < se.backward_items
 
 
-def test_index_based_alpha_would_fail(monkeypatch):
-    """The affine case pins alpha by sigma: an index-based alpha on the shifted schedule breaks it."""
+def test_index_based_alpha_would_fail():
+    """The affine case pins alpha by sigma: the index-based alpha (alpha='index') on the shifted schedule breaks it."""
     model, traj = _affine_in_sigma_case(4)
     adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
-    import jagg.estimator as est
-
-    monkeypatch.setattr(est, "group_alphas", lambda sig, g: torch.linspace(0, 1, len(g), dtype=torch.float64))
-    gj, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, intermediate="fresh"))
+    gs, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, intermediate="fresh"))
+    gj, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, intermediate="fresh", alpha="index"))
+    assert torch.allclose(gs, ge, **TIGHT)
     assert not torch.allclose(gj, ge, rtol=1e-4, atol=1e-8)
 
 
@@ -239,17 +238,17 @@ def test_routing_fraction_zero_is_exact_and_one_routes_all():
 
 @pytest.mark.parametrize("score", ["chord", "cosine", "cosine_min", "velocity_cosine"])
 def test_routing_mid_fraction_picks_most_linear_groups(score):
-    from jagg.estimator import _plan
+    from jagg.knots import plan_update
     from jagg.routing import group_scores, make_groups
 
     torch.manual_seed(8)
     model = Nonlinear(batch=4)
     traj = sampled_traj(model, B=4, T=12)
     cfg = EstimatorConfig(mode="jagg", window=4, jagg_frac=0.5, score=score)
-    units, n_pairs, n_jagg = _plan(traj, cfg)
-    assert n_pairs == 12 and n_jagg == 6
+    plan = plan_update(traj, cfg)
+    assert plan.eligible == 12 and plan.routed == 6
     scores = group_scores(traj.velocities, traj.sigmas, make_groups(list(range(12)), 4), score)
-    routed = {(u.sample, u.steps[0] // 4) for u in units if u.jagg}
+    routed = {(u.sample, u.rows[0] // 4) for u in plan.units if u.jagg}
     thresh = torch.sort(scores.flatten(), descending=True).values[5]
     assert all(scores[i, g] >= thresh for i, g in routed)
     assert all(scores[i, g] <= thresh for i in range(4) for g in range(3) if (i, g) not in routed)
@@ -321,7 +320,7 @@ def test_bad_trajectories_raise():
 def test_routing_whole_grpo_groups():
     """With sample_groups, a GRPO group's members are routed together, by their mean score, and the gradient is
     the exact gradient of the unrouted groups plus the JAGG gradient of the routed ones."""
-    from jagg.estimator import _plan
+    from jagg.knots import plan_update
     from jagg.routing import group_scores, make_groups, route
 
     torch.manual_seed(9)
@@ -329,9 +328,9 @@ def test_routing_whole_grpo_groups():
     traj = sampled_traj(model, B=6, T=8)
     members = torch.tensor([0, 0, 1, 1, 2, 2])                   # three GRPO groups of two samples
     cfg = EstimatorConfig(mode="jagg", window=4, jagg_frac=0.5, score="chord")
-    units, n_pairs, n_jagg = _plan(traj, cfg, members)
-    routed = {(u.sample, u.steps[0] // 4) for u in units if u.jagg}
-    assert n_pairs == 12 and n_jagg == 6                           # round(0.5 * 6 units) = 3 units x 2 samples
+    plan = plan_update(traj, cfg, members)
+    routed = {(u.sample, u.rows[0] // 4) for u in plan.units if u.jagg}
+    assert plan.eligible == 12 and plan.routed == 6                           # round(0.5 * 6 units) = 3 units x 2 samples
     for i, g in routed:
         assert (i ^ 1, g) in routed                                # the partner sample is routed alike
     scores = group_scores(traj.velocities, traj.sigmas, make_groups(list(range(8)), 4), "chord")
@@ -357,3 +356,54 @@ def test_routing_whole_grpo_groups():
                        route(scores, 0.5, torch.ones(2, dtype=torch.bool), members))
     with pytest.raises(ValueError, match="sample_groups"):
         route(scores, 0.5, torch.ones(2, dtype=torch.bool), torch.zeros(5))
+
+
+def test_bad_inputs_name_the_culprit():
+    """Non-finite advantages name the sample; a broadcasting velocity names the function and both shapes, in
+    policy_gradient and in sample_trajectories; advantages may be any array-like."""
+    import numpy as np
+
+    model = Nonlinear(batch=3)
+    traj = sampled_traj(model, B=3, T=4)
+    cfg = EstimatorConfig(mode="jagg", window=4)
+    with pytest.raises(ValueError, match="sample 1 has nan"):
+        run(model, traj, torch.tensor([1.0, float("nan"), 0.0], dtype=torch.float64), cfg)
+    with pytest.raises(ValueError, match="sample 2 has inf"):
+        run(model, traj, [1.0, 0.0, float("inf")], cfg)
+    g_list, _ = run(model, traj, [1.0, -0.5, 0.2], cfg)
+    g_np, _ = run(model, traj, np.array([1.0, -0.5, 0.2]), cfg)
+    g_t, _ = run(model, traj, torch.tensor([1.0, -0.5, 0.2], dtype=torch.float64), cfg)
+    assert torch.equal(g_list, g_t) and torch.equal(g_np, g_t)
+    with pytest.raises(TypeError, match="advantages must be a tensor or an array-like"):
+        run(model, traj, ["a", "b", "c"], cfg)
+
+    def flat(x, sigma, idx):                     # [N, 1, 1, 1]: broadcasts silently over [N, 2, 3, 3]
+        return model(x, sigma, idx).mean((1, 2, 3), keepdim=True)
+
+    with pytest.raises(ValueError, match=r"flat.*\(3, 1, 1, 1\).*\(3, 2, 3, 3\)"):
+        jagg.policy_gradient(flat, traj, [1.0, -0.5, 0.2], EstimatorConfig(mode="exact", micro_batch=3))
+    with pytest.raises(ValueError, match=r"flat.*\(3, 1, 1, 1\).*\(3, 2, 3, 3\)"):
+        jagg.sample_trajectories(flat, torch.randn(3, *S, dtype=torch.float64),
+                                 jagg.flow_sigmas(4, dtype=torch.float64), 0.7)
+
+
+def test_exact_last_groups_counts_only_groups_jagg_could_take():
+    """Groups of 3, 3, 3 and 1 steps: exact_last_groups=1 makes the third group exact (the 1-step group is exact
+    anyway); micro_batch=1 is fine where no interval has inner steps (window 2)."""
+    from jagg.knots import plan_update
+
+    model = Nonlinear(batch=2)
+    traj = sampled_traj(model, B=2, T=10)
+    plan = plan_update(traj, EstimatorConfig(mode="jagg", window=3, exact_last_groups=1))
+    jagg_steps = {u.rows[0] for u in plan.units if u.jagg}
+    assert jagg_steps == {0, 3} and plan.eligible == 4 and plan.routed == 4
+    ge, _ = run(model, traj, [1.0, -1.0], EstimatorConfig(mode="exact"))
+    g2, _ = run(model, traj, [1.0, -1.0], EstimatorConfig(mode="jagg", window=2, micro_batch=1))
+    assert torch.allclose(g2, ge, **TIGHT)
+
+
+def test_gradient_stats_documents_every_field():
+    import dataclasses
+
+    doc = jagg.GradientStats.__doc__
+    assert all(f"{f.name}:" in doc for f in dataclasses.fields(jagg.GradientStats))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -16,6 +17,17 @@ def _group_ids(prompt_ids: Sequence | Tensor) -> Tensor:
     return torch.tensor([table.setdefault(p, len(table)) for p in prompt_ids], dtype=torch.long)
 
 
+def _as_rewards(rewards) -> Tensor:
+    """``[B]`` fp32 rewards from a tensor or any array-like (list, numpy array)."""
+    if not isinstance(rewards, Tensor):
+        try:
+            rewards = torch.as_tensor(np.asarray(rewards, dtype=np.float32))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"rewards must be a tensor or an array-like of numbers; got {type(rewards).__name__}: "
+                            f"{e}") from None
+    return rewards.detach().float().flatten()
+
+
 def group_advantages(
     rewards: Tensor,
     prompt_ids: Sequence | Tensor,
@@ -26,7 +38,7 @@ def group_advantages(
     """``(r - mean_prompt) / (std + eps)`` per prompt, clipped to ``[-adv_clip_max, adv_clip_max]``.
 
     Args:
-        rewards: ``[B]`` rewards.
+        rewards: ``[B]`` rewards (a tensor, list or numpy array), all finite.
         prompt_ids: ``B`` ids; samples with equal ids form one group (one prompt).
         global_std: divide by the std of the whole batch instead of each prompt's (Flow-GRPO's option).
         adv_clip_max: clip bound (Flow-GRPO uses 5).
@@ -34,7 +46,7 @@ def group_advantages(
 
     Returns ``[B]`` fp32 advantages. Stds are population stds (``unbiased=False``, as numpy's ``np.std``).
     """
-    rewards = rewards.detach().float().flatten()
+    rewards = _as_rewards(rewards)
     if len(prompt_ids) != rewards.numel():
         raise ValueError(f"got {rewards.numel()} rewards but {len(prompt_ids)} prompt ids")
     if not bool(torch.isfinite(rewards).all()):
@@ -43,13 +55,14 @@ def group_advantages(
         raise ValueError(f"adv_clip_max must be > 0; got {adv_clip_max}")
     g = _group_ids(prompt_ids).to(rewards.device)
     n = int(g.max()) + 1
-    count = torch.zeros(n, device=rewards.device).index_add_(0, g, torch.ones_like(rewards))
-    mean = torch.zeros(n, device=rewards.device).index_add_(0, g, rewards) / count
+    zeros = lambda: torch.zeros(n, device=rewards.device, dtype=rewards.dtype)   # whatever the default dtype
+    count = zeros().index_add_(0, g, torch.ones_like(rewards))
+    mean = zeros().index_add_(0, g, rewards) / count
     dev = rewards - mean[g]
     if global_std:
         std = rewards.std(unbiased=False).expand_as(rewards)
     else:
-        var = torch.zeros(n, device=rewards.device).index_add_(0, g, dev**2) / count
+        var = zeros().index_add_(0, g, dev**2) / count
         std = var.sqrt()[g]
     return (dev / (std + eps)).clamp(-adv_clip_max, adv_clip_max)
 
@@ -59,9 +72,12 @@ def nonzero_spread_mask(rewards: Tensor, prompt_ids: Sequence | Tensor, tol: flo
 
     Groups with zero spread carry no learning signal (all advantages are 0); drop them to save compute.
     """
-    rewards = rewards.detach().float().flatten()
+    rewards = _as_rewards(rewards)
+    if len(prompt_ids) != rewards.numel():
+        raise ValueError(f"got {rewards.numel()} rewards but {len(prompt_ids)} prompt ids")
     g = _group_ids(prompt_ids).to(rewards.device)
     n = int(g.max()) + 1
-    hi = torch.full((n,), -torch.inf, device=rewards.device).scatter_reduce(0, g, rewards, "amax")
-    lo = torch.full((n,), torch.inf, device=rewards.device).scatter_reduce(0, g, rewards, "amin")
+    full = lambda v: torch.full((n,), v, device=rewards.device, dtype=rewards.dtype)
+    hi = full(-torch.inf).scatter_reduce(0, g, rewards, "amax")
+    lo = full(torch.inf).scatter_reduce(0, g, rewards, "amin")
     return (hi - lo)[g] > tol

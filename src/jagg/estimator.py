@@ -1,22 +1,23 @@
-"""The policy-gradient estimators: ``exact`` (one backward per trained step) and ``jagg``.
+"""The policy-gradient estimators: ``exact`` (one backward per trained step) and ``jagg`` (knots, see
+:mod:`jagg.knots`).
 
 :func:`policy_gradient` is the drop-in replacement for the per-step forward/backward loop of a Flow-GRPO
 update. It accumulates into ``.grad`` exactly what ``L.backward()`` would for
 
     L = loss_scale / (B |K|) * sum_{i, k in K} l_{i,k}        (l from :func:`jagg.loss.step_loss`)
 
-and returns statistics. Both modes share one machinery:
+in ``exact`` mode (and JAGG's estimate of it otherwise), and returns statistics. Every mode shares one machinery:
 
-1. the trained (sample, step) items are split into *units*: an exact unit is one row ``(i, k)`` through the
-   network; a JAGG unit is the two endpoint rows ``(i, a), (i, b)`` of one group of ``window`` steps;
+1. :func:`jagg.knots.plan_update` lays out *units*: rows ``(i, k)`` that go through the network together (an exact
+   step: one row; a JAGG interval or chain of shared knots: its knot rows) and the loss evaluations they cover;
 2. units are packed into chunks of at most ``micro_batch`` rows (a unit is never split);
 3. per chunk: one forward with grad of all rows; the upstream signal ``g_{i,k} = dl_{i,k}/dv_{i,k}`` of every
-   step the chunk covers is computed by autograd through the loss head alone, on detached velocities;
-   the row signals are ``G_row = sum_k w_{row,k} g_k`` (exact: ``w = 1``; JAGG: ``1 - alpha_k`` for ``a``,
-   ``alpha_k`` for ``b``); one backward of the scalar ``sum(v * G)``, whose gradient is ``sum_row J_row^T G_row``.
+   evaluation is computed by autograd through the loss head alone, on detached velocities; the row signals are
+   ``G_row = sum_k w_{row,k} g_k`` (a knot's own step: ``w = 1``; an inner step: ``1 - alpha_k`` on ``a``,
+   ``alpha_k`` on ``b``); one backward of the scalar ``sum(v * G)``, whose gradient is ``sum_row J_row^T G_row``.
 
-Inner-step velocities of a JAGG group are ``fresh`` (one no-grad forward of the chunk's inner rows) or
-``interp`` (``v_k_old + (1 - alpha_k)(v_a - v_a_old) + alpha_k (v_b - v_b_old)``, no forward).
+Inner-step velocities are ``fresh`` (one no-grad forward of the chunk's inner rows) or ``interp``
+(``v_k_old + (1 - alpha_k)(v_a - v_a_old) + alpha_k (v_b - v_b_old)``, no forward).
 """
 
 from __future__ import annotations
@@ -25,77 +26,64 @@ import contextlib
 from dataclasses import asdict, dataclass
 from typing import Callable, ContextManager, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .estimator_config import EstimatorConfig
+from .knots import Unit, plan_update
 from .loss import step_loss
-from .routing import group_alphas, group_scores, make_groups, route
 from .sde import compute_dtype
-from .trajectory import Trajectory, VelocityFn
+from .trajectory import Trajectory, VelocityFn, checked_velocity
 
 
 @dataclass
 class GradientStats:
-    """What one call did. Counts are rows (batch items) through the network."""
+    """What one :func:`policy_gradient` call did. Counts are rows (batch items) through the network.
 
-    loss: float                 # L / loss_scale: mean per-item loss over the batch and trained steps
-    clip_frac: float            # fraction of items whose ratio left [1 - eps, 1 + eps]
-    approx_kl: float            # mean of 0.5 * (log pi - log pi_old)^2
+    Attributes:
+        loss: ``L / loss_scale``: the mean per-item loss over the batch and the trained steps.
+        clip_frac: fraction of (sample, step) items whose ratio left ``[1 - eps, 1 + eps]``.
+        approx_kl: mean of ``0.5 * (log pi - log pi_old)^2`` (PPO's approximate KL to the sampling policy).
+        ratio_mean: mean ratio ``pi / pi_old``.
+        kl: mean KL to the reference policy (0 without one).
+        forward_grad_items: rows forwarded with grad (the knots): the cost model's ``F_grad`` count.
+        forward_nograd_items: rows forwarded without grad (``fresh`` inner steps): ``F_nograd``.
+        backward_items: rows back-propagated: the cost model's ``B`` count. Every row forwarded with grad is
+            back-propagated, so it equals ``forward_grad_items``; both are reported so that each term of the cost
+            model (DESIGN: ``F_grad``, ``F_nograd``, ``B``) has its own counter.
+        forward_calls: network calls, with and without grad.
+        backward_calls: backward passes (one per chunk).
+        groups: (sample, interval) pairs JAGG could take (intervals with inner steps, outside the exact first/last).
+        groups_jagg: of those, routed to JAGG.
+        jagg_frac_routed: ``groups_jagg / groups`` (0 when no interval is eligible).
+        groups_corrected: of the routed pairs, those also run exactly by unbiased JAGG (``correction_p``).
+    """
+
+    loss: float
+    clip_frac: float
+    approx_kl: float
     ratio_mean: float
-    kl: float                   # mean KL to the reference (0 without one)
+    kl: float
     forward_grad_items: int
     forward_nograd_items: int
     backward_items: int
-    forward_calls: int          # network calls (with and without grad)
+    forward_calls: int
     backward_calls: int
-    groups: int                 # (sample, group) pairs JAGG could take (groups of >= 3 steps)
-    groups_jagg: int            # of those, routed to JAGG
-    jagg_frac_routed: float     # groups_jagg / groups (0 when no group is eligible)
+    groups: int
+    groups_jagg: int
+    jagg_frac_routed: float
+    groups_corrected: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-@dataclass
-class _Unit:
-    sample: int
-    steps: list[int]            # the steps whose loss this unit covers
-    jagg: bool                  # True: rows are the endpoints steps[0], steps[-1]
-
-
-def _plan(traj: Trajectory, config: EstimatorConfig,
-          sample_groups: Tensor | None = None) -> tuple[list[_Unit], int, int]:
-    """Route (sample, group) pairs and return the units in execution order, #eligible pairs and #JAGG pairs."""
-    steps = traj.train_steps.tolist()
-    window = config.window if config.mode == "jagg" else 1
-    groups = make_groups(steps, window)
-    B, G = traj.batch_size, len(groups)
-    # groups of 1 or 2 steps cost 1 or 2 rows either way and JAGG is exact on them: they run exact and
-    # jagg_frac counts only groups where JAGG saves work
-    eligible = torch.tensor([len(g) >= 3 for g in groups], dtype=torch.bool)
-    if config.mode != "jagg":
-        eligible[:] = False
-    eligible[: config.exact_first_groups] = False
-    if config.exact_last_groups:
-        eligible[max(G - config.exact_last_groups, 0) :] = False
-    if 0.0 < config.jagg_frac < 1.0:
-        scores = group_scores(traj.velocities, traj.sigmas, groups, config.score).cpu()
-    else:
-        scores = torch.zeros(B, G)
-    routed = route(scores, config.jagg_frac, eligible, sample_groups)     # [B, G]
-    units = []
-    for gi, group in enumerate(groups):                    # group-major, like Flow-GRPO's step loop
-        units += [_Unit(i, group, True) for i in range(B) if routed[i, gi]]
-        units += [_Unit(i, [k], False) for k in group for i in range(B) if not routed[i, gi]]
-    return units, B * int(eligible.sum()), int(routed.sum())
-
-
-def _pack(units: list[_Unit], micro_batch: int) -> list[list[_Unit]]:
-    """Greedy packing into chunks of at most ``micro_batch`` rows (a JAGG unit has 2 rows)."""
+def _pack(units: list[Unit], micro_batch: int) -> list[list[Unit]]:
+    """Greedy packing into chunks of at most ``micro_batch`` rows (a unit is never split)."""
     chunks, cur, rows = [], [], 0
     for u in units:
-        n = 2 if u.jagg else 1
+        n = len(u.rows)
         if cur and rows + n > micro_batch:
             chunks.append(cur)
             cur, rows = [], 0
@@ -104,24 +92,66 @@ def _pack(units: list[_Unit], micro_batch: int) -> list[list[_Unit]]:
     return chunks + ([cur] if cur else [])
 
 
+def _as_advantages(advantages, B: int, device) -> Tensor:
+    """``[B]`` finite advantages from a tensor or any array-like (list, numpy array)."""
+    if not isinstance(advantages, Tensor):
+        try:
+            advantages = torch.as_tensor(np.asarray(advantages, dtype=np.float64))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"advantages must be a tensor or an array-like of {B} numbers (one per sample); got "
+                            f"{type(advantages).__name__}: {e}") from None
+    advantages = advantages.detach().flatten().to(device)
+    if advantages.numel() != B:
+        raise ValueError(f"advantages must have shape [B] = [{B}]; got {tuple(advantages.shape)}")
+    bad = torch.nonzero(~torch.isfinite(advantages)).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"advantages must be finite; sample {i} has {float(advantages[i])} ({bad.numel()} non-finite "
+                         "in all): check the rewards and the advantage normalisation")
+    return advantages
+
+
+def _signal_norms(traj: Trajectory, advantages: Tensor, config: EstimatorConfig, ref_velocities: Tensor | None,
+                  chunk: int = 256) -> Tensor:
+    """``[B, K]`` norms of the upstream signals ``g_{i,k}`` at the rollout velocities (no network call)."""
+    B, steps = traj.batch_size, traj.train_steps
+    K = steps.numel()
+    bb, kk = torch.arange(B).repeat_interleave(K), steps.cpu().repeat(B)
+    out = torch.empty(B * K, dtype=torch.float64)
+    sig, lat = traj.sigmas, traj.latents
+    for s in range(0, B * K, chunk):
+        b, k = bb[s : s + chunk].to(lat.device), kk[s : s + chunk].to(lat.device)
+        v = traj.velocities[b, k].detach().clone().requires_grad_(True)
+        ref = None if ref_velocities is None else ref_velocities[b, k]
+        with torch.enable_grad():
+            l = step_loss(v, lat[b, k], lat[b, k + 1], sig[k], sig[k + 1], float(sig[1]), traj.eta, traj.log_probs[b, k],
+                          advantages[b], config.clip_range, config.kl_beta, ref, traj.logprob_reduction).loss
+            (g,) = torch.autograd.grad(l.sum(), v)
+        out[s : s + chunk] = g.flatten(1).norm(dim=1).double().cpu()
+    return out.view(B, K)
+
+
 def policy_gradient(
     velocity_fn: VelocityFn,
     traj: Trajectory,
-    advantages: Tensor,
+    advantages: Tensor | Sequence[float],
     config: EstimatorConfig,
     ref_velocities: Tensor | None = None,
     loss_scale: float = 1.0,
     backward_context: Callable[[bool], ContextManager] | None = None,
     backward_fn: Callable[[Tensor], None] | None = None,
     sample_groups: Tensor | Sequence | None = None,
+    generator: torch.Generator | None = None,
+    only_steps: Sequence[int] | None = None,
 ) -> GradientStats:
     """Accumulate the Flow-GRPO policy gradient of one update into the parameters' ``.grad``.
 
     Args:
         velocity_fn: ``(latents [N, *S], sigma [N], sample_index [N] long) -> v [N, *S]`` at the current
-            parameters, with grad enabled (guidance included; detach the unconditional branch if desired).
+            parameters, with grad enabled (guidance included; detach the unconditional branch if desired). Its output
+            must have exactly the shape of its latents (no broadcasting).
         traj: the stored :class:`~jagg.trajectory.Trajectory` (``B`` samples, ``T`` steps).
-        advantages: ``[B]`` per-sample advantages.
+        advantages: ``[B]`` per-sample advantages (a tensor, list or numpy array), all finite.
         config: :class:`~jagg.estimator_config.EstimatorConfig`.
         ref_velocities: ``[B, T, *S]`` reference-policy velocities (from
             :func:`reference_velocities`, computed once per rollout); required when ``config.kl_beta > 0``.
@@ -134,7 +164,12 @@ def policy_gradient(
         sample_groups: optional ``[B]`` GRPO group of each sample (ints, or e.g. the prompts). With routing
             (``0 < jagg_frac < 1``) a GRPO group's members are then routed together (see
             :func:`jagg.routing.route`), which keeps the JAGG error they share cancelling in their zero-sum
-            advantages. The trainers pass it; without it, routing picks single (sample, group) pairs.
+            advantages; unbiased JAGG (``correction_p``) then also picks whole GRPO groups. The trainers pass it;
+            without it, single (sample, interval) pairs are routed and picked.
+        generator: RNG of unbiased JAGG's random picks (default: torch's global RNG).
+        only_steps: accumulate only the loss terms of these trained steps (diagnostics: the gradient of a step
+            range). Knots, routing and picks are those of the whole trajectory, so the gradients of disjoint ranges
+            sum to the full one. Statistics then cover those steps only.
 
     Returns:
         :class:`GradientStats`.
@@ -142,9 +177,7 @@ def policy_gradient(
     traj.validate()
     B, T = traj.batch_size, traj.num_steps
     S = tuple(traj.latents.shape[2:])
-    advantages = advantages.detach().flatten().to(traj.latents.device)
-    if advantages.numel() != B:
-        raise ValueError(f"advantages must have shape [B] = [{B}]; got {tuple(advantages.shape)}")
+    advantages = _as_advantages(advantages, B, traj.latents.device)
     if config.kl_beta > 0:
         if ref_velocities is None:
             raise ValueError("config.kl_beta > 0 needs ref_velocities [B, T, *S]; compute them once per rollout "
@@ -154,42 +187,46 @@ def policy_gradient(
     backward_context = backward_context or (lambda last: contextlib.nullcontext())
     backward_fn = backward_fn or (lambda loss: loss.backward())
 
-    units, n_pairs, n_jagg = _plan(traj, config, sample_groups)
+    norms = None
+    if config.mode == "jagg" and config.knots == "adaptive":
+        norms = _signal_norms(traj, advantages, config, ref_velocities)
+    plan = plan_update(traj, config, sample_groups, norms, generator)
+    units = plan.units
+    if only_steps is not None:
+        keep = {int(k) for k in only_steps}
+        if not keep <= set(traj.train_steps.tolist()):
+            raise ValueError(f"only_steps must be trained steps {traj.train_steps.tolist()}; got {sorted(keep)}")
+        units = [Unit(u.sample, u.rows, [e for e in u.evals if e.step in keep]) for u in units]
+        units = [u for u in units if u.evals]
     chunks = _pack(units, config.micro_batch)
     K = traj.train_steps.numel()
     c = loss_scale / (B * K)
     sig, lat, v_old = traj.sigmas, traj.latents, traj.velocities
     sigma_one = float(sig[1])
     dev = lat.device
-    acc = torch.zeros(5, dtype=torch.float64, device=dev)   # loss, clipped, approx_kl, ratio, kl sums
+    acc = torch.zeros(6, dtype=torch.float64, device=dev)   # loss, clipped, approx_kl, ratio, kl sums; count
     fwd_grad = fwd_nograd = n_calls = 0
+    velocity = checked_velocity(velocity_fn, S)
 
     for ci, chunk in enumerate(chunks):
         # rows through the network with grad, and the evaluations (sample, step) whose loss the chunk covers
-        row_b, row_k, ev_b, ev_k, ev_src = [], [], [], [], []
+        row_b, row_k, ev_b, ev_k, ev_src, stat = [], [], [], [], [], []
         weights: list[tuple[int, int, float]] = []           # (row, eval, weight)
         inner: list[int] = []                                # evals needing a fresh/interp velocity
         for u in chunk:
-            if not u.jagg:
-                weights.append((len(row_b), len(ev_b), 1.0))
-                ev_src.append((len(row_b), -1, 0.0))
-                row_b.append(u.sample); row_k.append(u.steps[0])
-                ev_b.append(u.sample); ev_k.append(u.steps[0])
-                continue
-            ra, rb = len(row_b), len(row_b) + 1
-            row_b += [u.sample, u.sample]; row_k += [u.steps[0], u.steps[-1]]
-            alphas = group_alphas(sig, u.steps).tolist()
-            for j, (k, al) in enumerate(zip(u.steps, alphas)):
-                e = len(ev_b)
-                ev_b.append(u.sample); ev_k.append(k)
-                weights += [(ra, e, 1.0 - al), (rb, e, al)]
-                if j == 0:
-                    ev_src.append((ra, -1, 0.0))
-                elif j == len(u.steps) - 1:
-                    ev_src.append((rb, -1, 0.0))
-                else:
-                    ev_src.append((ra, rb, al))
-                    inner.append(e)
+            r0 = len(row_b)
+            row_b += [u.sample] * len(u.rows)
+            row_k += u.rows
+            for e in u.evals:
+                ei = len(ev_b)
+                ev_b.append(u.sample)
+                ev_k.append(e.step)
+                weights += [(r0 + r, ei, w) for r, w in e.weights]
+                ra, rb, al = e.source
+                ev_src.append((r0 + ra, -1, 0.0) if rb < 0 else (r0 + ra, r0 + rb, al))
+                stat.append(e.stat)
+                if rb >= 0:
+                    inner.append(ei)
 
         rb_t = torch.tensor(row_b, device=dev)
         rk_t = torch.tensor(row_k, device=dev)
@@ -203,12 +240,12 @@ def policy_gradient(
         if inner and config.intermediate == "fresh":                      # before the grad graph exists
             with torch.no_grad():                                        # micro_batch rows per call
                 for part in inn.split(config.micro_batch):
-                    fresh.append((part, velocity_fn(lat[eb_t[part], ek_t[part]], sig[ek_t[part]], eb_t[part])))
+                    fresh.append((part, velocity(lat[eb_t[part], ek_t[part]], sig[ek_t[part]], eb_t[part])))
                     n_calls += 1
             fwd_nograd += len(inner)
 
         with backward_context(ci == len(chunks) - 1):  # DDP: no_sync must cover the forward too
-            v = velocity_fn(lat[rb_t, rk_t], sig[rk_t], rb_t)                # [R, *S], with grad
+            v = velocity(lat[rb_t, rk_t], sig[rk_t], rb_t)                   # [R, *S], with grad
             fwd_grad += R
             n_calls += 1
             dtype = compute_dtype(v, lat)
@@ -247,18 +284,18 @@ def policy_gradient(
             backward_fn((v.to(dtype) * signal).sum())
 
         old = traj.log_probs[eb_t, ek_t].to(out.log_prob.dtype)
-        acc += torch.stack([
-            out.loss.detach().sum(), out.clipped.sum(), (0.5 * (out.log_prob.detach() - old) ** 2).sum(),
-            out.ratio.sum(), out.kl.sum(),
-        ]).double()
+        items = torch.stack([
+            out.loss.detach(), out.clipped.to(out.ratio.dtype), 0.5 * (out.log_prob.detach() - old) ** 2,
+            out.ratio, out.kl, torch.ones_like(out.ratio),
+        ]).double()                                                             # [6, E]
+        acc += items.sum(1) if all(stat) else items[:, torch.tensor(stat, device=dev)].sum(1)
 
-    n = B * K
-    sums = (acc / n).tolist()                                            # the one host sync
+    sums = (acc[:5] / acc[5].clamp_min(1)).tolist()                      # the one host sync
     return GradientStats(
         loss=sums[0], clip_frac=sums[1], approx_kl=sums[2], ratio_mean=sums[3], kl=sums[4],
         forward_grad_items=fwd_grad, forward_nograd_items=fwd_nograd, backward_items=fwd_grad,
-        forward_calls=n_calls, backward_calls=len(chunks), groups=n_pairs, groups_jagg=n_jagg,
-        jagg_frac_routed=n_jagg / max(n_pairs, 1),
+        forward_calls=n_calls, backward_calls=len(chunks), groups=plan.eligible, groups_jagg=plan.routed,
+        jagg_frac_routed=plan.routed / max(plan.eligible, 1), groups_corrected=plan.corrected,
     )
 
 
@@ -274,5 +311,6 @@ def reference_velocities(ref_fn: VelocityFn, traj: Trajectory, micro_batch: int 
     pairs = [(i, k) for k in traj.train_steps.tolist() for i in range(B)]
     for s in range(0, len(pairs), micro_batch):
         b, k = (torch.tensor(x, device=traj.latents.device) for x in zip(*pairs[s : s + micro_batch]))
-        out[b, k] = ref_fn(traj.latents[b, k], traj.sigmas[k], b).to(out.dtype)
+        out[b, k] = checked_velocity(ref_fn, tuple(traj.latents.shape[2:]), "ref_fn")(
+            traj.latents[b, k], traj.sigmas[k], b).to(out.dtype)
     return out

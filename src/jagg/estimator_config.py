@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field, fields
 MODES = ("exact", "jagg")
 INTERMEDIATES = ("interp", "fresh")
 SCORES = ("chord", "cosine", "cosine_min", "velocity_cosine")
+KNOTS = ("groups", "shared", "adaptive")
+ALPHAS = ("sigma", "index")
 
 
 @dataclass
@@ -16,7 +18,16 @@ class EstimatorConfig:
     mode: str = field(default="jagg", metadata={"help": f"Gradient estimator, one of {MODES}. 'exact' runs one "
                       "backward per trained step (the Flow-GRPO baseline); 'jagg' one joint backward per group."})
     window: int = field(default=4, metadata={"help": "JAGG group size W: consecutive trained steps sharing one "
-                        "backward of their two endpoints. 1 (or 2) gives the exact gradient."})
+                        "backward of their two endpoints (knots='groups'), or the knot spacing + 1 (knots='shared' "
+                        "and 'adaptive'). 1 (or 2) gives the exact gradient."})
+    knots: str = field(default="groups", metadata={"help": f"Where the rows with grad (knots) sit, one of {KNOTS}: "
+                       "'groups' = the paper's groups of W steps, 2 endpoint rows each; 'shared' = consecutive groups "
+                       "share an endpoint, knots every W-1 steps (1 + ceil((K-1)/(W-1)) rows per sample instead of "
+                       "2 ceil(K/W)); 'adaptive' = as many knots as 'shared', placed per batch where the interpolation "
+                       "error proxy (stored velocities' distance to the chord times the loss signal) is least."})
+    alpha: str = field(default="sigma", metadata={"help": f"Interpolation coefficient of an inner step, one of "
+                       f"{ALPHAS}: 'sigma' = (sigma_k - sigma_a) / (sigma_b - sigma_a) (the paper's t-weighting); "
+                       "'index' = (k - a) / (b - a) (the authors' reference code)."})
     intermediate: str = field(default="interp", metadata={"help": f"Velocities at a group's inner steps, one of "
                               f"{INTERMEDIATES}: 'fresh' = a no-grad forward each (the paper); 'interp' = no "
                               "forward, first-order reuse of the rollout velocities (exact on-policy)."})
@@ -29,11 +40,22 @@ class EstimatorConfig:
     exact_first_groups: int = field(default=0, metadata={"help": "Always run the first N groups of the "
                                     "trajectory (highest noise) exact."})
     exact_last_groups: int = field(default=0, metadata={"help": "Always run the last N groups exact."})
+    correction_p: float = field(default=0.0, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a JAGG "
+                                "interval (per GRPO group with sample_groups, else per sample) also runs its inner steps "
+                                "exactly and adds (exact - interpolated) / p, so the expected gradient is exact. Costs "
+                                "p x the inner rows. 0 = off (plain JAGG, biased where the Jacobian is not linear)."})
+    correction_intervals: int = field(default=0, metadata={"help": "Correct only the first N JAGG-eligible intervals "
+                                      "of the trajectory (the noisiest); 0 = all."})
     micro_batch: int = field(default=8, metadata={"help": "Rows per network forward/backward, the same in every "
                              "mode. JAGG needs >= 2 (a group's two endpoints go through together)."})
     clip_range: float = field(default=1e-4, metadata={"help": "PPO clip range eps of the ratio (Flow-GRPO: 1e-4)."})
     kl_beta: float = field(default=0.0, metadata={"help": "Weight of the KL to the reference policy (Flow-GRPO "
                            "uses 0.04 on GenEval); > 0 needs reference velocities."})
+    audit_every: int = field(default=0, metadata={"help": "Trainers only: every N iterations, compute the exact "
+                             "gradient of a few samples next to this estimator's and log their cosine, in total and per "
+                             "third of the trained steps (audit/* in metrics and TensorBoard). 0 = off."})
+    audit_samples: int = field(default=4, metadata={"help": "Trainers only: samples (whole GRPO groups first) the "
+                               "audit uses."})
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -45,6 +67,17 @@ class EstimatorConfig:
         if not 0.0 <= float(self.jagg_frac) <= 1.0:
             raise ValueError(f"jagg_frac must be in [0, 1] (0 = exact everywhere, 1 = JAGG everywhere); "
                              f"got {self.jagg_frac}")
+        if self.knots not in KNOTS:
+            raise ValueError(f"knots must be one of {KNOTS}; got {self.knots!r}")
+        if self.alpha not in ALPHAS:
+            raise ValueError(f"alpha must be one of {ALPHAS}; got {self.alpha!r}")
+        if not 0.0 <= float(self.correction_p) <= 1.0:
+            raise ValueError(f"correction_p must be in [0, 1] (0 = plain JAGG); got {self.correction_p}")
+        for name in ("correction_intervals", "audit_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an integer >= 0; got {getattr(self, name)!r}")
+        if not isinstance(self.audit_samples, int) or self.audit_samples < 2:
+            raise ValueError(f"audit_samples must be an integer >= 2; got {self.audit_samples!r}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}; got {self.score!r}")
         for name in ("exact_first_groups", "exact_last_groups"):
@@ -52,9 +85,9 @@ class EstimatorConfig:
                 raise ValueError(f"{name} must be an integer >= 0; got {getattr(self, name)!r}")
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
             raise ValueError(f"micro_batch must be an integer >= 1; got {self.micro_batch!r}")
-        if self.mode == "jagg" and self.window > 1 and self.micro_batch < 2:
-            raise ValueError("micro_batch must be >= 2 in mode='jagg' with window > 1: the two endpoints of a "
-                             "group go through the network together; raise micro_batch or use mode='exact'")
+        if self.mode == "jagg" and self.window > 2 and self.micro_batch < 2:
+            raise ValueError("micro_batch must be >= 2 in mode='jagg' with window > 2: the two knots of an "
+                             "interval go through the network together; raise micro_batch or use mode='exact'")
         if self.clip_range <= 0:
             raise ValueError(f"clip_range must be > 0; got {self.clip_range}")
         if self.kl_beta < 0:

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .estimator_config import SCORES
+from .estimator_config import ALPHAS, SCORES
 
 
 def make_groups(train_steps: list[int], window: int) -> list[list[int]]:
@@ -21,15 +21,22 @@ def make_groups(train_steps: list[int], window: int) -> list[list[int]]:
     return [train_steps[i : i + window] for i in range(0, len(train_steps), window)]
 
 
-def group_alphas(sigmas: Tensor, group: list[int]) -> Tensor:
-    """``alpha_k`` ``[m]`` for the steps of ``group``: 0 at ``a``, 1 at ``b``, by sigma. ``[0.]`` for one step."""
-    s = sigmas[group].double()
+def group_alphas(sigmas: Tensor, group: list[int], alpha: str = "sigma") -> Tensor:
+    """``alpha_k`` ``[m]`` (fp64) for the steps of ``group``: 0 at ``a``, 1 at ``b``. ``[0.]`` for one step.
+
+    ``alpha="sigma"``: ``(sigma_k - sigma_a) / (sigma_b - sigma_a)`` (the paper's t-weighting; schedules are not
+    uniform). ``alpha="index"``: ``(k - a) / (b - a)`` (the authors' reference code).
+    """
+    if alpha not in ALPHAS:
+        raise ValueError(f"alpha must be one of {ALPHAS}; got {alpha!r}")
     if len(group) == 1:
         return torch.zeros(1, dtype=torch.float64, device=sigmas.device)
+    s = sigmas[group].double() if alpha == "sigma" else torch.tensor(group, dtype=torch.float64, device=sigmas.device)
     return (s - s[0]) / (s[-1] - s[0])
 
 
-def group_scores(velocities: Tensor, sigmas: Tensor, groups: list[list[int]], score: str) -> Tensor:
+def group_scores(velocities: Tensor, sigmas: Tensor, groups: list[list[int]], score: str,
+                 alpha: str = "sigma") -> Tensor:
     """Linearity score ``[B, G]`` of every (sample, group) from rollout velocities ``[B, T, *S]``.
 
     - ``chord``: ``-max_k ||v_k - ((1-alpha_k) v_a + alpha_k v_b)|| / mean_k ||v_k||`` (chord residual).
@@ -37,7 +44,8 @@ def group_scores(velocities: Tensor, sigmas: Tensor, groups: list[list[int]], sc
     - ``cosine_min``: the minimum of those cosines.
     - ``velocity_cosine``: minimum cosine between consecutive velocities ``v_k, v_{k+1}``.
 
-    Groups of one or two steps are exact under JAGG and score ``+inf``.
+    Groups of one or two steps are exact under JAGG and score ``+inf``. ``alpha`` is the chord's interpolation
+    coefficient (:func:`group_alphas`).
     """
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}; got {score!r}")
@@ -48,7 +56,7 @@ def group_scores(velocities: Tensor, sigmas: Tensor, groups: list[list[int]], sc
             continue
         v = velocities[:, group].flatten(2).float()          # [B, m, D]
         if score == "chord":
-            al = group_alphas(sigmas, group).float().to(v.device)[None, :, None]
+            al = group_alphas(sigmas, group, alpha).float().to(v.device)[None, :, None]
             chord_pts = (1 - al) * v[:, :1] + al * v[:, -1:]
             resid = (v - chord_pts).norm(dim=2).amax(1)
             out[:, gi] = -resid / v.norm(dim=2).mean(1).clamp_min(1e-12)

@@ -20,6 +20,27 @@ from .sde import REDUCTIONS, compute_dtype, euler_step, sde_step
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def checked_velocity(velocity_fn: VelocityFn, latent_shape: tuple[int, ...], what: str = "velocity_fn") -> VelocityFn:
+    """``velocity_fn`` wrapped so that an output whose shape is not exactly ``[N, *S]`` (the latents' shape; no
+    broadcasting, e.g. ``[N, 1, 1, 1]``) raises a ValueError naming the function and both shapes."""
+    S = tuple(latent_shape)
+
+    def call(latents: Tensor, sigma: Tensor, sample_index: Tensor) -> Tensor:
+        v = velocity_fn(latents, sigma, sample_index)
+        want = (latents.shape[0], *S)
+        if not isinstance(v, Tensor) or tuple(v.shape) != want:
+            got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+            raise ValueError(f"{what} {_name(velocity_fn)} returned {got} for latents {tuple(latents.shape)}; it must "
+                             f"return a velocity of exactly the latents' shape {want} (no broadcasting)")
+        return v
+
+    return call
+
+
 @dataclass
 class Trajectory:
     """A batch of ``B`` stored trajectories of ``T`` steps over latents of shape ``S``.
@@ -155,6 +176,7 @@ def sample_trajectories(
     if not bool(sde_mask[train_steps.cpu()].all()):
         raise ValueError("every trained step must be an SDE step (sde_mask True)")
     x = noise.to(dtype)
+    velocity_fn = checked_velocity(velocity_fn, tuple(noise.shape[1:]))
     latents = [x]
     velocities, log_probs = [], []
     sigma_one = float(sigmas[1])
@@ -191,6 +213,7 @@ def sample_ode(velocity_fn: VelocityFn, noise: Tensor, sigmas: Tensor, micro_bat
     check_sigmas(sigmas)
     x = noise.to(sigmas.dtype)
     B = x.shape[0]
+    velocity_fn = checked_velocity(velocity_fn, tuple(noise.shape[1:]))
     for k in range(sigmas.numel() - 1):
         for sl in _chunks(B, micro_batch):
             idx = torch.arange(B, device=x.device)[sl]

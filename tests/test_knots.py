@@ -1,0 +1,251 @@
+"""Knot layouts (groups, shared, adaptive), alpha by sigma or index, and unbiased JAGG: exactness facts (float64)."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import jagg
+from jagg import EstimatorConfig
+from jagg.knots import adaptive_knots, interval_cost, num_shared_knots, plan_update, shared_knots
+from toy import AffineInSigma, LinearXSigma, Nonlinear, perturb, run, sampled_traj, traj_from_latents
+
+TIGHT = dict(rtol=1e-10, atol=1e-13)
+GOLDEN = Path(__file__).parent / "data" / "groups_golden.pt"
+
+
+def _golden_case():
+    torch.manual_seed(0)
+    model = Nonlinear(batch=6)
+    ref = copy.deepcopy(model)
+    traj = sampled_traj(model, B=6, T=11)
+    perturb(model, 0.05)
+    return model, ref, traj, torch.linspace(-1.5, 1.5, 6, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", ["w4_interp", "w3_fresh", "w4_route_half", "w5_first_exact", "exact"])
+def test_groups_reproduce_the_estimator_before_knots_bit_for_bit(name):
+    """knots='groups' (the default) gives the gradient of the estimator as it was before knots existed, bit for bit
+    (golden file written by tests/data/make_groups_golden.py at commit 3fb7ec0)."""
+    case = torch.load(GOLDEN)[name]
+    model, ref, traj, adv = _golden_case()
+    ref_v = jagg.reference_velocities(ref, traj) if case["config"].get("kl_beta") else None
+    g, st = run(model, traj, adv, EstimatorConfig(**case["config"]), ref_velocities=ref_v,
+                sample_groups=[0, 0, 1, 1, 2, 2])
+    assert torch.equal(g, case["grad"])
+    assert st.backward_items == case["backward_items"] and st.forward_nograd_items == case["forward_nograd_items"]
+    assert st.loss == pytest.approx(case["loss"], rel=1e-12)
+
+
+def test_shared_knot_positions_and_counts():
+    assert shared_knots(10, 4) == [0, 3, 6, 9]
+    assert shared_knots(8, 4) == [0, 3, 6, 7]
+    assert shared_knots(5, 2) == [0, 1, 2, 3, 4]
+    for K in range(1, 20):
+        for W in range(3, 9):
+            assert num_shared_knots(K, W) == (1 if K == 1 else 1 + -(-(K - 1) // (W - 1)))
+
+
+@pytest.mark.parametrize("knots", ["groups", "shared", "adaptive"])
+@pytest.mark.parametrize("intermediate", ["interp", "fresh"])
+def test_knots_at_every_step_give_exact_bit_for_bit(knots, intermediate):
+    """window 1 or 2 puts a knot at every trained step: the estimate is the exact gradient, bit for bit."""
+    torch.manual_seed(1)
+    model = Nonlinear(batch=4)
+    traj = sampled_traj(model, B=4, T=9)
+    perturb(model, 0.05)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=torch.float64)
+    ge, se = run(model, traj, adv, EstimatorConfig(mode="exact", micro_batch=5, clip_range=0.05))
+    for w in (1, 2):
+        gj, sj = run(model, traj, adv, EstimatorConfig(mode="jagg", window=w, knots=knots, intermediate=intermediate,
+                                                         micro_batch=5, clip_range=0.05))
+        assert torch.equal(gj, ge)
+        assert sj.backward_items == se.backward_items == 4 * 9
+
+
+def _linear_case(knot_steps, T=10, B=3, seed=0):
+    """A model linear in (x, sigma), all weights trainable, on latents that are piecewise affine in sigma with the
+    pieces joining at ``knot_steps`` (so affine in sigma between every two neighbouring knots, ends included)."""
+    torch.manual_seed(seed)
+    model = LinearXSigma()
+    sig = jagg.flow_sigmas(T, shift=3.0, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    S = (2, 3, 3)
+    lat = torch.randn(B, T + 1, *S, generator=g, dtype=torch.float64)     # knots (and x_T) random
+    for a, b in zip(knot_steps[:-1], knot_steps[1:]):
+        al = ((sig[a : b + 1] - sig[a]) / (sig[b] - sig[a])).view(1, -1, *([1] * len(S)))
+        lat[:, a : b + 1] = (1 - al) * lat[:, a : a + 1] + al * lat[:, b : b + 1]
+    traj = traj_from_latents(model, lat, sig, 0.7)
+    perturb(model, 0.05)
+    return model, traj
+
+
+@pytest.mark.parametrize("intermediate", ["fresh", "interp"])
+def test_shared_knots_exact_when_latents_affine_between_knots(intermediate):
+    """Linear model, latents affine in sigma between the shared knots 0, 3, 6, 9: the shared-knot gradient is exact
+    to 1e-10 in float64, with 4 rows per sample instead of 10 (groups of 4 would need 6)."""
+    model, traj = _linear_case([0, 3, 6, 9])
+    adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
+    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.3))
+    gj, st = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, knots="shared", intermediate=intermediate,
+                                                     clip_range=0.3))
+    assert torch.allclose(gj, ge, rtol=1e-10, atol=1e-12)
+    assert st.backward_items == 3 * 4
+    gg, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, knots="groups", intermediate=intermediate,
+                                                    clip_range=0.3))
+    assert not torch.allclose(gg, ge, rtol=1e-4, atol=1e-8)      # groups' knots (0,3,4,7,8,9) are other knots
+
+
+def test_adaptive_knots_find_the_affine_pieces():
+    """Latents affine in sigma between 0, 2, 7, 9 (not the uniform 0, 3, 6, 9): the adaptive placement finds those
+    knots from the rollout alone and is exact there; shared knots are not."""
+    model, traj = _linear_case([0, 2, 7, 9], seed=2)
+    adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
+    cfg = EstimatorConfig(mode="jagg", window=4, knots="adaptive", intermediate="fresh", clip_range=0.3)
+    from jagg.estimator import _signal_norms
+
+    plan = plan_update(traj, cfg, signal_norms=_signal_norms(traj, torch.as_tensor(adv), cfg, None))
+    assert plan.knots == [0, 2, 7, 9]
+    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.3))
+    ga, st = run(model, traj, adv, cfg)
+    assert torch.allclose(ga, ge, rtol=1e-10, atol=1e-12) and st.backward_items == 3 * 4
+    gs, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, knots="shared", intermediate="fresh",
+                                                    clip_range=0.3))
+    assert not torch.allclose(gs, ge, rtol=1e-4, atol=1e-8)
+
+
+def test_adaptive_dp_is_optimal_on_small_problems():
+    """The dynamic programme returns the minimum over every placement (brute force on random costs)."""
+    import itertools
+
+    g = torch.Generator().manual_seed(0)
+    for K, M in ((6, 3), (7, 4), (8, 3)):
+        cost = torch.rand(K, K, generator=g, dtype=torch.float64).triu(2)
+        total = lambda pos: sum(float(cost[a, b]) for a, b in zip(pos[:-1], pos[1:]))
+        best = min(total((0, *mid, K - 1)) for mid in itertools.combinations(range(1, K - 1), M - 2))
+        assert total(adaptive_knots(cost, M)) == pytest.approx(best)
+
+
+def test_interval_cost_is_zero_on_linear_velocities():
+    sig = jagg.flow_sigmas(6, shift=3.0, dtype=torch.float64)[:6]
+    v = torch.randn(2, 1, 5, dtype=torch.float64) + sig.view(1, -1, 1) * torch.randn(2, 1, 5, dtype=torch.float64)
+    assert interval_cost(v, torch.ones(2, 6), sig).abs().max() < 1e-12
+    assert interval_cost(v, torch.ones(2, 6), sig, "index").max() > 1e-3     # shifted schedule: index alpha is off
+
+
+@pytest.mark.parametrize("knots", ["groups", "shared"])
+def test_affine_in_sigma_model_is_exact_for_every_layout(knots):
+    """theta_0 + sigma theta_1: J is affine in sigma everywhere, so any knots give the exact gradient (fresh)."""
+    torch.manual_seed(4)
+    model = AffineInSigma()
+    traj = sampled_traj(model, B=3, T=11)
+    perturb(model, 0.1)
+    adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
+    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.3))
+    for w in (3, 4, 6):
+        gj, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=w, knots=knots, intermediate="fresh",
+                                                        clip_range=0.3))
+        assert torch.allclose(gj, ge, **TIGHT)
+
+
+@pytest.mark.parametrize("knots", ["shared", "adaptive"])
+def test_micro_batch_splits_chains_without_changing_the_gradient(knots):
+    """A chain of shared knots longer than micro_batch is split into overlapping pieces: same gradient, a few more
+    rows (the duplicated boundary knots)."""
+    torch.manual_seed(5)
+    model = Nonlinear(batch=3)
+    traj = sampled_traj(model, B=3, T=13)
+    adv = torch.tensor([1.0, -0.4, 0.7], dtype=torch.float64)
+    big, sb = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, knots=knots, micro_batch=64))
+    for mb in (2, 3):
+        small, ss = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, knots=knots, micro_batch=mb))
+        assert torch.allclose(small, big, **TIGHT)
+        assert ss.backward_items > sb.backward_items == 3 * 5
+
+
+def test_routing_with_shared_knots_decomposes():
+    """jagg_frac 0 is exact, 1 routes every interval; in between each (sample, interval) is exact or JAGG and the
+    routed count is round(frac x eligible)."""
+    torch.manual_seed(6)
+    model = Nonlinear(batch=4)
+    traj = sampled_traj(model, B=4, T=10)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
+    g0, s0 = run(model, traj, adv, EstimatorConfig(mode="jagg", knots="shared", jagg_frac=0.0))
+    assert torch.equal(g0, ge) and s0.groups_jagg == 0 and s0.groups == 12
+    _, s1 = run(model, traj, adv, EstimatorConfig(mode="jagg", knots="shared", jagg_frac=1.0))
+    assert s1.groups_jagg == 12 and s1.backward_items == 4 * 4
+    _, sh = run(model, traj, adv, EstimatorConfig(mode="jagg", knots="shared", jagg_frac=0.5, score="chord"))
+    assert sh.groups_jagg == 6 and sh.backward_items == 4 * 4 + 6 * 2
+
+
+def test_unbiased_jagg_is_exact_in_expectation_and_p1_is_exact():
+    """correction_p = 1 corrects every interval: the exact gradient. At p = 0.5 the mean over many random picks
+    converges to the exact gradient, while plain JAGG stays biased."""
+    torch.manual_seed(7)
+    model = Nonlinear(batch=4)
+    traj = sampled_traj(model, B=4, T=8)
+    perturb(model, 0.05)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.05))
+    for knots in ("groups", "shared"):
+        base = dict(mode="jagg", window=4, knots=knots, clip_range=0.05)
+        g1, s1 = run(model, traj, adv, EstimatorConfig(**base, correction_p=1.0))
+        assert torch.allclose(g1, ge, **TIGHT) and s1.groups_corrected == s1.groups_jagg > 0
+        gj, _ = run(model, traj, adv, EstimatorConfig(**base))
+        gen = torch.Generator().manual_seed(0)
+        runs = [run(model, traj, adv, EstimatorConfig(**base, correction_p=0.5), generator=gen) for _ in range(400)]
+        mean = torch.stack([g for g, _ in runs]).mean(0)
+        bias_plain, bias_unb = (gj - ge).norm() / ge.norm(), (mean - ge).norm() / ge.norm()
+        assert bias_unb < 0.25 * bias_plain
+        # the cost: p x the inner rows on average
+        rows = sum(s.backward_items for _, s in runs) / len(runs)
+        _, sj = run(model, traj, adv, EstimatorConfig(**base))
+        inner = 4 * 8 - sj.backward_items if knots == "shared" else 4 * 4
+        assert rows == pytest.approx(sj.backward_items + 0.5 * inner, rel=0.1)
+
+
+def test_correction_intervals_limits_the_picks_to_the_noisiest():
+    torch.manual_seed(8)
+    model = Nonlinear(batch=4)
+    traj = sampled_traj(model, B=4, T=12)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    cfg = EstimatorConfig(mode="jagg", window=4, correction_p=1.0, correction_intervals=1)
+    plan = plan_update(traj, cfg)
+    corrected_steps = {e.step for u in plan.units for e in u.evals if not e.stat}
+    assert corrected_steps == {1, 2} and plan.corrected == 4
+
+
+def test_correction_picks_whole_grpo_groups():
+    torch.manual_seed(9)
+    model = Nonlinear(batch=6)
+    traj = sampled_traj(model, B=6, T=8)
+    cfg = EstimatorConfig(mode="jagg", window=4, correction_p=0.5)
+    for seed in range(5):
+        plan = plan_update(traj, cfg, torch.tensor([0, 0, 1, 1, 2, 2]), generator=torch.Generator().manual_seed(seed))
+        picked = {(u.sample, e.step) for u in plan.units for e in u.evals if not e.stat}
+        assert all((i ^ 1, k) in picked for i, k in picked)
+        assert plan.corrected % 2 == 0
+
+
+def test_only_steps_ranges_sum_to_the_full_gradient():
+    torch.manual_seed(10)
+    model = Nonlinear(batch=3)
+    traj = sampled_traj(model, B=3, T=9)
+    adv = torch.tensor([1.0, -0.4, 0.7], dtype=torch.float64)
+    for cfg in (EstimatorConfig(mode="exact"), EstimatorConfig(mode="jagg", knots="shared"),
+                EstimatorConfig(mode="jagg", window=4, intermediate="fresh")):
+        full, _ = run(model, traj, adv, cfg)
+        parts = [run(model, traj, adv, cfg, only_steps=r)[0] for r in ([0, 1, 2], [3, 4, 5], [6, 7, 8])]
+        assert torch.allclose(sum(parts), full, **TIGHT)
+    with pytest.raises(ValueError, match="only_steps"):
+        run(model, traj, adv, EstimatorConfig(), only_steps=[42])
+
+
+def test_config_rejects_bad_knot_options():
+    for kw, msg in ((dict(knots="uniform"), "knots must be one of"), (dict(alpha="time"), "alpha must be one of"),
+                    (dict(correction_p=1.5), "correction_p"), (dict(correction_intervals=-1), "correction_intervals"),
+                    (dict(audit_every=-2), "audit_every"), (dict(audit_samples=1), "audit_samples")):
+        with pytest.raises(ValueError, match=msg):
+            EstimatorConfig(**kw)
