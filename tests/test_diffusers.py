@@ -430,7 +430,7 @@ def test_shipped_yaml_configs_load(name, family, rank):
 
     from jagg.shapes import config as train_config
     from jagg.training.config_loader import from_dict
-    from jagg.rewards.server import RewardClient
+    from jagg.rewards import RewardClient
 
     path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
     cfg = load_pipeline_config(path)
