@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 train: $(STAMP)
-	$(VENV)/bin/jagg train --config configs/default.yaml
+	$(VENV)/bin/jagg train    # the main job shipped in the package: src/jagg/shapes/main_job.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -10,9 +10,7 @@ from pathlib import Path
 
 from .training import config_loader as configuration
 from .shapes.pretrain import PretrainConfig
-from .shapes.config import TrainConfig
-
-DEFAULT_CONFIG = "configs/default.yaml"
+from .shapes.config import TrainConfig, main_job_path
 
 
 def _keys_epilog(cls) -> str:
@@ -47,15 +45,25 @@ def _train(args) -> int:
     overrides = list(args.set or [])
     if args.output_dir:
         overrides.append(f"log.output_dir={args.output_dir}")
-    from .integrations.train import has_pipeline_section
+    config = args.config or str(main_job_path())
+    real = "pipeline" in configuration.read_yaml(config)   # a real diffusers model (SD3/FLUX): jagg.integrations.train
+    if args.print_config:
+        if real:
+            from .integrations.train import load_config
 
-    if has_pipeline_section(args.config):          # a real diffusers model (SD3/FLUX): jagg.integrations.train
+            cfg = load_config(config, overrides)
+        else:
+            cfg = configuration.load(TrainConfig, config, overrides)
+        print(f"# resolved by jagg train --print-config from {config!r} and {len(overrides)} --set override(s)")
+        print(configuration.dump(cfg), end="")
+        return 0
+    if real:
         from .integrations.train import run
 
-        return run(args.config, overrides, resume=args.resume)
+        return run(config, overrides, resume=args.resume)
     from .shapes.trainer import Trainer
 
-    cfg = configuration.load(TrainConfig, args.config, overrides)
+    cfg = configuration.load(TrainConfig, config, overrides)
     records = Trainer(cfg, resume=args.resume).train()
     evals = [r for r in records if r["kind"] == "eval"]
     if len(evals) >= 2:
@@ -141,11 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "below; docs/real_models.md); any other config trains the embedded TinyDiT.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=_keys_epilog(TrainConfig) + _real_keys_epilog())
-    t.add_argument("--config", default=DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None,
-                   help=f"YAML config (default: {DEFAULT_CONFIG} when present, else built-in defaults)")
+    t.add_argument("--config", help="YAML config (default: the main job shipped with jagg, jagg/shapes/main_job.yaml, "
+                   "from any directory; the repository's configs/default.yaml links to it); keys it leaves out take "
+                   "the defaults listed below")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
     t.add_argument("--output-dir", help="shorthand for --set log.output_dir=DIR")
     t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in the run dir")
+    t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML (after --config "
+                   "and every --set; loads back with --config) and exit without training")
     t.set_defaults(func=_train)
 
     pt = sub.add_parser("pretrain", help="rectified-flow pretraining of the TinyDiT on rendered shapes",

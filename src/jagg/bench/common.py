@@ -195,13 +195,12 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
 # ----------------------------------------------------------------------------- configs, tables, JSON
 
 
-def default_config_path() -> str | None:
-    """``configs/default.yaml`` in the working directory, else the one of this source checkout, else None."""
-    here = Path("configs/default.yaml")
-    if here.is_file():
-        return str(here)
-    repo = Path(__file__).resolve().parents[3] / "configs" / "default.yaml"
-    return str(repo) if repo.is_file() else None
+def default_config_path() -> str:
+    """The main job's YAML shipped inside the package (:func:`jagg.shapes.config.main_job_path`), the file that
+    ``jagg train`` without ``--config`` and ``make train`` read, from any working directory."""
+    from ..shapes.config import main_job_path
+
+    return str(main_job_path())
 
 
 def fmt(v, spec: str = ".3f") -> str:

@@ -1,24 +1,34 @@
 """The GRPO trainer's configuration: one typed dataclass per concern, validated on creation.
 
-Loaded from YAML (``configs/default.yaml``) with ``--set section.key=value`` overrides; ``jagg train --help``
-lists every key with its default and help.
+Loaded from YAML (by default the main job shipped in the package, :func:`main_job_path`) with
+``--set section.key=value`` overrides; ``jagg train --help`` lists every key with its default and help.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
 
 from ..estimator_config import EstimatorConfig
-from ..training.sections import (GRPOConfig, LogConfig, OptimConfig, RewardConfig, _help, check_sde_window,
-                                check_updates_divide_batch)
+from ..training.sections import (GRPOConfig, LogConfig, OptimConfig, RewardConfig, _help, check_group_size,
+                                check_sde_window, check_updates_divide_batch)
 
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
 
 
+def main_job_path() -> Path:
+    """The main job's YAML shipped inside the package (``jagg/shapes/main_job.yaml``): the one file that
+    ``jagg train`` without ``--config`` (from any directory), ``make train`` and the benchmarks read."""
+    path = Path(str(resources.files("jagg.shapes") / "main_job.yaml"))
+    if not path.is_file():
+        raise FileNotFoundError(f"the shipped main-job config {path} is missing; reinstall jagg "
+                                "(pip install --force-reinstall jagg) or pass --config")
+    return path
+
+
 def read_prompts(path: str) -> list[str]:
     """Prompts of a text file, one per line (blank lines skipped), each checked against the world's grammar."""
-    from pathlib import Path
-
     from . import parse_prompt
 
     p = Path(path)
@@ -69,7 +79,7 @@ class SampleConfig:
     eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO's noise_level)."))
     guidance_scale: float = field(default=3.0, metadata=_help("Classifier-free guidance scale w (1 = off)."))
     prompts_per_iter: int = field(default=8, metadata=_help("Distinct prompts sampled per iteration."))
-    group_size: int = field(default=4, metadata=_help("Images per prompt (the GRPO group)."))
+    group_size: int = field(default=4, metadata=_help("Images per prompt (the GRPO group; at least 2)."))
     shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt's group."))
     timestep_fraction: float = field(default=1.0, metadata=_help(
         "Train the first fraction of the steps (all steps are SDE steps)."))
@@ -80,9 +90,10 @@ class SampleConfig:
         "Text file of training prompts, one per line (default: the world's train split)."))
 
     def __post_init__(self):
-        for name in ("num_steps", "prompts_per_iter", "group_size", "micro_batch"):
+        for name in ("num_steps", "prompts_per_iter", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sample.{name} must be >= 1; got {getattr(self, name)}")
+        check_group_size(self.group_size)
         if self.shift <= 0:
             raise ValueError(f"sample.shift must be > 0; got {self.shift}")
         if self.eta <= 0:

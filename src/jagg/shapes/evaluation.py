@@ -26,10 +26,11 @@ def generate(model: nn.Module, prompts: list[str], num_steps: int, guidance_scal
 
 @torch.no_grad()
 def evaluate(model: nn.Module, reward_fn, num_prompts: int = 0, images_per_prompt: int = 2, num_steps: int = 10,
-             guidance_scale: float = 3.0, seed: int = 1234, shift: float = 1.0) -> tuple[dict, np.ndarray, list[str]]:
+             guidance_scale: float = 3.0, seed: int = 1234, shift: float = 1.0, with_scores: bool = False) -> tuple:
     """Reward of the test split (the first ``num_prompts``, 0 = all), ``images_per_prompt`` each.
 
-    Returns ``(metrics, images uint8 [N, H, W, 3], prompts)``; metrics hold ``reward_mean``, ``accuracy``,
+    Returns ``(metrics, images uint8 [N, H, W, 3], prompts)``, and the per-image rewards ``[N]`` as a fourth item
+    when ``with_scores`` (the trainer captions its sample grids with them); metrics hold ``reward_mean``, ``accuracy``,
     ``held_out_reward`` (prompts using a held-out colour+shape pair), per-category accuracies and, for rewards
     that report ``constraints`` (geneval), the pass rate of each constraint kind (``pass/shape``, ``pass/color``,
     ``pass/relation``, ``pass/no_extra``).
@@ -54,4 +55,4 @@ def evaluate(model: nn.Module, reward_fn, num_prompts: int = 0, images_per_promp
             for k, v in c.items():
                 passed.setdefault("pass/" + k.split(":")[0], []).append(bool(v))
         metrics.update({k: float(np.mean(v)) for k, v in passed.items()})
-    return metrics, images, batch
+    return (metrics, images, batch, np.asarray(scores)) if with_scores else (metrics, images, batch)

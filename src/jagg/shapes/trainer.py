@@ -202,10 +202,12 @@ class Trainer(TrainerCore):
     def evaluate(self) -> dict:
         e, s = self.cfg.eval, self.cfg.sample
         t0 = time.perf_counter()
-        metrics, images, prompts = evaluate(self.eval_model(), self.reward_fn, e.num_prompts, e.images_per_prompt,
-                                            e.num_steps, s.guidance_scale, e.seed, s.shift)
+        metrics, images, prompts, scores = evaluate(self.eval_model(), self.reward_fn, e.num_prompts,
+                                                    e.images_per_prompt, e.num_steps, s.guidance_scale, e.seed,
+                                                    s.shift, with_scores=True)
         n = min(e.grid_size, len(images))
-        save_grid(images[:n], self.out / "samples" / f"eval_{self.iteration:06d}.png", prompts=prompts[:n])
+        save_grid(images[:n], self.out / "samples" / f"eval_{self.iteration:06d}.png", prompts=prompts[:n],
+                  rewards=scores[:n])
         rec = {"kind": "eval", "iteration": self.iteration, "wall_s": self.wall, "eval_s": time.perf_counter() - t0,
                **metrics}
         self.logger.log(rec)

@@ -56,15 +56,28 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def read_checkpoint(path: str | Path) -> dict:
+    """The state dict of one checkpoint file written by :func:`save_checkpoint`.
+
+    Raises ``ValueError`` naming the file when it is not a loadable checkpoint: truncated or corrupt (torch.load
+    fails), or not a jagg training checkpoint (no ``model`` or ``manifest`` entry).
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # UnpicklingError, RuntimeError (zip), EOFError, ...: the message says which
+        raise ValueError(f"{path} is not a loadable checkpoint, it may be truncated or corrupt "
+                         f"({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not {"model", "manifest"} <= state.keys():
+        raise ValueError(f"{path} is not a loadable checkpoint: it holds no jagg training state (model and "
+                         "manifest entries, written by jagg train)")
+    return state
+
+
 def load_latest(directory: Path) -> tuple[dict, Path] | None:
     """The newest checkpoint that loads completely, or None. Unreadable files are skipped with a warning."""
     for path in reversed(list_checkpoints(directory)):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            if "manifest" in state and "model" in state:
-                return state, path
-        except Exception as e:  # a truncated or corrupt file: fall back to the previous one
-            print(f"warning: skipping unreadable checkpoint {path}: {e}")
+            return read_checkpoint(path), path
+        except ValueError as e:  # a truncated or corrupt file: fall back to the previous one
+            print(f"warning: skipping unreadable checkpoint: {e}")
     return None
-
-

@@ -111,6 +111,18 @@ def to_dict(cfg) -> dict:
     return plain(dataclasses.asdict(cfg))
 
 
+class _Dumper(yaml.SafeDumper):
+    """Block-style sections, lists on one line (``sde_window: [0, 4]``)."""
+
+
+_Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
+
+
+def dump(cfg) -> str:
+    """``cfg`` as YAML, keys in declaration order, that :func:`load` reads back to an equal config."""
+    return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply ``section.key=value`` strings (values parsed as YAML) to a nested dict, in order."""
     data = yaml.safe_load(yaml.safe_dump(data)) or {}
@@ -124,18 +136,43 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
                 raise ValueError(f"--set {item!r}: {k!r} is not a section")
-        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {item!r}: the value {raw!r} is not valid YAML ({_yaml_problem(e)}); fix it "
+                             "(a string holding YAML syntax such as ': ' needs quotes)") from None
     return data
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """``line L, column C: <problem>`` of a PyYAML error (1-based, as editors count)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or getattr(e, "context", None) or str(e)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The mapping in a YAML config file (``{}`` when empty). Raises ``FileNotFoundError`` for a missing file
+    and ``ValueError`` naming the file (and the line and column of a syntax error) for anything unreadable."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {str(p)!r} {'is not a file' if p.exists() else 'not found'}; pass a "
+                                "YAML file to --config (the real-model examples are in the repository's configs/)")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"config file {str(p)!r} cannot be read: {e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(e)}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ValueError(f"config file {str(p)!r} must hold a mapping of keys (section: {{key: value}}); "
+                         f"got a {type(data).__name__}")
+    return data or {}
 
 
 def load(cls, path: str | Path | None = None, overrides: list[str] | None = None):
     """Load ``cls`` from a YAML file (or defaults when ``path`` is None) plus overrides."""
-    data = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file {str(p)!r} not found; the shipped configs are in configs/")
-        data = yaml.safe_load(p.read_text()) or {}
+    data = read_yaml(path) if path is not None else {}
     return from_dict(cls, apply_overrides(data, overrides or []))
 
 

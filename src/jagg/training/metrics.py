@@ -79,20 +79,64 @@ def plot_reward_curve(records: list[dict], path: Path, title: str = "reward") ->
     plt.close(fig)
 
 
-def save_grid(images: np.ndarray, path: Path, ncol: int = 8, scale: int = 4, prompts: list[str] | None = None) -> None:
-    """uint8 ``[N, H, W, 3]`` -> one PNG grid (nearest-upscaled ``scale`` times); prompts to a sidecar .txt."""
-    from PIL import Image
+CAPTION_MIN_WIDTH = 192  # pixels per captioned cell: about 36 characters per line of PIL's default font
 
+
+def save_grid(images: np.ndarray, path: Path, ncol: int = 8, scale: int = 4, prompts: list[str] | None = None,
+              rewards=None) -> None:
+    """uint8 ``[N, H, W, 3]`` -> one PNG grid, each image nearest-upscaled ``scale`` times.
+
+    With ``prompts`` and/or ``rewards`` (one per image), each image is captioned underneath with its prompt
+    (wrapped) and a line ``reward 0.812``, the cells upscaled to at least ``CAPTION_MIN_WIDTH`` pixels wide so that
+    the text is readable; the captions also go to a sidecar ``.txt``, one line ``<i>: <prompt> (reward <r>)`` each.
+    """
+    from PIL import Image, ImageDraw, ImageFont
+
+    images = np.asarray(images)
+    if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8 or not len(images):
+        raise ValueError(f"save_grid needs uint8 images [N, H, W, 3] with N >= 1; got {images.dtype} "
+                         f"{list(images.shape)}")
     n, h, w, _ = images.shape
+    for name, seq in (("prompts", prompts), ("rewards", rewards)):
+        if seq is not None and len(seq) != n:
+            raise ValueError(f"save_grid: {len(seq)} {name} for {n} images; pass one per image")
+    if ncol < 1 or scale < 1:
+        raise ValueError(f"save_grid: ncol and scale must be >= 1; got ncol={ncol}, scale={scale}")
+    texts = [[p] for p in prompts] if prompts is not None else [[] for _ in range(n)]
+    if rewards is not None:
+        texts = [t + [f"reward {float(r):.3f}"] for t, r in zip(texts, rewards)]
+    captioned = prompts is not None or rewards is not None
+    if captioned:
+        scale = max(scale, math.ceil(CAPTION_MIN_WIDTH / w))
+    ch, cw = h * scale, w * scale
+    font = ImageFont.load_default()
+    lines = [[l for t in text for l in _wrap(t, font, cw)] for text in texts]
+    line_h = font.getbbox("Ag")[3] + 3
+    cell_h = ch + max(len(l) for l in lines) * line_h + (2 if captioned else 0) + scale   # image, caption, gap
     ncol = min(ncol, n)
-    nrow = math.ceil(n / ncol)
-    grid = np.full((nrow * (h + 1) + 1, ncol * (w + 1) + 1, 3), 255, dtype=np.uint8)
-    for i in range(n):
-        r, c = divmod(i, ncol)
-        grid[1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + c * (w + 1) : 1 + c * (w + 1) + w] = images[i]
-    img = Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)
+    grid = np.full((math.ceil(n / ncol) * cell_h + scale, ncol * (cw + scale) + scale, 3), 255, dtype=np.uint8)
+    corners = [(scale + (i % ncol) * (cw + scale), scale + (i // ncol) * cell_h) for i in range(n)]
+    for (x, y), image in zip(corners, images):
+        grid[y:y + ch, x:x + cw] = image.repeat(scale, 0).repeat(scale, 1)
+    img = Image.fromarray(grid)
+    draw = ImageDraw.Draw(img)
+    for (x, y), cell_lines in zip(corners, lines):
+        for k, line in enumerate(cell_lines):
+            draw.text((x, y + ch + 2 + k * line_h), line, fill=(0, 0, 0), font=font)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
-    if prompts is not None:
-        path.with_suffix(".txt").write_text("".join(f"{i}: {p}\n" for i, p in enumerate(prompts)))
+    if captioned:
+        rows = [f"{t[0]} ({t[1]})" if len(t) == 2 else t[0] for t in texts]   # "<prompt> (reward <r>)"
+        path.with_suffix(".txt").write_text("".join(f"{i}: {row}\n" for i, row in enumerate(rows)))
+
+
+def _wrap(text: str, font, width: int) -> list[str]:
+    """``text`` split at spaces into lines at most ``width`` pixels wide (a longer single word gets its own line)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and font.getlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return lines

@@ -20,6 +20,14 @@ def check_sde_window(window: list[int] | None, num_steps: int, steps_key: str = 
                          f"{num_steps}; got {window}")
 
 
+def check_group_size(group_size: int) -> None:
+    """Raise unless ``sample.group_size`` >= 2: advantages are relative to a prompt's group, so a group of one
+    image has no reward spread, every advantage is 0 and GRPO trains nothing."""
+    if group_size < 2:
+        raise ValueError(f"sample.group_size must be >= 2 (GRPO compares the images of one prompt; a group of "
+                         f"{group_size} has no reward spread and trains nothing); got {group_size}")
+
+
 def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:
     """Raise unless one iteration's samples split evenly into ``grpo.updates_per_epoch`` updates."""
     if batch_size % updates_per_epoch:
