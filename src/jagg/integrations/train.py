@@ -52,8 +52,8 @@ from ..estimator import policy_gradient, reference_velocities
 from ..training.metrics import MetricsLogger, plot_reward_curve, save_grid
 from ..rewards.client import RewardClient
 from ..rewards.registry import get_reward
-from ..training.sections import (GRPOConfig, LogConfig, OptimConfig, RewardConfig, check_sde_window,
-                            check_updates_divide_batch)
+from ..training.sections import (GRPOConfig, LogConfig, OptimConfig, RewardConfig, check_group_size,
+                            check_sde_window, check_updates_divide_batch)
 from ..training.core import TrainerCore, check_resumable
 from ..trajectory import sample_trajectories, select_train_steps
 from .diffusers_adapters import unwrap_model
@@ -116,6 +116,7 @@ class RealSampleConfig:
         for name in ("prompts_per_iter", "group_size", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sample.{name} must be >= 1; got {getattr(self, name)}")
+        check_group_size(self.group_size)
         if not 0 < self.timestep_fraction <= 1:
             raise ValueError(f"sample.timestep_fraction must be in (0, 1]; got {self.timestep_fraction}")
         if self.sde_window is not None and self.timestep_fraction != 1.0:
