@@ -1,6 +1,7 @@
 """jagg: Jacobian-Aggregated Group Gradient for GRPO fine-tuning of flow-matching models."""
 
 from .advantages import group_advantages, nonzero_spread_mask
+from .audit import audit_gradient
 from .estimator_config import EstimatorConfig
 from .estimator import GradientStats, policy_gradient, reference_velocities
 from .loss import step_loss
@@ -11,7 +12,7 @@ from .trajectory import Trajectory, sample_ode, sample_trajectories, select_trai
 __version__ = "0.1.0"
 
 __all__ = [
-    "EstimatorConfig", "GradientStats", "Trajectory", "euler_step", "flow_sigmas", "gaussian_log_prob",
+    "EstimatorConfig", "GradientStats", "audit_gradient", "Trajectory", "euler_step", "flow_sigmas", "gaussian_log_prob",
     "group_advantages", "nonzero_spread_mask", "policy_gradient", "reference_velocities", "sample_trajectories",
     "sample_ode", "sde_step", "select_train_steps", "shift_sigmas", "step_loss",
 ]
