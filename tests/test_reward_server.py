@@ -193,7 +193,8 @@ def test_broken_answers_are_retried_and_name_the_url(answer, cause):
     assert url in str(e.value) and cause in str(e.value) and "3 attempt(s)" in str(e.value) and len(requests) == 3
 
 
-@pytest.mark.parametrize("scores", [b"[NaN, 1.0]", b"[1.0, Infinity]", b"[null, null]", b'["1", 2]', b"[1.0]"])
+@pytest.mark.parametrize("scores", [b"[NaN, 1.0]", b"[1.0, Infinity]", b"[null, null]", b'["1", 2]', b"[1.0]",
+                                    b'[1, 2], "info": [3]'])
 def test_scores_that_are_not_finite_numbers_are_refused(scores):
     with raw_server(http_answer(b'{"scores": ' + scores + b"}")) as (url, requests):
         with pytest.raises(RewardServerError, match=f"reward server {url} .*1 attempt.*bad response"):

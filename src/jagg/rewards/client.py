@@ -162,7 +162,9 @@ class RewardClient:
                 continue
             except _Final as e:
                 raise RewardServerError(self.url, indices, str(e), attempt) from e
-            problem = bad_scores(out.get("scores") if isinstance(out, dict) else None, len(indices))
+            problem = bad_scores(out.get("scores"), len(indices))
+            if not problem and not isinstance(out.get("info", {}), (dict, type(None))):
+                problem = f"'info' must be a JSON object; got {str(out['info'])[:100]}"
             if problem:
                 raise RewardServerError(self.url, indices, f"bad response: {problem}", attempt)
             return out
