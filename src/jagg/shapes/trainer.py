@@ -23,6 +23,7 @@ from ..training.checkpoint import load_latest, save_checkpoint
 from .weights import load_model
 from ..training.config_loader import to_dict
 from ..training.core import TrainerCore, check_resumable
+from ..audit import audit_gradient
 from ..estimator import policy_gradient, reference_velocities
 from .evaluation import evaluate
 from ..training.metrics import MetricsLogger, plot_reward_curve, save_grid
@@ -125,7 +126,8 @@ class Trainer(TrainerCore):
         c = self.cfg
         self.opt.zero_grad(set_to_none=True)
         vf = GuidedVelocity(self.model, tokens, c.sample.guidance_scale)
-        stats = policy_gradient(vf, traj, adv, c.estimator, ref_velocities=ref_v, sample_groups=groups).to_dict()
+        stats = policy_gradient(vf, traj, adv, c.estimator, ref_velocities=ref_v, sample_groups=groups,
+                                generator=self.gen).to_dict()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, c.optim.max_grad_norm if c.optim.max_grad_norm > 0 else float("inf"))
         stats["grad_norm"] = float(norm)
@@ -158,7 +160,7 @@ class Trainer(TrainerCore):
         keep = nonzero_spread_mask(rewards, prompts) if c.grpo.drop_zero_spread else torch.ones(len(prompts), dtype=torch.bool)
         t2 = time.perf_counter()
         keep_idx = torch.nonzero(keep).flatten()
-        per_update = []
+        per_update, audit_s = [], 0.0
         self._updating = True
         if keep_idx.numel():
             groups = torch.arange(len(prompts)) // c.sample.group_size   # [B] GRPO group of each sample
@@ -167,13 +169,15 @@ class Trainer(TrainerCore):
             if self.ref_model is not None:
                 ref_v = reference_velocities(GuidedVelocity(self.ref_model, tokens, c.sample.guidance_scale), traj,
                                              c.estimator.micro_batch)
+            if c.estimator.audit_every and (self.iteration + 1) % c.estimator.audit_every == 0:
+                audit_s = self.audit(traj, tokens, adv, ref_v, groups)
             for _ in range(c.grpo.inner_epochs):
                 perm = torch.randperm(keep_idx.numel(), generator=self.gen)
                 for mb in perm.tensor_split(c.grpo.updates_per_epoch):
                     if mb.numel():
                         per_update.append(self._update(traj.select(mb), tokens[mb], adv[mb],
                                                        None if ref_v is None else ref_v[mb], groups[mb]))
-        t3 = time.perf_counter()
+        t3 = time.perf_counter() - audit_s                 # the audit is a diagnostic: not the iteration's cost
         self.iteration += 1
         self.wall += t3 - t0
         rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(scores.mean()),
@@ -188,6 +192,27 @@ class Trainer(TrainerCore):
                 rec[k] = int(sum(s[k] for s in per_update))
         rec["skipped_total"] = self.skipped_updates
         return rec
+
+    @torch.enable_grad()
+    def audit(self, traj, tokens, adv, ref_v, groups) -> float:
+        """The estimator audit (:func:`jagg.audit_gradient`) on ``estimator.audit_samples`` samples, whole GRPO
+        groups picked at random (an RNG of its own: the run is the same with and without it); logs an ``audit``
+        record and returns its seconds."""
+        c = self.cfg
+        gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.iteration)
+        ids = torch.unique(groups)
+        chosen = []
+        for gi in ids[torch.randperm(ids.numel(), generator=gen)]:
+            chosen += torch.nonzero(groups == gi).flatten().tolist()
+            if len(chosen) >= c.estimator.audit_samples:
+                break
+        sub = torch.tensor(sorted(chosen[: c.estimator.audit_samples]))
+        vf = GuidedVelocity(self.model, tokens[sub], c.sample.guidance_scale)
+        a = audit_gradient(vf, traj.select(sub), adv[sub], c.estimator,
+                           [p for p in self.model.parameters() if p.requires_grad],
+                           None if ref_v is None else ref_v[sub], groups[sub], gen)
+        self.logger.log({"kind": "audit", "iteration": self.iteration + 1, "samples": int(sub.numel()), **a})
+        return a["seconds"]
 
     # ------------------------------------------------------------------ evaluation and the loop
     def eval_model(self):
