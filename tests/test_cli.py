@@ -94,11 +94,10 @@ def test_group_of_one_image_is_rejected_in_both_trainers(tmp_path, capsys):
         configuration.load(TrainConfig, None, ["sample.group_size=1"])
     assert main(["train", "--set", "sample.group_size=1", "--print-config"]) == 2
     assert "sample.group_size must be >= 2" in _one_line_error(capsys, "train")
-    real = pytest.importorskip("jagg.integrations.train")
-    cfg = _real_config(tmp_path)
-    assert real.load_config(cfg).sample.group_size == 2
-    with pytest.raises(ValueError, match="group_size must be >= 2"):
-        real.load_config(cfg, ["sample.group_size=1"])
+    cfg = _real_config(tmp_path)                                                 # the real-model trainer's config
+    assert main(["train", "--config", str(cfg), "--print-config"]) == 0
+    assert main(["train", "--config", str(cfg), "--set", "sample.group_size=1", "--print-config"]) == 2
+    assert "sample.group_size must be >= 2" in _one_line_error(capsys, "train")
 
 
 def _real_config(tmp_path: Path) -> Path:
@@ -164,13 +163,16 @@ def test_print_config_round_trips_and_trains_nothing(tmp_path, capsys):
 
 
 def test_print_config_of_a_real_model_config_round_trips(tmp_path, capsys):
-    real = pytest.importorskip("jagg.integrations.train")
-    cfg = _real_config(tmp_path)
+    cfg = _real_config(tmp_path)                 # a pipeline: section: the real-model trainer's keys and defaults
     assert main(["train", "--config", str(cfg), "--set", "grpo.iterations=3", "--print-config"]) == 0
     printed = tmp_path / "printed.yaml"
     printed.write_text(capsys.readouterr().out)
-    assert real.has_pipeline_section(printed)
-    assert real.load_config(printed) == real.load_config(cfg, ["grpo.iterations=3"])
+    data = yaml.safe_load(printed.read_text())
+    assert data["pipeline"]["family"] == "sd3" and data["grpo"]["iterations"] == 3
+    assert data["reward"]["name"] == "jpeg_compressibility" and data["reward_server"] is None
+    assert data["log"]["output_dir"] == "runs/real"                          # RealLogConfig's default, not TinyDiT's
+    assert main(["train", "--config", str(printed), "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == data
 
 
 # ---------------------------------------------------------------------------------------------- captions
