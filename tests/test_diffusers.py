@@ -26,7 +26,9 @@ from jagg.integrations import (LoraSettings, PipelineConfig, PromptEmbeddings, R
                                adapters_disabled, add_lora, check_model_dir, load_lora, load_model,
                                load_pipeline_config, pack_latents, reference_velocity, save_lora, unpack_latents,
                                velocity_adapter)
-from jagg.integrations.pipeline import build_prompt_cache, decode_latents, default_shift  # noqa: E402
+from jagg.integrations import decode_latents  # noqa: E402
+from jagg.integrations.pipeline import build_prompt_cache  # noqa: E402
+from jagg.integrations.policy import default_shift  # noqa: E402
 
 C, H, W = 4, 16, 16          # latent channels and size
 L, D, DP = 5, 16, 8          # text tokens, text width, pooled width
@@ -156,23 +158,30 @@ def test_jagg_group_gradient_is_the_endpoint_vjp(family, intermediate):
     assert_rel(got, grads(model))
 
 
-def test_uncond_forward_modes_agree_and_uncond_is_detached():
+def test_cfg_gradient_both_branches_by_default_and_detached_variant():
+    """Default (Flow-GRPO, train.cfg = True): both CFG branches get gradient, w g_c + (1 - w) g_u. detach_uncond: the
+    gradient changes to w g_c, whether the unconditional rows run separately without grad or batched and detached."""
     model = tiny_sd3()
     cond, neg = embeds()
     x, s, i = torch.randn(3, C, H, W), torch.tensor([0.9, 0.5, 0.2]), torch.tensor([0, 2, 3])
-    res = {}
-    for mode in ("separate", "batched"):
+    weight = torch.linspace(-1, 1, 3 * C * H * W).view(3, C, H, W)
+
+    def grad_of(cfg: VelocityConfig, c=cond, u=neg):
         model.zero_grad(set_to_none=True)
-        v = velocity_adapter(model, cond, neg, VelocityConfig(cfg_scale=4.5, uncond_forward=mode))(x, s, i)
-        (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum().backward()
-        res[mode] = (v.detach(), grads(model))
-    torch.testing.assert_close(res["batched"][0], res["separate"][0], rtol=1e-4, atol=1e-5)
-    assert_rel(res["batched"][1], res["separate"][1])
-    # detached unconditional branch: the gradient is w times the conditional branch's
-    model.zero_grad(set_to_none=True)
-    vc = velocity_adapter(model, cond, None, VelocityConfig())(x, s, i)
-    (vc * torch.linspace(-1, 1, vc.numel()).view_as(vc)).sum().backward()
-    assert_rel(res["separate"][1], 4.5 * grads(model))
+        v = velocity_adapter(model, c, u, cfg)(x, s, i)
+        (v * weight).sum().backward()
+        return v.detach(), grads(model)
+
+    v_both, g_both = grad_of(VelocityConfig(cfg_scale=4.5))
+    _, g_cond = grad_of(VelocityConfig(), cond, None)
+    _, g_uncond = grad_of(VelocityConfig(), PromptEmbeddings(neg.prompt_embeds.expand(4, -1, -1),
+                                                             neg.pooled.expand(4, -1)), None)
+    assert_rel(g_both, 4.5 * g_cond - 3.5 * g_uncond)
+    for mode in ("separate", "batched"):
+        v_det, g_det = grad_of(VelocityConfig(cfg_scale=4.5, detach_uncond=True, uncond_forward=mode))
+        torch.testing.assert_close(v_det, v_both, rtol=1e-4, atol=1e-5)      # same velocity ...
+        assert_rel(g_det, 4.5 * g_cond)                                      # ... another gradient
+        assert float((g_det - g_both).norm() / g_both.norm()) > 0.1
 
 
 def test_flux_packing_matches_diffusers_and_needs_guidance():
@@ -180,7 +189,7 @@ def test_flux_packing_matches_diffusers_and_needs_guidance():
     packed = pack_latents(x)
     torch.testing.assert_close(packed, diffusers.FluxPipeline._pack_latents(x, 2, C, H, W))
     torch.testing.assert_close(unpack_latents(packed, H, W), x)
-    from jagg.integrations.diffusers_adapters import latent_image_ids
+    from jagg.integrations.velocity import latent_image_ids
     torch.testing.assert_close(latent_image_ids(H, W),
                                diffusers.FluxPipeline._prepare_latent_image_ids(2, H // 2, W // 2, "cpu",
                                                                                 torch.float32))
@@ -435,6 +444,7 @@ def test_shipped_yaml_configs_load(name, family, rank):
     path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
     cfg = load_pipeline_config(path)
     assert cfg.family == family and cfg.lora.resolved(family)[0] == rank
+    assert not cfg.detach_uncond and not cfg.velocity_config().detach_uncond   # Flow-GRPO: both CFG branches
     assert set(cfg.lora.resolved(family)[2]) == set(LoraSettings().resolved(family)[2])   # = Flow-GRPO's list
     data = yaml.safe_load(path.read_text())
     for section, cls in (("sample", train_config.SampleConfig), ("estimator", jagg.EstimatorConfig),

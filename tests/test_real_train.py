@@ -28,7 +28,7 @@ from test_diffusers import _tiny_clip, embeds, tiny_flux, tiny_sd3, tiny_vae  # 
 
 from jagg.cli import main  # noqa: E402
 from jagg.integrations import VelocityConfig, velocity_adapter  # noqa: E402
-from jagg.integrations import train as real_train  # noqa: E402
+from jagg.integrations import train_config, trainer as real_train  # noqa: E402
 
 PROMPTS = ["a red cube", "a blue ball", "a green cone"]
 
@@ -128,7 +128,7 @@ def test_sd3_lora_train_adapters_and_resume(tmp_path, sd3_dir, captured):
     assert len(changed) > 0.9 * len(end)
     fresh = SD3Transformer2DModel.from_pretrained(sd3_dir / "transformer")
     base = dict(fresh.named_parameters())
-    trained_base = {n.replace(".base_layer", ""): p for n, p in trainer.model.transformer.named_parameters()
+    trained_base = {n.replace(".base_layer", ""): p for n, p in trainer.policy.transformer.named_parameters()
                     if "lora_" not in n}
     assert set(trained_base) == set(base)
     assert all(torch.equal(trained_base[n], base[n]) for n in base)                      # the base did not
@@ -138,11 +138,11 @@ def test_sd3_lora_train_adapters_and_resume(tmp_path, sd3_dir, captured):
         transformer=SD3Transformer2DModel.from_pretrained(sd3_dir / "transformer"), scheduler=None, vae=None,
         text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
     pipe.load_lora_weights(str(ck / "adapter_000002"))
-    cond = trainer.model.embeddings(PROMPTS[:2])
-    neg = trainer.model.negative()
+    cond = trainer.policy.embeddings(PROMPTS[:2])
+    neg = trainer.policy.negative()
     x, s, i = torch.randn(2, 4, 16, 16), torch.tensor([0.9, 0.4]), torch.tensor([0, 1])
     with torch.no_grad():
-        want = trainer.model.velocity(cond)(x, s, i)
+        want = trainer.policy.velocity(cond)(x, s, i)
         got = velocity_adapter(pipe.transformer, cond, neg, VelocityConfig(cfg_scale=4.5))(x, s, i)
         base_v = velocity_adapter(fresh, cond, neg, VelocityConfig(cfg_scale=4.5))(x, s, i)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -204,10 +204,10 @@ def test_shipped_configs_reach_the_model_check(tmp_path, capsys):
     root = Path(__file__).resolve().parents[1]
     for name in ("sd35_medium", "flux_dev"):
         path = root / "configs" / f"{name}.yaml"
-        assert real_train.has_pipeline_section(path)
+        assert train_config.has_pipeline_section(path)
         assert main(["train", "--config", str(path), "--output-dir", str(tmp_path / name)]) == 2
         assert "sample.prompts_file must be set" in capsys.readouterr().err
-        cfg = real_train.load_config(path, [f"sample.prompts_file={tmp_path / 'p.txt'}"])
+        cfg = train_config.load_config(path, [f"sample.prompts_file={tmp_path / 'p.txt'}"])
         assert cfg.reward_server is not None and cfg.reward is None
         if not Path(cfg.pipeline.path).exists():
             assert main(["train", "--config", str(path), "--output-dir", str(tmp_path / name),
@@ -325,7 +325,7 @@ def _rank(rank: int, world: int, port: int, cfg_path: str, out: str) -> None:
     import torch.distributed as dist
 
     try:
-        cfg = real_train.load_config(cfg_path, [f"log.output_dir={out}", "grpo.iterations=1",
+        cfg = train_config.load_config(cfg_path, [f"log.output_dir={out}", "grpo.iterations=1",
                                                 "grpo.drop_zero_spread=true"])
         trainer = real_train.RealTrainer(cfg)
         start = lora_weights(trainer)

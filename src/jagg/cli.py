@@ -22,7 +22,7 @@ def _keys_epilog(cls) -> str:
 
 def _real_keys_epilog() -> str:
     try:
-        from .integrations.train import RealTrainConfig
+        from .integrations.train_config import RealTrainConfig
     except ImportError:
         return ""
     return "\n\nwith a pipeline: section (real models), " + _keys_epilog(RealTrainConfig)
@@ -46,10 +46,10 @@ def _train(args) -> int:
     if args.output_dir:
         overrides.append(f"log.output_dir={args.output_dir}")
     config = args.config or str(main_job_path())
-    real = "pipeline" in configuration.read_yaml(config)   # a real diffusers model (SD3/FLUX): jagg.integrations.train
+    real = "pipeline" in configuration.read_yaml(config)   # a real diffusers model (SD3/FLUX): jagg.integrations.trainer
     if args.print_config:
         if real:
-            from .integrations.train import load_config
+            from .integrations.train_config import load_config
 
             cfg = load_config(config, overrides)
         else:
@@ -58,7 +58,7 @@ def _train(args) -> int:
         print(configuration.dump(cfg), end="")
         return 0
     if real:
-        from .integrations.train import run
+        from .integrations.trainer import run
 
         return run(config, overrides, resume=args.resume)
     from .shapes.trainer import Trainer
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="GRPO training on the embedded shapes world, or on SD3/FLUX (pipeline: config)",
                        description="GRPO training. A --config whose YAML has a top-level `pipeline:` section "
                        "(configs/sd35_medium.yaml, configs/flux_dev.yaml) trains that diffusers model (SD3/SD3.5, "
-                       "FLUX.1) from its local directory with jagg.integrations.train (its keys: the second list "
+                       "FLUX.1) from its local directory with jagg.integrations.trainer (its keys: the second list "
                        "below; docs/real_models.md); any other config trains the embedded TinyDiT.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=_keys_epilog(TrainConfig) + _real_keys_epilog())

@@ -1,19 +1,25 @@
 """``jagg train`` on a real diffusers model (SD3/SD3.5, FLUX.1): GRPO with the JAGG estimator, LoRA or full weights.
 
-A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``) makes
-``jagg train --config X.yaml`` run :class:`RealTrainer` instead of the TinyDiT trainer. One iteration:
+A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``; the config is
+:class:`jagg.integrations.train_config.RealTrainConfig`) makes ``jagg train --config X.yaml`` run
+:class:`RealTrainer` instead of the TinyDiT trainer. The trainer asks one object for everything model specific, the
+:class:`jagg.integrations.policy.Policy` (prompts, sampler, velocity callable, KL reference, decoding, adapter
+files). One iteration:
 
 1. pick ``prompts_per_iter`` prompts of ``sample.prompts_file`` and repeat each ``group_size`` times (the global
    batch of ``N`` trajectories); under torchrun / accelerate every rank takes its contiguous shard of it;
-2. sample the shard with the Flow-GRPO SDE through :meth:`RealModel.velocity` (CFG, prompt embeddings),
-   :func:`jagg.sample_trajectories`; decode with the VAE; score with the reward (registry name, weighted sum,
-   ``module:function`` or an HTTP reward server);
+2. sample the shard with the Flow-GRPO SDE through :meth:`Policy.velocity` (CFG, prompt embeddings) and
+   :func:`jagg.sample_trajectories`, in pieces of ``sample.micro_batch`` trajectories at global positions, each
+   with its own SDE noise seeded by (seed, iteration, position): a sample's rollout does not depend on the number
+   of processes when every shard is a whole number of pieces; decode with the VAE; score with the reward
+   (registry name, weighted sum, ``module:function`` or an HTTP reward server);
 3. gather the rewards of all ranks, group-relative advantages per prompt on the global batch
    (:func:`jagg.group_advantages`), drop zero-spread groups;
 4. ``inner_epochs x updates_per_epoch`` AdamW updates whose gradients come from :func:`jagg.policy_gradient`
    (KL reference = the adapters switched off, or a frozen copy for full fine-tuning); with several ranks the
-   local gradients are averaged once per update with :func:`jagg.training.distributed.all_reduce_gradients`, each rank's
-   loss scaled by :func:`jagg.training.distributed.loss_scale` so the result is the gradient of the global minibatch.
+   local gradients are averaged once per update with :func:`jagg.training.distributed.all_reduce_gradients`, each
+   rank's loss scaled by :func:`jagg.training.distributed.loss_scale` so the result is the gradient of the global
+   minibatch.
 
 Outputs in ``log.output_dir``: ``metrics.jsonl`` (+ TensorBoard), ``reward_curve.png``, ``samples/iter_<n>.png``
 (a few rollout images at each checkpoint), ``checkpoints/ckpt_<n>.pt`` (trainable weights, optimizer, every RNG,
@@ -22,19 +28,20 @@ config; atomic, keep-last-N) and, with LoRA, ``checkpoints/adapter_<n>/pytorch_l
 
 Data parallelism replicates the model on every rank (LoRA on SD3.5 / FLUX fits one GPU); the model is not wrapped
 in DDP: gradients accumulate locally and are all-reduced once per optimizer update, so ranks may hold different
-numbers of samples after zero-spread groups are dropped. FSDP / DeepSpeed sharding are available through the
-library API (docs/real_models.md), not through this trainer.
+numbers of samples after zero-spread groups are dropped. With one update per epoch (``grpo.updates_per_epoch: 1``)
+two processes make the same update as one process on the same global batch (tested with ``accelerate launch``).
+FSDP / DeepSpeed sharding are available through the library API (docs/real_models.md), not through this trainer.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import random
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,181 +49,23 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..training import config_loader as configuration
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..training.checkpoint import load_latest, save_checkpoint
-from ..estimator_config import EstimatorConfig
-from ..training.distributed import (all_reduce_gradients, gather, gather_objects, init_process_group_from_env, loss_scale,
-                           shard)
 from ..estimator import policy_gradient, reference_velocities
-from ..training.metrics import MetricsLogger, plot_reward_curve, save_grid
-from ..rewards.client import RewardClient
-from ..rewards.registry import get_reward
-from ..training.sections import (GRPOConfig, LogConfig, OptimConfig, RewardConfig, check_group_size,
-                            check_sde_window, check_updates_divide_batch)
+from ..trajectory import Trajectory, sample_trajectories, select_train_steps
+from ..training import config_loader as configuration
+from ..training.checkpoint import load_latest, save_checkpoint
 from ..training.core import TrainerCore, check_resumable
-from ..trajectory import sample_trajectories, select_train_steps
-from .diffusers_adapters import unwrap_model
-from .pipeline import PipelineConfig, RealModel, load_model
+from ..training.distributed import (all_reduce_gradients, gather, gather_objects, init_process_group_from_env,
+                                    loss_scale, shard)
+from ..training.metrics import MetricsLogger, plot_reward_curve, save_grid
+from .policy import Policy, load_model
+from .train_config import RealTrainConfig, load_config, read_prompt_lines
 
 # config keys that may differ between a checkpoint and its resumption, besides the TinyDiT trainer's
 # (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient
 RESUMABLE_REAL = ("pipeline.path", "pipeline.device", "pipeline.prompt_cache", "pipeline.load_text_encoders",
                   "pipeline.gradient_checkpointing", "reward_server")
-TRAINER_TAG = "jagg.integrations.train"
-
-
-def _help(text: str) -> dict:
-    return {"help": text}
-
-
-def read_prompt_lines(path: str) -> list[str]:
-    """The prompts of a text file, one per line (surrounding spaces and blank lines dropped)."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"sample.prompts_file {path!r} does not exist or is not a file; give a text file with "
-                                "one prompt per line (--set sample.prompts_file=prompts.txt)")
-    try:
-        prompts = [line.strip() for line in p.read_text().splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"sample.prompts_file {path!r} cannot be read as text: {e}") from None
-    if not prompts:
-        raise ValueError(f"sample.prompts_file {path!r} holds no prompt; put one prompt per line")
-    return prompts
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# configuration
-# ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RealSampleConfig:
-    """Rollouts of a real model. Steps, eta, shift and guidance are the model's and live in ``pipeline:``; the
-    TinyDiT trainer's ``SampleConfig`` does not fit (its prompt file must parse in the shapes-world grammar)."""
-
-    prompts_file: str | None = field(default=None, metadata=_help(
-        "Required: text file of training prompts, one per line (blank lines skipped)."))
-    prompts_per_iter: int = field(default=8, metadata=_help(
-        "Distinct prompts per iteration, over all processes (Flow-GRPO: 48 on 32 GPUs)."))
-    group_size: int = field(default=8, metadata=_help("Images per prompt (the GRPO group; Flow-GRPO: 24)."))
-    shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt's group."))
-    timestep_fraction: float = field(default=1.0, metadata=_help(
-        "Train the first fraction of the pipeline.num_steps steps (all steps are SDE steps)."))
-    sde_window: list[int] | None = field(default=None, metadata=_help(
-        "[start, end): only these steps are SDE steps and trained; the rest are ODE steps (Flow-GRPO-Fast)."))
-    micro_batch: int = field(default=8, metadata=_help("Rows per transformer call while sampling."))
-
-    def __post_init__(self):
-        if self.prompts_file is None:
-            raise ValueError("sample.prompts_file must be set: a text file with one training prompt per line "
-                             "(in the YAML's sample: section or --set sample.prompts_file=prompts.txt)")
-        self.prompts_file = str(self.prompts_file)
-        read_prompt_lines(self.prompts_file)                       # fail at load, not mid-run
-        for name in ("prompts_per_iter", "group_size", "micro_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sample.{name} must be >= 1; got {getattr(self, name)}")
-        check_group_size(self.group_size)
-        if not 0 < self.timestep_fraction <= 1:
-            raise ValueError(f"sample.timestep_fraction must be in (0, 1]; got {self.timestep_fraction}")
-        if self.sde_window is not None and self.timestep_fraction != 1.0:
-            raise ValueError("set either sample.timestep_fraction or sample.sde_window, not both")
-
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_iter * self.group_size
-
-
-@dataclass
-class RealLogConfig(LogConfig):
-    """:class:`jagg.shapes.config.LogConfig` with its own default run directory."""
-
-    output_dir: str = field(default="runs/real", metadata=_help(
-        "Run directory: metrics, sample images, checkpoints and LoRA adapters."))
-    sample_images: int = field(default=8, metadata=_help(
-        "Rollout images saved as samples/iter_<n>.png at each checkpoint (0 = none)."))
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.sample_images < 0:
-            raise ValueError(f"log.sample_images must be >= 0; got {self.sample_images}")
-
-
-@dataclass
-class RealTrainConfig:
-    """Everything one ``jagg train`` run on a diffusers model needs; saved into every checkpoint."""
-
-    seed: int = field(default=0, metadata=_help("Seed of prompts, noise, LoRA initialisation and minibatches."))
-    threads: int = field(default=0, metadata=_help("torch CPU threads (0 = torch's default)."))
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    sample: RealSampleConfig = field(default_factory=RealSampleConfig)
-    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    reward: RewardConfig | None = field(default=None, metadata=_help(
-        "Local reward, {name: <registry name | package.module:function>} or {weights: {name: w, ...}} "
-        "(jagg.shapes.config.RewardConfig); the function takes (images uint8 [N,H,W,3], prompts, metadata). "
-        "Set this or reward_server."))
-    reward_server: RewardClient | None = field(default=None, metadata=_help(
-        "HTTP reward server, jagg.rewards.server.RewardClient arguments {url, batch_size, timeout, retries, backoff, "
-        "image_format, concurrency}. Set this or reward."))
-    log: RealLogConfig = field(default_factory=RealLogConfig)
-
-    def __post_init__(self):
-        if isinstance(self.reward, dict):
-            self.reward = configuration.from_dict(RewardConfig, self.reward, "reward")
-        if isinstance(self.reward_server, dict):
-            if "url" not in self.reward_server:
-                raise ValueError("reward_server.url is required, e.g. http://127.0.0.1:8000 (start a server with "
-                                 "python -m jagg.rewards.server --reward module:function)")
-            self.reward_server = configuration.from_dict(RewardClient, self.reward_server, "reward_server")
-        if (self.reward is None) == (self.reward_server is None):
-            raise ValueError("set exactly one of reward (e.g. --set reward.name=jpeg_compressibility or "
-                             "module:function) and reward_server (an HTTP reward server); "
-                             + ("neither is set" if self.reward is None else
-                                "both are set: drop one, e.g. --set reward_server=null"))
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0; got {self.threads}")
-        if self.optim.ema_decay > 0:
-            raise ValueError("optim.ema_decay is not supported by the real-model trainer; set it to 0")
-        s, T = self.sample, self.pipeline.num_steps
-        check_sde_window(s.sde_window, T, "pipeline.num_steps")
-        if s.sde_window is None and int(T * s.timestep_fraction) < 1:
-            raise ValueError(f"sample.timestep_fraction={s.timestep_fraction} of pipeline.num_steps={T} trains no "
-                             "step; raise it")
-        check_updates_divide_batch(s.batch_size, self.grpo.updates_per_epoch)
-        if self.estimator.kl_beta > 0 and not self.pipeline.lora.enabled and not self.pipeline.keep_reference:
-            raise ValueError("estimator.kl_beta > 0 with full fine-tuning (pipeline.lora.enabled: false) needs a "
-                             "reference model: set pipeline.keep_reference: true, or estimator.kl_beta: 0")
-
-    def reward_fn(self):
-        """The checked reward callable ``(images, prompts, metadata) -> (scores [N], info)``."""
-        if self.reward_server is not None:
-            return get_reward(self.reward_server)
-        return get_reward(self.reward.weights or self.reward.name)
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RealTrainConfig:
-    """A YAML with a ``pipeline:`` section plus ``--set key=value`` overrides -> :class:`RealTrainConfig`."""
-    return configuration.load(RealTrainConfig, path, overrides)
-
-
-def has_pipeline_section(path: str | Path | None) -> bool:
-    """True when ``path`` is a readable YAML mapping with a top-level ``pipeline:`` key (a real-model config)."""
-    import yaml
-
-    if path is None or not Path(path).is_file():
-        return False
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    return isinstance(data, dict) and "pipeline" in data
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the trainer
-# ----------------------------------------------------------------------------------------------------------------
+TRAINER_TAG = "jagg.integrations.train"          # written into checkpoints; the module was called so before
 
 
 def _without(d: dict, dotted: tuple[str, ...]) -> dict:
@@ -248,28 +97,29 @@ class RealTrainer(TrainerCore):
         self.main = self.rank == 0
         self.out = Path(cfg.log.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
-        shard(cfg.sample.batch_size)                           # the global batch must split evenly over the ranks
+        self.local = shard(cfg.sample.batch_size)              # this rank's slice; the batch must split evenly
         self.prompts = read_prompt_lines(cfg.sample.prompts_file)
         self.reward_fn = cfg.reward_fn()
         torch.manual_seed(cfg.seed)                            # the same LoRA initialisation on every rank
-        self.model: RealModel = load_model(cfg.pipeline)      # check_model_dir: clear errors for bad paths
-        self.device = self.model.device
-        self._check_prompt_cache()
-        base = unwrap_model(self.model.transformer)
-        self.named_params = {n: p for n, p in base.named_parameters() if p.requires_grad}
-        self.params = list(self.named_params.values())
+        self.policy: Policy = load_model(cfg.pipeline)        # check_model_dir: clear errors for bad paths
+        self.device = self.policy.device
+        self.policy.require_prompts(self.prompts, cfg.sample.prompts_file)
+        self.named_params, self.params = self.policy.named_params, self.policy.params
         if not self.params:
             raise ValueError("the transformer has no trainable parameter (check pipeline.lora)")
+        # sampling pieces: sample.micro_batch trajectories at global positions, cut at this rank's shard edges
+        mb = cfg.sample.micro_batch
+        starts = sorted({self.local.start, *range(-(-self.local.start // mb) * mb, self.local.stop, mb)})
+        self.pieces = [slice(a, b) for a, b in zip(starts, starts[1:] + [self.local.stop])]
         if self.world > 1:                                     # replicas start identical
             for p in self.params:
                 dist.broadcast(p.data, 0)
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-        # shared by all ranks: prompt choice and the initial noise of the global batch; per rank: SDE noise
-        # (a generator on the model's device) and the minibatch order
+        # shared by all ranks: prompt choice and the initial noise of the global batch; per sampling piece: the SDE
+        # noise (seeded by iteration and position, see _rollout); per rank: the minibatch order
         self.np_rng = np.random.default_rng(cfg.seed)
         self.gen = torch.Generator().manual_seed(_seed(cfg.seed, 1))
-        self.sde_gen = torch.Generator(device=self.device).manual_seed(_seed(cfg.seed, 2, self.rank))
         self.perm_gen = torch.Generator().manual_seed(_seed(cfg.seed, 3, self.rank))
         self.iteration = 0
         self.wall = 0.0
@@ -289,26 +139,10 @@ class RealTrainer(TrainerCore):
         self.logger = (MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from if resume else None)
                        if self.main else None)
 
-    def _check_prompt_cache(self) -> None:
-        """Without text encoders every training prompt and the negative prompt must be in the prompt cache."""
-        pipe = self.model.pipe
-        if pipe is not None and getattr(pipe, "text_encoder", None) is not None:
-            return
-        wanted = list(dict.fromkeys(self.prompts + ([self.model.config.negative_prompt]
-                                                     if self.model.config.cfg_scale > 1 else [])))
-        missing = [p for p in wanted if p not in self.model._cache]
-        if missing:
-            shown = ", ".join(repr(p) for p in missing[:5])
-            raise ValueError(f"{len(missing)} prompt(s) of {self.cfg.sample.prompts_file} are not in the prompt-embedding "
-                             f"cache {self.cfg.pipeline.prompt_cache} and the text encoders are not loaded ({shown}"
-                             f"{', ...' if len(missing) > 5 else ''}): rebuild the cache from this prompts file (python "
-                             "-m jagg.integrations.pipeline cache --config <yaml> --prompts <file> --out <cache>) or "
-                             "set pipeline.load_text_encoders: true")
-
     # ------------------------------------------------------------------ state
     def _rng_state(self) -> dict:
         return {"numpy": self.np_rng.bit_generator.state, "gen": self.gen.get_state(),
-                "sde_gen": self.sde_gen.get_state(), "perm_gen": self.perm_gen.get_state(),
+                "perm_gen": self.perm_gen.get_state(),
                 "torch": torch.get_rng_state(), "python": random.getstate(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
@@ -318,7 +152,6 @@ class RealTrainer(TrainerCore):
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if local:
-            self.sde_gen.set_state(rng["sde_gen"])
             self.perm_gen.set_state(rng["perm_gen"])
             if rng.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
@@ -352,9 +185,8 @@ class RealTrainer(TrainerCore):
             self._set_rng_state(rngs[self.rank])
         else:
             self._print(f"warning: the checkpoint was written by {len(rngs)} process(es), this run has {self.world}: "
-                        "the per-process sampling noise is reseeded (the run continues, not bit-exactly)")
+                        "the per-process minibatch order is reseeded (the run continues, not bit-exactly)")
             self._set_rng_state(rngs[0], local=False)
-            self.sde_gen.manual_seed(_seed(self.cfg.seed, 2, self.rank, self.iteration))
             self.perm_gen.manual_seed(_seed(self.cfg.seed, 3, self.rank, self.iteration))
 
     def save(self, rngs: list[dict] | None = None) -> Path | None:
@@ -380,7 +212,7 @@ class RealTrainer(TrainerCore):
         final = self.ckpt_dir / f"adapter_{self.iteration:06d}"
         tmp = self.ckpt_dir / f".adapter_{self.iteration:06d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_adapter(tmp)
+        self.policy.save_adapter(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         adapters = sorted(p for p in self.ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("adapter_"))
@@ -389,26 +221,30 @@ class RealTrainer(TrainerCore):
         return final
 
     # ------------------------------------------------------------------ one iteration
-    def _rollout(self):
-        """Sample this rank's shard of the global batch; returns (global prompts, local embeddings, trajectory)."""
+    def _rollout(self) -> tuple[list[str], Trajectory]:
+        """Sample this rank's shard of the global batch; returns (the global batch's prompts, local trajectories)."""
         c, p = self.cfg.sample, self.cfg.pipeline
         idx = self.np_rng.choice(len(self.prompts), size=c.prompts_per_iter,
                                  replace=len(self.prompts) < c.prompts_per_iter)
         prompts = [self.prompts[i] for i in idx for _ in range(c.group_size)]
-        shape = self.model.latent_shape
+        shape = self.policy.latent_shape
         if c.shared_noise:
             noise = torch.randn(c.prompts_per_iter, *shape, generator=self.gen).repeat_interleave(c.group_size, 0)
         else:
-            noise = torch.randn(c.batch_size, *shape, generator=self.gen)
-        sl = shard(c.batch_size)
-        for prompt in dict.fromkeys(prompts[sl]):    # text encoders embed new prompts one at a time: an embedding
-            self.model.embeddings([prompt])          # must not depend on its batch (rounding), or --resume drifts
-        emb = self.model.embeddings(prompts[sl])
+            noise = torch.randn(len(prompts), *shape, generator=self.gen)
         train_steps, sde_mask = select_train_steps(p.num_steps, c.timestep_fraction,
                                                    tuple(c.sde_window) if c.sde_window else None)
-        traj = sample_trajectories(self.model.velocity(emb), noise[sl].to(self.device), self.model.sigmas(), p.eta,
-                                   train_steps, sde_mask, generator=self.sde_gen, micro_batch=c.micro_batch)
-        return prompts, emb, traj
+        sigmas = self.policy.sigmas()
+        parts = []
+        for piece in self.pieces:                # SDE noise by (seed, iteration, global position), not by rank
+            gen = torch.Generator(device=self.device).manual_seed(_seed(self.cfg.seed, 2, self.iteration, piece.start))
+            parts.append(sample_trajectories(self.policy.velocity(prompts[piece]), noise[piece].to(self.device),
+                                             sigmas, p.eta, train_steps, sde_mask, generator=gen,
+                                             micro_batch=c.micro_batch))
+        if len(parts) == 1:
+            return prompts, parts[0]
+        batched = ("latents", "log_probs", "velocities")
+        return prompts, dataclasses.replace(parts[0], **{f: torch.cat([getattr(t, f) for t in parts]) for f in batched})
 
     def _reduce(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -417,11 +253,11 @@ class RealTrainer(TrainerCore):
         return t.tolist()
 
     @torch.enable_grad()
-    def _update(self, traj, emb, adv, ref_v, groups) -> dict:
+    def _update(self, traj, prompts, adv, ref_v, groups) -> dict:
         """One optimizer update on this rank's minibatch (possibly empty); gradients averaged over the ranks."""
         c = self.cfg
         self.opt.zero_grad(set_to_none=True)
-        n = 0 if traj is None else traj.batch_size
+        n = len(prompts)
         n_global = int(self._reduce([n])[0])
         if n_global == 0:
             return {}
@@ -429,9 +265,9 @@ class RealTrainer(TrainerCore):
         counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "groups", "groups_jagg")
         local = [0.0] * (len(names) + len(counts))
         if n:
-            st = policy_gradient(self.model.velocity(emb), traj, adv, c.estimator, ref_velocities=ref_v,
-                                 loss_scale=loss_scale(n, n_global, self.world), sample_groups=groups).to_dict()
-            local = [n * st[k] for k in names] + [st[k] for k in counts]
+            st = policy_gradient(self.policy.velocity(prompts), traj, adv, c.estimator, ref_velocities=ref_v,
+                                 loss_scale=loss_scale(n, n_global, self.world), sample_groups=groups)
+            local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
         if self.world > 1:
             for p in self.params:                              # same buckets on every rank, even with no samples
                 if p.grad is None:
@@ -452,39 +288,44 @@ class RealTrainer(TrainerCore):
         c = self.cfg
         self._rng_at_start, self._updating = self._rng_state(), False
         t0 = time.perf_counter()
-        prompts, emb, traj = self._rollout()
-        sl = shard(len(prompts))
-        local_prompts = prompts[sl]
+        prompts, traj = self._rollout()
+        local_prompts = prompts[self.local]
         t1 = time.perf_counter()
-        images = self.model.decode(traj.latents[:, -1])
+        images = self.policy.decode(traj.latents[:, -1])
         scores, _ = self.reward_fn(images, local_prompts, None)
         self._images, self._prompts = images, local_prompts
         rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=self.device)).cpu()  # global batch
-        adv = group_advantages(rewards, prompts, c.grpo.global_std, c.grpo.adv_clip_max)[sl]
+        adv = group_advantages(rewards, prompts, c.grpo.global_std, c.grpo.adv_clip_max)[self.local]
         keep = (nonzero_spread_mask(rewards, prompts) if c.grpo.drop_zero_spread
-                else torch.ones(len(prompts), dtype=torch.bool))[sl]
+                else torch.ones(len(prompts), dtype=torch.bool))[self.local]
         t2 = time.perf_counter()
         keep_idx = torch.nonzero(keep).flatten()
         self._updating = True
         per_update = []
-        dev_idx = keep_idx.to(self.device)
-        groups = (torch.arange(len(prompts)) // c.sample.group_size)[sl][keep_idx]   # [b] GRPO group per sample
-        traj, emb, adv = traj.select(dev_idx), emb.select(dev_idx), adv[keep_idx].to(self.device)
+        groups = (torch.arange(len(prompts)) // c.sample.group_size)[self.local][keep_idx]   # GRPO group per sample
+        kept = [local_prompts[i] for i in keep_idx.tolist()]
+        adv = adv[keep_idx].to(self.device)
+        if not bool(keep.all()):
+            traj = traj.select(keep_idx.to(self.device))
         ref_v = None
-        if c.estimator.kl_beta > 0 and keep_idx.numel():
-            ref_v = reference_velocities(self.model.reference(self.model.velocity(emb)), traj, c.estimator.micro_batch)
+        if c.estimator.kl_beta > 0 and kept:
+            ref_fn = self.policy.reference(self.policy.velocity(kept))
+            ref_v = reference_velocities(ref_fn, traj, c.estimator.micro_batch)
         for _ in range(c.grpo.inner_epochs):
-            perm = torch.randperm(keep_idx.numel(), generator=self.perm_gen)
+            perm = torch.randperm(len(kept), generator=self.perm_gen)
             for mb in perm.tensor_split(c.grpo.updates_per_epoch):
+                mb = mb.sort().values              # a minibatch is a set: accumulate it in the batch's order
+                rows = mb.tolist()
+                whole = len(rows) == len(kept)     # one update per epoch: no copy of the trajectories
                 mb = mb.to(self.device)
-                stats = self._update(traj.select(mb) if mb.numel() else None, emb.select(mb), adv[mb],
-                                     None if ref_v is None else ref_v[mb], groups[mb.cpu()])
+                stats = self._update(traj if whole else traj.select(mb) if rows else None, [kept[i] for i in rows],
+                                     adv[mb], None if ref_v is None else ref_v[mb], groups[mb.cpu()])
                 if stats:
                     per_update.append(stats)
         t3 = time.perf_counter()
         self.iteration += 1
         self.wall += t3 - t0
-        trained = int(self._reduce([keep_idx.numel()])[0])
+        trained = int(self._reduce([len(kept)])[0])
         rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std(unbiased=False)), "samples": len(prompts), "trained_samples": trained,
                "processes": self.world, "sample_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2,

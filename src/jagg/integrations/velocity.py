@@ -1,4 +1,4 @@
-"""Velocity adapters: a diffusers SD3 / FLUX transformer plus cached prompt embeddings -> a jagg velocity callable.
+"""Velocity adapters: a diffusers SD3 / FLUX transformer plus prompt embeddings -> a jagg velocity callable.
 
 A jagg velocity callable is ``(latents [N, C, H, W], sigma [N], sample_index [N] long) -> v [N, C, H, W]``.
 The adapters own everything model specific, so the core (sampling, log-probs, estimators) stays generic:
@@ -11,36 +11,30 @@ The adapters own everything model specific, so the core (sampling, log-probs, es
   FLUX.1-dev, the distilled guidance as an embedding (``guidance = 3.5``, also scaled inside).
 - **conditioning**: :class:`PromptEmbeddings` holds one row per trajectory of the batch (``sample_index`` picks the
   row); classifier-free guidance ``v = v_u + w (v_c - v_u)`` uses one negative row (or one per sample).
-  Flow-GRPO detaches ``v_u`` in training: with ``detach_uncond`` the unconditional branch gets no gradient, run
-  either as a separate no-grad forward (``uncond_forward="separate"``, saves the activations of half the rows) or
-  inside one batched forward of ``[uncond; cond]`` (``"batched"``). Both give the same values and gradient.
+  By default both branches run as one batched ``[uncond; cond]`` forward with grad, as Flow-GRPO's SD3 trainer
+  (``train.cfg = True``). ``VelocityConfig.detach_uncond`` is a cheaper variant that changes the gradient: the
+  unconditional branch gets none, run either as a separate no-grad forward (``uncond_forward="separate"``, saves
+  the activations of half the rows) or inside the batched forward and detached (``"batched"``); both give the
+  same values and gradient, ``w`` times the conditional branch's.
 - **precision**: inputs are cast to the transformer's dtype (bf16 weights) or run under ``torch.autocast``;
   the returned velocity is fp32 (``output_dtype``), and the SDE step / scores in the core are fp32 anyway.
+
+The wrapped module (DDP, FSDP, peft, ``torch.compile``) is called as given; the bare module under it is looked up
+once per adapter (:func:`unwrap_model`), not on every call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
-FAMILIES = ("sd3", "flux")
-UNCOND_FORWARDS = ("separate", "batched")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bf16" | "fp16" | "fp32"`` (or a torch dtype) -> ``torch.dtype``."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}; got {name!r}")
-    return DTYPES[name]
+from .config import FAMILIES, VelocityConfig, torch_dtype
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -68,9 +62,8 @@ def model_family(transformer: nn.Module) -> str:
                     "FluxTransformer2DModel. For your own DiT write a velocity callable (latents, sigma, index) -> v")
 
 
-def _model_config(transformer: nn.Module):
-    m = unwrap_model(transformer)
-    return getattr(m, "config", None) or m.base_model.model.config
+def _model_config(bare: nn.Module):
+    return getattr(bare, "config", None) or bare.base_model.model.config
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -184,40 +177,33 @@ class PromptEmbeddings:
         raise ValueError(f"prompt-embedding cache must end in .safetensors or .pt; got {path}")
 
 
+@torch.no_grad()
+def encode_prompts(pipe, family: str, prompts: Sequence[str], max_sequence_length: int = 128,
+                   batch_size: int = 16, device=None) -> PromptEmbeddings:
+    """Embed ``prompts`` with the pipeline's own ``encode_prompt`` (its text encoders must be loaded)."""
+    if getattr(pipe, "text_encoder", None) is None:
+        raise RuntimeError("the pipeline was loaded without text encoders (a prompt_cache is configured); add the "
+                           "missing prompts to the cache or set pipeline.load_text_encoders: true")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+    device = device or pipe.text_encoder.device
+    embeds, pooled = [], []
+    for s in range(0, len(prompts), batch_size):
+        chunk = list(prompts[s:s + batch_size])
+        if family == "sd3":
+            pe, _, po, _ = pipe.encode_prompt(chunk, None, None, device=device, do_classifier_free_guidance=False,
+                                              max_sequence_length=max_sequence_length)
+        else:
+            pe, po, _ = pipe.encode_prompt(chunk, None, device=device, max_sequence_length=max_sequence_length)
+        embeds.append(pe.cpu())
+        pooled.append(po.cpu())
+    return PromptEmbeddings(torch.cat(embeds), torch.cat(pooled), list(prompts))
+
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # adapters
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class VelocityConfig:
-    """How a transformer is turned into a velocity callable."""
-
-    cfg_scale: float = field(default=1.0, metadata={"help": "Classifier-free guidance weight w in v = v_u + w (v_c - "
-                             "v_u); 1 = no CFG (one forward). Flow-GRPO SD3.5: 4.5; FLUX.1-dev (guidance-distilled): "
-                             "1."})
-    guidance_embed: float | None = field(default=None, metadata={"help": "FLUX.1-dev's distilled guidance, fed as an "
-                                         "embedding (3.5). Required by models with guidance_embeds, else unused."})
-    detach_uncond: bool = field(default=True, metadata={"help": "No gradient through the unconditional branch "
-                                "(Flow-GRPO)."})
-    uncond_forward: str = field(default="separate", metadata={"help": f"One of {UNCOND_FORWARDS}: with grad enabled "
-                                "and detach_uncond, run the unconditional rows as a separate no-grad forward "
-                                "('separate', less activation memory) or in one batched [uncond; cond] forward."})
-    autocast: str | None = field(default=None, metadata={"help": "Run the forward under torch.autocast with this "
-                                 "dtype ('bf16' or 'fp16'), e.g. for fp32 master weights; None = cast the inputs to "
-                                 "the transformer's dtype."})
-    output_dtype: str = field(default="fp32", metadata={"help": "Dtype of the returned velocity: 'fp32' or 'model' "
-                              "(the network's own dtype). The core computes the SDE step in fp32 either way."})
-
-    def __post_init__(self):
-        if self.cfg_scale < 1.0:
-            raise ValueError(f"cfg_scale must be >= 1 (1 = no classifier-free guidance); got {self.cfg_scale}")
-        if self.uncond_forward not in UNCOND_FORWARDS:
-            raise ValueError(f"uncond_forward must be one of {UNCOND_FORWARDS}; got {self.uncond_forward!r}")
-        if self.autocast is not None and self.autocast not in ("bf16", "fp16"):
-            raise ValueError(f"autocast must be None, 'bf16' or 'fp16'; got {self.autocast!r}")
-        if self.output_dtype not in ("fp32", "model"):
-            raise ValueError(f"output_dtype must be 'fp32' or 'model'; got {self.output_dtype!r}")
 
 
 class TransformerVelocity:
@@ -243,7 +229,9 @@ class TransformerVelocity:
         if uncond is not None and len(uncond) not in (1, len(cond)):
             raise ValueError(f"uncond must have 1 row or one per sample ({len(cond)}); got {len(uncond)}")
         self.cond, self.uncond = cond, uncond
-        self.model_config = _model_config(transformer)
+        self.bare = unwrap_model(transformer)                  # once: the module under DDP / FSDP / compile
+        self.model_config = _model_config(self.bare)
+        self._autocast_dtype = None if self.config.autocast is None else torch_dtype(self.config.autocast)
 
     # -- family specific -----------------------------------------------------------------------------------------
 
@@ -258,20 +246,24 @@ class TransformerVelocity:
         """The same transformer and settings for another batch of prompts (``uncond`` defaults to the current)."""
         return type(self)(self.transformer, cond, self.uncond if uncond is None else uncond, self.config)
 
+    def with_transformer(self, transformer: nn.Module) -> "TransformerVelocity":
+        """The same prompts and settings on another transformer (e.g. the frozen KL reference copy)."""
+        return type(self)(transformer, self.cond, self.uncond, self.config)
+
     @property
     def input_dtype(self) -> torch.dtype:
         """fp32 under autocast, else the dtype of the (frozen) base weights, e.g. bf16 (fp32 LoRA weights aside)."""
         if self.config.autocast is not None:
             return torch.float32
-        for name, p in unwrap_model(self.transformer).named_parameters():
+        for name, p in self.bare.named_parameters():
             if p.is_floating_point() and "lora_" not in name:
                 return p.dtype
         return torch.float32
 
     def _autocast(self, device: torch.device):
-        if self.config.autocast is None:
+        if self._autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=torch_dtype(self.config.autocast))
+        return torch.autocast(device_type=device.type, dtype=self._autocast_dtype)
 
     def _rows(self, emb: PromptEmbeddings, index: Tensor, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
         if len(emb) == 1:

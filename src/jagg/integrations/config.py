@@ -1,0 +1,223 @@
+"""The ``pipeline:`` section of a real-model config: which diffusers model, how it samples, how it trains.
+
+:class:`PipelineConfig` (the model, its sampler and guidance), :class:`LoraSettings` (its ``lora:`` sub-section:
+LoRA or full fine-tuning) and :class:`VelocityConfig` (how :mod:`jagg.integrations.velocity` turns a transformer into
+a velocity callable; derived from the pipeline section). Every value is checked when the object is built, with an
+error naming the key. Plain dataclasses: nothing here imports diffusers.
+
+Flow-GRPO's LoRA settings (``scripts/train_sd3.py``, ``scripts/train_flux.py`` in yifan123/flow_grpo), the defaults:
+
+=========  ====  =====  ==========  =================================================================================
+family     rank  alpha  init        target modules
+=========  ====  =====  ==========  =================================================================================
+SD3/SD3.5  32    64     gaussian    ``attn.add_k_proj, attn.add_q_proj, attn.add_v_proj, attn.to_add_out, attn.to_k,
+                                    attn.to_out.0, attn.to_q, attn.to_v``
+FLUX.1     64    128    gaussian    the SD3 list plus ``ff.net.0.proj, ff.net.2, ff_context.net.0.proj,
+                                    ff_context.net.2``
+=========  ====  =====  ==========  =================================================================================
+
+(``attn.to_q`` matches ``transformer_blocks.i.attn.to_q`` but not SD3.5's second attention ``attn2``.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..training.config_loader import from_dict
+
+FAMILIES = ("sd3", "flux")
+UNCOND_FORWARDS = ("separate", "batched")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SD3_TARGET_MODULES = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                      "attn.to_out.0", "attn.to_q", "attn.to_v")
+FLUX_TARGET_MODULES = SD3_TARGET_MODULES + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+FLOW_GRPO_LORA = {"sd3": (32, 64.0, SD3_TARGET_MODULES), "flux": (64, 128.0, FLUX_TARGET_MODULES)}
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bf16" | "fp16" | "fp32"`` (or a torch dtype) -> ``torch.dtype``."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass
+class VelocityConfig:
+    """How a transformer is turned into a velocity callable (:func:`jagg.integrations.velocity_adapter`)."""
+
+    cfg_scale: float = field(default=1.0, metadata=_help(
+        "Classifier-free guidance weight w in v = v_u + w (v_c - v_u); 1 = no CFG (one forward). Flow-GRPO SD3.5: "
+        "4.5; FLUX.1-dev (guidance-distilled): 1."))
+    guidance_embed: float | None = field(default=None, metadata=_help("FLUX.1-dev's distilled guidance, fed as an "
+                                         "embedding (3.5). Required by models with guidance_embeds, else unused."))
+    detach_uncond: bool = field(default=False, metadata=_help(
+        "With grad enabled, stop the gradient through CFG's unconditional branch. False (Flow-GRPO, train.cfg = "
+        "True): both branches are one batched forward with grad. True: a cheaper variant that changes the "
+        "gradient (only the conditional branch's, times w)."))
+    uncond_forward: str = field(default="separate", metadata=_help(
+        f"One of {UNCOND_FORWARDS}, used only with detach_uncond: the unconditional rows as a separate no-grad "
+        "forward ('separate', less activation memory) or in one batched [uncond; cond] forward, detached after."))
+    autocast: str | None = field(default=None, metadata=_help("Run the forward under torch.autocast with this dtype "
+                                 "('bf16' or 'fp16'), e.g. for fp32 master weights; None = cast the inputs to the "
+                                 "transformer's dtype."))
+    output_dtype: str = field(default="fp32", metadata=_help("Dtype of the returned velocity: 'fp32' or 'model' (the "
+                              "network's own dtype). The core computes the SDE step in fp32 either way."))
+
+    def __post_init__(self):
+        if self.cfg_scale < 1.0:
+            raise ValueError(f"cfg_scale must be >= 1 (1 = no classifier-free guidance); got {self.cfg_scale}")
+        if self.uncond_forward not in UNCOND_FORWARDS:
+            raise ValueError(f"uncond_forward must be one of {UNCOND_FORWARDS}; got {self.uncond_forward!r}")
+        if self.autocast is not None and self.autocast not in ("bf16", "fp16"):
+            raise ValueError(f"autocast must be None, 'bf16' or 'fp16'; got {self.autocast!r}")
+        if self.output_dtype not in ("fp32", "model"):
+            raise ValueError(f"output_dtype must be 'fp32' or 'model'; got {self.output_dtype!r}")
+
+
+@dataclass
+class LoraSettings:
+    """LoRA or full fine-tuning. Unset rank / alpha / target_modules take Flow-GRPO's values for the family."""
+
+    enabled: bool = field(default=True, metadata=_help("Train LoRA adapters (true) or all transformer weights "
+                          "(false: full fine-tuning; the KL reference is then a frozen copy)."))
+    rank: int | None = field(default=None, metadata=_help("LoRA rank r (Flow-GRPO: SD3 32, FLUX 64)."))
+    alpha: float | None = field(default=None, metadata=_help("LoRA alpha; scale = alpha / r (Flow-GRPO: 2 r)."))
+    target_modules: list[str] | None = field(default=None, metadata=_help("Module-name suffixes that get adapters "
+                                             "(default: Flow-GRPO's list for the family, see "
+                                             "jagg.integrations.config)."))
+    init: str = field(default="gaussian", metadata=_help("peft init_lora_weights: 'gaussian' (Flow-GRPO) or 'default' "
+                      "(kaiming A); B starts at zero either way, so the policy starts at the base model."))
+    dropout: float = field(default=0.0, metadata=_help("LoRA dropout."))
+    fp32_params: bool = field(default=True, metadata=_help("Keep trainable parameters in fp32 (master weights: AdamW "
+                              "updates below bf16's resolution are not lost). LoRA: the adapters, on the bf16 base. "
+                              "Full fine-tuning: the whole transformer, so set pipeline.autocast: bf16 to compute in "
+                              "bf16; the KL reference copy stays in pipeline.dtype."))
+    path: str | None = field(default=None, metadata=_help("Resume from a saved adapter directory "
+                             f"(containing {LORA_WEIGHT_NAME})."))
+
+    def __post_init__(self):
+        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
+            raise ValueError(f"lora.rank must be an integer >= 1; got {self.rank!r}")
+        if self.alpha is not None and self.alpha <= 0:
+            raise ValueError(f"lora.alpha must be > 0; got {self.alpha}")
+        if self.target_modules is not None and not self.target_modules:
+            raise ValueError("lora.target_modules must be a non-empty list (or null for Flow-GRPO's default)")
+        if self.init not in ("gaussian", "default"):
+            raise ValueError(f"lora.init must be 'gaussian' or 'default'; got {self.init!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1); got {self.dropout}")
+        if self.path is not None and not self.enabled:
+            raise ValueError("lora.path (resume an adapter) needs lora.enabled: true")
+
+    def resolved(self, family: str) -> tuple[int, float, tuple[str, ...]]:
+        """``(rank, alpha, target_modules)`` with the family's Flow-GRPO defaults filled in."""
+        if family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}; got {family!r}")
+        r0, a0, t0 = FLOW_GRPO_LORA[family]
+        rank = self.rank or r0
+        alpha = self.alpha if self.alpha is not None else (a0 if self.rank is None else 2.0 * rank)
+        return rank, float(alpha), tuple(self.target_modules or t0)
+
+
+@dataclass
+class PipelineConfig:
+    """A real text-to-image model to fine-tune (defaults: Flow-GRPO's SD3.5-Medium settings)."""
+
+    family: str = field(default="sd3", metadata=_help(f"Model family, one of {FAMILIES} (SD3/SD3.5 or FLUX.1)."))
+    path: str = field(default="", metadata=_help("Local diffusers model directory (model_index.json + transformer/)."))
+    dtype: str = field(default="bf16", metadata=_help("Transformer / text-encoder weights dtype: bf16, fp16 or fp32."))
+    vae_dtype: str = field(default="fp32", metadata=_help("VAE dtype (Flow-GRPO decodes in fp32)."))
+    device: str = field(default="auto", metadata=_help("'auto' (cuda if available, else cpu), 'cuda', 'cuda:1', "
+                                                       "'cpu'."))
+    resolution: int = field(default=512, metadata=_help("Image height = width in pixels (multiple of 16)."))
+    num_steps: int = field(default=10, metadata=_help("Sampling steps of a training rollout (Flow-GRPO SD3: 10)."))
+    eval_num_steps: int = field(default=40, metadata=_help("Steps of the evaluation sampler (Flow-GRPO SD3: 40)."))
+    shift: float | None = field(default=None, metadata=_help("Timestep shift; null = the model's own: SD3 the "
+                                "scheduler's shift (3.0), FLUX the resolution-dependent exp(mu)."))
+    eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO: SD3 0.7, FLUX 0.9)."))
+    cfg_scale: float = field(default=4.5, metadata=_help("Classifier-free guidance weight in sampling and training "
+                             "(Flow-GRPO SD3.5: 4.5; FLUX.1-dev: 1, it is guidance-distilled)."))
+    guidance_embed: float | None = field(default=None, metadata=_help("FLUX.1-dev's embedded guidance (3.5); null "
+                                         "for models without guidance embeddings."))
+    negative_prompt: str = field(default="", metadata=_help("Negative prompt of classifier-free guidance."))
+    detach_uncond: bool = field(default=False, metadata=_help(
+        "Stop the gradient through CFG's unconditional branch in training. false (Flow-GRPO, train.cfg = True): "
+        "both branches go through the transformer with grad, as one batched forward. true: a cheaper variant that "
+        "changes the gradient (the conditional branch's only, times cfg_scale)."))
+    uncond_forward: str = field(default="separate", metadata=_help(
+        f"One of {UNCOND_FORWARDS}, used only with detach_uncond: true: the unconditional rows as a separate no-grad "
+        "forward (less activation memory) or one batched [uncond; cond] forward, detached after."))
+    autocast: str | None = field(default=None, metadata=_help("Forward under torch.autocast(bf16|fp16), e.g. with fp32 "
+                                 "weights; null = cast inputs to the weights' dtype."))
+    max_sequence_length: int = field(default=128, metadata=_help("T5 tokens per prompt (Flow-GRPO: 128)."))
+    prompt_cache: str | None = field(default=None, metadata=_help("Precomputed prompt-embedding cache (.safetensors "
+                                     "or .pt); with it the text encoders are not loaded."))
+    load_text_encoders: bool | None = field(default=None, metadata=_help("Load the text encoders (needed to embed "
+                                            "prompts missing from the cache); null = only without prompt_cache."))
+    gradient_checkpointing: bool = field(default=False, metadata=_help("Recompute transformer activations in the "
+                                         "backward (enable_gradient_checkpointing): less memory, ~30% more time."))
+    keep_reference: bool = field(default=False, metadata=_help("Full fine-tuning only: keep a frozen copy of the "
+                                 "initial transformer as the KL reference (one more model in memory)."))
+    lora: LoraSettings = field(default_factory=LoraSettings, metadata=_help("LoRA settings (see LoraSettings)."))
+
+    def __post_init__(self):
+        if isinstance(self.lora, dict):
+            self.lora = from_dict(LoraSettings, self.lora, "pipeline.lora")
+        if self.family not in FAMILIES:
+            raise ValueError(f"pipeline.family must be one of {FAMILIES}; got {self.family!r}")
+        for name in ("dtype", "vae_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"pipeline.{name} must be one of {tuple(DTYPES)}; got {getattr(self, name)!r}")
+        if self.resolution < 16 or self.resolution % 16:
+            raise ValueError(f"pipeline.resolution must be a positive multiple of 16 (VAE /8, FLUX packing /2); "
+                             f"got {self.resolution}")
+        for name in ("num_steps", "eval_num_steps", "max_sequence_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"pipeline.{name} must be >= 1; got {getattr(self, name)}")
+        if self.shift is not None and self.shift <= 0:
+            raise ValueError(f"pipeline.shift must be > 0 or null; got {self.shift}")
+        if self.eta <= 0:
+            raise ValueError(f"pipeline.eta must be > 0 (the SDE needs noise); got {self.eta}")
+        try:
+            self.velocity_config()                                  # validates cfg_scale, uncond_forward, autocast
+        except ValueError as e:
+            raise ValueError(f"pipeline.{e}") from None
+        if self.keep_reference and self.lora.enabled:
+            raise ValueError("pipeline.keep_reference is for full fine-tuning (lora.enabled: false); with LoRA the "
+                             "reference is the base model with the adapters disabled")
+
+    def velocity_config(self) -> VelocityConfig:
+        return VelocityConfig(cfg_scale=self.cfg_scale, guidance_embed=self.guidance_embed,
+                              detach_uncond=self.detach_uncond, uncond_forward=self.uncond_forward,
+                              autocast=self.autocast)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def load_pipeline_config(path: str | Path, overrides: dict | None = None) -> PipelineConfig:
+    """The ``pipeline:`` section of a YAML config (other sections belong to the trainer) -> :class:`PipelineConfig`."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config {path} does not exist; give a YAML with a pipeline: section "
+                                "(e.g. configs/sd35_medium.yaml)")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict) or "pipeline" not in data:
+        raise ValueError(f"{path} has no 'pipeline:' section (see configs/sd35_medium.yaml)")
+    section = dict(data["pipeline"] or {})
+    section.update(overrides or {})
+    return from_dict(PipelineConfig, section, "pipeline")

@@ -1,0 +1,422 @@
+"""The policy of one SD3 / FLUX model, owned in one place: :class:`Policy`.
+
+    cfg = load_pipeline_config("configs/sd35_medium.yaml")        # the `pipeline:` section (+ `lora:` inside it)
+    policy = load_model(cfg)                                       # SD3.5 / FLUX pipeline, LoRA added, on the GPU
+    v = policy.velocity(prompts)                                   # jagg velocity callable, one row per sample
+    traj = jagg.sample_trajectories(v, policy.noise(len(prompts)), policy.sigmas(), cfg.eta)
+    images = policy.decode(traj.latents[:, -1])                    # uint8 [B, H, W, 3] for the reward
+    ref = policy.reference(v)                                      # adapters off (KL reference)
+    policy.save_adapter("adapter/")                                # diffusers' load_lora_weights reads it
+
+The policy holds the transformer and its trainable weights (LoRA adapters, or every weight for full fine-tuning,
+optionally as fp32 master weights), the KL reference (the same network with the adapters switched off, or a frozen
+copy of the initial weights), the prompt embeddings, the sampler's latent shape and sigmas, the velocity callable
+(:mod:`jagg.integrations.velocity`) and the VAE that decodes rollouts. It unwraps the transformer once, at
+construction; a DDP / FSDP / accelerate wrapper put in ``policy.transformer`` afterwards is what the velocity
+callables call.
+
+The free functions (:func:`add_lora`, :func:`full_finetune`, :func:`frozen_copy`, :func:`adapters_disabled`,
+:func:`reference_velocity`, :func:`save_lora`, :func:`load_lora`) are the same operations on a bare transformer, for
+your own loop. Adapters are added with diffusers' own ``transformer.add_adapter(LoraConfig)``, so the transformer
+keeps its class (forward signature, ``config``, ``enable_gradient_checkpointing``), and checkpoints are exactly what
+``StableDiffusion3Pipeline.load_lora_weights`` / ``FluxPipeline.load_lora_weights`` read: the peft state dict
+(``get_peft_model_state_dict``) saved with ``<Pipeline>.save_lora_weights`` plus the adapter's LoraConfig as metadata
+(so ``alpha != rank`` survives the round trip). Note: ``convert_state_dict_to_diffusers`` must *not* be applied to
+transformer adapters in current diffusers: it renames keys to the old UNet ``lora.down/up`` format and
+``load_lora_weights`` then silently drops the attention adapters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import math
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..schedule import flow_sigmas
+from .config import DTYPES, LORA_WEIGHT_NAME, LoraSettings, PipelineConfig
+from .pipeline import PIPELINE_CLASSES, TEXT_COMPONENTS, load_pipeline
+from .velocity import ADAPTERS, PromptEmbeddings, TransformerVelocity, encode_prompts, model_family, unwrap_model
+
+# ----------------------------------------------------------------------------------------------------------------
+# trainable weights, reference, adapter files (on a bare or wrapped transformer)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        raise ValueError(f"LoRA target modules {unmatched} match no Linear layer of {type(model).__name__}; "
+                         f"examples of valid names: {names[:6]}")
+
+
+def add_lora(transformer: nn.Module, settings: LoraSettings, family: str | None = None) -> list[nn.Parameter]:
+    """Freeze ``transformer`` and add a trainable LoRA adapter ("default"). Returns the trainable parameters.
+
+    With ``settings.path`` the adapter is loaded from a directory saved by :func:`save_lora` instead.
+    """
+    model = unwrap_model(transformer)
+    return _add_lora(model, settings, family or model_family(model))
+
+
+def _add_lora(model: nn.Module, settings: LoraSettings, family: str) -> list[nn.Parameter]:
+    if not settings.enabled:
+        raise ValueError("add_lora called with lora.enabled = false; use full_finetune() instead")
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    if settings.path is not None:
+        _load_lora(model, settings.path)
+    else:
+        rank, alpha, targets = settings.resolved(family)
+        _check_targets(model, targets)
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=settings.dropout,
+                                     init_lora_weights=True if settings.init == "default" else "gaussian",
+                                     target_modules=list(targets)))
+    params = [p for p in model.parameters() if p.requires_grad]
+    if settings.fp32_params:
+        for p in params:
+            p.data = p.data.float()
+    return params
+
+
+def full_finetune(transformer: nn.Module, fp32_params: bool = False) -> list[nn.Parameter]:
+    """Make every transformer weight trainable (full fine-tuning). Returns the parameters.
+
+    ``fp32_params`` upcasts them to fp32 master weights (pair with ``autocast`` to keep bf16 compute)."""
+    return _full_finetune(unwrap_model(transformer), fp32_params)
+
+
+def _full_finetune(model: nn.Module, fp32_params: bool) -> list[nn.Parameter]:
+    model.requires_grad_(True)
+    if fp32_params:
+        model.float()
+    return list(model.parameters())
+
+
+def frozen_copy(transformer: nn.Module) -> nn.Module:
+    """A frozen, eval-mode deep copy (the KL reference of a full fine-tune; one more model in memory)."""
+    return _frozen_copy(unwrap_model(transformer))
+
+
+def _frozen_copy(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def _adapters_off(bare: nn.Module) -> Iterator[None]:
+    flags = [(p, p.requires_grad) for p in bare.parameters()]
+    try:
+        if hasattr(bare, "disable_adapter") and not hasattr(bare, "disable_adapters"):   # peft PeftModel
+            with bare.disable_adapter():
+                yield
+        else:
+            if not getattr(bare, "_hf_peft_config_loaded", False):
+                raise ValueError(f"{type(bare).__name__} has no LoRA adapter to disable; for full fine-tuning use "
+                                 "frozen_copy(transformer) as the reference")
+            bare.disable_adapters()
+            try:
+                yield
+            finally:
+                bare.enable_adapters()
+    finally:
+        for p, f in flags:
+            p.requires_grad_(f)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Run the base model: every LoRA adapter of ``model`` (diffusers ``add_adapter`` or a peft ``PeftModel``, possibly
+    under DDP / FSDP) is switched off inside the block. ``requires_grad`` flags are restored exactly on exit (peft's
+    toggles change them)."""
+    with _adapters_off(unwrap_model(model)):
+        yield model
+
+
+def reference_velocity(velocity: TransformerVelocity, reference: nn.Module | None = None) -> Callable:
+    """The KL reference policy's velocity callable ``(latents [N,*S], sigma [N], index [N]) -> v [N,*S]``.
+
+    LoRA: the same adapter (same prompts, guidance, dtype) run with the adapters disabled, under ``no_grad``.
+    Full fine-tuning: pass ``reference=frozen_copy(initial transformer)``. Feed it to
+    ``jagg.reference_velocities(ref_fn, traj)`` once per rollout.
+    """
+    if reference is not None:
+        ref = velocity.with_transformer(reference)
+
+        @torch.no_grad()
+        def ref_fn(latents: Tensor, sigma: Tensor, index: Tensor) -> Tensor:
+            return ref(latents, sigma, index)
+        return ref_fn
+
+    bare = velocity.bare                                    # unwrapped once, by the adapter
+
+    @torch.no_grad()
+    def lora_ref_fn(latents: Tensor, sigma: Tensor, index: Tensor) -> Tensor:
+        with _adapters_off(bare):
+            return velocity(latents, sigma, index)
+    return lora_ref_fn
+
+
+def save_lora(transformer: nn.Module, directory: str | Path, family: str | None = None,
+              is_main_process: bool = True) -> Path:
+    """Save the LoRA adapter in the format ``<Pipeline>.load_lora_weights(directory)`` reads.
+
+    Writes ``directory/pytorch_lora_weights.safetensors`` (peft keys under ``transformer.``; the LoraConfig as
+    metadata). Returns the directory. Under DDP/FSDP call it on every rank with ``is_main_process``.
+    """
+    import diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    model = unwrap_model(transformer)
+    family = family or model_family(model)
+    if not getattr(model, "_hf_peft_config_loaded", False):
+        raise ValueError("the transformer has no LoRA adapter to save (full fine-tuning: use "
+                         "transformer.save_pretrained(dir) instead)")
+    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    cls = getattr(diffusers, PIPELINE_CLASSES[family])
+    kwargs = {}
+    if "transformer_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
+        kwargs["transformer_lora_adapter_metadata"] = model.peft_config["default"].to_dict()
+    else:                                   # old diffusers: no metadata, so fold alpha / r into B (exact at alpha=r)
+        cfg = model.peft_config["default"]
+        scale = cfg.lora_alpha / cfg.r
+        state = {k: v * scale if "lora_B" in k else v for k, v in state.items()}
+    directory = Path(directory)
+    cls.save_lora_weights(str(directory), transformer_lora_layers=state, is_main_process=is_main_process, **kwargs)
+    return directory
+
+
+def load_lora(transformer: nn.Module, directory: str | Path, trainable: bool = True) -> list[nn.Parameter]:
+    """Load an adapter saved by :func:`save_lora` (or any diffusers LoRA of this family) into ``transformer`` as
+    adapter "default" and make it trainable (resume). Returns the adapter parameters."""
+    return _load_lora(unwrap_model(transformer), directory, trainable)
+
+
+def _load_lora(model: nn.Module, directory: str | Path, trainable: bool = True) -> list[nn.Parameter]:
+    directory = Path(directory)
+    if not (directory / LORA_WEIGHT_NAME).is_file():
+        raise FileNotFoundError(f"no LoRA adapter at {directory}: expected {directory / LORA_WEIGHT_NAME} "
+                                "(written by jagg.integrations.save_lora / <Pipeline>.save_lora_weights)")
+    model.load_lora_adapter(str(directory), prefix="transformer", adapter_name="default",
+                            weight_name=LORA_WEIGHT_NAME)
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    for p in params:
+        p.requires_grad_(trainable)
+    return params
+
+
+def _not_cached(missing: Sequence[str], where: str) -> str:
+    shown = ", ".join(repr(p) for p in missing[:5])
+    return (f"{len(missing)} prompt(s){where} are not in the prompt-embedding cache and the text encoders are not "
+            f"loaded ({shown}{', ...' if len(missing) > 5 else ''}): rebuild the cache with them (python -m "
+            "jagg.integrations.pipeline cache --config <yaml> --prompts <file> --out <cache>) or set "
+            "pipeline.load_text_encoders: true")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the sampler's shift, decoding
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def flux_shift(resolution: int, scheduler_config: dict | None = None) -> float:
+    """FLUX's resolution-dependent shift ``exp(mu)``, ``mu`` linear in the packed image sequence length (diffusers'
+    ``calculate_shift``). ``exp(mu) t / (exp(mu) t + 1 - t)`` is :func:`jagg.shift_sigmas` with ``shift = exp(mu)``."""
+    c = scheduler_config or {}
+    seq = (resolution // 16) ** 2
+    lo, hi = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
+    b0, b1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
+    mu = b0 + (b1 - b0) * (seq - lo) / (hi - lo)
+    return math.exp(mu)
+
+
+def default_shift(family: str, resolution: int, scheduler_config: dict | None = None) -> float:
+    """The model's own timestep shift: SD3 the scheduler's static ``shift`` (3.0), FLUX :func:`flux_shift`."""
+    c = dict(scheduler_config or {})
+    if family == "flux" or c.get("use_dynamic_shifting", False):
+        return flux_shift(resolution, c)
+    return float(c.get("shift", 3.0))
+
+
+
+@torch.no_grad()
+def decode_latents(vae: nn.Module, latents: Tensor, micro_batch: int = 8) -> np.ndarray:
+    """VAE latents ``[B, 16, H/8, W/8]`` -> uint8 images ``[B, H, W, 3]`` (``z / scaling_factor + shift_factor``)."""
+    cfg = vae.config
+    shift = getattr(cfg, "shift_factor", None) or 0.0
+    param = next(vae.parameters())
+    out = []
+    for s in range(0, latents.shape[0], micro_batch):
+        z = latents[s:s + micro_batch].to(device=param.device, dtype=torch.float32) / cfg.scaling_factor + shift
+        img = vae.decode(z.to(param.dtype), return_dict=False)[0].float()
+        img = ((img / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        out.append(img.permute(0, 2, 3, 1).cpu().numpy())
+    return np.concatenate(out)
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the policy
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Policy:
+    """The policy of one SD3 / FLUX model: trainable transformer, KL reference, prompts, sampler, velocity, decoder.
+
+    Build it with :func:`load_model` (from a local diffusers directory) or directly from components.
+
+    Args:
+        config: the :class:`PipelineConfig` (family, dtype, device, sampler, guidance, ``lora:``).
+        transformer: the diffusers ``SD3Transformer2DModel`` / ``FluxTransformer2DModel`` (bare or wrapped); LoRA
+            adapters are added to it (or all its weights made trainable) here.
+        vae: the pipeline's VAE (for :meth:`decode`), or None.
+        pipe: the diffusers pipeline, whose text encoders embed prompts missing from the cache, or None.
+        scheduler_config: the scheduler's config (the model's own timestep shift).
+        prompt_cache: :class:`PromptEmbeddings` with prompt strings, e.g. loaded from ``pipeline.prompt_cache``.
+
+    Attributes: ``config``, ``pipe``, ``vae``, ``device``, ``transformer`` (the module the velocity callables call:
+    replace it by its DDP / FSDP / accelerate wrapper after ``prepare``), ``bare`` (the unwrapped module, fixed at
+    construction), ``named_params`` / ``params`` (the trainable weights), ``reference_model`` (the frozen copy of
+    a full fine-tune with ``keep_reference``, else None), ``latent_shape``, ``shift``.
+    """
+
+    def __init__(self, config: PipelineConfig, transformer: nn.Module, vae: nn.Module | None = None, pipe=None,
+                 scheduler_config: dict | None = None, prompt_cache: PromptEmbeddings | None = None):
+        self.config, self.pipe, self.vae = config, pipe, vae
+        self.device = config.resolve_device()
+        self.transformer = transformer
+        self.bare = unwrap_model(transformer).to(self.device)
+        if vae is not None:
+            vae.to(self.device).requires_grad_(False).eval()
+        # the full fine-tuning reference is copied before any fp32 upcast: it stays in the load dtype
+        self.reference_model = _frozen_copy(self.bare) if config.keep_reference else None
+        if config.lora.enabled:
+            _add_lora(self.bare, config.lora, config.family)
+        else:
+            _full_finetune(self.bare, config.lora.fp32_params)
+        self.named_params = {n: p for n, p in self.bare.named_parameters() if p.requires_grad}
+        self.params = list(self.named_params.values())
+        if config.gradient_checkpointing:
+            self.bare.enable_gradient_checkpointing()
+        self.scheduler_config = dict(scheduler_config or {})
+        self.shift = (config.shift if config.shift is not None
+                      else default_shift(config.family, config.resolution, self.scheduler_config))
+        mc = self.bare.config
+        c = mc.in_channels if config.family == "sd3" else mc.in_channels // 4
+        f = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 8
+        self.latent_shape: tuple[int, int, int] = (c, config.resolution // f, config.resolution // f)
+        self.velocity_config = config.velocity_config()
+        self._adapter = ADAPTERS[config.family]
+        self._dtype = DTYPES[config.dtype]                    # checked by PipelineConfig
+        self._cache: dict[str, tuple[Tensor, Tensor]] = {}
+        self._negative: PromptEmbeddings | None = None
+        if prompt_cache is not None:
+            self.add_embeddings(prompt_cache)
+
+    # -- sampler --------------------------------------------------------------------------------------------------
+
+    def sigmas(self, num_steps: int | None = None) -> Tensor:
+        """``[T + 1]`` sigmas from 1 to 0 with the model's shift (as its diffusers scheduler)."""
+        return flow_sigmas(num_steps or self.config.num_steps, shift=self.shift).to(self.device)
+
+    def noise(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
+        """Initial noise ``[B, C, H/8, W/8]`` fp32 on the model's device."""
+        return torch.randn(batch, *self.latent_shape, generator=generator).to(self.device)
+
+    # -- prompts --------------------------------------------------------------------------------------------------
+
+    @property
+    def can_encode(self) -> bool:
+        """Whether the text encoders are loaded (prompts missing from the cache can be embedded)."""
+        return self.pipe is not None and getattr(self.pipe, "text_encoder", None) is not None
+
+    def add_embeddings(self, emb: PromptEmbeddings) -> None:
+        if emb.prompts is None:
+            raise ValueError("cached embeddings need their prompt strings (PromptEmbeddings.prompts)")
+        for i, p in enumerate(emb.prompts):
+            self._cache[p] = (emb.prompt_embeds[i], emb.pooled[i])
+
+    def embeddings(self, prompts: Sequence[str]) -> PromptEmbeddings:
+        """``PromptEmbeddings`` of ``prompts`` (one row each): from the cache, the rest encoded with the pipeline's
+        text encoders one prompt at a time (so an embedding never depends on its batch) and cached, together with
+        the negative prompt when classifier-free guidance needs it."""
+        negative = [self.config.negative_prompt] if self.config.cfg_scale > 1 else []
+        missing = [p for p in dict.fromkeys([*prompts, *negative]) if p not in self._cache]
+        if missing:
+            if not self.can_encode:
+                raise KeyError(_not_cached(missing, ""))
+            self.add_embeddings(encode_prompts(self.pipe, self.config.family, missing,
+                                               self.config.max_sequence_length, batch_size=1))
+        rows = [self._cache[p] for p in prompts]
+        return PromptEmbeddings(torch.stack([r[0] for r in rows]).to(self.device, self._dtype),
+                                torch.stack([r[1] for r in rows]).to(self.device, self._dtype), list(prompts))
+
+    def negative(self) -> PromptEmbeddings:
+        """The negative prompt's embeddings (one row), computed once."""
+        if self._negative is None:
+            self._negative = self.embeddings([self.config.negative_prompt])
+        return self._negative
+
+    def require_prompts(self, prompts: Sequence[str], source: str) -> None:
+        """Without text encoders, raise a ValueError naming the prompts of ``source`` (and the negative prompt, with
+        CFG) that the prompt cache lacks, before anything runs."""
+        if self.can_encode:
+            return
+        wanted = list(prompts) + ([self.config.negative_prompt] if self.config.cfg_scale > 1 else [])
+        missing = [p for p in dict.fromkeys(wanted) if p not in self._cache]
+        if missing:
+            raise ValueError(_not_cached(missing, f" of {source} (cache: {self.config.prompt_cache})"))
+
+    def free_text_encoders(self) -> None:
+        """Drop the text encoders once every prompt is embedded (T5-XXL alone is ~9 GB)."""
+        if self.pipe is not None:
+            for name in TEXT_COMPONENTS:
+                if hasattr(self.pipe, name):
+                    setattr(self.pipe, name, None)
+
+    # -- velocity, reference, decoding, adapter files -------------------------------------------------------------
+
+    def velocity(self, prompts: Sequence[str] | PromptEmbeddings) -> TransformerVelocity:
+        """The velocity callable for a batch: one prompt (or embedding row) per trajectory."""
+        cond = prompts if isinstance(prompts, PromptEmbeddings) else self.embeddings(prompts)
+        uncond = self.negative() if self.config.cfg_scale > 1 else None
+        return self._adapter(self.transformer, cond, uncond, self.velocity_config)
+
+    def reference(self, velocity: TransformerVelocity) -> Callable:
+        """KL reference velocity callable of ``velocity``'s batch: adapters disabled (LoRA) or the frozen initial
+        copy (full fine-tuning with ``keep_reference``)."""
+        if not self.config.lora.enabled and self.reference_model is None:
+            raise ValueError("full fine-tuning has no KL reference unless pipeline.keep_reference: true")
+        return reference_velocity(velocity, self.reference_model)
+
+    def decode(self, latents: Tensor) -> np.ndarray:
+        """Latents ``[B, C, H/8, W/8]`` -> uint8 images ``[B, H, W, 3]``."""
+        if self.vae is None:
+            raise RuntimeError("no VAE loaded: the model directory has no vae/ component")
+        return decode_latents(self.vae, latents)
+
+    def save_adapter(self, directory: str | Path, is_main_process: bool = True) -> Path:
+        """Write the LoRA adapter where ``<Pipeline>.load_lora_weights(directory)`` (and ``lora.path``) read it."""
+        return save_lora(self.bare, directory, self.config.family, is_main_process)
+
+
+RealModel = Policy          # the former name, kept for existing code
+
+
+def load_model(config: PipelineConfig) -> Policy:
+    """Load the pipeline of ``config`` from its local directory and build its :class:`Policy` (LoRA or full weights,
+    gradient checkpointing, prompt cache, device)."""
+    cache = PromptEmbeddings.load(config.prompt_cache) if config.prompt_cache else None
+    pipe = load_pipeline(config)
+    policy = Policy(config, pipe.transformer, getattr(pipe, "vae", None), pipe, dict(pipe.scheduler.config), cache)
+    for name in TEXT_COMPONENTS:
+        enc = getattr(pipe, name, None)
+        if isinstance(enc, nn.Module):
+            enc.to(policy.device).requires_grad_(False).eval()
+    return policy

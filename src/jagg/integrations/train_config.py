@@ -1,0 +1,165 @@
+"""The configuration of ``jagg train`` on a real diffusers model: :class:`RealTrainConfig` and its sections.
+
+A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``) is a
+real-model config (:func:`has_pipeline_section`); :func:`load_config` reads it with ``--set`` overrides. Sections:
+``pipeline:`` (:class:`jagg.integrations.config.PipelineConfig`, the model), ``sample:`` (:class:`RealSampleConfig`,
+the prompts file and the batch), ``estimator:``, ``optim:``, ``grpo:``, ``reward:`` or ``reward_server:``, ``log:``
+(:class:`RealLogConfig`), and ``seed``, ``threads``. Each value is checked when the config is built, with an error
+naming the key; the trainer is :mod:`jagg.integrations.trainer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..estimator_config import EstimatorConfig
+from ..rewards.client import RewardClient
+from ..rewards.registry import get_reward
+from ..training import config_loader as configuration
+from ..training.sections import (GRPOConfig, LogConfig, OptimConfig, RewardConfig, check_group_size,
+                                 check_sde_window, check_updates_divide_batch)
+from .config import PipelineConfig
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+def read_prompt_lines(path: str, what: str = "sample.prompts_file") -> list[str]:
+    """The prompts of a text file, one per line (surrounding spaces and blank lines dropped); errors name ``what``."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist or is not a file; give a text file with one "
+                                "prompt per line")
+    try:
+        prompts = [line.strip() for line in p.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} {str(path)!r} cannot be read as text: {e}") from None
+    if not prompts:
+        raise ValueError(f"{what} {str(path)!r} holds no prompt; put one prompt per line")
+    return prompts
+
+
+@dataclass
+class RealSampleConfig:
+    """Rollouts of a real model. Steps, eta, shift and guidance are the model's and live in ``pipeline:``; the
+    TinyDiT trainer's ``SampleConfig`` does not fit (its prompt file must parse in the shapes-world grammar)."""
+
+    prompts_file: str | None = field(default=None, metadata=_help(
+        "Required: text file of training prompts, one per line (blank lines skipped)."))
+    prompts_per_iter: int = field(default=8, metadata=_help(
+        "Distinct prompts per iteration, over all processes (Flow-GRPO: 48 on 32 GPUs)."))
+    group_size: int = field(default=8, metadata=_help("Images per prompt (the GRPO group; Flow-GRPO: 24)."))
+    shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt's group."))
+    timestep_fraction: float = field(default=1.0, metadata=_help(
+        "Train the first fraction of the pipeline.num_steps steps (all steps are SDE steps)."))
+    sde_window: list[int] | None = field(default=None, metadata=_help(
+        "[start, end): only these steps are SDE steps and trained; the rest are ODE steps (Flow-GRPO-Fast)."))
+    micro_batch: int = field(default=8, metadata=_help("Rows per transformer call while sampling."))
+
+    def __post_init__(self):
+        if self.prompts_file is None:
+            raise ValueError("sample.prompts_file must be set: a text file with one training prompt per line "
+                             "(in the YAML's sample: section or --set sample.prompts_file=prompts.txt)")
+        self.prompts_file = str(self.prompts_file)
+        read_prompt_lines(self.prompts_file)                       # fail at load, not mid-run
+        for name in ("prompts_per_iter", "group_size", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sample.{name} must be >= 1; got {getattr(self, name)}")
+        check_group_size(self.group_size)
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"sample.timestep_fraction must be in (0, 1]; got {self.timestep_fraction}")
+        if self.sde_window is not None and self.timestep_fraction != 1.0:
+            raise ValueError("set either sample.timestep_fraction or sample.sde_window, not both")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_iter * self.group_size
+
+
+@dataclass
+class RealLogConfig(LogConfig):
+    """:class:`jagg.shapes.config.LogConfig` with its own default run directory."""
+
+    output_dir: str = field(default="runs/real", metadata=_help(
+        "Run directory: metrics, sample images, checkpoints and LoRA adapters."))
+    sample_images: int = field(default=8, metadata=_help(
+        "Rollout images saved as samples/iter_<n>.png at each checkpoint (0 = none)."))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sample_images < 0:
+            raise ValueError(f"log.sample_images must be >= 0; got {self.sample_images}")
+
+
+@dataclass
+class RealTrainConfig:
+    """Everything one ``jagg train`` run on a diffusers model needs; saved into every checkpoint."""
+
+    seed: int = field(default=0, metadata=_help("Seed of prompts, noise, LoRA initialisation and minibatches."))
+    threads: int = field(default=0, metadata=_help("torch CPU threads (0 = torch's default)."))
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    sample: RealSampleConfig = field(default_factory=RealSampleConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    reward: RewardConfig | None = field(default=None, metadata=_help(
+        "Local reward, {name: <registry name | package.module:function>} or {weights: {name: w, ...}} "
+        "(jagg.shapes.config.RewardConfig); the function takes (images uint8 [N,H,W,3], prompts, metadata). "
+        "Set this or reward_server."))
+    reward_server: RewardClient | None = field(default=None, metadata=_help(
+        "HTTP reward server, jagg.rewards.RewardClient arguments {url, batch_size, timeout, retries, backoff, "
+        "image_format, concurrency}. Set this or reward."))
+    log: RealLogConfig = field(default_factory=RealLogConfig)
+
+    def __post_init__(self):
+        if isinstance(self.reward, dict):
+            self.reward = configuration.from_dict(RewardConfig, self.reward, "reward")
+        if isinstance(self.reward_server, dict):
+            if "url" not in self.reward_server:
+                raise ValueError("reward_server.url is required, e.g. http://127.0.0.1:8000 (start a server with "
+                                 "python -m jagg.rewards.server --reward module:function)")
+            self.reward_server = configuration.from_dict(RewardClient, self.reward_server, "reward_server")
+        if (self.reward is None) == (self.reward_server is None):
+            raise ValueError("set exactly one of reward (e.g. --set reward.name=jpeg_compressibility or "
+                             "module:function) and reward_server (an HTTP reward server); "
+                             + ("neither is set" if self.reward is None else
+                                "both are set: drop one, e.g. --set reward_server=null"))
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0; got {self.threads}")
+        if self.optim.ema_decay > 0:
+            raise ValueError("optim.ema_decay is not supported by the real-model trainer; set it to 0")
+        s, T = self.sample, self.pipeline.num_steps
+        check_sde_window(s.sde_window, T, "pipeline.num_steps")
+        if s.sde_window is None and int(T * s.timestep_fraction) < 1:
+            raise ValueError(f"sample.timestep_fraction={s.timestep_fraction} of pipeline.num_steps={T} trains no "
+                             "step; raise it")
+        check_updates_divide_batch(s.batch_size, self.grpo.updates_per_epoch)
+        if self.estimator.kl_beta > 0 and not self.pipeline.lora.enabled and not self.pipeline.keep_reference:
+            raise ValueError("estimator.kl_beta > 0 with full fine-tuning (pipeline.lora.enabled: false) needs a "
+                             "reference model: set pipeline.keep_reference: true, or estimator.kl_beta: 0")
+
+    def reward_fn(self):
+        """The checked reward callable ``(images, prompts, metadata) -> (scores [N], info)``."""
+        if self.reward_server is not None:
+            return get_reward(self.reward_server)
+        return get_reward(self.reward.weights or self.reward.name)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RealTrainConfig:
+    """A YAML with a ``pipeline:`` section plus ``--set key=value`` overrides -> :class:`RealTrainConfig`."""
+    return configuration.load(RealTrainConfig, path, overrides)
+
+
+def has_pipeline_section(path: str | Path | None) -> bool:
+    """True when ``path`` is a readable YAML mapping with a top-level ``pipeline:`` key (a real-model config)."""
+    import yaml
+
+    if path is None or not Path(path).is_file():
+        return False
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and "pipeline" in data
