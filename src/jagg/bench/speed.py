@@ -155,8 +155,8 @@ def _sd3(cfg: SpeedConfig, device: torch.device, gen: torch.Generator):
                             torch.randn(cfg.batch, s.pooled_dim, generator=gen, device=device))
     uncond = PromptEmbeddings(torch.zeros(1, s.text_len, s.joint_dim, device=device),
                               torch.zeros(1, s.pooled_dim, device=device))
-    # Flow-GRPO's guidance: the unconditional branch is a separate no-grad forward in training
-    velocity = velocity_adapter(model, cond, uncond, VelocityConfig(cfg_scale=cfg.guidance_scale))
+    # as the TinyDiT's GuidedVelocity (jagg's choice, not Flow-GRPO's): the unconditional branch a no-grad forward
+    velocity = velocity_adapter(model, cond, uncond, VelocityConfig(cfg_scale=cfg.guidance_scale, detach_uncond=True))
     name = f"sd3(L{s.layers},d{s.heads * s.head_dim},{s.latent_size}x{s.latent_size})"
     return name, model, velocity, (s.channels, s.latent_size, s.latent_size)
 
