@@ -12,8 +12,11 @@ class GuidedVelocity:
     """``(x [N,C,H,W], sigma [N], sample_index [N]) -> v [N,C,H,W]`` for a batch of prompts.
 
     ``v = v_u + w (v_c - v_u)``. With grad enabled (training) the unconditional branch runs under
-    ``no_grad`` (Flow-GRPO detaches it), so the backward pass covers the conditional rows only; without
-    grad (sampling) both branches go through the network as one batch.
+    ``no_grad``, so the backward pass covers the conditional rows only and the gradient is ``w`` times the
+    conditional branch's. That is this TinyDiT task's own choice (half the backward rows), not Flow-GRPO's: its
+    SD3 trainer (``train.cfg = True``) sends both branches through the network with grad, as the real-model
+    adapters do by default (:class:`jagg.integrations.VelocityConfig`, ``detach_uncond``). Without grad
+    (sampling) both branches go through the network as one batch.
 
     Args:
         model: the TinyDiT ``(x, sigma, tokens) -> v``.
