@@ -73,58 +73,96 @@ def test_bench_speed_smoke(tmp_path, bench_ckpt):
         assert r["limit"] == pytest.approx(1.0 if W == 2 else (3 * W / (W + 4) if fresh else W / 2))
 
 
-def test_bench_fidelity_smoke(tmp_path, bench_ckpt):
+def test_bench_fidelity_smoke(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "fidelity.json"
-    sets = ["sample.num_steps=6", "sample.prompts_per_iter=2", "sample.group_size=2", "estimator.micro_batch=4",
+    sets = ["sample.num_steps=7", "sample.prompts_per_iter=2", "sample.group_size=2", "estimator.micro_batch=4",
             "estimator.intermediate=interp", "sample.sde_window=null"]
     args = ["bench", "fidelity", "--checkpoint", bench_ckpt, "--advantages", "random", "--windows", "2", "4",
             "--fracs", "0.5", "1.0", "--threads", "1", "--json", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
+    assert "Pareto" in capsys.readouterr().out
     recs = json.loads(out.read_text())
-    tot = {(r["policy"], r["window"], r["intermediate"]): r for r in recs
-           if r["kind"] == "fidelity" and r["scope"] == "total"}
-    assert set(tot) == {(p, w, i) for p in ("on", "off") for w in (2, 4) for i in ("fresh", "interp")}
-    for (policy, W, inter), r in tot.items():
+    tot = {(r["policy"], r["knots"], r["window"], r["intermediate"]): r for r in recs if r["kind"] == "fidelity"}
+    assert set(tot) == {(p, k, w, i) for p in ("on", "off") for k in ("groups", "shared", "adaptive") for w in (2, 4)
+                        for i in ("fresh", "interp")}
+    for (policy, knots, W, inter), r in tot.items():
         assert -1 <= r["cosine"] <= 1 + 1e-9 and r["rel_err"] >= 0
-        if W == 2:                                              # groups of two steps are exact
+        assert {"cos_noisy", "cos_middle", "cos_clean"} <= set(r)
+        if W == 2:                                              # a knot at every step: exact
             assert r["cosine"] == pytest.approx(1.0, abs=1e-5) and r["rel_err"] < 1e-3
-    on4 = tot[("on", 4, "interp")]["cosine"]
-    assert on4 == pytest.approx(tot[("on", 4, "fresh")]["cosine"], abs=1e-4)   # interp is exact on-policy
-    groups = [r for r in recs if r["kind"] == "fidelity" and r["scope"] == "group" and r["window"] == 4]
-    assert {tuple(r["steps"]) for r in groups} == {(0, 1, 2, 3), (4, 5)}
+            assert r["backward_items_jagg"] == r["backward_items_exact"] == r["samples"] * 7
+    assert tot[("on", "groups", 4, "interp")]["backward_items_jagg"] == 4 * 4      # groups 0-3, 4-6: 2 + 2 rows
+    assert tot[("on", "shared", 4, "interp")]["backward_items_jagg"] == 4 * 3      # knots 0, 3, 6
+    assert tot[("on", "adaptive", 4, "interp")]["backward_items_jagg"] == 4 * 3
+    on4 = tot[("on", "groups", 4, "interp")]["cosine"]
+    assert on4 == pytest.approx(tot[("on", "groups", 4, "fresh")]["cosine"], abs=1e-4)   # interp is exact on-policy
     sp = [r for r in recs if r["kind"] == "spearman"]
     assert {r["score"] for r in sp} == {"chord", "cosine", "cosine_min", "velocity_cosine"}
-    assert all(r["pairs"] == 4 for r in sp)                     # 4 samples x 1 group of > 2 steps
+    assert all(r["pairs"] == 8 for r in sp)                     # 4 samples x 2 groups of > 2 steps
     full = [r for r in recs if r["kind"] == "routing" and r["jagg_frac"] == 1.0 and r["exact_first_groups"] == 0]
     assert full and full[0]["cosine"] == pytest.approx(on4, abs=1e-6)  # routing everything = JAGG everywhere
 
 
+def test_pareto_front():
+    from jagg.bench.fidelity import pareto
+
+    recs = [dict(checkpoint="c", policy="on", backward_items_jagg=r, cosine=c, name=n)
+            for n, r, c in (("a", 10, 0.9), ("b", 12, 0.95), ("c", 12, 0.93), ("d", 8, 0.8), ("e", 10, 0.85))]
+    assert {r["name"] for r in pareto(recs)} == {"a", "b", "d"}
+
+
 def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "quality"
-    sets = [f"model.checkpoint={bench_ckpt}", "grpo.iterations=2", "sample.num_steps=4", "sample.prompts_per_iter=2",
+    sets = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=4", "sample.prompts_per_iter=2",
             "sample.group_size=2", "eval.num_prompts=4", "eval.num_steps=3", "estimator.micro_batch=4",
             "grpo.drop_zero_spread=false", "threads=1", "grpo.updates_per_epoch=2", "sample.sde_window=null"]
-    args = ["bench", "quality", "--quick", "--out", str(out)] + [a for s in sets for a in ("--set", s)]
+    args = ["bench", "quality", "--quick", "--out", str(out), "--variant", "exact", "--variant", "jagg_fresh",
+            "--variant", "unb:knots=shared,correction_p=0.5"] + [a for s in sets for a in ("--set", s)]
     assert main(args) == 0
     recs = json.loads((out / "quality.json").read_text())
     runs = [r for r in recs if r["kind"] == "run"]
-    assert {r["variant"] for r in runs} == {"exact", "jagg_fresh", "jagg_interp"}
+    assert {(r["variant"], r["seed"]) for r in runs} == {(v, s) for v in ("exact", "jagg_fresh", "unb") for s in (0, 1)}
     for r in runs:
-        assert r["updates"] == 4 and r["train_s_total"] > 0 and len(r["curve"]) == 3   # evals at 0, 1, 2
-        assert (out / r["variant"] / "seed0" / "result.json").is_file()
-    bwd = {r["variant"]: r["backward_items"] for r in runs}
-    assert bwd["jagg_interp"] == bwd["jagg_fresh"] < bwd["exact"]
+        assert r["updates"] == 8 and len(r["train_curve"]) == 4 and len(r["test_curve"]) == 3   # evals at 0, 2, 4
+        assert (out / r["variant"] / f"seed{r['seed']}" / "result.json").is_file()
+    rows = {r["variant"]: r["rows_per_update"] for r in runs}
+    assert rows["jagg_fresh"] < rows["exact"] and rows["unb"] < rows["exact"]
+    assert [r["estimator"]["correction_p"] for r in runs if r["variant"] == "unb"] == [0.5, 0.5]
+    # paired: a seed's first batch has the same prompts and noise in every variant (same first training reward)
+    first = {(r["variant"], r["seed"]): r["train_curve"][0][2] for r in runs}
+    assert first[("exact", 0)] == first[("jagg_fresh", 0)] == first[("unb", 0)]
     var = {r["variant"]: r for r in recs if r["kind"] == "variant"}
-    assert var["exact"]["iter_ratio"] == pytest.approx(1.0)
-    for v in ("jagg_fresh", "jagg_interp"):
-        assert var[v]["iter_ratio"] > 0 and 1.0 < var[v]["iter_ratio_ideal"] <= var[v]["limit"]
-        assert {"final_reward_mean", "final_reward_std", "train_s_total", "train_ratio"} <= set(var[v])
+    assert var["exact"]["iter_ratio"] == pytest.approx(1.0) and var["exact"]["time_to_target_ratio"] == 1.0
+    for v in ("jagg_fresh", "unb"):
+        r = var[v]
+        assert r["iter_ratio"] > 0 and 1.0 < r["iter_ratio_ideal"] <= r["limit"]
+        assert r["ratio_lo"] <= r["time_to_target_ratio"] <= r["ratio_hi"] or r["not_reached_share"] > 0
+        assert r["final_test_lo"] <= r["final_test_mean"] <= r["final_test_hi"] and r["eval_se"] > 0
+        assert {"diff_vs_exact", "train_start", "train_end", "drifted", "within_exact_interval"} <= set(r)
     assert (out / "quality.png").stat().st_size > 0
     capsys.readouterr()
     assert main(args) == 0                                      # finished runs are skipped
-    assert capsys.readouterr().out.count("already done") == 3
+    assert capsys.readouterr().out.count("already done") == 6
     assert main(args + ["--set", "optim.lr=0.5"]) == 2          # ... but not reused under another config
     assert "optim.lr" in capsys.readouterr().err
+    assert main(["bench", "quality", "--variant", "bad name:x=1"]) == 2
+    assert main(["bench", "quality", "--variant", "nosuch"]) == 2
+
+
+def test_time_to_target_statistics():
+    """smooth is a trailing mean; a curve that is the exact curve compressed in time by 2 reaches the target in
+    half the time."""
+    import numpy as np
+
+    from jagg.bench.quality import smooth, time_to_target
+
+    assert smooth(np.array([1.0, 3.0, 5.0, 7.0]), 2).tolist() == [1.0, 2.0, 4.0, 6.0]
+    r = np.linspace(0, 1, 100)[None].repeat(3, 0)
+    wall = np.arange(1, 101, dtype=float)[None].repeat(3, 0)
+    t_ex, ok = time_to_target(r, wall, 0.9, 1)
+    t_fast, ok2 = time_to_target(r, wall / 2, 0.9, 1)
+    assert ok and ok2 and t_ex / t_fast == pytest.approx(2.0)
+    assert time_to_target(r, wall, 2.0, 1) == (100.0, False)
 
 
 def test_agreement_statistic_on_synthetic_gradients():
@@ -196,13 +234,17 @@ def test_bench_signal_compares_estimators_on_the_same_batches(tmp_path, bench_ck
                 "config", "exact", "--out", str(tmp_path / mode), "--json", str(out)]
         assert main(args + [a for s in base + [f"estimator.mode={mode}"] for a in ("--set", s)]) == 0
         recs = {r["estimator"]: r for r in json.loads(out.read_text())}
-        assert set(recs) == {"config", "exact", "config x exact"}
+        assert set(recs) == {"config", "exact", "config x exact", "error (config - exact)"}
         cross = recs["config x exact"]["same_batch_cosine"]
-        if same:     # exact vs exact on the same batch: the same gradient
+        err = recs["error (config - exact)"]
+        assert err["exact_cosine"] == pytest.approx(recs["exact"]["cosine"], abs=1e-9)
+        if same:     # exact vs exact on the same batch: the same gradient, no error
             assert cross == pytest.approx(1.0, abs=1e-9)
             assert recs["config"]["cosine"] == pytest.approx(recs["exact"]["cosine"], abs=1e-9)
+            assert err["rel_err"] < 1e-9
         else:        # JAGG: close to exact on the same batch, not equal (8 steps, W=4: two JAGG groups)
             assert 0.5 < cross < 1 - 1e-6
+            assert 0 < err["rel_err"] < 1 and -1 <= err["cosine"] <= 1 and err["cosine_se"] >= 0
 
 
 def test_paired_eval_script(tiny_ckpt, tmp_path):

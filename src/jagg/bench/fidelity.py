@@ -5,11 +5,13 @@ SDE sampler with guidance, the configured reward, group-relative advantages, zer
 then every gradient below comes from :func:`jagg.policy_gradient`:
 
 1. Fidelity, on-policy (right after sampling) and off-policy (the trainer's second minibatch: after one
-   AdamW update on the first half of the batch with the configured estimator): for each window and
-   intermediate mode, the cosine similarity and relative error ``||g_jagg - g_exact|| / ||g_exact||`` of
-   the total gradient, and per group (the trajectory's ``train_steps`` restricted to one group, so the
-   exact and JAGG gradients of that group alone are compared; group 0 is the noisiest, the last the
-   cleanest).
+   AdamW update on the first half of the batch with the configured estimator): for every knot layout
+   (``--knots``: groups, shared, adaptive), window, alpha and intermediate mode, the rows it runs with grad, the
+   cosine similarity and relative error ``||g_jagg - g_exact|| / ||g_exact||`` of the total gradient, and the
+   cosine over the noisiest, the middle and the cleanest third of the trained steps, separately
+   (:func:`jagg.audit_gradient`: the gradient of each third's loss terms, knots and routing those of the whole
+   trajectory). The total is decided by the clean steps, whose signals are largest; layout is decided at the
+   noisy ones. The Pareto table (rows against total cosine) marks the layouts no other beats on both.
 2. Routing study (on-policy, windows > 2): per (sample, group) the true gradient cosine of JAGG vs exact;
    for each score of ``jagg.estimator_config.SCORES`` its Spearman rank correlation with that cosine, and the
    total-gradient cosine reached when only the top ``jagg_frac`` by that score go through JAGG, routing whole
@@ -32,7 +34,8 @@ from torch import Tensor, nn
 from ..training import config_loader as configuration
 from ..advantages import group_advantages, nonzero_spread_mask
 from ..shapes.weights import load_model
-from ..estimator_config import INTERMEDIATES, SCORES, EstimatorConfig
+from ..audit import audit_gradient
+from ..estimator_config import ALPHAS, INTERMEDIATES, KNOTS, SCORES, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient, reference_velocities
 from ..shapes.velocity import GuidedVelocity
 from ..rewards.registry import get_reward
@@ -50,7 +53,9 @@ ADVANTAGES = ("reward", "random")
 @dataclass
 class FidelityConfig:
     checkpoints: list[str] = field(default_factory=lambda: ["builtin:tiny_dit"])
-    windows: list[int] = field(default_factory=lambda: [2, 4, 8])
+    windows: list[int] = field(default_factory=lambda: [3, 4, 5, 8])
+    knots: list[str] = field(default_factory=lambda: list(KNOTS))
+    alphas: list[str] = field(default_factory=lambda: ["sigma"])
     intermediates: list[str] = field(default_factory=lambda: list(INTERMEDIATES))
     fracs: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])
     advantages: str = "reward"     # "reward": the trainer's advantages; "random": N(0, 1) per sample, all kept
@@ -66,6 +71,10 @@ class FidelityConfig:
             raise ValueError("give at least one --checkpoint")
         if not self.windows or any(w < 2 for w in self.windows):
             raise ValueError(f"--windows must be integers >= 2; got {self.windows}")
+        bad = [k for k in self.knots if k not in KNOTS] + [a for a in self.alphas if a not in ALPHAS]
+        if bad or not self.knots or not self.alphas:
+            raise ValueError(f"--knots must be some of {KNOTS} and --alphas some of {ALPHAS}; got {self.knots}, "
+                             f"{self.alphas}")
         bad = [i for i in self.intermediates if i not in INTERMEDIATES]
         if bad or not self.intermediates:
             raise ValueError(f"--intermediates must be some of {INTERMEDIATES}; got {self.intermediates}")
@@ -173,30 +182,42 @@ def _est(base: EstimatorConfig, **kw) -> EstimatorConfig:
 
 
 def fidelity(model: nn.Module, ro: Rollout, cfg: FidelityConfig, policy: str, ckpt: str) -> list[dict]:
-    """Total and per-group cosine / relative error of JAGG against exact, for every window and mode."""
+    """Rows, total and per-third cosine / relative error against exact, for every layout, window, alpha and mode."""
     base, w = cfg.train.estimator, cfg.train.sample.guidance_scale
-    steps = ro.traj.train_steps.tolist()
-    sig = ro.traj.sigmas
-    g_ex, st_ex = gradient(model, ro, _est(base, mode="exact"), w)
-    head = {"kind": "fidelity", "checkpoint": ckpt, "policy": policy, "samples": ro.traj.batch_size}
+    _, st_ex = gradient(model, ro, _est(base, mode="exact"), w)
+    params = [p for p in model.parameters() if p.requires_grad]
+    vf = GuidedVelocity(model, ro.tokens, w)
+    head = {"kind": "fidelity", "checkpoint": ckpt, "policy": policy, "samples": ro.traj.batch_size,
+            "steps": ro.traj.train_steps.tolist(), "backward_items_exact": st_ex.backward_items}
     out = []
-    for W in cfg.windows:
-        groups = make_groups(steps, W)
-        g_ex_group = [gradient(model, ro, _est(base, mode="exact"), w, g)[0] for g in groups]
-        for inter in cfg.intermediates:
-            est = _est(base, mode="jagg", window=W, intermediate=inter)
-            g_j, st_j = gradient(model, ro, est, w)
-            out.append({**head, "scope": "total", "window": W, "intermediate": inter, "group": None,
-                        "steps": steps, "cosine": cosine(g_j, g_ex), "rel_err": rel_err(g_j, g_ex),
-                        "backward_items_exact": st_ex.backward_items, "backward_items_jagg": st_j.backward_items,
-                        "clip_frac_exact": st_ex.clip_frac, "clip_frac_jagg": st_j.clip_frac,
-                        "ratio_mean": st_ex.ratio_mean})
-            for gi, (group, ge) in enumerate(zip(groups, g_ex_group)):
-                gj, _ = gradient(model, ro, est, w, group)
-                out.append({**head, "scope": "group", "window": W, "intermediate": inter, "group": gi,
-                            "steps": group, "sigma_a": float(sig[group[0]]), "sigma_b": float(sig[group[-1]]),
-                            "cosine": cosine(gj, ge), "rel_err": rel_err(gj, ge)})
+    for knots in cfg.knots:
+        for W in cfg.windows:
+            for alpha in cfg.alphas:
+                for inter in cfg.intermediates:
+                    est = _est(base, mode="jagg", window=W, knots=knots, alpha=alpha, intermediate=inter)
+                    _, st = gradient(model, ro, est, w)
+                    a = audit_gradient(vf, ro.traj, ro.adv, est, params, ro.ref_v, ro.groups,
+                                       torch.Generator().manual_seed(cfg.seed))
+                    out.append({**head, "scope": "total", "knots": knots, "window": W, "alpha": alpha,
+                                "intermediate": inter, "backward_items_jagg": st.backward_items,
+                                "forward_nograd_items_jagg": st.forward_nograd_items,
+                                "cosine": a["cos"], "rel_err": a["rel_err"],
+                                **{k: v for k, v in a.items() if k.startswith("cos_")},
+                                "clip_frac_exact": st_ex.clip_frac, "clip_frac_jagg": st.clip_frac,
+                                "ratio_mean": st_ex.ratio_mean})
     return out
+
+
+def pareto(records: list[dict]) -> list[dict]:
+    """The records no other record of the same checkpoint and policy beats on both rows (fewer) and cosine."""
+    front = []
+    for r in records:
+        rivals = [x for x in records if (x["checkpoint"], x["policy"]) == (r["checkpoint"], r["policy"]) and x is not r]
+        if not any(x["backward_items_jagg"] <= r["backward_items_jagg"] and x["cosine"] >= r["cosine"]
+                   and (x["backward_items_jagg"], x["cosine"]) != (r["backward_items_jagg"], r["cosine"])
+                   for x in rivals):
+            front.append(r)
+    return front
 
 
 def off_policy_rollout(model: nn.Module, ro: Rollout, cfg: FidelityConfig) -> tuple[nn.Module, Rollout] | None:
@@ -268,20 +289,19 @@ def routing(model: nn.Module, ro: Rollout, cfg: FidelityConfig, ckpt: str) -> li
 
 def _print_report(records: list[dict]) -> None:
     totals = [r for r in records if r["kind"] == "fidelity" and r["scope"] == "total"]
-    for r in totals:
-        same = ("checkpoint", "policy", "window", "intermediate")
-        gs = [x for x in records if x["kind"] == "fidelity" and x["scope"] == "group"
-              and all(x[k] == r[k] for k in same)]
-        r["_groups"] = " ".join(fmt(x["cosine"], ".4f") for x in gs)
-        r["_groups_err"] = " ".join(fmt(x["rel_err"], ".3f") for x in gs)
-    print("\nfidelity of the JAGG gradient (cosine / relative error vs exact); per group: early (noisy) -> late")
-    print(table(totals, [("checkpoint", "checkpoint", ""), ("policy", "policy", ""), ("window", "W", ""),
-                         ("intermediate", "interm.", ""), ("cosine", "cos total", ".4f"),
-                         ("rel_err", "rel.err total", ".3f"), ("backward_items_exact", "bwd ex", ""),
-                         ("backward_items_jagg", "bwd jg", ""), ("clip_frac_jagg", "clip jg", ".2f"),
-                         ("_groups", "cos per group", ""), ("_groups_err", "rel.err per group", "")]))
-    for r in totals:
-        r.pop("_groups"), r.pop("_groups_err")
+    front = {id(r) for r in pareto(totals)}
+    rows = sorted(totals, key=lambda r: (r["checkpoint"], r["policy"], r["backward_items_jagg"], -r["cosine"]))
+    for r in rows:
+        r["_pareto"] = "*" if id(r) in front else ""
+    print("\nfidelity (Pareto table: rows with grad against the cosine to exact, * = no layout has fewer rows and a "
+          "higher cosine); per third of the trained steps: noisy, middle, clean")
+    print(table(rows, [("checkpoint", "checkpoint", ""), ("policy", "policy", ""), ("knots", "knots", ""),
+                       ("window", "W", ""), ("alpha", "alpha", ""), ("intermediate", "interm.", ""),
+                       ("backward_items_jagg", "rows", ""), ("backward_items_exact", "exact rows", ""),
+                       ("cosine", "cos total", ".4f"), ("rel_err", "rel.err", ".3f"), ("cos_noisy", "cos noisy", ".4f"),
+                       ("cos_middle", "cos middle", ".4f"), ("cos_clean", "cos clean", ".4f"), ("_pareto", "pareto", "")]))
+    for r in rows:
+        r.pop("_pareto")
     sp = [r for r in records if r["kind"] == "spearman"]
     if sp:
         print("\nrouting scores: Spearman rank correlation with the true per-(sample, group) gradient cosine")
@@ -334,6 +354,7 @@ def _run(args: argparse.Namespace) -> int:
     d = FidelityConfig()
     cfg = FidelityConfig(
         checkpoints=args.checkpoint or d.checkpoints, windows=args.windows or d.windows,
+        knots=args.knots or d.knots, alphas=args.alphas or d.alphas,
         intermediates=args.intermediates or d.intermediates,
         fracs=args.fracs or (QUICK_FRACS if args.quick else d.fracs),
         advantages=args.advantages, routing=not args.no_routing, off_policy=not args.no_off_policy,
@@ -348,7 +369,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("fidelity", help="JAGG vs exact gradient cosine per window/mode/group; routing-score study",
+    p = sub.add_parser("fidelity", help="JAGG vs exact gradient cosine per knot layout, in total and per third of the "
+                       "steps (Pareto table of rows vs cosine); routing-score study",
                        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     d = FidelityConfig()
     p.add_argument("--checkpoint", action="append",
@@ -362,6 +384,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"a smaller study: {' '.join(QUICK_SETS)}, --fracs {' '.join(map(str, QUICK_FRACS))}")
     p.add_argument("--windows", nargs="+", type=int, help=f"[default: {' '.join(map(str, d.windows))}]")
+    p.add_argument("--knots", nargs="+", choices=KNOTS, help=f"knot layouts [default: {' '.join(d.knots)}]")
+    p.add_argument("--alphas", nargs="+", choices=ALPHAS, help="interpolation coefficients [default: sigma]")
     p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES,
                    help=f"[default: {' '.join(d.intermediates)}]")
     p.add_argument("--fracs", nargs="+", type=float,

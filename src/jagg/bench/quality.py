@@ -1,16 +1,30 @@
-"""``jagg bench quality``: GRPO runs with exact and JAGG gradients on the embedded task, side by side.
+"""``jagg bench quality``: does a JAGG variant reach a given reward sooner than exact? Paired GRPO runs x seeds.
 
-Each variant (``exact``, ``jagg_fresh``, ``jagg_interp``) trains with :class:`jagg.shapes.trainer.Trainer` from the
-same config (``configs/default.yaml`` plus ``--set`` overrides), for the same number of iterations and
-optimizer updates, once per seed; the runs alternate (seed 0 of every variant, then seed 1, ...). Every run writes into ``OUT/<variant>/seed<k>/`` (the trainer's usual
-outputs) and, when it is finished, ``result.json``; a run whose ``result.json`` exists for the requested
-number of iterations (and the same config; another config is an error) is skipped and an unfinished one resumes from its newest checkpoint, so the benchmark
-can be interrupted and restarted.
+Every variant trains with :class:`jagg.shapes.trainer.Trainer` from the same config (the main job plus ``--set``),
+for the same iterations and optimizer updates, once per seed. Seeds are paired across variants: a seed fixes the
+prompts and the noise streams (the unbiased correction's picks use an RNG of their own), so the variants of one seed
+differ only by their gradients. The runs alternate (seed 0 of every variant, then seed 1, ...), so a busy stretch of
+the machine hits every variant alike. Each run writes ``OUT/<variant>/seed<k>/`` (the trainer's outputs) and, once
+finished, ``result.json``; a finished run of the same config is skipped and an unfinished one resumes, so the
+benchmark can be interrupted and restarted.
 
-Reported: the held-out (test-split) reward against optimizer updates and against wall-clock seconds of
-training iterations (the metrics' ``wall_s``; evaluation excluded), the final reward's mean and spread over
-seeds, the training-phase time (sum of ``train_s``), and the iteration-time ratio exact / JAGG next to its
-ideal: sampling and rewards unchanged, the training phase shrunk by the cost-model limit.
+A variant is ``NAME`` (built in: ``exact``, ``config`` = the config's own estimator, ``jagg_fresh``,
+``jagg_interp``) or ``NAME:KEY=VALUE,KEY=VALUE`` (estimator keys; ``estimator.`` may be left out), e.g.
+``unbiased:knots=shared,window=5,correction_p=0.25``. ``exact`` is always run: it is the reference.
+
+Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy):
+- **time to target**: the target is exact's final training reward (the mean over its last 10% of iterations, mean
+  over seeds); a variant reaches it at the first iteration where its seed-averaged training reward, smoothed by a
+  trailing mean over 10% of the iterations, is at or above it. Time is the wall-clock of training iterations (the
+  trainer's ``wall_s``: sampling, reward and training; evaluation and audit excluded), averaged over seeds. The
+  ratio exact / variant > 1 means the variant gets there sooner. A variant that never gets there counts as reaching
+  it at its last iteration (an upper bound of its ratio); the share of such resamples is reported.
+- **final test reward** at equal updates (held-out test prompts, the trainer's last evaluation), its mean, interval,
+  the paired difference to exact with its interval, and the evaluation's own noise (per-image standard error).
+- the training reward at the start and the end (means over the first and last 10% of iterations): a variant that
+  ends below its start has drifted.
+- backward rows per update, the iteration-time ratio exact / variant, and its ideal: sampling and reward as exact's,
+  training scaled by the cost model (``B = 2F``) applied to the measured rows (``3 rows_exact / (3 rows + nograd)``).
 """
 
 from __future__ import annotations
@@ -21,36 +35,66 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..training import config_loader as configuration
+import numpy as np
+
 from ..shapes.config import TrainConfig
-from ..trajectory import select_train_steps
+from ..training import config_loader as configuration
 from .common import default_config_path, table, write_json
-from .e2e import VARIANTS, routed_limit
+
+BUILTIN = {
+    "exact": ["estimator.mode=exact"],
+    "config": [],
+    "jagg_fresh": ["estimator.mode=jagg", "estimator.intermediate=fresh"],
+    "jagg_interp": ["estimator.mode=jagg", "estimator.intermediate=interp"],
+}
 # bench defaults, before the user's --set (which win)
-DEFAULT_SETS = ["log.progress=false", "log.tensorboard=false", "eval.every=10"]
-QUICK_SETS = ["grpo.iterations=3", "sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=1",
+DEFAULT_SETS = ["log.progress=false", "log.tensorboard=false", "log.checkpoint_every=50"]
+QUICK_SETS = ["grpo.iterations=4", "sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=2",
               "eval.num_prompts=8", "eval.images_per_prompt=1", "eval.grid_size=4", "log.checkpoint_every=0"]
+BOOTSTRAP = 2000
+
+
+def parse_variant(spec: str) -> tuple[str, list[str]]:
+    """``NAME`` (built in) or ``NAME:KEY=VALUE,...`` -> ``(name, --set strings)``; estimator keys may be short."""
+    name, _, body = spec.partition(":")
+    if not name or any(c in name for c in "/ =,"):
+        raise ValueError(f"--variant {spec!r}: the name must be a word (no '/', ' ', '=' or ','), e.g. unbiased:"
+                         "correction_p=0.25")
+    if not body:
+        if name not in BUILTIN:
+            raise ValueError(f"--variant {spec!r}: unknown built-in variant; built in: {sorted(BUILTIN)}, or give "
+                             "NAME:KEY=VALUE,...")
+        return name, list(BUILTIN[name])
+    sets = []
+    for kv in body.split(","):
+        key, eq, value = kv.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--variant {spec!r}: {kv!r} is not KEY=VALUE")
+        sets.append(f"{key if '.' in key else 'estimator.' + key}={value}")
+    return name, (["estimator.mode=exact"] if name == "exact" else ["estimator.mode=jagg"]) + sets
 
 
 @dataclass
 class QualityConfig:
     config: str | None = None                 # trainer YAML
     sets: list[str] = field(default_factory=list)
-    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    variants: dict[str, list[str]] = field(default_factory=lambda: {"exact": BUILTIN["exact"],
+                                                                    "config": BUILTIN["config"]})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
     out: str = "runs/bench_quality"
 
     def __post_init__(self):
-        bad = [v for v in self.variants if v not in VARIANTS]
-        if bad or not self.variants:
-            raise ValueError(f"--variants must be some of {list(VARIANTS)}; got {self.variants}")
         if not self.seeds:
             raise ValueError("--seeds must be >= 1")
+        if "exact" not in self.variants:
+            self.variants = {"exact": BUILTIN["exact"], **self.variants}
 
     def train_config(self, variant: str, seed: int) -> TrainConfig:
         run = [f"seed={seed}", f"log.output_dir={self.run_dir(variant, seed)}"]
-        sets = DEFAULT_SETS + self.sets + VARIANTS[variant] + run
-        return configuration.load(TrainConfig, self.config, sets)
+        try:
+            return configuration.load(TrainConfig, self.config, DEFAULT_SETS + self.sets + self.variants[variant] + run)
+        except ValueError as e:
+            raise ValueError(f"variant {variant!r}: {e}") from None
 
     def run_dir(self, variant: str, seed: int) -> Path:
         return Path(self.out) / variant / f"seed{seed}"
@@ -64,31 +108,35 @@ def summarize(records: list[dict], cfg: TrainConfig, variant: str, seed: int) ->
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     per_iter = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
-    mean = lambda k: statistics.fmean(r[k] for r in train) if train else float("nan")
-    trained = sum(r.get("trained_samples", 0) for r in train)
-    train_s = sum(r["train_s"] for r in train)
-    e, c = cfg.estimator, cfg.sample
-    steps = select_train_steps(c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)[0]
+    med = lambda k: statistics.median(r[k] for r in train) if train else float("nan")
+    updates = len(train) * per_iter
+    n_eval = cfg.eval.num_prompts or None
+    last = evals[-1] if evals else {}
     return {
-        "kind": "run", "variant": variant, "seed": seed, "mode": e.mode, "window": e.window,
-        "intermediate": e.intermediate, "jagg_frac": e.jagg_frac, "trained_steps": int(steps.numel()),
-        "limit": routed_limit(cfg),
-        "iterations": cfg.grpo.iterations, "updates": len(train) * per_iter,
-        "final_reward": evals[-1]["reward_mean"] if evals else None,
-        "final_held_out_reward": evals[-1].get("held_out_reward") if evals else None,
-        "train_s_total": train_s, "train_s_per_sample": train_s / trained if trained else None,
-        "trained_samples": trained, "sample_s": mean("sample_s"), "reward_s": mean("reward_s"),
-        "train_s": mean("train_s"), "iter_s": mean("iter_s"), "wall_s": train[-1]["wall_s"] if train else 0.0,
-        "backward_items": sum(r.get("backward_items", 0) for r in train),
-        "curve": [{"iteration": r["iteration"], "updates": r["iteration"] * per_iter, "wall_s": r["wall_s"],
-                   "reward": r["reward_mean"], "held_out_reward": r.get("held_out_reward")} for r in evals],
+        "kind": "run", "variant": variant, "seed": seed, "estimator": cfg.estimator.to_dict(),
+        "iterations": cfg.grpo.iterations, "updates": updates,
+        "final_test_reward": last.get("reward_mean"), "final_test_reward_std": last.get("reward_std"),
+        "eval_images": (n_eval or _num_test_prompts()) * cfg.eval.images_per_prompt,
+        "final_held_out_reward": last.get("held_out_reward"),
+        "sample_s": med("sample_s"), "reward_s": med("reward_s"), "train_s": med("train_s"), "iter_s": med("iter_s"),
+        "wall_s": train[-1]["wall_s"] if train else 0.0,
+        "rows_per_update": sum(r.get("backward_items", 0) for r in train) / max(updates, 1),
+        "nograd_per_update": sum(r.get("forward_nograd_items", 0) for r in train) / max(updates, 1),
+        "train_curve": [[r["iteration"], r["wall_s"], r["reward_mean"]] for r in train],
+        "test_curve": [[r["iteration"], r["wall_s"], r["reward_mean"]] for r in evals],
     }
+
+
+def _num_test_prompts() -> int:
+    from ..shapes import test_prompts
+
+    return len(test_prompts())
 
 
 def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     """Train (or resume, or skip) one run and return its summary."""
-    from ..training.config_loader import to_dict
     from ..shapes.trainer import Trainer
+    from ..training.config_loader import to_dict
     from ..training.core import check_resumable
 
     cfg = q.train_config(variant, seed)
@@ -96,14 +144,11 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     done = out / "result.json"
     if done.is_file():
         result = json.loads(done.read_text())
-        if result.get("iterations") == cfg.grpo.iterations:
-            if "config" in result:                                      # a finished run of another config
-                try:
-                    check_resumable(result["config"], to_dict(cfg))
-                except ValueError as e:
-                    raise ValueError(f"{done} was trained with another config ({e}); use another --out") from None
-            result.setdefault("jagg_frac", cfg.estimator.jagg_frac)   # result files of older versions
-            result.setdefault("limit", routed_limit(cfg))
+        if result.get("iterations") == cfg.grpo.iterations and "train_curve" in result:
+            try:
+                check_resumable(result["config"], to_dict(cfg))
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"{done} was trained with another config ({e}); use another --out") from None
             print(f"quality: {variant} seed {seed}: already done ({done}), skipped", flush=True)
             return result
     print(f"quality: {variant} seed {seed}: training {cfg.grpo.iterations} iterations into {out}", flush=True)
@@ -115,103 +160,150 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     return result
 
 
-# ----------------------------------------------------------------------------- aggregation and plot
+# ----------------------------------------------------------------------------- statistics
 
 
-def _stat(xs: list, fn) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return fn(xs) if xs else None
+def smooth(x: np.ndarray, w: int) -> np.ndarray:
+    """Trailing mean over ``w`` entries along the last axis (shorter at the start)."""
+    c = np.cumsum(np.pad(x, [(0, 0)] * (x.ndim - 1) + [(1, 0)]), axis=-1)
+    n = np.arange(1, x.shape[-1] + 1)
+    lo = np.maximum(n - w, 0)
+    return (c[..., n] - c[..., lo]) / (n - lo)
 
 
-def aggregate(runs: list[dict]) -> list[dict]:
-    """Per variant: final reward mean/std/min/max over seeds, times, and ratios against ``exact``."""
-    by = {}
-    for r in runs:
-        by.setdefault(r["variant"], []).append(r)
+def time_to_target(reward: np.ndarray, wall: np.ndarray, target: float, w: int) -> tuple[float, bool]:
+    """Seconds until the seed-mean of ``reward`` ``[S, N]``, smoothed over ``w`` iterations, first reaches ``target``
+    (wall-clock ``[S, N]`` averaged over seeds), and whether it did (else: the last iteration's time)."""
+    curve, t = smooth(reward.mean(0), w), wall.mean(0)
+    hit = np.nonzero(curve >= target - 1e-12)[0]
+    return (float(t[hit[0]]), True) if hit.size else (float(t[-1]), False)
+
+
+def _interval(xs: np.ndarray) -> tuple[float, float]:
+    return float(np.percentile(xs, 2.5)), float(np.percentile(xs, 97.5))
+
+
+def compare(runs: list[dict], variants: list[str], seeds: list[int]) -> list[dict]:
+    """Per variant: the paired statistics of the module docstring (bootstrap over seeds)."""
+    by = {(r["variant"], r["seed"]): r for r in runs}
+    n = min(len(by[(v, s)]["train_curve"]) for v in variants for s in seeds)
+    w = max(1, n // 10)
+    rew = {v: np.array([[p[2] for p in by[(v, s)]["train_curve"][:n]] for s in seeds]) for v in variants}
+    wall = {v: np.array([[p[1] for p in by[(v, s)]["train_curve"][:n]] for s in seeds]) for v in variants}
+    final = {v: np.array([by[(v, s)]["final_test_reward"] if by[(v, s)]["final_test_reward"] is not None else np.nan
+                          for s in seeds]) for v in variants}
+    rng = np.random.default_rng(0)
+    S = len(seeds)
+    boots = [rng.integers(0, S, S) for _ in range(BOOTSTRAP)] if S > 1 else [np.arange(S)]
+
+    def ttt_ratio(v: str, idx: np.ndarray) -> tuple[float, bool]:
+        target = float(rew["exact"][idx][:, -w:].mean())
+        t_ex, _ = time_to_target(rew["exact"][idx], wall["exact"][idx], target, w)
+        t_v, reached = time_to_target(rew[v][idx], wall[v][idx], target, w)
+        return t_ex / t_v, reached
+
+    by_variant: dict[str, dict] = {}
+    ex = {k: statistics.median(by[("exact", s)][k] for s in seeds) for k in ("sample_s", "reward_s", "train_s",
+                                                                              "iter_s", "rows_per_update")}
     out = []
-    for v, rs in by.items():
-        fin = [r["final_reward"] for r in rs]
-        out.append({
-            "kind": "variant", "variant": v, "seeds": len(rs), "window": rs[0]["window"],
-            "intermediate": rs[0]["intermediate"], "mode": rs[0]["mode"], "trained_steps": rs[0]["trained_steps"],
-            "updates": rs[0]["updates"],
-            "final_reward_mean": _stat(fin, statistics.fmean),
-            "final_reward_std": _stat(fin, lambda x: statistics.pstdev(x) if len(x) > 1 else 0.0),
-            "final_reward_min": _stat(fin, min), "final_reward_max": _stat(fin, max),
-            "final_held_out_mean": _stat([r["final_held_out_reward"] for r in rs], statistics.fmean),
-            "train_s_total": statistics.fmean(r["train_s_total"] for r in rs),
-            "train_s_per_sample": _stat([r["train_s_per_sample"] for r in rs], statistics.fmean),
-            "sample_s": statistics.fmean(r["sample_s"] for r in rs),
-            "reward_s": statistics.fmean(r["reward_s"] for r in rs),
-            "train_s": statistics.fmean(r["train_s"] for r in rs),
-            "iter_s": statistics.fmean(r["iter_s"] for r in rs),
-            "limit": rs[0]["limit"],                      # the cost model (1 for exact), from the run summary
-        })
-    ex = next((a for a in out if a["variant"] == "exact"), None)
-    for a in out:
-        if ex is None:
-            continue
-        ratio = lambda k: ex[k] / a[k] if ex.get(k) and a.get(k) else None
-        a["train_ratio"] = ratio("train_s")                       # exact / this, training phase per iteration
-        a["train_ratio_per_sample"] = ratio("train_s_per_sample")
-        a["iter_ratio"] = ratio("iter_s")
+    for v in variants:
+        rs = [by[(v, s)] for s in seeds]
+        ratio, reached = ttt_ratio(v, np.arange(S))
+        bt = [ttt_ratio(v, idx) for idx in boots]
+        fin = final[v]
+        diff = fin - final["exact"]
+        fin_b = [float(np.nanmean(fin[idx])) for idx in boots]
+        diff_b = [float(np.nanmean(diff[idx])) for idx in boots]
+        sd = [r["final_test_reward_std"] for r in rs if r["final_test_reward_std"] is not None]
+        rows = statistics.median(r["rows_per_update"] for r in rs)
+        nograd = statistics.median(r["nograd_per_update"] for r in rs)
+        iter_s = statistics.median(r["iter_s"] for r in rs)
+        limit = 3 * ex["rows_per_update"] / (3 * rows + nograd) if rows else float("nan")
         sr = ex["sample_s"] + ex["reward_s"]
-        a["iter_ratio_ideal"] = (sr + ex["train_s"]) / (sr + ex["train_s"] / a["limit"])
+        by_variant[v] = {
+            "kind": "variant", "variant": v, "seeds": S, "iterations": n, "smooth_window": w,
+            "updates": rs[0]["updates"],
+            "time_to_target_ratio": ratio, "reached": reached,
+            "ratio_lo": _interval(np.array([b[0] for b in bt]))[0], "ratio_hi": _interval(np.array([b[0] for b in bt]))[1],
+            "not_reached_share": float(np.mean([not b[1] for b in bt])),
+            "final_test_mean": float(np.nanmean(fin)), "final_test_lo": _interval(np.array(fin_b))[0],
+            "final_test_hi": _interval(np.array(fin_b))[1],
+            "diff_vs_exact": float(np.nanmean(diff)), "diff_lo": _interval(np.array(diff_b))[0],
+            "diff_hi": _interval(np.array(diff_b))[1],
+            "eval_se": statistics.fmean(sd) / np.sqrt(rs[0]["eval_images"]) if sd else None,
+            "train_start": float(rew[v][:, :w].mean()), "train_end": float(rew[v][:, -w:].mean()),
+            "rows_per_update": rows, "nograd_per_update": nograd, "iter_s": iter_s,
+            "train_s": statistics.median(r["train_s"] for r in rs),
+            "iter_ratio": ex["iter_s"] / iter_s, "limit": limit,
+            "iter_ratio_ideal": (sr + ex["train_s"]) / (sr + ex["train_s"] / limit),
+            "wall_s": statistics.fmean(r["wall_s"] for r in rs),
+        }
+        out.append(by_variant[v])
+    for r in out:
+        e = by_variant["exact"]
+        r["within_exact_interval"] = bool(e["final_test_lo"] <= r["final_test_mean"] <= e["final_test_hi"])
+        r["drifted"] = r["train_end"] < r["train_start"]
     return out
 
 
-def plot(runs: list[dict], path: Path) -> None:
-    """Two panels: held-out reward vs optimizer updates and vs wall-clock (mean over seeds, min-max band)."""
+# ----------------------------------------------------------------------------- plot
+
+
+def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world") -> None:
+    """Two panels against wall-clock of training iterations (mean over seeds): the training reward (smoothed
+    trailing mean, 10% of the iterations) and the held-out test reward (band = min-max over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
-    by = {}
+    by: dict[str, list[dict]] = {}
     for r in runs:
         by.setdefault(r["variant"], []).append(r)
     for v, rs in by.items():
-        n = min(len(r["curve"]) for r in rs)
+        n = min(len(r["train_curve"]) for r in rs)
         if n == 0:
             continue
-        rew = np.array([[p["reward"] for p in r["curve"][:n]] for r in rs])
-        upd = np.array([p["updates"] for p in rs[0]["curve"][:n]])
-        wall = np.array([[p["wall_s"] for p in r["curve"][:n]] for r in rs]).mean(0)
-        for ax, x in zip(axes, (upd, wall)):
-            line, = ax.plot(x, rew.mean(0), "o-", ms=3, label=f"{v} ({len(rs)} seeds)")
+        rew = np.array([[p[2] for p in r["train_curve"][:n]] for r in rs])
+        wall = np.array([[p[1] for p in r["train_curve"][:n]] for r in rs]).mean(0)
+        line, = axes[0].plot(wall, smooth(rew.mean(0), max(1, n // 10)), label=f"{v} ({len(rs)} seeds)")
+        m = min(len(r["test_curve"]) for r in rs)
+        if m:
+            test = np.array([[p[2] for p in r["test_curve"][:m]] for r in rs])
+            tw = np.array([[p[1] for p in r["test_curve"][:m]] for r in rs]).mean(0)
+            axes[1].plot(tw, test.mean(0), "o-", ms=3, color=line.get_color(), label=v)
             if len(rs) > 1:
-                ax.fill_between(x, rew.min(0), rew.max(0), color=line.get_color(), alpha=0.2)
-    axes[0].set_xlabel("optimizer updates")
-    axes[1].set_xlabel("wall-clock of training iterations (s, mean over seeds)")
+                axes[1].fill_between(tw, test.min(0), test.max(0), color=line.get_color(), alpha=0.15)
+    axes[0].set_ylabel("training reward (smoothed)")
+    axes[1].set_ylabel("test reward (held-out prompts)")
     for ax in axes:
-        ax.set_ylabel("test reward (held-out prompts)")
+        ax.set_xlabel("wall-clock of training iterations (s, mean over seeds)")
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("GRPO on the shapes world: exact vs JAGG (mean over seeds, band = min-max)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{title}: reward against wall-clock, exact vs JAGG")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
 
 
+VARIANT_COLUMNS = [
+    ("variant", "variant", ""), ("seeds", "seeds", ""), ("time_to_target_ratio", "time-to-target", ".2f"),
+    ("ratio_lo", "lo", ".2f"), ("ratio_hi", "hi", ".2f"), ("not_reached_share", "unreached", ".2f"),
+    ("final_test_mean", "final test", ".3f"), ("final_test_lo", "lo", ".3f"), ("final_test_hi", "hi", ".3f"),
+    ("diff_vs_exact", "- exact", "+.3f"), ("diff_lo", "lo", "+.3f"), ("diff_hi", "hi", "+.3f"),
+    ("eval_se", "eval SE", ".3f"), ("train_start", "train start", ".3f"), ("train_end", "end", ".3f"),
+    ("rows_per_update", "rows/upd", ".0f"), ("iter_ratio", "iter ratio", ".2f"), ("iter_ratio_ideal", "ideal", ".2f")]
 RUN_COLUMNS = [("variant", "variant", ""), ("seed", "seed", ""), ("updates", "updates", ""),
-               ("final_reward", "final reward", ".3f"), ("final_held_out_reward", "held-out combos", ".3f"),
-               ("train_s_total", "train s total", ".1f"), ("iter_s", "iter s", ".2f"), ("wall_s", "wall s", ".1f"),
-               ("backward_items", "bwd rows", "")]
-VARIANT_COLUMNS = [("variant", "variant", ""), ("seeds", "seeds", ""), ("final_reward_mean", "final reward", ".3f"),
-                   ("final_reward_std", "± std", ".3f"), ("final_reward_min", "min", ".3f"),
-                   ("final_reward_max", "max", ".3f"), ("train_s_total", "train s total", ".1f"),
-                   ("iter_s", "iter s", ".2f"), ("train_ratio", "train ratio", ".2f"), ("limit", "limit", ".2f"),
-                   ("iter_ratio", "iter ratio", ".2f"), ("iter_ratio_ideal", "ideal", ".2f")]
+               ("final_test_reward", "final test", ".3f"), ("iter_s", "iter s", ".2f"), ("wall_s", "wall s", ".0f"),
+               ("rows_per_update", "rows/upd", ".0f")]
 
 
 def run_quality(q: QualityConfig) -> list[dict]:
-    # seed-major: exact, jagg_fresh, jagg_interp, exact, ... so a slow or busy stretch of the machine hits every
-    # variant alike (each run still takes its own wall-clock; compare medians over seeds)
-    runs = [run_one(q, v, s) for s in q.seeds for v in q.variants]
-    return runs + aggregate(runs)
+    names = list(q.variants)
+    runs = [run_one(q, v, s) for s in q.seeds for v in names]        # seed-major, alternating variants
+    return runs + compare(runs, names, q.seeds)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -223,17 +315,21 @@ def _run(args: argparse.Namespace) -> int:
         sets.append(f"grpo.iterations={args.iterations}")
     if args.eval_every is not None:
         sets.append(f"eval.every={args.eval_every}")
-    n_seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)
+    n_seeds = args.seeds if args.seeds is not None else (2 if args.quick else 5)
+    if n_seeds < 1:
+        raise ValueError(f"--seeds must be >= 1; got {n_seeds}")
+    variants = dict(parse_variant(s) for s in (args.variant or ["exact", "config"]))
     out = args.out or ("runs/bench_quality_quick" if args.quick else "runs/bench_quality")
-    q = QualityConfig(config=args.config, sets=sets, variants=args.variants or list(VARIANTS),
+    q = QualityConfig(config=args.config, sets=sets, variants=variants,
                       seeds=list(range(args.first_seed, args.first_seed + n_seeds)), out=out)
     records = run_quality(q)
     runs = [r for r in records if r["kind"] == "run"]
-    variants = [r for r in records if r["kind"] == "variant"]
+    summary = [r for r in records if r["kind"] == "variant"]
     print("\nruns")
     print(table(runs, RUN_COLUMNS))
-    print("\nper variant (ratios are exact / variant; ideal: sampling and rewards unchanged, training / limit)")
-    print(table(variants, VARIANT_COLUMNS))
+    print(f"\nper variant, paired over seeds {q.seeds[0]}..{q.seeds[-1]} (95% bootstrap intervals; time-to-target and "
+          "iteration ratios are exact / variant)")
+    print(table(summary, VARIANT_COLUMNS))
     png = Path(args.plot or Path(out) / "quality.png")
     plot(runs, png)
     print(f"\nwrote {png}")
@@ -244,20 +340,22 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("quality", help="GRPO runs exact vs JAGG x seeds: reward vs updates and wall-clock",
+    p = sub.add_parser("quality", help="paired GRPO runs exact vs JAGG variants x seeds: time to reward, final reward",
                        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=default_config_path(),
-                   help="trainer YAML shared by every run [default: configs/default.yaml when present]")
+                   help="trainer YAML shared by every run [default: the main job]")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a trainer config key for every run (repeatable), e.g. estimator.window=8")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help=f"[default: {' '.join(VARIANTS)}]")
-    p.add_argument("--seeds", type=int, help="seeds per variant [default: 3; 1 with --quick]")
+                   help="override a trainer config key for every run (repeatable), e.g. grpo.iterations=200")
+    p.add_argument("--variant", action="append", metavar="NAME[:KEY=VALUE,...]",
+                   help="a variant (repeatable): exact, config, jagg_fresh, jagg_interp, or NAME:KEY=VALUE,... of "
+                        "estimator keys [default: exact config]")
+    p.add_argument("--seeds", type=int, help="paired seeds per variant [default: 5; 2 with --quick]")
     p.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed .. first-seed + seeds - 1")
     p.add_argument("--iterations", type=int, help="GRPO iterations per run [default: the config's grpo.iterations]")
-    p.add_argument("--eval-every", type=int, help="evaluate every N iterations [default: 10]")
+    p.add_argument("--eval-every", type=int, help="evaluate every N iterations [default: the config's eval.every]")
     p.add_argument("--out", help="bench output dir, one sub-dir per run [default: runs/bench_quality]")
     p.add_argument("--plot", help="PNG path [default: OUT/quality.png]")
     p.add_argument("--json", help="JSON path [default: OUT/quality.json]")
     p.add_argument("--quick", action="store_true",
-                   help=f"a tiny smoke version, 1 seed, into runs/bench_quality_quick: {' '.join(QUICK_SETS)}")
+                   help=f"a tiny smoke version, 2 seeds, into runs/bench_quality_quick: {' '.join(QUICK_SETS)}")
     p.set_defaults(func=_run)

@@ -59,6 +59,9 @@ class Trainer(TrainerCore):
         self.reward_fn = get_reward(cfg.reward.weights or cfg.reward.name)
         self.prompts = cfg.sample.prompts()
         self.gen = torch.Generator().manual_seed(cfg.seed)
+        # the unbiased correction's picks draw from an RNG of their own, so that runs of one seed with different
+        # estimators sample the same prompts and noise streams
+        self.pick_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
         self.np_rng = np.random.default_rng(cfg.seed)
         self.iteration = 0
         self.wall = 0.0                      # seconds spent in iterations (not eval), across resumes
@@ -127,7 +130,7 @@ class Trainer(TrainerCore):
         self.opt.zero_grad(set_to_none=True)
         vf = GuidedVelocity(self.model, tokens, c.sample.guidance_scale)
         stats = policy_gradient(vf, traj, adv, c.estimator, ref_velocities=ref_v, sample_groups=groups,
-                                generator=self.gen).to_dict()
+                                generator=self.pick_gen).to_dict()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, c.optim.max_grad_norm if c.optim.max_grad_norm > 0 else float("inf"))
         stats["grad_norm"] = float(norm)
@@ -137,11 +140,13 @@ class Trainer(TrainerCore):
         return stats
 
     def _rng_state(self) -> dict:
-        return {"gen": self.gen.get_state(), "numpy": self.np_rng.bit_generator.state,
+        return {"gen": self.gen.get_state(), "pick_gen": self.pick_gen.get_state(), "numpy": self.np_rng.bit_generator.state,
                 "torch": torch.get_rng_state(), "python": random.getstate()}
 
     def _set_rng_state(self, rng: dict) -> None:
         self.gen.set_state(rng["gen"])
+        if "pick_gen" in rng:                                  # checkpoints before unbiased JAGG have none
+            self.pick_gen.set_state(rng["pick_gen"])
         self.np_rng.bit_generator.state = rng["numpy"]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
