@@ -47,6 +47,11 @@ def test_cost_model_and_spearman():
     # routing: half of each eligible group through JAGG; exact first/last groups count as exact
     assert cost_limit(4, "interp", steps=8, jagg_frac=0.5) == pytest.approx(24 / (2 * (0.5 * 6 + 0.5 * 12)))
     assert cost_limit(4, "interp", steps=10, exact_first=1) == pytest.approx(30 / (12 + 6 + 6))
+    assert cost_limit(4, "interp", steps=10, knots="shared") == pytest.approx(10 / 4)    # knots 0, 3, 6, 9
+    assert cost_limit(4, "interp", steps=10, knots="adaptive") == pytest.approx(10 / 4)
+    assert cost_limit(4, "fresh", steps=10, knots="shared") == pytest.approx(30 / (12 + 6))
+    assert cost_limit(4, "interp", steps=8, correction_p=0.25) == pytest.approx(8 / (4 + 0.25 * 4))
+    assert cost_limit(4, "interp", steps=10, exact_last=1) == pytest.approx(10 / 8)  # the last group JAGG could take
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 1, 2, 3], [5, 5, 6, 7]) == pytest.approx(1.0)       # ties get average ranks
@@ -61,6 +66,12 @@ def test_bench_speed_smoke(tmp_path, bench_ckpt):
     recs = json.loads(out.read_text())
     pairs = {(w, i) for w in (2, 4, 8) for i in ("fresh", "interp")}
     assert {(r["window"], r["intermediate"]) for r in recs} == pairs
+    assert len(recs) == 3 * len(pairs)                          # groups, shared, adaptive
+    for r in recs:
+        if r["knots"] != "groups":                              # knots every W - 1 steps: 1 + ceil(7 / (W - 1))
+            W = r["window"]
+            assert r["backward_items_jagg"] == B * (T if W == 2 else 1 + -(-(T - 1) // (W - 1)))
+    recs = [r for r in recs if r["knots"] == "groups"]
     for r in recs:
         assert {"model", "mode", "intermediate", "window", "exact_s", "jagg_s", "speedup", "limit",
                 "backward_items_exact", "backward_items_jagg", "limit_measured", "peak_mem_exact_mb"} <= set(r)

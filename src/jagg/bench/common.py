@@ -18,37 +18,47 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..routing import make_groups
+from ..knots import intervals_of
 
 # ----------------------------------------------------------------------------- the cost model (DESIGN §3)
 
 
 def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: float = 1.0,
                backward: float = 2.0, steps: int | None = None, jagg_frac: float = 1.0,
-               exact_first: int = 0, exact_last: int = 0) -> float:
-    """Ideal speed-up of JAGG over exact: exact cost / JAGG cost of the trained steps.
+               exact_first: int = 0, exact_last: int = 0, knots: str = "groups", correction_p: float = 0.0) -> float:
+    """Ideal speed-up of JAGG over exact: exact cost / JAGG cost of the trained steps, per sample.
 
-    Per group of ``m`` trained steps:  exact ``m (F_grad + B)``;  JAGG fresh ``2 F_grad + (m - 2) F_nograd + 2 B``;
-    interp ``2 (F_grad + B)`` (a group of 1 or 2 steps costs the same as exact). With ``steps=None`` the
-    limit is for one full group of ``window`` steps: the defaults (``B = 2F``, ``F_grad = F_nograd``) give
-    DESIGN's ``3W / (W + 4)`` (fresh) and ``W / 2`` (interp). With ``steps=K`` the ``K`` trained steps are
-    split into groups as the estimator splits them (the last group may be shorter). Pass measured times to
-    get the limit of a given model. Routing: the fraction ``jagg_frac`` of each eligible group (>= 3 steps,
-    not among the first ``exact_first`` / last ``exact_last`` groups) goes through JAGG, the rest exact.
+    Exact: ``K (F_grad + B)``. JAGG: ``rows (F_grad + B) + nograd F_nograd``, where the rows are the knots plus the
+    inner steps of the intervals that run exact, and ``nograd`` the inner steps of the routed intervals under
+    ``fresh``. With ``steps=None`` the limit is for one full interval of ``window`` steps: the defaults
+    (``B = 2F``, ``F_grad = F_nograd``) give DESIGN's ``3W / (W + 4)`` (fresh) and ``W / 2`` (interp). With
+    ``steps=K`` the ``K`` trained steps are laid out as the estimator lays them out: groups of ``window`` (the last
+    may be shorter), or shared knots every ``window - 1`` steps (``adaptive`` has as many knots; its intervals'
+    sizes depend on the data, so ``shared``'s sizes stand in for them when ``jagg_frac < 1``). Routing: the
+    fraction ``jagg_frac`` of each eligible interval (>= 3 steps, not among the first ``exact_first`` / last
+    ``exact_last`` eligible ones) goes through JAGG; unbiased JAGG adds ``correction_p`` of a routed interval's
+    inner rows. Pass measured times to get the limit of a given model.
     """
     if intermediate not in ("fresh", "interp"):
         raise ValueError(f"intermediate must be 'fresh' or 'interp'; got {intermediate!r}")
-    sizes = [window] if steps is None else [len(g) for g in make_groups(list(range(steps)), window)]
-    exact = sum(sizes) * (f_grad + backward)
-    jagg = 0.0
-    for gi, m in enumerate(sizes):
-        group_exact = m * (f_grad + backward)
-        if m <= 2 or gi < exact_first or gi >= len(sizes) - exact_last:
-            jagg += group_exact
-            continue
-        routed = 2 * (f_grad + backward) + ((m - 2) * f_nograd if intermediate == "fresh" else 0.0)
-        jagg += jagg_frac * routed + (1.0 - jagg_frac) * group_exact
-    return exact / jagg
+    K = window if steps is None else steps
+    layout = "groups" if knots == "groups" else "shared"
+    intervals = intervals_of(list(range(K)), layout, window) if window > 2 else [[k] for k in range(K)]
+    if layout == "groups":
+        n_knots = sum(min(len(iv), 2) for iv in intervals)
+    else:
+        n_knots = len({k for iv in intervals for k in (iv[0], iv[-1])})
+    eligible = [j for j, iv in enumerate(intervals) if len(iv) >= 3]
+    eligible = eligible[exact_first: len(eligible) - exact_last]
+    rows, nograd = float(n_knots), 0.0
+    for j, iv in enumerate(intervals):
+        inner = max(len(iv) - 2, 0)
+        if j in eligible:
+            rows += ((1.0 - jagg_frac) + jagg_frac * correction_p) * inner
+            nograd += jagg_frac * inner if intermediate == "fresh" else 0.0
+        else:
+            rows += inner
+    return K * (f_grad + backward) / (rows * (f_grad + backward) + nograd * f_nograd)
 
 
 # ----------------------------------------------------------------------------- devices, timing, memory

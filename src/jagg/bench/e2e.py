@@ -32,14 +32,15 @@ KEYS = ("sample_s", "reward_s", "train_s", "iter_s")
 
 
 def routed_limit(cfg: TrainConfig) -> float:
-    """:func:`~jagg.bench.common.cost_limit` (``B = 2F``) of the config's estimator: its trained steps, window,
-    routed fraction and exact first/last groups."""
+    """:func:`~jagg.bench.common.cost_limit` (``B = 2F``) of the config's estimator: its trained steps, knot layout,
+    window, routed fraction, exact first/last groups and correction probability."""
     e, c = cfg.estimator, cfg.sample
     if e.mode == "exact":
         return 1.0
     steps = select_train_steps(c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)[0]
     return cost_limit(e.window, e.intermediate, steps=int(steps.numel()), jagg_frac=e.jagg_frac,
-                      exact_first=e.exact_first_groups, exact_last=e.exact_last_groups)
+                      exact_first=e.exact_first_groups, exact_last=e.exact_last_groups, knots=e.knots,
+                      correction_p=e.correction_p)
 
 
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:
@@ -103,7 +104,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("e2e", help="whole GRPO iterations exact vs JAGG, round-robin: ratio vs its ideal",
                        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=default_config_path(),
-                   help="trainer YAML [default: configs/default.yaml when present]")
+                   help="trainer YAML [default: the main job, jagg/shapes/main_job.yaml]")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a trainer config key for every variant (repeatable)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS),

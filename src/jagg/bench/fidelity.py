@@ -378,7 +378,7 @@ def add_parser(sub) -> None:
                         "repeatable [default: builtin:tiny_dit]")
     p.add_argument("--config", default=default_config_path(),
                    help="trainer YAML whose sample/reward/grpo/estimator/optim settings define the rollout and "
-                        "the loss [default: configs/default.yaml when present]")
+                        "the loss [default: the main job, jagg/shapes/main_job.yaml]")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a trainer config key (repeatable), e.g. sample.prompts_per_iter=16")
     p.add_argument("--quick", action="store_true",

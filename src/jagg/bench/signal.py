@@ -204,7 +204,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("signal", help="gradient agreement between independent batches: is there a signal to learn?",
                        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=default_config_path(),
-                   help="trainer YAML [default: configs/default.yaml when present]")
+                   help="trainer YAML [default: the main job, jagg/shapes/main_job.yaml]")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a trainer config key (repeatable), e.g. model.trainable=all")
     p.add_argument("--rewards", nargs="+", metavar="REWARD",

@@ -1,6 +1,6 @@
 """``jagg bench speed``: exact vs JAGG on the same model, batch, trajectory and micro-batch size.
 
-For each model and each (window, intermediate) pair, :func:`jagg.policy_gradient` runs alternately in
+For each model and each (knot layout, window, intermediate), :func:`jagg.policy_gradient` runs alternately in
 ``exact`` and ``jagg`` mode (exact, jagg, exact, jagg, ... after a warm-up of every mode), ``repeats`` times
 each, on one stored trajectory. Reported per pair: the median seconds of each call (the training phase:
 forward passes, loss head and backward), their ratio (the speed-up), the cost-model limit of DESIGN §3 with
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..estimator_config import INTERMEDIATES, EstimatorConfig
+from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
 from ..trajectory import Trajectory, VelocityFn, sample_trajectories
@@ -58,6 +58,7 @@ class SD3Spec:
 class SpeedConfig:
     models: list[str] = field(default_factory=lambda: list(MODELS))
     windows: list[int] = field(default_factory=lambda: [2, 4, 8])
+    knots: list[str] = field(default_factory=lambda: list(KNOTS))
     intermediates: list[str] = field(default_factory=lambda: list(INTERMEDIATES))
     batch: int = 4                 # trajectories B
     steps: int = 16                # sampling steps T, all trained
@@ -76,6 +77,9 @@ class SpeedConfig:
         bad = [m for m in self.models if m not in MODELS]
         if bad or not self.models:
             raise ValueError(f"--models must be some of {MODELS}; got {self.models}")
+        bad = [k for k in self.knots if k not in KNOTS]
+        if bad or not self.knots:
+            raise ValueError(f"--knots must be some of {KNOTS}; got {self.knots}")
         bad = [i for i in self.intermediates if i not in INTERMEDIATES]
         if bad or not self.intermediates:
             raise ValueError(f"--intermediates must be some of {INTERMEDIATES}; got {self.intermediates}")
@@ -232,12 +236,13 @@ def peak_memory(s: Subject, est: EstimatorConfig, device: torch.device) -> tuple
 def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[dict]:
     """All (window, intermediate) pairs of one model; one record per pair."""
     exact = EstimatorConfig(mode="exact", micro_batch=cfg.micro_batch)
-    jaggs = {(w, i): EstimatorConfig(mode="jagg", window=w, intermediate=i, micro_batch=cfg.micro_batch)
-             for w in cfg.windows for i in cfg.intermediates}
+    jaggs = {(kn, w, i): EstimatorConfig(mode="jagg", window=w, knots=kn, intermediate=i, micro_batch=cfg.micro_batch)
+             for kn in cfg.knots for w in cfg.windows for i in cfg.intermediates}
     # warm-up: every mode once
     _, st_exact = gradient_call(s, exact, device)
-    for i in cfg.intermediates:
-        gradient_call(s, jaggs[(max(cfg.windows), i)], device)
+    for kn in cfg.knots:
+        for i in cfg.intermediates:
+            gradient_call(s, jaggs[(kn, max(cfg.windows), i)], device)
     costs = measure_costs(s, cfg.micro_batch, max(cfg.repeats, 3), device)
     fg, fn, bw = costs["f_grad_s"], costs["f_nograd_s"], costs["backward_s"]
     print(f"{s.name}: {s.params / 1e6:.2f}M parameters; one micro-batch of {cfg.micro_batch} rows: forward with "
@@ -246,7 +251,7 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
     mem_exact, mem_kind = peak_memory(s, exact, device)
 
     records = []
-    for (w, inter), est in jaggs.items():
+    for (kn, w, inter), est in jaggs.items():
         t_exact, t_jagg = [], []
         st_jagg = None
         for _ in range(cfg.repeats):                       # interleaved: exact, jagg, exact, jagg, ...
@@ -259,14 +264,14 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
         net = lambda st: (st.forward_grad_items * (fg + bw) + st.forward_nograd_items * fn) / cfg.micro_batch
         ex, jg = median(t_exact), median(t_jagg)
         K = int(s.traj.train_steps.numel())
-        lim_meas = cost_limit(w, inter, fg, fn, bw, steps=K)
+        lim_meas = cost_limit(w, inter, fg, fn, bw, steps=K, knots=kn)
         rec = {
             "model": s.name, "model_params": s.params, "device": str(device), "threads": torch.get_num_threads(),
             "batch": cfg.batch, "steps": cfg.steps, "trained_steps": K,
             "micro_batch": cfg.micro_batch, "guidance_scale": cfg.guidance_scale, "repeats": cfg.repeats,
-            "mode": "jagg", "intermediate": inter, "window": w,
+            "mode": "jagg", "knots": kn, "intermediate": inter, "window": w,
             "exact_s": ex, "jagg_s": jg, "speedup": ex / jg,
-            "limit": cost_limit(w, inter, steps=K), "limit_measured": lim_meas, "efficiency": (ex / jg) / lim_meas,
+            "limit": cost_limit(w, inter, steps=K, knots=kn), "limit_measured": lim_meas, "efficiency": (ex / jg) / lim_meas,
             "network_exact_s": net(st_exact), "network_jagg_s": net(st_jagg),
             "overhead_exact": ex / net(st_exact), "overhead_jagg": jg / net(st_jagg),
             "exact_times": t_exact, "jagg_times": t_jagg, **costs,
@@ -280,13 +285,13 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
             "peak_mem_exact_mb": mem_exact, "peak_mem_jagg_mb": mem_jagg, "mem_kind": mem_kind,
         }
         records.append(rec)
-        print(f"  W={w} {inter:<6} exact {ex:.3f}s  jagg {jg:.3f}s  speed-up {ex / jg:.2f}x  "
+        print(f"  {kn:<8} W={w} {inter:<6} exact {ex:.3f}s  jagg {jg:.3f}s  speed-up {ex / jg:.2f}x  "
               f"(limit {rec['limit']:.2f}, measured-cost limit {lim_meas:.2f})", flush=True)
     return records
 
 
 COLUMNS = [
-    ("model", "model", ""), ("window", "W", ""), ("intermediate", "interm.", ""),
+    ("model", "model", ""), ("knots", "knots", ""), ("window", "W", ""), ("intermediate", "interm.", ""),
     ("exact_s", "exact s", ".3f"), ("jagg_s", "jagg s", ".3f"), ("speedup", "speed-up", ".2f"),
     ("limit", "limit B=2F", ".2f"), ("limit_measured", "limit meas.", ".2f"), ("efficiency", "eff.", ".2f"),
     ("overhead_exact", "ovh ex", ".2f"), ("overhead_jagg", "ovh jg", ".2f"),
@@ -318,7 +323,7 @@ def _run(args: argparse.Namespace) -> int:
     sd3 = base.sd3
     sd3 = SD3Spec(**{**asdict(sd3), **{k: v for k, v in (("layers", args.sd3_layers), ("heads", args.sd3_heads),
                                                           ("latent_size", args.sd3_latent)) if v is not None}})
-    over = {k: getattr(args, k) for k in ("models", "windows", "intermediates", "batch", "steps", "micro_batch",
+    over = {k: getattr(args, k) for k in ("models", "windows", "knots", "intermediates", "batch", "steps", "micro_batch",
                                           "repeats", "guidance_scale", "seed", "device", "threads",
                                           "tiny_checkpoint") if getattr(args, k) is not None}
     cfg = SpeedConfig(**{**asdict(base), **over, "sd3": sd3})
@@ -336,10 +341,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "speed", help="time exact vs JAGG (fresh, interp) per window against the cost model",
+        "speed", help="time exact vs JAGG (knot layouts x windows x fresh/interp) against the cost model",
         description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Cost model per group of W trained steps (F forward, B backward): exact W(F+B); JAGG fresh "
-               "2F_grad + (W-2)F_nograd + 2B -> 3W/(W+4) with B=2F; interp 2(F+B) -> W/2. With guidance, "
+               "2F_grad + (W-2)F_nograd + 2B -> 3W/(W+4) with B=2F; interp 2(F+B) -> W/2. Shared and adaptive "
+               "knots: 1 + ceil((K-1)/(W-1)) rows per sample instead of K. With guidance, "
                "F_grad includes the no-grad unconditional branch.")
     d = SpeedConfig()
     p.add_argument("--quick", action="store_true",
@@ -348,6 +354,7 @@ def add_parser(sub) -> None:
                         + ", a 2-layer SD3 (hidden 256) on 16x16 latents")
     p.add_argument("--models", nargs="+", choices=MODELS, help=f"models to time [default: {' '.join(d.models)}]")
     p.add_argument("--windows", nargs="+", type=int, help=f"JAGG windows [default: {' '.join(map(str, d.windows))}]")
+    p.add_argument("--knots", nargs="+", choices=KNOTS, help=f"knot layouts [default: {' '.join(d.knots)}]")
     p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES,
                    help=f"inner-step velocities [default: {' '.join(d.intermediates)}]")
     p.add_argument("--batch", type=int, help=f"trajectories B [default: {d.batch}]")
