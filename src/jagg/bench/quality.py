@@ -17,7 +17,8 @@ Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy
   over seeds); a variant reaches it at the first iteration where its seed-averaged training reward, smoothed by a
   trailing mean over 10% of the iterations, is at or above it. Time is the wall-clock of training iterations (the
   trainer's ``wall_s``: sampling, reward and training; evaluation and audit excluded), averaged over seeds. The
-  ratio exact / variant > 1 means the variant gets there sooner. A variant that never gets there counts as reaching
+  ratio exact / variant > 1 means the variant gets there sooner. ``--clock cpu`` uses the training process's CPU
+  seconds instead (the trainer's ``cpu_s``), which other work on a shared machine barely moves. A variant that never gets there counts as reaching
   it at its last iteration (an upper bound of its ratio); the share of such resamples is reported.
 - **final test reward** at equal updates (held-out test prompts, the trainer's last evaluation), its mean, interval,
   the paired difference to exact with its interval, and the evaluation's own noise (per-image standard error).
@@ -52,6 +53,7 @@ DEFAULT_SETS = ["log.progress=false", "log.tensorboard=false", "log.checkpoint_e
 QUICK_SETS = ["grpo.iterations=4", "sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=2",
               "eval.num_prompts=8", "eval.images_per_prompt=1", "eval.grid_size=4", "log.checkpoint_every=0"]
 BOOTSTRAP = 2000
+CLOCKS = ("wall", "cpu")
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:
@@ -119,10 +121,11 @@ def summarize(records: list[dict], cfg: TrainConfig, variant: str, seed: int) ->
         "eval_images": (n_eval or _num_test_prompts()) * cfg.eval.images_per_prompt,
         "final_held_out_reward": last.get("held_out_reward"),
         "sample_s": med("sample_s"), "reward_s": med("reward_s"), "train_s": med("train_s"), "iter_s": med("iter_s"),
+        "iter_cpu_s": med("iter_cpu_s"),
         "wall_s": train[-1]["wall_s"] if train else 0.0,
         "rows_per_update": sum(r.get("backward_items", 0) for r in train) / max(updates, 1),
         "nograd_per_update": sum(r.get("forward_nograd_items", 0) for r in train) / max(updates, 1),
-        "train_curve": [[r["iteration"], r["wall_s"], r["reward_mean"]] for r in train],
+        "train_curve": [[r["iteration"], r["wall_s"], r["reward_mean"], r.get("cpu_s")] for r in train],
         "test_curve": [[r["iteration"], r["wall_s"], r["reward_mean"]] for r in evals],
     }
 
@@ -183,13 +186,18 @@ def _interval(xs: np.ndarray) -> tuple[float, float]:
     return float(np.percentile(xs, 2.5)), float(np.percentile(xs, 97.5))
 
 
-def compare(runs: list[dict], variants: list[str], seeds: list[int]) -> list[dict]:
-    """Per variant: the paired statistics of the module docstring (bootstrap over seeds)."""
+def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str = "wall") -> list[dict]:
+    """Per variant: the paired statistics of the module docstring (bootstrap over seeds). ``clock``: ``wall``
+    (wall-clock seconds) or ``cpu`` (CPU seconds of the training process) for the time axis."""
+    if clock not in CLOCKS:
+        raise ValueError(f"--clock must be one of {CLOCKS}; got {clock!r}")
     by = {(r["variant"], r["seed"]): r for r in runs}
     n = min(len(by[(v, s)]["train_curve"]) for v in variants for s in seeds)
     w = max(1, n // 10)
+    col = 1 if clock == "wall" else 3
     rew = {v: np.array([[p[2] for p in by[(v, s)]["train_curve"][:n]] for s in seeds]) for v in variants}
-    wall = {v: np.array([[p[1] for p in by[(v, s)]["train_curve"][:n]] for s in seeds]) for v in variants}
+    wall = {v: np.array([[p[col] for p in by[(v, s)]["train_curve"][:n]] for s in seeds], dtype=float)
+            for v in variants}
     final = {v: np.array([by[(v, s)]["final_test_reward"] if by[(v, s)]["final_test_reward"] is not None else np.nan
                           for s in seeds]) for v in variants}
     rng = np.random.default_rng(0)
@@ -205,6 +213,7 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int]) -> list[dic
     by_variant: dict[str, dict] = {}
     ex = {k: statistics.median(by[("exact", s)][k] for s in seeds) for k in ("sample_s", "reward_s", "train_s",
                                                                               "iter_s", "rows_per_update")}
+    ex_cpu = statistics.median(by[("exact", s)].get("iter_cpu_s") or np.nan for s in seeds)
     out = []
     for v in variants:
         rs = [by[(v, s)] for s in seeds]
@@ -234,7 +243,8 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int]) -> list[dic
             "train_start": float(rew[v][:, :w].mean()), "train_end": float(rew[v][:, -w:].mean()),
             "rows_per_update": rows, "nograd_per_update": nograd, "iter_s": iter_s,
             "train_s": statistics.median(r["train_s"] for r in rs),
-            "iter_ratio": ex["iter_s"] / iter_s, "limit": limit,
+            "iter_ratio": ex["iter_s"] / iter_s, "limit": limit, "clock": clock,
+            "iter_cpu_ratio": ex_cpu / statistics.median(r.get("iter_cpu_s") or np.nan for r in rs),
             "iter_ratio_ideal": (sr + ex["train_s"]) / (sr + ex["train_s"] / limit),
             "wall_s": statistics.fmean(r["wall_s"] for r in rs),
         }
@@ -300,10 +310,10 @@ RUN_COLUMNS = [("variant", "variant", ""), ("seed", "seed", ""), ("updates", "up
                ("rows_per_update", "rows/upd", ".0f")]
 
 
-def run_quality(q: QualityConfig) -> list[dict]:
+def run_quality(q: QualityConfig, clock: str = "wall") -> list[dict]:
     names = list(q.variants)
     runs = [run_one(q, v, s) for s in q.seeds for v in names]        # seed-major, alternating variants
-    return runs + compare(runs, names, q.seeds)
+    return runs + compare(runs, names, q.seeds, clock)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -322,7 +332,7 @@ def _run(args: argparse.Namespace) -> int:
     out = args.out or ("runs/bench_quality_quick" if args.quick else "runs/bench_quality")
     q = QualityConfig(config=args.config, sets=sets, variants=variants,
                       seeds=list(range(args.first_seed, args.first_seed + n_seeds)), out=out)
-    records = run_quality(q)
+    records = run_quality(q, args.clock)
     runs = [r for r in records if r["kind"] == "run"]
     summary = [r for r in records if r["kind"] == "variant"]
     print("\nruns")
@@ -353,6 +363,10 @@ def add_parser(sub) -> None:
     p.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed .. first-seed + seeds - 1")
     p.add_argument("--iterations", type=int, help="GRPO iterations per run [default: the config's grpo.iterations]")
     p.add_argument("--eval-every", type=int, help="evaluate every N iterations [default: the config's eval.every]")
+    p.add_argument("--clock", choices=CLOCKS, default="wall",
+                   help="time axis of time-to-target: wall-clock seconds, or CPU seconds of the training process "
+                        "(robust when other work shares the machine; with threads=1 the two agree on an idle "
+                        "machine) [default: wall]")
     p.add_argument("--out", help="bench output dir, one sub-dir per run [default: runs/bench_quality]")
     p.add_argument("--plot", help="PNG path [default: OUT/quality.png]")
     p.add_argument("--json", help="JSON path [default: OUT/quality.json]")

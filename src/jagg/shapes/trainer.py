@@ -65,6 +65,7 @@ class Trainer(TrainerCore):
         self.np_rng = np.random.default_rng(cfg.seed)
         self.iteration = 0
         self.wall = 0.0                      # seconds spent in iterations (not eval), across resumes
+        self.cpu = 0.0                       # the same in CPU seconds of this process (robust to a busy machine)
         self.skipped_updates = 0
         self.consecutive_skips = 0
         self._stop = False
@@ -85,7 +86,7 @@ class Trainer(TrainerCore):
             "model": self.model.state_dict(), "model_config": self.model_config,
             "optimizer": self.opt.state_dict(),
             "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
-            "iteration": self.iteration, "wall": self.wall, "skipped_updates": self.skipped_updates,
+            "iteration": self.iteration, "wall": self.wall, "cpu": self.cpu, "skipped_updates": self.skipped_updates,
             "config": to_dict(self.cfg),
             "rng": self._rng_state(),
         }
@@ -97,7 +98,7 @@ class Trainer(TrainerCore):
         if self.ema is not None:
             named = dict(self.model.named_parameters())
             self.ema = [state["ema"][k].clone() for k in named]
-        self.iteration, self.wall = state["iteration"], state["wall"]
+        self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state.get("cpu", 0.0)
         self.skipped_updates = state["skipped_updates"]
         self._set_rng_state(state["rng"])
 
@@ -155,7 +156,7 @@ class Trainer(TrainerCore):
         """One GRPO iteration: sample, reward, advantages, updates. Returns the metrics record."""
         c = self.cfg
         self._rng_at_start, self._updating = self._rng_state(), False
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         prompts, tokens, traj = self.sample_batch()
         t1 = time.perf_counter()
         images = from_tensor(traj.latents[:, -1])
@@ -165,7 +166,7 @@ class Trainer(TrainerCore):
         keep = nonzero_spread_mask(rewards, prompts) if c.grpo.drop_zero_spread else torch.ones(len(prompts), dtype=torch.bool)
         t2 = time.perf_counter()
         keep_idx = torch.nonzero(keep).flatten()
-        per_update, audit_s = [], 0.0
+        per_update, audit_s, audit_cpu = [], 0.0, 0.0
         self._updating = True
         if keep_idx.numel():
             groups = torch.arange(len(prompts)) // c.sample.group_size   # [B] GRPO group of each sample
@@ -175,7 +176,9 @@ class Trainer(TrainerCore):
                 ref_v = reference_velocities(GuidedVelocity(self.ref_model, tokens, c.sample.guidance_scale), traj,
                                              c.estimator.micro_batch)
             if c.estimator.audit_every and (self.iteration + 1) % c.estimator.audit_every == 0:
+                c_a = time.process_time()
                 audit_s = self.audit(traj, tokens, adv, ref_v, groups)
+                audit_cpu = time.process_time() - c_a
             for _ in range(c.grpo.inner_epochs):
                 perm = torch.randperm(keep_idx.numel(), generator=self.gen)
                 for mb in perm.tensor_split(c.grpo.updates_per_epoch):
@@ -183,11 +186,14 @@ class Trainer(TrainerCore):
                         per_update.append(self._update(traj.select(mb), tokens[mb], adv[mb],
                                                        None if ref_v is None else ref_v[mb], groups[mb]))
         t3 = time.perf_counter() - audit_s                 # the audit is a diagnostic: not the iteration's cost
+        cpu = time.process_time() - c0 - audit_cpu
         self.iteration += 1
         self.wall += t3 - t0
+        self.cpu += cpu
         rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(scores.mean()),
                "reward_std": float(scores.std()), "trained_samples": int(keep_idx.numel()),
-               "sample_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2, "iter_s": t3 - t0, "wall_s": self.wall}
+               "sample_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2, "iter_s": t3 - t0, "wall_s": self.wall,
+               "iter_cpu_s": cpu, "cpu_s": self.cpu}
         if "correct" in info:
             rec["accuracy"] = float(np.mean(info["correct"]))
         if per_update:
