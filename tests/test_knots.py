@@ -295,7 +295,19 @@ def test_trainer_audit_logs_per_range_cosines_and_changes_nothing(tmp_path, tiny
     recs = [json.loads(l) for l in (tmp_path / "audited" / "metrics.jsonl").read_text().splitlines()]
     audits = [r for r in recs if r["kind"] == "audit"]
     assert [r["iteration"] for r in audits] == [1, 2]
-    assert all({"cos", "cos_noisy", "cos_middle", "cos_clean", "rel_err", "rows", "seconds"} <= set(r) for r in audits)
+    assert all({"cos", "cos_noisy", "cos_middle", "cos_clean", "rel_err", "rows", "seconds", "flagged"} <= set(r)
+               for r in audits)
     a = load_model(str(tmp_path / "plain"), use_ema=False).state_dict()
     b = load_model(str(tmp_path / "audited"), use_ema=False).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_audit_flags_a_biased_estimator_far_from_exact():
+    from jagg.audit import audit_flag
+
+    low = {"cos": 0.9, "cos_noisy": 0.52, "cos_middle": 0.91, "cos_clean": 1.0}
+    msg = audit_flag(low, EstimatorConfig(mode="jagg"))
+    assert msg and "noisy 0.52" in msg and "correction_p" in msg
+    assert audit_flag(low, EstimatorConfig(mode="jagg", correction_p=0.25)) is None     # unbiased: noise, not bias
+    assert audit_flag(low, EstimatorConfig(mode="exact")) is None
+    assert audit_flag({"cos": 0.99, "cos_noisy": 0.95}, EstimatorConfig(mode="jagg")) is None

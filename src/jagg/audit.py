@@ -21,6 +21,24 @@ from .estimator_config import EstimatorConfig
 from .trajectory import Trajectory, VelocityFn
 
 RANGE_NAMES = ("noisy", "middle", "clean")
+# a step range whose same-batch cosine falls below this flags a biased estimator (plain JAGG) as at risk of drifting:
+# in the SDE window [0, 8] of the main job, where plain JAGG collapsed training, the noisy third measured 0.52
+FLAG_BELOW = 0.8
+
+
+def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
+    """A warning when a biased estimator (JAGG without the unbiased correction) has a step range whose cosine to
+    exact is below :data:`FLAG_BELOW`, else None. (With ``correction_p > 0`` the estimate is unbiased: a low
+    same-batch cosine is then noise, which averages out over updates.)"""
+    if config.mode != "jagg" or config.correction_p > 0:
+        return None
+    low = {k[4:]: v for k, v in result.items() if k.startswith("cos_") and v == v and v < FLAG_BELOW}
+    if not low:
+        return None
+    where = ", ".join(f"{k} {v:.2f}" for k, v in low.items())
+    return (f"audit: JAGG's gradient is far from exact in part of the trajectory (cosine {where}; below "
+            f"{FLAG_BELOW}). Its error there is a bias that can repeat from batch to batch and drive the reward down; "
+            "consider estimator.correction_p (e.g. 0.25: unbiased JAGG) or exact_first_groups")
 
 
 def step_ranges(train_steps: Sequence[int], parts: int = 3) -> list[list[int]]:

@@ -23,7 +23,7 @@ from ..training.checkpoint import load_latest, save_checkpoint
 from .weights import load_model
 from ..training.config_loader import to_dict
 from ..training.core import TrainerCore, check_resumable
-from ..audit import audit_gradient
+from ..audit import audit_flag, audit_gradient
 from ..estimator import policy_gradient, reference_velocities
 from .evaluation import evaluate
 from ..training.metrics import MetricsLogger, plot_reward_curve, save_grid
@@ -69,6 +69,7 @@ class Trainer(TrainerCore):
         self.skipped_updates = 0
         self.consecutive_skips = 0
         self._stop = False
+        self._flagged = False                # the audit's warning is printed once per run
         resumed_from = None
         if resume:
             found = load_latest(self.ckpt_dir)
@@ -222,7 +223,12 @@ class Trainer(TrainerCore):
         a = audit_gradient(vf, traj.select(sub), adv[sub], c.estimator,
                            [p for p in self.model.parameters() if p.requires_grad],
                            None if ref_v is None else ref_v[sub], groups[sub], gen)
-        self.logger.log({"kind": "audit", "iteration": self.iteration + 1, "samples": int(sub.numel()), **a})
+        flag = audit_flag(a, c.estimator)
+        self.logger.log({"kind": "audit", "iteration": self.iteration + 1, "samples": int(sub.numel()), **a,
+                         "flagged": int(flag is not None)})
+        if flag and not self._flagged:
+            self._flagged = True
+            self._print(f"\niteration {self.iteration + 1}: {flag}")
         return a["seconds"]
 
     # ------------------------------------------------------------------ evaluation and the loop
