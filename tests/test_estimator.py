@@ -374,7 +374,7 @@ def test_bad_inputs_name_the_culprit():
     g_np, _ = run(model, traj, np.array([1.0, -0.5, 0.2]), cfg)
     g_t, _ = run(model, traj, torch.tensor([1.0, -0.5, 0.2], dtype=torch.float64), cfg)
     assert torch.equal(g_list, g_t) and torch.equal(g_np, g_t)
-    with pytest.raises(TypeError, match="advantages must be a tensor or an array-like"):
+    with pytest.raises(TypeError, match=r"advantages \(one per sample, 3\) must be a tensor or an array-like"):
         run(model, traj, ["a", "b", "c"], cfg)
 
     def flat(x, sigma, idx):                     # [N, 1, 1, 1]: broadcasts silently over [N, 2, 3, 3]

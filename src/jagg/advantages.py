@@ -17,15 +17,20 @@ def _group_ids(prompt_ids: Sequence | Tensor) -> Tensor:
     return torch.tensor([table.setdefault(p, len(table)) for p in prompt_ids], dtype=torch.long)
 
 
-def _as_rewards(rewards) -> Tensor:
-    """``[B]`` fp32 rewards from a tensor or any array-like (list, numpy array)."""
-    if not isinstance(rewards, Tensor):
+def as_vector(values, name: str, dtype=np.float32) -> Tensor:
+    """A flat tensor from a tensor or any array-like of numbers (list, numpy array); a TypeError naming ``name``
+    otherwise. Tensors keep their dtype and device."""
+    if not isinstance(values, Tensor):
         try:
-            rewards = torch.as_tensor(np.asarray(rewards, dtype=np.float32))
+            values = torch.as_tensor(np.asarray(values, dtype=dtype))
         except (TypeError, ValueError) as e:
-            raise TypeError(f"rewards must be a tensor or an array-like of numbers; got {type(rewards).__name__}: "
+            raise TypeError(f"{name} must be a tensor or an array-like of numbers; got {type(values).__name__}: "
                             f"{e}") from None
-    return rewards.detach().float().flatten()
+    return values.detach().flatten()
+
+
+def _as_rewards(rewards) -> Tensor:
+    return as_vector(rewards, "rewards").float()
 
 
 def group_advantages(

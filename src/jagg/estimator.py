@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .advantages import as_vector
 from .estimator_config import EstimatorConfig
 from .knots import Unit, plan_update
 from .loss import step_loss
@@ -94,13 +95,7 @@ def _pack(units: list[Unit], micro_batch: int) -> list[list[Unit]]:
 
 def _as_advantages(advantages, B: int, device) -> Tensor:
     """``[B]`` finite advantages from a tensor or any array-like (list, numpy array)."""
-    if not isinstance(advantages, Tensor):
-        try:
-            advantages = torch.as_tensor(np.asarray(advantages, dtype=np.float64))
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"advantages must be a tensor or an array-like of {B} numbers (one per sample); got "
-                            f"{type(advantages).__name__}: {e}") from None
-    advantages = advantages.detach().flatten().to(device)
+    advantages = as_vector(advantages, f"advantages (one per sample, {B})", np.float64).to(device)
     if advantages.numel() != B:
         raise ValueError(f"advantages must have shape [B] = [{B}]; got {tuple(advantages.shape)}")
     bad = torch.nonzero(~torch.isfinite(advantages)).flatten()
