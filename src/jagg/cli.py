@@ -165,13 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. train.steps=3000, model.dim=128")
     pt.set_defaults(func=_pretrain)
 
+    main = configuration.load(TrainConfig, str(main_job_path()), [])   # eval/sample default to the main job's
+
     def sampling_args(q):
         q.add_argument("--checkpoint", default="builtin:tiny_dit",
                        help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
-        q.add_argument("--steps", type=int, default=10, help="ODE sampling steps")
-        q.add_argument("--guidance-scale", type=float, default=3.0, help="classifier-free guidance scale")
-        q.add_argument("--shift", type=float, default=1.0, help="SD3 timestep shift")
-        q.add_argument("--seed", type=int, default=0, help="noise seed")
+        q.add_argument("--steps", type=int, default=main.eval.num_steps,
+                       help="ODE sampling steps [default: the main job's, %(default)s]")
+        q.add_argument("--guidance-scale", type=float, default=main.sample.guidance_scale,
+                       help="classifier-free guidance scale [default: the main job's, %(default)s]")
+        q.add_argument("--shift", type=float, default=main.sample.shift,
+                       help="SD3 timestep shift [default: the main job's, %(default)s]")
+        q.add_argument("--seed", type=int, default=0, help="noise seed [default: %(default)s]")
 
     s = sub.add_parser("sample", help="prompts -> image grid from a checkpoint")
     sampling_args(s)
@@ -181,12 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="samples.png", help="output PNG")
     s.set_defaults(func=_sample)
 
-    e = sub.add_parser("eval", help="held-out test-prompt reward of a checkpoint")
+    e = sub.add_parser("eval", help="held-out test-prompt reward of a checkpoint (defaults: the main job's evaluation, so "
+                       "`jagg eval --checkpoint runs/default` reproduces the trainer's test reward)")
     sampling_args(e)
-    e.set_defaults(seed=1234)
+    e.set_defaults(seed=main.eval.seed)
     e.add_argument("--reward", default="geneval", help="reward name or module:function")
     e.add_argument("--num-prompts", type=int, default=0, help="test prompts (0 = all)")
-    e.add_argument("--images-per-prompt", type=int, default=2, help="images per test prompt")
+    e.add_argument("--images-per-prompt", type=int, default=main.eval.images_per_prompt,
+                   help="images per test prompt [default: the main job's, %(default)s]")
     e.add_argument("--json", help="also write the metrics to this JSON file")
     e.set_defaults(func=_eval)
 

@@ -52,7 +52,7 @@ class GradientStats:
         forward_nograd_items: rows forwarded without grad (``fresh`` inner steps): ``F_nograd``.
         backward_items: rows back-propagated: the cost model's ``B`` count. Every row forwarded with grad is
             back-propagated, so it equals ``forward_grad_items``; both are reported so that each term of the cost
-            model (DESIGN: ``F_grad``, ``F_nograd``, ``B``) has its own counter.
+            model (docs/design.md: ``F_grad``, ``F_nograd``, ``B``) has its own counter.
         forward_calls: network calls, with and without grad.
         backward_calls: backward passes (one per chunk).
         groups: (sample, interval) pairs JAGG could take (intervals with inner steps, outside the exact first/last).

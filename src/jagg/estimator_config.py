@@ -13,7 +13,7 @@ ALPHAS = ("sigma", "index")
 
 @dataclass
 class EstimatorConfig:
-    """How the policy gradient of one Flow-GRPO update is computed (DESIGN §2-3)."""
+    """How the policy gradient of one Flow-GRPO update is computed (docs/design.md §2-3)."""
 
     mode: str = field(default="jagg", metadata={"help": f"Gradient estimator, one of {MODES}. 'exact' runs one "
                       "backward per trained step (the Flow-GRPO baseline); 'jagg' one joint backward per group."})

@@ -1,6 +1,6 @@
 """The per-step Flow-GRPO loss head: ratio, PPO clip and KL to a reference, per (sample, step) item.
 
-For one item with velocity ``v`` at step k (DESIGN §2)::
+For one item with velocity ``v`` at step k (docs/design.md §2)::
 
     r  = exp(log pi(x_{k+1} | x_k; v) - log pi_old)
     l  = max(-A r, -A clip(r, 1 - eps, 1 + eps)) + beta * KL

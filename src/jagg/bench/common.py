@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..knots import intervals_of
 
-# ----------------------------------------------------------------------------- the cost model (DESIGN §3)
+# ----------------------------------------------------------------------------- the cost model (docs/design.md §3)
 
 
 def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: float = 1.0,
@@ -31,7 +31,7 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
     Exact: ``K (F_grad + B)``. JAGG: ``rows (F_grad + B) + nograd F_nograd``, where the rows are the knots plus the
     inner steps of the intervals that run exact, and ``nograd`` the inner steps of the routed intervals under
     ``fresh``. With ``steps=None`` the limit is for one full interval of ``window`` steps: the defaults
-    (``B = 2F``, ``F_grad = F_nograd``) give DESIGN's ``3W / (W + 4)`` (fresh) and ``W / 2`` (interp). With
+    (``B = 2F``, ``F_grad = F_nograd``) give docs/design.md's ``3W / (W + 4)`` (fresh) and ``W / 2`` (interp). With
     ``steps=K`` the ``K`` trained steps are laid out as the estimator lays them out: groups of ``window`` (the last
     may be shorter), or shared knots every ``window - 1`` steps (``adaptive`` has as many knots; its intervals'
     sizes depend on the data, so ``shared``'s sizes stand in for them when ``jagg_frac < 1``). Routing: the

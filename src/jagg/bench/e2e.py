@@ -8,7 +8,7 @@ iteration, the iteration ratio exact / variant, and its ideal
 
     ideal = (S + R + T) / (S + R + T / limit)
 
-from the exact trainer's medians and the cost-model limit of the variant (DESIGN §3, ``B = 2F``, the config's
+from the exact trainer's medians and the cost-model limit of the variant (docs/design.md §3, ``B = 2F``, the config's
 trained steps, window, routed fraction and exact first/last groups): what the ratio would be if sampling and
 rewards stayed as they are and training shrank by exactly the cost model.
 """

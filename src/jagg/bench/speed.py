@@ -3,7 +3,7 @@
 For each model and each (knot layout, window, intermediate), :func:`jagg.policy_gradient` runs alternately in
 ``exact`` and ``jagg`` mode (exact, jagg, exact, jagg, ... after a warm-up of every mode), ``repeats`` times
 each, on one stored trajectory. Reported per pair: the median seconds of each call (the training phase:
-forward passes, loss head and backward), their ratio (the speed-up), the cost-model limit of DESIGN §3 with
+forward passes, loss head and backward), their ratio (the speed-up), the cost-model limit of docs/design.md §3 with
 ``B = 2F`` and the limit computed from this model's measured forward/backward times of one micro-batch,
 forward/backward row counts, and peak memory.
 
