@@ -2,18 +2,20 @@
 
 Random weights built from the published transformer configs (nothing is downloaded), bf16, Flow-GRPO's LoRA
 (SD3.5: rank 32 on the attention projections; FLUX: rank 64 plus the MLPs; adapters in bf16 too, or fp32 under
-bf16 autocast with ``--autocast``), Flow-GRPO's guidance (SD3.5: CFG 4.5 with the unconditional branch a separate
-no-grad forward;
-FLUX.1-dev: embedded guidance 3.5, no CFG).
+bf16 autocast with ``--autocast``), Flow-GRPO's guidance (SD3.5: CFG 4.5 with both branches through the network
+with grad, one batched forward, as its ``train.cfg = True``; ``--detach-uncond`` measures jagg's cheaper variant,
+whose gradient differs: the unconditional branch a separate no-grad forward; FLUX.1-dev: embedded guidance 3.5, no
+CFG).
 For each model and resolution one rollout of ``--samples`` trajectories x ``--steps`` steps (all trained) is
 sampled with the model itself, then :func:`jagg.policy_gradient` computes the gradient of one update in ``exact``
 mode and in ``jagg`` mode for every window and intermediate, all with the same ``--micro-batch``. Every
 configuration runs once to warm up, then ``--repeats`` times in alternating (rotated) order; the table reports the
-median seconds, the speed-up over exact, DESIGN §3's cost-model limit (``B = 2F``: fresh ``3W/(W+4)``, interp
-``W/2``; CFG's extra no-grad forward is not in it) and the peak GPU memory of the call.
+median seconds, the speed-up over exact, docs/design.md §3's cost-model limit (``B = 2F``: fresh ``3W/(W+4)``, interp
+``W/2``; CFG's unconditional rows are not in it) and the peak GPU memory of the call.
 
     python benchmarks/gpu_bench.py                       # one H200: < 5 minutes (a time budget guards it)
     python benchmarks/gpu_bench.py --scaled-down         # tiny configs on the CPU, seconds (used by the tests)
+    python benchmarks/gpu_bench.py --small --models sd35m --resolutions 512 [--detach-uncond]   # CPU, ~1 min
 
 Whatever does not fit in ``--time-budget`` seconds is reported as skipped, never silently dropped.
 """
@@ -57,6 +59,15 @@ TINY = {"sd35m": dict(cls="SD3Transformer2DModel", text_len=8, pooled=8, config=
             patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=8,
             num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, guidance_embeds=True,
             axes_dims_rope=(2, 2, 4)))}
+# --small: 4-block models of width 128 on 32x32 latents at 512 px: the network, not Python, dominates on a CPU
+SMALL = {"sd35m": dict(cls="SD3Transformer2DModel", text_len=16, pooled=32, config=dict(
+             sample_size=32, patch_size=2, in_channels=16, num_layers=4, attention_head_dim=32, num_attention_heads=4,
+             joint_attention_dim=64, caption_projection_dim=128, pooled_projection_dim=32, out_channels=16,
+             pos_embed_max_size=32, dual_attention_layers=(0,), qk_norm="rms_norm")),
+         "flux": dict(cls="FluxTransformer2DModel", text_len=16, pooled=32, config=dict(
+             patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=32,
+             num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True,
+             axes_dims_rope=(8, 12, 12)))}
 FAMILY = {"sd35m": "sd3", "flux": "flux"}
 GUIDANCE = {"sd35m": VelocityConfig(cfg_scale=4.5), "flux": VelocityConfig(guidance_embed=3.5)}
 SHIFT = {"sd35m": lambda res: 3.0, "flux": lambda res: float(torch.exp(torch.tensor(
@@ -77,9 +88,12 @@ class BenchConfig:
     lora: bool = True
     gradient_checkpointing: bool = False
     autocast: bool = False
+    detach_uncond: bool = False
+    clock: str = "wall"
     dtype: str = "bf16"
     device: str = "auto"
     scaled_down: bool = False
+    small: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -93,6 +107,10 @@ class BenchConfig:
         for name in ("samples", "steps", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1")
+        if self.clock not in ("wall", "process"):
+            raise ValueError(f"--clock must be 'wall' or 'process'; got {self.clock!r}")
+        if self.scaled_down and self.small:
+            raise ValueError("choose one of --scaled-down (tiny smoke run) and --small (CPU measurements)")
         if self.micro_batch < 2:
             raise ValueError("--micro-batch must be >= 2 (a JAGG group's two endpoints go through together)")
 
@@ -112,7 +130,7 @@ def build_transformer(name: str, cfg: BenchConfig, dev: torch.device, dtype: tor
     """The transformer with random weights, created directly on ``dev`` in ``dtype`` (no fp32 copy on the host)."""
     import diffusers
 
-    spec = (TINY if cfg.scaled_down else FULL)[name]
+    spec = (TINY if cfg.scaled_down else SMALL if cfg.small else FULL)[name]
     old_dtype = torch.get_default_dtype()
     torch.manual_seed(cfg.seed)
     try:
@@ -151,11 +169,12 @@ def time_call(model, v, traj, adv, c: tuple, cfg: BenchConfig, dev: torch.device
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
+    clock = time.process_time if cfg.clock == "process" else time.perf_counter
     _sync(dev)
-    t0 = time.perf_counter()
+    t0 = clock()
     stats = jagg.policy_gradient(v, traj, adv, est)
     _sync(dev)
-    dt = time.perf_counter() - t0
+    dt = clock() - t0
     return dt, dict(stats=stats, peak_gb=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else float("nan"))
 
 
@@ -169,10 +188,11 @@ def bench_model(name: str, cfg: BenchConfig, dev: torch.device, dtype: torch.dty
     uncond = PromptEmbeddings(torch.randn(1, spec["text_len"], spec["config"]["joint_attention_dim"], generator=g),
                               torch.randn(1, spec["pooled"], generator=g)).to(dev, dtype)
     # --autocast: fp32 adapter weights on the bf16 base, run under bf16 autocast (mixed precision); default: all bf16
-    vcfg = dataclasses.replace(GUIDANCE[name], autocast="bf16" if cfg.autocast and dtype == torch.bfloat16 else None)
+    vcfg = dataclasses.replace(GUIDANCE[name], autocast="bf16" if cfg.autocast and dtype == torch.bfloat16 else None,
+                               detach_uncond=cfg.detach_uncond)
     v = velocity_adapter(model, cond.select([0] * cfg.samples), uncond, vcfg, FAMILY[name])
     for res in cfg.resolutions:
-        lat = res // 8 if not cfg.scaled_down else res // 64        # scaled-down: 512 px -> 8x8 latents
+        lat = res // (64 if cfg.scaled_down else 16 if cfg.small else 8)    # 512 px: 8x8 / 32x32 / 64x64
         key = dict(model=name, resolution=res, params=n_params, trainable=n_train)
         if time.perf_counter() - t_start > cfg.time_budget:
             rows += [dict(key, mode=m, window=w, intermediate=i, status="skipped (time budget)")
@@ -279,22 +299,31 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--full", action="store_true", help="full fine-tuning instead of Flow-GRPO's LoRA")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--autocast", action="store_true", help="fp32 LoRA weights + bf16 autocast (default: all bf16)")
+    ap.add_argument("--detach-uncond", action="store_true", help="SD3.5: no gradient through CFG's unconditional "
+                    "branch, run as a separate no-grad forward (jagg's cheaper variant; it changes the gradient). "
+                    "Default: both branches with grad, as Flow-GRPO")
+    ap.add_argument("--clock", default="wall", choices=["wall", "process"], help="time each call by the wall clock "
+                    "(default) or by this process's CPU time ('process': for CPU runs with --threads 1 on a shared "
+                    "machine, where other jobs inflate the wall clock)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; scaled-down: 1, "
                     "tiny ops on a busy CPU are far slower with more threads)")
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="weights dtype (default bf16; "
                     "scaled-down fp32)")
     ap.add_argument("--scaled-down", action="store_true", help="tiny configs, fp32, CPU: a smoke run in seconds")
+    ap.add_argument("--small", action="store_true", help="small configs (4 blocks, width 128, 32x32 latents at 512 "
+                    "px), fp32, CPU: comparisons in about a minute, e.g. with and without --detach-uncond")
     ap.add_argument("--out", default="bench_gpu.json", help="JSON output path")
     a = ap.parse_args(argv)
     cfg = BenchConfig(models=a.models.split(","), windows=[int(x) for x in a.windows.split(",")],
                       resolutions=[int(x) for x in (a.resolutions or "512,1024").split(",")],
                       intermediates=a.intermediates.split(","), samples=a.samples, steps=a.steps,
                       micro_batch=a.micro_batch, repeats=a.repeats or (1 if a.scaled_down else 2),
+                      small=a.small,
                       time_budget=a.time_budget, lora=not a.full, gradient_checkpointing=a.gradient_checkpointing,
-                      autocast=a.autocast,
-                      device=("cpu" if a.scaled_down and a.device == "auto" else a.device),
-                      dtype=a.dtype or ("fp32" if a.scaled_down else "bf16"), scaled_down=a.scaled_down)
+                      autocast=a.autocast, detach_uncond=a.detach_uncond, clock=a.clock,
+                      device=("cpu" if (a.scaled_down or a.small) and a.device == "auto" else a.device),
+                      dtype=a.dtype or ("fp32" if a.scaled_down or a.small else "bf16"), scaled_down=a.scaled_down)
     dev = _device(cfg.device)
     threads = a.threads if a.threads is not None else (1 if cfg.scaled_down else 0)
     old_threads = torch.get_num_threads()
@@ -307,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _run(cfg: BenchConfig, dev: torch.device, out: str) -> dict:
-    if dev.type == "cpu" and not cfg.scaled_down:
+    if dev.type == "cpu" and not (cfg.scaled_down or cfg.small):
         print("warning: full-size models on the CPU will not finish; use a GPU or --scaled-down", file=sys.stderr)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
     if dev.type == "cuda":

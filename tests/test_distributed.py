@@ -170,3 +170,54 @@ def test_accelerate_configs_parse(name, kind):
     cfg = config_args.load_config_from_file(str(Path(__file__).resolve().parents[1] / "configs" / "accelerate"
                                                  / f"{name}.yaml"))
     assert cfg.distributed_type.name == kind and cfg.mixed_precision == "bf16"
+
+
+def test_fsdp2_two_cpu_processes_equal_one_process(tmp_path):
+    """FSDP2 (``fully_shard``) through ``torch.distributed.run`` on 2 CPU processes (gloo): a tiny SD3 with LoRA,
+    sharded per transformer block, CFG with both branches, the KL term, JAGG with fresh inner steps and
+    ``no_sync_except_last``: after one SGD step the full trainable weights equal one process's on the whole batch."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_diffusers import embeds, tiny_sd3
+
+    from jagg.integrations import (LoraSettings, VelocityConfig, add_lora, reference_velocity,
+                                   velocity_adapter)
+
+    lora = dict(rank=2, alpha=4.0)
+    model = tiny_sd3()
+    torch.manual_seed(1)
+    add_lora(model, LoraSettings(**lora))
+    with torch.no_grad():                                      # LoRA B off zero: A gets gradient, KL is not 0
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    cond, neg = embeds()
+    v = velocity_adapter(model, cond, neg, VelocityConfig(cfg_scale=4.5))
+    g = torch.Generator().manual_seed(0)
+    traj = jagg.sample_trajectories(v, torch.randn(4, 4, 16, 16, generator=g), jagg.flow_sigmas(6, shift=3.0), 0.7,
+                                    generator=g)
+    est = jagg.EstimatorConfig(mode="jagg", window=3, intermediate="fresh", micro_batch=2, kl_beta=0.5)
+    setup = dict(state={k: t.clone() for k, t in model.state_dict().items()}, lora=lora, traj=traj,
+                 adv=torch.tensor([1.0, -1.0, 0.5, -0.5]), cond=cond, neg=neg, estimator=est, lr=0.5)
+    torch.save(setup, tmp_path / "setup.pt")
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    ref = jagg.reference_velocities(reference_velocity(v), traj, micro_batch=2)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=setup["lr"])
+    jagg.policy_gradient(v, traj, setup["adv"], est, ref_velocities=ref)
+    opt.step()
+    want = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+    worker = Path(__file__).parent / "fsdp_rank.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(worker), str(tmp_path)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(tmp_path / "fsdp.pt")
+    assert set(got) == set(want)
+    assert max(float((want[n] - start[n]).abs().max()) for n in want) > 1e-3     # the step moved the weights
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)

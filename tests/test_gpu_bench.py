@@ -52,8 +52,12 @@ def test_scaled_down_run_writes_table_and_json(bench, tmp_path, capsys):
 
 def test_bf16_path_and_time_budget(bench, tmp_path):
     r = bench.main(["--scaled-down", "--dtype", "bf16", "--models", "sd35m", "--resolutions", "512", "--windows", "4",
-                    "--intermediates", "interp", "--autocast", "--out", str(tmp_path / "a.json")])
+                    "--intermediates", "interp", "--autocast", "--detach-uncond", "--clock", "process",
+                    "--out", str(tmp_path / "a.json")])
     assert [x["status"] for x in r["rows"]] == ["ok", "ok"]
+    assert r["config"]["detach_uncond"] is True and r["config"]["clock"] == "process"
+    with pytest.raises(ValueError, match="choose one of --scaled-down"):
+        bench.main(["--scaled-down", "--small"])
     r = bench.main(["--scaled-down", "--time-budget", "0", "--out", str(tmp_path / "b.json")])
     assert r["rows"] and all(x["status"].startswith("skipped") for x in r["rows"])
     with pytest.raises(ValueError, match="micro-batch"):

@@ -3,7 +3,7 @@
 SD3 with LoRA: metrics, diffusers-loadable adapters, only the adapters train, ``--resume`` continues exactly as an
 uninterrupted run. FLUX with full fine-tuning, the KL reference and an HTTP reward server. Clear errors for bad model
 paths, prompt files, prompt caches and rewards; SIGTERM saves and exits; non-finite updates are skipped, then the run
-aborts. Two gloo processes keep their replicas identical.
+aborts. Two CPU processes launched by accelerate keep identical replicas and make the one-process update.
 """
 
 from __future__ import annotations
@@ -318,38 +318,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, cfg_path: str, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
+def red_is_dark(images, prompts, metadata):
+    """Brightness, but 0 for 'a red cube': that prompt's group has zero spread (dropped with grpo.drop_zero_spread)."""
+    from reward_plugins import brightness
 
-    try:
-        cfg = train_config.load_config(cfg_path, [f"log.output_dir={out}", "grpo.iterations=1",
-                                                "grpo.drop_zero_spread=true"])
-        trainer = real_train.RealTrainer(cfg)
-        start = lora_weights(trainer)
-        trainer.train()
-        torch.save({"start": start, "end": lora_weights(trainer)}, Path(out) / f"rank{rank}.pt")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return np.where([p == "a red cube" for p in prompts], 0.0, brightness(images, prompts, metadata)).astype(np.float32)
 
 
-def test_two_processes_keep_replicas_identical(tmp_path, sd3_dir):
-    """torchrun-style launch with 2 gloo processes: each samples half of the global batch, rewards are gathered for the
-    advantages, gradients are averaged once per update: both replicas end with the same trained weights."""
-    import torch.multiprocessing as mp
+def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_dir):
+    """`accelerate launch --multi_gpu --num_processes 2` of `jagg train` on a CPU-only machine (torchrun under the hood,
+    gloo): 2 real processes, each sampling half of the global batch, end with identical replicas that made the same
+    update as 1 process on the whole batch (one update per epoch, KL term on). The red cube's group has zero spread
+    and is dropped: rank 0 trains no sample, rank 1 two, and the update is still the one-process update."""
+    import subprocess
+    import sys
 
     cfg = write_sd3_config(tmp_path, sd3_dir)
-    out = tmp_path / "ddp"
-    out.mkdir()
-    mp.spawn(_rank, args=(2, _free_port(), str(cfg), str(out)), nprocs=2, join=True)
-    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    for n in r0["end"]:
-        torch.testing.assert_close(r0["start"][n], r1["start"][n], rtol=0, atol=0)
-        torch.testing.assert_close(r0["end"][n], r1["end"][n], rtol=0, atol=0)
-    assert any(not torch.equal(r0["start"][n], r0["end"][n]) for n in r0["end"])
-    (rec,) = records(out)
-    assert rec["processes"] == 2 and rec["samples"] == 4 and np.isfinite(rec["loss"])
-    assert rec["updates"] == 2 and rec["backward_items"] == 3 * rec["trained_samples"]
+    (tmp_path / "two_prompts.txt").write_text("a red cube\na blue ball\n")
+    sets = ["grpo.iterations=1", "grpo.updates_per_epoch=1", "grpo.drop_zero_spread=true", "sample.micro_batch=2",
+            f"sample.prompts_file={tmp_path / 'two_prompts.txt'}", "log.sample_images=0",
+            "reward.name=test_real_train:red_is_dark"]
+    args = ["train", "--config", str(cfg)] + [a for s in sets for a in ("--set", s)]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(args + ["--output-dir", str(one)]) == 0
+    # plain `--cpu --num_processes 2` starts ONE process (accelerate's multi-CPU path needs mpirun); --multi_gpu
+    # runs torch.distributed.run, which on a machine without CUDA gives 2 CPU processes on gloo
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port()), str(Path(__file__).parent / "real_train_launch.py")]
+    proc = subprocess.run(launch + args + ["--output-dir", str(two)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (r1,), (r2,) = records(one), records(two)
+    assert (r1["processes"], r2["processes"]) == (1, 2) and r1["samples"] == r2["samples"] == 4
+    assert r1["trained_samples"] == r2["trained_samples"] == 2 and r1["updates"] == r2["updates"] == 1
+    for k in ("reward_mean", "loss", "kl", "grad_norm"):
+        assert r2[k] == pytest.approx(r1[k], rel=1e-4, abs=1e-7), k
+    rank0, rank1 = (torch.load(two / f"rank{r}.pt") for r in (0, 1))
+    ck1, ck2 = (torch.load(d / "checkpoints" / "ckpt_000001.pt", weights_only=False) for d in (one, two))
+    assert set(rank0) == set(rank1) == set(ck1["model"]) == set(ck2["model"])
+    g_max = max(float(s["exp_avg"].abs().max()) for s in ck1["optimizer"]["state"].values())
+    for i, n in enumerate(ck1["model"]):
+        torch.testing.assert_close(rank1[n], rank0[n], rtol=0, atol=0)                  # identical replicas
+        torch.testing.assert_close(ck2["model"][n], rank0[n], rtol=0, atol=0)           # rank 0 wrote them
+        # the gradient (AdamW's first moment after one step: 0.1 g) of 2 processes is the 1-process one ...
+        g1, g2 = (c["optimizer"]["state"][i]["exp_avg"] for c in (ck1, ck2))
+        torch.testing.assert_close(g2, g1, rtol=1e-4, atol=1e-5 * g_max, msg=n)
+        # ... and so is the update; AdamW's first step is lr g / (|g| + eps): entries with |g| near eps = 1e-8 may
+        # differ by a few percent of lr = 0.01 when g differs by rounding
+        torch.testing.assert_close(rank0[n], ck1["model"][n], rtol=0, atol=5e-4, msg=n)
+    assert max(float(w.abs().max()) for n, w in rank0.items() if "lora_B" in n) > 5e-3   # lora_B left 0: it trained

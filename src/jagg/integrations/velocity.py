@@ -50,16 +50,18 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def model_family(transformer: nn.Module) -> str:
-    """``"sd3"`` or ``"flux"`` from the (unwrapped, possibly peft-wrapped) transformer's class."""
+    """``"sd3"`` or ``"flux"`` from the (unwrapped, possibly peft-wrapped) transformer's class or a base class of it
+    (FSDP2's ``fully_shard`` swaps the class for a subclass, ``FSDPSD3Transformer2DModel``)."""
     m = unwrap_model(transformer)
     base = getattr(getattr(m, "base_model", None), "model", m)        # peft PeftModel -> LoraModel -> model
-    name = type(base).__name__
-    if name == "SD3Transformer2DModel":
+    classes = {c.__name__ for c in type(base).__mro__}
+    if "SD3Transformer2DModel" in classes:
         return "sd3"
-    if name == "FluxTransformer2DModel":
+    if "FluxTransformer2DModel" in classes:
         return "flux"
-    raise TypeError(f"unsupported transformer class {name}; jagg adapts diffusers' SD3Transformer2DModel and "
-                    "FluxTransformer2DModel. For your own DiT write a velocity callable (latents, sigma, index) -> v")
+    raise TypeError(f"unsupported transformer class {type(base).__name__}; jagg adapts diffusers' "
+                    "SD3Transformer2DModel and FluxTransformer2DModel. For your own DiT write a velocity callable "
+                    "(latents, sigma, index) -> v")
 
 
 def _model_config(bare: nn.Module):
