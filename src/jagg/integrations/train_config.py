@@ -56,7 +56,10 @@ class RealSampleConfig:
         "Train the first fraction of the pipeline.num_steps steps (all steps are SDE steps)."))
     sde_window: list[int] | None = field(default=None, metadata=_help(
         "[start, end): only these steps are SDE steps and trained; the rest are ODE steps (Flow-GRPO-Fast)."))
-    micro_batch: int = field(default=8, metadata=_help("Rows per transformer call while sampling."))
+    micro_batch: int = field(default=8, metadata=_help(
+        "Trajectories per transformer call while sampling; also the sampling piece whose SDE noise is seeded by "
+        "(seed, iteration, position), so that a rollout does not depend on the number of processes when each "
+        "process's shard is a multiple of it."))
 
     def __post_init__(self):
         if self.prompts_file is None:
