@@ -368,3 +368,16 @@ def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_
         # differ by a few percent of lr = 0.01 when g differs by rounding
         torch.testing.assert_close(rank0[n], ck1["model"][n], rtol=0, atol=5e-4, msg=n)
     assert max(float(w.abs().max()) for n, w in rank0.items() if "lora_B" in n) > 5e-3   # lora_B left 0: it trained
+
+
+def test_sampling_pieces_do_not_depend_on_the_process_count():
+    """The SDE noise is seeded per sampling piece (global start): with shards that are whole pieces, 1 and 2 processes
+    sample the same pieces; otherwise the pieces are cut at the shard edge, and no two share a start (a seed)."""
+    from jagg.integrations.trainer import sampling_pieces
+    from jagg.training.distributed import shard
+
+    one = sampling_pieces(shard(8, 0, 1), 2)
+    two = [p for r in (0, 1) for p in sampling_pieces(shard(8, r, 2), 2)]
+    assert one == two == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+    cut = [p for r in (0, 1) for p in sampling_pieces(shard(6, r, 2), 4)]
+    assert cut == [slice(0, 3), slice(3, 4), slice(4, 6)] and len({p.start for p in cut}) == len(cut)

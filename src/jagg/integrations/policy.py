@@ -91,10 +91,7 @@ def full_finetune(transformer: nn.Module, fp32_params: bool = False) -> list[nn.
     """Make every transformer weight trainable (full fine-tuning). Returns the parameters.
 
     ``fp32_params`` upcasts them to fp32 master weights (pair with ``autocast`` to keep bf16 compute)."""
-    return _full_finetune(unwrap_model(transformer), fp32_params)
-
-
-def _full_finetune(model: nn.Module, fp32_params: bool) -> list[nn.Parameter]:
+    model = unwrap_model(transformer)
     model.requires_grad_(True)
     if fp32_params:
         model.float()
@@ -103,11 +100,7 @@ def _full_finetune(model: nn.Module, fp32_params: bool) -> list[nn.Parameter]:
 
 def frozen_copy(transformer: nn.Module) -> nn.Module:
     """A frozen, eval-mode deep copy (the KL reference of a full fine-tune; one more model in memory)."""
-    return _frozen_copy(unwrap_model(transformer))
-
-
-def _frozen_copy(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model).eval().requires_grad_(False)
+    return copy.deepcopy(unwrap_model(transformer)).eval().requires_grad_(False)
 
 
 @contextlib.contextmanager
@@ -244,7 +237,6 @@ def default_shift(family: str, resolution: int, scheduler_config: dict | None = 
     return float(c.get("shift", 3.0))
 
 
-
 @torch.no_grad()
 def decode_latents(vae: nn.Module, latents: Tensor, micro_batch: int = 8) -> np.ndarray:
     """VAE latents ``[B, 16, H/8, W/8]`` -> uint8 images ``[B, H, W, 3]`` (``z / scaling_factor + shift_factor``)."""
@@ -258,7 +250,6 @@ def decode_latents(vae: nn.Module, latents: Tensor, micro_batch: int = 8) -> np.
         img = ((img / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         out.append(img.permute(0, 2, 3, 1).cpu().numpy())
     return np.concatenate(out)
-
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,11 +286,11 @@ class Policy:
         if vae is not None:
             vae.to(self.device).requires_grad_(False).eval()
         # the full fine-tuning reference is copied before any fp32 upcast: it stays in the load dtype
-        self.reference_model = _frozen_copy(self.bare) if config.keep_reference else None
+        self.reference_model = frozen_copy(self.bare) if config.keep_reference else None
         if config.lora.enabled:
             _add_lora(self.bare, config.lora, config.family)
         else:
-            _full_finetune(self.bare, config.lora.fp32_params)
+            full_finetune(self.bare, config.lora.fp32_params)
         self.named_params = {n: p for n, p in self.bare.named_parameters() if p.requires_grad}
         self.params = list(self.named_params.values())
         if config.gradient_checkpointing:
@@ -337,6 +328,7 @@ class Policy:
         return self.pipe is not None and getattr(self.pipe, "text_encoder", None) is not None
 
     def add_embeddings(self, emb: PromptEmbeddings) -> None:
+        """Cache the rows of ``emb`` under their prompt strings (e.g. a loaded prompt-embedding cache)."""
         if emb.prompts is None:
             raise ValueError("cached embeddings need their prompt strings (PromptEmbeddings.prompts)")
         for i, p in enumerate(emb.prompts):
@@ -346,8 +338,7 @@ class Policy:
         """``PromptEmbeddings`` of ``prompts`` (one row each): from the cache, the rest encoded with the pipeline's
         text encoders one prompt at a time (so an embedding never depends on its batch) and cached, together with
         the negative prompt when classifier-free guidance needs it."""
-        negative = [self.config.negative_prompt] if self.config.cfg_scale > 1 else []
-        missing = [p for p in dict.fromkeys([*prompts, *negative]) if p not in self._cache]
+        missing = self._missing(prompts)
         if missing:
             if not self.can_encode:
                 raise KeyError(_not_cached(missing, ""))
@@ -366,12 +357,14 @@ class Policy:
     def require_prompts(self, prompts: Sequence[str], source: str) -> None:
         """Without text encoders, raise a ValueError naming the prompts of ``source`` (and the negative prompt, with
         CFG) that the prompt cache lacks, before anything runs."""
-        if self.can_encode:
-            return
-        wanted = list(prompts) + ([self.config.negative_prompt] if self.config.cfg_scale > 1 else [])
-        missing = [p for p in dict.fromkeys(wanted) if p not in self._cache]
+        missing = [] if self.can_encode else self._missing(prompts)
         if missing:
             raise ValueError(_not_cached(missing, f" of {source} (cache: {self.config.prompt_cache})"))
+
+    def _missing(self, prompts: Sequence[str]) -> list[str]:
+        """The distinct prompts, with CFG's negative prompt, that the cache lacks."""
+        negative = [self.config.negative_prompt] if self.config.cfg_scale > 1 else []
+        return [p for p in dict.fromkeys([*prompts, *negative]) if p not in self._cache]
 
     def free_text_encoders(self) -> None:
         """Drop the text encoders once every prompt is embedded (T5-XXL alone is ~9 GB)."""

@@ -84,6 +84,14 @@ def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
 
+def sampling_pieces(local: slice, size: int) -> list[slice]:
+    """This rank's ``local`` slice of the global batch cut at the multiples of ``size`` (``sample.micro_batch``):
+    the pieces sampled together, each with its own SDE noise seeded by its global start. When every shard is a
+    multiple of ``size`` the pieces, and so the rollouts, are the same for any number of processes."""
+    starts = sorted({local.start, *range(-(-local.start // size) * size, local.stop, size)})
+    return [slice(a, b) for a, b in zip(starts, starts[1:] + [local.stop])]
+
+
 class RealTrainer(TrainerCore):
     """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX model; ``RealTrainer(cfg, resume=True)``
     continues from the newest checkpoint of ``cfg.log.output_dir``. Launch with torchrun / accelerate for several
@@ -107,10 +115,7 @@ class RealTrainer(TrainerCore):
         self.named_params, self.params = self.policy.named_params, self.policy.params
         if not self.params:
             raise ValueError("the transformer has no trainable parameter (check pipeline.lora)")
-        # sampling pieces: sample.micro_batch trajectories at global positions, cut at this rank's shard edges
-        mb = cfg.sample.micro_batch
-        starts = sorted({self.local.start, *range(-(-self.local.start // mb) * mb, self.local.stop, mb)})
-        self.pieces = [slice(a, b) for a, b in zip(starts, starts[1:] + [self.local.stop])]
+        self.pieces = sampling_pieces(self.local, cfg.sample.micro_batch)
         if self.world > 1:                                     # replicas start identical
             for p in self.params:
                 dist.broadcast(p.data, 0)

@@ -1,5 +1,8 @@
 """Velocity adapters: a diffusers SD3 / FLUX transformer plus prompt embeddings -> a jagg velocity callable.
 
+Prompt embeddings are :class:`PromptEmbeddings` (one row per prompt; :func:`encode_prompts` makes them with the
+pipeline's text encoders, :meth:`PromptEmbeddings.save` / :meth:`~PromptEmbeddings.load` are the cache file).
+
 A jagg velocity callable is ``(latents [N, C, H, W], sigma [N], sample_index [N] long) -> v [N, C, H, W]``.
 The adapters own everything model specific, so the core (sampling, log-probs, estimators) stays generic:
 
