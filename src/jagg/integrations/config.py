@@ -42,6 +42,21 @@ def _help(text: str) -> dict:
     return {"help": text}
 
 
+# the guidance keys that PipelineConfig passes on to VelocityConfig
+_HELP = {
+    "guidance_embed": "FLUX.1-dev's distilled guidance, fed to the network as an embedding (3.5); null for models "
+                      "without guidance embeddings (required by those with them).",
+    "detach_uncond": "Stop the gradient through CFG's unconditional branch in training. false (Flow-GRPO, train.cfg "
+                     "= True): both branches go through the transformer with grad, as one batched forward. true: a "
+                     "cheaper variant that changes the gradient (the conditional branch's only, times cfg_scale).",
+    "uncond_forward": f"One of {UNCOND_FORWARDS}, used only with detach_uncond: true: the unconditional rows as a "
+                      "separate no-grad forward (less activation memory) or one batched [uncond; cond] forward, "
+                      "detached after.",
+    "autocast": "Forward under torch.autocast(bf16|fp16), e.g. with fp32 master weights; null = cast the inputs to "
+                "the transformer's dtype.",
+}
+
+
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     """``"bf16" | "fp16" | "fp32"`` (or a torch dtype) -> ``torch.dtype``."""
     if isinstance(name, torch.dtype):
@@ -58,18 +73,10 @@ class VelocityConfig:
     cfg_scale: float = field(default=1.0, metadata=_help(
         "Classifier-free guidance weight w in v = v_u + w (v_c - v_u); 1 = no CFG (one forward). Flow-GRPO SD3.5: "
         "4.5; FLUX.1-dev (guidance-distilled): 1."))
-    guidance_embed: float | None = field(default=None, metadata=_help("FLUX.1-dev's distilled guidance, fed as an "
-                                         "embedding (3.5). Required by models with guidance_embeds, else unused."))
-    detach_uncond: bool = field(default=False, metadata=_help(
-        "With grad enabled, stop the gradient through CFG's unconditional branch. False (Flow-GRPO, train.cfg = "
-        "True): both branches are one batched forward with grad. True: a cheaper variant that changes the "
-        "gradient (only the conditional branch's, times w)."))
-    uncond_forward: str = field(default="separate", metadata=_help(
-        f"One of {UNCOND_FORWARDS}, used only with detach_uncond: the unconditional rows as a separate no-grad "
-        "forward ('separate', less activation memory) or in one batched [uncond; cond] forward, detached after."))
-    autocast: str | None = field(default=None, metadata=_help("Run the forward under torch.autocast with this dtype "
-                                 "('bf16' or 'fp16'), e.g. for fp32 master weights; None = cast the inputs to the "
-                                 "transformer's dtype."))
+    guidance_embed: float | None = field(default=None, metadata=_help(_HELP["guidance_embed"]))
+    detach_uncond: bool = field(default=False, metadata=_help(_HELP["detach_uncond"]))
+    uncond_forward: str = field(default="separate", metadata=_help(_HELP["uncond_forward"]))
+    autocast: str | None = field(default=None, metadata=_help(_HELP["autocast"]))
     output_dtype: str = field(default="fp32", metadata=_help("Dtype of the returned velocity: 'fp32' or 'model' (the "
                               "network's own dtype). The core computes the SDE step in fp32 either way."))
 
@@ -147,18 +154,11 @@ class PipelineConfig:
     eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO: SD3 0.7, FLUX 0.9)."))
     cfg_scale: float = field(default=4.5, metadata=_help("Classifier-free guidance weight in sampling and training "
                              "(Flow-GRPO SD3.5: 4.5; FLUX.1-dev: 1, it is guidance-distilled)."))
-    guidance_embed: float | None = field(default=None, metadata=_help("FLUX.1-dev's embedded guidance (3.5); null "
-                                         "for models without guidance embeddings."))
+    guidance_embed: float | None = field(default=None, metadata=_help(_HELP["guidance_embed"]))
     negative_prompt: str = field(default="", metadata=_help("Negative prompt of classifier-free guidance."))
-    detach_uncond: bool = field(default=False, metadata=_help(
-        "Stop the gradient through CFG's unconditional branch in training. false (Flow-GRPO, train.cfg = True): "
-        "both branches go through the transformer with grad, as one batched forward. true: a cheaper variant that "
-        "changes the gradient (the conditional branch's only, times cfg_scale)."))
-    uncond_forward: str = field(default="separate", metadata=_help(
-        f"One of {UNCOND_FORWARDS}, used only with detach_uncond: true: the unconditional rows as a separate no-grad "
-        "forward (less activation memory) or one batched [uncond; cond] forward, detached after."))
-    autocast: str | None = field(default=None, metadata=_help("Forward under torch.autocast(bf16|fp16), e.g. with fp32 "
-                                 "weights; null = cast inputs to the weights' dtype."))
+    detach_uncond: bool = field(default=False, metadata=_help(_HELP["detach_uncond"]))
+    uncond_forward: str = field(default="separate", metadata=_help(_HELP["uncond_forward"]))
+    autocast: str | None = field(default=None, metadata=_help(_HELP["autocast"]))
     max_sequence_length: int = field(default=128, metadata=_help("T5 tokens per prompt (Flow-GRPO: 128)."))
     prompt_cache: str | None = field(default=None, metadata=_help("Precomputed prompt-embedding cache (.safetensors "
                                      "or .pt); with it the text encoders are not loaded."))
