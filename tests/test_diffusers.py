@@ -27,7 +27,7 @@ from jagg.integrations import (LoraSettings, PipelineConfig, PromptEmbeddings, R
                                load_pipeline_config, pack_latents, reference_velocity, save_lora, unpack_latents,
                                velocity_adapter)
 from jagg.integrations import decode_latents  # noqa: E402
-from jagg.integrations.pipeline import build_prompt_cache  # noqa: E402
+from jagg.integrations import pipeline  # noqa: E402
 from jagg.integrations.policy import default_shift  # noqa: E402
 
 C, H, W = 4, 16, 16          # latent channels and size
@@ -369,7 +369,7 @@ def _tiny_clip(vocab_size_seed=0):
     return tok, CLIPTextModelWithProjection(cfg)
 
 
-def test_load_model_from_a_local_directory(tmp_path):
+def test_load_model_from_a_local_directory(tmp_path, capsys):
     """A tiny SD3 pipeline saved to disk: load with text encoders (encode_prompt), build a prompt cache, load without
     them from the cache, sample a rollout, decode it and compute the KL reference."""
     tok, te = _tiny_clip(0)
@@ -391,7 +391,14 @@ def test_load_model_from_a_local_directory(tmp_path):
     assert model.latent_shape == (C, H, W) and model.shift == default_shift("sd3", 128, {"shift": 3.0}) == 3.0
     e = model.embeddings(prompts)
     assert e.prompt_embeds.shape == (4, 77 + 8, D) and not torch.allclose(e.pooled[0], e.pooled[2])
-    build_prompt_cache(cfg, prompts, tmp_path / "cache.safetensors")
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    cache_cli = ["cache", "--config", str(tmp_path / "cfg.yaml"), "--prompts", str(tmp_path / "prompts.txt")]
+    assert pipeline.main(cache_cli + ["--out", str(tmp_path / "cache.safetensors")]) == 0     # python -m ... cache
+    assert pipeline.main(cache_cli + ["--out", str(tmp_path / "cache.npz")]) == 2
+    assert "--out must end in .safetensors or .pt" in capsys.readouterr().err
+    assert pipeline.main(["cache", "--config", str(tmp_path / "cfg.yaml"), "--prompts", str(tmp_path / "none.txt"),
+                          "--out", str(tmp_path / "c.pt")]) == 2
+    assert "--prompts" in (err := capsys.readouterr().err) and "none.txt' does not exist" in err
 
     import dataclasses
     cached = load_model(dataclasses.replace(cfg, prompt_cache=str(tmp_path / "cache.safetensors")))
