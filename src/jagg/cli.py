@@ -13,6 +13,18 @@ from .shapes.pretrain import PretrainConfig
 from .shapes.config import TrainConfig, main_job_path
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose ``epilog_fn`` (if set) builds the epilog only when the help is shown: listing every
+    config key walks the config dataclasses, which a run does not need."""
+
+    epilog_fn = None
+
+    def format_help(self) -> str:
+        if self.epilog_fn is not None:
+            self.epilog, self.epilog_fn = self.epilog_fn(), None
+        return super().format_help()
+
+
 def _keys_epilog(cls) -> str:
     rows = configuration.describe(cls)
     width = max(len(k) for k, _, _ in rows)
@@ -138,8 +150,21 @@ def _eval(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jagg", description="GRPO fine-tuning of flow-matching models with JAGG.")
+def _main_job_defaults(args) -> None:
+    """Fill the sampling options left unset (None) with the main job's evaluation settings."""
+    main = configuration.load(TrainConfig, str(main_job_path()), [])
+    defaults = {"steps": main.eval.num_steps, "guidance_scale": main.sample.guidance_scale, "shift": main.sample.shift,
+                "seed": main.eval.seed if args.command == "eval" else 0,
+                "images_per_prompt": main.eval.images_per_prompt}
+    for k, v in defaults.items():
+        if getattr(args, k, v) is None:
+            setattr(args, k, v)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``jagg`` parser. With ``argv`` given, the ``bench`` sub-commands are only built when ``argv`` asks for
+    them (or for the help)."""
+    p = _Parser(prog="jagg", description="GRPO fine-tuning of flow-matching models with JAGG.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="GRPO training on the embedded shapes world, or on SD3/FLUX (pipeline: config)",
@@ -147,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(configs/sd35_medium.yaml, configs/flux_dev.yaml) trains that diffusers model (SD3/SD3.5, "
                        "FLUX.1) from its local directory with jagg.integrations.trainer (its keys: the second list "
                        "below; docs/real_models.md); any other config trains the embedded TinyDiT.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=_keys_epilog(TrainConfig) + _real_keys_epilog())
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.epilog_fn = lambda: _keys_epilog(TrainConfig) + _real_keys_epilog()
     t.add_argument("--config", help="YAML config (default: the main job shipped with jagg, jagg/shapes/main_job.yaml, "
                    "from any directory; the repository's configs/default.yaml links to it); keys it leaves out take "
                    "the defaults listed below")
@@ -160,23 +185,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_train)
 
     pt = sub.add_parser("pretrain", help="rectified-flow pretraining of the TinyDiT on rendered shapes",
-                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_keys_epilog(PretrainRunConfig))
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pt.epilog_fn = lambda: _keys_epilog(PretrainRunConfig)
     pt.add_argument("--out", help="output .safetensors (default: the shipped asset path)")
     pt.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. train.steps=3000, model.dim=128")
     pt.set_defaults(func=_pretrain)
 
-    main = configuration.load(TrainConfig, str(main_job_path()), [])   # eval/sample default to the main job's
-
-    def sampling_args(q):
+    def sampling_args(q):   # None: the main job's evaluation setting (_main_job_defaults)
         q.add_argument("--checkpoint", default="builtin:tiny_dit",
                        help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
-        q.add_argument("--steps", type=int, default=main.eval.num_steps,
-                       help="ODE sampling steps [default: the main job's, %(default)s]")
-        q.add_argument("--guidance-scale", type=float, default=main.sample.guidance_scale,
-                       help="classifier-free guidance scale [default: the main job's, %(default)s]")
-        q.add_argument("--shift", type=float, default=main.sample.shift,
-                       help="SD3 timestep shift [default: the main job's, %(default)s]")
-        q.add_argument("--seed", type=int, default=0, help="noise seed [default: %(default)s]")
+        q.add_argument("--steps", type=int, help="ODE sampling steps [default: the main job's eval.num_steps]")
+        q.add_argument("--guidance-scale", type=float,
+                       help="classifier-free guidance scale [default: the main job's sample.guidance_scale]")
+        q.add_argument("--shift", type=float, help="SD3 timestep shift [default: the main job's sample.shift]")
+        q.add_argument("--seed", type=int, help="noise seed [default: 0; eval: the main job's eval.seed]")
 
     s = sub.add_parser("sample", help="prompts -> image grid from a checkpoint")
     sampling_args(s)
@@ -189,14 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="held-out test-prompt reward of a checkpoint (defaults: the main job's evaluation, so "
                        "`jagg eval --checkpoint runs/default` reproduces the trainer's test reward)")
     sampling_args(e)
-    e.set_defaults(seed=main.eval.seed)
     e.add_argument("--reward", default="geneval", help="reward name or module:function")
     e.add_argument("--num-prompts", type=int, default=0, help="test prompts (0 = all)")
-    e.add_argument("--images-per-prompt", type=int, default=main.eval.images_per_prompt,
-                   help="images per test prompt [default: the main job's, %(default)s]")
+    e.add_argument("--images-per-prompt", type=int,
+                   help="images per test prompt [default: the main job's eval.images_per_prompt]")
     e.add_argument("--json", help="also write the metrics to this JSON file")
     e.set_defaults(func=_eval)
 
+    if argv is not None and not set(argv[:1]) & {"bench", "-h", "--help"}:
+        sub.add_parser("bench", help="benchmarks (jagg bench --help)", add_help=False)   # built when asked for
+        return p
     try:
         from .bench import add_bench_parser
     except ImportError:
@@ -207,7 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
+    if args.command in ("sample", "eval"):
+        _main_job_defaults(args)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:  # incl. RewardError: a message, not a traceback
