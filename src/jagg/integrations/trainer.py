@@ -126,6 +126,7 @@ class RealTrainer(TrainerCore):
         self.np_rng = np.random.default_rng(cfg.seed)
         self.gen = torch.Generator().manual_seed(_seed(cfg.seed, 1))
         self.perm_gen = torch.Generator().manual_seed(_seed(cfg.seed, 3, self.rank))
+        self.pick_gen = torch.Generator().manual_seed(_seed(cfg.seed, 4, self.rank))   # unbiased JAGG's picks
         self.iteration = 0
         self.wall = 0.0
         self.skipped_updates = 0
@@ -147,7 +148,7 @@ class RealTrainer(TrainerCore):
     # ------------------------------------------------------------------ state
     def _rng_state(self) -> dict:
         return {"numpy": self.np_rng.bit_generator.state, "gen": self.gen.get_state(),
-                "perm_gen": self.perm_gen.get_state(),
+                "perm_gen": self.perm_gen.get_state(), "pick_gen": self.pick_gen.get_state(),
                 "torch": torch.get_rng_state(), "python": random.getstate(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
@@ -158,6 +159,8 @@ class RealTrainer(TrainerCore):
         random.setstate(rng["python"])
         if local:
             self.perm_gen.set_state(rng["perm_gen"])
+            if "pick_gen" in rng:                             # checkpoints before unbiased JAGG have none
+                self.pick_gen.set_state(rng["pick_gen"])
             if rng.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
@@ -271,7 +274,8 @@ class RealTrainer(TrainerCore):
         local = [0.0] * (len(names) + len(counts))
         if n:
             st = policy_gradient(self.policy.velocity(prompts), traj, adv, c.estimator, ref_velocities=ref_v,
-                                 loss_scale=loss_scale(n, n_global, self.world), sample_groups=groups)
+                                 loss_scale=loss_scale(n, n_global, self.world), sample_groups=groups,
+                                 generator=self.pick_gen)
             local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
         if self.world > 1:
             for p in self.params:                              # same buckets on every rank, even with no samples
@@ -316,6 +320,10 @@ class RealTrainer(TrainerCore):
         if c.estimator.kl_beta > 0 and kept:
             ref_fn = self.policy.reference(self.policy.velocity(kept))
             ref_v = reference_velocities(ref_fn, traj, c.estimator.micro_batch)
+        audit_s = 0.0
+        if self.main and kept and self.audit_due():           # the main process audits its own samples
+            audit_s, _ = self.audit(lambda sub: self.policy.velocity([kept[i] for i in sub]), traj, adv, ref_v,
+                                    groups, self.params)
         for _ in range(c.grpo.inner_epochs):
             perm = torch.randperm(len(kept), generator=self.perm_gen)
             for mb in perm.tensor_split(c.grpo.updates_per_epoch):
@@ -327,7 +335,7 @@ class RealTrainer(TrainerCore):
                                      adv[mb], None if ref_v is None else ref_v[mb], groups[mb.cpu()])
                 if stats:
                     per_update.append(stats)
-        t3 = time.perf_counter()
+        t3 = time.perf_counter() - audit_s                 # the audit is a diagnostic: not the iteration's cost
         self.iteration += 1
         self.wall += t3 - t0
         trained = int(self._reduce([len(kept)])[0])

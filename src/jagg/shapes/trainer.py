@@ -23,7 +23,6 @@ from ..training.checkpoint import load_latest, save_checkpoint
 from .weights import load_model
 from ..training.config_loader import to_dict
 from ..training.core import TrainerCore, check_resumable
-from ..audit import audit_flag, audit_gradient
 from ..estimator import policy_gradient, reference_velocities
 from .evaluation import evaluate
 from ..training.metrics import MetricsLogger, plot_reward_curve, save_grid
@@ -69,7 +68,6 @@ class Trainer(TrainerCore):
         self.skipped_updates = 0
         self.consecutive_skips = 0
         self._stop = False
-        self._flagged = False                # the audit's warning is printed once per run
         resumed_from = None
         if resume:
             found = load_latest(self.ckpt_dir)
@@ -176,10 +174,10 @@ class Trainer(TrainerCore):
             if self.ref_model is not None:
                 ref_v = reference_velocities(GuidedVelocity(self.ref_model, tokens, c.sample.guidance_scale), traj,
                                              c.estimator.micro_batch)
-            if c.estimator.audit_every and (self.iteration + 1) % c.estimator.audit_every == 0:
-                c_a = time.process_time()
-                audit_s = self.audit(traj, tokens, adv, ref_v, groups)
-                audit_cpu = time.process_time() - c_a
+            if self.audit_due():
+                audit_s, audit_cpu = self.audit(
+                    lambda sub: GuidedVelocity(self.model, tokens[sub], c.sample.guidance_scale), traj, adv, ref_v,
+                    groups, [p for p in self.model.parameters() if p.requires_grad])
             for _ in range(c.grpo.inner_epochs):
                 perm = torch.randperm(keep_idx.numel(), generator=self.gen)
                 for mb in perm.tensor_split(c.grpo.updates_per_epoch):
@@ -204,32 +202,6 @@ class Trainer(TrainerCore):
                 rec[k] = int(sum(s[k] for s in per_update))
         rec["skipped_total"] = self.skipped_updates
         return rec
-
-    @torch.enable_grad()
-    def audit(self, traj, tokens, adv, ref_v, groups) -> float:
-        """The estimator audit (:func:`jagg.audit_gradient`) on ``estimator.audit_samples`` samples, whole GRPO
-        groups picked at random (an RNG of its own: the run is the same with and without it); logs an ``audit``
-        record and returns its seconds."""
-        c = self.cfg
-        gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.iteration)
-        ids = torch.unique(groups)
-        chosen = []
-        for gi in ids[torch.randperm(ids.numel(), generator=gen)]:
-            chosen += torch.nonzero(groups == gi).flatten().tolist()
-            if len(chosen) >= c.estimator.audit_samples:
-                break
-        sub = torch.tensor(sorted(chosen[: c.estimator.audit_samples]))
-        vf = GuidedVelocity(self.model, tokens[sub], c.sample.guidance_scale)
-        a = audit_gradient(vf, traj.select(sub), adv[sub], c.estimator,
-                           [p for p in self.model.parameters() if p.requires_grad],
-                           None if ref_v is None else ref_v[sub], groups[sub], gen)
-        flag = audit_flag(a, c.estimator)
-        self.logger.log({"kind": "audit", "iteration": self.iteration + 1, "samples": int(sub.numel()), **a,
-                         "flagged": int(flag is not None)})
-        if flag and not self._flagged:
-            self._flagged = True
-            self._print(f"\niteration {self.iteration + 1}: {flag}")
-        return a["seconds"]
 
     # ------------------------------------------------------------------ evaluation and the loop
     def eval_model(self):

@@ -1,10 +1,16 @@
 """What both trainers (the shapes world's and the real models') share around their loop: the guarded optimizer
-step, the abort after repeated non-finite updates, the save after an early failure, the signal handler, and the
-check that a checkpoint's config allows resuming."""
+step, the abort after repeated non-finite updates, the save after an early failure, the signal handler, the
+estimator audit, and the check that a checkpoint's config allows resuming."""
 
 from __future__ import annotations
 
+import time
+from typing import Callable, Sequence
+
 import numpy as np
+import torch
+
+from ..audit import audit_flag, audit_gradient
 
 # config keys that may change between a checkpoint and its resumption
 RESUMABLE_CHANGES = ("grpo.iterations", "log.", "eval.", "threads")
@@ -57,6 +63,41 @@ class TrainerCore:
             return RuntimeError(f"aborting: {limit} consecutive updates had a non-finite loss or gradient "
                                 "(see metrics.jsonl 'skipped'); lower optim.lr")
         return None
+
+    @torch.enable_grad()
+    def audit(self, make_velocity: Callable[[list[int]], Callable], traj, adv, ref_v, groups,
+              params: Sequence[torch.nn.Parameter]) -> tuple[float, float]:
+        """The estimator audit (:func:`jagg.audit_gradient`) on ``estimator.audit_samples`` of the batch's samples,
+        whole GRPO groups (``groups`` ``[B]``) picked at random with an RNG of its own, so a run is the same with and
+        without it. ``make_velocity(indices)`` gives the velocity callable of those samples. Logs an ``audit`` record
+        (on the main process), prints the audit's warning once per run, and returns its ``(seconds, CPU seconds)``
+        so that the caller can leave them out of the iteration's time."""
+        c = self.cfg
+        c0 = time.process_time()
+        gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.iteration)
+        ids = torch.unique(groups)
+        chosen: list[int] = []
+        for gi in ids[torch.randperm(ids.numel(), generator=gen)]:
+            chosen += torch.nonzero(groups == gi).flatten().tolist()
+            if len(chosen) >= c.estimator.audit_samples:
+                break
+        sub = sorted(chosen[: c.estimator.audit_samples])
+        idx = torch.tensor(sub, device=traj.latents.device)
+        a = audit_gradient(make_velocity(sub), traj.select(idx), adv[idx], c.estimator, params,
+                           None if ref_v is None else ref_v[idx], groups[torch.tensor(sub)], gen)
+        flag = audit_flag(a, c.estimator)
+        if self.logger is not None:
+            self.logger.log({"kind": "audit", "iteration": self.iteration + 1, "samples": len(sub), **a,
+                             "flagged": int(flag is not None)})
+        if flag and not getattr(self, "_flagged", False):
+            self._flagged = True
+            self._print(f"\niteration {self.iteration + 1}: {flag}")
+        return a["seconds"], time.process_time() - c0
+
+    def audit_due(self) -> bool:
+        """Whether the coming iteration runs the estimator audit (``estimator.audit_every``)."""
+        every = self.cfg.estimator.audit_every
+        return bool(every) and (self.iteration + 1) % every == 0
 
     def _print(self, text: str) -> None:
         if self.rank == 0:
