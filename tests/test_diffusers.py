@@ -439,12 +439,13 @@ def test_flux_model_from_directory_with_prompt_cache(tmp_path):
 
 
 @pytest.mark.parametrize("name, family, rank", [("sd35_medium", "sd3", 32), ("flux_dev", "flux", 64)])
-def test_shipped_yaml_configs_load(name, family, rank):
+def test_shipped_yaml_configs_load(name, family, rank, tmp_path):
     """configs/<name>.yaml: the pipeline section loads, the trainer sections use the trainer's keys, the reward
     server section builds a client, and the placeholder model path fails with the download hint."""
     import yaml
 
-    from jagg.shapes import config as train_config
+    from jagg.integrations.train_config import RealSampleConfig
+    from jagg.training.sections import GRPOConfig, OptimConfig
     from jagg.training.config_loader import from_dict
     from jagg.rewards import RewardClient
 
@@ -454,8 +455,10 @@ def test_shipped_yaml_configs_load(name, family, rank):
     assert not cfg.detach_uncond and not cfg.velocity_config().detach_uncond   # Flow-GRPO: both CFG branches
     assert set(cfg.lora.resolved(family)[2]) == set(LoraSettings().resolved(family)[2])   # = Flow-GRPO's list
     data = yaml.safe_load(path.read_text())
-    for section, cls in (("sample", train_config.SampleConfig), ("estimator", jagg.EstimatorConfig),
-                         ("optim", train_config.OptimConfig), ("grpo", train_config.GRPOConfig)):
+    (tmp_path / "prompts.txt").write_text("a red cube\n")
+    data["sample"]["prompts_file"] = str(tmp_path / "prompts.txt")      # the shipped configs leave it to the user
+    for section, cls in (("sample", RealSampleConfig), ("estimator", jagg.EstimatorConfig),
+                         ("optim", OptimConfig), ("grpo", GRPOConfig)):
         from_dict(cls, data[section], section)
     RewardClient(**data["reward_server"])
     if not Path(cfg.path).exists():

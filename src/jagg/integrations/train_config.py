@@ -13,12 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..estimator_config import EstimatorConfig
 from ..rewards.client import RewardClient
 from ..rewards.registry import get_reward
 from ..training import config_loader as configuration
-from ..training.sections import (GRPOConfig, LogConfig, OptimConfig, RewardConfig, check_group_size,
-                                 check_sde_window, check_updates_divide_batch)
+from ..training.sections import LogConfig, RewardConfig, TrainerSections, check_group_size, check_sde_window
 from .config import PipelineConfig
 
 
@@ -97,16 +95,12 @@ class RealLogConfig(LogConfig):
 
 
 @dataclass
-class RealTrainConfig:
-    """Everything one ``jagg train`` run on a diffusers model needs; saved into every checkpoint."""
+class RealTrainConfig(TrainerSections):
+    """Everything one ``jagg train`` run on a diffusers model needs; saved into every checkpoint. The shared keys
+    (seed, threads, estimator, optim, grpo) come from :class:`jagg.training.sections.TrainerSections`."""
 
-    seed: int = field(default=0, metadata=_help("Seed of prompts, noise, LoRA initialisation and minibatches."))
-    threads: int = field(default=0, metadata=_help("torch CPU threads (0 = torch's default)."))
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     sample: RealSampleConfig = field(default_factory=RealSampleConfig)
-    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     reward: RewardConfig | None = field(default=None, metadata=_help(
         "Local reward, {name: <registry name | package.module:function>} or {weights: {name: w, ...}} "
         "(jagg.shapes.config.RewardConfig); the function takes (images uint8 [N,H,W,3], prompts, metadata). "
@@ -129,8 +123,7 @@ class RealTrainConfig:
                              "module:function) and reward_server (an HTTP reward server); "
                              + ("neither is set" if self.reward is None else
                                 "both are set: drop one, e.g. --set reward_server=null"))
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0; got {self.threads}")
+        super().__post_init__()
         if self.optim.ema_decay > 0:
             raise ValueError("optim.ema_decay is not supported by the real-model trainer; set it to 0")
         s, T = self.sample, self.pipeline.num_steps
@@ -138,7 +131,6 @@ class RealTrainConfig:
         if s.sde_window is None and int(T * s.timestep_fraction) < 1:
             raise ValueError(f"sample.timestep_fraction={s.timestep_fraction} of pipeline.num_steps={T} trains no "
                              "step; raise it")
-        check_updates_divide_batch(s.batch_size, self.grpo.updates_per_epoch)
         if self.estimator.kl_beta > 0 and not self.pipeline.lora.enabled and not self.pipeline.keep_reference:
             raise ValueError("estimator.kl_beta > 0 with full fine-tuning (pipeline.lora.enabled: false) needs a "
                              "reference model: set pipeline.keep_reference: true, or estimator.kl_beta: 0")

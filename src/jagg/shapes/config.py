@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from ..estimator_config import EstimatorConfig
-from ..training.sections import (GRPOConfig, LogConfig, OptimConfig, RewardConfig, _help, check_group_size,
-                                check_sde_window, check_updates_divide_batch)
+from ..training.sections import (LogConfig, RewardConfig, TrainerSections, _help, check_group_size,
+                                check_sde_window)
 
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
 
@@ -140,21 +139,12 @@ class EvalConfig:
 
 
 @dataclass
-class TrainConfig:
-    """Everything one ``jagg train`` run needs; saved into every checkpoint."""
+class TrainConfig(TrainerSections):
+    """Everything one ``jagg train`` run on the shapes world needs; saved into every checkpoint. The shared keys
+    (seed, threads, estimator, optim, grpo) come from :class:`jagg.training.sections.TrainerSections`."""
 
-    seed: int = field(default=0, metadata=_help("Seed of prompts, noise and everything else."))
-    threads: int = field(default=0, metadata=_help("torch CPU threads (0 = torch's default)."))
     model: ModelConfig = field(default_factory=ModelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
-    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
-
-    def __post_init__(self):
-        check_updates_divide_batch(self.sample.batch_size, self.grpo.updates_per_epoch)
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0; got {self.threads}")

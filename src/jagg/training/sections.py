@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..estimator_config import EstimatorConfig
+
 
 def _help(text: str) -> dict:
     return {"help": text}
@@ -102,3 +104,22 @@ class LogConfig:
             raise ValueError("log.output_dir must be set")
         if self.checkpoint_every < 0 or self.keep_last < 1:
             raise ValueError("log.checkpoint_every must be >= 0 and log.keep_last >= 1")
+
+
+@dataclass
+class TrainerSections:
+    """The top-level keys both trainers' configs share: seed, threads, and the estimator, optimizer and GRPO sections.
+    :class:`jagg.shapes.config.TrainConfig` and :class:`jagg.integrations.train_config.RealTrainConfig` extend it
+    with their own model, sampling, reward and logging sections (which must include ``sample.batch_size``)."""
+
+    seed: int = field(default=0, metadata=_help(
+        "Seed of prompts, noise, initialisation, minibatches and unbiased JAGG's picks."))
+    threads: int = field(default=0, metadata=_help("torch CPU threads (0 = torch's default)."))
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+    def __post_init__(self):
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0; got {self.threads}")
+        check_updates_divide_batch(self.sample.batch_size, self.grpo.updates_per_epoch)
