@@ -189,10 +189,10 @@ def _pick(candidates: Tensor, p: float, generator: torch.Generator | None) -> Te
     return out.view_as(candidates)
 
 
-def _units_of_chain(sample: int, chain: list[list[int]], sigmas: Tensor, alpha: str, micro_batch: int,
+def _units_of_chain(sample: int, chain: list[list[int]], alphas: list[list[float]], micro_batch: int,
                     scale: dict[int, float]) -> list[Unit]:
     """Units for one run of JAGG intervals sharing knots (``chain``: intervals ``[a, ..., b]``, consecutive ones
-    sharing an end). Split into pieces of at most ``micro_batch`` knots that overlap by one knot; a knot's own loss is
+    sharing an end; ``alphas``: their interpolation coefficients). Split into pieces of at most ``micro_batch`` knots that overlap by one knot; a knot's own loss is
     counted in the first piece holding it. ``scale[j]`` (``1 - 1/p`` for a corrected interval) multiplies the weights
     of interval ``j``'s inner steps; their evaluations then do not count in the statistics."""
     units: list[Unit] = []
@@ -207,8 +207,7 @@ def _units_of_chain(sample: int, chain: list[list[int]], sigmas: Tensor, alpha: 
             if r == 0 and start == 0:
                 u.evals.append(Eval(iv[0], (0, -1, 0.0), [(0, 1.0)]))
             s = scale.get(start + r, 1.0)
-            alphas = group_alphas(sigmas, iv, alpha).tolist()
-            for k, al in zip(iv[1:-1], alphas[1:-1]):
+            for k, al in zip(iv[1:-1], alphas[start + r][1:-1]):
                 u.evals.append(Eval(k, (r, r + 1, al), [(r, (1.0 - al) * s), (r + 1, al * s)], stat=s == 1.0))
             u.evals.append(Eval(iv[-1], (r + 1, -1, 0.0), [(r + 1, 1.0)]))
         units.append(u)
@@ -277,6 +276,7 @@ def plan_update(traj, config: EstimatorConfig, sample_groups: Tensor | Sequence 
         picked = _pick(unit_routed & scope[None], p, generator)                   # [U, G]
         corrected = picked[member] & routed
     weight = 1.0 / p if p > 0 else 1.0
+    alphas = [group_alphas(sig, iv, config.alpha).tolist() for iv in intervals]    # once per interval
 
     units: list[Unit] = []
     singles: list[Unit] = []
@@ -284,8 +284,7 @@ def plan_update(traj, config: EstimatorConfig, sample_groups: Tensor | Sequence 
         for gi, iv in enumerate(intervals):
             for i in range(B):
                 if routed[i, gi]:
-                    units += _units_of_chain(i, [iv], sig, config.alpha, 2,
-                                             {0: 1.0 - weight} if corrected[i, gi] else {})
+                    units += _units_of_chain(i, [iv], [alphas[gi]], 2, {0: 1.0 - weight} if corrected[i, gi] else {})
             units += [_single(i, k) for k in iv for i in range(B) if not routed[i, gi]]
             singles += [_single(i, k, weight) for k in iv[1:-1] for i in range(B) if corrected[i, gi]]
     else:
@@ -297,7 +296,7 @@ def plan_update(traj, config: EstimatorConfig, sample_groups: Tensor | Sequence 
                     continue
                 if run:
                     scale = {r: 1.0 - weight for r, jj in enumerate(run) if corrected[i, jj]}
-                    units += _units_of_chain(i, [intervals[jj] for jj in run], sig, config.alpha,
+                    units += _units_of_chain(i, [intervals[jj] for jj in run], [alphas[jj] for jj in run],
                                              config.micro_batch, scale)
                     run = []
         covered = [set() for _ in range(B)]
