@@ -156,6 +156,9 @@ def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
     assert capsys.readouterr().out.count("already done") == 6
     assert main(args + ["--set", "optim.lr=0.5"]) == 2          # ... but not reused under another config
     assert "optim.lr" in capsys.readouterr().err
+    assert main(args + ["--train-only", "jagg_fresh"]) == 0     # one variant's runs (already done: skipped)
+    assert capsys.readouterr().out.count("already done") == 2
+    assert main(args + ["--train-only", "nosuch"]) == 2
     assert main(["bench", "quality", "--variant", "bad name:x=1"]) == 2
     assert main(["bench", "quality", "--variant", "nosuch"]) == 2
 

@@ -310,8 +310,15 @@ RUN_COLUMNS = [("variant", "variant", ""), ("seed", "seed", ""), ("updates", "up
                ("rows_per_update", "rows/upd", ".0f")]
 
 
-def run_quality(q: QualityConfig, clock: str = "wall") -> list[dict]:
+def run_quality(q: QualityConfig, clock: str = "wall", train_only: str | None = None) -> list[dict]:
+    """Train (or skip, or resume) every run and compare. ``train_only``: train just that variant's runs and return
+    them without a comparison (to run two variants side by side in two processes, which then share whatever else
+    loads the machine; a last call without it compares)."""
     names = list(q.variants)
+    if train_only is not None:
+        if train_only not in names:
+            raise ValueError(f"--train-only {train_only!r} is not one of the variants {names}")
+        return [run_one(q, train_only, s) for s in q.seeds]
     runs = [run_one(q, v, s) for s in q.seeds for v in names]        # seed-major, alternating variants
     return runs + compare(runs, names, q.seeds, clock)
 
@@ -332,8 +339,12 @@ def _run(args: argparse.Namespace) -> int:
     out = args.out or ("runs/bench_quality_quick" if args.quick else "runs/bench_quality")
     q = QualityConfig(config=args.config, sets=sets, variants=variants,
                       seeds=list(range(args.first_seed, args.first_seed + n_seeds)), out=out)
-    records = run_quality(q, args.clock)
+    records = run_quality(q, args.clock, args.train_only)
     runs = [r for r in records if r["kind"] == "run"]
+    if args.train_only:
+        print(table(runs, RUN_COLUMNS))
+        print("trained; run the same command without --train-only to compare the variants")
+        return 0
     summary = [r for r in records if r["kind"] == "variant"]
     print("\nruns")
     print(table(runs, RUN_COLUMNS))
@@ -367,6 +378,9 @@ def add_parser(sub) -> None:
                    help="time axis of time-to-target: wall-clock seconds, or CPU seconds of the training process "
                         "(robust when other work shares the machine; with threads=1 the two agree on an idle "
                         "machine) [default: wall]")
+    p.add_argument("--train-only", metavar="NAME",
+                   help="train only this variant's runs, no comparison: start one process per variant to run them "
+                        "side by side (each under the same load), then the same command without it to compare")
     p.add_argument("--out", help="bench output dir, one sub-dir per run [default: runs/bench_quality]")
     p.add_argument("--plot", help="PNG path [default: OUT/quality.png]")
     p.add_argument("--json", help="JSON path [default: OUT/quality.json]")
