@@ -259,9 +259,10 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
 # ----------------------------------------------------------------------------- plot
 
 
-def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world") -> None:
-    """Two panels against wall-clock of training iterations (mean over seeds): the training reward (smoothed
-    trailing mean, 10% of the iterations) and the held-out test reward (band = min-max over seeds)."""
+def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world", clock: str = "wall") -> None:
+    """Two panels against the time of training iterations (``clock``: wall-clock or CPU seconds, mean over seeds):
+    the training reward (smoothed trailing mean, 10% of the iterations) and the held-out test reward (band = min-max
+    over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -276,22 +277,24 @@ def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world") 
         if n == 0:
             continue
         rew = np.array([[p[2] for p in r["train_curve"][:n]] for r in rs])
-        wall = np.array([[p[1] for p in r["train_curve"][:n]] for r in rs]).mean(0)
+        col = 1 if clock == "wall" else 3
+        wall = np.array([[p[col] for p in r["train_curve"][:n]] for r in rs], dtype=float).mean(0)
+        per_iter = wall[-1] / n                          # test points: at their iteration's time
         line, = axes[0].plot(wall, smooth(rew.mean(0), max(1, n // 10)), label=f"{v} ({len(rs)} seeds)")
         m = min(len(r["test_curve"]) for r in rs)
         if m:
             test = np.array([[p[2] for p in r["test_curve"][:m]] for r in rs])
-            tw = np.array([[p[1] for p in r["test_curve"][:m]] for r in rs]).mean(0)
+            tw = np.array([p[0] for p in rs[0]["test_curve"][:m]], dtype=float) * per_iter
             axes[1].plot(tw, test.mean(0), "o-", ms=3, color=line.get_color(), label=v)
             if len(rs) > 1:
                 axes[1].fill_between(tw, test.min(0), test.max(0), color=line.get_color(), alpha=0.15)
     axes[0].set_ylabel("training reward (smoothed)")
     axes[1].set_ylabel("test reward (held-out prompts)")
     for ax in axes:
-        ax.set_xlabel("wall-clock of training iterations (s, mean over seeds)")
+        ax.set_xlabel(("wall-clock" if clock == "wall" else "CPU") + " seconds of training iterations (mean over seeds)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{title}: reward against wall-clock, exact vs JAGG")
+    fig.suptitle(f"{title}: reward against {'wall-clock' if clock == 'wall' else 'CPU'} time, exact vs JAGG")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -352,7 +355,7 @@ def _run(args: argparse.Namespace) -> int:
           "iteration ratios are exact / variant)")
     print(table(summary, VARIANT_COLUMNS))
     png = Path(args.plot or Path(out) / "quality.png")
-    plot(runs, png)
+    plot(runs, png, clock=args.clock)
     print(f"\nwrote {png}")
     json_path = args.json or Path(out) / "quality.json"
     write_json(json_path, records)
