@@ -18,7 +18,9 @@ Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy
   trailing mean over 10% of the iterations, is at or above it. Time is the wall-clock of training iterations (the
   trainer's ``wall_s``: sampling, reward and training; evaluation and audit excluded), averaged over seeds. The
   ratio exact / variant > 1 means the variant gets there sooner. ``--clock cpu`` uses the training process's CPU
-  seconds instead (the trainer's ``cpu_s``), which other work on a shared machine barely moves. A variant that never gets there counts as reaching
+  seconds instead (the trainer's ``cpu_s``: waiting for a busy core does not count, a core slowed by its neighbour
+  still does); ``--clock iterations`` counts updates (updates-to-target; times the side-by-side iteration-time ratio
+  of ``jagg bench e2e`` it estimates the time ratio without the load of the machine in it). A variant that never gets there counts as reaching
   it at its last iteration (an upper bound of its ratio); the share of such resamples is reported.
 - **final test reward** at equal updates (held-out test prompts, the trainer's last evaluation), its mean, interval,
   the paired difference to exact with its interval, and the evaluation's own noise (per-image standard error).
@@ -53,7 +55,8 @@ DEFAULT_SETS = ["log.progress=false", "log.tensorboard=false", "log.checkpoint_e
 QUICK_SETS = ["grpo.iterations=4", "sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=2",
               "eval.num_prompts=8", "eval.images_per_prompt=1", "eval.grid_size=4", "log.checkpoint_every=0"]
 BOOTSTRAP = 2000
-CLOCKS = ("wall", "cpu")
+CLOCKS = ("wall", "cpu", "iterations")
+CLOCK_COLUMN = {"iterations": 0, "wall": 1, "cpu": 3}      # in a run's train_curve
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:
@@ -188,13 +191,13 @@ def _interval(xs: np.ndarray) -> tuple[float, float]:
 
 def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str = "wall") -> list[dict]:
     """Per variant: the paired statistics of the module docstring (bootstrap over seeds). ``clock``: ``wall``
-    (wall-clock seconds) or ``cpu`` (CPU seconds of the training process) for the time axis."""
+    (wall-clock seconds), ``cpu`` (CPU seconds of the training process) or ``iterations`` for the time axis."""
     if clock not in CLOCKS:
         raise ValueError(f"--clock must be one of {CLOCKS}; got {clock!r}")
     by = {(r["variant"], r["seed"]): r for r in runs}
     n = min(len(by[(v, s)]["train_curve"]) for v in variants for s in seeds)
     w = max(1, n // 10)
-    col = 1 if clock == "wall" else 3
+    col = CLOCK_COLUMN[clock]
     rew = {v: np.array([[p[2] for p in by[(v, s)]["train_curve"][:n]] for s in seeds]) for v in variants}
     wall = {v: np.array([[p[col] for p in by[(v, s)]["train_curve"][:n]] for s in seeds], dtype=float)
             for v in variants}
@@ -277,7 +280,7 @@ def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world", 
         if n == 0:
             continue
         rew = np.array([[p[2] for p in r["train_curve"][:n]] for r in rs])
-        col = 1 if clock == "wall" else 3
+        col = CLOCK_COLUMN[clock]
         wall = np.array([[p[col] for p in r["train_curve"][:n]] for r in rs], dtype=float).mean(0)
         per_iter = wall[-1] / n                          # test points: at their iteration's time
         line, = axes[0].plot(wall, smooth(rew.mean(0), max(1, n // 10)), label=f"{v} ({len(rs)} seeds)")
@@ -291,10 +294,13 @@ def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world", 
     axes[0].set_ylabel("training reward (smoothed)")
     axes[1].set_ylabel("test reward (held-out prompts)")
     for ax in axes:
-        ax.set_xlabel(("wall-clock" if clock == "wall" else "CPU") + " seconds of training iterations (mean over seeds)")
+        ax.set_xlabel({"wall": "wall-clock seconds of training iterations (mean over seeds)",
+                       "cpu": "CPU seconds of training iterations (mean over seeds)",
+                       "iterations": "iterations (= optimizer updates)"}[clock])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{title}: reward against {'wall-clock' if clock == 'wall' else 'CPU'} time, exact vs JAGG")
+    fig.suptitle(f"{title}: reward against {dict(wall='wall-clock time', cpu='CPU time').get(clock, 'updates')}, "
+                 "exact vs JAGG")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -378,9 +384,10 @@ def add_parser(sub) -> None:
     p.add_argument("--iterations", type=int, help="GRPO iterations per run [default: the config's grpo.iterations]")
     p.add_argument("--eval-every", type=int, help="evaluate every N iterations [default: the config's eval.every]")
     p.add_argument("--clock", choices=CLOCKS, default="wall",
-                   help="time axis of time-to-target: wall-clock seconds, or CPU seconds of the training process "
-                        "(robust when other work shares the machine; with threads=1 the two agree on an idle "
-                        "machine) [default: wall]")
+                   help="time axis of time-to-target: wall-clock seconds, CPU seconds of the training process (with "
+                        "threads=1 the two agree on an idle machine; CPU seconds ignore waiting for a busy core, not "
+                        "a slower one), or iterations (updates to target: multiply by the iteration-time ratio of "
+                        "`jagg bench e2e` for a load-independent time estimate) [default: wall]")
     p.add_argument("--train-only", metavar="NAME",
                    help="train only this variant's runs, no comparison: start one process per variant to run them "
                         "side by side (each under the same load), then the same command without it to compare")
