@@ -164,7 +164,7 @@ def time_call(model, v, traj, adv, c: tuple, cfg: BenchConfig, dev: torch.device
     device work included, and its peak memory (GiB, CUDA only)."""
     mode, w, inter = c
     est = jagg.EstimatorConfig(mode=mode, window=max(w, 1), intermediate="interp" if inter == "-" else inter,
-                               micro_batch=cfg.micro_batch, clip_range=1e-4)
+                               micro_batch=cfg.micro_batch, clip_range=1e-4, correction_p=0.0)   # plain layouts
     model.zero_grad(set_to_none=True)
     cuda = dev.type == "cuda"
     if cuda:

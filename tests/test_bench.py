@@ -233,8 +233,11 @@ def test_bench_e2e_round_robin(tmp_path, bench_ckpt, capsys):
         assert r["iter_s"] > 0 and r["sample_s"] > 0 and 1.0 < r["iter_ratio_ideal"] < r["limit"]
     assert recs["jagg_interp"]["limit"] == pytest.approx(2.0) and recs["jagg_fresh"]["limit"] == pytest.approx(1.5)
     half = configuration.load(TrainConfig, None, ["estimator.jagg_frac=0.5", "sample.num_steps=8",
-                                                  "sample.sde_window=null", "estimator.window=4"])
+                                                  "sample.sde_window=null", "estimator.window=4",
+                                                  "estimator.correction_p=0"])
     assert routed_limit(half) == pytest.approx(1 / (0.5 + 0.5 / 2))        # half the groups at the W/2 limit
+    unb = configuration.load(TrainConfig, None, ["sample.num_steps=8", "sample.sde_window=null"])
+    assert routed_limit(unb) == pytest.approx(8 / (4 + 0.25 * 4))           # default: unbiased, p = 0.25
     assert "ideal" in capsys.readouterr().out
 
 

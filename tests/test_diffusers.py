@@ -102,7 +102,7 @@ def test_on_policy_ratio_is_one_and_jagg_pairs_equal_exact(family):
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     out = []
     for cfg in (jagg.EstimatorConfig(mode="exact", micro_batch=4),
-                jagg.EstimatorConfig(mode="jagg", window=2, micro_batch=4)):
+                jagg.EstimatorConfig(correction_p=0.0, mode="jagg", window=2, micro_batch=4)):
         model.zero_grad(set_to_none=True)
         stats = jagg.policy_gradient(v, traj, adv, cfg)
         assert abs(stats.ratio_mean - 1.0) < 1e-5 and stats.approx_kl < 1e-10 and stats.clip_frac == 0.0
@@ -123,7 +123,7 @@ def test_jagg_group_gradient_is_the_endpoint_vjp(family, intermediate):
     v = velocity_adapter(model, cond, neg, vcfg)
     traj = rollout(v)                                            # T = 6 -> groups [0, 1, 2], [3, 4, 5]
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    cfg = jagg.EstimatorConfig(mode="jagg", window=3, intermediate=intermediate, micro_batch=4)
+    cfg = jagg.EstimatorConfig(correction_p=0.0, mode="jagg", window=3, intermediate=intermediate, micro_batch=4)
     model.zero_grad(set_to_none=True)
     stats = jagg.policy_gradient(v, traj, adv, cfg)
     assert stats.jagg_frac_routed == 1.0 and stats.backward_items == B * 2 * 2
@@ -237,7 +237,7 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model(family):
     traj = rollout(v, T=4)
     opt = torch.optim.SGD(params, lr=5.0)
     stats = jagg.policy_gradient(v, traj, torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                                 jagg.EstimatorConfig(mode="jagg", window=2, micro_batch=4))
+                                 jagg.EstimatorConfig(correction_p=0.0, mode="jagg", window=2, micro_batch=4))
     assert stats.backward_items > 0
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
     assert all(p.grad is not None for p in params)

@@ -66,7 +66,7 @@ def make_batch():
 
 
 def config(mode, window, inter):
-    return jagg.EstimatorConfig(mode=mode, window=window, intermediate=inter, micro_batch=4, kl_beta=0.5,
+    return jagg.EstimatorConfig(correction_p=0.0, mode=mode, window=window, intermediate=inter, micro_batch=4, kl_beta=0.5,
                                 clip_range=0.2)
 
 
@@ -200,7 +200,7 @@ def test_fsdp2_two_cpu_processes_equal_one_process(tmp_path):
     g = torch.Generator().manual_seed(0)
     traj = jagg.sample_trajectories(v, torch.randn(4, 4, 16, 16, generator=g), jagg.flow_sigmas(6, shift=3.0), 0.7,
                                     generator=g)
-    est = jagg.EstimatorConfig(mode="jagg", window=3, intermediate="fresh", micro_batch=2, kl_beta=0.5)
+    est = jagg.EstimatorConfig(correction_p=0.0, mode="jagg", window=3, intermediate="fresh", micro_batch=2, kl_beta=0.5)
     setup = dict(state={k: t.clone() for k, t in model.state_dict().items()}, lora=lora, traj=traj,
                  adv=torch.tensor([1.0, -1.0, 0.5, -0.5]), cond=cond, neg=neg, estimator=est, lr=0.5)
     torch.save(setup, tmp_path / "setup.pt")

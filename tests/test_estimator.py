@@ -75,8 +75,8 @@ def test_loss_scale_and_backward_context():
         calls.append(last)
         return contextlib.nullcontext()
 
-    g1, st = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, micro_batch=2), backward_context=ctx)
-    g2, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, micro_batch=2), loss_scale=0.25)
+    g1, st = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, micro_batch=2), backward_context=ctx)
+    g2, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, micro_batch=2), loss_scale=0.25)
     assert torch.allclose(g2, 0.25 * g1, **TIGHT)
     assert calls == [False] * (st.backward_calls - 1) + [True]
     seen = []
@@ -86,7 +86,7 @@ def test_loss_scale_and_backward_context():
         seen.append(loss)
         (2 * loss).backward()
 
-    g3, st3 = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, micro_batch=2), backward_fn=engine_backward)
+    g3, st3 = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, micro_batch=2), backward_fn=engine_backward)
     assert len(seen) == st3.backward_calls and torch.allclose(g3, 2 * g1, **TIGHT)
 
 
@@ -98,13 +98,13 @@ def test_window_one_and_two_step_groups_are_exact(intermediate):
     adv = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.2))
     for w in (1, 2):
-        gj, st = run(model, traj, adv, EstimatorConfig(mode="jagg", window=w, intermediate=intermediate,
+        gj, st = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=w, intermediate=intermediate,
                                                        clip_range=0.2))
         assert torch.allclose(gj, ge, **TIGHT)
     # a trajectory trained on exactly two steps forms one 2-step group whatever the window
     traj.train_steps = torch.tensor([3, 4])
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.2))
-    gj, st = run(model, traj, adv, EstimatorConfig(mode="jagg", window=8, intermediate=intermediate, clip_range=0.2))
+    gj, st = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=8, intermediate=intermediate, clip_range=0.2))
     assert st.groups == st.groups_jagg == 0 and st.backward_items == 6  # 2-step groups run exact
     assert torch.allclose(gj, ge, **TIGHT)
 
@@ -133,7 +133,7 @@ def test_jagg_exact_when_jacobian_affine_in_sigma(case, window, intermediate):
     adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
     kw = dict(clip_range=0.05, kl_beta=0.1, micro_batch=4)
     ge, se = run(model, traj, adv, EstimatorConfig(mode="exact", **kw), ref_velocities=ref_v)
-    gj, sj = run(model, traj, adv, EstimatorConfig(mode="jagg", window=window, intermediate=intermediate, **kw),
+    gj, sj = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=window, intermediate=intermediate, **kw),
                  ref_velocities=ref_v)
     assert ge.abs().max() > 1e-3
     assert torch.allclose(gj, ge, **TIGHT)
@@ -146,8 +146,8 @@ def test_index_based_alpha_would_fail():
     model, traj = _affine_in_sigma_case(4)
     adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
-    gs, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, intermediate="fresh"))
-    gj, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, intermediate="fresh", alpha="index"))
+    gs, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, intermediate="fresh"))
+    gj, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, intermediate="fresh", alpha="index"))
     assert torch.allclose(gs, ge, **TIGHT)
     assert not torch.allclose(gj, ge, rtol=1e-4, atol=1e-8)
 
@@ -159,7 +159,7 @@ def test_jagg_is_an_approximation_on_a_nonlinear_network(capsys):
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
     for w in (4, 8):
-        gj, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=w))
+        gj, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=w))
         c = cos(gj, ge)
         print(f"nonlinear MLP, window {w}: cosine(jagg, exact) = {c:.4f}")
         assert not torch.allclose(gj, ge, rtol=1e-3, atol=1e-6)
@@ -172,16 +172,16 @@ def test_interp_equals_fresh_on_policy_and_differs_after_a_step():
     traj = sampled_traj(model, B=3, T=12)
     adv = torch.tensor([1.0, -1.0, 0.7], dtype=torch.float64)
     cfg = dict(mode="jagg", window=4, clip_range=0.2)
-    gf, sf = run(model, traj, adv, EstimatorConfig(intermediate="fresh", **cfg))
-    gi, si = run(model, traj, adv, EstimatorConfig(intermediate="interp", **cfg))
+    gf, sf = run(model, traj, adv, EstimatorConfig(correction_p=0.0, intermediate="fresh", **cfg))
+    gi, si = run(model, traj, adv, EstimatorConfig(correction_p=0.0, intermediate="interp", **cfg))
     assert torch.allclose(gi, gf, rtol=1e-7, atol=1e-12)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model.zero_grad()
     for p, gp in zip(model.parameters(), torch.split(gf, [p.numel() for p in model.parameters()])):
         p.grad = gp.view_as(p).clone()
     opt.step()
-    gf, _ = run(model, traj, adv, EstimatorConfig(intermediate="fresh", **cfg))
-    gi, _ = run(model, traj, adv, EstimatorConfig(intermediate="interp", **cfg))
+    gf, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, intermediate="fresh", **cfg))
+    gi, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, intermediate="interp", **cfg))
     assert not torch.allclose(gi, gf, rtol=1e-5, atol=1e-10)
     assert cos(gi, gf) > 0.9
 
@@ -194,7 +194,7 @@ def test_counts_match_cost_model(window, intermediate):
     traj = sampled_traj(model, B=B, T=T)
     adv = torch.ones(B, dtype=torch.float64)
     _, se = run(model, traj, adv, EstimatorConfig(mode="exact", micro_batch=4))
-    _, sj = run(model, traj, adv, EstimatorConfig(mode="jagg", window=window, intermediate=intermediate,
+    _, sj = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=window, intermediate=intermediate,
                                                   micro_batch=4))
     n_groups = T // window
     assert se.backward_items == se.forward_grad_items == B * T
@@ -210,7 +210,7 @@ def test_on_policy_ratio_is_one():
     model = Nonlinear(batch=4)
     traj = sampled_traj(model, B=4, T=10)
     for mode in ("exact", "jagg"):
-        _, st = run(model, traj, torch.randn(4, dtype=torch.float64), EstimatorConfig(mode=mode, window=4))
+        _, st = run(model, traj, torch.randn(4, dtype=torch.float64), EstimatorConfig(correction_p=0.0, mode=mode, window=4))
         assert st.ratio_mean == pytest.approx(1.0, abs=1e-9)
         assert st.clip_frac == 0.0 and st.approx_kl < 1e-18
 
@@ -220,7 +220,7 @@ def test_fp32_rollout_ratio_is_one_within_tolerance():
     net = torch.nn.Sequential(torch.nn.Linear(19, 32), torch.nn.GELU(), torch.nn.Linear(32, 18))
     vf = lambda x, s, i: net(torch.cat([x.flatten(1), s[:, None]], 1)).view(-1, *S)
     traj = jagg.sample_trajectories(vf, torch.randn(6, *S), jagg.flow_sigmas(8, 3.0), 0.7, micro_batch=4)
-    st = jagg.policy_gradient(vf, traj, torch.randn(6), EstimatorConfig(mode="jagg", micro_batch=6, clip_range=1e-4))
+    st = jagg.policy_gradient(vf, traj, torch.randn(6), EstimatorConfig(correction_p=0.0, mode="jagg", micro_batch=6, clip_range=1e-4))
     assert abs(st.ratio_mean - 1) < 1e-4 and st.clip_frac < 0.05
 
 
@@ -230,9 +230,9 @@ def test_routing_fraction_zero_is_exact_and_one_routes_all():
     traj = sampled_traj(model, B=4, T=12)
     adv = torch.randn(4, dtype=torch.float64)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
-    g0, s0 = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, jagg_frac=0.0))
+    g0, s0 = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=0.0))
     assert torch.allclose(g0, ge, **TIGHT) and s0.groups_jagg == 0 and s0.backward_items == 4 * 12
-    _, s1 = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, jagg_frac=1.0))
+    _, s1 = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=1.0))
     assert s1.groups_jagg == s1.groups == 12 and s1.backward_items == 2 * 12
 
 
@@ -244,7 +244,7 @@ def test_routing_mid_fraction_picks_most_linear_groups(score):
     torch.manual_seed(8)
     model = Nonlinear(batch=4)
     traj = sampled_traj(model, B=4, T=12)
-    cfg = EstimatorConfig(mode="jagg", window=4, jagg_frac=0.5, score=score)
+    cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=0.5, score=score)
     plan = plan_update(traj, cfg)
     assert plan.eligible == 12 and plan.routed == 6
     scores = group_scores(traj.velocities, traj.sigmas, make_groups(list(range(12)), 4), score)
@@ -273,10 +273,10 @@ def test_exact_first_and_last_groups():
     model = Nonlinear(batch=2)
     traj = sampled_traj(model, B=2, T=16)
     adv = torch.randn(2, dtype=torch.float64)
-    _, st = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, exact_first_groups=1, exact_last_groups=1))
+    _, st = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, exact_first_groups=1, exact_last_groups=1))
     assert st.groups_jagg == 2 * 2 and st.backward_items == 2 * (4 + 4 + 2 + 2)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
-    gj, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, exact_first_groups=4))
+    gj, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, exact_first_groups=4))
     assert torch.allclose(gj, ge, **TIGHT)
 
 
@@ -287,14 +287,14 @@ def test_exact_first_and_last_groups():
 ])
 def test_bad_config_raises(kw, msg):
     with pytest.raises(ValueError, match=msg):
-        EstimatorConfig(**kw)
+        EstimatorConfig(correction_p=0.0, **kw)
 
 
 def test_bad_trajectories_raise():
     model = Nonlinear(batch=2)
     traj = sampled_traj(model, B=2, T=4)
     adv = torch.ones(2, dtype=torch.float64)
-    cfg = EstimatorConfig()
+    cfg = EstimatorConfig(correction_p=0.0, )
     bad = copy.copy(traj)
     bad.velocities = traj.velocities[:, :3]
     with pytest.raises(ValueError, match="velocities must have shape"):
@@ -314,7 +314,7 @@ def test_bad_trajectories_raise():
     with pytest.raises(ValueError, match="advantages"):
         jagg.policy_gradient(model, traj, torch.ones(3), cfg)
     with pytest.raises(ValueError, match="ref_velocities"):
-        jagg.policy_gradient(model, traj, adv, EstimatorConfig(kl_beta=0.1))
+        jagg.policy_gradient(model, traj, adv, EstimatorConfig(correction_p=0.0, kl_beta=0.1))
 
 
 def test_routing_whole_grpo_groups():
@@ -327,7 +327,7 @@ def test_routing_whole_grpo_groups():
     model = Nonlinear(batch=6)
     traj = sampled_traj(model, B=6, T=8)
     members = torch.tensor([0, 0, 1, 1, 2, 2])                   # three GRPO groups of two samples
-    cfg = EstimatorConfig(mode="jagg", window=4, jagg_frac=0.5, score="chord")
+    cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=0.5, score="chord")
     plan = plan_update(traj, cfg, members)
     routed = {(u.sample, u.rows[0] // 4) for u in plan.units if u.jagg}
     assert plan.eligible == 12 and plan.routed == 6                           # round(0.5 * 6 units) = 3 units x 2 samples
@@ -348,7 +348,7 @@ def test_routing_whole_grpo_groups():
         for g in range(2):
             part = dataclasses.replace(traj, train_steps=torch.arange(4 * g, 4 * g + 4))
             mode = dict(mode="jagg", window=4) if (i, g) in routed else dict(mode="exact")
-            gi, _ = run(model, part, only, EstimatorConfig(**mode))
+            gi, _ = run(model, part, only, EstimatorConfig(correction_p=0.0, **mode))
             total += gi * 4 / 8                                    # the loss averages over the K trained steps
     assert torch.allclose(g_mixed, total, **TIGHT)
     prompts = ["a", "a", "b", "b", "c", "c"]                      # any hashables work as group labels
@@ -365,7 +365,7 @@ def test_bad_inputs_name_the_culprit():
 
     model = Nonlinear(batch=3)
     traj = sampled_traj(model, B=3, T=4)
-    cfg = EstimatorConfig(mode="jagg", window=4)
+    cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4)
     with pytest.raises(ValueError, match="sample 1 has nan"):
         run(model, traj, torch.tensor([1.0, float("nan"), 0.0], dtype=torch.float64), cfg)
     with pytest.raises(ValueError, match="sample 2 has inf"):
@@ -394,11 +394,11 @@ def test_exact_last_groups_counts_only_groups_jagg_could_take():
 
     model = Nonlinear(batch=2)
     traj = sampled_traj(model, B=2, T=10)
-    plan = plan_update(traj, EstimatorConfig(mode="jagg", window=3, exact_last_groups=1))
+    plan = plan_update(traj, EstimatorConfig(correction_p=0.0, mode="jagg", window=3, exact_last_groups=1))
     jagg_steps = {u.rows[0] for u in plan.units if u.jagg}
     assert jagg_steps == {0, 3} and plan.eligible == 4 and plan.routed == 4
     ge, _ = run(model, traj, [1.0, -1.0], EstimatorConfig(mode="exact"))
-    g2, _ = run(model, traj, [1.0, -1.0], EstimatorConfig(mode="jagg", window=2, micro_batch=1))
+    g2, _ = run(model, traj, [1.0, -1.0], EstimatorConfig(correction_p=0.0, mode="jagg", window=2, micro_batch=1))
     assert torch.allclose(g2, ge, **TIGHT)
 
 

@@ -31,7 +31,7 @@ def test_groups_reproduce_the_estimator_before_knots_bit_for_bit(name):
     case = torch.load(GOLDEN)[name]
     model, ref, traj, adv = _golden_case()
     ref_v = jagg.reference_velocities(ref, traj) if case["config"].get("kl_beta") else None
-    g, st = run(model, traj, adv, EstimatorConfig(**case["config"]), ref_velocities=ref_v,
+    g, st = run(model, traj, adv, EstimatorConfig(correction_p=0.0, **case["config"]), ref_velocities=ref_v,
                 sample_groups=[0, 0, 1, 1, 2, 2])
     assert torch.equal(g, case["grad"])
     assert st.backward_items == case["backward_items"] and st.forward_nograd_items == case["forward_nograd_items"]
@@ -58,7 +58,7 @@ def test_knots_at_every_step_give_exact_bit_for_bit(knots, intermediate):
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=torch.float64)
     ge, se = run(model, traj, adv, EstimatorConfig(mode="exact", micro_batch=5, clip_range=0.05))
     for w in (1, 2):
-        gj, sj = run(model, traj, adv, EstimatorConfig(mode="jagg", window=w, knots=knots, intermediate=intermediate,
+        gj, sj = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=w, knots=knots, intermediate=intermediate,
                                                          micro_batch=5, clip_range=0.05))
         assert torch.equal(gj, ge)
         assert sj.backward_items == se.backward_items == 4 * 9
@@ -88,11 +88,11 @@ def test_shared_knots_exact_when_latents_affine_between_knots(intermediate):
     model, traj = _linear_case([0, 3, 6, 9])
     adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.3))
-    gj, st = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, knots="shared", intermediate=intermediate,
+    gj, st = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, knots="shared", intermediate=intermediate,
                                                      clip_range=0.3))
     assert torch.allclose(gj, ge, rtol=1e-10, atol=1e-12)
     assert st.backward_items == 3 * 4
-    gg, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, knots="groups", intermediate=intermediate,
+    gg, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, knots="groups", intermediate=intermediate,
                                                     clip_range=0.3))
     assert not torch.allclose(gg, ge, rtol=1e-4, atol=1e-8)      # groups' knots (0,3,4,7,8,9) are other knots
 
@@ -102,7 +102,7 @@ def test_adaptive_knots_find_the_affine_pieces():
     knots from the rollout alone and is exact there; shared knots are not."""
     model, traj = _linear_case([0, 2, 7, 9], seed=2)
     adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
-    cfg = EstimatorConfig(mode="jagg", window=4, knots="adaptive", intermediate="fresh", clip_range=0.3)
+    cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, knots="adaptive", intermediate="fresh", clip_range=0.3)
     from jagg.estimator import _signal_norms
 
     plan = plan_update(traj, cfg, signal_norms=_signal_norms(traj, torch.as_tensor(adv), cfg, None))
@@ -110,7 +110,7 @@ def test_adaptive_knots_find_the_affine_pieces():
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.3))
     ga, st = run(model, traj, adv, cfg)
     assert torch.allclose(ga, ge, rtol=1e-10, atol=1e-12) and st.backward_items == 3 * 4
-    gs, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, knots="shared", intermediate="fresh",
+    gs, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, knots="shared", intermediate="fresh",
                                                     clip_range=0.3))
     assert not torch.allclose(gs, ge, rtol=1e-4, atol=1e-8)
 
@@ -144,7 +144,7 @@ def test_affine_in_sigma_model_is_exact_for_every_layout(knots):
     adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.3))
     for w in (3, 4, 6):
-        gj, _ = run(model, traj, adv, EstimatorConfig(mode="jagg", window=w, knots=knots, intermediate="fresh",
+        gj, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=w, knots=knots, intermediate="fresh",
                                                         clip_range=0.3))
         assert torch.allclose(gj, ge, **TIGHT)
 
@@ -157,9 +157,9 @@ def test_micro_batch_splits_chains_without_changing_the_gradient(knots):
     model = Nonlinear(batch=3)
     traj = sampled_traj(model, B=3, T=13)
     adv = torch.tensor([1.0, -0.4, 0.7], dtype=torch.float64)
-    big, sb = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, knots=knots, micro_batch=64))
+    big, sb = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, knots=knots, micro_batch=64))
     for mb in (2, 3):
-        small, ss = run(model, traj, adv, EstimatorConfig(mode="jagg", window=4, knots=knots, micro_batch=mb))
+        small, ss = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, knots=knots, micro_batch=mb))
         assert torch.allclose(small, big, **TIGHT)
         assert ss.backward_items > sb.backward_items == 3 * 5
 
@@ -172,11 +172,11 @@ def test_routing_with_shared_knots_decomposes():
     traj = sampled_traj(model, B=4, T=10)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
-    g0, s0 = run(model, traj, adv, EstimatorConfig(mode="jagg", knots="shared", jagg_frac=0.0))
+    g0, s0 = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", knots="shared", jagg_frac=0.0))
     assert torch.equal(g0, ge) and s0.groups_jagg == 0 and s0.groups == 12
-    _, s1 = run(model, traj, adv, EstimatorConfig(mode="jagg", knots="shared", jagg_frac=1.0))
+    _, s1 = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", knots="shared", jagg_frac=1.0))
     assert s1.groups_jagg == 12 and s1.backward_items == 4 * 4
-    _, sh = run(model, traj, adv, EstimatorConfig(mode="jagg", knots="shared", jagg_frac=0.5, score="chord"))
+    _, sh = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", knots="shared", jagg_frac=0.5, score="chord"))
     assert sh.groups_jagg == 6 and sh.backward_items == 4 * 4 + 6 * 2
 
 
@@ -193,7 +193,7 @@ def test_unbiased_jagg_is_exact_in_expectation_and_p1_is_exact():
         base = dict(mode="jagg", window=4, knots=knots, clip_range=0.05)
         g1, s1 = run(model, traj, adv, EstimatorConfig(**base, correction_p=1.0))
         assert torch.allclose(g1, ge, **TIGHT) and s1.groups_corrected == s1.groups_jagg > 0
-        gj, _ = run(model, traj, adv, EstimatorConfig(**base))
+        gj, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, **base))
         gen = torch.Generator().manual_seed(0)
         runs = [run(model, traj, adv, EstimatorConfig(**base, correction_p=0.5), generator=gen) for _ in range(400)]
         mean = torch.stack([g for g, _ in runs]).mean(0)
@@ -201,7 +201,7 @@ def test_unbiased_jagg_is_exact_in_expectation_and_p1_is_exact():
         assert bias_unb < 0.25 * bias_plain
         # the cost: p x the inner rows on average
         rows = sum(s.backward_items for _, s in runs) / len(runs)
-        _, sj = run(model, traj, adv, EstimatorConfig(**base))
+        _, sj = run(model, traj, adv, EstimatorConfig(correction_p=0.0, **base))
         inner = 4 * 8 - sj.backward_items if knots == "shared" else 4 * 4
         assert rows == pytest.approx(sj.backward_items + 0.5 * inner, rel=0.1)
 
@@ -234,13 +234,13 @@ def test_only_steps_ranges_sum_to_the_full_gradient():
     model = Nonlinear(batch=3)
     traj = sampled_traj(model, B=3, T=9)
     adv = torch.tensor([1.0, -0.4, 0.7], dtype=torch.float64)
-    for cfg in (EstimatorConfig(mode="exact"), EstimatorConfig(mode="jagg", knots="shared"),
-                EstimatorConfig(mode="jagg", window=4, intermediate="fresh")):
+    for cfg in (EstimatorConfig(mode="exact"), EstimatorConfig(correction_p=0.0, mode="jagg", knots="shared"),
+                EstimatorConfig(correction_p=0.0, mode="jagg", window=4, intermediate="fresh")):
         full, _ = run(model, traj, adv, cfg)
         parts = [run(model, traj, adv, cfg, only_steps=r)[0] for r in ([0, 1, 2], [3, 4, 5], [6, 7, 8])]
         assert torch.allclose(sum(parts), full, **TIGHT)
     with pytest.raises(ValueError, match="only_steps"):
-        run(model, traj, adv, EstimatorConfig(), only_steps=[42])
+        run(model, traj, adv, EstimatorConfig(correction_p=0.0, ), only_steps=[42])
 
 
 def test_config_rejects_bad_knot_options():
@@ -260,7 +260,7 @@ def test_audit_compares_per_step_range_and_restores_grads():
     perturb(model, 0.1)
     adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
     params = [p for p in model.parameters() if p.requires_grad]
-    cfg = EstimatorConfig(mode="jagg", window=4, knots="shared", intermediate="fresh", clip_range=0.3)
+    cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, knots="shared", intermediate="fresh", clip_range=0.3)
     a = jagg.audit_gradient(model, traj, adv, cfg, params)
     assert all(a[k] == pytest.approx(1.0, abs=1e-12) for k in ("cos", "cos_noisy", "cos_middle", "cos_clean"))
     assert a["rel_err"] < 1e-10 and a["rows"] > 0 and a["seconds"] > 0
@@ -271,7 +271,7 @@ def test_audit_compares_per_step_range_and_restores_grads():
     marker = [torch.full_like(p, 7.0) for p in params]
     for p, m in zip(params, marker):
         p.grad = m.clone()
-    cfg = EstimatorConfig(mode="jagg", window=4)
+    cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4)
     a = jagg.audit_gradient(model, traj, adv, cfg, params)
     assert all(torch.equal(p.grad, m) for p, m in zip(params, marker))
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
@@ -306,8 +306,8 @@ def test_audit_flags_a_biased_estimator_far_from_exact():
     from jagg.audit import audit_flag
 
     low = {"cos": 0.9, "cos_noisy": 0.52, "cos_middle": 0.91, "cos_clean": 1.0}
-    msg = audit_flag(low, EstimatorConfig(mode="jagg"))
+    msg = audit_flag(low, EstimatorConfig(correction_p=0.0, mode="jagg"))
     assert msg and "noisy 0.52" in msg and "correction_p" in msg
     assert audit_flag(low, EstimatorConfig(mode="jagg", correction_p=0.25)) is None     # unbiased: noise, not bias
     assert audit_flag(low, EstimatorConfig(mode="exact")) is None
-    assert audit_flag({"cos": 0.99, "cos_noisy": 0.95}, EstimatorConfig(mode="jagg")) is None
+    assert audit_flag({"cos": 0.99, "cos_noisy": 0.95}, EstimatorConfig(correction_p=0.0, mode="jagg")) is None

@@ -68,7 +68,7 @@ sample:
   prompts_per_iter: 2
   group_size: 2
   micro_batch: 4
-estimator: {{mode: jagg, window: 3, intermediate: interp, micro_batch: 4, clip_range: 0.2, kl_beta: 0.01}}
+estimator: {{mode: jagg, window: 3, intermediate: interp, micro_batch: 4, clip_range: 0.2, kl_beta: 0.01, correction_p: 0.0}}
 optim: {{lr: 0.01}}
 grpo: {{iterations: 2, updates_per_epoch: 2, drop_zero_spread: false}}
 log: {{output_dir: {tmp_path / "default_run"}, checkpoint_every: 1, keep_last: 2, tensorboard: false, progress: false}}
@@ -288,7 +288,7 @@ pipeline:
   lora: {{enabled: false}}
 reward_server: {{url: "http://127.0.0.1:{server.server_address[1]}", batch_size: 3, timeout: 30}}
 sample: {{prompts_file: {tmp_path / "prompts.txt"}, prompts_per_iter: 2, group_size: 2}}
-estimator: {{mode: jagg, window: 4, micro_batch: 4, clip_range: 0.2, kl_beta: 0.1}}
+estimator: {{mode: jagg, window: 4, micro_batch: 4, clip_range: 0.2, kl_beta: 0.1, correction_p: 0.0}}
 optim: {{lr: 0.001}}
 grpo: {{iterations: 1, updates_per_epoch: 2, drop_zero_spread: false}}
 log: {{output_dir: {tmp_path / "run"}, tensorboard: false, progress: false}}

@@ -40,10 +40,12 @@ class EstimatorConfig:
     exact_first_groups: int = field(default=0, metadata={"help": "Always run the first N groups of the "
                                     "trajectory (highest noise) exact."})
     exact_last_groups: int = field(default=0, metadata={"help": "Always run the last N groups exact."})
-    correction_p: float = field(default=0.0, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a JAGG "
+    correction_p: float = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a JAGG "
                                 "interval (per GRPO group with sample_groups, else per sample) also runs its inner steps "
                                 "exactly and adds (exact - interpolated) / p, so the expected gradient is exact. Costs "
-                                "p x the inner rows. 0 = off (plain JAGG, biased where the Jacobian is not linear)."})
+                                "p x the inner rows and adds variance (1/p - 1)|e|^2. 0 = plain JAGG (the paper), biased "
+                                "where the Jacobian is not linear: it collapsed training in the main job's SDE window "
+                                "(docs/RESULTS.md §3), hence the default 0.25."})
     correction_intervals: int = field(default=0, metadata={"help": "Correct only the first N JAGG-eligible intervals "
                                       "of the trajectory (the noisiest); 0 = all."})
     micro_batch: int = field(default=8, metadata={"help": "Rows per network forward/backward, the same in every "

@@ -236,7 +236,8 @@ def peak_memory(s: Subject, est: EstimatorConfig, device: torch.device) -> tuple
 def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[dict]:
     """All (window, intermediate) pairs of one model; one record per pair."""
     exact = EstimatorConfig(mode="exact", micro_batch=cfg.micro_batch)
-    jaggs = {(kn, w, i): EstimatorConfig(mode="jagg", window=w, knots=kn, intermediate=i, micro_batch=cfg.micro_batch)
+    jaggs = {(kn, w, i): EstimatorConfig(mode="jagg", window=w, knots=kn, intermediate=i, micro_batch=cfg.micro_batch,
+                                         correction_p=0.0)          # the layouts themselves, against the cost model
              for kn in cfg.knots for w in cfg.windows for i in cfg.intermediates}
     # warm-up: every mode once
     _, st_exact = gradient_call(s, exact, device)
