@@ -118,13 +118,18 @@ def interval_cost(velocities: Tensor, signal_norms: Tensor, sigmas: Tensor, alph
         alpha: ``"sigma"`` or ``"index"`` (see :func:`jagg.routing.group_alphas`).
     """
     B, K, _ = velocities.shape
-    v, w = velocities.double(), signal_norms.double()
+    v, w = velocities.double(), signal_norms.double().to(velocities.device)
+    G = v @ v.transpose(1, 2)                                    # [B, K, K] Gram matrix: one pass over D
+    d = G.diagonal(dim1=1, dim2=2)                               # [B, K] squared norms
     cost = torch.zeros(K, K, dtype=torch.float64)
     for a in range(K):
         for b in range(a + 2, K):
-            al = group_alphas(sigmas, list(range(a, b + 1)), alpha).to(v.device)[1:-1, None]   # [m, 1]
-            chord = (1 - al) * v[:, a : a + 1] + al * v[:, b : b + 1]                           # [B, m, D]
-            cost[a, b] = float(((v[:, a + 1 : b] - chord).norm(dim=2) * w[:, a + 1 : b]).sum())
+            al = group_alphas(sigmas, list(range(a, b + 1)), alpha).to(v.device)[1:-1]    # [m]
+            ks = slice(a + 1, b)
+            # ||v_k - (1 - al) v_a - al v_b||^2 from inner products, [B, m]
+            r2 = (d[:, ks] + (1 - al) ** 2 * d[:, a, None] + al**2 * d[:, b, None] - 2 * (1 - al) * G[:, ks, a]
+                  - 2 * al * G[:, ks, b] + 2 * al * (1 - al) * G[:, a, b, None])
+            cost[a, b] = float((r2.clamp_min(0).sqrt() * w[:, ks]).sum())
     return cost
 
 
