@@ -7,7 +7,7 @@ colour+shape pairs seen in pretraining and those using a held-out pair. Pairing 
 evaluation noise that separate ``jagg eval`` runs would carry. Usage::
 
     python benchmarks/paired_eval.py BEFORE AFTER [--images-per-prompt 4] [--json PATH]
-    python benchmarks/paired_eval.py builtin:tiny_dit runs/default/checkpoints/ckpt_000300.pt
+    python benchmarks/paired_eval.py builtin:tiny_dit runs/default/checkpoints/ckpt_000200.pt
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Profile one training phase of the main job: where does the time of ``jagg.policy_gradient`` go?
 
-Samples one iteration's batch exactly as ``jagg train`` does (configs/default.yaml plus ``--set``), then runs
+Samples one iteration's batch exactly as ``jagg train`` does (the main job or ``--config``, plus ``--set``), then runs
 the training phase (one ``policy_gradient`` call over the batch) in ``exact`` and in the configured JAGG mode
 under ``torch.profiler``. The velocity function and the backward are wrapped in ``record_function`` labels
 through the estimator's public hooks, so the wall time splits into

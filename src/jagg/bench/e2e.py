@@ -1,6 +1,6 @@
 """``jagg bench e2e``: one whole GRPO iteration (sampling + reward + training), exact vs JAGG, side by side.
 
-One :class:`jagg.shapes.trainer.Trainer` per variant is built from the same config (``configs/default.yaml`` plus
+One :class:`jagg.shapes.trainer.Trainer` per variant is built from the same config (the main job or ``--config``, plus
 ``--set``) and seed; their iterations then run round-robin in one process (``exact``, ``jagg``, ``exact``,
 ``jagg``, ... after one warm-up iteration each), so a busy stretch of the machine slows every variant alike.
 Reported per variant: the median seconds of sampling ``S``, reward ``R``, training ``T`` and the whole
