@@ -1,0 +1,42 @@
+"""The package's shape: `import jagg` is the estimator core only, and the docs link nowhere outside the repository."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = {p.stem for p in (ROOT / "src" / "jagg").glob("*.py")} - {"__init__", "cli"}
+
+
+def test_import_jagg_loads_only_the_core():
+    code = ("import sys, jagg; print(' '.join(sorted(m for m in sys.modules if m == 'jagg' or m.startswith('jagg.')))); "
+            "print(' '.join(m for m in ('diffusers', 'transformers', 'peft', 'yaml', 'matplotlib', 'PIL') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    loaded = {m.removeprefix("jagg.") for m in out[0].split()} - {"jagg"}
+    assert loaded, "import jagg loaded no submodule: the public API is empty"
+    assert loaded <= CORE, f"import jagg loads more than the core: {sorted(loaded - CORE)}"
+    assert "estimator" in loaded and "knots" in loaded
+    assert out[1].strip() == "", f"import jagg pulls in heavy dependencies: {out[1]}"
+
+
+def test_at_most_twelve_modules_at_the_top():
+    top = sorted(p.name for p in (ROOT / "src" / "jagg").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 12, top
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))],
+                         ids=lambda p: p.name)
+def test_doc_links_stay_inside_the_repository(doc):
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"[a-z]+://|mailto:|#", target):
+            continue                                   # web links and anchors in the same page
+        path = (doc.parent / target.split("#")[0]).resolve()
+        assert path.is_relative_to(ROOT), f"{doc.name} links outside the repository: {target}"
+        assert path.exists(), f"{doc.name} links to a missing file: {target}"
