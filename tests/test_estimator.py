@@ -284,6 +284,8 @@ def test_exact_first_and_last_groups():
     (dict(window=0), "window"), (dict(jagg_frac=1.5), "jagg_frac"), (dict(jagg_frac=-0.1), "jagg_frac"),
     (dict(mode="fast"), "mode"), (dict(intermediate="lerp"), "intermediate"), (dict(score="x"), "score"),
     (dict(micro_batch=1), "micro_batch"), (dict(clip_range=0), "clip_range"), (dict(kl_beta=-1), "kl_beta"),
+    (dict(clip_range=float("nan")), "clip_range must be a finite number"), (dict(kl_beta=float("inf")), "kl_beta"),
+    (dict(jagg_frac="0.5"), "jagg_frac must be a finite number"), (dict(window=True), "window"),
 ])
 def test_bad_config_raises(kw, msg):
     with pytest.raises(ValueError, match=msg):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 
 MODES = ("exact", "jagg")
@@ -62,7 +64,11 @@ class EstimatorConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
-        if not isinstance(self.window, int) or self.window < 1:
+        for name in ("jagg_frac", "correction_p", "clip_range", "kl_beta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number; got {value!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be an integer >= 1 (group size in trained steps); got {self.window!r}")
         if self.intermediate not in INTERMEDIATES:
             raise ValueError(f"intermediate must be one of {INTERMEDIATES}; got {self.intermediate!r}")
