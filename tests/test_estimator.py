@@ -319,6 +319,30 @@ def test_bad_trajectories_raise():
         jagg.policy_gradient(model, traj, adv, EstimatorConfig(correction_p=0.0, kl_beta=0.1))
 
 
+def _nan_below_half(x, sigma, index):
+    v = -x.clone()
+    if float(sigma[0]) < 0.6:
+        v[index == 1] = float("nan")                  # sample 1 goes bad at sigma 0.5: step 2 of 4
+    return v
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(noise=torch.randn(3)), ValueError, r"noise must have shape \[B, \*S\]"),
+    (dict(noise=[[0.0, 1.0]]), TypeError, "noise must be a torch.Tensor"),
+    (dict(noise=torch.full((2, 3), float("inf"))), ValueError, "noise contains NaN or infinity"),
+    (dict(eta=float("nan")), ValueError, "eta must be a finite number > 0"),
+    (dict(eta=0.0), ValueError, "eta must be a finite number > 0"),
+    (dict(velocity=_nan_below_half), ValueError, r"non-finite at step 2.*samples \[1\]"),
+])
+def test_bad_sampling_inputs_raise(kw, err, msg):
+    args = dict(velocity=lambda x, s, i: -x, noise=torch.randn(2, 3), eta=0.7)
+    args.update(kw)
+    with pytest.raises(err, match=msg):
+        jagg.sample_trajectories(args["velocity"], args["noise"], jagg.flow_sigmas(4), eta=args["eta"])
+    with pytest.raises(ValueError, match="shift must be a finite number"):
+        jagg.flow_sigmas(4, shift=float("nan"))
+
+
 def test_routing_whole_grpo_groups():
     """With sample_groups, a GRPO group's members are routed together, by their mean score, and the gradient is
     the exact gradient of the unrouted groups plus the JAGG gradient of the routed ones."""

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -14,8 +17,8 @@ def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
 
     A shift > 1 spends more steps at high noise (SD3 uses 3.0). Works on any shape.
     """
-    if shift <= 0:
-        raise ValueError(f"shift must be > 0 (SD3 uses 3.0, 1.0 means no shift); got {shift}")
+    if isinstance(shift, bool) or not isinstance(shift, numbers.Real) or not math.isfinite(shift) or shift <= 0:
+        raise ValueError(f"shift must be a finite number > 0 (SD3 uses 3.0, 1.0 means no shift); got {shift!r}")
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 

@@ -8,6 +8,8 @@ different sigmas.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -94,8 +96,7 @@ class Trajectory:
             raise ValueError(f"train_steps must lie in [0, {T - 1}]; got {ts.tolist()}")
         if not bool((ts[1:] > ts[:-1]).all()):
             raise ValueError(f"train_steps must be sorted and unique; got {ts.tolist()}")
-        if self.eta <= 0:
-            raise ValueError(f"eta must be > 0 for trained (SDE) steps; got {self.eta}")
+        check_eta(self.eta)
         if self.logprob_reduction not in REDUCTIONS:
             raise ValueError(f"logprob_reduction must be one of {REDUCTIONS}; got {self.logprob_reduction!r}")
 
@@ -150,6 +151,33 @@ def _chunks(n: int, size: int | None) -> Sequence[slice]:
 
 
 @torch.no_grad()
+def check_noise(noise: Tensor) -> None:
+    """Raise a ValueError unless ``noise`` is a finite tensor ``[B, *S]`` with at least one latent dimension."""
+    if not isinstance(noise, Tensor):
+        raise TypeError(f"noise must be a torch.Tensor [B, *S]; got {type(noise).__name__}")
+    if noise.ndim < 2 or noise.shape[0] == 0:
+        raise ValueError(f"noise must have shape [B, *S] (a batch of B >= 1 latents); got {tuple(noise.shape)}")
+    if not bool(torch.isfinite(noise).all()):
+        raise ValueError("noise contains NaN or infinity")
+
+
+def check_eta(eta: float) -> None:
+    """Raise a ValueError unless the SDE noise level ``eta`` is a finite number > 0."""
+    if isinstance(eta, bool) or not isinstance(eta, numbers.Real) or not math.isfinite(eta) or eta <= 0:
+        raise ValueError(f"eta must be a finite number > 0 for trained (SDE) steps; got {eta!r}")
+
+
+def check_finite_rollout(latents: list[Tensor]) -> None:
+    """One check after sampling (a single device sync): name the first step whose latents are not finite, which
+    means the velocity function returned NaN or infinity there."""
+    finite = torch.stack([torch.isfinite(x).flatten(1).all(1) for x in latents], 1)    # [B, T + 1]
+    if not bool(finite.all()):
+        step = int((~finite).any(0).nonzero()[0]) - 1
+        samples = (~finite[:, step + 1]).nonzero().flatten().tolist()
+        raise ValueError(f"the rollout became non-finite at step {step}: the velocity function returned NaN or "
+                         f"infinity there (samples {samples[:8]}{'...' if len(samples) > 8 else ''})")
+
+
 def sample_trajectories(
     velocity_fn: VelocityFn,
     noise: Tensor,
@@ -166,6 +194,8 @@ def sample_trajectories(
     Steps with ``sde_mask`` True use the Flow-GRPO SDE step (noise from ``generator``), the others the Euler
     step. ``train_steps`` defaults to all SDE steps. ``micro_batch`` bounds the rows per network call.
     """
+    check_noise(noise)
+    check_eta(eta)
     dtype = compute_dtype(noise)                        # fp32 storage (fp64 if the noise is fp64)
     sigmas = sigmas.to(device=noise.device, dtype=dtype)
     check_sigmas(sigmas)
@@ -193,6 +223,7 @@ def sample_trajectories(
         latents.append(x)
         velocities.append(v)
         log_probs.append(lp.to(dtype))
+    check_finite_rollout(latents)
     traj = Trajectory(
         latents=torch.stack(latents, 1),          # [B, T + 1, *S]
         sigmas=sigmas,
@@ -209,6 +240,7 @@ def sample_trajectories(
 @torch.no_grad()
 def sample_ode(velocity_fn: VelocityFn, noise: Tensor, sigmas: Tensor, micro_batch: int | None = None) -> Tensor:
     """Deterministic Euler (ODE) sampling from noise ``[B, *S]``; returns the final latents ``[B, *S]``."""
+    check_noise(noise)
     sigmas = sigmas.to(device=noise.device, dtype=compute_dtype(noise))
     check_sigmas(sigmas)
     x = noise.to(sigmas.dtype)
