@@ -319,6 +319,11 @@ def test_bad_trajectories_raise():
         jagg.policy_gradient(model, traj, adv, EstimatorConfig(correction_p=0.0, kl_beta=0.1))
 
 
+def test_sampling_records_no_graph():
+    traj = sampled_traj(Nonlinear(batch=2), B=2, T=4)
+    assert not (traj.latents.requires_grad or traj.velocities.requires_grad or traj.log_probs.requires_grad)
+
+
 def _nan_below_half(x, sigma, index):
     v = -x.clone()
     if float(sigma[0]) < 0.6:

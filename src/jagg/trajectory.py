@@ -150,7 +150,6 @@ def _chunks(n: int, size: int | None) -> Sequence[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-@torch.no_grad()
 def check_noise(noise: Tensor) -> None:
     """Raise a ValueError unless ``noise`` is a finite tensor ``[B, *S]`` with at least one latent dimension."""
     if not isinstance(noise, Tensor):
@@ -178,6 +177,7 @@ def check_finite_rollout(latents: list[Tensor]) -> None:
                          f"infinity there (samples {samples[:8]}{'...' if len(samples) > 8 else ''})")
 
 
+@torch.no_grad()
 def sample_trajectories(
     velocity_fn: VelocityFn,
     noise: Tensor,
