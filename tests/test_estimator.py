@@ -319,6 +319,27 @@ def test_bad_trajectories_raise():
         jagg.policy_gradient(model, traj, adv, EstimatorConfig(correction_p=0.0, kl_beta=0.1))
 
 
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(velocity_fn=None), TypeError, "velocity_fn must be callable"),
+    (dict(traj={"latents": 0}), TypeError, "traj must be a jagg.Trajectory"),
+    (dict(config={"mode": "jagg"}), TypeError, "config must be a jagg.EstimatorConfig"),
+    (dict(generator=5), TypeError, "generator must be a torch.Generator"),
+    (dict(loss_scale=float("nan")), ValueError, "loss_scale must be a finite number"),
+])
+def test_bad_call_arguments_raise_before_any_work(kw, err, msg):
+    model = Nonlinear(batch=2)
+    args = dict(velocity_fn=model, traj=sampled_traj(model, B=2, T=4), advantages=torch.ones(2, dtype=torch.float64),
+                config=EstimatorConfig())
+    extra = {k: kw.pop(k) for k in ("generator", "loss_scale") if k in kw}
+    args.update(kw)
+    with pytest.raises(err, match=msg):
+        jagg.policy_gradient(**args, **extra)
+    assert all(p.grad is None for p in model.parameters())
+    if "loss_scale" not in extra:
+        with pytest.raises(err, match=msg):
+            jagg.audit_gradient(**args, params=list(model.parameters()), **extra)
+
+
 def test_sampling_records_no_graph():
     traj = sampled_traj(Nonlinear(batch=2), B=2, T=4)
     assert not (traj.latents.requires_grad or traj.velocities.requires_grad or traj.log_probs.requires_grad)

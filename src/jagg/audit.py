@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .estimator import policy_gradient
+from .estimator import check_call, policy_gradient
 from .estimator_config import EstimatorConfig
 from .trajectory import Trajectory, VelocityFn
 
@@ -86,7 +86,13 @@ def audit_gradient(
         ``middle``, ``clean`` for 3 parts, else ``range0`` ...), "rows": rows the audit ran through the network with
         grad, "seconds": its wall-clock}``. A cosine is NaN where a gradient is zero (e.g. all advantages 0).
     """
+    check_call(velocity_fn, traj, config, generator=generator)
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts must be an integer >= 1 (3: noisy, middle and clean thirds); got {parts!r}")
     params = list(params)
+    if not params or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
+        raise ValueError("params must be a non-empty sequence of parameters with requires_grad (the ones the "
+                         "gradient is compared over)")
     t0 = time.perf_counter()
     saved = [p.grad for p in params]
     seed = int(torch.randint(0, 2**62, (), generator=generator))

@@ -23,6 +23,8 @@ Inner-step velocities are ``fresh`` (one no-grad forward of the chunk's inner ro
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Callable, ContextManager, Sequence
 
@@ -126,6 +128,22 @@ def _signal_norms(traj: Trajectory, advantages: Tensor, config: EstimatorConfig,
     return out.view(B, K)
 
 
+def check_call(velocity_fn, traj, config, loss_scale: float = 1.0, generator=None) -> None:
+    """The argument types every estimator entry point needs, checked before any work, with what was expected."""
+    if not callable(velocity_fn):
+        raise TypeError(f"velocity_fn must be callable (latents [N,*S], sigma [N], sample_index [N]) -> [N,*S]; "
+                        f"got {type(velocity_fn).__name__}")
+    if not isinstance(traj, Trajectory):
+        raise TypeError(f"traj must be a jagg.Trajectory (from jagg.sample_trajectories); got {type(traj).__name__}")
+    if not isinstance(config, EstimatorConfig):
+        raise TypeError(f"config must be a jagg.EstimatorConfig (EstimatorConfig.from_dict(d) for a dict); "
+                        f"got {type(config).__name__}")
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real) or not math.isfinite(loss_scale):
+        raise ValueError(f"loss_scale must be a finite number; got {loss_scale!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+
+
 def policy_gradient(
     velocity_fn: VelocityFn,
     traj: Trajectory,
@@ -169,6 +187,7 @@ def policy_gradient(
     Returns:
         :class:`GradientStats`.
     """
+    check_call(velocity_fn, traj, config, loss_scale, generator)
     traj.validate()
     B, T = traj.batch_size, traj.num_steps
     S = tuple(traj.latents.shape[2:])
