@@ -100,6 +100,19 @@ def test_group_of_one_image_is_rejected_in_both_trainers(tmp_path, capsys):
     assert "sample.group_size must be >= 2" in _one_line_error(capsys, "train")
 
 
+@pytest.mark.parametrize("value", ["nan", ".nan", "inf", "-.inf"])
+def test_non_finite_numbers_are_rejected_by_name(value, capsys):
+    for key in ("optim.lr", "sample.eta", "estimator.correction_p"):
+        assert main(["train", "--set", f"{key}={value}", "--print-config"]) == 2
+        assert f"{key}: expected a finite number" in _one_line_error(capsys, "train")
+
+
+def test_bench_quality_checks_every_variant_before_training(tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["bench", "quality", "--quick", "--out", str(out), "--variant", "bad:knots=xyz"]) == 2
+    assert "variant 'bad'" in _one_line_error(capsys, "bench") and not out.exists()
+
+
 def _real_config(tmp_path: Path) -> Path:
     (tmp_path / "prompts.txt").write_text("a red cube\na blue ball\n")
     cfg = tmp_path / "real.yaml"

@@ -324,6 +324,8 @@ def run_quality(q: QualityConfig, clock: str = "wall", train_only: str | None = 
     them without a comparison (to run two variants side by side in two processes, which then share whatever else
     loads the machine; a last call without it compares)."""
     names = list(q.variants)
+    for v in names:                                     # every variant's config loads before any run trains
+        q.train_config(v, q.seeds[0])
     if train_only is not None:
         if train_only not in names:
             raise ValueError(f"--train-only {train_only!r} is not one of the variants {names}")
