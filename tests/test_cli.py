@@ -107,6 +107,20 @@ def test_non_finite_numbers_are_rejected_by_name(value, capsys):
         assert f"{key}: expected a finite number" in _one_line_error(capsys, "train")
 
 
+@pytest.mark.parametrize("command,args,msg", [
+    ("eval", ["--images-per-prompt", "0"], "argument --images-per-prompt: must be >= 1"),
+    ("eval", ["--guidance-scale", "nan"], "argument --guidance-scale: expected a finite number"),
+    ("eval", ["--num-prompts", "-1"], "argument --num-prompts: must be >= 0"),
+    ("sample", ["--prompt", "x", "--steps", "0"], "argument --steps: must be >= 1"),
+    ("sample", ["--prompt", "x", "--shift", "0"], "argument --shift: must be > 0"),
+    ("sample", ["--prompt", "x", "--num-per-prompt", "two"], "argument --num-per-prompt: expected an integer"),
+])
+def test_sampling_options_are_checked_by_the_parser(command, args, msg, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, *args])
+    assert exc.value.code == 2 and msg in capsys.readouterr().err
+
+
 def test_bench_quality_checks_every_variant_before_training(tmp_path, capsys):
     out = tmp_path / "q"
     assert main(["bench", "quality", "--quick", "--out", str(out), "--variant", "bad:knots=xyz"]) == 2

@@ -25,6 +25,21 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help()
 
 
+def _number(kind: type, low: float | None = None, strict: bool = False):
+    """An argparse ``type`` for a finite ``int``/``float`` at or above ``low`` (above it when ``strict``)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if low is not None and (value <= low if strict else value < low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text!r}")
+        return value
+    return parse
+
+
 def _keys_epilog(cls) -> str:
     rows = configuration.describe(cls)
     width = max(len(k) for k, _, _ in rows)
@@ -194,17 +209,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     def sampling_args(q):   # None: the main job's evaluation setting (_main_job_defaults)
         q.add_argument("--checkpoint", default="builtin:tiny_dit",
                        help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
-        q.add_argument("--steps", type=int, help="ODE sampling steps [default: the main job's eval.num_steps]")
-        q.add_argument("--guidance-scale", type=float,
+        q.add_argument("--steps", type=_number(int, 1), help="ODE sampling steps [default: the main job's eval.num_steps]")
+        q.add_argument("--guidance-scale", type=_number(float),
                        help="classifier-free guidance scale [default: the main job's sample.guidance_scale]")
-        q.add_argument("--shift", type=float, help="SD3 timestep shift [default: the main job's sample.shift]")
-        q.add_argument("--seed", type=int, help="noise seed [default: 0; eval: the main job's eval.seed]")
+        q.add_argument("--shift", type=_number(float, 0, strict=True), help="SD3 timestep shift [default: the main job's sample.shift]")
+        q.add_argument("--seed", type=_number(int, 0), help="noise seed [default: 0; eval: the main job's eval.seed]")
 
     s = sub.add_parser("sample", help="prompts -> image grid from a checkpoint")
     sampling_args(s)
     s.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     s.add_argument("--prompt-file", help="a text file with one prompt per line")
-    s.add_argument("--num-per-prompt", type=int, default=4, help="images per prompt (one grid row each)")
+    s.add_argument("--num-per-prompt", type=_number(int, 1), default=4, help="images per prompt (one grid row each)")
     s.add_argument("--out", default="samples.png", help="output PNG")
     s.set_defaults(func=_sample)
 
@@ -212,8 +227,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        "`jagg eval --checkpoint runs/default` reproduces the trainer's test reward)")
     sampling_args(e)
     e.add_argument("--reward", default="geneval", help="reward name or module:function")
-    e.add_argument("--num-prompts", type=int, default=0, help="test prompts (0 = all)")
-    e.add_argument("--images-per-prompt", type=int,
+    e.add_argument("--num-prompts", type=_number(int, 0), default=0, help="test prompts (0 = all)")
+    e.add_argument("--images-per-prompt", type=_number(int, 1),
                    help="images per test prompt [default: the main job's eval.images_per_prompt]")
     e.add_argument("--json", help="also write the metrics to this JSON file")
     e.set_defaults(func=_eval)
