@@ -9,7 +9,7 @@ file counts as one change (frames outside ``jagg``, e.g. torch and diffusers, ar
 (``--imports`` counts it too).
 Tracing stops at the first ``optimizer.step()``.
 
-    python benchmarks/trace_file_changes.py [--json out.json]
+    python benchmarks/trace_file_changes.py [--correction-p P] [--json out.json]
 
 Prints the number of file changes, the number of distinct files visited, and the files most often entered.
 Needs the test extras (diffusers, peft, transformers). CPU only, about a minute.
@@ -49,7 +49,7 @@ def tiny_sd3_dir(path: Path) -> Path:
     return path
 
 
-def write_config(tmp: Path, model_dir: Path) -> Path:
+def write_config(tmp: Path, model_dir: Path, correction_p: float = 0.0) -> Path:
     (tmp / "prompts.txt").write_text("a red cube\na blue ball\n")
     cfg = tmp / "sd3.yaml"
     cfg.write_text(f"""\
@@ -64,7 +64,7 @@ pipeline:
   lora: {{enabled: true, rank: 2}}
 reward: {{name: jpeg_compressibility}}
 sample: {{prompts_file: {tmp / "prompts.txt"}, prompts_per_iter: 2, group_size: 2, micro_batch: 4}}
-estimator: {{mode: jagg, window: 3, micro_batch: 4}}
+estimator: {{mode: jagg, window: 3, micro_batch: 4, correction_p: {correction_p}}}
 grpo: {{iterations: 1, updates_per_epoch: 1, drop_zero_spread: false}}
 log: {{output_dir: {tmp / "run"}, checkpoint_every: 0, tensorboard: false, progress: false}}
 threads: 1
@@ -131,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="also write the result here")
     p.add_argument("--imports", action="store_true", help="count the module bodies run at import time too")
+    p.add_argument("--correction-p", type=float, default=0.0,
+                   help="estimator.correction_p of the traced run [default: 0, plain JAGG: the estimator the count "
+                        "before the layout change (284) traced; the library default 0.25 adds the correction's calls]")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        result = trace(write_config(tmp, tiny_sd3_dir(tmp / "sd3")), args.imports)
+        result = trace(write_config(tmp, tiny_sd3_dir(tmp / "sd3"), args.correction_p), args.imports)
     print(f"source-file changes from `jagg train` to the first optimizer step: {result['file_changes']}")
     print(f"distinct files: {result['files_visited']}")
     for f, n in list(result["entered"].items())[:12]:
