@@ -193,6 +193,9 @@ def sample_trajectories(
 
     Steps with ``sde_mask`` True use the Flow-GRPO SDE step (noise from ``generator``), the others the Euler
     step. ``train_steps`` defaults to all SDE steps. ``micro_batch`` bounds the rows per network call.
+
+    Raises ValueError on non-finite or misshaped noise, an ``eta`` that is not a finite number > 0, a bad schedule,
+    a velocity of the wrong shape (naming the function), and a rollout that turned NaN/inf (naming the step).
     """
     check_noise(noise)
     check_eta(eta)
