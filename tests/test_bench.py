@@ -51,6 +51,7 @@ def test_cost_model_and_spearman():
     assert cost_limit(4, "interp", steps=10, knots="adaptive") == pytest.approx(10 / 4)
     assert cost_limit(4, "fresh", steps=10, knots="shared") == pytest.approx(30 / (12 + 6))
     assert cost_limit(4, "interp", steps=8, correction_p=0.25) == pytest.approx(8 / (4 + 0.25 * 4))
+    assert cost_limit(4, "interp", steps=8, correction_p=0.25, correction_intervals=1) == pytest.approx(8 / (4 + 0.25 * 2))
     assert cost_limit(4, "interp", steps=10, exact_last=1) == pytest.approx(10 / 8)  # the last group JAGG could take
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

@@ -25,7 +25,8 @@ from ..knots import intervals_of
 
 def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: float = 1.0,
                backward: float = 2.0, steps: int | None = None, jagg_frac: float = 1.0,
-               exact_first: int = 0, exact_last: int = 0, knots: str = "groups", correction_p: float = 0.0) -> float:
+               exact_first: int = 0, exact_last: int = 0, knots: str = "groups", correction_p: float = 0.0,
+               correction_intervals: int = 0) -> float:
     """Ideal speed-up of JAGG over exact: exact cost / JAGG cost of the trained steps, per sample.
 
     Exact: ``K (F_grad + B)``. JAGG: ``rows (F_grad + B) + nograd F_nograd``, where the rows are the knots plus the
@@ -37,7 +38,8 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
     sizes depend on the data, so ``shared``'s sizes stand in for them when ``jagg_frac < 1``). Routing: the
     fraction ``jagg_frac`` of each eligible interval (>= 3 steps, not among the first ``exact_first`` / last
     ``exact_last`` eligible ones) goes through JAGG; unbiased JAGG adds ``correction_p`` of a routed interval's
-    inner rows. Pass measured times to get the limit of a given model.
+    inner rows (of the first ``correction_intervals`` routed intervals only, when > 0). Pass measured times to get
+    the limit of a given model.
     """
     if intermediate not in ("fresh", "interp"):
         raise ValueError(f"intermediate must be 'fresh' or 'interp'; got {intermediate!r}")
@@ -50,11 +52,12 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
         n_knots = len({k for iv in intervals for k in (iv[0], iv[-1])})
     eligible = [j for j, iv in enumerate(intervals) if len(iv) >= 3]
     eligible = eligible[exact_first: len(eligible) - exact_last]
+    corrected = eligible[:correction_intervals] if correction_intervals else eligible
     rows, nograd = float(n_knots), 0.0
     for j, iv in enumerate(intervals):
         inner = max(len(iv) - 2, 0)
         if j in eligible:
-            rows += ((1.0 - jagg_frac) + jagg_frac * correction_p) * inner
+            rows += ((1.0 - jagg_frac) + jagg_frac * (correction_p if j in corrected else 0.0)) * inner
             nograd += jagg_frac * inner if intermediate == "fresh" else 0.0
         else:
             rows += inner

@@ -33,14 +33,14 @@ KEYS = ("sample_s", "reward_s", "train_s", "iter_s")
 
 def routed_limit(cfg: TrainConfig) -> float:
     """:func:`~jagg.bench.common.cost_limit` (``B = 2F``) of the config's estimator: its trained steps, knot layout,
-    window, routed fraction, exact first/last groups and correction probability."""
+    window, routed fraction, exact first/last groups, correction probability and corrected intervals."""
     e, c = cfg.estimator, cfg.sample
     if e.mode == "exact":
         return 1.0
     steps = select_train_steps(c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)[0]
     return cost_limit(e.window, e.intermediate, steps=int(steps.numel()), jagg_frac=e.jagg_frac,
                       exact_first=e.exact_first_groups, exact_last=e.exact_last_groups, knots=e.knots,
-                      correction_p=e.correction_p)
+                      correction_p=e.correction_p, correction_intervals=e.correction_intervals)
 
 
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:
