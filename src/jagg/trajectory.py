@@ -188,6 +188,7 @@ def sample_trajectories(
     generator: torch.Generator | None = None,
     micro_batch: int | None = None,
     logprob_reduction: str = "mean",
+    check_finite: bool = True,
 ) -> Trajectory:
     """Sample ``B`` trajectories from initial noise ``[B, *S]`` and record everything training needs.
 
@@ -195,7 +196,9 @@ def sample_trajectories(
     step. ``train_steps`` defaults to all SDE steps. ``micro_batch`` bounds the rows per network call.
 
     Raises ValueError on non-finite or misshaped noise, an ``eta`` that is not a finite number > 0, a bad schedule,
-    a velocity of the wrong shape (naming the function), and a rollout that turned NaN/inf (naming the step).
+    a velocity of the wrong shape (naming the function), and, with ``check_finite`` (one device sync after
+    sampling), a rollout that turned NaN/inf (naming the step). The trainers turn it off: a non-finite rollout gives
+    a non-finite loss there, which they skip and, after ``grpo.max_consecutive_skips``, stop on with a checkpoint.
     """
     check_noise(noise)
     check_eta(eta)
@@ -226,7 +229,8 @@ def sample_trajectories(
         latents.append(x)
         velocities.append(v)
         log_probs.append(lp.to(dtype))
-    check_finite_rollout(latents)
+    if check_finite:
+        check_finite_rollout(latents)
     traj = Trajectory(
         latents=torch.stack(latents, 1),          # [B, T + 1, *S]
         sigmas=sigmas,
