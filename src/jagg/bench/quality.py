@@ -156,7 +156,7 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
             except (KeyError, ValueError) as e:
                 raise ValueError(f"{done} was trained with another config ({e}); use another --out") from None
             print(f"quality: {variant} seed {seed}: already done ({done}), skipped", flush=True)
-            return result
+            return {**result, "variant": variant}          # its directory is this variant's (even if renamed)
     print(f"quality: {variant} seed {seed}: training {cfg.grpo.iterations} iterations into {out}", flush=True)
     records = Trainer(cfg, resume=True).train()
     if not records or max(r["iteration"] for r in records) < cfg.grpo.iterations:
