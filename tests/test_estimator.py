@@ -296,7 +296,7 @@ def test_bad_trajectories_raise():
     model = Nonlinear(batch=2)
     traj = sampled_traj(model, B=2, T=4)
     adv = torch.ones(2, dtype=torch.float64)
-    cfg = EstimatorConfig(correction_p=0.0, )
+    cfg = EstimatorConfig(correction_p=0.0)
     bad = copy.copy(traj)
     bad.velocities = traj.velocities[:, :3]
     with pytest.raises(ValueError, match="velocities must have shape"):

@@ -240,7 +240,7 @@ def test_only_steps_ranges_sum_to_the_full_gradient():
         parts = [run(model, traj, adv, cfg, only_steps=r)[0] for r in ([0, 1, 2], [3, 4, 5], [6, 7, 8])]
         assert torch.allclose(sum(parts), full, **TIGHT)
     with pytest.raises(ValueError, match="only_steps"):
-        run(model, traj, adv, EstimatorConfig(correction_p=0.0, ), only_steps=[42])
+        run(model, traj, adv, EstimatorConfig(correction_p=0.0), only_steps=[42])
 
 
 def test_config_rejects_bad_knot_options():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ def _number(kind: type, low: float | None = None, strict: bool = False):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
-        if value != value or value in (float("inf"), float("-inf")):
+        if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
         if low is not None and (value <= low if strict else value < low):
             raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text!r}")

@@ -23,8 +23,6 @@ Inner-step velocities are ``fresh`` (one no-grad forward of the chunk's inner ro
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 from dataclasses import asdict, dataclass
 from typing import Callable, ContextManager, Sequence
 
@@ -36,6 +34,7 @@ from .advantages import as_vector
 from .estimator_config import EstimatorConfig
 from .knots import Unit, plan_update
 from .loss import step_loss
+from .schedule import is_finite_number
 from .sde import compute_dtype
 from .trajectory import Trajectory, VelocityFn, checked_velocity
 
@@ -138,7 +137,7 @@ def check_call(velocity_fn, traj, config, loss_scale: float = 1.0, generator=Non
     if not isinstance(config, EstimatorConfig):
         raise TypeError(f"config must be a jagg.EstimatorConfig (EstimatorConfig.from_dict(d) for a dict); "
                         f"got {type(config).__name__}")
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real) or not math.isfinite(loss_scale):
+    if not is_finite_number(loss_scale):
         raise ValueError(f"loss_scale must be a finite number; got {loss_scale!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")

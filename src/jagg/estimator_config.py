@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import asdict, dataclass, field, fields
+
+from .schedule import is_finite_number
 
 MODES = ("exact", "jagg")
 INTERMEDIATES = ("interp", "fresh")
@@ -66,7 +66,7 @@ class EstimatorConfig:
             raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
         for name in ("jagg_frac", "correction_p", "clip_range", "kl_beta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            if not is_finite_number(value):
                 raise ValueError(f"{name} must be a finite number; got {value!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be an integer >= 1 (group size in trained steps); got {self.window!r}")

@@ -12,12 +12,18 @@ import torch
 from torch import Tensor
 
 
+def is_finite_number(value) -> bool:
+    """True for a finite real number (int, float, numpy scalar); False for bool, NaN, infinity and non-numbers.
+    The one check the core's argument validation uses."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
 def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
     """SD3's timestep shift ``s' = shift * s / (1 + (shift - 1) * s)``; ``shift=1`` is the identity.
 
     A shift > 1 spends more steps at high noise (SD3 uses 3.0). Works on any shape.
     """
-    if isinstance(shift, bool) or not isinstance(shift, numbers.Real) or not math.isfinite(shift) or shift <= 0:
+    if not is_finite_number(shift) or shift <= 0:
         raise ValueError(f"shift must be a finite number > 0 (SD3 uses 3.0, 1.0 means no shift); got {shift!r}")
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 

@@ -8,15 +8,13 @@ different sigmas.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from .schedule import check_sigmas
+from .schedule import check_sigmas, is_finite_number
 from .sde import REDUCTIONS, compute_dtype, euler_step, sde_step
 
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -162,7 +160,7 @@ def check_noise(noise: Tensor) -> None:
 
 def check_eta(eta: float) -> None:
     """Raise a ValueError unless the SDE noise level ``eta`` is a finite number > 0."""
-    if isinstance(eta, bool) or not isinstance(eta, numbers.Real) or not math.isfinite(eta) or eta <= 0:
+    if not is_finite_number(eta) or eta <= 0:
         raise ValueError(f"eta must be a finite number > 0 for trained (SDE) steps; got {eta!r}")
 
 

@@ -272,6 +272,7 @@ def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world", 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    col = CLOCK_COLUMN[clock]
     by: dict[str, list[dict]] = {}
     for r in runs:
         by.setdefault(r["variant"], []).append(r)
@@ -280,7 +281,6 @@ def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world", 
         if n == 0:
             continue
         rew = np.array([[p[2] for p in r["train_curve"][:n]] for r in rs])
-        col = CLOCK_COLUMN[clock]
         wall = np.array([[p[col] for p in r["train_curve"][:n]] for r in rs], dtype=float).mean(0)
         per_iter = wall[-1] / n                          # test points: at their iteration's time
         line, = axes[0].plot(wall, smooth(rew.mean(0), max(1, n // 10)), label=f"{v} ({len(rs)} seeds)")
