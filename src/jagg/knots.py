@@ -187,7 +187,7 @@ def _pick(candidates: Tensor, p: float, generator: torch.Generator | None) -> Te
     if n == 0 or p <= 0:
         return out.view_as(candidates)
     m = math.floor(p * n)
-    if torch.rand((), generator=generator).item() < p * n - m:
+    if torch.rand((), generator=generator, dtype=torch.float32).item() < p * n - m:   # fp32 whatever the default dtype
         m += 1
     order = torch.randperm(n, generator=generator)
     out[idx[order[:m]]] = True
@@ -265,7 +265,7 @@ def plan_update(traj, config: EstimatorConfig, sample_groups: Tensor | Sequence 
     if 0.0 < config.jagg_frac < 1.0:
         scores = group_scores(traj.velocities, sig, intervals, config.score, config.alpha).cpu()
     else:
-        scores = torch.zeros(B, G)
+        scores = torch.zeros(B, G, dtype=torch.float32)
     routed = route(scores, config.jagg_frac, eligible, sample_groups)          # [B, G]
 
     # unbiased JAGG: pick (GRPO group or sample, interval) units among the routed ones
@@ -277,7 +277,7 @@ def plan_update(traj, config: EstimatorConfig, sample_groups: Tensor | Sequence 
         scope[routed_cols[: config.correction_intervals] if config.correction_intervals else routed_cols] = True
         member = _members(sample_groups, B)
         U = int(member.max()) + 1
-        unit_routed = torch.zeros(U, G).index_add_(0, member, routed.float()) > 0               # [U, G]
+        unit_routed = torch.zeros(U, G, dtype=torch.int64).index_add_(0, member, routed.long()) > 0              # [U, G]
         picked = _pick(unit_routed & scope[None], p, generator)                   # [U, G]
         corrected = picked[member] & routed
     weight = 1.0 / p if p > 0 else 1.0

@@ -50,7 +50,7 @@ def group_scores(velocities: Tensor, sigmas: Tensor, groups: list[list[int]], sc
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}; got {score!r}")
     B = velocities.shape[0]
-    out = torch.full((B, len(groups)), torch.inf, device=velocities.device)
+    out = torch.full((B, len(groups)), torch.inf, dtype=torch.float32, device=velocities.device)
     for gi, group in enumerate(groups):
         if len(group) <= 2:
             continue
