@@ -15,7 +15,8 @@ is not significant). A value of ``c`` near 0 means the update is noise: Adam tur
 that drifts the model away from its pretrained optimum.
 
 Several rewards (``--rewards``) are compared on the same trajectories: each batch is sampled once and
-differentiated once per reward. ``--estimators config exact`` also differentiates each batch with the exact
+differentiated once per reward, with the same random picks of unbiased JAGG (``correction_p``) for every reward (an
+RNG seeded by the seed and the batch), so a reward's row is the same whatever other rewards are measured. ``--estimators config exact`` also differentiates each batch with the exact
 estimator and reports the cross-agreement ``mean_{i != j} cos(g_jagg_i, g_exact_j)`` (does a JAGG update
 point where an exact update on another batch points?) next to the same-batch cosine (the fidelity metric of
 ``jagg bench fidelity``), which is dominated by the noise both share. ``--fixed-prompts`` gives every batch
@@ -110,7 +111,7 @@ def measure(cfg: TrainConfig, rewards: list[str], batches: int, fixed_prompts: b
     stds = {name: [] for name in rewards}
     means = {name: [] for name in rewards}
     trained = []
-    for _ in range(batches):
+    for b in range(batches):
         if fixed_prompts:
             trainer.np_rng = np.random.default_rng(cfg.seed)
         prompts, tokens, traj = trainer.sample_batch()
@@ -128,7 +129,7 @@ def measure(cfg: TrainConfig, rewards: list[str], batches: int, fixed_prompts: b
                 trainer.opt.zero_grad(set_to_none=True)
                 with torch.enable_grad():
                     policy_gradient(GuidedVelocity(trainer.model, tokens, cfg.sample.guidance_scale), traj, adv,
-                                    ests[e], sample_groups=prompts)
+                                    ests[e], sample_groups=prompts, generator=pick_generator(cfg.seed, b))
                 grads[(name, e)].append(flat_grad(params))
     n = statistics.fmean(trained)
     out = []
@@ -155,6 +156,14 @@ def measure(cfg: TrainConfig, rewards: list[str], batches: int, fixed_prompts: b
                         "grad_norm": float(a.norm(dim=1).mean())})
             out.append(bias_record(head, a, b))
     return out
+
+
+def pick_generator(seed: int, batch: int) -> torch.Generator:
+    """The RNG of unbiased JAGG's random picks on batch ``batch``: a fresh one for every (reward, estimator), seeded
+    by the config's seed and the batch alone, so every reward sees the same picks on one batch and a reward's row does
+    not depend on which other rewards are measured (with torch's global RNG the second reward's picks shifted the
+    first reward's picks on every later batch)."""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, 5, batch]).generate_state(1)[0]))
 
 
 def bias_record(head: dict, config_grads: torch.Tensor, exact_grads: torch.Tensor) -> dict:
