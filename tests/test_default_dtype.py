@@ -84,6 +84,7 @@ CASES = {
     "exact_first_last": dict(exact_first_groups=1, exact_last_groups=1, window=3),
     "kl": dict(kl_beta=0.2),
     "window8": dict(window=8),
+    "subsample": dict(mode="subsample", subsample_frac=0.4),
 }
 
 

@@ -121,7 +121,7 @@ def _signal_norms(traj: Trajectory, advantages: Tensor, config: EstimatorConfig,
         ref = None if ref_velocities is None else ref_velocities[b, k]
         with torch.enable_grad():
             l = step_loss(v, lat[b, k], lat[b, k + 1], sig[k], sig[k + 1], float(sig[1]), traj.eta, traj.log_probs[b, k],
-                          advantages[b], config.clip_range, config.kl_beta, ref, traj.logprob_reduction).loss
+                          advantages[b], config.clip_range, config.kl_beta, ref, traj.logprob_reduction, traj.sde_type).loss
             (g,) = torch.autograd.grad(l.sum(), v)
         out[s : s + chunk] = g.flatten(1).norm(dim=1).double().cpu()
     return out.view(B, K)
@@ -286,7 +286,7 @@ def policy_gradient(
             out = step_loss(
                 v_eval, lat[eb_t, ek_t], lat[eb_t, ek_t + 1], sig[ek_t], sig[ek_t + 1], sigma_one, traj.eta,
                 traj.log_probs[eb_t, ek_t], advantages[eb_t], config.clip_range, config.kl_beta,
-                None if ref_velocities is None else ref_velocities[eb_t, ek_t], traj.logprob_reduction,
+                None if ref_velocities is None else ref_velocities[eb_t, ek_t], traj.logprob_reduction, traj.sde_type,
             )
             (g,) = torch.autograd.grad(out.loss.sum() * c, v_eval)             # [E, *S]
             w = torch.zeros(R, E, dtype=dtype, device=dev)

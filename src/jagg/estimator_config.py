@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from .schedule import is_finite_number
 
-MODES = ("exact", "jagg")
+MODES = ("exact", "jagg", "subsample")
 INTERMEDIATES = ("interp", "fresh")
 SCORES = ("chord", "cosine", "cosine_min", "velocity_cosine")
 KNOTS = ("groups", "shared", "adaptive")
@@ -18,7 +18,9 @@ class EstimatorConfig:
     """How the policy gradient of one Flow-GRPO update is computed (docs/design.md §2-3)."""
 
     mode: str = field(default="jagg", metadata={"help": f"Gradient estimator, one of {MODES}. 'exact' runs one "
-                      "backward per trained step (the Flow-GRPO baseline); 'jagg' one joint backward per group."})
+                      "backward per trained step (the Flow-GRPO baseline); 'jagg' one joint backward per group; "
+                      "'subsample' trains a fresh random subset of each sample's steps, scaled up (DanceGRPO's "
+                      "timestep_fraction: the baseline JAGG must beat at equal rows)."})
     window: int = field(default=4, metadata={"help": "JAGG group size W: consecutive trained steps sharing one "
                         "backward of their two endpoints (knots='groups'), or the knot spacing + 1 (knots='shared' "
                         "and 'adaptive'). 1 (or 2) gives the exact gradient."})
@@ -50,6 +52,9 @@ class EstimatorConfig:
                                 "(docs/RESULTS.md §3), hence the default 0.25."})
     correction_intervals: int = field(default=0, metadata={"help": "Correct only the first N JAGG-eligible intervals "
                                       "of the trajectory (the noisiest); 0 = all."})
+    subsample_frac: float = field(default=0.5, metadata={"help": "mode='subsample': each sample trains a fresh random "
+                                  "round(f K) (at least 1) of its K trained steps, each weighted K / that number, so "
+                                  "the expected gradient is exact; 1 = exact bit for bit. Ignored by the other modes."})
     micro_batch: int = field(default=8, metadata={"help": "Rows per network forward/backward, the same in every "
                              "mode. JAGG needs >= 2 (a group's two endpoints go through together)."})
     clip_range: float = field(default=1e-4, metadata={"help": "PPO clip range eps of the ratio (Flow-GRPO: 1e-4)."})
@@ -64,7 +69,7 @@ class EstimatorConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
-        for name in ("jagg_frac", "correction_p", "clip_range", "kl_beta"):
+        for name in ("jagg_frac", "correction_p", "clip_range", "kl_beta", "subsample_frac"):
             value = getattr(self, name)
             if not is_finite_number(value):
                 raise ValueError(f"{name} must be a finite number; got {value!r}")
@@ -79,6 +84,9 @@ class EstimatorConfig:
             raise ValueError(f"knots must be one of {KNOTS}; got {self.knots!r}")
         if self.alpha not in ALPHAS:
             raise ValueError(f"alpha must be one of {ALPHAS}; got {self.alpha!r}")
+        if not 0.0 < float(self.subsample_frac) <= 1.0:
+            raise ValueError(f"subsample_frac must be in (0, 1] (the fraction of trained steps each sample trains in "
+                             f"mode='subsample'); got {self.subsample_frac}")
         if not 0.0 <= float(self.correction_p) <= 1.0:
             raise ValueError(f"correction_p must be in [0, 1] (0 = plain JAGG); got {self.correction_p}")
         for name in ("correction_intervals", "audit_every"):

@@ -239,6 +239,8 @@ def plan_update(traj, config: EstimatorConfig, sample_groups: Tensor | Sequence 
     """
     steps = traj.train_steps.tolist()
     B, K = traj.batch_size, len(steps)
+    if config.mode == "subsample":
+        return _subsample_plan(steps, B, config.subsample_frac, generator)
     sig = traj.sigmas
     jagg = config.mode == "jagg" and config.window > 2 and K > 2
     scheme = config.knots if jagg else "groups"
@@ -312,6 +314,21 @@ def plan_update(traj, config: EstimatorConfig, sample_groups: Tensor | Sequence 
         for j, iv in enumerate(intervals):
             singles += [_single(i, k, weight) for k in iv[1:-1] for i in range(B) if corrected[i, j]]
     return Plan(units + singles, B * int(eligible.sum()), int(routed.sum()), int(corrected.sum()), positions)
+
+
+def _subsample_plan(steps: list[int], B: int, frac: float, generator: torch.Generator | None) -> Plan:
+    """``mode="subsample"``: each sample's ``m = max(1, round(frac K))`` trained steps drawn uniformly without
+    replacement, fresh per sample and update, each weighted ``K / m`` (unbiased); step-major as ``exact``."""
+    K = len(steps)
+    m = max(1, min(K, round(frac * K)))
+    if m == K:                                    # every step at weight 1: exact, bit for bit (no draw)
+        chosen = torch.ones(B, K, dtype=torch.bool)
+    else:
+        order = torch.rand(B, K, generator=generator, dtype=torch.float32).argsort(dim=1)      # [B, K]
+        chosen = torch.zeros(B, K, dtype=torch.bool).scatter_(1, order[:, :m], True)
+    weight = 1.0 if m == K else K / m
+    units = [_single(i, k, weight) for j, k in enumerate(steps) for i in range(B) if chosen[i, j]]
+    return Plan(units, 0, 0, 0, list(range(K)))
 
 
 def _members(sample_groups: Tensor | Sequence | None, B: int) -> Tensor:

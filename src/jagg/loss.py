@@ -6,7 +6,8 @@ For one item with velocity ``v`` at step k (docs/design.md §2)::
     l  = max(-A r, -A clip(r, 1 - eps, 1 + eps)) + beta * KL
     KL = mean_dims (mean(v) - mean(v_ref))^2 / (2 std_k^2)
 
-KL follows Flow-GRPO's convention: it divides by ``std_k^2`` without ``|dt|``, i.e. it is the Gaussian
+The log-probability and the mean come from the trajectory's SDE type (:func:`jagg.sde.step_moments`). KL follows
+Flow-GRPO's convention for every type: it divides by ``std_k^2 = step_std^2 / |dt|``, i.e. it is the Gaussian
 KL between the two step distributions times ``|dt|``. The total loss averages ``l`` over the batch and
 the trained steps, so it has the same scale whatever the estimator.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sde import gaussian_log_prob, sde_mean, sde_std
+from .sde import gaussian_log_prob, step_moments
 
 
 @dataclass
@@ -46,6 +47,7 @@ def step_loss(
     kl_beta: float = 0.0,
     ref_v: Tensor | None = None,
     reduction: str = "mean",
+    sde_type: str = "flow_grpo",
 ) -> StepLoss:
     """Per-item Flow-GRPO loss for ``n`` (sample, step) items.
 
@@ -56,10 +58,10 @@ def step_loss(
         old_log_prob, advantages: ``[n]``.
         clip_range: PPO clip ``eps``.
         kl_beta, ref_v: KL weight and reference velocities ``[n, *S]`` (needed when ``kl_beta > 0``).
+        reduction: ``"mean"`` (Flow-GRPO) or ``"sum"`` of the log-prob over the latent dimensions.
+        sde_type: the SDE the trajectory was sampled with (:data:`jagg.sde.SDE_TYPES`).
     """
-    std = sde_std(sigma.to(torch.float64 if v.dtype == torch.float64 else torch.float32), sigma_one, eta)
-    mean = sde_mean(x, v, sigma, sigma_next, std)
-    step_std = std * torch.sqrt(sigma - sigma_next).to(std.dtype)
+    mean, step_std, std = step_moments(x, v, sigma, sigma_next, sigma_one, eta, sde_type)
     log_prob = gaussian_log_prob(x_next, mean, step_std, reduction)
     ratio = torch.exp(log_prob - old_log_prob.to(log_prob.dtype))
     adv = advantages.to(log_prob.dtype)
@@ -70,7 +72,7 @@ def step_loss(
     if kl_beta > 0:
         if ref_v is None:
             raise ValueError("kl_beta > 0 needs reference velocities (ref_v)")
-        ref_mean = sde_mean(x, ref_v, sigma, sigma_next, std)
+        ref_mean = step_moments(x, ref_v, sigma, sigma_next, sigma_one, eta, sde_type)[0]
         kl = ((mean - ref_mean) ** 2).flatten(1).mean(1) / (2 * std**2)
         loss = loss + kl_beta * kl
     return StepLoss(loss, log_prob, ratio.detach(), (ratio - 1).abs().detach() > clip_range, kl.detach())

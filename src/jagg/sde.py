@@ -1,14 +1,22 @@
-"""The Flow-GRPO SDE step, its Gaussian log-probability, and the deterministic Euler step.
+"""The SDE steps of GRPO for flow matching (three noise conventions), their Gaussian log-probability, and the
+deterministic Euler step.
 
 Everything here runs in fp32 (or fp64 if the inputs are fp64), whatever dtype the network produced.
-For step k with ``s = sigma_k > s' = sigma_{k+1}``, ``dt = s' - s < 0`` and noise level ``eta``::
+For step k with ``s = sigma_k > s' = sigma_{k+1}``, ``dt = s' - s < 0``, noise level ``eta`` and velocity ``v``,
+every SDE type samples ``x' = mean + step_std * eps`` with a ``mean`` affine in ``x`` and ``v``
+(docs/design.md §2 says what each ``eta`` means):
 
-    std    = eta * sqrt(s / (1 - s))        (s = 1 uses sigma_1 in the denominator, as Flow-GRPO)
-    mean   = x * (1 + std^2 / (2 s) * dt) + v * (1 + std^2 (1 - s) / (2 s)) * dt
-    x'     = mean + std * sqrt(-dt) * eps
-    log pi = -||x' - mean||^2 / (2 std^2 (-dt)) - log(std sqrt(-dt)) - log sqrt(2 pi)
+- ``flow_grpo`` (Flow-GRPO, the default): ``std = eta * sqrt(s / (1 - s))`` (``s = 1`` uses sigma_1 in the
+  denominator), ``mean = x (1 + std^2 dt / (2 s)) + v (1 + std^2 (1 - s) / (2 s)) dt``, ``step_std = std sqrt(-dt)``.
+- ``dance`` (DanceGRPO, and the JAGG authors' code): the same mean with a constant ``std = eta``, so
+  ``step_std = eta sqrt(-dt)`` (DanceGRPO writes it with the score ``-(x - (1 - s) x0_hat) / s^2``).
+- ``cps`` (coefficients-preserving sampling, Flow-CPS / Flow-GRPO-Fast): ``x0_hat = x - s v``,
+  ``x1_hat = x + (1 - s) v``, ``step_std = s' sin(eta pi / 2)``,
+  ``mean = (1 - s') x0_hat + sqrt(s'^2 - step_std^2) x1_hat``. Needs ``0 < eta <= 1`` and ``s' > 0``.
 
-``log pi`` is reduced over the latent dimensions with a mean by default (Flow-GRPO), or a sum.
+``log pi = -||x' - mean||^2 / (2 step_std^2) - log(step_std) - log sqrt(2 pi)``, reduced over the latent dimensions
+with a mean by default (Flow-GRPO), or a sum. For every type this is the true Gaussian log-density (Flow-GRPO's CPS
+code drops the ``1 / (2 step_std^2)`` and the constants; a ratio is then ``exp`` of a differently scaled number).
 """
 
 from __future__ import annotations
@@ -19,6 +27,18 @@ import torch
 from torch import Tensor
 
 REDUCTIONS = ("mean", "sum")
+SDE_TYPES = ("flow_grpo", "dance", "cps")
+CPS_LAST_STEP = ("sde_type 'cps' cannot take an SDE step to sigma = 0 (its noise, sigma_next * sin(eta pi / 2), is 0 "
+                 "there): make the last step an ODE step (sde_window / sample.sde_window ending before num_steps)")
+
+
+def check_sde_type(sde_type: str, eta: float | None = None) -> None:
+    """Raise a ValueError unless ``sde_type`` is one of :data:`SDE_TYPES` (and, for ``cps``, ``0 < eta <= 1``)."""
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_type must be one of {SDE_TYPES}; got {sde_type!r}")
+    if sde_type == "cps" and eta is not None and not 0 < eta <= 1:
+        raise ValueError(f"sde_type 'cps' needs 0 < eta <= 1 (its step std is sigma_next * sin(eta * pi / 2)); "
+                         f"got eta={eta}")
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -48,6 +68,27 @@ def sde_mean(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, std: Tenso
     return x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
 
 
+def step_moments(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, sigma_one: float, eta: float,
+                 sde_type: str = "flow_grpo") -> tuple[Tensor, Tensor, Tensor]:
+    """``(mean [N, *S], step_std [N], std [N])`` of ``x_{k+1}`` under ``sde_type`` (module docstring) in the compute
+    dtype. ``step_std`` is the whole step's standard deviation; ``std = step_std / sqrt(-dt)`` is the per-unit-time
+    one that the KL of :func:`jagg.loss.step_loss` divides by (Flow-GRPO's convention, kept for every type)."""
+    if sde_type in ("flow_grpo", "dance"):
+        sig = sigma.to(compute_dtype(x, v))
+        std = sde_std(sig, sigma_one, eta) if sde_type == "flow_grpo" else torch.full_like(sig, eta)
+        return sde_mean(x, v, sigma, sigma_next, std), std * torch.sqrt(sigma - sigma_next).to(std.dtype), std
+    if sde_type == "cps":
+        dtype = compute_dtype(x, v, sigma)
+        sigma, s_next = sigma.to(dtype), sigma_next.to(dtype)
+        step_std = s_next * math.sin(eta * math.pi / 2)
+        x, v = x.to(dtype), v.to(dtype)
+        s, sn = _expand(sigma, x), _expand(s_next, x)
+        root = torch.sqrt((sn**2 - _expand(step_std, x) ** 2).clamp_min(0))
+        mean = (1 - sn) * (x - s * v) + root * (x + (1 - s) * v)
+        return mean, step_std, step_std / torch.sqrt(sigma - s_next)
+    raise ValueError(f"sde_type must be one of {SDE_TYPES}; got {sde_type!r}")
+
+
 def gaussian_log_prob(x_next: Tensor, mean: Tensor, step_std: Tensor, reduction: str = "mean") -> Tensor:
     """Per-item log-density of ``x_next`` under ``N(mean, step_std^2 I)``, reduced over latent dims -> ``[N]``.
 
@@ -72,24 +113,29 @@ def sde_step(
     noise: Tensor | None = None,
     generator: torch.Generator | None = None,
     reduction: str = "mean",
+    sde_type: str = "flow_grpo",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One stochastic Flow-GRPO step.
+    """One stochastic step of GRPO sampling.
 
     Args:
         x: latents ``[N, *S]`` at ``sigma``.
         v: velocity ``[N, *S]``.
         sigma, sigma_next: ``[N]`` with ``sigma > sigma_next``.
-        sigma_one: the schedule's ``sigma_1``, used in place of ``sigma`` in ``1 - sigma`` when ``sigma = 1``.
-        eta: noise level (Flow-GRPO's ``noise_level``; 0.7 for SD3).
+        sigma_one: the schedule's ``sigma_1``, used in place of ``sigma`` in ``1 - sigma`` when ``sigma = 1``
+            (``flow_grpo`` only).
+        eta: noise level (Flow-GRPO's ``noise_level``; 0.7 for SD3). Its meaning depends on ``sde_type``.
         noise: optional standard normal ``[N, *S]``; drawn from ``generator`` otherwise.
         reduction: ``"mean"`` or ``"sum"`` over latent dims for the log-prob.
+        sde_type: ``"flow_grpo"``, ``"dance"`` or ``"cps"`` (module docstring).
 
     Returns:
-        ``(x_next [N, *S], log_prob [N], mean [N, *S], std [N])`` in the compute dtype.
+        ``(x_next [N, *S], log_prob [N], mean [N, *S], std [N])`` in the compute dtype; ``std`` is per unit time
+        (the step's standard deviation is ``std * sqrt(sigma - sigma_next)``).
     """
-    std = sde_std(sigma.to(compute_dtype(x, v)), sigma_one, eta)
-    mean = sde_mean(x, v, sigma, sigma_next, std)
-    step_std = std * torch.sqrt(sigma - sigma_next).to(std.dtype)
+    check_sde_type(sde_type, eta)
+    if sde_type == "cps" and not bool((sigma_next > 0).all()):
+        raise ValueError(CPS_LAST_STEP)
+    mean, step_std, std = step_moments(x, v, sigma, sigma_next, sigma_one, eta, sde_type)
     if noise is None:
         noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
     x_next = mean + _expand(step_std, mean) * noise.to(mean.dtype)

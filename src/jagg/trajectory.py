@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .schedule import check_sigmas, is_finite_number
-from .sde import REDUCTIONS, compute_dtype, euler_step, sde_step
+from .sde import CPS_LAST_STEP, REDUCTIONS, check_sde_type, compute_dtype, euler_step, sde_step
 
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -53,6 +53,8 @@ class Trajectory:
         train_steps: ``[K]`` sorted, unique step indices that are trained (all SDE steps).
         eta: noise level the SDE steps used; the training log-probs must use the same.
         logprob_reduction: ``"mean"`` (Flow-GRPO) or ``"sum"`` over latent dims.
+        sde_type: the SDE of the sampled steps, one of :data:`jagg.sde.SDE_TYPES` (``"flow_grpo"``, ``"dance"``,
+            ``"cps"``); the training log-probs use the same.
     """
 
     latents: Tensor
@@ -62,6 +64,7 @@ class Trajectory:
     train_steps: Tensor
     eta: float
     logprob_reduction: str = "mean"
+    sde_type: str = "flow_grpo"
 
     @property
     def batch_size(self) -> int:
@@ -97,18 +100,21 @@ class Trajectory:
         check_eta(self.eta)
         if self.logprob_reduction not in REDUCTIONS:
             raise ValueError(f"logprob_reduction must be one of {REDUCTIONS}; got {self.logprob_reduction!r}")
+        check_sde_type(self.sde_type, self.eta)
+        if self.sde_type == "cps" and float(self.sigmas[int(ts.max()) + 1]) <= 0:
+            raise ValueError(CPS_LAST_STEP)
 
     def to(self, device: torch.device | str) -> "Trajectory":
         return Trajectory(
             self.latents.to(device), self.sigmas.to(device), self.log_probs.to(device),
-            self.velocities.to(device), self.train_steps.to(device), self.eta, self.logprob_reduction,
+            self.velocities.to(device), self.train_steps.to(device), self.eta, self.logprob_reduction, self.sde_type,
         )
 
     def select(self, index: Tensor) -> "Trajectory":
         """The sub-batch of trajectories ``index`` (``[b]`` long)."""
         return Trajectory(
             self.latents[index], self.sigmas, self.log_probs[index], self.velocities[index],
-            self.train_steps, self.eta, self.logprob_reduction,
+            self.train_steps, self.eta, self.logprob_reduction, self.sde_type,
         )
 
 
@@ -187,11 +193,15 @@ def sample_trajectories(
     micro_batch: int | None = None,
     logprob_reduction: str = "mean",
     check_finite: bool = True,
+    sde_type: str = "flow_grpo",
 ) -> Trajectory:
     """Sample ``B`` trajectories from initial noise ``[B, *S]`` and record everything training needs.
 
     Steps with ``sde_mask`` True use the Flow-GRPO SDE step (noise from ``generator``), the others the Euler
     step. ``train_steps`` defaults to all SDE steps. ``micro_batch`` bounds the rows per network call.
+    ``sde_type`` picks the SDE (:data:`jagg.sde.SDE_TYPES`: ``"flow_grpo"`` = Flow-GRPO's, the default; ``"dance"`` =
+    DanceGRPO's constant ``eta sqrt(-dt)`` noise; ``"cps"`` = coefficients-preserving sampling, whose last step must
+    be an ODE step); what ``eta`` means depends on it (docs/design.md §2).
 
     Raises ValueError on non-finite or misshaped noise, an ``eta`` that is not a finite number > 0, a bad schedule,
     a velocity of the wrong shape (naming the function), and, with ``check_finite`` (one device sync after
@@ -200,6 +210,7 @@ def sample_trajectories(
     """
     check_noise(noise)
     check_eta(eta)
+    check_sde_type(sde_type, eta)
     dtype = compute_dtype(noise)                        # fp32 storage (fp64 if the noise is fp64)
     sigmas = sigmas.to(device=noise.device, dtype=dtype)
     check_sigmas(sigmas)
@@ -209,6 +220,8 @@ def sample_trajectories(
         train_steps = torch.nonzero(sde_mask).flatten()
     if not bool(sde_mask[train_steps.cpu()].all()):
         raise ValueError("every trained step must be an SDE step (sde_mask True)")
+    if sde_type == "cps" and bool(sde_mask[-1]):
+        raise ValueError(CPS_LAST_STEP)
     x = noise.to(dtype)
     velocity_fn = checked_velocity(velocity_fn, tuple(noise.shape[1:]))
     latents = [x]
@@ -221,7 +234,8 @@ def sample_trajectories(
             v[sl] = velocity_fn(x[sl], sigmas[k].expand(idx.numel()), idx).to(dtype)
         s, s_next = sigmas[k].expand(B), sigmas[k + 1].expand(B)
         if sde_mask[k]:
-            x, lp, _, _ = sde_step(x, v, s, s_next, sigma_one, eta, generator=generator, reduction=logprob_reduction)
+            x, lp, _, _ = sde_step(x, v, s, s_next, sigma_one, eta, generator=generator, reduction=logprob_reduction,
+                                   sde_type=sde_type)
         else:
             x, lp = euler_step(x, v, s, s_next), torch.zeros(B, device=x.device, dtype=dtype)
         latents.append(x)
@@ -237,6 +251,7 @@ def sample_trajectories(
         train_steps=train_steps.to(noise.device).long(),
         eta=eta,
         logprob_reduction=logprob_reduction,
+        sde_type=sde_type,
     )
     traj.validate()
     return traj

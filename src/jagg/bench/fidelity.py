@@ -132,7 +132,7 @@ def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) ->
                                                tuple(c.sde_window) if c.sde_window else None)
     traj = sample_trajectories(GuidedVelocity(model, tokens, c.guidance_scale), noise,
                                flow_sigmas(c.num_steps, c.shift), c.eta, train_steps, sde_mask,
-                               generator=gen, micro_batch=c.micro_batch)
+                               generator=gen, micro_batch=c.micro_batch, sde_type=c.sde_type)
     scores, _ = get_reward(t.reward.weights or t.reward.name)(from_tensor(traj.latents[:, -1].cpu()), prompts, None)
     rewards = torch.as_tensor(scores, dtype=torch.float32)
     if cfg.advantages == "random":

@@ -16,7 +16,8 @@ from pathlib import Path
 from ..rewards.client import RewardClient
 from ..rewards.registry import get_reward
 from ..training import config_loader as configuration
-from ..training.sections import LogConfig, RewardConfig, TrainerSections, check_group_size, check_sde_window
+from ..training.sections import (LogConfig, RewardConfig, TrainerSections, check_group_size, check_sampler,
+                                 check_sde_window)
 from .config import PipelineConfig
 
 
@@ -54,6 +55,10 @@ class RealSampleConfig:
         "Train the first fraction of the pipeline.num_steps steps (all steps are SDE steps)."))
     sde_window: list[int] | None = field(default=None, metadata=_help(
         "[start, end): only these steps are SDE steps and trained; the rest are ODE steps (Flow-GRPO-Fast)."))
+    sde_type: str = field(default="flow_grpo", metadata=_help(
+        "SDE of the sampled steps, with pipeline.eta: 'flow_grpo' (Flow-GRPO), 'dance' (DanceGRPO and the JAGG "
+        "authors: constant eta sqrt(-dt) noise) or 'cps' (coefficients-preserving, 0 < eta <= 1, last step outside "
+        "the sde_window); docs/design.md §2."))
     micro_batch: int = field(default=8, metadata=_help(
         "Trajectories per transformer call while sampling; also the sampling piece whose SDE noise is seeded by "
         "(seed, iteration, position), so that a rollout does not depend on the number of processes when each "
@@ -128,6 +133,7 @@ class RealTrainConfig(TrainerSections):
             raise ValueError("optim.ema_decay is not supported by the real-model trainer; set it to 0")
         s, T = self.sample, self.pipeline.num_steps
         check_sde_window(s.sde_window, T, "pipeline.num_steps")
+        check_sampler(s.sde_type, self.pipeline.eta, s.sde_window, T)
         if s.sde_window is None and int(T * s.timestep_fraction) < 1:
             raise ValueError(f"sample.timestep_fraction={s.timestep_fraction} of pipeline.num_steps={T} trains no "
                              "step; raise it")

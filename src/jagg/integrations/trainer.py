@@ -248,7 +248,7 @@ class RealTrainer(TrainerCore):
             gen = torch.Generator(device=self.device).manual_seed(_seed(self.cfg.seed, 2, self.iteration, piece.start))
             parts.append(sample_trajectories(self.policy.velocity(prompts[piece]), noise[piece].to(self.device),
                                              sigmas, p.eta, train_steps, sde_mask, generator=gen,
-                                             micro_batch=c.micro_batch, check_finite=False))
+                                             micro_batch=c.micro_batch, check_finite=False, sde_type=c.sde_type))
         if len(parts) == 1:
             return prompts, parts[0]
         batched = ("latents", "log_probs", "velocities")

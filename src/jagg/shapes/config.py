@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from ..training.sections import (LogConfig, RewardConfig, TrainerSections, _help, check_group_size,
+from ..training.sections import (LogConfig, RewardConfig, TrainerSections, _help, check_group_size, check_sampler,
                                 check_sde_window)
 
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
@@ -75,7 +75,12 @@ class ModelConfig:
 class SampleConfig:
     num_steps: int = field(default=10, metadata=_help("Sampling steps T per trajectory."))
     shift: float = field(default=1.0, metadata=_help("SD3 timestep shift of the sigma schedule (1 = none)."))
-    eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO's noise_level)."))
+    eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO's noise_level); its meaning depends on "
+                                                   "sde_type."))
+    sde_type: str = field(default="flow_grpo", metadata=_help(
+        "SDE of the sampled steps: 'flow_grpo' (std eta sqrt(s/(1-s)) per unit time), 'dance' (DanceGRPO and the JAGG "
+        "authors: constant eta sqrt(-dt) per step) or 'cps' (coefficients-preserving: std sigma_next sin(eta pi/2), "
+        "0 < eta <= 1, last step outside the sde_window); docs/design.md §2."))
     guidance_scale: float = field(default=3.0, metadata=_help("Classifier-free guidance scale w (1 = off)."))
     prompts_per_iter: int = field(default=8, metadata=_help("Distinct prompts sampled per iteration."))
     group_size: int = field(default=4, metadata=_help("Images per prompt (the GRPO group; at least 2)."))
@@ -102,6 +107,7 @@ class SampleConfig:
         if not 0 < self.timestep_fraction <= 1:
             raise ValueError(f"sample.timestep_fraction must be in (0, 1]; got {self.timestep_fraction}")
         check_sde_window(self.sde_window, self.num_steps)
+        check_sampler(self.sde_type, self.eta, self.sde_window, self.num_steps)
         if self.sde_window is not None:
             if self.timestep_fraction != 1.0:
                 raise ValueError("set either sample.timestep_fraction or sample.sde_window, not both")

@@ -120,7 +120,8 @@ class Trainer(TrainerCore):
             c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)
         traj = sample_trajectories(GuidedVelocity(self.model, tokens, c.guidance_scale), noise,
                                    flow_sigmas(c.num_steps, c.shift), c.eta, train_steps, sde_mask,
-                                   generator=self.gen, micro_batch=c.micro_batch, check_finite=False)
+                                   generator=self.gen, micro_batch=c.micro_batch, check_finite=False,
+                                   sde_type=c.sde_type)
         return prompts, tokens, traj
 
     @torch.enable_grad()

@@ -22,6 +22,21 @@ def check_sde_window(window: list[int] | None, num_steps: int, steps_key: str = 
                          f"{num_steps}; got {window}")
 
 
+def check_sampler(sde_type: str, eta: float, window: list[int] | None, num_steps: int) -> None:
+    """Raise unless ``sample.sde_type`` is known, fits ``eta``, and (``cps``) the last step is an ODE step."""
+    from ..sde import SDE_TYPES
+
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sample.sde_type must be one of {SDE_TYPES}; got {sde_type!r}")
+    if sde_type == "cps":
+        if not 0 < eta <= 1:
+            raise ValueError(f"sample.sde_type 'cps' needs 0 < eta <= 1 (its noise is sigma_next sin(eta pi/2)); "
+                             f"got eta={eta}")
+        if window is None or window[1] >= num_steps:
+            raise ValueError("sample.sde_type 'cps' cannot take an SDE step to sigma = 0: set sample.sde_window "
+                             f"[start, end] with end < {num_steps} so that the last step is an ODE step")
+
+
 def check_group_size(group_size: int) -> None:
     """Raise unless ``sample.group_size`` >= 2: advantages are relative to a prompt's group, so a group of one
     image has no reward spread, every advantage is 0 and GRPO trains nothing."""
