@@ -247,3 +247,53 @@ def test_eval_defaults_are_the_main_jobs_evaluation():
     s = build_parser().parse_args(["sample", "--prompt", "a red circle", "--guidance-scale", "2.5"])
     _main_job_defaults(s)
     assert s.guidance_scale == 2.5 and s.seed == 0 and s.steps == main.eval.num_steps
+
+
+# ---------------------------------------------------------------------------------------------- --help shows what runs
+
+
+def _help(argv: list[str], capsys) -> dict[str, str]:
+    """``jagg ... --help`` as {config key: its line}."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    lines = {}
+    for line in capsys.readouterr().out.splitlines():
+        m = re.match(r"  ([a-z_][\w.]*)\s{2,}", line)
+        if m:
+            lines.setdefault(m.group(1), line)
+    return lines
+
+
+def test_train_help_shows_the_main_jobs_values_beside_the_dataclass_defaults(tmp_path, capsys):
+    """Issue #18: --help showed the dataclass defaults as "[default: ...]" while plain `jagg train` ran the main job
+    (lr 1e-4 not 3e-4, 200 iterations not 100, eta 1.0 not 0.7, guidance 1.0 not 3.0, ...)."""
+    from jagg.cli import _value
+    from jagg.rewards.client import RewardClient
+    import dataclasses
+
+    main_job = configuration.load(TrainConfig, main_job_path())
+    lines = _help(["train", "--help"], capsys)
+    for key, default, _ in configuration.describe(TrainConfig):
+        value = repr(_value(main_job, key))
+        assert lines[key].endswith(f"[{value}]" if value == default else f"[{value}; dataclass default: {default}]"), key
+    assert lines["optim.lr"].endswith("[0.0001; dataclass default: 0.0003]")
+    assert lines["grpo.iterations"].endswith("[200; dataclass default: 100]")
+    assert lines["sample.eta"].endswith("[1.0; dataclass default: 0.7]")
+    assert lines["sample.guidance_scale"].endswith("[1.0; dataclass default: 3.0]")
+    assert lines["model.trainable"].endswith("['ada|final'; dataclass default: 'all']")
+    # the real-model keys (dataclass defaults), reward_server naming every RewardClient argument, token included
+    assert all(f.name in lines["reward_server"] for f in dataclasses.fields(RewardClient))
+    assert "token" in lines["reward_server"]
+
+    # --config and --set given before --help: that config's values
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text("optim: {lr: 0.002}\nsample: {eta: 0.5}\n")
+    lines = _help(["train", "--config", str(cfg), "--set", "grpo.iterations=7", "--help"], capsys)
+    assert lines["optim.lr"].endswith("[0.002; dataclass default: 0.0003]")
+    assert lines["grpo.iterations"].endswith("[7; dataclass default: 100]")
+    assert lines["sample.guidance_scale"].endswith("[3.0]")                    # left out: the dataclass default
+    lines = _help(["train", "--config", str(_real_config(tmp_path)), "--help"], capsys)
+    assert lines["pipeline.num_steps"].endswith("[4; dataclass default: 10]") and "model.trainable" not in lines
+    lines = _help(["train", "--config", str(tmp_path / "missing.yaml"), "--help"], capsys)
+    assert lines["optim.lr"].endswith("[default: 0.0003]")                     # unloadable: the defaults, said so

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -41,26 +42,75 @@ def _number(kind: type, low: float | None = None, strict: bool = False):
     return parse
 
 
-def _keys_epilog(cls) -> str:
+def _value(cfg, key: str):
+    """The value of the dotted config ``key`` in the loaded config ``cfg``, as YAML would hold it."""
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    if dataclasses.is_dataclass(value):
+        return configuration.to_dict(value)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _keys_epilog(cls, resolved=None, title: str = "config keys", how: str = "set in YAML or with --set key=value") -> str:
+    """Every config key of ``cls`` with its help; with ``resolved`` (a loaded config) the value it runs and the
+    dataclass default beside it where they differ, else the dataclass default."""
     rows = configuration.describe(cls)
     width = max(len(k) for k, _, _ in rows)
-    lines = [f"  {k:<{width}}  {h} [default: {d}]" for k, d, h in rows]
-    return "config keys (set in YAML or with --set key=value):\n" + "\n".join(lines)
+    lines = []
+    for k, d, h in rows:
+        if resolved is None:
+            shown = f"[default: {d}]"
+        else:
+            v = repr(_value(resolved, k))
+            shown = f"[{v}]" if v == d else f"[{v}; dataclass default: {d}]"
+        lines.append(f"  {k:<{width}}  {h} {shown}")
+    return f"{title} ({how}):\n" + "\n".join(lines)
 
 
-def _real_keys_epilog() -> str:
+def _help_argv(argv: list[str] | None) -> tuple[str, list[str]]:
+    """The ``--config`` and ``--set`` overrides given before ``--help`` in ``jagg train ... --help``."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    pre.add_argument("--set", action="append", default=[])
+    pre.add_argument("--output-dir")
+    known, _ = pre.parse_known_args((argv or [])[1:])
+    sets = list(known.set) + ([f"log.output_dir={known.output_dir}"] if known.output_dir else [])
+    return known.config or str(main_job_path()), sets
+
+
+def _train_epilog(argv: list[str] | None) -> str:
+    """``jagg train --help``'s key lists: the resolved values of the config being run (the main job, or the --config
+    and --set given before --help) with the dataclass defaults where they differ, then the other trainer's keys."""
+    config, sets = _help_argv(argv)
+    where = "the main job, " + str(main_job_path()) if config == str(main_job_path()) else config
+    after = f" after {len(sets)} --set" if sets else ""
     try:
-        from .integrations.train_config import RealTrainConfig
+        from .integrations.train_config import RealTrainConfig, load_config
     except ImportError:
-        return ""
-    return "\n\nwith a pipeline: section (real models), " + _keys_epilog(RealTrainConfig)
+        RealTrainConfig = load_config = None
+    try:
+        real = "pipeline" in configuration.read_yaml(config)
+        resolved = (load_config(config, sets) if real and load_config else
+                    None if real else configuration.load(TrainConfig, config, sets))
+    except (ValueError, OSError) as e:
+        note = f"(could not load {config}: {' '.join(str(e).split())}; the dataclass defaults are shown)\n"
+        return note + _keys_epilog(TrainConfig) + ("\n\nwith a pipeline: section (real models), "
+                                                   + _keys_epilog(RealTrainConfig) if RealTrainConfig else "")
+    how = ("[value] is what runs with " + where + after + "; a key the YAML leaves out takes the dataclass default; "
+           "set keys in a YAML file (--config) or with --set key=value")
+    if real:
+        return _keys_epilog(RealTrainConfig, resolved, "config keys of the real-model trainer (pipeline: section)", how)
+    text = _keys_epilog(TrainConfig, resolved, "config keys of the TinyDiT trainer", how)
+    if RealTrainConfig is not None:
+        text += "\n\nwith a pipeline: section (real models), " + _keys_epilog(RealTrainConfig)
+    return text
 
 
 @dataclass
 class PretrainRunConfig:
-    """``jagg pretrain``: the TinyDiT architecture, the optimisation, and where to write the checkpoint."""
+    """``jagg pretrain``: the TinyDiT architecture and the optimisation (the output file is ``--out``)."""
 
-    out: str = field(default="src/jagg/shapes/assets/tiny_dit.safetensors", metadata={"help": "Output .safetensors path."})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)."})
     snapshot_every: int = field(default=0, metadata={"help": "Also save <out>.step<N>.safetensors every N steps "
                                                      "(the EMA weights when train.ema_decay is set; 0 = off)."})
@@ -85,20 +135,42 @@ def _train(args) -> int:
         print(f"# resolved by jagg train --print-config from {config!r} and {len(overrides)} --set override(s)")
         print(configuration.dump(cfg), end="")
         return 0
+    # --resume: the run's checkpoint must be there; --resume-or-start: or no run at all (a new one starts)
+    run_dir = dict(resume=args.resume or args.resume_or_start, require_checkpoint=args.resume,
+                   overwrite=args.overwrite)
     if real:
         from .integrations.trainer import run
 
-        return run(config, overrides, resume=args.resume)
+        return run(config, overrides, **run_dir)
     from .shapes.trainer import Trainer
+    from .training.rundir import outputs
 
     cfg = configuration.load(TrainConfig, config, overrides)
-    records = Trainer(cfg, resume=args.resume).train()
+    records = Trainer(cfg, **run_dir).train()
     evals = [r for r in records if r["kind"] == "eval"]
     if len(evals) >= 2:
         print(f"test reward: {evals[0]['reward_mean']:.3f} (iteration {evals[0]['iteration']}) -> "
               f"{evals[-1]['reward_mean']:.3f} (iteration {evals[-1]['iteration']})")
-    print(f"outputs in {cfg.log.output_dir}: metrics.jsonl, reward_curve.png, samples/, checkpoints/")
+    print(f"outputs in {cfg.log.output_dir}: {', '.join(outputs(Path(cfg.log.output_dir))) or 'none'}")
     return 0
+
+
+def _pretrain_out(out: str) -> Path:
+    """``jagg pretrain --out``: refuse a path inside the jagg package (its shapes/assets/ holds the shipped model)
+    or a directory; create the parent directory."""
+    path = Path(out)
+    package = Path(__file__).resolve().parent
+    target = path.resolve()
+    if target == package or package in target.parents:
+        raise ValueError(f"--out {out} is inside the installed jagg package ({package}); its "
+                         "shapes/assets/tiny_dit.safetensors is the shipped model that builtin:tiny_dit, the main job and "
+                         "the tests load. Write elsewhere (e.g. --out runs/pretrain/tiny_dit.safetensors) and copy the "
+                         "file over the asset yourself if you mean to replace it")
+    if path.is_dir():
+        raise ValueError(f"--out {out} is a directory; give the .safetensors file to write, e.g. "
+                         f"--out {path / 'tiny_dit.safetensors'}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _pretrain(args) -> int:
@@ -111,8 +183,7 @@ def _pretrain(args) -> int:
 
     run = configuration.load(PretrainRunConfig, None, args.set or [])
     train = run.train
-    if args.out:
-        run.out = args.out
+    out = _pretrain_out(args.out)
     if run.threads:
         torch.set_num_threads(run.threads)
     torch.manual_seed(train.seed)
@@ -123,11 +194,11 @@ def _pretrain(args) -> int:
         print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()}), flush=True)
 
     def snapshot(step: int, weights: torch.nn.Module) -> None:
-        save_pretrained(weights, Path(run.out).with_suffix(f".step{step}.safetensors"))
+        save_pretrained(weights, out.with_suffix(f".step{step}.safetensors"))
 
     pretrain(model, WorldBatches(mcfg.image_size, mcfg.max_text_len), train, log, snapshot, run.snapshot_every)
-    save_pretrained(model, run.out)
-    print(f"wrote {run.out}")
+    save_pretrained(model, out)
+    print(f"wrote {out}")
     return 0
 
 
@@ -189,21 +260,32 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        "FLUX.1) from its local directory with jagg.integrations.trainer (its keys: the second list "
                        "below; docs/real_models.md); any other config trains the embedded TinyDiT.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.epilog_fn = lambda: _keys_epilog(TrainConfig) + _real_keys_epilog()
+    t.epilog_fn = lambda: _train_epilog(argv)
     t.add_argument("--config", help="YAML config (default: the main job shipped with jagg, jagg/shapes/main_job.yaml, "
                    "from any directory; the repository's configs/default.yaml links to it); keys it leaves out take "
-                   "the defaults listed below")
+                   "the dataclass defaults listed below. Given before --help, the list shows its values")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
-    t.add_argument("--output-dir", help="shorthand for --set log.output_dir=DIR")
-    t.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in the run dir")
+    t.add_argument("--output-dir", help="the run directory, shorthand for --set log.output_dir=DIR; a new run refuses "
+                   "a directory that holds a run (use --resume, --overwrite or another directory)")
+    how = t.add_mutually_exclusive_group()
+    how.add_argument("--resume", action="store_true", help="continue the run in the run directory from its newest "
+                     "readable checkpoint; an error (exit 2, nothing changed) when there is none")
+    how.add_argument("--resume-or-start", action="store_true", help="continue the run in the run directory, or start "
+                     "a new run when the directory holds no run (never over unreadable checkpoints or metrics)")
+    how.add_argument("--overwrite", action="store_true", help="start a new run; an old run in the run directory is "
+                     "moved aside to DIR.old-<time> first (never deleted)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML (after --config "
                    "and every --set; loads back with --config) and exit without training")
     t.set_defaults(func=_train)
 
     pt = sub.add_parser("pretrain", help="rectified-flow pretraining of the TinyDiT on rendered shapes",
+                        description="Rectified-flow pretraining of the TinyDiT on rendered shapes-world images of the "
+                        "train prompts. The defaults below are the recipe of the shipped builtin:tiny_dit "
+                        "(docs/pretrain.md). --out is required and may not point inside the jagg package.",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    pt.epilog_fn = lambda: _keys_epilog(PretrainRunConfig)
-    pt.add_argument("--out", help="output .safetensors (default: the shipped asset path)")
+    pt.epilog_fn = lambda: _keys_epilog(PretrainRunConfig, how="set with --set key=value")
+    pt.add_argument("--out", required=True, help="output .safetensors (required; never inside the jagg package, "
+                    "whose shapes/assets/ holds the shipped model)")
     pt.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. train.steps=3000, model.dim=128")
     pt.set_defaults(func=_pretrain)
 
@@ -253,9 +335,22 @@ def main(argv: list[str] | None = None) -> int:
         _main_job_defaults(args)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:  # incl. RewardError: a message, not a traceback
+    except ValueError as e:           # incl. RewardError and RunDirError: a message, not a traceback
         print(f"jagg {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:              # a file or directory that cannot be read or written: one line, exit 2
+        print(f"jagg {args.command}: error: {_os_error(e)}", file=sys.stderr)
+        return 2
+
+
+def _os_error(e: OSError) -> str:
+    """An ``OSError`` as one line naming the path and what to do (``read_yaml`` and others raise their own text)."""
+    if e.errno is None or e.strerror is None:
+        return " ".join(str(e).split())
+    path = f" {e.filename}" if e.filename is not None else ""
+    path += f" -> {e.filename2}" if e.filename2 is not None else ""
+    return (f"cannot use{path}: {e.strerror} (errno {e.errno}); check that the path exists, is the right kind (file "
+            "or directory) and is writable, or choose another --output-dir / --out")
 
 
 if __name__ == "__main__":

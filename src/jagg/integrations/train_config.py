@@ -10,6 +10,7 @@ naming the key; the trainer is :mod:`jagg.integrations.trainer`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,8 +112,9 @@ class RealTrainConfig(TrainerSections):
         "(jagg.shapes.config.RewardConfig); the function takes (images uint8 [N,H,W,3], prompts, metadata). "
         "Set this or reward_server."))
     reward_server: RewardClient | None = field(default=None, metadata=_help(
-        "HTTP reward server, jagg.rewards.RewardClient arguments {url, batch_size, timeout, retries, backoff, "
-        "image_format, concurrency}. Set this or reward."))
+        "HTTP reward server, jagg.rewards.RewardClient arguments {"
+        + ", ".join(f.name for f in dataclasses.fields(RewardClient))
+        + "} (token: better in $JAGG_REWARD_TOKEN, every checkpoint saves the config). Set this or reward."))
     log: RealLogConfig = field(default_factory=RealLogConfig)
 
     def __post_init__(self):

@@ -35,7 +35,6 @@ FSDP / DeepSpeed sharding are available through the library API (docs/real_model
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import random
@@ -53,8 +52,9 @@ from ..advantages import group_advantages, nonzero_spread_mask
 from ..estimator import policy_gradient, reference_velocities
 from ..trajectory import Trajectory, sample_trajectories, select_train_steps
 from ..training import config_loader as configuration
-from ..training.checkpoint import load_latest, save_checkpoint
-from ..training.core import TrainerCore, check_resumable
+from ..training.checkpoint import prune_checkpoints, write_checkpoint
+from ..training.core import RESUMABLE_CHANGES, TrainerCore, check_resumable
+from ..training.rundir import open_run, outputs, read_run_file, write_run_file
 from ..training.distributed import (all_reduce_gradients, gather, gather_objects, init_process_group_from_env,
                                     loss_scale, shard)
 from ..training.metrics import MetricsLogger, plot_reward_curve, save_grid
@@ -66,18 +66,6 @@ from .train_config import RealTrainConfig, load_config, read_prompt_lines
 RESUMABLE_REAL = ("pipeline.path", "pipeline.device", "pipeline.prompt_cache", "pipeline.load_text_encoders",
                   "pipeline.gradient_checkpointing", "reward_server")
 TRAINER_TAG = "jagg.integrations.train"          # written into checkpoints; the module was called so before
-
-
-def _without(d: dict, dotted: tuple[str, ...]) -> dict:
-    d = copy.deepcopy(d)
-    for key in dotted:
-        *head, last = key.split(".")
-        node = d
-        for k in head:
-            node = node.get(k, {}) if isinstance(node, dict) else {}
-        if isinstance(node, dict):
-            node.pop(last, None)
-    return d
 
 
 def _seed(*parts: int) -> int:
@@ -93,11 +81,13 @@ def sampling_pieces(local: slice, size: int) -> list[slice]:
 
 
 class RealTrainer(TrainerCore):
-    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX model; ``RealTrainer(cfg, resume=True)``
-    continues from the newest checkpoint of ``cfg.log.output_dir``. Launch with torchrun / accelerate for several
-    processes (``WORLD_SIZE > 1``)."""
+    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX model, in the run directory
+    ``cfg.log.output_dir``: ``resume``, ``overwrite`` and ``require_checkpoint`` as for the TinyDiT trainer
+    (:class:`jagg.shapes.trainer.Trainer`, :mod:`jagg.training.rundir`). Launch with torchrun / accelerate for
+    several processes (``WORLD_SIZE > 1``)."""
 
-    def __init__(self, cfg: RealTrainConfig, resume: bool = False):
+    def __init__(self, cfg: RealTrainConfig, resume: bool = False, overwrite: bool = False,
+                 require_checkpoint: bool = False):
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -105,6 +95,13 @@ class RealTrainer(TrainerCore):
         self.main = self.rank == 0
         self.out = Path(cfg.log.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
+        barrier = dist.barrier if self.world > 1 else None
+        # every process decides from the same files, before the model is loaded (a run directory that cannot be used
+        # fails in seconds, not after minutes of loading weights); the main process moves an old run aside first
+        # (--overwrite) and writes run.json only after all have decided (the barrier before the logger)
+        start = open_run(self.out, resume=resume, require_checkpoint=require_checkpoint, overwrite=overwrite,
+                         main=self.main, barrier=barrier, log=self._print)
+        self.run_id = start.run_id
         self.local = shard(cfg.sample.batch_size)              # this rank's slice; the batch must split evenly
         self.prompts = read_prompt_lines(cfg.sample.prompts_file)
         self.reward_fn = cfg.reward_fn()
@@ -134,15 +131,18 @@ class RealTrainer(TrainerCore):
         self._stop = False
         self._images, self._prompts = None, None
         resumed_from = None
-        if resume:
-            found = load_latest(self.ckpt_dir)
-            if found is None:
-                self._print(f"no checkpoint in {self.ckpt_dir}; starting from scratch")
-            else:
-                self._load_state(found[0])
-                resumed_from = self.iteration
-                self._print(f"resumed from {found[1]} (iteration {self.iteration})")
-        self.logger = (MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from if resume else None)
+        if start.resumed is not None:
+            state, path = start.resumed
+            changed = self._load_state(state)
+            resumed_from = self.iteration
+            self._print(f"resumed from {path} (iteration {self.iteration})")
+            for line in changed:
+                self._print(f"  {line}")
+        if barrier is not None:
+            barrier()
+        if self.main and (start.resumed is None or read_run_file(self.out) is None):
+            write_run_file(self.out, self.run_id)
+        self.logger = (MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from)
                        if self.main else None)
 
     # ------------------------------------------------------------------ state
@@ -169,14 +169,16 @@ class RealTrainer(TrainerCore):
                 "model": {n: p.detach().cpu().clone() for n, p in self.named_params.items()},
                 "optimizer": self.opt.state_dict(), "iteration": self.iteration, "wall": self.wall,
                 "skipped_updates": self.skipped_updates, "config": configuration.to_dict(self.cfg),
-                "world_size": self.world, "rng": rngs}
+                "run_id": self.run_id, "world_size": self.world, "rng": rngs}
 
-    def _load_state(self, state: dict) -> None:
+    def _load_state(self, state: dict) -> list[str]:
+        """Restore ``state``; returns one line per config key that changed and may (``RESUMABLE_REAL`` and the
+        TinyDiT trainer's ``RESUMABLE_CHANGES``)."""
         if state.get("trainer") != TRAINER_TAG:
             raise ValueError(f"the checkpoints in {self.ckpt_dir} were not written by the real-model trainer (TinyDiT "
                              "run?); use another log.output_dir")
-        allowed = RESUMABLE_REAL
-        check_resumable(_without(state["config"], allowed), _without(configuration.to_dict(self.cfg), allowed))
+        changed = check_resumable(state["config"], configuration.to_dict(self.cfg),
+                                  RESUMABLE_CHANGES + RESUMABLE_REAL)
         saved = state["model"]
         if set(saved) != set(self.named_params):
             diff = sorted(set(saved) ^ set(self.named_params))[:3]
@@ -196,6 +198,7 @@ class RealTrainer(TrainerCore):
                         "the per-process minibatch order is reseeded (the run continues, not bit-exactly)")
             self._set_rng_state(rngs[0], local=False)
             self.perm_gen.manual_seed(_seed(self.cfg.seed, 3, self.rank, self.iteration))
+        return changed
 
     def save(self, rngs: list[dict] | None = None) -> Path | None:
         """Checkpoint (rank 0 writes; a collective: every rank must call it): LoRA adapter directory first, then
@@ -205,7 +208,11 @@ class RealTrainer(TrainerCore):
         if self.main:
             if self.cfg.pipeline.lora.enabled:
                 self._save_adapter()
-            path = save_checkpoint(self._state(rngs), self.ckpt_dir, self.iteration, self.cfg.log.keep_last)
+            path = write_checkpoint(self._state(rngs), self.ckpt_dir, self.iteration)
+            for old in prune_checkpoints(self.ckpt_dir, self.cfg.log.keep_last, self.run_id, keep=path):
+                # this run's adapter of a pruned checkpoint goes with it; other adapter directories stay
+                shutil.rmtree(self.ckpt_dir / old.name.replace("ckpt_", "adapter_").removesuffix(".pt"),
+                              ignore_errors=True)
             if self._images is not None and self.cfg.log.sample_images:
                 n = min(self.cfg.log.sample_images, len(self._images))
                 save_grid(self._images[:n], self.out / "samples" / f"iter_{self.iteration:06d}.png", ncol=min(n, 4),
@@ -223,9 +230,6 @@ class RealTrainer(TrainerCore):
         self.policy.save_adapter(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        adapters = sorted(p for p in self.ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("adapter_"))
-        for old in adapters[:-self.cfg.log.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
         return final
 
     # ------------------------------------------------------------------ one iteration
@@ -391,12 +395,14 @@ class RealTrainer(TrainerCore):
         return self.logger.records() if self.logger is not None else []
 
 
-def run(config_path: str, overrides: list[str] | None = None, resume: bool = False) -> int:
-    """``jagg train --config <yaml with pipeline:>``: load, train, print where the outputs are. Returns 0."""
+def run(config_path: str, overrides: list[str] | None = None, resume: bool = False, overwrite: bool = False,
+        require_checkpoint: bool = False) -> int:
+    """``jagg train --config <yaml with pipeline:>``: load, train, print where the outputs are. Returns 0.
+    ``resume``, ``overwrite`` and ``require_checkpoint``: as :class:`RealTrainer`."""
     cfg = load_config(config_path, overrides)
     owns_group = not dist.is_initialized()
     try:
-        trainer = RealTrainer(cfg, resume=resume)
+        trainer = RealTrainer(cfg, resume=resume, overwrite=overwrite, require_checkpoint=require_checkpoint)
         records = trainer.train()
     finally:
         if owns_group and dist.is_initialized():
@@ -406,7 +412,7 @@ def run(config_path: str, overrides: list[str] | None = None, resume: bool = Fal
         if train:
             print(f"train reward: {train[0]['reward_mean']:.4f} (iteration {train[0]['iteration']}) -> "
                   f"{train[-1]['reward_mean']:.4f} (iteration {train[-1]['iteration']})")
-        extra = ", adapter_*/ (LoRA, diffusers load_lora_weights)" if cfg.pipeline.lora.enabled else ""
-        print(f"outputs in {cfg.log.output_dir}: metrics.jsonl, reward_curve.png, samples/, "
-              f"checkpoints/ (ckpt_*.pt{extra})")
+        extra = " (ckpt_*.pt, adapter_*/: LoRA, diffusers load_lora_weights)" if cfg.pipeline.lora.enabled else ""
+        shown = [o + extra if o == "checkpoints/" else o for o in outputs(Path(cfg.log.output_dir))]
+        print(f"outputs in {cfg.log.output_dir}: {', '.join(shown) or 'none'}")
     return 0

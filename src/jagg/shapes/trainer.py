@@ -19,7 +19,8 @@ import torch
 from tqdm import tqdm
 
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..training.checkpoint import load_latest, save_checkpoint
+from ..training.checkpoint import save_checkpoint
+from ..training.rundir import open_run, read_run_file, write_run_file
 from .weights import load_model
 from ..training.config_loader import to_dict
 from ..training.core import TrainerCore, check_resumable
@@ -34,14 +35,22 @@ from ..trajectory import sample_trajectories, select_train_steps
 from . import from_tensor, tokenizer
 
 class Trainer(TrainerCore):
-    """Runs ``jagg train``. ``Trainer(cfg, resume=True).train()`` continues from the newest checkpoint."""
+    """Runs ``jagg train`` in the run directory ``cfg.log.output_dir`` (:mod:`jagg.training.rundir`).
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False):
+    ``Trainer(cfg)`` starts a new run and refuses a directory that holds one (``overwrite=True``: moves it aside
+    first). ``Trainer(cfg, resume=True)`` continues the directory's run from its newest readable checkpoint; when the
+    directory holds no run it starts one, unless ``require_checkpoint=True`` (``jagg train --resume``), which makes
+    that an error. Neither ever starts over a run: checkpoints that are all unreadable are an error naming them."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool = False, overwrite: bool = False,
+                 require_checkpoint: bool = False):
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.out = Path(cfg.log.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
+        start = open_run(self.out, resume=resume, require_checkpoint=require_checkpoint, overwrite=overwrite)
+        self.run_id = start.run_id
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model.checkpoint, use_ema=True)
         self.model_config = self.model.config.to_dict()
@@ -69,15 +78,16 @@ class Trainer(TrainerCore):
         self.consecutive_skips = 0
         self._stop = False
         resumed_from = None
-        if resume:
-            found = load_latest(self.ckpt_dir)
-            if found is None:
-                print(f"no checkpoint in {self.ckpt_dir}; starting from scratch")
-            else:
-                self._load_state(found[0])
-                resumed_from = self.iteration
-                print(f"resumed from {found[1]} (iteration {self.iteration})")
-        self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from if resume else None)
+        if start.resumed is not None:
+            state, path = start.resumed
+            changed = self._load_state(state)
+            resumed_from = self.iteration
+            print(f"resumed from {path} (iteration {self.iteration})")
+            for line in changed:
+                print(f"  {line}")
+        if start.resumed is None or read_run_file(self.out) is None:
+            write_run_file(self.out, self.run_id)        # an unwritable directory fails here, before any training
+        self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from)
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict:
@@ -86,12 +96,13 @@ class Trainer(TrainerCore):
             "optimizer": self.opt.state_dict(),
             "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
             "iteration": self.iteration, "wall": self.wall, "cpu": self.cpu, "skipped_updates": self.skipped_updates,
-            "config": to_dict(self.cfg),
+            "config": to_dict(self.cfg), "run_id": self.run_id,
             "rng": self._rng_state(),
         }
 
-    def _load_state(self, state: dict) -> None:
-        check_resumable(state["config"], to_dict(self.cfg))
+    def _load_state(self, state: dict) -> list[str]:
+        """Restore ``state``; returns one line per config key that changed and may (e.g. ``grpo.iterations``)."""
+        changed = check_resumable(state["config"], to_dict(self.cfg))
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         if self.ema is not None:
@@ -100,6 +111,7 @@ class Trainer(TrainerCore):
         self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state.get("cpu", 0.0)
         self.skipped_updates = state["skipped_updates"]
         self._set_rng_state(state["rng"])
+        return changed
 
     def save(self) -> Path:
         return save_checkpoint(self._state(), self.ckpt_dir, self.iteration, self.cfg.log.keep_last)

@@ -1,7 +1,8 @@
 """Training checkpoints: atomic writes, keep-last-N, newest-complete lookup, and model loading.
 
 A checkpoint is one ``torch.save`` file ``checkpoints/ckpt_<iteration>.pt`` holding the model, optimizer
-and EMA states, every RNG state, the iteration, the config and a manifest (code version, time). It is
+and EMA states, every RNG state, the iteration, the config, the run id (:mod:`jagg.training.rundir`) and a
+manifest (code version, time). It is
 written to a temporary file in the same directory, flushed to disk, then renamed, so a crash mid-write
 leaves the previous checkpoint intact.
 """
@@ -37,13 +38,44 @@ def atomic_torch_save(obj, path: Path) -> None:
         raise
 
 
-def save_checkpoint(state: dict, directory: Path, iteration: int, keep_last: int) -> Path:
-    """Write ``state`` as ``ckpt_<iteration>.pt`` with a manifest, then delete all but the newest ``keep_last``."""
+def write_checkpoint(state: dict, directory: Path, iteration: int) -> Path:
+    """Write ``state`` atomically as ``ckpt_<iteration>.pt`` with a manifest; returns its path."""
     state = dict(state, manifest={"jagg_version": __version__, "iteration": iteration, "time": time.time()})
     path = Path(directory) / f"ckpt_{iteration:06d}.pt"
     atomic_torch_save(state, path)
-    for old in list_checkpoints(directory)[:-keep_last]:
-        old.unlink(missing_ok=True)
+    return path
+
+
+def checkpoint_run_id(path: Path) -> str | None:
+    """The ``run_id`` a checkpoint file carries (memory-mapped: its tensors are not read), or None when it has none
+    (written before run ids) or cannot be read."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:
+        return None
+    return state.get("run_id") if isinstance(state, dict) else None
+
+
+def prune_checkpoints(directory: Path, keep_last: int, run_id: str | None, keep: Path | None = None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints of run ``run_id``; returns the deleted paths.
+
+    Only files carrying ``run_id`` are candidates: another run's checkpoints, checkpoints without a run id and
+    unreadable files are never deleted, nor is ``keep`` (the one just written). Without a run id nothing is deleted."""
+    if run_id is None:
+        return []
+    keep = Path(keep) if keep is not None else None
+    ours = [p for p in list_checkpoints(directory) if p == keep or checkpoint_run_id(p) == run_id]
+    removed = [p for p in ours[:-keep_last] if p != keep]
+    for p in removed:
+        p.unlink(missing_ok=True)
+    return removed
+
+
+def save_checkpoint(state: dict, directory: Path, iteration: int, keep_last: int) -> Path:
+    """Write ``state`` as ``ckpt_<iteration>.pt`` with a manifest, then delete this run's (``state["run_id"]``)
+    checkpoints but the newest ``keep_last`` (:func:`prune_checkpoints`)."""
+    path = write_checkpoint(state, directory, iteration)
+    prune_checkpoints(directory, keep_last, state.get("run_id"), keep=path)
     return path
 
 

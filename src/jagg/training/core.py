@@ -26,13 +26,33 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_resumable(saved: dict, current: dict) -> None:
-    """Raise a ValueError naming the first config key whose change would break continuation."""
+def _may_change(key: str, allowed: tuple[str, ...]) -> bool:
+    """Whether ``key`` is one of ``allowed``: a key, a section (``"log."``) or a key with sub-keys (``"reward_server"``)."""
+    return any(key.startswith(a) if a.endswith(".") else key == a or key.startswith(a + ".") for a in allowed)
+
+
+_ABSENT = object()
+
+
+def _shown(value) -> str:
+    if value is _ABSENT:
+        return "(absent)"
+    return "null" if value is None else repr(value) if isinstance(value, str) else str(value)
+
+
+def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUMABLE_CHANGES) -> list[str]:
+    """Raise a ValueError naming the first config key whose change would break continuation; return one line per
+    key that changed and may (``allowed``), e.g. ``"grpo.iterations: 30 in the checkpoint, 200 now"``."""
     a, b = _flatten(saved), _flatten(current)
+    changed = []
     for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key) and not key.startswith(RESUMABLE_CHANGES):
+        if a.get(key) == b.get(key):
+            continue
+        if not _may_change(key, allowed):
             raise ValueError(f"cannot resume: config key {key!r} was {a.get(key)!r} in the checkpoint but is "
                              f"{b.get(key)!r} now; use the checkpoint's value or start a new run (another log.output_dir)")
+        changed.append(f"{key}: {_shown(a.get(key, _ABSENT))} in the checkpoint, {_shown(b.get(key, _ABSENT))} now")
+    return changed
 
 
 class TrainerCore:

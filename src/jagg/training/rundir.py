@@ -1,0 +1,225 @@
+"""A run directory belongs to one run: what a new run, ``--overwrite`` and ``--resume`` may do with it.
+
+- A **new run** starts only in a directory that holds no run: no ``metrics.jsonl`` with records, no checkpoint, no
+  sample grid, no reward curve (other files are left alone). Otherwise it is refused, naming what is there.
+- ``--overwrite`` **moves** the old run aside to ``<dir>.old-<YYYYmmdd-HHMMSS>`` (never deletes it), then starts.
+- Every run has a **run id**, written to ``<dir>/run.json`` when it starts and into every checkpoint it saves.
+  ``--resume`` refuses a checkpoint of another run, and checkpoint pruning (``log.keep_last``) deletes only older
+  checkpoints carrying the current run's id.
+- ``--resume`` **never starts over**: without a readable checkpoint it is an error naming every checkpoint file
+  and why it could not be read (or saying that there is none). Only ``resume_or_start`` (``--resume-or-start``, and
+  the library's ``Trainer(cfg, resume=True)`` that ``jagg bench quality`` uses) starts a new run, and only in a
+  directory that holds no run.
+- Filesystem errors while preparing the directory (a file where the directory should be, read-only, no
+  permission) are :class:`RunDirError` naming the path and what to do.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .checkpoint import list_checkpoints, read_checkpoint
+
+RUN_FILE = "run.json"
+HINT = ("use --resume to continue it, another --output-dir for a new run, or --overwrite to move the old run "
+        "aside and start over")
+
+
+class RunDirError(ValueError):
+    """A run directory that this command may not use as asked (``jagg`` exits 2 with the message)."""
+
+
+def new_run_id() -> str:
+    """A run id: the start time and 6 random hex digits, e.g. ``20261201-143012-9f3a1c``."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """``text`` on one line (whitespace collapsed), cut to ``limit`` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def fs_error(e: OSError, out: Path, doing: str) -> RunDirError:
+    """A filesystem error on the run directory ``out`` as one line that names the path and says what to do."""
+    what = e.strerror or type(e).__name__
+    if e.errno == errno.EROFS:
+        what = "read-only file system"
+    path = e.filename if e.filename is not None else out
+    return RunDirError(f"cannot {doing} {path}: {what}; choose a writable --output-dir (log.output_dir) "
+                       f"instead of {out}")
+
+
+def check_layout(out: Path) -> None:
+    """Raise :class:`RunDirError` when ``out`` or ``out/checkpoints`` exists but is not a directory."""
+    for path, what in ((out, "--output-dir (log.output_dir)"), (out / "checkpoints", "its checkpoints/")):
+        if path.exists() and not path.is_dir():
+            raise RunDirError(f"{what} {path} is a file, not a directory; choose another --output-dir or move the "
+                              "file away")
+
+
+def run_contents(out: Path) -> list[str]:
+    """What of a run ``out`` holds, one short phrase each; empty when a new run may start there."""
+    found = []
+    metrics = out / "metrics.jsonl"
+    try:
+        if metrics.is_file() and metrics.stat().st_size > 0:
+            with metrics.open("rb") as f:
+                records = sum(1 for line in f if line.strip())
+            found.append(f"metrics.jsonl with {records} record{'s' * (records != 1)}")
+        ckpts = list_checkpoints(out / "checkpoints")
+        if ckpts:
+            found.append(f"{len(ckpts)} checkpoint{'s' * (len(ckpts) != 1)} (newest {ckpts[-1].name})")
+        ckpt_dir = out / "checkpoints"
+        adapters = [p for p in ckpt_dir.iterdir() if p.name.startswith("adapter_")] if ckpt_dir.is_dir() else []
+        if adapters and not ckpts:
+            found.append(f"{len(adapters)} LoRA adapter director{'ies' if len(adapters) != 1 else 'y'}")
+        samples = out / "samples"
+        if samples.is_dir() and any(samples.iterdir()):
+            found.append("samples/")
+        if (out / "reward_curve.png").exists():
+            found.append("reward_curve.png")
+    except OSError as e:
+        raise fs_error(e, out, "read") from None
+    return found
+
+
+def read_run_file(out: Path) -> dict | None:
+    """``out/run.json`` (``{"run_id", "started", "jagg_version"}``), or None when there is none or it is unreadable."""
+    try:
+        data = json.loads((out / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("run_id"), str) else None
+
+
+def write_run_file(out: Path, run_id: str) -> None:
+    """Create ``out`` if needed and write ``out/run.json`` atomically; filesystem errors become :class:`RunDirError`."""
+    from .. import __version__
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=RUN_FILE + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                           "jagg_version": __version__}, f)
+                f.write("\n")
+            os.replace(tmp, out / RUN_FILE)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    except OSError as e:
+        raise fs_error(e, out, "write the run directory") from None
+
+
+def move_aside(out: Path) -> Path:
+    """Rename ``out`` to ``out.old-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... if taken); returns the new path."""
+    out = Path(os.path.abspath(out))
+    cwd = Path.cwd().resolve()
+    if cwd == out.resolve() or out.resolve() in cwd.parents:
+        raise RunDirError(f"--overwrite would move {out}, which holds the current directory; run from elsewhere or "
+                          "choose another --output-dir")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = out.with_name(f"{out.name}.old-{stamp}"), 1
+    while target.exists():
+        n += 1
+        target = out.with_name(f"{out.name}.old-{stamp}-{n}")
+    try:
+        os.rename(out, target)
+    except OSError as e:
+        raise fs_error(e, out, "move aside") from None
+    return target
+
+
+@dataclass
+class RunStart:
+    """What :func:`open_run` decided: the run's id, the checkpoint to resume from (``(state, path)``, or None for a
+    new run) and where an old run was moved (``--overwrite``)."""
+
+    run_id: str
+    resumed: tuple[dict, Path] | None = None
+    moved_to: Path | None = None
+
+
+def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True, overwrite: bool = False,
+             main: bool = True, barrier: Callable[[], None] | None = None,
+             log: Callable[[str], None] = print) -> RunStart:
+    """Decide how a trainer may use the run directory ``out`` (module docstring); reads only, except that the main
+    process moves an old run aside (``overwrite``). The caller writes ``run.json`` (:func:`write_run_file`) on the
+    main process after every process has decided (``barrier``: a collective, with several processes).
+
+    ``resume=False``: a new run; ``out`` must hold no run (``overwrite``: moved aside first). ``resume=True``: the
+    newest readable checkpoint of ``out/checkpoints``, which must belong to the directory's run; without one, an
+    error naming each unreadable file, or (``require_checkpoint=False``) a new run when ``out`` holds no run at all.
+    Raises :class:`RunDirError` (a ``ValueError``)."""
+    out = Path(out)
+    barrier = barrier or (lambda: None)
+    check_layout(out)
+    moved = None
+    if not resume:
+        if overwrite and main and run_contents(out):
+            moved = move_aside(out)
+            log(f"--overwrite: moved the previous run in {out} to {moved} (nothing deleted)")
+        barrier()
+        there = run_contents(out)
+        if there:
+            raise RunDirError(f"{out} already holds a run ({'; '.join(there)}); {HINT}")
+        return RunStart(new_run_id(), None, moved)
+
+    ckpt_dir = out / "checkpoints"
+    own = read_run_file(out)
+    own_id = own["run_id"] if own else None
+    files = list_checkpoints(ckpt_dir)
+    unreadable = []
+    for path in reversed(files):
+        try:
+            state = read_checkpoint(path)
+        except ValueError as e:
+            unreadable.append(f"{path.name} {one_line(str(e).replace(str(path), '').strip(' :,'), 200)}")
+            continue
+        except OSError as e:                      # e.g. no read permission
+            unreadable.append(f"{path.name} cannot be read: {e.strerror or e}")
+            continue
+        theirs = state.get("run_id")
+        if own_id is not None and theirs is not None and theirs != own_id:
+            raise RunDirError(f"cannot resume: {path} belongs to run {theirs}, but {out}/{RUN_FILE} names run "
+                              f"{own_id}: the directory mixes two runs; move {path.name} out of {ckpt_dir} (or resume "
+                              "in the directory it came from)")
+        for line in unreadable:
+            log(f"warning: skipping unreadable checkpoint {ckpt_dir}/{line}")
+        return RunStart(theirs or own_id or new_run_id(), (state, path))
+    if unreadable:
+        raise RunDirError(f"cannot resume: no readable checkpoint in {ckpt_dir}, nothing was changed: "
+                          + "; ".join(unreadable) + ". Restore a checkpoint, or start a new run with another "
+                          "--output-dir or with --overwrite (moves this directory aside)")
+    there = run_contents(out)
+    if there:
+        raise RunDirError(f"cannot resume: {out} holds {'; '.join(there)} but no checkpoint (the run stopped before "
+                          "its first one, see log.checkpoint_every); start it over with --overwrite (moves the old "
+                          "files aside) or use another --output-dir")
+    if require_checkpoint:
+        state = "does not exist" if not out.exists() else "holds no checkpoint"
+        raise RunDirError(f"cannot resume: there is no run in {out} (it {state}); drop --resume to start a new run "
+                          "there, or use --resume-or-start")
+    log(f"no run in {out} yet: starting a new one")
+    return RunStart(new_run_id())
+
+
+def outputs(out: Path) -> list[str]:
+    """The run outputs present in ``out``, for the end-of-run line (only what exists)."""
+    names = []
+    for name in ("metrics.jsonl", "tensorboard", "reward_curve.png", "samples", "checkpoints"):
+        p = out / name
+        if p.is_file() or (p.is_dir() and any(p.iterdir())):
+            names.append(name + "/" * p.is_dir())
+    return names

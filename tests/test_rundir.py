@@ -1,0 +1,322 @@
+"""A run directory belongs to one run (issue #18): the three ways a user's results were lost or mixed without a word,
+each refused with a message and exit 2, and the filesystem errors on the output directory as one line.
+
+1. a new `jagg train` into a directory that holds a run (it overwrote metrics.jsonl, pruning deleted the new run's
+   final checkpoint, and a later --resume continued the old run);
+2. `--resume` where no checkpoint is readable (it started from scratch over the old run);
+3. `jagg pretrain` without --out (it wrote over the shipped model in src/jagg/shapes/assets/).
+"""
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_train_args
+from jagg.cli import main
+from jagg.training.checkpoint import list_checkpoints, load_latest, prune_checkpoints, save_checkpoint
+from jagg.training.rundir import RUN_FILE, read_run_file
+
+REPO = Path(__file__).resolve().parents[1]
+ASSET = REPO / "src" / "jagg" / "shapes" / "assets" / "tiny_dit.safetensors"
+
+
+def _one_line_error(capsys, command: str = "train") -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"jagg {command}: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def _snapshot(run: Path) -> dict:
+    """Every file under ``run`` (but TensorBoard's) and its bytes' hash."""
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.rglob("*")) if p.is_file() and "tensorboard" not in p.parts}
+
+
+def _train(ckpt, run, iterations, *extra_sets, flags=()):
+    return main(tiny_train_args(ckpt, run, iterations, "eval.every=0", *extra_sets) + list(flags))
+
+
+def _train_records(run: Path) -> list[dict]:
+    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in l]
+
+
+# ---------------------------------------------------------------------------------------------- 1. a new run
+
+
+def test_a_new_run_into_a_run_directory_is_refused_and_changes_nothing(tmp_path, tiny_ckpt, capsys):
+    run = tmp_path / "run"
+    assert _train(tiny_ckpt, run, 3) == 0
+    before = _snapshot(run)
+    run_id = read_run_file(run)["run_id"]
+    capsys.readouterr()
+    assert _train(tiny_ckpt, run, 2) == 2                                  # no --resume, no --overwrite
+    err = _one_line_error(capsys)
+    assert str(run) in err and "metrics.jsonl with 3 records" in err and "ckpt_000003.pt" in err
+    assert "--resume" in err and "--output-dir" in err and "--overwrite" in err
+    assert _snapshot(run) == before                                       # metrics, checkpoints, run.json untouched
+    # --resume continues *this* run, and says which allowed keys changed
+    assert _train(tiny_ckpt, run, 4, flags=["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "grpo.iterations: 3 in the checkpoint, 4 now" in out
+    assert [r["iteration"] for r in _train_records(run)] == [1, 2, 3, 4]
+    state, path = load_latest(run / "checkpoints")
+    assert path.name == "ckpt_000004.pt" and state["run_id"] == run_id == read_run_file(run)["run_id"]
+
+
+def test_overwrite_moves_the_old_run_aside_and_prunes_only_the_new_runs_checkpoints(tmp_path, tiny_ckpt, capsys):
+    run = tmp_path / "run"
+    assert _train(tiny_ckpt, run, 3) == 0
+    before, old_id = _snapshot(run), read_run_file(run)["run_id"]
+    capsys.readouterr()
+    assert _train(tiny_ckpt, run, 2, flags=["--overwrite"]) == 0
+    assert "nothing deleted" in capsys.readouterr().out
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert re.fullmatch(r"run\.old-\d{8}-\d{6}(-\d+)?", aside.name)
+    assert _snapshot(aside) == before                                     # the old run, byte for byte
+    new_id = read_run_file(run)["run_id"]
+    assert new_id != old_id
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["ckpt_000001.pt", "ckpt_000002.pt"]
+    assert load_latest(run / "checkpoints")[0]["run_id"] == new_id
+    assert [r["iteration"] for r in _train_records(run)] == [1, 2]
+
+
+def test_overwrite_and_resume_are_mutually_exclusive(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--resume", "--overwrite"])
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_pruning_keeps_the_newest_checkpoint_of_this_run_and_never_another_runs(tmp_path):
+    """The issue's mix: another run's ckpt_000025 and ckpt_000030 beside this run's ckpt 1..3, keep_last 2. Before,
+    pruning deleted this run's final ckpt_000003 and kept the other run's two."""
+    d = tmp_path / "checkpoints"
+    for it in (25, 30):
+        save_checkpoint({"model": {}, "run_id": "old-run"}, d, it, keep_last=2)
+    save_checkpoint({"model": {}}, d, 20, keep_last=1)                      # before run ids: never pruned
+    (d / "ckpt_000010.pt").write_bytes(b"unreadable")                     # unreadable: never pruned
+    for it in (1, 2, 3):
+        save_checkpoint({"model": {}, "run_id": "new-run"}, d, it, keep_last=2)
+    names = [p.name for p in list_checkpoints(d)]
+    assert names == ["ckpt_000002.pt", "ckpt_000003.pt", "ckpt_000010.pt", "ckpt_000020.pt", "ckpt_000025.pt",
+                     "ckpt_000030.pt"]
+    save_checkpoint({"model": {}, "run_id": "new-run"}, d, 7, keep_last=2)   # this run's: 3 and 7 now
+    assert prune_checkpoints(d, 1, None) == []                              # no run id: nothing is deleted
+    assert prune_checkpoints(d, 1, "new-run", keep=d / "ckpt_000003.pt") == []     # keep (the one just written)
+    assert prune_checkpoints(d, 1, "new-run") == [d / "ckpt_000003.pt"]
+    assert [p.name for p in list_checkpoints(d)] == ["ckpt_000007.pt", "ckpt_000010.pt", "ckpt_000020.pt",
+                                                     "ckpt_000025.pt", "ckpt_000030.pt"]
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_ckpt, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _train(tiny_ckpt, a, 1) == 0 and _train(tiny_ckpt, b, 2) == 0
+    shutil.copy(b / "checkpoints" / "ckpt_000002.pt", a / "checkpoints" / "ckpt_000002.pt")   # b's, newest in a
+    before = _snapshot(a)
+    capsys.readouterr()
+    assert _train(tiny_ckpt, a, 3, flags=["--resume"]) == 2
+    err = _one_line_error(capsys)
+    assert "ckpt_000002.pt belongs to run " + read_run_file(b)["run_id"] in err
+    assert read_run_file(a)["run_id"] in err and "mixes two runs" in err
+    assert _snapshot(a) == before
+
+
+# ---------------------------------------------------------------------------------------------- 2. --resume
+
+
+def test_resume_without_a_readable_checkpoint_names_every_file_and_changes_nothing(tmp_path, tiny_ckpt, capsys):
+    run = tmp_path / "run"
+    assert _train(tiny_ckpt, run, 2) == 0
+    for p in list_checkpoints(run / "checkpoints"):
+        data = p.read_bytes()
+        p.write_bytes(data[: len(data) // 2])                             # both truncated
+    before = _snapshot(run)
+    capsys.readouterr()
+    for flag in ("--resume", "--resume-or-start"):
+        assert _train(tiny_ckpt, run, 4, flags=[flag]) == 2
+        err = _one_line_error(capsys)
+        assert "no readable checkpoint" in err and "nothing was changed" in err
+        for name in ("ckpt_000001.pt", "ckpt_000002.pt"):
+            assert re.search(rf"{name} is not a loadable checkpoint, it may be truncated or corrupt \(\w+", err)
+        assert "--overwrite" in err
+        assert _snapshot(run) == before                                   # no "starting from scratch"
+
+
+def test_resume_needs_a_run_and_starting_fresh_needs_an_explicit_flag(tmp_path, tiny_ckpt, capsys):
+    absent, empty = tmp_path / "absent", tmp_path / "empty"
+    empty.mkdir()
+    for run, why in ((absent, "does not exist"), (empty, "holds no checkpoint")):
+        assert _train(tiny_ckpt, run, 1, flags=["--resume"]) == 2
+        err = _one_line_error(capsys)
+        assert f"no run in {run} (it {why})" in err and "--resume-or-start" in err
+    assert not absent.exists() and not any(empty.iterdir())
+    assert _train(tiny_ckpt, absent, 1, flags=["--resume-or-start"]) == 0
+    assert "starting a new one" in capsys.readouterr().out
+    assert [r["iteration"] for r in _train_records(absent)] == [1]
+    assert _train(tiny_ckpt, absent, 2, flags=["--resume-or-start"]) == 0      # then it resumes
+    assert [r["iteration"] for r in _train_records(absent)] == [1, 2]
+    # records but no checkpoint (stopped before the first one): neither resumes nor starts over
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "metrics.jsonl").write_text('{"kind": "train", "iteration": 1}\n')
+    for flag in ("--resume", "--resume-or-start"):
+        assert _train(tiny_ckpt, stopped, 2, flags=[flag]) == 2
+        err = _one_line_error(capsys)
+        assert "metrics.jsonl with 1 record but no checkpoint" in err and "--overwrite" in err
+    assert (stopped / "metrics.jsonl").read_text() == '{"kind": "train", "iteration": 1}\n'
+
+
+def test_library_resume_true_starts_or_continues_as_bench_quality_needs(tmp_path, tiny_ckpt):
+    """`Trainer(cfg, resume=True)` (what `jagg bench quality` calls) starts a run in an empty directory and
+    continues it later; it never starts over unreadable checkpoints."""
+    from jagg.shapes.config import TrainConfig
+    from jagg.shapes.trainer import Trainer
+    from jagg.training import config_loader as configuration
+
+    run = tmp_path / "q"
+    sets = tiny_train_args(tiny_ckpt, run, 1, "eval.every=0")[4::2] + [f"log.output_dir={run}"]
+    Trainer(configuration.load(TrainConfig, None, sets), resume=True).train()
+    Trainer(configuration.load(TrainConfig, None, sets + ["grpo.iterations=2"]), resume=True).train()
+    assert [r["iteration"] for r in _train_records(run)] == [1, 2]
+    for p in list_checkpoints(run / "checkpoints"):
+        p.write_bytes(b"x")
+    with pytest.raises(ValueError, match="no readable checkpoint"):
+        Trainer(configuration.load(TrainConfig, None, sets + ["grpo.iterations=3"]), resume=True)
+
+
+# ---------------------------------------------------------------------------------------------- 3. pretrain
+
+
+def test_pretrain_requires_out_and_never_writes_into_the_package(tmp_path, monkeypatch, capsys):
+    digest, mtime = hashlib.sha256(ASSET.read_bytes()).hexdigest(), ASSET.stat().st_mtime_ns
+    with pytest.raises(SystemExit) as exc:
+        main(["pretrain", "--set", "train.steps=1"])
+    assert exc.value.code == 2 and "the following arguments are required: --out" in capsys.readouterr().err
+    monkeypatch.chdir(REPO)
+    for out in ("src/jagg/shapes/assets/tiny_dit.safetensors", str(ASSET), "src/jagg/shapes/assets/new.safetensors",
+                "src/jagg/../jagg/shapes/assets/tiny_dit.safetensors"):
+        assert main(["pretrain", "--out", out, "--set", "train.steps=1"]) == 2
+        err = _one_line_error(capsys, "pretrain")
+        assert out in err and "inside the installed jagg package" in err and "--out runs/pretrain/" in err
+    assert hashlib.sha256(ASSET.read_bytes()).hexdigest() == digest and ASSET.stat().st_mtime_ns == mtime
+    assert not (ASSET.parent / "new.safetensors").exists()
+    assert main(["pretrain", "--out", str(tmp_path), "--set", "train.steps=1"]) == 2
+    assert "is a directory" in _one_line_error(capsys, "pretrain")
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    text = capsys.readouterr().out
+    assert "set in YAML" not in text and "set with --set key=value" in text and "--out OUT" in text
+
+
+# ---------------------------------------------------------------------------------------------- filesystem errors
+
+
+def test_a_file_where_the_run_directory_should_be_is_one_line(tmp_path, tiny_ckpt, capsys):
+    file = tmp_path / "file"
+    file.write_text("not a directory")
+    assert _train(tiny_ckpt, file, 1) == 2
+    assert f"--output-dir (log.output_dir) {file} is a file, not a directory" in _one_line_error(capsys)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("a file")
+    assert _train(tiny_ckpt, run, 1) == 2
+    assert "checkpoints is a file, not a directory" in _one_line_error(capsys)
+    assert _train(tiny_ckpt, file / "sub", 1) == 2                          # a file where a parent should be
+    assert "sub" in _one_line_error(capsys) and file.read_text() == "not a directory"
+
+
+def _refuse_under(root: Path, code: int, only: str = ""):
+    """A ``tempfile.mkstemp`` that fails with ``code`` for directories under ``root`` (containing ``only``)."""
+    real = tempfile.mkstemp
+
+    def mkstemp(*a, dir=None, **k):
+        if dir is not None and str(Path(dir)).startswith(str(root)) and only in str(dir):
+            raise OSError(code, os.strerror(code), str(Path(dir) / "file.tmp"))
+        return real(*a, dir=dir, **k)
+    return mkstemp
+
+
+def test_a_read_only_run_directory_is_one_line_and_exit_2(tmp_path, tiny_ckpt, capsys, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    if os.geteuid() != 0:                                  # a real read-only directory (root writes anyway)
+        run.chmod(0o555)
+        try:
+            assert _train(tiny_ckpt, run, 1) == 2
+            err = _one_line_error(capsys)
+            assert str(run) in err and "--output-dir" in err
+        finally:
+            run.chmod(0o755)
+    with monkeypatch.context() as m:                      # EROFS as a read-only mount gives it
+        m.setattr(tempfile, "mkstemp", _refuse_under(run, errno.EROFS))
+        assert _train(tiny_ckpt, run, 1) == 2
+    err = _one_line_error(capsys)
+    assert "cannot write the run directory" in err and "read-only file system" in err and str(run) in err
+    assert "choose a writable --output-dir" in err
+    with monkeypatch.context() as m:                      # permission denied
+        m.setattr(tempfile, "mkstemp", _refuse_under(run, errno.EACCES))
+        assert _train(tiny_ckpt, run, 1) == 2
+    assert "Permission denied" in _one_line_error(capsys)
+
+
+def test_a_checkpoint_write_failing_mid_run_is_one_line_and_keeps_the_metrics(tmp_path, tiny_ckpt, capsys,
+                                                                             monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setattr(tempfile, "mkstemp", _refuse_under(run, errno.ENOSPC, only="checkpoints"))
+    assert _train(tiny_ckpt, run, 2) == 2
+    err = _one_line_error(capsys)
+    assert "No space left on device" in err and "checkpoints" in err
+    assert [r["iteration"] for r in _train_records(run)] == [1]
+
+
+# ---------------------------------------------------------------------------------------------- the end-of-run line
+
+
+def test_the_end_of_run_line_lists_only_what_was_written(tmp_path, tiny_ckpt, capsys):
+    assert main(tiny_train_args(tiny_ckpt, tmp_path / "quiet", 1, "eval.every=0", "log.tensorboard=false")) == 0
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("outputs in")][-1]
+    assert line == f"outputs in {tmp_path / 'quiet'}: metrics.jsonl, checkpoints/"
+    assert not (tmp_path / "quiet" / "reward_curve.png").exists() and not (tmp_path / "quiet" / "samples").exists()
+    assert main(tiny_train_args(tiny_ckpt, tmp_path / "full", 1, "eval.every=1")) == 0
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("outputs in")][-1]
+    assert line.endswith("metrics.jsonl, tensorboard/, reward_curve.png, samples/, checkpoints/")
+
+
+# ---------------------------------------------------------------------------------------------- the real-model trainer
+
+
+def _real_config(tmp_path: Path) -> Path:
+    (tmp_path / "prompts.txt").write_text("a red cube\na blue ball\n")
+    cfg = tmp_path / "real.yaml"
+    cfg.write_text(f"pipeline: {{family: sd3, path: {tmp_path / 'no_model'}, num_steps: 4}}\n"
+                   f"reward: {{name: jpeg_compressibility}}\n"
+                   f"sample: {{prompts_file: {tmp_path / 'prompts.txt'}, prompts_per_iter: 2, group_size: 2}}\n")
+    return cfg
+
+
+def test_the_real_model_trainer_applies_the_same_rules_before_loading_a_model(tmp_path, capsys):
+    """The rules live in jagg.training.rundir, which RealTrainer calls before it loads the model (the model path
+    here does not exist: each refusal comes first)."""
+    cfg, run = _real_config(tmp_path), tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"kind": "train", "iteration": 1}\n')
+    torch.save({"model": {}, "manifest": {}, "run_id": "x"}, run / "checkpoints" / "ckpt_000001.pt")
+    assert main(["train", "--config", str(cfg), "--output-dir", str(run)]) == 2
+    assert "already holds a run" in _one_line_error(capsys)
+    assert main(["train", "--config", str(cfg), "--output-dir", str(tmp_path / "none"), "--resume"]) == 2
+    assert "no run in" in _one_line_error(capsys)
+    (run / "checkpoints" / "ckpt_000001.pt").write_bytes(b"cut")
+    assert main(["train", "--config", str(cfg), "--output-dir", str(run), "--resume"]) == 2
+    assert "ckpt_000001.pt is not a loadable checkpoint" in _one_line_error(capsys)
+    assert main(["train", "--config", str(cfg), "--output-dir", str(run), "--overwrite"]) == 2   # moved, then no model
+    assert "jagg never downloads weights" in _one_line_error(capsys)
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert (aside / "metrics.jsonl").is_file() and (aside / "checkpoints" / "ckpt_000001.pt").read_bytes() == b"cut"
+    assert not (run / RUN_FILE).exists()                                   # nothing written before the model loads
