@@ -9,6 +9,8 @@ on a few samples and log ``audit/*``; ``jagg bench fidelity`` reports the same n
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 import time
 from typing import Sequence
 
@@ -39,6 +41,79 @@ def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
     return (f"audit: JAGG's gradient is far from exact in part of the trajectory (cosine {where}; below "
             f"{FLAG_BELOW}). Its error there is a bias that can repeat from batch to batch and drive the reward down; "
             "consider estimator.correction_p (e.g. 0.25: unbiased JAGG) or exact_first_groups")
+
+
+# ----------------------------------------------------------------------------- error against noise (efficiency)
+
+
+def predicted_efficiency(work_ratio: float, error_to_noise: float) -> float:
+    """``work_ratio / (1 + error_to_noise)``: progress per unit of work against exact for an estimator whose update
+    carries ``V_b + E|e|^2`` of variance instead of ``V_b`` (docs/design.md §3). ``work_ratio`` = exact's rows (or
+    time) / the estimator's."""
+    return work_ratio / (1.0 + max(error_to_noise, 0.0)) if error_to_noise == error_to_noise else math.nan
+
+
+def _error_noise(exact: Tensor, mean_err: Tensor, err_sq: Tensor) -> dict:
+    n = exact.shape[0]
+    noise = float(((exact - exact.mean(0)) ** 2).sum(1).sum()) / (n - 1)          # V_b: trace of the covariance
+    s = exact.sum(0)
+    signal = (float(s @ s) - float((exact * exact).sum())) / (n * (n - 1))        # |E g|^2, unbiased (U-statistic)
+    s = mean_err.sum(0)
+    bias = (float(s @ s) - float((mean_err * mean_err).sum())) / (n * (n - 1))   # |E e|^2, unbiased
+    err = float(err_sq.mean())
+    return {"noise": noise, "signal_sq": signal, "bias_sq": bias, "error_sq": err,
+            "error_to_noise": err / noise if noise > 0 else math.nan,
+            "bias_to_noise": bias / noise if noise > 0 else math.nan,
+            "signal_to_noise": signal / noise if noise > 0 else math.nan}
+
+
+def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor]) -> dict:
+    """An estimator's error against the batch-to-batch noise of the exact gradient, from ``n >= 3`` batches.
+
+    Args:
+        exact: ``[n, P]`` the exact gradient of each batch.
+        estimates: ``n`` tensors ``[d_i, P]``: ``d_i >= 1`` draws of the estimator on batch ``i``.
+
+    Returns (float64 arithmetic; ``_se``: jackknife standard errors over the batches):
+        ``noise`` ``V_b`` (trace of the exact gradients' covariance across batches), ``error_sq`` ``E|e|^2`` (mean
+        squared error against the same batch's exact gradient), ``bias_sq`` (``mean_{i != j} <e_i, e_j>`` of the
+        batches' mean errors: the squared norm of the error that repeats across batches, unbiased, may be < 0 by
+        chance), ``signal_sq`` (the same for the exact gradients: ``|E g|^2``), their ratios to the noise
+        ``error_to_noise``, ``bias_to_noise``, ``signal_to_noise`` (each with ``_se``), ``grad_norm`` (mean
+        ``|g|``), ``rel_err`` (``sqrt(E|e|^2) / grad_norm``) and ``same_batch_cosine`` (mean cosine to exact).
+    """
+    n = exact.shape[0]
+    if n < 3 or len(estimates) != n:
+        raise ValueError(f"need n >= 3 batches and one [draws, P] estimate tensor per batch; got {n} exact and "
+                         f"{len(estimates)} estimates")
+    exact = exact.double()
+    errs = [e.double() - g for e, g in zip(estimates, exact)]                     # [d_i, P] each
+    mean_err = torch.stack([e.mean(0) for e in errs])                              # [n, P]
+    err_sq = torch.tensor([float((e * e).sum(1).mean()) for e in errs], dtype=torch.float64)
+    out = _error_noise(exact, mean_err, err_sq)
+    loo = [_error_noise(exact[keep], mean_err[keep], err_sq[keep])
+           for keep in ([j for j in range(n) if j != i] for i in range(n))]
+    for key in ("error_to_noise", "bias_to_noise", "signal_to_noise"):
+        vals = np.array([r[key] for r in loo])
+        out[f"{key}_se"] = math.sqrt((n - 1) / n * float(((vals - vals.mean()) ** 2).sum()))
+    norms = exact.norm(dim=1)
+    out["grad_norm"] = float(norms.mean())
+    out["rel_err"] = math.sqrt(max(out["error_sq"], 0.0)) / out["grad_norm"] if out["grad_norm"] > 0 else math.nan
+    cos = [float(torch.nn.functional.cosine_similarity(e.double(), g[None], dim=1).mean())
+           for e, g in zip(estimates, exact)]
+    out["same_batch_cosine"] = statistics.fmean(cos)
+    return out
+
+
+def extrapolate(stats: dict, batch: float, target: float) -> dict:
+    """:func:`error_noise_stats`' ratios at ``target`` samples per update instead of the measured ``batch``: the
+    noise and the unbiased part of the error fall as ``1 / B``, the bias (``bias_sq``, floored at 0) stays."""
+    scale = batch / target
+    noise = stats["noise"] * scale
+    bias = max(stats["bias_sq"], 0.0)
+    err = bias + max(stats["error_sq"] - bias, 0.0) * scale
+    return {"error_to_noise": err / noise if noise > 0 else math.nan,
+            "bias_to_noise": stats["bias_sq"] / noise if noise > 0 else math.nan}
 
 
 def step_ranges(train_steps: Sequence[int], parts: int = 3) -> list[list[int]]:

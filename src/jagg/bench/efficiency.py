@@ -1,0 +1,214 @@
+"""``jagg bench efficiency``: what an estimator's error costs against the noise an update already carries.
+
+A GRPO update is noise-dominated: the exact gradients of independent batches agree with cosine ~0. For an unbiased
+estimator ``g^ = g + e`` the update's variance is ``V_b + E|e|^2``, where ``V_b`` is the batch-to-batch variance of
+the exact gradient, so progress per unit of work goes as (docs/design.md §3)
+
+    efficiency      = (rows_exact / rows) * V_b / (V_b + E|e|^2)        (training-phase rows)
+    time_efficiency = (t_exact / t)       * V_b / (V_b + E|e|^2)        (whole iterations, rollout included)
+
+This benchmark measures every term with the trainer's own sampling (the config's, the main job by default) and
+:func:`jagg.policy_gradient`, no optimizer step. It draws ``--batches`` independent batches; on each it computes
+the exact gradient once and every other estimator ``--draws`` times (fresh random picks per draw; one draw for a
+deterministic estimator). Per estimator:
+
+- ``rows_per_sample``: rows back-propagated per sample (the mean over draws);
+- ``error_to_noise`` = ``E|e|^2 / V_b``: the mean squared error against the same batch's exact gradient;
+- ``bias_to_noise`` = ``|b|^2 / V_b`` with its standard error: ``|b|^2`` is the agreement of the errors' means
+  across batches, ``mean_{i != j} <e_i, e_j>``, an unbiased estimate of the squared norm of the error that repeats
+  from batch to batch (the bias Adam integrates like a signal). 0 for an unbiased estimator up to its SE;
+- ``efficiency`` and ``time_efficiency`` as above (times: medians of the training phase per batch, measured
+  side by side in this process, plus the rollout's median: sampling and reward);
+- the same extrapolated to ``--target-batch`` samples per update (default: the config's, samples per optimizer
+  update): ``V_b`` and the unbiased part of the error fall as ``1 / B``, a bias does not.
+
+Estimators: ``exact`` (the reference, always), ``config`` (the config's estimator), ``plain`` (the config's with
+``correction_p=0``, the paper's JAGG), ``subsample`` (random timestep subsampling at the config's rows per sample,
+DanceGRPO's timestep_fraction: the baseline a user would pick instead), or ``NAME:KEY=VALUE,...`` (estimator keys on
+top of the config's, e.g. ``w8:window=8,correction_p=0.1``). Standard errors are jackknife over batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import time
+
+import numpy as np
+import torch
+import yaml
+
+from ..advantages import group_advantages, nonzero_spread_mask
+from ..audit import error_noise_stats, extrapolate, predicted_efficiency
+from ..estimator import policy_gradient
+from ..estimator_config import EstimatorConfig
+from ..knots import plan_update
+from ..rewards.registry import get_reward
+from ..shapes import from_tensor
+from ..shapes.config import TrainConfig
+from ..shapes.velocity import GuidedVelocity
+from ..training import config_loader as configuration
+from .common import default_config_path, flat_grad, table, write_json
+
+BUILT_IN = ("exact", "config", "plain", "subsample")
+QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
+
+
+def parse_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorConfig | None]:
+    """``NAME`` (built in) or ``NAME:KEY=VALUE,...`` -> (name, config); ``subsample`` is resolved later (None)."""
+    name, _, rest = spec.partition(":")
+    if not name:
+        raise ValueError(f"--estimator {spec!r}: give a name, e.g. w8:window=8")
+    if not rest:
+        if name not in BUILT_IN:
+            raise ValueError(f"--estimator {spec!r}: unknown name; built in: {', '.join(BUILT_IN)}, or give "
+                             "NAME:KEY=VALUE,... of estimator keys")
+        if name == "exact":
+            return name, dataclasses.replace(base, mode="exact")
+        if name == "plain":
+            return name, dataclasses.replace(base, correction_p=0.0)
+        return name, (None if name == "subsample" else base)
+    kv = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        key = key.strip().removeprefix("estimator.")
+        if not eq or not key:
+            raise ValueError(f"--estimator {spec!r}: {item!r} is not KEY=VALUE")
+        kv[key] = yaml.safe_load(value)
+    return name, configuration.from_dict(EstimatorConfig, {**base.to_dict(), **kv}, "estimator")
+
+
+def expected_rows(traj, cfg: EstimatorConfig, groups, draws: int = 64) -> float:
+    """Rows with grad per sample of ``cfg`` on ``traj``, the mean over ``draws`` plans (no network call)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 1 if cfg.correction_p == 0 or cfg.mode != "jagg" else draws
+    if cfg.mode == "jagg" and cfg.knots == "adaptive":      # adaptive needs the loss signals; shared has as many rows
+        cfg = dataclasses.replace(cfg, knots="shared")
+    rows = [sum(len(u.rows) for u in plan_update(traj, cfg, groups, generator=gen).units) for _ in range(n)]
+    return statistics.fmean(rows) / traj.batch_size
+
+
+def is_random(cfg: EstimatorConfig) -> bool:
+    return (cfg.mode == "jagg" and cfg.correction_p > 0) or (cfg.mode == "subsample" and cfg.subsample_frac < 1)
+
+
+def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None) -> list[dict]:
+    """One record per estimator (module docstring)."""
+    from ..shapes.trainer import Trainer
+
+    if batches < 3:
+        raise ValueError(f"--batches must be >= 3 (a variance and a bias across batches); got {batches}")
+    if draws < 1:
+        raise ValueError(f"--draws must be >= 1; got {draws}")
+    trainer = Trainer(cfg)
+    reward = get_reward(cfg.reward.weights or cfg.reward.name)
+    ests = dict(parse_estimator(s, cfg.estimator) for s in ["exact", *[s for s in specs if s != "exact"]])
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads = {name: [] for name in ests}        # name -> per batch [draws, P]
+    train_s = {name: [] for name in ests}
+    rows = {name: [] for name in ests}
+    rollout_s, samples = [], []
+    for b in range(batches):
+        t0 = time.perf_counter()
+        prompts, tokens, traj = trainer.sample_batch()
+        scores, _ = reward(from_tensor(traj.latents[:, -1]), prompts, None)
+        rewards = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
+        rollout_s.append(time.perf_counter() - t0)
+        adv = group_advantages(rewards, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
+        keep = nonzero_spread_mask(rewards, prompts) if cfg.grpo.drop_zero_spread else torch.ones(len(prompts), dtype=torch.bool)
+        idx = torch.nonzero(keep).flatten()
+        groups = (torch.arange(len(prompts)) // cfg.sample.group_size)[idx]
+        traj, tokens, adv = traj.select(idx), tokens[idx], adv[idx]
+        samples.append(int(idx.numel()))
+        if ests.get("subsample", 0) is None:       # subsample at the config's rows, fixed from the first batch
+            K = traj.train_steps.numel()
+            frac = min(1.0, expected_rows(traj, cfg.estimator, groups) / K)
+            ests["subsample"] = dataclasses.replace(cfg.estimator, mode="subsample", subsample_frac=frac)
+        vf = GuidedVelocity(trainer.model, tokens, cfg.sample.guidance_scale)
+        for e_i, (name, est) in enumerate(ests.items()):
+            out = []
+            for d in range(draws if is_random(est) else 1):
+                gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + b * 1009 + d * 31 + e_i)
+                trainer.opt.zero_grad(set_to_none=True)
+                c0 = time.perf_counter()
+                with torch.enable_grad():
+                    st = policy_gradient(vf, traj, adv, est, sample_groups=groups, generator=gen)
+                train_s[name].append(time.perf_counter() - c0)
+                rows[name].append(st.backward_items / traj.batch_size)
+                out.append(flat_grad(params).double())
+            grads[name].append(torch.stack(out))
+    n_samples = statistics.fmean(samples)
+    target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
+    exact = torch.stack([g[0] for g in grads["exact"]])                      # [batches, P]
+    t_roll = statistics.median(rollout_s)
+    t_exact = statistics.median(train_s["exact"])
+    r_exact = statistics.fmean(rows["exact"])
+    records = []
+    for name, est in ests.items():
+        st = error_noise_stats(exact, grads[name])
+        r = statistics.fmean(rows[name])
+        t = statistics.median(train_s[name])
+        time_ratio = (t_roll + t_exact) / (t_roll + t)
+        rec = {"estimator": name, "mode": est.mode, "batches": batches, "draws": draws if is_random(est) else 1,
+               "samples_per_batch": n_samples, "target_batch": target, "rows_per_sample": r,
+               "rows_ratio": r_exact / r, "train_s": t, "rollout_s": t_roll, "iter_ratio": time_ratio,
+               **st, "efficiency": predicted_efficiency(r_exact / r, st["error_to_noise"]),
+               "time_efficiency": predicted_efficiency(time_ratio, st["error_to_noise"]),
+               "estimator_config": est.to_dict()}
+        at = extrapolate(st, n_samples, target)
+        rec.update({f"{k}_at_target": v for k, v in at.items()})
+        rec["efficiency_at_target"] = predicted_efficiency(r_exact / r, at["error_to_noise"])
+        rec["time_efficiency_at_target"] = predicted_efficiency(time_ratio, at["error_to_noise"])
+        records.append(rec)
+    return records
+
+
+COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".2f"),
+           ("error_to_noise", "E|e|^2/V_b", ".4f"), ("bias_to_noise", "bias^2/V_b", ".4f"),
+           ("bias_to_noise_se", "± SE", ".4f"), ("efficiency", "efficiency", ".2f"),
+           ("iter_ratio", "iter ratio", ".2f"), ("time_efficiency", "time eff.", ".2f"),
+           ("bias_to_noise_at_target", "bias^2/V_b @T", ".4f"), ("time_efficiency_at_target", "time eff. @T", ".2f")]
+
+
+def _run(args: argparse.Namespace) -> int:
+    sets = (QUICK_SETS if args.quick else []) + ["log.progress=false", "log.tensorboard=false", "eval.every=0",
+                                                   f"log.output_dir={args.out}"] + list(args.set or [])
+    cfg = configuration.load(TrainConfig, args.config, sets)
+    specs = args.estimator or ["config", "plain", "subsample"]
+    batches = args.batches if args.batches is not None else (3 if args.quick else 6)
+    draws = args.draws if args.draws is not None else (2 if args.quick else 4)
+    if args.target_batch is not None and args.target_batch < 1:
+        raise ValueError(f"--target-batch must be >= 1; got {args.target_batch}")
+    records = measure(cfg, specs, batches, draws, args.target_batch)
+    r0 = records[0]
+    print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples, up to {draws} draws per estimator; V_b = "
+          f"{r0['noise']:.3e} (|g| = {r0['grad_norm']:.3e}); @T = extrapolated to {r0['target_batch']} samples per "
+          f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)")
+    print(table(records, COLUMNS))
+    if args.json:
+        write_json(args.json, records)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("efficiency", help="each estimator's error against the update's own noise: efficiency vs exact "
+                       "and vs random timestep subsampling", description=__doc__.replace("``", ""),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=default_config_path(),
+                   help="trainer YAML [default: the main job, jagg/shapes/main_job.yaml]")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a trainer config key (repeatable), e.g. sample.eta=0.3")
+    p.add_argument("--estimator", action="append", metavar="NAME[:KEY=VALUE,...]",
+                   help="an estimator (repeatable): config, plain, subsample, or NAME:KEY=VALUE,... of estimator "
+                        "keys on top of the config's; exact is always measured [default: config plain subsample]")
+    p.add_argument("--batches", type=int, help="independent batches (>= 3) [default: 6; 3 with --quick]")
+    p.add_argument("--draws", type=int, help="draws of a random estimator per batch [default: 4; 2 with --quick]")
+    p.add_argument("--target-batch", type=int, help="samples per update to extrapolate to [default: the config's "
+                   "sample.prompts_per_iter x sample.group_size / grpo.updates_per_epoch]")
+    p.add_argument("--out", default="runs/bench_efficiency", help="scratch run directory [default: runs/bench_efficiency]")
+    p.add_argument("--json", help="also write the records to this JSON file")
+    p.add_argument("--quick", action="store_true", help=f"a smoke-sized run: 3 batches, 2 draws, {' '.join(QUICK_SETS)}")
+    p.set_defaults(func=_run)

@@ -1,0 +1,88 @@
+"""The efficiency meter: its statistics on synthetic gradients with known noise, error and bias, and
+``jagg bench efficiency`` end to end on the tiny checkpoint."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from jagg.audit import error_noise_stats, extrapolate, predicted_efficiency
+from jagg.cli import main
+from test_bench import bench_ckpt  # noqa: F401  (the tiny random TinyDiT fixture)
+
+
+def _synthetic(n=40, draws=3, P=4000, noise=1.0, bias=0.0, err=0.5, seed=0):
+    """``n`` batches: exact = mu + N(0, noise/P I) (so V_b = noise), estimates = exact + b + N(0, err/P I) per draw,
+    with |b|^2 = bias (so E|e|^2 = bias + err)."""
+    g = torch.Generator().manual_seed(seed)
+    mu = torch.randn(P, generator=g, dtype=torch.float64) * 0.01
+    b = torch.randn(P, generator=g, dtype=torch.float64)
+    b = b / b.norm() * math.sqrt(bias)
+    exact = mu + torch.randn(n, P, generator=g, dtype=torch.float64) * math.sqrt(noise / P)
+    est = [x + b + torch.randn(draws, P, generator=g, dtype=torch.float64) * math.sqrt(err / P) for x in exact]
+    return exact, est
+
+
+def test_error_noise_stats_recover_known_noise_error_and_bias():
+    exact, est = _synthetic(bias=0.04, err=0.5)
+    st = error_noise_stats(exact, est)
+    assert st["noise"] == pytest.approx(1.0, rel=0.1)
+    assert st["error_to_noise"] == pytest.approx(0.54, rel=0.1)
+    assert st["bias_to_noise"] == pytest.approx(0.04, abs=3 * st["bias_to_noise_se"] + 0.005)
+    assert st["bias_to_noise"] > 3 * st["bias_to_noise_se"]                      # a real bias is significant
+    unbiased = error_noise_stats(*_synthetic(bias=0.0, err=0.5, seed=1))
+    assert abs(unbiased["bias_to_noise"]) < 3 * unbiased["bias_to_noise_se"] + 1e-3  # no bias: zero within its SE
+    same = error_noise_stats(exact, [x[None] for x in exact])                       # the exact estimator itself
+    assert same["error_to_noise"] == 0 and same["bias_to_noise"] == 0 and same["same_batch_cosine"] == pytest.approx(1)
+    with pytest.raises(ValueError, match="n >= 3"):
+        error_noise_stats(exact[:2], est[:2])
+
+
+def test_extrapolation_and_efficiency_formula():
+    st = {"noise": 1.0, "bias_sq": 0.01, "error_sq": 0.21}
+    at = extrapolate(st, batch=32, target=128)             # V_b / 4; the unbiased error / 4; the bias stays
+    assert at["bias_to_noise"] == pytest.approx(0.04)
+    assert at["error_to_noise"] == pytest.approx((0.01 + 0.2 / 4) / 0.25)
+    assert extrapolate(st, 32, 32)["error_to_noise"] == pytest.approx(0.21)
+    assert predicted_efficiency(2.0, 1.0) == pytest.approx(1.0)               # twice as cheap, twice the variance
+    assert predicted_efficiency(1.0, 0.0) == 1.0 and math.isnan(predicted_efficiency(1.0, math.nan))
+
+
+def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
+    out = tmp_path / "eff.json"
+    sets = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4",
+            "estimator.micro_batch=8", "threads=1", "sample.sde_window=null", "estimator.window=4",
+            "grpo.drop_zero_spread=false", "reward.name=reward_plugins:brightness"]
+    args = ["bench", "efficiency", "--batches", "3", "--draws", "2", "--estimator", "config", "--estimator", "plain",
+            "--estimator", "subsample", "--estimator", "w8:window=8,correction_p=0", "--target-batch", "32",
+            "--out", str(tmp_path / "scratch"), "--json", str(out)]
+    assert main(args + [a for s in sets for a in ("--set", s)]) == 0
+    recs = {r["estimator"]: r for r in json.loads(out.read_text())}
+    assert list(recs) == ["exact", "config", "plain", "subsample", "w8"]
+    ex = recs["exact"]
+    assert ex["rows_per_sample"] == 8 and ex["error_to_noise"] == 0 and ex["efficiency"] == 1
+    assert ex["iter_ratio"] == 1 and ex["samples_per_batch"] == 8 and ex["target_batch"] == 32
+    # W = 4 groups on 8 steps: 4 rows plain, 4 + 0.25 x 4 on average with the default correction
+    assert recs["plain"]["rows_per_sample"] == 4 and recs["plain"]["draws"] == 1
+    assert 4 <= recs["config"]["rows_per_sample"] <= 8 and recs["config"]["draws"] == 2
+    assert recs["w8"]["rows_per_sample"] == 2 and recs["w8"]["estimator_config"]["window"] == 8
+    # subsample at the config's rows: round(8 x 5/8) = 5 steps per sample, weighted 8 / 5
+    assert recs["subsample"]["rows_per_sample"] == 5 and recs["subsample"]["mode"] == "subsample"
+    for r in recs.values():
+        for key in ("error_to_noise", "bias_to_noise", "bias_to_noise_se", "efficiency", "time_efficiency",
+                    "error_to_noise_at_target", "efficiency_at_target", "noise"):
+            assert math.isfinite(r[key]), (r["estimator"], key)
+        assert r["efficiency"] == pytest.approx(r["rows_ratio"] / (1 + max(r["error_to_noise"], 0)))
+    assert recs["plain"]["error_to_noise"] > 0 and recs["plain"]["same_batch_cosine"] < 1
+    assert "time eff." in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spec, match", [("nope", "unknown name"), ("x:window", "not KEY=VALUE"),
+                                         ("x:window=0", "window"), (":window=3", "give a name")])
+def test_bench_efficiency_rejects_bad_estimators(spec, match):
+    from jagg import EstimatorConfig
+    from jagg.bench.efficiency import parse_estimator
+
+    with pytest.raises(ValueError, match=match):
+        parse_estimator(spec, EstimatorConfig())
