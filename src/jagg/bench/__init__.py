@@ -1,4 +1,4 @@
-"""Benchmarks: ``jagg bench speed | fidelity | quality | e2e | signal`` (see docs/benchmarks.md).
+"""Benchmarks: ``jagg bench speed | fidelity | quality | e2e | signal | efficiency`` (see docs/benchmarks.md).
 
 Every benchmark computes gradients with :func:`jagg.policy_gradient`, the function the trainer calls.
 """
@@ -10,21 +10,25 @@ import argparse
 
 def add_bench_parser(sub) -> None:
     """Add ``bench`` and its sub-commands to the ``jagg`` argparse sub-parsers ``sub``."""
-    from . import e2e, fidelity, quality, signal, speed
+    from . import e2e, efficiency, fidelity, quality, signal, speed
 
     b = sub.add_parser(
         "bench", help="benchmarks: speed vs the cost model, gradient fidelity and routing, training quality, end to end, gradient signal",
         description="Evidence for JAGG, each through jagg.policy_gradient (the trainer's function):\n"
                     "  speed     exact vs JAGG seconds per training phase, against the cost model\n"
                     "  fidelity  cosine / relative error of the JAGG gradient vs exact; the routing-score study\n"
-                    "  quality   GRPO runs (exact, jagg fresh, jagg interp) x seeds: reward vs updates and time\n"
+                    "  quality   GRPO runs x paired seeds (default: exact and the config's estimator; --variant for\n"
+                    "            others): reward vs updates and time\n"
                     "  e2e       whole GRPO iterations (sampling + reward + training) exact vs JAGG, round-robin\n"
                     "  signal    agreement of gradients from independent batches: is there anything to learn?\n"
+                    "  efficiency  each estimator's error against the update's own noise: efficiency vs exact and vs\n"
+                    "            random timestep subsampling at equal rows\n"
                     "Each has --quick (a smoke-sized run) and --json PATH. See docs/benchmarks.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{speed,fidelity,quality,e2e,signal}")
+    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{speed,fidelity,quality,e2e,signal,efficiency}")
     speed.add_parser(bsub)
     fidelity.add_parser(bsub)
     quality.add_parser(bsub)
     e2e.add_parser(bsub)
     signal.add_parser(bsub)
+    efficiency.add_parser(bsub)
