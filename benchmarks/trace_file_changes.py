@@ -12,7 +12,7 @@ Tracing stops at the first ``optimizer.step()``.
     python benchmarks/trace_file_changes.py [--correction-p P] [--json out.json]
 
 Prints the number of file changes, the number of distinct files visited, and the files most often entered.
-Needs the test extras (diffusers, peft, transformers). CPU only, about a minute.
+Needs the test extras (diffusers, peft, transformers). CPU only, a few seconds (4 s as measured on 2026-12-01).
 """
 
 from __future__ import annotations

@@ -295,5 +295,8 @@ def test_train_help_shows_the_main_jobs_values_beside_the_dataclass_defaults(tmp
     assert lines["sample.guidance_scale"].endswith("[3.0]")                    # left out: the dataclass default
     lines = _help(["train", "--config", str(_real_config(tmp_path)), "--help"], capsys)
     assert lines["pipeline.num_steps"].endswith("[4; dataclass default: 10]") and "model.trainable" not in lines
+    # a config that does not load yet (no prompts file given): its values as written
+    lines = _help(["train", "--config", str(REPO / "configs" / "sd35_medium.yaml"), "--help"], capsys)
+    assert lines["pipeline.path"].endswith("['/models/stable-diffusion-3.5-medium'; dataclass default: '']")
     lines = _help(["train", "--config", str(tmp_path / "missing.yaml"), "--help"], capsys)
     assert lines["optim.lr"].endswith("[default: 0.0003]")                     # unloadable: the defaults, said so

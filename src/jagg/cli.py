@@ -52,20 +52,33 @@ def _value(cfg, key: str):
     return list(value) if isinstance(value, tuple) else value
 
 
-def _keys_epilog(cls, resolved=None, title: str = "config keys", how: str = "set in YAML or with --set key=value") -> str:
-    """Every config key of ``cls`` with its help; with ``resolved`` (a loaded config) the value it runs and the
-    dataclass default beside it where they differ, else the dataclass default."""
+_UNSET = object()
+
+
+def _keys_epilog(cls, value_of=None, title: str = "config keys", how: str = "set in YAML or with --set key=value") -> str:
+    """Every config key of ``cls`` with its help; with ``value_of(key)`` (the value the config runs, or ``_UNSET`` for
+    a key it leaves out) that value and the dataclass default beside it where they differ, else the default."""
     rows = configuration.describe(cls)
     width = max(len(k) for k, _, _ in rows)
     lines = []
     for k, d, h in rows:
-        if resolved is None:
-            shown = f"[default: {d}]"
+        v = _UNSET if value_of is None else value_of(k)
+        if v is _UNSET:
+            shown = f"[default: {d}]" if value_of is None else f"[{d}]"
         else:
-            v = repr(_value(resolved, k))
-            shown = f"[{v}]" if v == d else f"[{v}; dataclass default: {d}]"
+            shown = f"[{v!r}]" if repr(v) == d else f"[{v!r}; dataclass default: {d}]"
         lines.append(f"  {k:<{width}}  {h} {shown}")
     return f"{title} ({how}):\n" + "\n".join(lines)
+
+
+def _raw_value(data: dict, key: str):
+    """The value of the dotted ``key`` as written in a config mapping, or ``_UNSET``."""
+    node = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _UNSET
+        node = node[part]
+    return node
 
 
 def _help_argv(argv: list[str] | None) -> tuple[str, list[str]]:
@@ -84,24 +97,33 @@ def _train_epilog(argv: list[str] | None) -> str:
     and --set given before --help) with the dataclass defaults where they differ, then the other trainer's keys."""
     config, sets = _help_argv(argv)
     where = "the main job, " + str(main_job_path()) if config == str(main_job_path()) else config
-    after = f" after {len(sets)} --set" if sets else ""
+    after = f" and {len(sets)} --set" if sets else ""
     try:
         from .integrations.train_config import RealTrainConfig, load_config
     except ImportError:
         RealTrainConfig = load_config = None
+    note = ""
     try:
-        real = "pipeline" in configuration.read_yaml(config)
-        resolved = (load_config(config, sets) if real and load_config else
-                    None if real else configuration.load(TrainConfig, config, sets))
+        data = configuration.apply_overrides(configuration.read_yaml(config), sets)
     except (ValueError, OSError) as e:
-        note = f"(could not load {config}: {' '.join(str(e).split())}; the dataclass defaults are shown)\n"
-        return note + _keys_epilog(TrainConfig) + ("\n\nwith a pipeline: section (real models), "
-                                                   + _keys_epilog(RealTrainConfig) if RealTrainConfig else "")
+        note = f"(cannot read {config}: {' '.join(str(e).split())}; the dataclass defaults are shown)\n"
+        text = note + _keys_epilog(TrainConfig)
+        return text + ("\n\nwith a pipeline: section (real models), " + _keys_epilog(RealTrainConfig)
+                       if RealTrainConfig else "")
+    real = "pipeline" in data
+    cls = RealTrainConfig if real else TrainConfig
+    try:
+        cfg = load_config(config, sets) if real else configuration.load(TrainConfig, config, sets)
+        value_of = lambda key: _value(cfg, key)
+    except (ValueError, OSError) as e:     # e.g. a required prompts file not given yet: the values as written
+        note = (f"(the config does not load yet: {' '.join(str(e).split())}; values as written, the dataclass "
+                "default where the YAML leaves a key out)\n")
+        value_of = lambda key: _raw_value(data, key)
     how = ("[value] is what runs with " + where + after + "; a key the YAML leaves out takes the dataclass default; "
            "set keys in a YAML file (--config) or with --set key=value")
     if real:
-        return _keys_epilog(RealTrainConfig, resolved, "config keys of the real-model trainer (pipeline: section)", how)
-    text = _keys_epilog(TrainConfig, resolved, "config keys of the TinyDiT trainer", how)
+        return note + _keys_epilog(cls, value_of, "config keys of the real-model trainer (pipeline: section)", how)
+    text = note + _keys_epilog(cls, value_of, "config keys of the TinyDiT trainer", how)
     if RealTrainConfig is not None:
         text += "\n\nwith a pipeline: section (real models), " + _keys_epilog(RealTrainConfig)
     return text

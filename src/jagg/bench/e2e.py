@@ -29,6 +29,7 @@ VARIANTS = {
     "jagg_interp": ["estimator.mode=jagg", "estimator.intermediate=interp"],
 }
 KEYS = ("sample_s", "reward_s", "train_s", "iter_s")
+QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompts x the config's group size, 2 iterations
 
 
 def routed_limit(cfg: TrainConfig) -> float:
@@ -91,8 +92,10 @@ def _run(args: argparse.Namespace) -> int:
     variants = args.variants or ["exact", "jagg_interp"]
     if "exact" not in variants:
         variants = ["exact", *variants]
-    records = run_e2e(args.config, args.set or [], variants, args.iterations)
-    print(f"median seconds over {args.iterations} round-robin iterations per variant (after a warm-up)")
+    iterations = args.iterations if args.iterations is not None else (2 if args.quick else 20)
+    sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
+    records = run_e2e(args.config, sets, variants, iterations)
+    print(f"median seconds over {iterations} round-robin iterations per variant (after a warm-up)")
     print(table(records, COLUMNS))
     if args.json:
         write_json(args.json, records)
@@ -109,6 +112,8 @@ def add_parser(sub) -> None:
                    help="override a trainer config key for every variant (repeatable)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
                    help="variants besides exact (always included) [default: exact jagg_interp]")
-    p.add_argument("--iterations", type=int, default=20, help="timed iterations per variant [default: 20]")
+    p.add_argument("--iterations", type=int, help="timed iterations per variant [default: 20; 2 with --quick]")
     p.add_argument("--json", help="also write the records to this JSON file")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke-sized run: 2 timed iterations, {' '.join(QUICK_SETS)} (before --set)")
     p.set_defaults(func=_run)
