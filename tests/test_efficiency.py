@@ -86,3 +86,55 @@ def test_bench_efficiency_rejects_bad_estimators(spec, match):
 
     with pytest.raises(ValueError, match=match):
         parse_estimator(spec, EstimatorConfig())
+
+
+def test_audit_meter_recovers_noise_error_and_bias_from_group_gradients():
+    """Synthetic audits of 4 groups each: group gradients mu + N(0, 1/P) (so var_j = 1), errors b + N(0, 0.5/P),
+    |b|^2 = 0.05; 8 groups per update. Expected: V_b = 1/8, E|e|^2 = 0.05 + 0.5/8, bias^2/V_b = 0.4."""
+    from jagg.audit import AuditMeter, meter_flag
+
+    g = torch.Generator().manual_seed(0)
+    P = 20000
+    mu = torch.randn(P, generator=g, dtype=torch.float64) * 0.01
+    b = torch.randn(P, generator=g, dtype=torch.float64)
+    b = b / b.norm() * math.sqrt(0.05)
+    meter = AuditMeter(sketch_dim=4096, seed=1)
+    for _ in range(40):
+        exact = mu + torch.randn(4, P, generator=g, dtype=torch.float64) / math.sqrt(P)
+        est = exact + b + torch.randn(4, P, generator=g, dtype=torch.float64) * math.sqrt(0.5 / P)
+        r = meter.update(exact, est, rows_exact=80, rows_estimator=40, groups_per_update=8, train_share=0.5)
+    assert r["audits"] == 40
+    assert r["error_to_noise"] == pytest.approx((0.05 + 0.5 / 8) / (1 / 8), rel=0.15)
+    assert r["bias_to_noise"] == pytest.approx(0.4, abs=0.12) and r["bias_to_noise"] > 3 * r["bias_to_noise_se"]
+    assert r["predicted_efficiency"] == pytest.approx(2 / (1 + r["error_to_noise"]))
+    assert r["predicted_time_efficiency"] == pytest.approx(1.5 / (1 + r["error_to_noise"]))   # (1 - f) + f * 2
+    assert "slower than exact" in meter_flag(r)
+    # an unbiased, cheap estimator: no flag
+    meter = AuditMeter(seed=2)
+    for _ in range(10):
+        exact = mu + torch.randn(4, P, generator=g, dtype=torch.float64) / math.sqrt(P)
+        r = meter.update(exact, exact + torch.randn(4, P, generator=g, dtype=torch.float64) * math.sqrt(0.05 / P),
+                         80, 40, 8)
+    assert abs(r["bias_to_noise"]) < 3 * r["bias_to_noise_se"] + 0.02 and r["predicted_efficiency"] > 1.5
+    assert meter_flag(r) is None and math.isnan(r["predicted_time_efficiency"])
+    one = AuditMeter().update(mu[None], mu[None], 8, 4, 8)            # one group: no spread, no estimate yet
+    assert math.isnan(one["error_to_noise"]) and meter_flag(one) is None
+
+
+def test_trainer_audit_logs_the_meter_and_warns_once(tmp_path, tiny_ckpt, capsys):
+    from conftest import tiny_train_args
+
+    args = tiny_train_args(tiny_ckpt, tmp_path, 5, "estimator.mode=jagg", "estimator.window=4",
+                           "estimator.correction_p=0", "estimator.audit_every=1", "estimator.audit_samples=2",
+                           "eval.every=0", "sample.prompts_per_iter=3", "reward.name=reward_plugins:brightness")
+    assert main(args) == 0
+    recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    audits = [r for r in recs if r["kind"] == "audit"]
+    assert [r["audits"] for r in audits] == [1, 2, 3, 4, 5]
+    for r in audits:
+        assert r["samples"] == 4 and r["rows_exact"] == 16 and r["rows_estimator"] == 8   # 2 groups of 2; 4 steps
+        assert math.isfinite(r["error_to_noise"]) and r["error_to_noise"] > 0
+        assert r["predicted_efficiency"] == pytest.approx(2 / (1 + r["error_to_noise"]))
+    assert math.isnan(audits[0]["predicted_time_efficiency"]) and math.isfinite(audits[1]["predicted_time_efficiency"])
+    out = capsys.readouterr().out
+    assert out.count("audit: this estimator") <= 2          # each warning at most once per run

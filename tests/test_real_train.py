@@ -393,8 +393,10 @@ def test_audit_and_unbiased_jagg_on_a_real_model(tmp_path, sd3_dir, captured):
     assert main(["train", "--config", str(cfg), "--output-dir", str(out)] + [a for s in sets for a in ("--set", s)]) == 0
     audits = [r for r in records(out) if r["kind"] == "audit"]
     assert [r["iteration"] for r in audits] == [1, 2]
-    for r in audits:
-        assert r["samples"] == 2 and r["rows"] > 0 and r["flagged"] == 0
+    for r in audits:     # audit_samples 2, but whole GRPO groups and at least two of them: 2 groups of 2
+        assert r["samples"] == 4 and r["rows"] > 0 and r["flagged"] == 0
         assert r["cos"] == pytest.approx(1.0, abs=1e-4)
+        assert r["rows_exact"] == r["rows_estimator"] and r["error_to_noise"] < 1e-6     # p = 1: no error, no saving
+        assert r["predicted_efficiency"] == pytest.approx(1.0, abs=1e-6)
     train = [r for r in records(out) if r["kind"] == "train"]
     assert all(r["backward_items"] == 4 * 4 for r in train)   # p = 1: every inner step also runs exactly

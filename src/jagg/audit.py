@@ -133,6 +133,85 @@ def _cos(a: Tensor, b: Tensor) -> float:
     return float(a @ b) / (na * nb) if na > 0 and nb > 0 else float("nan")
 
 
+def _rows(traj: Trajectory, config: EstimatorConfig, groups, seed: int) -> int:
+    """Rows with grad of one update of ``config`` on ``traj`` with the audit's picks (``adaptive``: as ``shared``,
+    which has as many knots)."""
+    from .knots import plan_update
+
+    if config.mode == "jagg" and config.knots == "adaptive":
+        config = dataclasses.replace(config, knots="shared")
+    plan = plan_update(traj, config, groups, generator=torch.Generator().manual_seed(seed))
+    return sum(len(u.rows) for u in plan.units)
+
+
+def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=None, sample_groups=None,
+                generator=None, parts: int = 3, split=None) -> tuple[dict, Tensor, Tensor]:
+    """:func:`audit_gradient`, also returning the exact and the estimator's gradients of each sub-batch of ``split``
+    (``[n]`` ids, e.g. the GRPO groups): ``(result, exact [m, P], estimate [m, P])``, float64, each sub-batch's
+    gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient)."""
+    check_call(velocity_fn, traj, config, generator=generator)
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts must be an integer >= 1 (3: noisy, middle and clean thirds); got {parts!r}")
+    params = list(params)
+    if not params or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
+        raise ValueError("params must be a non-empty sequence of parameters with requires_grad (the ones the "
+                         "gradient is compared over)")
+    t0 = time.perf_counter()
+    B = traj.batch_size
+    advantages = torch.as_tensor(advantages) if not isinstance(advantages, Tensor) else advantages
+    split_ids = torch.zeros(B, dtype=torch.long) if split is None else torch.as_tensor(split).flatten().cpu()
+    if split_ids.numel() != B:
+        raise ValueError(f"split must have one id per sample ([{B}]); got {tuple(split_ids.shape)}")
+    subs = [torch.nonzero(split_ids == u).flatten() for u in torch.unique(split_ids)]
+    saved = [p.grad for p in params]
+    seed = int(torch.randint(0, 2**62, (), generator=generator))
+    exact = dataclasses.replace(config, mode="exact")
+    ranges = step_ranges(traj.train_steps.tolist(), parts)
+    names = list(RANGE_NAMES) if len(ranges) == 3 else [f"range{i}" for i in range(len(ranges))]
+    out: dict = {}
+    part_grads = {"exact": [0.0] * len(subs), "est": [0.0] * len(subs)}
+    rows = {"exact": 0, "est": 0}
+
+    def pieces(j, idx):
+        sub = traj if len(subs) == 1 else traj.select(idx.to(traj.latents.device))
+        grp = None if sample_groups is None else (
+            [sample_groups[int(i)] for i in idx] if not isinstance(sample_groups, Tensor) else sample_groups[idx])
+        ref = None if ref_velocities is None or len(subs) == 1 else ref_velocities[idx.to(ref_velocities.device)]
+        return sub, advantages[idx.to(advantages.device)] if len(subs) > 1 else advantages, grp, \
+            ref_velocities if len(subs) == 1 else ref, seed + j
+
+    try:
+        for name, steps in zip(names, ranges):
+            grads = {"exact": 0.0, "est": 0.0}
+            for j, idx in enumerate(subs):
+                sub, adv, grp, ref, sd = pieces(j, idx)
+                for key, cfg in (("exact", exact), ("est", config)):
+                    for p in params:
+                        p.grad = None
+                    policy_gradient(velocity_fn, sub, adv, cfg, ref_velocities=ref, sample_groups=grp,
+                                    generator=torch.Generator().manual_seed(sd), only_steps=steps)
+                    g = _flat(params)
+                    grads[key] = grads[key] + g * (idx.numel() / B)         # the whole audit batch's gradient
+                    part_grads[key][j] = part_grads[key][j] + g
+            out[f"cos_{name}"] = _cos(grads["est"], grads["exact"])
+        for j, idx in enumerate(subs):
+            sub, _, grp, _, sd = pieces(j, idx)
+            rows["exact"] += _rows(sub, exact, grp, sd)
+            rows["est"] += _rows(sub, config, grp, sd)
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+    ge = sum(g * (idx.numel() / B) for g, idx in zip(part_grads["exact"], subs))
+    gj = sum(g * (idx.numel() / B) for g, idx in zip(part_grads["est"], subs))
+    n = float(ge.norm())
+    out["cos"] = _cos(gj, ge)
+    out["rel_err"] = float((gj - ge).norm()) / n if n > 0 else float("nan")
+    out["rows_exact"], out["rows_estimator"] = rows["exact"], rows["est"]
+    out["rows"] = rows["exact"] + rows["est"]
+    out["seconds"] = time.perf_counter() - t0
+    return out, torch.stack(part_grads["exact"]), torch.stack(part_grads["est"])
+
+
 def audit_gradient(
     velocity_fn: VelocityFn,
     traj: Trajectory,
@@ -158,45 +237,112 @@ def audit_gradient(
 
     Returns:
         ``{"cos": total cosine, "rel_err": ||g - g_exact|| / ||g_exact||, "cos_<range>": per range (``noisy``,
-        ``middle``, ``clean`` for 3 parts, else ``range0`` ...), "rows": rows the audit ran through the network with
-        grad, "seconds": its wall-clock}``. A cosine is NaN where a gradient is zero (e.g. all advantages 0).
+        ``middle``, ``clean`` for 3 parts, else ``range0`` ...), "rows_exact", "rows_estimator": rows with grad of
+        one update of each on the audit's samples, "rows": rows the audit ran through the network with grad (the
+        two together), "seconds": its wall-clock}``. A cosine is NaN where a gradient is zero (e.g. all advantages
+        0).
     """
-    check_call(velocity_fn, traj, config, generator=generator)
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"parts must be an integer >= 1 (3: noisy, middle and clean thirds); got {parts!r}")
-    params = list(params)
-    if not params or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
-        raise ValueError("params must be a non-empty sequence of parameters with requires_grad (the ones the "
-                         "gradient is compared over)")
-    t0 = time.perf_counter()
-    saved = [p.grad for p in params]
-    seed = int(torch.randint(0, 2**62, (), generator=generator))
-    exact = dataclasses.replace(config, mode="exact")
-    ranges = step_ranges(traj.train_steps.tolist(), parts)
-    names = list(RANGE_NAMES) if len(ranges) == 3 else [f"range{i}" for i in range(len(ranges))]
-    out: dict = {}
-    totals = {"exact": 0.0, "est": 0.0}
-    rows = 0
-    try:
-        for name, steps in zip(names, ranges):
-            grads = {}
-            for key, cfg in (("exact", exact), ("est", config)):
-                for p in params:
-                    p.grad = None
-                st = policy_gradient(velocity_fn, traj, advantages, cfg, ref_velocities=ref_velocities,
-                                     sample_groups=sample_groups, generator=torch.Generator().manual_seed(seed),
-                                     only_steps=steps)
-                rows += st.backward_items
-                grads[key] = _flat(params)
-                totals[key] = totals[key] + grads[key]
-            out[f"cos_{name}"] = _cos(grads["est"], grads["exact"])
-    finally:
-        for p, g in zip(params, saved):
-            p.grad = g
-    ge, gj = totals["exact"], totals["est"]
-    n = float(ge.norm())
-    out["cos"] = _cos(gj, ge)
-    out["rel_err"] = float((gj - ge).norm()) / n if n > 0 else float("nan")
-    out["rows"] = rows
-    out["seconds"] = time.perf_counter() - t0
-    return out
+    return audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities, sample_groups, generator,
+                       parts)[0]
+
+
+class AuditMeter:
+    """The training-time efficiency meter: running estimates, over the audits of one run, of the configured
+    estimator's error against the noise of one update, from the audit's per-GRPO-group gradients.
+
+    Each audit gives ``m >= 2`` groups' exact gradients ``g_j`` and errors ``e_j`` (estimate - exact, each a mean over
+    its group). Then, with ``G`` GRPO groups per optimizer update:
+
+    - noise of one update: ``V_b = var_j(g_j) / G`` (the groups' spread, averaged over audits);
+    - bias: ``|b|^2 = mean_{j != j'} <e_j, e_j'>`` over every pair of groups in every audit kept (count sketches of
+      ``sketch_dim`` buckets stand in for the full vectors, so memory does not grow with the model; unbiased);
+    - error of one update: ``E|e|^2 = |b|^2 + (mean |e_j|^2 - |b|^2) / G``;
+    - ``predicted_efficiency = (rows_exact / rows) / (1 + E|e|^2 / V_b)``, and ``predicted_time_efficiency`` with the
+      iteration-time ratio estimated from the share of the iteration the training phase takes
+      (``(1 - f) + f rows_exact / rows``).
+    """
+
+    def __init__(self, sketch_dim: int = 4096, keep: int = 256, seed: int = 0):
+        self.k, self.keep, self.seed = sketch_dim, keep, seed
+        self.index = self.sign = None
+        self.sketches: list[tuple[int, Tensor]] = []          # (audit number, sketch of e_j)
+        self.noise: list[float] = []                          # per audit: var_j(g_j)
+        self.err_sq: list[float] = []                         # per group: |e_j|^2
+        self.rows = [0, 0]                                     # exact, estimator
+        self.audits = 0
+
+    def _sketch(self, v: Tensor) -> Tensor:
+        if self.index is None:
+            g = torch.Generator().manual_seed(self.seed)
+            self.index = torch.randint(0, self.k, (v.numel(),), generator=g)
+            self.sign = torch.randint(0, 2, (v.numel(),), generator=g).double() * 2 - 1
+        return torch.zeros(self.k, dtype=torch.float64).index_add_(0, self.index, v.double().cpu() * self.sign)
+
+    def _bias(self, skip: int | None = None) -> float:
+        items = [s for a, s in self.sketches if a != skip]
+        if len(items) < 2:
+            return math.nan
+        S = torch.stack(items)
+        tot = S.sum(0)
+        n = len(items)
+        return (float(tot @ tot) - float((S * S).sum())) / (n * (n - 1))
+
+    def update(self, exact: Tensor, estimate: Tensor, rows_exact: int, rows_estimator: int, groups_per_update: float,
+               train_share: float | None = None) -> dict:
+        """Add one audit (``exact``, ``estimate``: ``[m, P]`` per-group gradients) and return the running estimates:
+        ``error_to_noise``, ``bias_to_noise`` (with ``bias_to_noise_se``, jackknife over audits),
+        ``predicted_efficiency``, ``predicted_time_efficiency`` (NaN when ``train_share`` is None) and ``audits``."""
+        m = exact.shape[0]
+        self.audits += 1
+        self.rows[0] += rows_exact
+        self.rows[1] += rows_estimator
+        if m >= 2:
+            ex = exact.double()
+            self.noise.append(float(((ex - ex.mean(0)) ** 2).sum()) / (m - 1))
+            for e in estimate.double() - ex:
+                self.err_sq.append(float(e @ e))
+                self.sketches.append((self.audits, self._sketch(e)))
+            self.sketches = self.sketches[-self.keep:]
+        out = {"audits": self.audits, "error_to_noise": math.nan, "bias_to_noise": math.nan,
+               "bias_to_noise_se": math.nan, "predicted_efficiency": math.nan, "predicted_time_efficiency": math.nan}
+        if not self.noise:
+            return out
+        G = max(groups_per_update, 1.0)
+        noise = statistics.fmean(self.noise) / G
+        bias = self._bias()
+        b0 = max(bias, 0.0) if bias == bias else 0.0
+        err = b0 + max(statistics.fmean(self.err_sq) - b0, 0.0) / G
+        rho = self.rows[0] / max(self.rows[1], 1)
+        out["error_to_noise"] = err / noise if noise > 0 else math.nan
+        out["bias_to_noise"] = bias / noise if noise > 0 else math.nan
+        audits = sorted({a for a, _ in self.sketches})
+        if len(audits) >= 3 and noise > 0:
+            loo = np.array([self._bias(skip=a) / noise for a in audits])
+            n = len(audits)
+            out["bias_to_noise_se"] = math.sqrt((n - 1) / n * float(((loo - loo.mean()) ** 2).sum()))
+        out["predicted_efficiency"] = predicted_efficiency(rho, out["error_to_noise"])
+        if train_share is not None:
+            out["predicted_time_efficiency"] = predicted_efficiency((1 - train_share) + train_share * rho,
+                                                                    out["error_to_noise"])
+        return out
+
+
+def meter_flag(result: dict, min_audits: int = 4) -> str | None:
+    """A warning when, after ``min_audits`` audits, the estimator is predicted to reach a reward slower than exact
+    (predicted time efficiency, else the rows-based one, below 0.99) or its repeating error is significant (more than 3
+    standard errors above 0), else None."""
+    if result.get("audits", 0) < min_audits:
+        return None
+    eff = result.get("predicted_time_efficiency", math.nan)
+    eff = eff if eff == eff else result.get("predicted_efficiency", math.nan)
+    b, se = result.get("bias_to_noise", math.nan), result.get("bias_to_noise_se", math.nan)
+    if eff == eff and eff < 0.99:
+        return (f"audit: this estimator is predicted to reach a reward slower than exact (efficiency {eff:.2f} < 1: "
+                f"its error adds {result['error_to_noise']:.0%} to the noise an update already carries, more than "
+                "its cheaper updates save); consider estimator.mode=exact, a smaller estimator.window, or less noise "
+                "(sample.eta)")
+    if b == b and se == se and b > 3 * se and b > 0:
+        return (f"audit: this estimator's error repeats from batch to batch (bias^2 / noise {b:.3f} +- {se:.3f}): a "
+                "bias Adam integrates like a signal and that can drive the reward down; consider "
+                "estimator.correction_p > 0 (unbiased JAGG) or estimator.mode=exact")
+    return None

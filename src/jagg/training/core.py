@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..audit import audit_flag, audit_gradient
+from ..audit import AuditMeter, audit_flag, audit_parts, meter_flag
 
 # config keys that may change between a checkpoint and its resumption
 RESUMABLE_CHANGES = ("grpo.iterations", "log.", "eval.", "threads")
@@ -87,31 +87,43 @@ class TrainerCore:
     @torch.enable_grad()
     def audit(self, make_velocity: Callable[[list[int]], Callable], traj, adv, ref_v, groups,
               params: Sequence[torch.nn.Parameter]) -> tuple[float, float]:
-        """The estimator audit (:func:`jagg.audit_gradient`) on ``estimator.audit_samples`` of the batch's samples,
-        whole GRPO groups (``groups`` ``[B]``) picked at random with an RNG of its own, so a run is the same with and
-        without it. ``make_velocity(indices)`` gives the velocity callable of those samples. Logs an ``audit`` record
-        (on the main process), prints the audit's warning once per run, and returns its ``(seconds, CPU seconds)``
-        so that the caller can leave them out of the iteration's time."""
+        """The estimator audit (:func:`jagg.audit.audit_parts`) on whole GRPO groups (``groups`` ``[B]``) of the batch,
+        at least ``estimator.audit_samples`` samples and two groups where the batch has them, picked at random with
+        an RNG of its own, so a run is the same with and without it. ``make_velocity(indices)`` gives the velocity
+        callable of those samples. Feeds the run's :class:`jagg.audit.AuditMeter` (error against noise, predicted
+        efficiency), logs an ``audit`` record (on the main process), prints each warning once per run, and returns
+        its ``(seconds, CPU seconds)`` so that the caller can leave them out of the iteration's time."""
         c = self.cfg
         c0 = time.process_time()
         gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.iteration)
         ids = torch.unique(groups)
         chosen: list[int] = []
-        for gi in ids[torch.randperm(ids.numel(), generator=gen)]:
+        for n, gi in enumerate(ids[torch.randperm(ids.numel(), generator=gen)]):
             chosen += torch.nonzero(groups == gi).flatten().tolist()
-            if len(chosen) >= c.estimator.audit_samples:
+            if len(chosen) >= c.estimator.audit_samples and n >= 1:
                 break
-        sub = sorted(chosen[: c.estimator.audit_samples])
+        sub = sorted(chosen)
         idx = torch.tensor(sub, device=traj.latents.device)
-        a = audit_gradient(make_velocity(sub), traj.select(idx), adv[idx], c.estimator, params,
-                           None if ref_v is None else ref_v[idx], groups[torch.tensor(sub)], gen)
-        flag = audit_flag(a, c.estimator)
+        g_sub = groups[torch.tensor(sub)]
+        a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], c.estimator, params,
+                                    None if ref_v is None else ref_v[idx], g_sub, gen, split=g_sub)
+        if getattr(self, "_meter", None) is None:
+            self._meter = AuditMeter(seed=c.seed)
+        per_update = c.sample.batch_size / c.grpo.updates_per_epoch / c.sample.group_size
+        last = self.logger.records("train")[-1:] if self.logger is not None else []
+        share = last[0]["train_s"] / last[0]["iter_s"] if last and last[0].get("iter_s") else None
+        a.update(self._meter.update(exact, est, a["rows_exact"], a["rows_estimator"], per_update, share))
+        flags = [f for f in (audit_flag(a, c.estimator), meter_flag(a)) if f]
         if self.logger is not None:
             self.logger.log({"kind": "audit", "iteration": self.iteration + 1, "samples": len(sub), **a,
-                             "flagged": int(flag is not None)})
-        if flag and not getattr(self, "_flagged", False):
-            self._flagged = True
-            self._print(f"\niteration {self.iteration + 1}: {flag}")
+                             "flagged": int(bool(flags))})
+        shown = getattr(self, "_flags_shown", set())
+        for f in flags:
+            key = f.split("(")[0]
+            if key not in shown:
+                shown.add(key)
+                self._print(f"\niteration {self.iteration + 1}: {f}")
+        self._flags_shown = shown
         return a["seconds"], time.process_time() - c0
 
     def audit_due(self) -> bool:
