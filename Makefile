@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# the main job shipped in the package (src/jagg/shapes/main_job.yaml) into runs/default: a stopped run continues, a
+# finished one is not trained again (`.venv/bin/jagg train --overwrite` moves it aside and starts over)
 train: $(STAMP)
-	$(VENV)/bin/jagg train    # the main job shipped in the package: src/jagg/shapes/main_job.yaml
+	$(VENV)/bin/jagg train --resume-or-start
 
 test: $(STAMP)
 	$(PY) -m pytest -q

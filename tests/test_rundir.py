@@ -162,6 +162,14 @@ def test_resume_needs_a_run_and_starting_fresh_needs_an_explicit_flag(tmp_path, 
     assert [r["iteration"] for r in _train_records(absent)] == [1]
     assert _train(tiny_ckpt, absent, 2, flags=["--resume-or-start"]) == 0      # then it resumes
     assert [r["iteration"] for r in _train_records(absent)] == [1, 2]
+    # finished: `make train` (jagg train --resume-or-start) run twice trains nothing the second time, exit 0
+    capsys.readouterr()
+    before = _snapshot(absent)
+    assert _train(tiny_ckpt, absent, 2, flags=["--resume-or-start"]) == 0
+    assert "is at iteration 2 of grpo.iterations=2: nothing to train" in capsys.readouterr().out
+    assert _snapshot(absent) == before
+    recipe = (REPO / "Makefile").read_text().split("\ntrain:", 1)[1].split("\n\n", 1)[0]
+    assert "jagg train --resume-or-start" in recipe
     # records but no checkpoint (stopped before the first one): neither resumes nor starts over
     stopped = tmp_path / "stopped"
     stopped.mkdir()

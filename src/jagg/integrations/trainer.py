@@ -21,7 +21,8 @@ files). One iteration:
    rank's loss scaled by :func:`jagg.training.distributed.loss_scale` so the result is the gradient of the global
    minibatch.
 
-Outputs in ``log.output_dir``: ``metrics.jsonl`` (+ TensorBoard), ``reward_curve.png``, ``samples/iter_<n>.png``
+Outputs in ``log.output_dir`` (one run per directory, :mod:`jagg.training.rundir`; ``run.json`` holds the run id):
+``metrics.jsonl`` (+ TensorBoard), ``reward_curve.png``, ``samples/iter_<n>.png``
 (a few rollout images at each checkpoint), ``checkpoints/ckpt_<n>.pt`` (trainable weights, optimizer, every RNG,
 config; atomic, keep-last-N) and, with LoRA, ``checkpoints/adapter_<n>/pytorch_lora_weights.safetensors``, which
 ``StableDiffusion3Pipeline.load_lora_weights`` / ``FluxPipeline.load_lora_weights`` read.
@@ -361,6 +362,10 @@ class RealTrainer(TrainerCore):
         c = self.cfg
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
+        if self.iteration >= c.grpo.iterations:
+            self._print(f"the run in {self.out} is at iteration {self.iteration} of grpo.iterations="
+                        f"{c.grpo.iterations}: nothing to train (raise grpo.iterations to continue it, or --overwrite "
+                        "to start over)")
         handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             bar = tqdm(total=c.grpo.iterations, initial=self.iteration, disable=not (c.log.progress and self.main),

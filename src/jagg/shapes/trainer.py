@@ -245,6 +245,9 @@ class Trainer(TrainerCore):
     def train(self) -> list[dict]:
         c = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
+        if self.iteration >= c.grpo.iterations:
+            print(f"the run in {self.out} is at iteration {self.iteration} of grpo.iterations={c.grpo.iterations}: "
+                  "nothing to train (raise grpo.iterations to continue it, or --overwrite to start over)")
         handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             if self.iteration == 0 and c.eval.every:
