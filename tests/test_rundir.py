@@ -170,15 +170,20 @@ def test_resume_needs_a_run_and_starting_fresh_needs_an_explicit_flag(tmp_path, 
     assert _snapshot(absent) == before
     recipe = (REPO / "Makefile").read_text().split("\ntrain:", 1)[1].split("\n\n", 1)[0]
     assert "jagg train --resume-or-start" in recipe
-    # records but no checkpoint (stopped before the first one): neither resumes nor starts over
+    # records but no checkpoint (stopped before the first one): --resume refuses; --resume-or-start moves them aside
+    # (the run cannot be continued) and starts a new run
     stopped = tmp_path / "stopped"
     stopped.mkdir()
     (stopped / "metrics.jsonl").write_text('{"kind": "train", "iteration": 1}\n')
-    for flag in ("--resume", "--resume-or-start"):
-        assert _train(tiny_ckpt, stopped, 2, flags=[flag]) == 2
-        err = _one_line_error(capsys)
-        assert "metrics.jsonl with 1 record but no checkpoint" in err and "--overwrite" in err
+    assert _train(tiny_ckpt, stopped, 1, flags=["--resume"]) == 2
+    err = _one_line_error(capsys)
+    assert "metrics.jsonl with 1 record but no checkpoint" in err and "--overwrite" in err
     assert (stopped / "metrics.jsonl").read_text() == '{"kind": "train", "iteration": 1}\n'
+    assert _train(tiny_ckpt, stopped, 1, flags=["--resume-or-start"]) == 0
+    assert "but no checkpoint to resume: moved it to" in capsys.readouterr().out
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("stopped.old-")]
+    assert (aside / "metrics.jsonl").read_text() == '{"kind": "train", "iteration": 1}\n'
+    assert [r["iteration"] for r in _train_records(stopped)] == [1]
 
 
 def test_library_resume_true_starts_or_continues_as_bench_quality_needs(tmp_path, tiny_ckpt):

@@ -293,7 +293,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     how.add_argument("--resume", action="store_true", help="continue the run in the run directory from its newest "
                      "readable checkpoint; an error (exit 2, nothing changed) when there is none")
     how.add_argument("--resume-or-start", action="store_true", help="continue the run in the run directory, or start "
-                     "a new run when the directory holds no run (never over unreadable checkpoints or metrics)")
+                     "a new run when it holds none (a run that saved no checkpoint is moved aside first; unreadable "
+                     "checkpoints are an error)")
     how.add_argument("--overwrite", action="store_true", help="start a new run; an old run in the run directory is "
                      "moved aside to DIR.old-<time> first (never deleted)")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML (after --config "

@@ -7,9 +7,10 @@
   ``--resume`` refuses a checkpoint of another run, and checkpoint pruning (``log.keep_last``) deletes only older
   checkpoints carrying the current run's id.
 - ``--resume`` **never starts over**: without a readable checkpoint it is an error naming every checkpoint file
-  and why it could not be read (or saying that there is none). Only ``resume_or_start`` (``--resume-or-start``, and
-  the library's ``Trainer(cfg, resume=True)`` that ``jagg bench quality`` uses) starts a new run, and only in a
-  directory that holds no run.
+  and why it could not be read (or saying that there is none). Only ``require_checkpoint=False`` (``--resume-or-start``
+  and the library's ``Trainer(cfg, resume=True)`` that ``jagg bench quality`` uses) starts a new run, and only in a
+  directory that holds no run, or after moving aside one that saved no checkpoint (records, samples: a run that
+  stopped before its first checkpoint cannot be continued).
 - Filesystem errors while preparing the directory (a file where the directory should be, read-only, no
   permission) are :class:`RunDirError` naming the path and what to do.
 """
@@ -127,8 +128,8 @@ def move_aside(out: Path) -> Path:
     out = Path(os.path.abspath(out))
     cwd = Path.cwd().resolve()
     if cwd == out.resolve() or out.resolve() in cwd.parents:
-        raise RunDirError(f"--overwrite would move {out}, which holds the current directory; run from elsewhere or "
-                          "choose another --output-dir")
+        raise RunDirError(f"cannot move {out} aside: it holds the current directory; run from elsewhere or choose "
+                          "another --output-dir")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target, n = out.with_name(f"{out.name}.old-{stamp}"), 1
     while target.exists():
@@ -160,7 +161,9 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
 
     ``resume=False``: a new run; ``out`` must hold no run (``overwrite``: moved aside first). ``resume=True``: the
     newest readable checkpoint of ``out/checkpoints``, which must belong to the directory's run; without one, an
-    error naming each unreadable file, or (``require_checkpoint=False``) a new run when ``out`` holds no run at all.
+    error naming each unreadable file, or (``require_checkpoint=False``) a new run: at once when ``out`` holds no run,
+    after moving it aside when it holds one without any checkpoint. With several processes every one must call this
+    (``barrier`` runs in every branch that does not raise).
     Raises :class:`RunDirError` (a ``ValueError``)."""
     out = Path(out)
     barrier = barrier or (lambda: None)
@@ -179,17 +182,19 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
     ckpt_dir = out / "checkpoints"
     own = read_run_file(out)
     own_id = own["run_id"] if own else None
-    files = list_checkpoints(ckpt_dir)
-    unreadable = []
-    for path in reversed(files):
+    found, unreadable = None, []
+    for path in reversed(list_checkpoints(ckpt_dir)):     # every process reads before any moves (the barrier below)
         try:
-            state = read_checkpoint(path)
+            found = (read_checkpoint(path), path)
+            break
         except ValueError as e:
             unreadable.append(f"{path.name} {one_line(str(e).replace(str(path), '').strip(' :,'), 200)}")
-            continue
         except OSError as e:                      # e.g. no read permission
             unreadable.append(f"{path.name} cannot be read: {e.strerror or e}")
-            continue
+    there = run_contents(out) if found is None and not unreadable else []
+    barrier()
+    if found is not None:
+        state, path = found
         theirs = state.get("run_id")
         if own_id is not None and theirs is not None and theirs != own_id:
             raise RunDirError(f"cannot resume: {path} belongs to run {theirs}, but {out}/{RUN_FILE} names run "
@@ -197,16 +202,23 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
                               "in the directory it came from)")
         for line in unreadable:
             log(f"warning: skipping unreadable checkpoint {ckpt_dir}/{line}")
-        return RunStart(theirs or own_id or new_run_id(), (state, path))
+        return RunStart(theirs or own_id or new_run_id(), found)
     if unreadable:
         raise RunDirError(f"cannot resume: no readable checkpoint in {ckpt_dir}, nothing was changed: "
                           + "; ".join(unreadable) + ". Restore a checkpoint, or start a new run with another "
                           "--output-dir or with --overwrite (moves this directory aside)")
-    there = run_contents(out)
-    if there:
+    if there and require_checkpoint:
         raise RunDirError(f"cannot resume: {out} holds {'; '.join(there)} but no checkpoint (the run stopped before "
                           "its first one, see log.checkpoint_every); start it over with --overwrite (moves the old "
-                          "files aside) or use another --output-dir")
+                          "files aside), or --resume-or-start, or use another --output-dir")
+    moved = None
+    if there:                                      # a run that cannot be continued: kept aside, a new one starts
+        if main:
+            moved = move_aside(out)
+            log(f"{out} holds {'; '.join(there)} but no checkpoint to resume: moved it to {moved} (nothing deleted); "
+                "starting a new run")
+        barrier()
+        return RunStart(new_run_id(), None, moved)
     if require_checkpoint:
         state = "does not exist" if not out.exists() else "holds no checkpoint"
         raise RunDirError(f"cannot resume: there is no run in {out} (it {state}); drop --resume to start a new run "
