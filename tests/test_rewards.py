@@ -153,3 +153,19 @@ def test_evaluate_reports_pass_rate_per_constraint_kind(monkeypatch):
     truth["images"] = np.zeros_like(truth["images"]) + np.array(BACKGROUND, np.uint8)
     m, _, _ = evaluation.evaluate(None, GenevalReward(), images_per_prompt=2)
     assert all(m[k] == 0.0 for k in kinds), m
+
+
+def test_evaluate_reports_each_component_of_a_weighted_reward(monkeypatch):
+    """With reward.weights, evaluate reports each component's unweighted mean (reward/<name>) and still the
+    GenEval-like accuracies and pass rates of the geneval component; their weighted sum is reward_mean."""
+    from jagg.rewards.registry import get_reward
+    from jagg.shapes import evaluation
+
+    prompts = test_prompts()[:12]
+    images = render_prompts(prompts, 0)[0]
+    monkeypatch.setattr(evaluation, "generate", lambda model, batch, *a, **k: images[:len(batch)])
+    m, _, _ = evaluation.evaluate(None, get_reward({"geneval": 1.0, "jpeg_compressibility": 0.5}), num_prompts=12,
+                                  images_per_prompt=1)
+    assert m["reward/geneval"] == 1.0 and m["reward/jpeg_compressibility"] < 0
+    assert m["reward_mean"] == pytest.approx(1.0 + 0.5 * m["reward/jpeg_compressibility"], rel=1e-5)
+    assert m["accuracy"] == 1.0 and m["pass/shape"] == 1.0 and "accuracy/colors" in m

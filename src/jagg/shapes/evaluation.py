@@ -24,6 +24,16 @@ def generate(model: nn.Module, prompts: list[str], num_steps: int, guidance_scal
     return from_tensor(x)
 
 
+def _component_info(info: dict) -> dict:
+    """A weighted sum of rewards files a component's info under ``<name>/<key>``: lift the GenEval-like keys
+    (``correct``, ``constraints``, ``accuracy/...``) of the first component that has them to the top."""
+    for key in info:
+        if key.endswith("/correct"):
+            prefix = key[: -len("correct")]
+            return {k[len(prefix):]: v for k, v in info.items() if k.startswith(prefix)}
+    return {}
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, reward_fn, num_prompts: int = 0, images_per_prompt: int = 2, num_steps: int = 10,
              guidance_scale: float = 3.0, seed: int = 1234, shift: float = 1.0, with_scores: bool = False) -> tuple:
@@ -33,13 +43,15 @@ def evaluate(model: nn.Module, reward_fn, num_prompts: int = 0, images_per_promp
     when ``with_scores`` (the trainer captions its sample grids with them); metrics hold ``reward_mean``, ``accuracy``,
     ``held_out_reward`` (prompts using a held-out colour+shape pair), per-category accuracies and, for rewards
     that report ``constraints`` (geneval), the pass rate of each constraint kind (``pass/shape``, ``pass/color``,
-    ``pass/relation``, ``pass/no_extra``).
+    ``pass/relation``, ``pass/no_extra``), and for a weighted sum of rewards each component's unweighted mean
+    (``reward/<name>``).
     """
     prompts = test_prompts()
     prompts = prompts[:num_prompts] if num_prompts else prompts
     batch = [p for p in prompts for _ in range(images_per_prompt)]
     images = generate(model, batch, num_steps, guidance_scale, seed, shift)
     scores, info = reward_fn(images, batch, None)
+    info = {**info, **_component_info(info)}
     held = np.array([uses_held_out(p) for p in batch])
     metrics = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std())}
     if "correct" in info:
@@ -49,6 +61,9 @@ def evaluate(model: nn.Module, reward_fn, num_prompts: int = 0, images_per_promp
     if (~held).any():
         metrics["seen_reward"] = float(scores[~held].mean())
     metrics.update({k: v for k, v in info.items() if k.startswith("accuracy/")})
+    for k, v in info.items():      # a weighted sum of rewards: each component's mean, reported separately
+        if k.startswith("scores/"):
+            metrics["reward/" + k[len("scores/"):]] = float(np.mean(v))
     if "constraints" in info:      # GenEval-like rewards: pass rate per constraint kind ("shape:circle" -> shape)
         passed: dict[str, list[bool]] = {}
         for c in info["constraints"]:

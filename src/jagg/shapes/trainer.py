@@ -208,6 +208,7 @@ class Trainer(TrainerCore):
                "iter_cpu_s": cpu, "cpu_s": self.cpu}
         if "correct" in info:
             rec["accuracy"] = float(np.mean(info["correct"]))
+        rec.update({"reward/" + k[len("scores/"):]: float(np.mean(v)) for k, v in info.items() if k.startswith("scores/")})
         if per_update:
             for k in ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl", "grad_norm", "jagg_frac_routed"):
                 rec[k] = float(np.mean([s[k] for s in per_update]))
