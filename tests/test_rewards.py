@@ -169,3 +169,22 @@ def test_evaluate_reports_each_component_of_a_weighted_reward(monkeypatch):
     assert m["reward/geneval"] == 1.0 and m["reward/jpeg_compressibility"] < 0
     assert m["reward_mean"] == pytest.approx(1.0 + 0.5 * m["reward/jpeg_compressibility"], rel=1e-5)
     assert m["accuracy"] == 1.0 and m["pass/shape"] == 1.0 and "accuracy/colors" in m
+
+
+def test_rewards_do_not_import_the_shapes_world():
+    """A real-model user's reward server pulls in no toy task: importing the reward modules loads no jagg.shapes
+    module (a fresh interpreter, so that no other test's import counts)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import jagg.rewards.server, jagg.rewards.registry, jagg.rewards.client, "
+            "jagg.rewards.protocol; print(sorted(m for m in sys.modules if m.startswith('jagg.shapes')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_shapes_world_registers_geneval_itself():
+    import jagg.shapes  # noqa: F401  (registers 'geneval')
+    from jagg.rewards import available_rewards
+
+    assert "geneval" in available_rewards()

@@ -1,7 +1,7 @@
 """Rewards: a registry of reward specs (names, weighted sums, ``module:function``), DDPO's JPEG rewards, and the
 HTTP reward client (:class:`RewardClient`, in :mod:`jagg.rewards.client`; the server is :mod:`jagg.rewards.server`,
-their wire format :mod:`jagg.rewards.protocol`). The shapes world's GenEval-like reward lives with its task
-(:mod:`jagg.shapes.geneval`) and is registered here as ``geneval``."""
+their wire format :mod:`jagg.rewards.protocol`). Nothing here depends on a task: the shapes world's GenEval-like
+reward lives with its task (:mod:`jagg.shapes.geneval`), which registers it as ``geneval`` when imported."""
 
 from .client import RewardClient, RewardServerError
 from .registry import (REWARDS, CheckedReward, WeightedSum, available_rewards, get_reward, jpeg_compressibility,

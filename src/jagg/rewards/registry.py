@@ -5,7 +5,8 @@ Every reward has the signature
     reward(images, prompts: list[str], metadata: list[dict] | None) -> (scores float32 [N], info: dict)
 
 with images uint8 [N, H, W, 3] or a float tensor [N, 3, H, W] in [-1, 1]. `get_reward(spec)` accepts
-  - a registered name: "geneval", "jpeg_compressibility", "jpeg_incompressibility";
+  - a registered name: "jpeg_compressibility", "jpeg_incompressibility", and what packages register with
+    `register_reward` when they are imported (`jagg.shapes` registers its GenEval-like "geneval");
   - a dict of weights, e.g. {"geneval": 1.0, "jpeg_compressibility": 0.1}: the weighted sum, with each
     component's scores in info["scores/<name>"] and its info under "<name>/<key>";
   - "package.module:attribute", a user function (or a class, instantiated with no arguments) that
@@ -25,8 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..shapes.render import to_uint8
-from ..shapes.geneval import GenevalReward
+from ..images import to_uint8
 
 RewardFn = Callable[..., "tuple[np.ndarray, dict] | np.ndarray"]
 
@@ -54,7 +54,6 @@ def jpeg_incompressibility(images, prompts, metadata=None):
 
 
 REWARDS: dict[str, Callable[[], RewardFn]] = {  # name -> factory
-    "geneval": GenevalReward,
     "jpeg_compressibility": lambda: jpeg_compressibility,
     "jpeg_incompressibility": lambda: jpeg_incompressibility,
 }
@@ -161,7 +160,8 @@ def get_reward(spec: str | dict[str, float] | RewardFn) -> CheckedReward:
         if ":" in spec:
             return CheckedReward(spec, _import(spec))
         raise ValueError(f"unknown reward {spec!r}; available: {', '.join(available_rewards())}, "
-                         f"a dict of weights, or 'package.module:function'")
+                         f"a dict of weights, or 'package.module:function' (a package's own rewards are registered "
+                         f"when it is imported: import jagg.shapes registers 'geneval')")
     if callable(spec):
         return CheckedReward(getattr(spec, "__name__", type(spec).__name__), spec)
     raise TypeError(f"reward spec must be a name, a dict of weights, 'module:function' or a callable, got {spec!r}")

@@ -44,7 +44,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .render import to_uint8
+from ..images import to_uint8
+from ..rewards.registry import register_reward
 from .scene import BACKGROUND, CATEGORIES, COLORS, PromptSpec, parse_prompt
 
 _NAMES = tuple(COLORS)
@@ -182,3 +183,6 @@ class GenevalReward:
             c["relation"] = bool(ok)
         c["no_extra"] = len(dets) == sum(o.count for o in spec.objects)
         return c
+
+
+register_reward("geneval", GenevalReward)      # the world registers its reward: `reward.name: geneval` in a config
