@@ -4,6 +4,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,3 +139,38 @@ def test_trainer_audit_logs_the_meter_and_warns_once(tmp_path, tiny_ckpt, capsys
     assert math.isnan(audits[0]["predicted_time_efficiency"]) and math.isfinite(audits[1]["predicted_time_efficiency"])
     out = capsys.readouterr().out
     assert out.count("audit: this estimator") <= 2          # each warning at most once per run
+
+
+def _run(variant, seed, speed, per_iter):
+    """A synthetic bench-quality run: the held-out reward rises by 0.01 x speed per iteration, each iteration costs
+    ``per_iter`` seconds (wall and CPU)."""
+    its = list(range(1, 21))
+    test = [[i, i * per_iter, 0.5 + 0.01 * speed * i] for i in (0, 5, 10, 15, 20)]
+    return {"kind": "run", "variant": variant, "seed": seed, "updates": 20,
+            "train_curve": [[i, i * per_iter, 0.5 + 0.01 * speed * i, i * per_iter] for i in its],
+            "test_curve": test, "final_test_reward": test[-1][2], "final_test_reward_std": 0.1, "eval_images": 100,
+            "sample_s": 0.5, "reward_s": 0.0, "train_s": per_iter - 0.5, "iter_s": per_iter, "iter_cpu_s": per_iter,
+            "rows_per_update": 8 if variant == "exact" else 4, "nograd_per_update": 0, "wall_s": 20 * per_iter}
+
+
+def test_quality_time_to_the_held_out_target():
+    """exact reaches its final held-out reward (0.70) at iteration 20; a variant that learns 2x faster per update gets
+    there at iteration 10, and with 1.5 s instead of 2 s per iteration that is 40 / 15 = 2.67x sooner in seconds;
+    one that learns at half the speed never gets there."""
+    from jagg.bench.quality import compare, time_to_test_target
+
+    curve = np.array([[0.5, 0.6, 0.7], [0.5, 0.6, 0.7]])
+    clock = np.array([[0.0, 10.0, 20.0], [0.0, 10.0, 20.0]])
+    assert time_to_test_target(curve, clock, 0.65) == (pytest.approx(15.0), True)     # interpolated
+    assert time_to_test_target(curve, clock, 0.9) == (20.0, False)
+    runs = [_run("exact", s, 1.0, 2.0) for s in (0, 1, 2)] + [_run("fast", s, 2.0, 1.5) for s in (0, 1, 2)] + \
+        [_run("slow", s, 0.5, 1.0) for s in (0, 1, 2)]
+    out = {r["variant"]: r for r in compare(runs, ["exact", "fast", "slow"], [0, 1, 2], "cpu", "test")}
+    assert out["exact"]["time_to_target_ratio"] == pytest.approx(1.0)
+    assert out["fast"]["time_to_target_ratio"] == pytest.approx(40 / 15) and out["fast"]["reached"]
+    assert out["fast"]["updates_to_target_ratio"] == pytest.approx(2.0)
+    assert out["fast"]["time_ratio_estimate"] == pytest.approx(2.0 * 2.0 / 1.5)
+    assert out["fast"]["test_gain"] == pytest.approx(0.4) and out["exact"]["test_gain"] == pytest.approx(0.2)
+    assert not out["slow"]["reached"] and out["slow"]["not_reached_share"] == 1.0
+    with pytest.raises(ValueError, match="--target"):
+        compare(runs, ["exact", "fast"], [0, 1, 2], "cpu", "best")

@@ -22,6 +22,11 @@ Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy
   still does); ``--clock iterations`` counts updates (updates-to-target; times the side-by-side iteration-time ratio
   of ``jagg bench e2e`` it estimates the time ratio without the load of the machine in it). A variant that never gets there counts as reaching
   it at its last iteration (an upper bound of its ratio); the share of such resamples is reported.
+- ``--target test``: the same with exact's final *held-out* test reward as the target (mean over seeds of the last
+  evaluation), reached where the seed-mean test curve first crosses it (linear between evaluations). Always reported
+  too: the updates-to-target ratio with its interval, and ``time_ratio_estimate`` = updates-to-target ratio times the
+  CPU-seconds iteration ratio of the same runs (the load of the machine taken out), and the held-out gain of each
+  variant over its start (``test_gain``, with its interval).
 - **final test reward** at equal updates (held-out test prompts, the trainer's last evaluation), its mean, interval,
   the paired difference to exact with its interval, and the evaluation's own noise (per-image standard error).
 - the training reward at the start and the end (means over the first and last 10% of iterations): a variant that
@@ -56,6 +61,7 @@ QUICK_SETS = ["grpo.iterations=4", "sample.prompts_per_iter=4", "sample.group_si
               "eval.num_prompts=8", "eval.images_per_prompt=1", "eval.grid_size=4", "log.checkpoint_every=0"]
 BOOTSTRAP = 2000
 CLOCKS = ("wall", "cpu", "iterations")
+TARGETS = ("train", "test")
 CLOCK_COLUMN = {"iterations": 0, "wall": 1, "cpu": 3}      # in a run's train_curve
 
 
@@ -185,15 +191,40 @@ def time_to_target(reward: np.ndarray, wall: np.ndarray, target: float, w: int) 
     return (float(t[hit[0]]), True) if hit.size else (float(t[-1]), False)
 
 
+def time_to_test_target(test: np.ndarray, clock: np.ndarray, target: float) -> tuple[float, bool]:
+    """When the seed-mean held-out reward ``test`` ``[S, M]`` (evaluations at the times ``clock`` ``[S, M]``, averaged
+    over seeds) first reaches ``target``, linearly interpolated between the two evaluations around the crossing;
+    and whether it did (else: the last evaluation's time)."""
+    curve, t = test.mean(0), clock.mean(0)
+    hit = np.nonzero(curve >= target - 1e-12)[0]
+    if not hit.size:
+        return float(t[-1]), False
+    i = int(hit[0])
+    if i == 0:
+        return float(t[0]), True
+    frac = (target - curve[i - 1]) / (curve[i] - curve[i - 1])
+    return float(t[i - 1] + frac * (t[i] - t[i - 1])), True
+
+
+def _test_clock(run: dict, col: int) -> list[float]:
+    """The clock (``col`` of the train curve: 0 iterations, 1 wall, 3 CPU seconds) at each evaluation of a run."""
+    at = {p[0]: p[col] for p in run["train_curve"]}
+    return [0.0 if p[0] == 0 else float(at.get(p[0], np.nan)) for p in run["test_curve"]]
+
+
 def _interval(xs: np.ndarray) -> tuple[float, float]:
     return float(np.percentile(xs, 2.5)), float(np.percentile(xs, 97.5))
 
 
-def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str = "wall") -> list[dict]:
+def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str = "wall",
+            target: str = "train") -> list[dict]:
     """Per variant: the paired statistics of the module docstring (bootstrap over seeds). ``clock``: ``wall``
-    (wall-clock seconds), ``cpu`` (CPU seconds of the training process) or ``iterations`` for the time axis."""
+    (wall-clock seconds), ``cpu`` (CPU seconds of the training process) or ``iterations`` for the time axis;
+    ``target``: ``train`` (exact's final training reward) or ``test`` (exact's final held-out reward)."""
     if clock not in CLOCKS:
         raise ValueError(f"--clock must be one of {CLOCKS}; got {clock!r}")
+    if target not in TARGETS:
+        raise ValueError(f"--target must be one of {TARGETS}; got {target!r}")
     by = {(r["variant"], r["seed"]): r for r in runs}
     n = min(len(by[(v, s)]["train_curve"]) for v in variants for s in seeds)
     w = max(1, n // 10)
@@ -207,10 +238,25 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
     S = len(seeds)
     boots = [rng.integers(0, S, S) for _ in range(BOOTSTRAP)] if S > 1 else [np.arange(S)]
 
-    def ttt_ratio(v: str, idx: np.ndarray) -> tuple[float, bool]:
-        target = float(rew["exact"][idx][:, -w:].mean())
-        t_ex, _ = time_to_target(rew["exact"][idx], wall["exact"][idx], target, w)
-        t_v, reached = time_to_target(rew[v][idx], wall[v][idx], target, w)
+    m = min(len(by[(v, s)]["test_curve"]) for v in variants for s in seeds)
+    test = {v: np.array([[p[2] for p in by[(v, s)]["test_curve"][:m]] for s in seeds]) for v in variants}
+    test_t = {v: {c: np.array([_test_clock(by[(v, s)], CLOCK_COLUMN[c])[:m] for s in seeds]) for c in CLOCKS}
+              for v in variants}
+    if target == "test" and m < 2:
+        raise ValueError("--target test needs at least two evaluations per run (eval.every > 0)")
+
+    def ttt_ratio(v: str, idx: np.ndarray, c: str = clock) -> tuple[float, bool]:
+        if target == "test":
+            goal = float(test["exact"][idx][:, -1].mean())
+            t_ex, _ = time_to_test_target(test["exact"][idx], test_t["exact"][c][idx], goal)
+            t_v, reached = time_to_test_target(test[v][idx], test_t[v][c][idx], goal)
+            return (t_ex / t_v if t_v > 0 else float("nan")), reached
+        clk = {"iterations": 0, "wall": 1, "cpu": 3}[c]
+        wl = {u: np.array([[p[clk] for p in by[(u, s)]["train_curve"][:n]] for s in seeds], dtype=float)
+              for u in ("exact", v)}
+        goal = float(rew["exact"][idx][:, -w:].mean())
+        t_ex, _ = time_to_target(rew["exact"][idx], wl["exact"][idx], goal, w)
+        t_v, reached = time_to_target(rew[v][idx], wl[v][idx], goal, w)
         return t_ex / t_v, reached
 
     by_variant: dict[str, dict] = {}
@@ -251,6 +297,22 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
             "iter_ratio_ideal": (sr + ex["train_s"]) / (sr + ex["train_s"] / limit),
             "wall_s": statistics.fmean(r["wall_s"] for r in rs),
         }
+        ups = [ttt_ratio(v, idx, "iterations")[0] for idx in boots]
+        cpu_ratio = by_variant[v]["iter_cpu_ratio"]
+        by_variant[v].update({
+            "target": target, "updates_to_target_ratio": ttt_ratio(v, np.arange(S), "iterations")[0],
+            "updates_ratio_lo": _interval(np.array(ups))[0], "updates_ratio_hi": _interval(np.array(ups))[1],
+            # updates-to-target times the CPU-seconds iteration ratio measured in the same runs
+            "time_ratio_estimate": ttt_ratio(v, np.arange(S), "iterations")[0] * cpu_ratio,
+            "time_ratio_estimate_lo": _interval(np.array(ups))[0] * cpu_ratio,
+            "time_ratio_estimate_hi": _interval(np.array(ups))[1] * cpu_ratio,
+            "test_start": float(np.nanmean(test[v][:, 0])) if m else None,
+            "test_gain": float(np.nanmean(fin - test[v][:, 0])) if m else None,
+            "test_gain_lo": _interval(np.array([float(np.nanmean((fin - test[v][:, 0])[idx])) for idx in boots]))[0]
+            if m else None,
+            "test_gain_hi": _interval(np.array([float(np.nanmean((fin - test[v][:, 0])[idx])) for idx in boots]))[1]
+            if m else None,
+        })
         out.append(by_variant[v])
     for r in out:
         e = by_variant["exact"]
@@ -310,6 +372,8 @@ def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world", 
 VARIANT_COLUMNS = [
     ("variant", "variant", ""), ("seeds", "seeds", ""), ("time_to_target_ratio", "time-to-target", ".2f"),
     ("ratio_lo", "lo", ".2f"), ("ratio_hi", "hi", ".2f"), ("not_reached_share", "unreached", ".2f"),
+    ("time_ratio_estimate", "updates x cpu", ".2f"), ("time_ratio_estimate_lo", "lo", ".2f"),
+    ("time_ratio_estimate_hi", "hi", ".2f"), ("test_gain", "test gain", "+.3f"),
     ("final_test_mean", "final test", ".3f"), ("final_test_lo", "lo", ".3f"), ("final_test_hi", "hi", ".3f"),
     ("diff_vs_exact", "- exact", "+.3f"), ("diff_lo", "lo", "+.3f"), ("diff_hi", "hi", "+.3f"),
     ("eval_se", "eval SE", ".3f"), ("train_start", "train start", ".3f"), ("train_end", "end", ".3f"),
@@ -319,7 +383,8 @@ RUN_COLUMNS = [("variant", "variant", ""), ("seed", "seed", ""), ("updates", "up
                ("rows_per_update", "rows/upd", ".0f")]
 
 
-def run_quality(q: QualityConfig, clock: str = "wall", train_only: str | None = None) -> list[dict]:
+def run_quality(q: QualityConfig, clock: str = "wall", train_only: str | None = None,
+                target: str = "train") -> list[dict]:
     """Train (or skip, or resume) every run and compare. ``train_only``: train just that variant's runs and return
     them without a comparison (to run two variants side by side in two processes, which then share whatever else
     loads the machine; a last call without it compares)."""
@@ -331,7 +396,7 @@ def run_quality(q: QualityConfig, clock: str = "wall", train_only: str | None = 
             raise ValueError(f"--train-only {train_only!r} is not one of the variants {names}")
         return [run_one(q, train_only, s) for s in q.seeds]
     runs = [run_one(q, v, s) for s in q.seeds for v in names]        # seed-major, alternating variants
-    return runs + compare(runs, names, q.seeds, clock)
+    return runs + compare(runs, names, q.seeds, clock, target)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -350,7 +415,7 @@ def _run(args: argparse.Namespace) -> int:
     out = args.out or ("runs/bench_quality_quick" if args.quick else "runs/bench_quality")
     q = QualityConfig(config=args.config, sets=sets, variants=variants,
                       seeds=list(range(args.first_seed, args.first_seed + n_seeds)), out=out)
-    records = run_quality(q, args.clock, args.train_only)
+    records = run_quality(q, args.clock, args.train_only, args.target)
     runs = [r for r in records if r["kind"] == "run"]
     if args.train_only:
         print(table(runs, RUN_COLUMNS))
@@ -390,6 +455,10 @@ def add_parser(sub) -> None:
                         "threads=1 the two agree on an idle machine; CPU seconds ignore waiting for a busy core, not "
                         "a slower one), or iterations (updates to target: multiply by the iteration-time ratio of "
                         "`jagg bench e2e` for a load-independent time estimate) [default: wall]")
+    p.add_argument("--target", choices=TARGETS, default="train",
+                   help="what time-to-target waits for: exact's final training reward (smoothed curves) or its final "
+                        "held-out test reward (the seed-mean evaluations, interpolated between evaluations) "
+                        "[default: train]")
     p.add_argument("--train-only", metavar="NAME",
                    help="train only this variant's runs, no comparison: start one process per variant to run them "
                         "side by side (each under the same load), then the same command without it to compare")
