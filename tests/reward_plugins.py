@@ -18,7 +18,7 @@ def brightness(images, prompts, metadata):
     """Mean pixel value in [0, 1]: smooth and prompt-independent, so its policy gradient has a clear signal."""
     import numpy as np
 
-    from jagg.images import to_uint8
+    from jagg.rewards.images import to_uint8
 
     return to_uint8(images).reshape(len(prompts), -1).mean(1).astype(np.float32) / 255.0
 
@@ -29,6 +29,6 @@ def coin(images, prompts, metadata):
 
     import numpy as np
 
-    from jagg.images import to_uint8
+    from jagg.rewards.images import to_uint8
 
     return np.array([zlib.crc32(im.tobytes()) % 1000 / 1000 for im in to_uint8(images)], dtype=np.float32)

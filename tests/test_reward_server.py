@@ -25,7 +25,7 @@ import torch
 from jagg.rewards import RewardClient, RewardServerError
 from jagg.rewards.protocol import TOKEN_ENV
 from jagg.rewards.server import AestheticReward, ClipScoreReward, PickScoreReward, load_reward, make_server
-from jagg.images import to_uint8
+from jagg.rewards.images import to_uint8
 from jagg.training.config_loader import from_dict
 
 

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..images import to_uint8
+from .images import to_uint8
 from .protocol import IMAGE_FORMATS, TOKEN_ENV, auth_header, bad_scores, encode_images, jsonable
 
 
@@ -55,7 +55,7 @@ class RewardClient:
     """Reward callable that scores images on an HTTP reward server.
 
     Call: ``(images, prompts list[str], metadata list[dict] | None) -> (scores np.float32 [N], info dict)``, with
-    images as every local reward takes them (:func:`jagg.images.to_uint8`): uint8 ``[N, H, W, 3]`` (numpy or
+    images as every local reward takes them (:func:`jagg.rewards.images.to_uint8`): uint8 ``[N, H, W, 3]`` (numpy or
     torch) or a float tensor ``[N, 3, H, W]`` in [-1, 1]. Per-sample info lists of the chunks are concatenated
     (numeric ones as arrays); other info values are collected per chunk in a list. Connects directly (no HTTP proxy).
     """

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..images import to_uint8
+from .images import to_uint8
 
 IMAGE_FORMATS = ("png", "npy")
 TOKEN_ENV = "JAGG_REWARD_TOKEN"                                 # the shared token, for the server and the client

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..images import to_uint8
+from .images import to_uint8
 
 RewardFn = Callable[..., "tuple[np.ndarray, dict] | np.ndarray"]
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..images import to_uint8
+from .images import to_uint8
 from .protocol import TOKEN_ENV, auth_header, decode_images, jsonable
 from .registry import CheckedReward
 

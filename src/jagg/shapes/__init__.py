@@ -8,7 +8,7 @@ its classifier-free-guided velocity callable), ``weights`` (the shipped checkpoi
 ``geneval`` (the reward), ``pretrain``, ``config`` and ``trainer`` (GRPO), ``evaluation``."""
 
 from . import geneval, tokenizer          # geneval registers the reward 'geneval'
-from ..images import from_tensor, to_tensor, to_uint8
+from ..rewards.images import from_tensor, to_tensor, to_uint8
 from .render import render, render_batch, render_prompts
 from .scene import (BACKGROUND, CATEGORIES, COLORS, HELD_OUT_PAIRS, RELATIONS, SHAPES, VOCAB, ObjectSpec,
                     PromptSpec, Scene, SceneObject, all_prompts, parse_prompt, sample_scene, test_prompts,

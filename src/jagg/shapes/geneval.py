@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..images import to_uint8
+from ..rewards.images import to_uint8
 from ..rewards.registry import register_reward
 from .scene import BACKGROUND, CATEGORIES, COLORS, PromptSpec, parse_prompt
 

@@ -1,4 +1,4 @@
-"""Rasterise shapes-world scenes (the conversions between uint8 pixels and model space are :mod:`jagg.images`).
+"""Rasterise shapes-world scenes (the conversions between uint8 pixels and model space are :mod:`jagg.rewards.images`).
 
 Pixels are painted when their centre falls inside a shape (no anti-aliasing), so colours stay exactly on
 the palette and shapes stay crisp. Shapes, with half-extent r around the centre:

@@ -1,6 +1,6 @@
 """Images as rewards take them and as models produce them: uint8 pixels ``[N, H, W, 3]`` and float tensors
 ``[N, 3, H, W]`` in [-1, 1] (model space), and the conversions between the two. No task and no model inside: the
-rewards (:mod:`jagg.rewards`), the shapes world (:mod:`jagg.shapes`) and the trainers all convert here."""
+rewards, their wire format and the shapes world (:mod:`jagg.shapes`) all convert here."""
 
 from __future__ import annotations
 
