@@ -32,7 +32,7 @@ for mode in ("exact", "jagg"):
     opt.zero_grad()
     # correction_p=0.25 (the default): unbiased JAGG; 0.0 is the paper's plain JAGG
     cfg = jagg.EstimatorConfig(mode=mode, window=4, intermediate="interp", micro_batch=8, correction_p=0.25)
-    stats = jagg.policy_gradient(velocity, traj, adv, cfg, sample_groups=prompt_ids)  # groups: for routing
+    stats = jagg.policy_gradient(velocity, traj, adv, cfg, prompt_groups=prompt_ids)  # for routing
     grads[mode] = torch.cat([p.grad.flatten() for p in net.parameters()])
     print(f"{mode:5s}: loss={stats.loss:+.4f}  backward items={stats.backward_items:4d}  "
           f"no-grad forwards={stats.forward_nograd_items}  routed to JAGG={stats.jagg_frac_routed:.2f}")

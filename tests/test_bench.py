@@ -111,7 +111,7 @@ def test_bench_fidelity_smoke(tmp_path, bench_ckpt, capsys):
     sp = [r for r in recs if r["kind"] == "spearman"]
     assert {r["score"] for r in sp} == {"chord", "cosine", "cosine_min", "velocity_cosine"}
     assert all(r["pairs"] == 8 for r in sp)                     # 4 samples x 2 groups of > 2 steps
-    full = [r for r in recs if r["kind"] == "routing" and r["jagg_frac"] == 1.0 and r["exact_first_groups"] == 0]
+    full = [r for r in recs if r["kind"] == "routing" and r["jagg_frac"] == 1.0 and r["exact_first_intervals"] == 0]
     assert full and full[0]["cosine"] == pytest.approx(on4, abs=1e-6)  # routing everything = JAGG everywhere
 
 
@@ -316,7 +316,7 @@ def test_bench_signal_row_of_a_reward_does_not_depend_on_the_other_rewards(tmp_p
         return {k: v for k, v in rows[0].items()}
 
     alone = geneval_row(["geneval"])
-    assert alone["grad_norm"] > 0 and alone["groups_with_spread"] > 0      # a gradient, so picks matter
+    assert alone["grad_norm"] > 0 and alone["prompt_groups_with_spread"] > 0      # a gradient, so picks matter
     assert geneval_row(["geneval", "jpeg_compressibility"]) == alone
     assert geneval_row(["jpeg_compressibility", "geneval"]) == alone
     # the setting catches the bug: with the global RNG (no generator) the second reward changes the row

@@ -81,7 +81,7 @@ CASES = {
     "route_cosine_min": dict(jagg_frac=0.3, score="cosine_min"),
     "correction_intervals": dict(correction_intervals=1, correction_p=0.5),
     "correction_p1": dict(correction_p=1.0),
-    "exact_first_last": dict(exact_first_groups=1, exact_last_groups=1, window=3),
+    "exact_first_last": dict(exact_first_intervals=1, exact_last_intervals=1, window=3),
     "kl": dict(kl_beta=0.2),
     "window8": dict(window=8),
     "subsample": dict(mode="subsample", subsample_frac=0.4),
@@ -93,7 +93,7 @@ def _policy_gradient(dtype, kw, groups, only_steps=None):
     cfg = EstimatorConfig(**{"micro_batch": 4, "clip_range": 0.05, **kw})
     ref_v = jagg.reference_velocities(ref, traj) if cfg.kl_beta else None
     model.zero_grad(set_to_none=True)
-    st = jagg.policy_gradient(model, traj, adv, cfg, ref_velocities=ref_v, sample_groups=groups,
+    st = jagg.policy_gradient(model, traj, adv, cfg, ref_velocities=ref_v, prompt_groups=groups,
                               generator=torch.Generator().manual_seed(5), only_steps=only_steps)
     return _grad(model), st
 
@@ -107,7 +107,7 @@ def test_policy_gradient_under_a_float64_default(default_dtype, case, dtype, gro
     g64, st64 = _policy_gradient(dtype, CASES[case], groups)
     assert g64.dtype == dtype
     assert bool(torch.isfinite(g64).all()) and float(g64.norm()) > 0
-    assert st64.backward_items == st32.backward_items and st64.groups_corrected == st32.groups_corrected
+    assert st64.backward_items == st32.backward_items and st64.intervals_corrected == st32.intervals_corrected
     torch.testing.assert_close(g64, g32, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0)
 
 
@@ -144,7 +144,7 @@ def test_audit_gradient_under_a_float64_default(default_dtype, dtype, case):
     def audit():
         model, _, traj, adv = _setup(dtype)
         cfg = EstimatorConfig(**{"micro_batch": 4, "clip_range": 0.05, **CASES[case]})
-        return jagg.audit_gradient(model, traj, adv, cfg, list(model.parameters()), sample_groups=GROUPS,
+        return jagg.audit_gradient(model, traj, adv, cfg, list(model.parameters()), prompt_groups=GROUPS,
                                    generator=torch.Generator().manual_seed(3))
     a32 = audit()
     default_dtype(torch.float64)

@@ -115,7 +115,7 @@ def test_on_policy_ratio_is_one_and_jagg_pairs_equal_exact(family):
 def test_jagg_group_gradient_is_the_endpoint_vjp(family, intermediate):
     """W = 3 through the real transformers: the accumulated gradient is exactly J_a^T G_a + J_b^T G_b with
     G_a = sum_k (1 - alpha_k) g_k, G_b = sum_k alpha_k g_k (alpha by sigma), written out here step by step."""
-    from jagg.routing import group_alphas
+    from jagg.knots import interval_alphas
 
     make, vcfg = MODELS[family]
     model = make()
@@ -132,7 +132,7 @@ def test_jagg_group_gradient_is_the_endpoint_vjp(family, intermediate):
     model.zero_grad(set_to_none=True)
     lat, sig, K = traj.latents, traj.sigmas, traj.train_steps.numel()
     for group in ([0, 1, 2], [3, 4, 5]):
-        al = group_alphas(sig, group).float()
+        al = interval_alphas(sig, group).float()
         a, b = group[0], group[-1]
         for i in range(B):
             idx = torch.tensor([i, i])

@@ -103,7 +103,7 @@ def test_audit_meter_recovers_noise_error_and_bias_from_group_gradients():
     for _ in range(40):
         exact = mu + torch.randn(4, P, generator=g, dtype=torch.float64) / math.sqrt(P)
         est = exact + b + torch.randn(4, P, generator=g, dtype=torch.float64) * math.sqrt(0.5 / P)
-        r = meter.update(exact, est, rows_exact=80, rows_estimator=40, groups_per_update=8, train_share=0.5)
+        r = meter.update(exact, est, rows_exact=80, rows_estimator=40, prompt_groups_per_update=8, train_share=0.5)
     assert r["audits"] == 40
     assert r["error_to_noise"] == pytest.approx((0.05 + 0.5 / 8) / (1 / 8), rel=0.15)
     assert r["bias_to_noise"] == pytest.approx(0.4, abs=0.12) and r["bias_to_noise"] > 3 * r["bias_to_noise_se"]

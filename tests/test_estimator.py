@@ -105,7 +105,7 @@ def test_window_one_and_two_step_groups_are_exact(intermediate):
     traj.train_steps = torch.tensor([3, 4])
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.2))
     gj, st = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=8, intermediate=intermediate, clip_range=0.2))
-    assert st.groups == st.groups_jagg == 0 and st.backward_items == 6  # 2-step groups run exact
+    assert st.intervals == st.intervals_jagg == 0 and st.backward_items == 6  # 2-step groups run exact
     assert torch.allclose(gj, ge, **TIGHT)
 
 
@@ -202,7 +202,7 @@ def test_counts_match_cost_model(window, intermediate):
     assert sj.backward_items == sj.forward_grad_items == 2 * B * n_groups
     assert sj.forward_nograd_items == (B * n_groups * (window - 2) if intermediate == "fresh" else 0)
     eligible = B * n_groups if window > 2 else 0
-    assert sj.groups == sj.groups_jagg == eligible and sj.jagg_frac_routed == (1.0 if window > 2 else 0.0)
+    assert sj.intervals == sj.intervals_jagg == eligible and sj.jagg_frac_routed == (1.0 if window > 2 else 0.0)
 
 
 def test_on_policy_ratio_is_one():
@@ -231,15 +231,16 @@ def test_routing_fraction_zero_is_exact_and_one_routes_all():
     adv = torch.randn(4, dtype=torch.float64)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
     g0, s0 = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=0.0))
-    assert torch.allclose(g0, ge, **TIGHT) and s0.groups_jagg == 0 and s0.backward_items == 4 * 12
+    assert torch.allclose(g0, ge, **TIGHT) and s0.intervals_jagg == 0 and s0.backward_items == 4 * 12
     _, s1 = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=1.0))
-    assert s1.groups_jagg == s1.groups == 12 and s1.backward_items == 2 * 12
+    assert s1.intervals_jagg == s1.intervals == 12 and s1.backward_items == 2 * 12
 
 
 @pytest.mark.parametrize("score", ["chord", "cosine", "cosine_min", "velocity_cosine"])
 def test_routing_mid_fraction_picks_most_linear_groups(score):
     from jagg.knots import plan_update
-    from jagg.routing import group_scores, make_groups
+    from jagg.knots import interval_alphas, step_groups
+    from jagg.routing import linearity_scores
 
     torch.manual_seed(8)
     model = Nonlinear(batch=4)
@@ -247,8 +248,9 @@ def test_routing_mid_fraction_picks_most_linear_groups(score):
     cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=0.5, score=score)
     plan = plan_update(traj, cfg)
     assert plan.eligible == 12 and plan.routed == 6
-    scores = group_scores(traj.velocities, traj.sigmas, make_groups(list(range(12)), 4), score)
-    routed = {(u.sample, u.rows[0] // 4) for u in plan.units if u.jagg}
+    intervals = step_groups(list(range(12)), 4)
+    scores = linearity_scores(traj.velocities, intervals, [interval_alphas(traj.sigmas, iv) for iv in intervals], score)
+    routed = {(b.sample, b.rows[0] // 4) for b in plan.bundles if b.jagg}
     thresh = torch.sort(scores.flatten(), descending=True).values[5]
     assert all(scores[i, g] >= thresh for i, g in routed)
     assert all(scores[i, g] <= thresh for i in range(4) for g in range(3) if (i, g) not in routed)
@@ -257,7 +259,8 @@ def test_routing_mid_fraction_picks_most_linear_groups(score):
 
 
 def test_chord_score_ranks_a_linear_group_above_a_curved_one():
-    from jagg.routing import group_scores
+    from jagg.knots import interval_alphas
+    from jagg.routing import linearity_scores
 
     sig = jagg.flow_sigmas(8, dtype=torch.float64)
     v = torch.zeros(1, 8, 3, dtype=torch.float64)
@@ -265,7 +268,8 @@ def test_chord_score_ranks_a_linear_group_above_a_curved_one():
     v[0, 4:] = torch.stack([torch.tensor([1.0, 0, 0]), torch.tensor([0, 1.0, 0]),
                             torch.tensor([-1.0, 0, 0]), torch.tensor([0, -1.0, 0])])  # a curve
     for score in ("chord", "cosine", "cosine_min"):
-        s = group_scores(v, sig, [[0, 1, 2, 3], [4, 5, 6, 7]], score)
+        intervals = [[0, 1, 2, 3], [4, 5, 6, 7]]
+        s = linearity_scores(v, intervals, [interval_alphas(sig, iv) for iv in intervals], score)
         assert s[0, 0] > s[0, 1], score
 
 
@@ -273,10 +277,10 @@ def test_exact_first_and_last_groups():
     model = Nonlinear(batch=2)
     traj = sampled_traj(model, B=2, T=16)
     adv = torch.randn(2, dtype=torch.float64)
-    _, st = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, exact_first_groups=1, exact_last_groups=1))
-    assert st.groups_jagg == 2 * 2 and st.backward_items == 2 * (4 + 4 + 2 + 2)
+    _, st = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, exact_first_intervals=1, exact_last_intervals=1))
+    assert st.intervals_jagg == 2 * 2 and st.backward_items == 2 * (4 + 4 + 2 + 2)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
-    gj, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, exact_first_groups=4))
+    gj, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, exact_first_intervals=4))
     assert torch.allclose(gj, ge, **TIGHT)
 
 
@@ -370,10 +374,11 @@ def test_bad_sampling_inputs_raise(kw, err, msg):
 
 
 def test_routing_whole_grpo_groups():
-    """With sample_groups, a GRPO group's members are routed together, by their mean score, and the gradient is
+    """With prompt_groups, a prompt group's samples are routed together, by their mean score, and the gradient is
     the exact gradient of the unrouted groups plus the JAGG gradient of the routed ones."""
     from jagg.knots import plan_update
-    from jagg.routing import group_scores, make_groups, route
+    from jagg.knots import interval_alphas, route, step_groups
+    from jagg.routing import linearity_scores
 
     torch.manual_seed(9)
     model = Nonlinear(batch=6)
@@ -381,18 +386,19 @@ def test_routing_whole_grpo_groups():
     members = torch.tensor([0, 0, 1, 1, 2, 2])                   # three GRPO groups of two samples
     cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=0.5, score="chord")
     plan = plan_update(traj, cfg, members)
-    routed = {(u.sample, u.rows[0] // 4) for u in plan.units if u.jagg}
+    routed = {(b.sample, b.rows[0] // 4) for b in plan.bundles if b.jagg}
     assert plan.eligible == 12 and plan.routed == 6                           # round(0.5 * 6 units) = 3 units x 2 samples
     for i, g in routed:
         assert (i ^ 1, g) in routed                                # the partner sample is routed alike
-    scores = group_scores(traj.velocities, traj.sigmas, make_groups(list(range(8)), 4), "chord")
+    intervals = step_groups(list(range(8)), 4)
+    scores = linearity_scores(traj.velocities, intervals, [interval_alphas(traj.sigmas, iv) for iv in intervals], "chord")
     unit = scores.view(3, 2, 2).mean(1)                           # [GRPO group, step group]
     expect = {(2 * u + k, g) for u, g in torch.nonzero(route(unit, 0.5, torch.ones(2, dtype=torch.bool)))
               .tolist() for k in (0, 1)}
     assert routed == {(int(i), int(g)) for i, g in expect}
     # the gradient decomposes: per (sample, step group), exact or JAGG
     adv = torch.randn(6, dtype=torch.float64)
-    g_mixed, _ = run(model, traj, adv, cfg, sample_groups=members)
+    g_mixed, _ = run(model, traj, adv, cfg, prompt_groups=members)
     total = torch.zeros_like(g_mixed)
     for i in range(6):                                             # sample i alone: the others' advantages 0
         only = torch.zeros(6, dtype=torch.float64)
@@ -406,7 +412,7 @@ def test_routing_whole_grpo_groups():
     prompts = ["a", "a", "b", "b", "c", "c"]                      # any hashables work as group labels
     assert torch.equal(route(scores, 0.5, torch.ones(2, dtype=torch.bool), prompts),
                        route(scores, 0.5, torch.ones(2, dtype=torch.bool), members))
-    with pytest.raises(ValueError, match="sample_groups"):
+    with pytest.raises(ValueError, match="prompt_groups"):
         route(scores, 0.5, torch.ones(2, dtype=torch.bool), torch.zeros(5))
 
 
@@ -439,15 +445,15 @@ def test_bad_inputs_name_the_culprit():
                                  jagg.flow_sigmas(4, dtype=torch.float64), 0.7)
 
 
-def test_exact_last_groups_counts_only_groups_jagg_could_take():
-    """Groups of 3, 3, 3 and 1 steps: exact_last_groups=1 makes the third group exact (the 1-step group is exact
+def test_exact_last_intervals_counts_only_intervals_jagg_could_take():
+    """Step groups of 3, 3, 3 and 1 steps: exact_last_intervals=1 makes the third interval exact (the 1-step one is exact
     anyway); micro_batch=1 is fine where no interval has inner steps (window 2)."""
     from jagg.knots import plan_update
 
     model = Nonlinear(batch=2)
     traj = sampled_traj(model, B=2, T=10)
-    plan = plan_update(traj, EstimatorConfig(correction_p=0.0, mode="jagg", window=3, exact_last_groups=1))
-    jagg_steps = {u.rows[0] for u in plan.units if u.jagg}
+    plan = plan_update(traj, EstimatorConfig(correction_p=0.0, mode="jagg", window=3, exact_last_intervals=1))
+    jagg_steps = {b.rows[0] for b in plan.bundles if b.jagg}
     assert jagg_steps == {0, 3} and plan.eligible == 4 and plan.routed == 4
     ge, _ = run(model, traj, [1.0, -1.0], EstimatorConfig(mode="exact"))
     g2, _ = run(model, traj, [1.0, -1.0], EstimatorConfig(correction_p=0.0, mode="jagg", window=2, micro_batch=1))

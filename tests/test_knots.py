@@ -43,7 +43,7 @@ def test_groups_reproduce_the_estimator_before_knots(name):
     model, ref, traj, adv = _golden_case()
     ref_v = jagg.reference_velocities(ref, traj) if case["config"].get("kl_beta") else None
     g, st = run(model, traj, adv, EstimatorConfig(correction_p=0.0, **case["config"]), ref_velocities=ref_v,
-                sample_groups=[0, 0, 1, 1, 2, 2])
+                prompt_groups=[0, 0, 1, 1, 2, 2])
     assert_matches_golden(g, case["grad"])
     assert st.backward_items == case["backward_items"] and st.forward_nograd_items == case["forward_nograd_items"]
     assert st.loss == pytest.approx(case["loss"], rel=1e-12)
@@ -131,9 +131,9 @@ def test_adaptive_knots_find_the_affine_pieces():
     model, traj = _linear_case([0, 2, 7, 9], seed=2)
     adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
     cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, knots="adaptive", intermediate="fresh", clip_range=0.3)
-    from jagg.estimator import _signal_norms
+    from jagg.estimator import UpdateInputs, _signal_norms
 
-    plan = plan_update(traj, cfg, signal_norms=_signal_norms(traj, torch.as_tensor(adv), cfg, None))
+    plan = plan_update(traj, cfg, signal_norms=_signal_norms(UpdateInputs(None, traj, torch.as_tensor(adv), cfg, None, 1.0)))
     assert plan.knots == [0, 2, 7, 9]
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.3))
     ga, st = run(model, traj, adv, cfg)
@@ -201,11 +201,11 @@ def test_routing_with_shared_knots_decomposes():
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
     ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact"))
     g0, s0 = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", knots="shared", jagg_frac=0.0))
-    assert torch.equal(g0, ge) and s0.groups_jagg == 0 and s0.groups == 12
+    assert torch.equal(g0, ge) and s0.intervals_jagg == 0 and s0.intervals == 12
     _, s1 = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", knots="shared", jagg_frac=1.0))
-    assert s1.groups_jagg == 12 and s1.backward_items == 4 * 4
+    assert s1.intervals_jagg == 12 and s1.backward_items == 4 * 4
     _, sh = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", knots="shared", jagg_frac=0.5, score="chord"))
-    assert sh.groups_jagg == 6 and sh.backward_items == 4 * 4 + 6 * 2
+    assert sh.intervals_jagg == 6 and sh.backward_items == 4 * 4 + 6 * 2
 
 
 def test_unbiased_jagg_is_exact_in_expectation_and_p1_is_exact():
@@ -220,7 +220,7 @@ def test_unbiased_jagg_is_exact_in_expectation_and_p1_is_exact():
     for knots in ("groups", "shared"):
         base = dict(mode="jagg", window=4, knots=knots, clip_range=0.05)
         g1, s1 = run(model, traj, adv, EstimatorConfig(**base, correction_p=1.0))
-        assert torch.allclose(g1, ge, **TIGHT) and s1.groups_corrected == s1.groups_jagg > 0
+        assert torch.allclose(g1, ge, **TIGHT) and s1.groups_corrected == s1.intervals_jagg > 0
         gj, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, **base))
         gen = torch.Generator().manual_seed(0)
         runs = [run(model, traj, adv, EstimatorConfig(**base, correction_p=0.5), generator=gen) for _ in range(400)]
@@ -241,7 +241,7 @@ def test_correction_intervals_limits_the_picks_to_the_noisiest():
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
     cfg = EstimatorConfig(mode="jagg", window=4, correction_p=1.0, correction_intervals=1)
     plan = plan_update(traj, cfg)
-    corrected_steps = {e.step for u in plan.units for e in u.evals if not e.stat}
+    corrected_steps = {t.step for b in plan.bundles for t in b.terms if not t.counted}
     assert corrected_steps == {1, 2} and plan.corrected == 4
 
 
@@ -252,7 +252,7 @@ def test_correction_picks_whole_grpo_groups():
     cfg = EstimatorConfig(mode="jagg", window=4, correction_p=0.5)
     for seed in range(5):
         plan = plan_update(traj, cfg, torch.tensor([0, 0, 1, 1, 2, 2]), generator=torch.Generator().manual_seed(seed))
-        picked = {(u.sample, e.step) for u in plan.units for e in u.evals if not e.stat}
+        picked = {(b.sample, t.step) for b in plan.bundles for t in b.terms if not t.counted}
         assert all((i ^ 1, k) in picked for i, k in picked)
         assert plan.corrected % 2 == 0
 

@@ -54,17 +54,17 @@ def test_subsample_draws_fresh_steps_per_sample_from_the_generator():
     cfg = EstimatorConfig(mode="subsample", subsample_frac=0.4)
     plan = plan_update(traj, cfg, generator=torch.Generator().manual_seed(1))
     steps = {}
-    for u in plan.units:
-        assert len(u.rows) == 1 and u.evals[0].weights == [(0, 10 / 4)]
-        steps.setdefault(u.sample, []).append(u.rows[0])
+    for b in plan.bundles:
+        assert len(b.rows) == 1 and b.terms[0].weights == [(0, 10 / 4)]
+        steps.setdefault(b.sample, []).append(b.rows[0])
     assert sorted(steps) == list(range(8)) and all(len(s) == 4 for s in steps.values())
     assert len({tuple(s) for s in steps.values()}) > 4                     # different samples, different steps
     again = plan_update(traj, cfg, generator=torch.Generator().manual_seed(1))
-    assert [(u.sample, u.rows) for u in again.units] == [(u.sample, u.rows) for u in plan.units]
+    assert [(b.sample, b.rows) for b in again.bundles] == [(b.sample, b.rows) for b in plan.bundles]
     other = plan_update(traj, cfg, generator=torch.Generator().manual_seed(2))
-    assert [(u.sample, u.rows) for u in other.units] != [(u.sample, u.rows) for u in plan.units]
+    assert [(b.sample, b.rows) for b in other.bundles] != [(b.sample, b.rows) for b in plan.bundles]
     tiny = plan_update(traj, EstimatorConfig(mode="subsample", subsample_frac=0.01), generator=torch.Generator())
-    assert len(tiny.units) == 8                                             # at least one step per sample
+    assert len(tiny.bundles) == 8                                             # at least one step per sample
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.5, 1.5, float("nan"), "half"])

@@ -12,12 +12,14 @@ import dataclasses
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from .deprecation import renamed
 from .estimator import check_call, policy_gradient
 from .estimator_config import EstimatorConfig
 from .trajectory import Trajectory, VelocityFn
@@ -40,7 +42,7 @@ def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
     where = ", ".join(f"{k} {v:.2f}" for k, v in low.items())
     return (f"audit: JAGG's gradient is far from exact in part of the trajectory (cosine {where}; below "
             f"{FLAG_BELOW}). Its error there is a bias that can repeat from batch to batch and drive the reward down; "
-            "consider estimator.correction_p (e.g. 0.25: unbiased JAGG) or exact_first_groups")
+            "consider estimator.correction_p (e.g. 0.25: unbiased JAGG) or exact_first_intervals")
 
 
 # ----------------------------------------------------------------------------- error against noise (efficiency)
@@ -133,22 +135,83 @@ def _cos(a: Tensor, b: Tensor) -> float:
     return float(a @ b) / (na * nb) if na > 0 and nb > 0 else float("nan")
 
 
-def _rows(traj: Trajectory, config: EstimatorConfig, groups, seed: int) -> int:
+def _rows(traj: Trajectory, config: EstimatorConfig, prompt_groups, seed: int) -> int:
     """Rows with grad of one update of ``config`` on ``traj`` with the audit's picks (``adaptive``: as ``shared``,
     which has as many knots)."""
     from .knots import plan_update
 
     if config.mode == "jagg" and config.knots == "adaptive":
         config = dataclasses.replace(config, knots="shared")
-    plan = plan_update(traj, config, groups, generator=torch.Generator().manual_seed(seed))
-    return sum(len(u.rows) for u in plan.units)
+    plan = plan_update(traj, config, prompt_groups, generator=torch.Generator().manual_seed(seed))
+    return sum(len(b.rows) for b in plan.bundles)
 
 
-def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=None, sample_groups=None,
-                generator=None, parts: int = 3, split=None) -> tuple[dict, Tensor, Tensor]:
+@dataclass
+class _SubBatch:
+    """One sub-batch of the audit (a ``split`` id's samples): its trajectory, advantages, prompt groups, reference
+    velocities, the seed of its picks, and its share ``n / B`` of the audit batch."""
+
+    traj: Trajectory
+    advantages: Tensor
+    prompt_groups: Tensor | Sequence | None
+    ref_velocities: Tensor | None
+    seed: int
+    share: float
+
+
+def _sub_batches(traj: Trajectory, advantages, prompt_groups, ref_velocities, split, seed: int) -> list[_SubBatch]:
+    """The audit batch cut by ``split`` (one id per sample; None: one sub-batch, the whole batch)."""
+    B = traj.batch_size
+    advantages = torch.as_tensor(advantages) if not isinstance(advantages, Tensor) else advantages
+    split_ids = torch.zeros(B, dtype=torch.long) if split is None else torch.as_tensor(split).flatten().cpu()
+    if split_ids.numel() != B:
+        raise ValueError(f"split must have one id per sample ([{B}]); got {tuple(split_ids.shape)}")
+    subs = [torch.nonzero(split_ids == u).flatten() for u in torch.unique(split_ids)]
+    out = []
+    for j, idx in enumerate(subs):
+        members = None if prompt_groups is None else (
+            [prompt_groups[int(i)] for i in idx] if not isinstance(prompt_groups, Tensor) else prompt_groups[idx])
+        if len(subs) == 1:
+            out.append(_SubBatch(traj, advantages, members, ref_velocities, seed + j, idx.numel() / B))
+            continue
+        ref = None if ref_velocities is None else ref_velocities[idx.to(ref_velocities.device)]
+        out.append(_SubBatch(traj.select(idx.to(traj.latents.device)), advantages[idx.to(advantages.device)], members,
+                             ref, seed + j, idx.numel() / B))
+    return out
+
+
+def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: list[_SubBatch],
+                     ranges: list[list[int]], names: list[str]) -> tuple[dict, dict]:
+    """Per step range, the exact and the configured gradients of every sub-batch (``policy_gradient(...,
+    only_steps=range)``): the ranges' cosines ``{"cos_<name>": ...}`` and each sub-batch's gradients summed over the
+    ranges ``{"exact": [m], "est": [m]}``."""
+    exact = dataclasses.replace(config, mode="exact")
+    out: dict = {}
+    part_grads = {"exact": [0.0] * len(subs), "est": [0.0] * len(subs)}
+    for name, steps in zip(names, ranges):
+        grads = {"exact": 0.0, "est": 0.0}
+        for j, sub in enumerate(subs):
+            for key, cfg in (("exact", exact), ("est", config)):
+                for p in params:
+                    p.grad = None
+                policy_gradient(velocity_fn, sub.traj, sub.advantages, cfg, ref_velocities=sub.ref_velocities,
+                                prompt_groups=sub.prompt_groups, generator=torch.Generator().manual_seed(sub.seed),
+                                only_steps=steps)
+                g = _flat(params)
+                grads[key] = grads[key] + g * sub.share                    # the whole audit batch's gradient
+                part_grads[key][j] = part_grads[key][j] + g
+        out[f"cos_{name}"] = _cos(grads["est"], grads["exact"])
+    return out, part_grads
+
+
+def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=None, prompt_groups=None,
+                generator=None, parts: int = 3, split=None, sample_groups=None) -> tuple[dict, Tensor, Tensor]:
     """:func:`audit_gradient`, also returning the exact and the estimator's gradients of each sub-batch of ``split``
-    (``[n]`` ids, e.g. the GRPO groups): ``(result, exact [m, P], estimate [m, P])``, float64, each sub-batch's
-    gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient)."""
+    (``[n]`` ids, e.g. the prompt groups): ``(result, exact [m, P], estimate [m, P])``, float64, each sub-batch's
+    gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient).
+    ``sample_groups`` is the former name of ``prompt_groups`` (deprecated)."""
+    if sample_groups is not None:
+        prompt_groups = renamed("audit_parts(sample_groups=...)", sample_groups, "prompt_groups", prompt_groups)
     check_call(velocity_fn, traj, config, generator=generator)
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"parts must be an integer >= 1 (3: noisy, middle and clean thirds); got {parts!r}")
@@ -157,52 +220,23 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
         raise ValueError("params must be a non-empty sequence of parameters with requires_grad (the ones the "
                          "gradient is compared over)")
     t0 = time.perf_counter()
-    B = traj.batch_size
-    advantages = torch.as_tensor(advantages) if not isinstance(advantages, Tensor) else advantages
-    split_ids = torch.zeros(B, dtype=torch.long) if split is None else torch.as_tensor(split).flatten().cpu()
-    if split_ids.numel() != B:
-        raise ValueError(f"split must have one id per sample ([{B}]); got {tuple(split_ids.shape)}")
-    subs = [torch.nonzero(split_ids == u).flatten() for u in torch.unique(split_ids)]
+    subs = _sub_batches(traj, advantages, prompt_groups, ref_velocities, split, 0)
     saved = [p.grad for p in params]
     seed = int(torch.randint(0, 2**62, (), generator=generator))
-    exact = dataclasses.replace(config, mode="exact")
+    for sub in subs:
+        sub.seed += seed
     ranges = step_ranges(traj.train_steps.tolist(), parts)
     names = list(RANGE_NAMES) if len(ranges) == 3 else [f"range{i}" for i in range(len(ranges))]
-    out: dict = {}
-    part_grads = {"exact": [0.0] * len(subs), "est": [0.0] * len(subs)}
-    rows = {"exact": 0, "est": 0}
-
-    def pieces(j, idx):
-        sub = traj if len(subs) == 1 else traj.select(idx.to(traj.latents.device))
-        grp = None if sample_groups is None else (
-            [sample_groups[int(i)] for i in idx] if not isinstance(sample_groups, Tensor) else sample_groups[idx])
-        ref = None if ref_velocities is None or len(subs) == 1 else ref_velocities[idx.to(ref_velocities.device)]
-        return sub, advantages[idx.to(advantages.device)] if len(subs) > 1 else advantages, grp, \
-            ref_velocities if len(subs) == 1 else ref, seed + j
-
+    exact = dataclasses.replace(config, mode="exact")
     try:
-        for name, steps in zip(names, ranges):
-            grads = {"exact": 0.0, "est": 0.0}
-            for j, idx in enumerate(subs):
-                sub, adv, grp, ref, sd = pieces(j, idx)
-                for key, cfg in (("exact", exact), ("est", config)):
-                    for p in params:
-                        p.grad = None
-                    policy_gradient(velocity_fn, sub, adv, cfg, ref_velocities=ref, sample_groups=grp,
-                                    generator=torch.Generator().manual_seed(sd), only_steps=steps)
-                    g = _flat(params)
-                    grads[key] = grads[key] + g * (idx.numel() / B)         # the whole audit batch's gradient
-                    part_grads[key][j] = part_grads[key][j] + g
-            out[f"cos_{name}"] = _cos(grads["est"], grads["exact"])
-        for j, idx in enumerate(subs):
-            sub, _, grp, _, sd = pieces(j, idx)
-            rows["exact"] += _rows(sub, exact, grp, sd)
-            rows["est"] += _rows(sub, config, grp, sd)
+        out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names)
+        rows = {key: sum(_rows(s.traj, cfg, s.prompt_groups, s.seed) for s in subs)
+                for key, cfg in (("exact", exact), ("est", config))}
     finally:
         for p, g in zip(params, saved):
             p.grad = g
-    ge = sum(g * (idx.numel() / B) for g, idx in zip(part_grads["exact"], subs))
-    gj = sum(g * (idx.numel() / B) for g, idx in zip(part_grads["est"], subs))
+    ge = sum(g * s.share for g, s in zip(part_grads["exact"], subs))
+    gj = sum(g * s.share for g, s in zip(part_grads["est"], subs))
     n = float(ge.norm())
     out["cos"] = _cos(gj, ge)
     out["rel_err"] = float((gj - ge).norm()) / n if n > 0 else float("nan")
@@ -219,9 +253,10 @@ def audit_gradient(
     config: EstimatorConfig,
     params: Sequence[torch.nn.Parameter],
     ref_velocities: Tensor | None = None,
-    sample_groups: Tensor | Sequence | None = None,
+    prompt_groups: Tensor | Sequence | None = None,
     generator: torch.Generator | None = None,
     parts: int = 3,
+    sample_groups: Tensor | Sequence | None = None,
 ) -> dict:
     """The configured estimator's gradient next to the exact one on the same batch, per step range and in total.
 
@@ -230,10 +265,11 @@ def audit_gradient(
     gradients sum to the totals. The parameters' ``.grad`` are left as they were.
 
     Args:
-        velocity_fn, traj, advantages, config, ref_velocities, sample_groups: as for :func:`jagg.policy_gradient`.
+        velocity_fn, traj, advantages, config, ref_velocities, prompt_groups: as for :func:`jagg.policy_gradient`.
         params: the trainable parameters whose gradients are compared.
         generator: RNG of the correction's picks (one seed drawn from it serves every range).
         parts: number of step ranges (3: noisy, middle, clean thirds of the trained steps).
+        sample_groups: the former name of ``prompt_groups`` (deprecated).
 
     Returns:
         ``{"cos": total cosine, "rel_err": ||g - g_exact|| / ||g_exact||, "cos_<range>": per range (``noisy``,
@@ -242,19 +278,21 @@ def audit_gradient(
         two together), "seconds": its wall-clock}``. A cosine is NaN where a gradient is zero (e.g. all advantages
         0).
     """
-    return audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities, sample_groups, generator,
+    if sample_groups is not None:
+        prompt_groups = renamed("audit_gradient(sample_groups=...)", sample_groups, "prompt_groups", prompt_groups)
+    return audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities, prompt_groups, generator,
                        parts)[0]
 
 
 class AuditMeter:
     """The training-time efficiency meter: running estimates, over the audits of one run, of the configured
-    estimator's error against the noise of one update, from the audit's per-GRPO-group gradients.
+    estimator's error against the noise of one update, from the audit's per-prompt-group gradients.
 
-    Each audit gives ``m >= 2`` groups' exact gradients ``g_j`` and errors ``e_j`` (estimate - exact, each a mean over
-    its group). Then, with ``G`` GRPO groups per optimizer update:
+    Each audit gives ``m >= 2`` prompt groups' exact gradients ``g_j`` and errors ``e_j`` (estimate - exact, each a
+    mean over its prompt group). Then, with ``G`` prompt groups per optimizer update:
 
-    - noise of one update: ``V_b = var_j(g_j) / G`` (the groups' spread, averaged over audits);
-    - bias: ``|b|^2 = mean_{j != j'} <e_j, e_j'>`` over every pair of groups in every audit kept (count sketches of
+    - noise of one update: ``V_b = var_j(g_j) / G`` (the prompt groups' spread, averaged over audits);
+    - bias: ``|b|^2 = mean_{j != j'} <e_j, e_j'>`` over every pair of prompt groups in every audit kept (count sketches of
       ``sketch_dim`` buckets stand in for the full vectors, so memory does not grow with the model; unbiased);
     - error of one update: ``E|e|^2 = |b|^2 + (mean |e_j|^2 - |b|^2) / G``;
     - ``predicted_efficiency = (rows_exact / rows) / (1 + E|e|^2 / V_b)``, and ``predicted_time_efficiency`` with the
@@ -267,7 +305,7 @@ class AuditMeter:
         self.index = self.sign = None
         self.sketches: list[tuple[int, Tensor]] = []          # (audit number, sketch of e_j)
         self.noise: list[float] = []                          # per audit: var_j(g_j)
-        self.err_sq: list[float] = []                         # per group: |e_j|^2
+        self.err_sq: list[float] = []                         # per prompt group: |e_j|^2
         self.rows = [0, 0]                                     # exact, estimator
         self.audits = 0
 
@@ -287,9 +325,9 @@ class AuditMeter:
         n = len(items)
         return (float(tot @ tot) - float((S * S).sum())) / (n * (n - 1))
 
-    def update(self, exact: Tensor, estimate: Tensor, rows_exact: int, rows_estimator: int, groups_per_update: float,
+    def update(self, exact: Tensor, estimate: Tensor, rows_exact: int, rows_estimator: int, prompt_groups_per_update: float,
                train_share: float | None = None) -> dict:
-        """Add one audit (``exact``, ``estimate``: ``[m, P]`` per-group gradients) and return the running estimates:
+        """Add one audit (``exact``, ``estimate``: ``[m, P]`` per-prompt-group gradients) and return the running estimates:
         ``error_to_noise``, ``bias_to_noise`` (with ``bias_to_noise_se``, jackknife over audits),
         ``predicted_efficiency``, ``predicted_time_efficiency`` (NaN when ``train_share`` is None) and ``audits``."""
         m = exact.shape[0]
@@ -307,7 +345,7 @@ class AuditMeter:
                "bias_to_noise_se": math.nan, "predicted_efficiency": math.nan, "predicted_time_efficiency": math.nan}
         if not self.noise:
             return out
-        G = max(groups_per_update, 1.0)
+        G = max(prompt_groups_per_update, 1.0)
         noise = statistics.fmean(self.noise) / G
         bias = self._bias()
         b0 = max(bias, 0.0) if bias == bias else 0.0

@@ -1,20 +1,28 @@
-"""The policy-gradient estimators: ``exact`` (one backward per trained step) and ``jagg`` (knots, see
-:mod:`jagg.knots`).
+"""The policy-gradient estimators: ``exact`` (one backward per trained step), ``jagg`` (knots, see :mod:`jagg.knots`)
+and ``subsample``.
 
 :func:`policy_gradient` is the drop-in replacement for the per-step forward/backward loop of a Flow-GRPO
 update. It accumulates into ``.grad`` exactly what ``L.backward()`` would for
 
     L = loss_scale / (B |K|) * sum_{i, k in K} l_{i,k}        (l from :func:`jagg.loss.step_loss`)
 
-in ``exact`` mode (and JAGG's estimate of it otherwise), and returns statistics. Every mode shares one machinery:
+in ``exact`` mode (and an estimate of it otherwise), and returns statistics. Every mode runs the same five phases
+(the words: docs/design.md §0):
 
-1. :func:`jagg.knots.plan_update` lays out *units*: rows ``(i, k)`` that go through the network together (an exact
-   step: one row; a JAGG interval or chain of shared knots: its knot rows) and the loss evaluations they cover;
-2. units are packed into chunks of at most ``micro_batch`` rows (a unit is never split);
-3. per chunk: one forward with grad of all rows; the upstream signal ``g_{i,k} = dl_{i,k}/dv_{i,k}`` of every
-   evaluation is computed by autograd through the loss head alone, on detached velocities; the row signals are
-   ``G_row = sum_k w_{row,k} g_k`` (a knot's own step: ``w = 1``; an inner step: ``1 - alpha_k`` on ``a``,
-   ``alpha_k`` on ``b``); one backward of the scalar ``sum(v * G)``, whose gradient is ``sum_row J_row^T G_row``.
+1. *plan* (:func:`plan`): :func:`jagg.knots.plan_update` lays out *bundles*: rows ``(i, k)`` that go through the
+   network together (an exact step: one row; a JAGG interval or chain of shared knots: its knot rows) and the loss
+   *terms* they cover;
+2. *pack* (:func:`pack`): bundles are packed into chunks of at most ``micro_batch`` rows (a bundle is never split),
+   and each chunk into index tensors (:class:`Chunk`);
+3. *signals* (:func:`term_velocities`, :func:`row_signals`): per chunk, the velocity of every term at the current
+   parameters (a knot's own row; an inner step ``fresh`` or ``interp``), its upstream signal
+   ``g_{i,k} = dl_{i,k}/dv_{i,k}`` by autograd through the loss head alone on detached velocities, and the row
+   signals ``G_row = sum_k w_{row,k} g_k`` (a knot's own step: ``w = 1``; an inner step: ``1 - alpha_k`` on ``a``,
+   ``alpha_k`` on ``b``);
+4. *backward* (:func:`backward_chunk`): one forward with grad of the chunk's rows and one backward of the scalar
+   ``sum(v * G)``, whose gradient is ``sum_row J_row^T G_row``;
+5. *stats* (:func:`chunk_sums`, :func:`gradient_stats`): loss, clip fraction, KL and counters, summed on the device
+   and read once.
 
 Inner-step velocities are ``fresh`` (one no-grad forward of the chunk's inner rows) or ``interp``
 (``v_k_old + (1 - alpha_k)(v_a - v_a_old) + alpha_k (v_b - v_b_old)``, no forward).
@@ -31,9 +39,10 @@ import torch
 from torch import Tensor
 
 from .advantages import as_vector
+from .deprecation import renamed
 from .estimator_config import EstimatorConfig
-from .knots import Unit, plan_update
-from .loss import step_loss
+from .knots import Bundle, Plan, plan_update
+from .loss import StepLoss, step_loss
 from .schedule import is_finite_number
 from .sde import compute_dtype
 from .trajectory import Trajectory, VelocityFn, checked_velocity
@@ -56,10 +65,13 @@ class GradientStats:
             model (docs/design.md: ``F_grad``, ``F_nograd``, ``B``) has its own counter.
         forward_calls: network calls, with and without grad.
         backward_calls: backward passes (one per chunk).
-        groups: (sample, interval) pairs JAGG could take (intervals with inner steps, outside the exact first/last).
-        groups_jagg: of those, routed to JAGG.
-        jagg_frac_routed: ``groups_jagg / groups`` (0 when no interval is eligible).
-        groups_corrected: of the routed pairs, those also run exactly by unbiased JAGG (``correction_p``).
+        intervals: the samples' intervals JAGG could take (intervals with inner steps, outside the exact first/last;
+            one sample's interval counts once, so at most ``B`` x the eligible intervals).
+        intervals_jagg: of those, routed to JAGG.
+        jagg_frac_routed: ``intervals_jagg / intervals`` (0 when no interval is eligible).
+        intervals_corrected: of the routed ones, those also run exactly by unbiased JAGG (``correction_p``).
+
+    ``groups``, ``groups_jagg`` and ``groups_corrected`` are the former, read-only names of the three interval counts.
     """
 
     loss: float
@@ -72,59 +84,64 @@ class GradientStats:
     backward_items: int
     forward_calls: int
     backward_calls: int
-    groups: int
-    groups_jagg: int
+    intervals: int
+    intervals_jagg: int
     jagg_frac_routed: float
-    groups_corrected: int = 0
+    intervals_corrected: int = 0
+
+    groups = property(lambda self: self.intervals, doc="Former name of :attr:`intervals`.")
+    groups_jagg = property(lambda self: self.intervals_jagg, doc="Former name of :attr:`intervals_jagg`.")
+    groups_corrected = property(lambda self: self.intervals_corrected, doc="Former name of :attr:`intervals_corrected`.")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _pack(units: list[Unit], micro_batch: int) -> list[list[Unit]]:
-    """Greedy packing into chunks of at most ``micro_batch`` rows (a unit is never split)."""
-    chunks, cur, rows = [], [], 0
-    for u in units:
-        n = len(u.rows)
-        if cur and rows + n > micro_batch:
-            chunks.append(cur)
-            cur, rows = [], 0
-        cur.append(u)
-        rows += n
-    return chunks + ([cur] if cur else [])
+@dataclass
+class Chunk:
+    """One chunk's bundles as index tensors (on the trajectory's device): ``R`` rows through the network with grad
+    and the ``E`` loss terms they cover.
+
+    Attributes:
+        row_sample, row_step: ``[R]`` sample and trained step of each row.
+        term_sample, term_step: ``[E]`` sample and trained step of each term.
+        term_source: ``[E, 3]`` float64: ``(row_a, row_b, alpha)``; ``row_b = -1`` for a term on its own row
+            ``row_a``, else the term is an inner step between the rows ``row_a`` and ``row_b``.
+        inner: ``[n]`` the terms that are inner steps (``fresh`` or ``interp`` velocities).
+        weights: ``[W, 3]`` float64: ``(row, term, weight)``: the term's signal goes to the row's with that weight.
+        counted: ``[E]`` bool, the terms counted in the statistics, or None when all are.
+    """
+
+    row_sample: Tensor
+    row_step: Tensor
+    term_sample: Tensor
+    term_step: Tensor
+    term_source: Tensor
+    inner: Tensor
+    weights: Tensor
+    counted: Tensor | None
+
+    @property
+    def rows(self) -> int:
+        return self.row_sample.numel()
+
+    @property
+    def terms(self) -> int:
+        return self.term_sample.numel()
 
 
-def _as_advantages(advantages, B: int, device) -> Tensor:
-    """``[B]`` finite advantages from a tensor or any array-like (list, numpy array)."""
-    advantages = as_vector(advantages, f"advantages (one per sample, {B})", np.float64).to(device)
-    if advantages.numel() != B:
-        raise ValueError(f"advantages must have shape [B] = [{B}]; got {tuple(advantages.shape)}")
-    bad = torch.nonzero(~torch.isfinite(advantages)).flatten()
-    if bad.numel():
-        i = int(bad[0])
-        raise ValueError(f"advantages must be finite; sample {i} has {float(advantages[i])} ({bad.numel()} non-finite "
-                         "in all): check the rewards and the advantage normalisation")
-    return advantages
+@dataclass
+class _Counters:
+    """Rows and network calls of one :func:`policy_gradient` call, and the device-side sums of its statistics
+    (loss, clipped, approx_kl, ratio, kl; count of terms)."""
+
+    sums: Tensor
+    forward_grad: int = 0
+    forward_nograd: int = 0
+    calls: int = 0
 
 
-def _signal_norms(traj: Trajectory, advantages: Tensor, config: EstimatorConfig, ref_velocities: Tensor | None,
-                  chunk: int = 256) -> Tensor:
-    """``[B, K]`` norms of the upstream signals ``g_{i,k}`` at the rollout velocities (no network call)."""
-    B, steps = traj.batch_size, traj.train_steps
-    K = steps.numel()
-    bb, kk = torch.arange(B).repeat_interleave(K), steps.cpu().repeat(B)
-    out = torch.empty(B * K, dtype=torch.float64)
-    sig, lat = traj.sigmas, traj.latents
-    for s in range(0, B * K, chunk):
-        b, k = bb[s : s + chunk].to(lat.device), kk[s : s + chunk].to(lat.device)
-        v = traj.velocities[b, k].detach().clone().requires_grad_(True)
-        ref = None if ref_velocities is None else ref_velocities[b, k]
-        with torch.enable_grad():
-            l = step_loss(v, lat[b, k], lat[b, k + 1], sig[k], sig[k + 1], float(sig[1]), traj.eta, traj.log_probs[b, k],
-                          advantages[b], config.clip_range, config.kl_beta, ref, traj.logprob_reduction, traj.sde_type).loss
-            (g,) = torch.autograd.grad(l.sum(), v)
-        out[s : s + chunk] = g.flatten(1).norm(dim=1).double().cpu()
-    return out.view(B, K)
+# ----------------------------------------------------------------------------- checks
 
 
 def check_call(velocity_fn, traj, config, loss_scale: float = 1.0, generator=None) -> None:
@@ -143,6 +160,226 @@ def check_call(velocity_fn, traj, config, loss_scale: float = 1.0, generator=Non
         raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
 
 
+def _as_advantages(advantages, B: int, device) -> Tensor:
+    """``[B]`` finite advantages from a tensor or any array-like (list, numpy array)."""
+    advantages = as_vector(advantages, f"advantages (one per sample, {B})", np.float64).to(device)
+    if advantages.numel() != B:
+        raise ValueError(f"advantages must have shape [B] = [{B}]; got {tuple(advantages.shape)}")
+    bad = torch.nonzero(~torch.isfinite(advantages)).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"advantages must be finite; sample {i} has {float(advantages[i])} ({bad.numel()} non-finite "
+                         "in all): check the rewards and the advantage normalisation")
+    return advantages
+
+
+def _check_reference(ref_velocities: Tensor | None, traj: Trajectory, config: EstimatorConfig) -> None:
+    """Reference velocities ``[B, T, *S]`` are needed, and must have that shape, when ``config.kl_beta > 0``."""
+    if config.kl_beta <= 0:
+        return
+    shape = (traj.batch_size, traj.num_steps, *traj.latents.shape[2:])
+    if ref_velocities is None:
+        raise ValueError("config.kl_beta > 0 needs ref_velocities [B, T, *S]; compute them once per rollout "
+                         "with jagg.reference_velocities(ref_fn, traj)")
+    if tuple(ref_velocities.shape) != shape:
+        raise ValueError(f"ref_velocities must have shape {shape}; got {tuple(ref_velocities.shape)}")
+
+
+# ----------------------------------------------------------------------------- phase 1: plan
+
+
+@dataclass
+class UpdateInputs:
+    """What every phase of one :func:`policy_gradient` call reads: the checked velocity callable, the trajectory,
+    the advantages ``[B]``, the configuration, the reference velocities and ``term_weight``, the weight of one term
+    ``l_{i,k}`` in the loss ``L`` (``loss_scale / (B |K|)``)."""
+
+    velocity: VelocityFn
+    traj: Trajectory
+    advantages: Tensor
+    config: EstimatorConfig
+    ref_velocities: Tensor | None
+    term_weight: float
+
+    def losses(self, v: Tensor, sample: Tensor, step: Tensor) -> StepLoss:
+        """The loss head (:func:`jagg.loss.step_loss`) of the terms ``(sample, step)`` at velocities ``v``."""
+        t, c, ref = self.traj, self.config, self.ref_velocities
+        lat, sig = t.latents, t.sigmas
+        return step_loss(v, lat[sample, step], lat[sample, step + 1], sig[step], sig[step + 1], float(sig[1]), t.eta,
+                         t.log_probs[sample, step], self.advantages[sample], c.clip_range, c.kl_beta,
+                         None if ref is None else ref[sample, step], t.logprob_reduction, t.sde_type)
+
+
+def _signal_norms(inputs: UpdateInputs, chunk: int = 256) -> Tensor:
+    """``[B, K]`` norms of the upstream signals ``g_{i,k}`` at the rollout velocities (no network call)."""
+    traj = inputs.traj
+    B, steps = traj.batch_size, traj.train_steps
+    K = steps.numel()
+    samples, trained = torch.arange(B).repeat_interleave(K), steps.cpu().repeat(B)
+    out = torch.empty(B * K, dtype=torch.float64)
+    for s in range(0, B * K, chunk):
+        b, k = samples[s : s + chunk].to(traj.latents.device), trained[s : s + chunk].to(traj.latents.device)
+        v = traj.velocities[b, k].detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            (g,) = torch.autograd.grad(inputs.losses(v, b, k).loss.sum(), v)
+        out[s : s + chunk] = g.flatten(1).norm(dim=1).double().cpu()
+    return out.view(B, K)
+
+
+def plan(inputs: UpdateInputs, prompt_groups, generator: torch.Generator | None,
+         only_steps: Sequence[int] | None) -> tuple[Plan, list[Bundle]]:
+    """Phase 1: the update's :class:`~jagg.knots.Plan` (``adaptive`` knots are placed with the upstream signals'
+    norms at the rollout velocities) and its bundles, restricted to the terms of ``only_steps`` when given."""
+    traj, config = inputs.traj, inputs.config
+    norms = _signal_norms(inputs) if config.mode == "jagg" and config.knots == "adaptive" else None
+    update = plan_update(traj, config, prompt_groups, norms, generator)
+    if only_steps is None:
+        return update, update.bundles
+    keep = {int(k) for k in only_steps}
+    if not keep <= set(traj.train_steps.tolist()):
+        raise ValueError(f"only_steps must be trained steps {traj.train_steps.tolist()}; got {sorted(keep)}")
+    bundles = [Bundle(b.sample, b.rows, [t for t in b.terms if t.step in keep]) for b in update.bundles]
+    return update, [b for b in bundles if b.terms]
+
+
+# ----------------------------------------------------------------------------- phase 2: pack
+
+
+def pack(bundles: list[Bundle], micro_batch: int) -> list[list[Bundle]]:
+    """Phase 2: greedy packing into chunks of at most ``micro_batch`` rows (a bundle is never split)."""
+    chunks, cur, rows = [], [], 0
+    for b in bundles:
+        n = len(b.rows)
+        if cur and rows + n > micro_batch:
+            chunks.append(cur)
+            cur, rows = [], 0
+        cur.append(b)
+        rows += n
+    return chunks + ([cur] if cur else [])
+
+
+def chunk_tensors(chunk: list[Bundle], device) -> Chunk:
+    """Phase 2: one chunk's bundles as index tensors: their rows one after another, each bundle's row numbers and
+    term sources shifted by the rows before it."""
+    row_sample, row_step, term_sample, term_step, source, counted, weights, inner = [], [], [], [], [], [], [], []
+    for b in chunk:
+        first = len(row_sample)                              # the bundle's first row in the chunk
+        row_sample += [b.sample] * len(b.rows)
+        row_step += b.rows
+        for t in b.terms:
+            term = len(term_sample)
+            term_sample.append(b.sample)
+            term_step.append(t.step)
+            weights += [(first + r, term, w) for r, w in t.weights]
+            row_a, row_b, alpha = t.source
+            source.append((first + row_a, -1, 0.0) if row_b < 0 else (first + row_a, first + row_b, alpha))
+            counted.append(t.counted)
+            if row_b >= 0:
+                inner.append(term)
+    as_long = lambda values: torch.tensor(values, device=device)
+    as_f64 = lambda values: torch.tensor(values, dtype=torch.float64, device=device)
+    return Chunk(as_long(row_sample), as_long(row_step), as_long(term_sample), as_long(term_step), as_f64(source),
+                 torch.tensor(inner, dtype=torch.long, device=device), as_f64(weights),
+                 None if all(counted) else torch.tensor(counted, device=device))
+
+
+# ----------------------------------------------------------------------------- phase 3: signals
+
+
+@torch.no_grad()
+def fresh_velocities(inputs: UpdateInputs, ch: Chunk) -> list[tuple[Tensor, Tensor]]:
+    """``intermediate="fresh"``: ``(terms, velocities)`` of the chunk's inner steps, one no-grad forward per
+    ``micro_batch`` of them (run before the chunk's graph exists)."""
+    out = []
+    for part in ch.inner.split(inputs.config.micro_batch):
+        sample, step = ch.term_sample[part], ch.term_step[part]
+        out.append((part, inputs.velocity(inputs.traj.latents[sample, step], inputs.traj.sigmas[step], sample)))
+    return out
+
+
+def term_velocities(v_rows: Tensor, inputs: UpdateInputs, ch: Chunk, fresh: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Phase 3: the velocity ``[E, *S]`` (detached, in the compute dtype of ``v_rows``) of every term at the current
+    parameters: a knot's own row output; an inner step's ``fresh`` forward, or its ``interp`` first-order update of
+    the rollout velocity ``v_k_old + (1 - alpha_k)(v_a - v_a_old) + alpha_k (v_b - v_b_old)``."""
+    dtype, S = v_rows.dtype, tuple(v_rows.shape[1:])
+    own = ch.term_source[:, 1] < 0
+    v = torch.empty((ch.terms, *S), dtype=dtype, device=v_rows.device)
+    v[own] = v_rows[ch.term_source[own, 0].long()]
+    if not ch.inner.numel():
+        return v
+    if inputs.config.intermediate == "fresh":
+        for part, vp in fresh:
+            v[part] = vp.to(dtype)
+        return v
+    row_a, row_b = ch.term_source[ch.inner, 0].long(), ch.term_source[ch.inner, 1].long()
+    alpha = ch.term_source[ch.inner, 2].to(dtype).view(-1, *([1] * len(S)))
+    sample, v_old = ch.term_sample[ch.inner], inputs.traj.velocities
+    va_old = v_old[sample, ch.row_step[row_a]].to(dtype)
+    vb_old = v_old[sample, ch.row_step[row_b]].to(dtype)
+    v[ch.inner] = (v_old[sample, ch.term_step[ch.inner]].to(dtype)
+                   + (1 - alpha) * (v_rows[row_a] - va_old) + alpha * (v_rows[row_b] - vb_old))
+    return v
+
+
+def row_signals(v_terms: Tensor, inputs: UpdateInputs, ch: Chunk) -> tuple[Tensor, StepLoss]:
+    """Phase 3: the upstream signals ``g = term_weight * dl/dv`` of the terms, by autograd through the loss head
+    alone, gathered into the rows' signals ``G = W g`` ``[R, *S]``; also the terms' losses (for the statistics)."""
+    v_terms.requires_grad_(True)
+    out = inputs.losses(v_terms, ch.term_sample, ch.term_step)
+    (g,) = torch.autograd.grad(out.loss.sum() * inputs.term_weight, v_terms)     # [E, *S]
+    w = torch.zeros(ch.rows, ch.terms, dtype=v_terms.dtype, device=v_terms.device)
+    w[ch.weights[:, 0].long(), ch.weights[:, 1].long()] = ch.weights[:, 2].to(v_terms.dtype)
+    return (w @ g.flatten(1)).view(ch.rows, *v_terms.shape[1:]), out
+
+
+# ----------------------------------------------------------------------------- phase 4: backward
+
+
+def backward_chunk(inputs: UpdateInputs, ch: Chunk, fresh: list[tuple[Tensor, Tensor]],
+                   backward_fn: Callable[[Tensor], None], counters: _Counters) -> StepLoss:
+    """Phase 4: one forward with grad of the chunk's rows, their signals (phase 3), and one backward of the scalar
+    surrogate ``sum(v * G)``, whose gradient is ``sum_row J_row^T G_row``. Returns the terms' losses."""
+    traj = inputs.traj
+    v = inputs.velocity(traj.latents[ch.row_sample, ch.row_step], traj.sigmas[ch.row_step], ch.row_sample)  # grad
+    counters.forward_grad += ch.rows
+    counters.calls += 1
+    dtype = compute_dtype(v, traj.latents)
+    v_terms = term_velocities(v.detach().to(dtype), inputs, ch, fresh)
+    signal, out = row_signals(v_terms, inputs, ch)
+    backward_fn((v.to(dtype) * signal).sum())
+    return out
+
+
+# ----------------------------------------------------------------------------- phase 5: stats
+
+
+def chunk_sums(out: StepLoss, traj: Trajectory, ch: Chunk) -> Tensor:
+    """Phase 5: ``[6]`` float64 sums over the chunk's counted terms of loss, clipped, approx_kl, ratio, kl, and their
+    count (on the device: no sync)."""
+    old = traj.log_probs[ch.term_sample, ch.term_step].to(out.log_prob.dtype)
+    items = torch.stack([
+        out.loss.detach(), out.clipped.to(out.ratio.dtype), 0.5 * (out.log_prob.detach() - old) ** 2,
+        out.ratio, out.kl, torch.ones_like(out.ratio),
+    ]).double()                                                             # [6, E]
+    return items.sum(1) if ch.counted is None else items[:, ch.counted].sum(1)
+
+
+def gradient_stats(update: Plan, counters: _Counters, chunks: int) -> GradientStats:
+    """Phase 5: the call's :class:`GradientStats` (the one host sync: the means of the summed statistics)."""
+    sums = counters.sums
+    means = (sums[:5] / sums[5].clamp_min(1)).tolist()
+    return GradientStats(
+        loss=means[0], clip_frac=means[1], approx_kl=means[2], ratio_mean=means[3], kl=means[4],
+        forward_grad_items=counters.forward_grad, forward_nograd_items=counters.forward_nograd,
+        backward_items=counters.forward_grad, forward_calls=counters.calls, backward_calls=chunks,
+        intervals=update.eligible, intervals_jagg=update.routed,
+        jagg_frac_routed=update.routed / max(update.eligible, 1), intervals_corrected=update.corrected,
+    )
+
+
+# ----------------------------------------------------------------------------- the call
+
+
 def policy_gradient(
     velocity_fn: VelocityFn,
     traj: Trajectory,
@@ -152,9 +389,10 @@ def policy_gradient(
     loss_scale: float = 1.0,
     backward_context: Callable[[bool], ContextManager] | None = None,
     backward_fn: Callable[[Tensor], None] | None = None,
-    sample_groups: Tensor | Sequence | None = None,
+    prompt_groups: Tensor | Sequence | None = None,
     generator: torch.Generator | None = None,
     only_steps: Sequence[int] | None = None,
+    sample_groups: Tensor | Sequence | None = None,
 ) -> GradientStats:
     """Accumulate the Flow-GRPO policy gradient of one update into the parameters' ``.grad``.
 
@@ -173,143 +411,52 @@ def policy_gradient(
             ``lambda last: contextlib.nullcontext() if last else ddp_model.no_sync()``.
         backward_fn: called with each chunk's scalar surrogate instead of ``surrogate.backward()``, for
             engines that own the backward (DeepSpeed: ``engine.backward``).
-        sample_groups: optional ``[B]`` GRPO group of each sample (ints, or e.g. the prompts). With routing
-            (``0 < jagg_frac < 1``) a GRPO group's members are then routed together (see
-            :func:`jagg.routing.route`), which keeps the JAGG error they share cancelling in their zero-sum
-            advantages; unbiased JAGG (``correction_p``) then also picks whole GRPO groups. The trainers pass it;
-            without it, single (sample, interval) pairs are routed and picked.
+        prompt_groups: optional ``[B]`` prompt group of each sample (ints, or e.g. the prompts). Routing
+            (``0 < jagg_frac < 1``) and unbiased JAGG's picks (``correction_p``) then decide per (prompt group,
+            interval) unit (see :func:`jagg.knots.route`), which keeps the JAGG error a prompt group's samples share
+            cancelling in their zero-sum advantages. The trainers pass it; without it, a unit is (sample, interval).
         generator: RNG of unbiased JAGG's random picks (default: torch's global RNG).
         only_steps: accumulate only the loss terms of these trained steps (diagnostics: the gradient of a step
             range). Knots, routing and picks are those of the whole trajectory, so the gradients of disjoint ranges
             sum to the full one. Statistics then cover those steps only.
+        sample_groups: the former name of ``prompt_groups`` (deprecated).
 
     Returns:
         :class:`GradientStats`.
     """
+    if sample_groups is not None:
+        prompt_groups = renamed("policy_gradient(sample_groups=...)", sample_groups, "prompt_groups", prompt_groups)
     check_call(velocity_fn, traj, config, loss_scale, generator)
     traj.validate()
-    B, T = traj.batch_size, traj.num_steps
-    S = tuple(traj.latents.shape[2:])
-    advantages = _as_advantages(advantages, B, traj.latents.device)
-    if config.kl_beta > 0:
-        if ref_velocities is None:
-            raise ValueError("config.kl_beta > 0 needs ref_velocities [B, T, *S]; compute them once per rollout "
-                             "with jagg.reference_velocities(ref_fn, traj)")
-        if tuple(ref_velocities.shape) != (B, T, *S):
-            raise ValueError(f"ref_velocities must have shape {(B, T, *S)}; got {tuple(ref_velocities.shape)}")
+    _check_reference(ref_velocities, traj, config)
+    inputs = UpdateInputs(checked_velocity(velocity_fn, tuple(traj.latents.shape[2:])), traj,
+                          _as_advantages(advantages, traj.batch_size, traj.latents.device), config, ref_velocities,
+                          loss_scale / (traj.batch_size * traj.train_steps.numel()))
     backward_context = backward_context or (lambda last: contextlib.nullcontext())
     backward_fn = backward_fn or (lambda loss: loss.backward())
 
-    norms = None
-    if config.mode == "jagg" and config.knots == "adaptive":
-        norms = _signal_norms(traj, advantages, config, ref_velocities)
-    plan = plan_update(traj, config, sample_groups, norms, generator)
-    units = plan.units
-    if only_steps is not None:
-        keep = {int(k) for k in only_steps}
-        if not keep <= set(traj.train_steps.tolist()):
-            raise ValueError(f"only_steps must be trained steps {traj.train_steps.tolist()}; got {sorted(keep)}")
-        units = [Unit(u.sample, u.rows, [e for e in u.evals if e.step in keep]) for u in units]
-        units = [u for u in units if u.evals]
-    chunks = _pack(units, config.micro_batch)
-    K = traj.train_steps.numel()
-    c = loss_scale / (B * K)
-    sig, lat, v_old = traj.sigmas, traj.latents, traj.velocities
-    sigma_one = float(sig[1])
-    dev = lat.device
-    acc = torch.zeros(6, dtype=torch.float64, device=dev)   # loss, clipped, approx_kl, ratio, kl sums; count
-    fwd_grad = fwd_nograd = n_calls = 0
-    velocity = checked_velocity(velocity_fn, S)
+    update, bundles = plan(inputs, prompt_groups, generator, only_steps)
+    chunks = pack(bundles, config.micro_batch)
+    return gradient_stats(update, run_chunks(inputs, chunks, backward_context, backward_fn), len(chunks))
 
-    for ci, chunk in enumerate(chunks):
-        # rows through the network with grad, and the evaluations (sample, step) whose loss the chunk covers
-        row_b, row_k, ev_b, ev_k, ev_src, stat = [], [], [], [], [], []
-        weights: list[tuple[int, int, float]] = []           # (row, eval, weight)
-        inner: list[int] = []                                # evals needing a fresh/interp velocity
-        for u in chunk:
-            r0 = len(row_b)
-            row_b += [u.sample] * len(u.rows)
-            row_k += u.rows
-            for e in u.evals:
-                ei = len(ev_b)
-                ev_b.append(u.sample)
-                ev_k.append(e.step)
-                weights += [(r0 + r, ei, w) for r, w in e.weights]
-                ra, rb, al = e.source
-                ev_src.append((r0 + ra, -1, 0.0) if rb < 0 else (r0 + ra, r0 + rb, al))
-                stat.append(e.stat)
-                if rb >= 0:
-                    inner.append(ei)
 
-        rb_t = torch.tensor(row_b, device=dev)
-        rk_t = torch.tensor(row_k, device=dev)
-        eb_t = torch.tensor(ev_b, device=dev)
-        ek_t = torch.tensor(ev_k, device=dev)
-        R, E = len(row_b), len(ev_b)
-
-        src = torch.tensor(ev_src, dtype=torch.float64, device=dev)      # [E, 3]: row_a, row_b or -1, alpha
-        inn = torch.tensor(inner, dtype=torch.long, device=dev)
+def run_chunks(inputs: UpdateInputs, chunks: list[list[Bundle]], backward_context: Callable[[bool], ContextManager],
+               backward_fn: Callable[[Tensor], None]) -> _Counters:
+    """Phases 3 to 5 for each chunk in turn: its index tensors, the ``fresh`` inner velocities (before the chunk's
+    graph exists), the forward and backward inside ``backward_context(is_last)``, and its statistics' sums."""
+    device = inputs.traj.latents.device
+    counters = _Counters(torch.zeros(6, dtype=torch.float64, device=device))
+    for n, bundles in enumerate(chunks):
+        ch = chunk_tensors(bundles, device)
         fresh = []
-        if inner and config.intermediate == "fresh":                      # before the grad graph exists
-            with torch.no_grad():                                        # micro_batch rows per call
-                for part in inn.split(config.micro_batch):
-                    fresh.append((part, velocity(lat[eb_t[part], ek_t[part]], sig[ek_t[part]], eb_t[part])))
-                    n_calls += 1
-            fwd_nograd += len(inner)
-
-        with backward_context(ci == len(chunks) - 1):  # DDP: no_sync must cover the forward too
-            v = velocity(lat[rb_t, rk_t], sig[rk_t], rb_t)                   # [R, *S], with grad
-            fwd_grad += R
-            n_calls += 1
-            dtype = compute_dtype(v, lat)
-            vd = v.detach().to(dtype)
-
-            # velocities of every evaluation at the current parameters
-            direct = src[:, 1] < 0
-            v_eval = torch.empty((E, *S), dtype=dtype, device=dev)
-            v_eval[direct] = vd[src[direct, 0].long()]
-            if inner:
-                if config.intermediate == "fresh":
-                    for part, vp in fresh:
-                        v_eval[part] = vp.to(dtype)
-                else:
-                    ra, rbb = src[inn, 0].long(), src[inn, 1].long()
-                    al = src[inn, 2].to(dtype).view(-1, *([1] * len(S)))
-                    ib = eb_t[inn]
-                    va_old = v_old[ib, rk_t[ra]].to(dtype)
-                    vb_old = v_old[ib, rk_t[rbb]].to(dtype)
-                    v_eval[inn] = (v_old[ib, ek_t[inn]].to(dtype)
-                                   + (1 - al) * (vd[ra] - va_old) + al * (vd[rbb] - vb_old))
-
-            # upstream signals g = dl/dv through the loss head alone
-            v_eval.requires_grad_(True)
-            out = step_loss(
-                v_eval, lat[eb_t, ek_t], lat[eb_t, ek_t + 1], sig[ek_t], sig[ek_t + 1], sigma_one, traj.eta,
-                traj.log_probs[eb_t, ek_t], advantages[eb_t], config.clip_range, config.kl_beta,
-                None if ref_velocities is None else ref_velocities[eb_t, ek_t], traj.logprob_reduction, traj.sde_type,
-            )
-            (g,) = torch.autograd.grad(out.loss.sum() * c, v_eval)             # [E, *S]
-            w = torch.zeros(R, E, dtype=dtype, device=dev)
-            wi = torch.tensor(weights, dtype=torch.float64, device=dev)
-            w[wi[:, 0].long(), wi[:, 1].long()] = wi[:, 2].to(dtype)
-            signal = (w @ g.flatten(1)).view(R, *S)                           # [R, *S]
-
-            backward_fn((v.to(dtype) * signal).sum())
-
-        old = traj.log_probs[eb_t, ek_t].to(out.log_prob.dtype)
-        items = torch.stack([
-            out.loss.detach(), out.clipped.to(out.ratio.dtype), 0.5 * (out.log_prob.detach() - old) ** 2,
-            out.ratio, out.kl, torch.ones_like(out.ratio),
-        ]).double()                                                             # [6, E]
-        acc += items.sum(1) if all(stat) else items[:, torch.tensor(stat, device=dev)].sum(1)
-
-    sums = (acc[:5] / acc[5].clamp_min(1)).tolist()                      # the one host sync
-    return GradientStats(
-        loss=sums[0], clip_frac=sums[1], approx_kl=sums[2], ratio_mean=sums[3], kl=sums[4],
-        forward_grad_items=fwd_grad, forward_nograd_items=fwd_nograd, backward_items=fwd_grad,
-        forward_calls=n_calls, backward_calls=len(chunks), groups=plan.eligible, groups_jagg=plan.routed,
-        jagg_frac_routed=plan.routed / max(plan.eligible, 1), groups_corrected=plan.corrected,
-    )
+        if ch.inner.numel() and inputs.config.intermediate == "fresh":
+            fresh = fresh_velocities(inputs, ch)
+            counters.calls += len(fresh)
+            counters.forward_nograd += ch.inner.numel()
+        with backward_context(n == len(chunks) - 1):       # DDP: no_sync must cover the forward too
+            out = backward_chunk(inputs, ch, fresh, backward_fn, counters)
+        counters.sums += chunk_sums(out, inputs.traj, ch)
+    return counters
 
 
 @torch.no_grad()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import InitVar, asdict, dataclass, field, fields
+from typing import ClassVar
 
+from .deprecation import renamed, warn_renamed
 from .schedule import is_finite_number
 
 MODES = ("exact", "jagg", "subsample")
@@ -15,37 +17,46 @@ ALPHAS = ("sigma", "index")
 
 @dataclass
 class EstimatorConfig:
-    """How the policy gradient of one Flow-GRPO update is computed (docs/design.md §2-3)."""
+    """How the policy gradient of one Flow-GRPO update is computed (docs/design.md §2-3; its words: §0).
+
+    The former keywords ``exact_first_groups`` / ``exact_last_groups`` (also as config keys) still work, with a
+    deprecation message: they are ``exact_first_intervals`` / ``exact_last_intervals``."""
+
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"exact_first_groups": "exact_first_intervals",
+                                              "exact_last_groups": "exact_last_intervals"}
 
     mode: str = field(default="jagg", metadata={"help": f"Gradient estimator, one of {MODES}. 'exact' runs one "
-                      "backward per trained step (the Flow-GRPO baseline); 'jagg' one joint backward per group; "
+                      "backward per trained step (the Flow-GRPO baseline); 'jagg' one joint backward of the two "
+                      "knots of each interval; "
                       "'subsample' trains a fresh random subset of each sample's steps, scaled up (DanceGRPO's "
                       "timestep_fraction: the baseline JAGG must beat at equal rows)."})
-    window: int = field(default=4, metadata={"help": "JAGG group size W: consecutive trained steps sharing one "
-                        "backward of their two endpoints (knots='groups'), or the knot spacing + 1 (knots='shared' "
-                        "and 'adaptive'). 1 (or 2) gives the exact gradient."})
+    window: int = field(default=4, metadata={"help": "W: the trained steps of one interval, its two knots included "
+                        "(knots='groups': disjoint step groups of W; 'shared' and 'adaptive': consecutive intervals "
+                        "share their end knot, a knot every W-1 steps). 1 (or 2) gives the exact gradient."})
     knots: str = field(default="groups", metadata={"help": f"Where the rows with grad (knots) sit, one of {KNOTS}: "
-                       "'groups' = the paper's groups of W steps, 2 endpoint rows each; 'shared' = consecutive groups "
-                       "share an endpoint, knots every W-1 steps (1 + ceil((K-1)/(W-1)) rows per sample instead of "
+                       "'groups' = the paper's step groups of W steps, 2 knot rows each; 'shared' = consecutive "
+                       "intervals share a knot, knots every W-1 steps (1 + ceil((K-1)/(W-1)) rows per sample instead of "
                        "2 ceil(K/W)); 'adaptive' = as many knots as 'shared', placed per batch where the interpolation "
                        "error proxy (stored velocities' distance to the chord times the loss signal) is least."})
     alpha: str = field(default="sigma", metadata={"help": f"Interpolation coefficient of an inner step, one of "
                        f"{ALPHAS}: 'sigma' = (sigma_k - sigma_a) / (sigma_b - sigma_a) (the paper's t-weighting); "
                        "'index' = (k - a) / (b - a) (the authors' reference code)."})
-    intermediate: str = field(default="interp", metadata={"help": f"Velocities at a group's inner steps, one of "
+    intermediate: str = field(default="interp", metadata={"help": f"Velocities at an interval's inner steps, one of "
                               f"{INTERMEDIATES}: 'fresh' = a no-grad forward each (the paper); 'interp' = no "
                               "forward, first-order reuse of the rollout velocities (exact on-policy)."})
-    jagg_frac: float = field(default=1.0, metadata={"help": "Fraction in [0, 1] of (sample, group) pairs sent "
-                             "through JAGG, the most linear first by `score`; the rest run exact. 0 = exact. Only "
-                             "groups of >= 3 steps count (JAGG is exact and no cheaper on 1- or 2-step groups)."})
+    jagg_frac: float = field(default=1.0, metadata={"help": "Fraction in [0, 1] of the units (prompt group, or "
+                             "sample, x interval) routed through JAGG, the most linear first by `score`; the rest run "
+                             "exact. 0 = exact. Only intervals of >= 3 steps count (JAGG is exact and no cheaper on 1- "
+                             "or 2-step intervals)."})
     score: str = field(default="cosine", metadata={"help": f"Linearity score used by routing, one of {SCORES}. "
                        "'cosine' (mean cosine of consecutive velocity increments with the chord) ranked the true "
-                       "per-group gradient cosine best in `jagg bench fidelity` (docs/RESULTS.md)."})
-    exact_first_groups: int = field(default=0, metadata={"help": "Always run the first N groups of the "
-                                    "trajectory (highest noise) exact."})
-    exact_last_groups: int = field(default=0, metadata={"help": "Always run the last N groups exact."})
+                       "per-interval gradient cosine best in `jagg bench fidelity` (docs/RESULTS.md)."})
+    exact_first_intervals: int = field(default=0, metadata={"help": "Always run the first N intervals with inner "
+                                       "steps (the noisiest) exact (formerly exact_first_groups)."})
+    exact_last_intervals: int = field(default=0, metadata={"help": "Always run the last N intervals with inner steps "
+                                      "(the cleanest) exact (formerly exact_last_groups)."})
     correction_p: float = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a JAGG "
-                                "interval (per GRPO group with sample_groups, else per sample) also runs its inner steps "
+                                "unit (prompt group with prompt_groups, else sample, x interval) also runs its inner steps "
                                 "exactly and adds (exact - interpolated) / p, so the expected gradient is exact. Costs "
                                 "p x the inner rows and adds variance (1/p - 1)|e|^2. 0 = plain JAGG (the paper), biased "
                                 "where the Jacobian is not linear: it collapsed training in the main job's SDE window "
@@ -56,17 +67,24 @@ class EstimatorConfig:
                                   "round(f K) (at least 1) of its K trained steps, each weighted K / that number, so "
                                   "the expected gradient is exact; 1 = exact bit for bit. Ignored by the other modes."})
     micro_batch: int = field(default=8, metadata={"help": "Rows per network forward/backward, the same in every "
-                             "mode. JAGG needs >= 2 (a group's two endpoints go through together)."})
+                             "mode. JAGG needs >= 2 (an interval's two knots go through together)."})
     clip_range: float = field(default=1e-4, metadata={"help": "PPO clip range eps of the ratio (Flow-GRPO: 1e-4)."})
     kl_beta: float = field(default=0.0, metadata={"help": "Weight of the KL to the reference policy (Flow-GRPO "
                            "uses 0.04 on GenEval); > 0 needs reference velocities."})
     audit_every: int = field(default=0, metadata={"help": "Trainers only: every N iterations, compute the exact "
                              "gradient of a few samples next to this estimator's and log their cosine, in total and per "
                              "third of the trained steps (audit/* in metrics and TensorBoard). 0 = off."})
-    audit_samples: int = field(default=4, metadata={"help": "Trainers only: samples (whole GRPO groups first) the "
-                               "audit uses."})
+    audit_samples: int = field(default=4, metadata={"help": "Trainers only: samples (whole prompt groups, at least "
+                               "two) the audit uses."})
+    exact_first_groups: InitVar[int | None] = None          # deprecated keywords: see RENAMED_KEYS
+    exact_last_groups: InitVar[int | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, exact_first_groups=None, exact_last_groups=None):
+        if exact_first_groups is not None or exact_last_groups is not None:          # the deprecated keywords
+            self.exact_first_intervals = renamed("EstimatorConfig(exact_first_groups=...)", exact_first_groups,
+                                                 "exact_first_intervals", self.exact_first_intervals, 0)
+            self.exact_last_intervals = renamed("EstimatorConfig(exact_last_groups=...)", exact_last_groups,
+                                                "exact_last_intervals", self.exact_last_intervals, 0)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
         for name in ("jagg_frac", "correction_p", "clip_range", "kl_beta", "subsample_frac"):
@@ -74,7 +92,7 @@ class EstimatorConfig:
             if not is_finite_number(value):
                 raise ValueError(f"{name} must be a finite number; got {value!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an integer >= 1 (group size in trained steps); got {self.window!r}")
+            raise ValueError(f"window must be an integer >= 1 (the trained steps of an interval); got {self.window!r}")
         if self.intermediate not in INTERMEDIATES:
             raise ValueError(f"intermediate must be one of {INTERMEDIATES}; got {self.intermediate!r}")
         if not 0.0 <= float(self.jagg_frac) <= 1.0:
@@ -96,7 +114,7 @@ class EstimatorConfig:
             raise ValueError(f"audit_samples must be an integer >= 2; got {self.audit_samples!r}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}; got {self.score!r}")
-        for name in ("exact_first_groups", "exact_last_groups"):
+        for name in ("exact_first_intervals", "exact_last_intervals"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {getattr(self, name)!r}")
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
@@ -115,7 +133,14 @@ class EstimatorConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "EstimatorConfig":
         known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
+        unknown = set(d) - known - set(cls.RENAMED_KEYS)
         if unknown:
             raise ValueError(f"unknown EstimatorConfig keys {sorted(unknown)}; valid keys: {sorted(known)}")
+        d = dict(d)
+        for old, new in cls.RENAMED_KEYS.items():
+            if old in d:
+                if new in d:
+                    raise ValueError(f"got both {old} (deprecated) and {new}; give {new} only")
+                warn_renamed(f"EstimatorConfig key {old}", new)
+                d[new] = d.pop(old)
         return cls(**d)

@@ -1,27 +1,31 @@
-"""Knots: which rows of one Flow-GRPO update go through the network with grad, and with which weights.
+"""The plan of one update: which rows go through the network with grad, and with which weights.
 
 Every estimator is a choice of *knots* per sample: trained steps whose rows go through the network with grad. A
 trained step ``k`` lies at a knot (its upstream signal ``g_k`` goes to its own row with weight 1) or strictly between
 two neighbouring knots ``a < k < b`` (weights ``1 - alpha_k`` on ``a``, ``alpha_k`` on ``b``). Cost = knot rows;
-error = the piecewise-linear interpolation error of the parameter-Jacobian between knots.
+error = the piecewise-linear interpolation error of the parameter-Jacobian between knots. The words (glossary:
+docs/design.md §0):
 
-- ``exact`` (``mode="exact"``): every trained step is a knot.
-- ``groups`` (the paper): groups of ``window`` consecutive steps, each contributing its two endpoints.
-- ``shared``: consecutive intervals share a knot: knots every ``window - 1`` steps,
-  ``1 + ceil((K - 1) / (window - 1))`` rows per sample instead of ``2 ceil(K / window)``.
-- ``adaptive``: as many knots as ``shared``, placed per batch where interpolation costs least, by dynamic programming
-  over the proxy ``sum_i sum_{a<k<b} ||v_ik - chord_ik|| * ||g_ik||`` (stored velocities and the loss head's signals
-  on them; no network call).
+- *interval*: the run of trained steps ``[a, ..., b]`` between two neighbouring knots, ends included; its *inner
+  steps* lie strictly between. This module owns the interval layout: where the knots sit and each inner step's
+  interpolation coefficient ``alpha_k`` (:func:`interval_alphas`).
+- *window* ``W``: the trained steps of one interval, ends included (the last interval may be shorter).
+- *step groups* (``knots="groups"``, the paper): disjoint intervals of ``W`` consecutive steps, two knot rows each.
+  ``shared``: consecutive intervals share their end knot, a knot every ``W - 1`` steps, ``1 + ceil((K - 1) / (W - 1))``
+  rows per sample instead of ``2 ceil(K / W)``. ``adaptive``: as many knots as ``shared``, placed per batch where
+  interpolation costs least, by dynamic programming over the proxy ``sum_i sum_{a<k<b} ||v_ik - chord_ik|| * ||g_ik||``
+  (stored velocities and the loss head's signals on them; no network call). ``mode="exact"``: every step a knot.
+- *unit*: what routing and the correction decide on: (prompt group, interval) when the prompt group of each sample
+  is given (``prompt_groups``), else (sample, interval) (:func:`unit_rows`).
+- *routing* (``jagg_frac``, :func:`route`): the most linear units (:mod:`jagg.routing` scores them) go through JAGG;
+  a unit routed exact makes all its steps knots. *Unbiased JAGG* (``correction_p = p``): each routed unit is also
+  *picked* with probability ``p`` (:func:`pick_corrections`): its inner steps then also run exactly and add
+  ``(exact - interpolated) / p``, so the expected gradient is the exact one.
+- *bundle* (:class:`Bundle`): rows of one sample that go through the network together (never split across chunks),
+  and the loss *terms* (:class:`Term`, one per (sample, trained step)) they cover.
 
-An *interval* is the run of trained steps ``[a, ..., b]`` between two neighbouring knots (for ``groups``: one group).
-Routing (``jagg_frac``) sends the most linear intervals through JAGG; an interval routed exact makes all its steps
-knots. *Unbiased JAGG* (``correction_p = p``): each JAGG interval is also run exactly with probability ``p`` (a random
-subset of that expected size per update) and contributes ``(exact - interpolated) / p``, so the expected gradient is
-the exact one; only the picked intervals' inner rows are extra.
-
-:func:`plan_update` turns a trajectory and an :class:`~jagg.estimator_config.EstimatorConfig` into *units*: runs of
-rows that go through the network together (a unit is never split across micro-batches) and the loss evaluations
-they cover. :func:`jagg.estimator.policy_gradient` executes them.
+:func:`plan_update` turns a trajectory and an :class:`~jagg.estimator_config.EstimatorConfig` into the bundles of one
+update; :func:`jagg.estimator.policy_gradient` executes them.
 """
 
 from __future__ import annotations
@@ -33,62 +37,86 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .estimator_config import EstimatorConfig
-from .routing import group_alphas, group_scores, make_groups, route
+from .estimator_config import ALPHAS, EstimatorConfig
+from .routing import linearity_scores
 
 
 @dataclass
-class Eval:
-    """One (sample, step) loss evaluation inside a :class:`Unit`.
+class Term:
+    """One loss term ``l_{i,k}`` (sample ``i``, trained step ``k``) inside a :class:`Bundle`.
 
     Attributes:
-        step: the trained step.
+        step: the trained step ``k``.
         source: where its velocity comes from: ``(row, -1, 0.0)`` = that row's output; ``(row_a, row_b, alpha)`` =
             the inner step between two knot rows (``fresh`` forward or ``interp`` from the rows and the rollout).
-        weights: ``(row, weight)`` pairs: ``g`` of this evaluation goes to those rows' backward signal.
-        stat: counted in the statistics (loss, clip fraction, ...). False for the interpolated copy of a corrected
-            inner step, whose true evaluation (on its own row) is the one counted.
+        weights: ``(row, weight)`` pairs: ``g`` of this term goes to those rows' backward signal.
+        counted: counted in the statistics (loss, clip fraction, ...). False for the interpolated copy of a corrected
+            inner step, whose true term (on its own row) is the one counted.
     """
 
     step: int
     source: tuple[int, int, float]
     weights: list[tuple[int, float]]
-    stat: bool = True
+    counted: bool = True
 
 
 @dataclass
-class Unit:
-    """Rows of one sample that go through the network together, and the evaluations they cover."""
+class Bundle:
+    """Rows of one sample that go through the network together (never split across chunks), and the terms they
+    cover."""
 
     sample: int
     rows: list[int]                          # the knot steps, in order
-    evals: list[Eval] = field(default_factory=list)
+    terms: list[Term] = field(default_factory=list)
 
     @property
     def jagg(self) -> bool:
-        return any(e.source[1] >= 0 for e in self.evals)
+        """Whether a term of the bundle is interpolated (an interval routed to JAGG)."""
+        return any(t.source[1] >= 0 for t in self.terms)
 
 
 @dataclass
 class Plan:
-    """The units of one update and what routing and correction did.
+    """The bundles of one update and what routing and the correction did. Counts are per sample: one sample's
+    interval counts once (``B`` samples x eligible intervals at most).
 
     Attributes:
-        units: in execution order.
-        eligible: (sample, interval) pairs JAGG could take (intervals with inner steps, outside the exact first/last).
+        bundles: in execution order.
+        eligible: samples' intervals JAGG could take (intervals with inner steps, outside the exact first/last).
         routed: of those, routed to JAGG.
-        corrected: of those routed, also run exactly (unbiased JAGG).
-        knots: the interval boundaries per sample before routing: positions into the trained steps (``[M]``).
+        corrected: of those routed, picked by unbiased JAGG (also run exactly).
+        knots: the interval ends per sample before routing: positions into the trained steps (``[M]``).
     """
 
-    units: list[Unit]
+    bundles: list[Bundle]
     eligible: int
     routed: int
     corrected: int
     knots: list[int]
 
 
-# ----------------------------------------------------------------------------- knot placement
+# ----------------------------------------------------------------------------- the interval layout
+
+
+def step_groups(train_steps: list[int], window: int) -> list[list[int]]:
+    """The paper's step groups: the sorted trained steps split into consecutive runs of ``window`` (the last may be
+    shorter). Each is one interval of ``knots="groups"``."""
+    return [train_steps[i : i + window] for i in range(0, len(train_steps), window)]
+
+
+def interval_alphas(sigmas: Tensor, interval: list[int], alpha: str = "sigma") -> Tensor:
+    """``alpha_k`` ``[m]`` (fp64) for the steps of ``interval``: 0 at ``a``, 1 at ``b``. ``[0.]`` for one step.
+
+    ``alpha="sigma"``: ``(sigma_k - sigma_a) / (sigma_b - sigma_a)`` (the paper's t-weighting; schedules are not
+    uniform). ``alpha="index"``: ``(k - a) / (b - a)`` (the authors' reference code).
+    """
+    if alpha not in ALPHAS:
+        raise ValueError(f"alpha must be one of {ALPHAS}; got {alpha!r}")
+    if len(interval) == 1:
+        return torch.zeros(1, dtype=torch.float64, device=sigmas.device)
+    s = (sigmas[interval].double() if alpha == "sigma"
+         else torch.tensor(interval, dtype=torch.float64, device=sigmas.device))
+    return (s - s[0]) / (s[-1] - s[0])
 
 
 def shared_knots(num_steps: int, window: int) -> list[int]:
@@ -115,7 +143,7 @@ def interval_cost(velocities: Tensor, signal_norms: Tensor, sigmas: Tensor, alph
         velocities: ``[B, K, D]`` rollout velocities at the trained steps.
         signal_norms: ``[B, K]`` norms of the upstream signals ``g_ik`` (any non-negative weights).
         sigmas: ``[K]`` sigmas of the trained steps.
-        alpha: ``"sigma"`` or ``"index"`` (see :func:`jagg.routing.group_alphas`).
+        alpha: ``"sigma"`` or ``"index"`` (see :func:`interval_alphas`).
     """
     B, K, _ = velocities.shape
     v, w = velocities.double(), signal_norms.double().to(velocities.device)
@@ -124,7 +152,7 @@ def interval_cost(velocities: Tensor, signal_norms: Tensor, sigmas: Tensor, alph
     cost = torch.zeros(K, K, dtype=torch.float64)
     for a in range(K):
         for b in range(a + 2, K):
-            al = group_alphas(sigmas, list(range(a, b + 1)), alpha).to(v.device)[1:-1]    # [m]
+            al = interval_alphas(sigmas, list(range(a, b + 1)), alpha).to(v.device)[1:-1]    # [m]
             ks = slice(a + 1, b)
             # ||v_k - (1 - al) v_a - al v_b||^2 from inner products, [B, m]
             r2 = (d[:, ks] + (1 - al) ** 2 * d[:, a, None] + al**2 * d[:, b, None] - 2 * (1 - al) * G[:, ks, a]
@@ -165,17 +193,102 @@ def adaptive_knots(cost: Tensor, num_knots: int) -> list[int]:
 def intervals_of(steps: list[int], knots: str, window: int, positions: list[int] | None = None) -> list[list[int]]:
     """The intervals (runs of trained steps between neighbouring knots, ends included) of one layout.
 
-    ``groups``: the groups of ``window`` (not sharing ends); ``shared``/``adaptive``: consecutive ``positions``.
+    ``groups``: the step groups of ``window`` (not sharing ends); ``shared``/``adaptive``: consecutive ``positions``.
     """
     if knots == "groups":
-        return make_groups(steps, window)
+        return step_groups(steps, window)
     positions = shared_knots(len(steps), window) if positions is None else positions
     if len(positions) == 1:
         return [[steps[0]]]
     return [steps[a : b + 1] for a, b in zip(positions[:-1], positions[1:])]
 
 
-# ----------------------------------------------------------------------------- the plan
+def layout_intervals(traj, config: EstimatorConfig,
+                     signal_norms: Tensor | None = None) -> tuple[list[list[int]], list[int], bool]:
+    """``(intervals, knot positions, jagg)`` of one update: the layout ``config.knots`` asks for when JAGG applies
+    (``jagg``: mode ``jagg``, ``window > 2`` and more than two trained steps), else one interval per trained step."""
+    steps = traj.train_steps.tolist()
+    B, K = traj.batch_size, len(steps)
+    jagg = config.mode == "jagg" and config.window > 2 and K > 2
+    scheme = config.knots if jagg else "groups"
+    window = config.window if jagg else 1
+    positions = None
+    if scheme == "adaptive":
+        if signal_norms is None:
+            raise ValueError("knots='adaptive' needs signal_norms [B, K]")
+        D = traj.velocities[0, 0].numel()
+        cost = interval_cost(traj.velocities[:, steps].reshape(B, K, D), signal_norms, traj.sigmas[steps],
+                             config.alpha)
+        positions = adaptive_knots(cost, num_shared_knots(K, window))
+    intervals = intervals_of(steps, scheme, window, positions)
+    if scheme == "groups":
+        positions = sorted({steps.index(s) for iv in intervals for s in (iv[0], iv[-1])})
+    return intervals, positions, jagg
+
+
+def eligible_intervals(intervals: list[list[int]], jagg: bool, config: EstimatorConfig) -> Tensor:
+    """``[G]`` bool: the intervals JAGG may take: those with inner steps, less the first ``exact_first_intervals``
+    and the last ``exact_last_intervals`` of them."""
+    eligible = torch.tensor([len(iv) >= 3 for iv in intervals], dtype=torch.bool) & jagg
+    idx = torch.nonzero(eligible).flatten().tolist()
+    for j in idx[: config.exact_first_intervals]:
+        eligible[j] = False
+    for j in (idx[len(idx) - config.exact_last_intervals :] if config.exact_last_intervals else []):
+        eligible[j] = False
+    return eligible
+
+
+# ----------------------------------------------------------------------------- units: routing and the correction
+
+
+def unit_rows(prompt_groups: Tensor | Sequence | None, B: int) -> Tensor:
+    """``[B]`` the unit row of each sample: its prompt group's dense index (prompt group ids in sorted order; ids may
+    be ints or any hashables, e.g. the prompts), or the sample itself without ``prompt_groups``. A unit is (unit
+    row, interval): routing and the correction move a prompt group's samples together."""
+    if prompt_groups is None:
+        return torch.arange(B)
+    if not isinstance(prompt_groups, Tensor):             # e.g. the prompts themselves, or prompt ids
+        first: dict = {}
+        prompt_groups = torch.tensor([first.setdefault(k, len(first)) for k in prompt_groups])
+    ids = prompt_groups.cpu().flatten()
+    if ids.numel() != B:
+        raise ValueError(f"prompt_groups must have shape [B] = [{B}]; got {tuple(ids.shape)}")
+    return torch.unique(ids, return_inverse=True)[1]
+
+
+def route(scores: Tensor, jagg_frac: float, eligible: Tensor,
+          prompt_groups: Tensor | Sequence | None = None) -> Tensor:
+    """Route the top ``jagg_frac`` of the eligible units through JAGG, by linearity score.
+
+    Args:
+        scores: ``[B, G]`` linearity scores of every (sample, interval) (higher = more linear; :mod:`jagg.routing`).
+        jagg_frac: the fraction of eligible units routed.
+        eligible: ``[G]`` bool, intervals allowed to go through JAGG.
+        prompt_groups: optional ``[B]``, the prompt group of each sample. When given, a unit is (prompt group,
+            interval), its score the members' mean, so a prompt group's samples are routed together. Group-relative
+            advantages sum to zero within a prompt group, so an error that its samples' JAGG gradients share cancels
+            when they are all routed alike (and survives when only some are).
+
+    Returns ``[B, G]`` bool: True = JAGG. The count is ``jagg_frac * n_eligible`` units rounded half up; ties break
+    towards the lower index (deterministic).
+    """
+    B, G = scores.shape
+    if prompt_groups is not None:
+        member = unit_rows(prompt_groups, B).to(scores.device)                 # [B] in 0..U-1
+        U = int(member.max()) + 1 if B else 0
+        total = torch.zeros(U, G, dtype=torch.float64, device=scores.device).index_add_(0, member, scores.double())
+        count = torch.bincount(member, minlength=U).double()[:, None]
+        return route(total / count, jagg_frac, eligible)[member]               # [U, G] -> [B, G]
+    mask = eligible[None, :].expand(B, G).reshape(-1)
+    n_elig = int(mask.sum())
+    n = int(math.floor(float(jagg_frac) * n_elig + 0.5))    # round half up: 1 of 1 unit at 0.5, not 0
+    routed = torch.zeros(B * G, dtype=torch.bool, device=scores.device)
+    if n > 0:
+        s = scores.reshape(-1).double().masked_fill(~mask, -torch.inf)
+        # stable descending sort: equal scores keep index order
+        order = torch.sort(-s, stable=True).indices
+        routed[order[:n]] = True
+    return routed.view(B, G)
 
 
 def _pick(candidates: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
@@ -194,126 +307,126 @@ def _pick(candidates: Tensor, p: float, generator: torch.Generator | None) -> Te
     return out.view_as(candidates)
 
 
-def _units_of_chain(sample: int, chain: list[list[int]], alphas: list[list[float]], micro_batch: int,
-                    scale: dict[int, float]) -> list[Unit]:
-    """Units for one run of JAGG intervals sharing knots (``chain``: intervals ``[a, ..., b]``, consecutive ones
-    sharing an end; ``alphas``: their interpolation coefficients). Split into pieces of at most ``micro_batch`` knots that overlap by one knot; a knot's own loss is
-    counted in the first piece holding it. ``scale[j]`` (``1 - 1/p`` for a corrected interval) multiplies the weights
-    of interval ``j``'s inner steps; their evaluations then do not count in the statistics."""
-    units: list[Unit] = []
+def pick_corrections(routed: Tensor, eligible: Tensor, units: Tensor, config: EstimatorConfig,
+                     generator: torch.Generator | None) -> Tensor:
+    """Unbiased JAGG's picks ``[B, G]``: each routed unit (``units``: :func:`unit_rows`) among the first
+    ``correction_intervals`` eligible intervals (all when 0) is picked with probability exactly ``correction_p``."""
+    B, G = routed.shape
+    p = config.correction_p
+    if p <= 0 or not bool(routed.any()):
+        return torch.zeros(B, G, dtype=torch.bool)
+    scope = torch.zeros(G, dtype=torch.bool)
+    cols = torch.nonzero(eligible).flatten().tolist()
+    scope[cols[: config.correction_intervals] if config.correction_intervals else cols] = True
+    U = int(units.max()) + 1
+    unit_routed = torch.zeros(U, G, dtype=torch.int64).index_add_(0, units, routed.long()) > 0      # [U, G]
+    return _pick(unit_routed & scope[None], p, generator)[units] & routed
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence | None = None,
+                signal_norms: Tensor | None = None, generator: torch.Generator | None = None) -> Plan:
+    """Lay out, route, pick and bundle the rows of one update (see the module docstring).
+
+    Args:
+        traj: the :class:`~jagg.trajectory.Trajectory` (``B`` samples, trained steps ``[K]``).
+        config: the estimator's configuration.
+        prompt_groups: optional ``[B]`` prompt group of each sample: routing and the correction then decide per
+            (prompt group, interval) unit (:func:`route`).
+        signal_norms: ``[B, K]`` norms of the upstream signals at the rollout velocities; needed by
+            ``knots="adaptive"``.
+        generator: RNG of the correction's random picks (``torch.rand`` / ``randperm`` on the CPU).
+    """
+    B = traj.batch_size
+    if config.mode == "subsample":
+        return _subsample_plan(traj.train_steps.tolist(), B, config.subsample_frac, generator)
+    intervals, positions, jagg = layout_intervals(traj, config, signal_norms)
+    alphas = [interval_alphas(traj.sigmas, iv, config.alpha) for iv in intervals]      # once per interval
+    eligible = eligible_intervals(intervals, jagg, config)
+    if 0.0 < config.jagg_frac < 1.0:
+        scores = linearity_scores(traj.velocities, intervals, alphas, config.score).cpu()
+    else:
+        scores = torch.zeros(B, len(intervals), dtype=torch.float32)
+    routed = route(scores, config.jagg_frac, eligible, prompt_groups)                  # [B, G]
+    corrected = pick_corrections(routed, eligible, unit_rows(prompt_groups, B), config, generator)
+    weight = 1.0 / config.correction_p if config.correction_p > 0 else 1.0
+    layout = (intervals, [a.tolist() for a in alphas], routed, corrected, weight)
+    bundles = (_step_group_bundles(B, *layout) if config.knots == "groups" or not jagg
+               else _shared_knot_bundles(B, traj.train_steps.tolist(), *layout, config.micro_batch))
+    return Plan(bundles, B * int(eligible.sum()), int(routed.sum()), int(corrected.sum()), positions)
+
+
+def _step_group_bundles(B: int, intervals, alphas, routed: Tensor, corrected: Tensor, weight: float) -> list[Bundle]:
+    """Bundles of disjoint intervals, interval-major as Flow-GRPO's step loop (and the estimator before knots): per
+    interval, its routed samples' knot pairs and the other samples' exact steps; the picked inner steps last."""
+    bundles: list[Bundle] = []
+    singles: list[Bundle] = []
+    for j, iv in enumerate(intervals):
+        for i in range(B):
+            if routed[i, j]:
+                bundles += _chain_bundles(i, [iv], [alphas[j]], 2, {0: 1.0 - weight} if corrected[i, j] else {})
+        bundles += [_single(i, k) for k in iv for i in range(B) if not routed[i, j]]
+        singles += [_single(i, k, weight) for k in iv[1:-1] for i in range(B) if corrected[i, j]]
+    return bundles + singles
+
+
+def _shared_knot_bundles(B: int, steps: list[int], intervals, alphas, routed: Tensor, corrected: Tensor,
+                         weight: float, micro_batch: int) -> list[Bundle]:
+    """Bundles of intervals sharing knots: per sample, each maximal run of routed intervals is one chain; the steps no
+    chain covers run exact, step-major; the picked inner steps last."""
+    bundles: list[Bundle] = []
+    G = len(intervals)
+    for i in range(B):
+        run: list[int] = []
+        for j in range(G + 1):
+            if j < G and routed[i, j]:
+                run.append(j)
+                continue
+            if run:
+                scale = {r: 1.0 - weight for r, jj in enumerate(run) if corrected[i, jj]}
+                bundles += _chain_bundles(i, [intervals[jj] for jj in run], [alphas[jj] for jj in run], micro_batch,
+                                          scale)
+                run = []
+    covered = [set() for _ in range(B)]
+    for b in bundles:
+        covered[b.sample].update(t.step for t in b.terms)
+    singles = [_single(i, k) for k in steps for i in range(B) if k not in covered[i]]
+    for j, iv in enumerate(intervals):
+        singles += [_single(i, k, weight) for k in iv[1:-1] for i in range(B) if corrected[i, j]]
+    return bundles + singles
+
+
+def _chain_bundles(sample: int, chain: list[list[int]], alphas: list[list[float]], micro_batch: int,
+                   scale: dict[int, float]) -> list[Bundle]:
+    """Bundles of one run of JAGG intervals sharing knots (``chain``: intervals ``[a, ..., b]``, consecutive ones
+    sharing an end; ``alphas``: their interpolation coefficients). Split into pieces of at most ``micro_batch`` knots
+    that overlap by one knot; a knot's own term is counted in the first piece holding it. ``scale[j]`` (``1 - 1/p``
+    for a picked interval) multiplies the weights of interval ``j``'s inner steps; their terms then do not count in
+    the statistics."""
+    bundles: list[Bundle] = []
     start = 0
     n = len(chain)                                          # intervals; knots = n + 1
     per = max(micro_batch - 1, 1)                           # intervals per piece
     while start < n:
         part = chain[start : start + per]
-        rows = [iv[0] for iv in part] + [part[-1][-1]]
-        u = Unit(sample, rows)
+        b = Bundle(sample, [iv[0] for iv in part] + [part[-1][-1]])
         for r, iv in enumerate(part):
             if r == 0 and start == 0:
-                u.evals.append(Eval(iv[0], (0, -1, 0.0), [(0, 1.0)]))
+                b.terms.append(Term(iv[0], (0, -1, 0.0), [(0, 1.0)]))
             s = scale.get(start + r, 1.0)
             for k, al in zip(iv[1:-1], alphas[start + r][1:-1]):
-                u.evals.append(Eval(k, (r, r + 1, al), [(r, (1.0 - al) * s), (r + 1, al * s)], stat=s == 1.0))
-            u.evals.append(Eval(iv[-1], (r + 1, -1, 0.0), [(r + 1, 1.0)]))
-        units.append(u)
+                b.terms.append(Term(k, (r, r + 1, al), [(r, (1.0 - al) * s), (r + 1, al * s)], counted=s == 1.0))
+            b.terms.append(Term(iv[-1], (r + 1, -1, 0.0), [(r + 1, 1.0)]))
+        bundles.append(b)
         start += per
-    return units
+    return bundles
 
 
-def _single(sample: int, step: int, weight: float = 1.0) -> Unit:
-    return Unit(sample, [step], [Eval(step, (0, -1, 0.0), [(0, weight)])])
-
-
-def plan_update(traj, config: EstimatorConfig, sample_groups: Tensor | Sequence | None = None,
-                signal_norms: Tensor | None = None, generator: torch.Generator | None = None) -> Plan:
-    """Route, correct and lay out the rows of one update (see the module docstring).
-
-    Args:
-        traj: the :class:`~jagg.trajectory.Trajectory` (``B`` samples, trained steps ``[K]``).
-        config: the estimator's configuration.
-        sample_groups: optional ``[B]`` GRPO group of each sample: routing and correction then move a GRPO group's
-            members together (see :func:`jagg.routing.route`).
-        signal_norms: ``[B, K]`` norms of the upstream signals at the rollout velocities; needed by
-            ``knots="adaptive"``.
-        generator: RNG of the correction's random picks (``torch.rand`` / ``randperm`` on the CPU).
-    """
-    steps = traj.train_steps.tolist()
-    B, K = traj.batch_size, len(steps)
-    if config.mode == "subsample":
-        return _subsample_plan(steps, B, config.subsample_frac, generator)
-    sig = traj.sigmas
-    jagg = config.mode == "jagg" and config.window > 2 and K > 2
-    scheme = config.knots if jagg else "groups"
-    window = config.window if jagg else 1
-    positions = None
-    if scheme == "adaptive":
-        if signal_norms is None:
-            raise ValueError("knots='adaptive' needs signal_norms [B, K]")
-        D = traj.velocities[0, 0].numel()
-        cost = interval_cost(traj.velocities[:, steps].reshape(B, K, D), signal_norms, sig[steps], config.alpha)
-        positions = adaptive_knots(cost, num_shared_knots(K, window))
-    intervals = intervals_of(steps, scheme, window, positions)
-    if scheme == "groups":
-        positions = sorted({steps.index(s) for iv in intervals for s in (iv[0], iv[-1])})
-    G = len(intervals)
-
-    # eligibility: intervals with inner steps; the exact first/last ones counted among those
-    eligible = torch.tensor([len(iv) >= 3 for iv in intervals], dtype=torch.bool) & jagg
-    idx = torch.nonzero(eligible).flatten().tolist()
-    for j in idx[: config.exact_first_groups]:
-        eligible[j] = False
-    for j in (idx[len(idx) - config.exact_last_groups :] if config.exact_last_groups else []):
-        eligible[j] = False
-    if 0.0 < config.jagg_frac < 1.0:
-        scores = group_scores(traj.velocities, sig, intervals, config.score, config.alpha).cpu()
-    else:
-        scores = torch.zeros(B, G, dtype=torch.float32)
-    routed = route(scores, config.jagg_frac, eligible, sample_groups)          # [B, G]
-
-    # unbiased JAGG: pick (GRPO group or sample, interval) units among the routed ones
-    corrected = torch.zeros(B, G, dtype=torch.bool)
-    p = config.correction_p
-    if p > 0 and bool(routed.any()):
-        scope = torch.zeros(G, dtype=torch.bool)
-        routed_cols = torch.nonzero(eligible).flatten().tolist()
-        scope[routed_cols[: config.correction_intervals] if config.correction_intervals else routed_cols] = True
-        member = _members(sample_groups, B)
-        U = int(member.max()) + 1
-        unit_routed = torch.zeros(U, G, dtype=torch.int64).index_add_(0, member, routed.long()) > 0              # [U, G]
-        picked = _pick(unit_routed & scope[None], p, generator)                   # [U, G]
-        corrected = picked[member] & routed
-    weight = 1.0 / p if p > 0 else 1.0
-    alphas = [group_alphas(sig, iv, config.alpha).tolist() for iv in intervals]    # once per interval
-
-    units: list[Unit] = []
-    singles: list[Unit] = []
-    if scheme == "groups":                  # group-major, as Flow-GRPO's step loop (and the estimator before knots)
-        for gi, iv in enumerate(intervals):
-            for i in range(B):
-                if routed[i, gi]:
-                    units += _units_of_chain(i, [iv], [alphas[gi]], 2, {0: 1.0 - weight} if corrected[i, gi] else {})
-            units += [_single(i, k) for k in iv for i in range(B) if not routed[i, gi]]
-            singles += [_single(i, k, weight) for k in iv[1:-1] for i in range(B) if corrected[i, gi]]
-    else:
-        for i in range(B):                  # each maximal run of routed intervals is one chain of shared knots
-            run: list[int] = []
-            for j in range(G + 1):
-                if j < G and routed[i, j]:
-                    run.append(j)
-                    continue
-                if run:
-                    scale = {r: 1.0 - weight for r, jj in enumerate(run) if corrected[i, jj]}
-                    units += _units_of_chain(i, [intervals[jj] for jj in run], [alphas[jj] for jj in run],
-                                             config.micro_batch, scale)
-                    run = []
-        covered = [set() for _ in range(B)]
-        for u in units:
-            covered[u.sample].update(e.step for e in u.evals)
-        for k in steps:                     # the rest run exact, step-major
-            singles += [_single(i, k) for i in range(B) if k not in covered[i]]
-        for j, iv in enumerate(intervals):
-            singles += [_single(i, k, weight) for k in iv[1:-1] for i in range(B) if corrected[i, j]]
-    return Plan(units + singles, B * int(eligible.sum()), int(routed.sum()), int(corrected.sum()), positions)
+def _single(sample: int, step: int, weight: float = 1.0) -> Bundle:
+    """The bundle of one exact step: its own row, its term at ``weight``."""
+    return Bundle(sample, [step], [Term(step, (0, -1, 0.0), [(0, weight)])])
 
 
 def _subsample_plan(steps: list[int], B: int, frac: float, generator: torch.Generator | None) -> Plan:
@@ -327,15 +440,5 @@ def _subsample_plan(steps: list[int], B: int, frac: float, generator: torch.Gene
         order = torch.rand(B, K, generator=generator, dtype=torch.float32).argsort(dim=1)      # [B, K]
         chosen = torch.zeros(B, K, dtype=torch.bool).scatter_(1, order[:, :m], True)
     weight = 1.0 if m == K else K / m
-    units = [_single(i, k, weight) for j, k in enumerate(steps) for i in range(B) if chosen[i, j]]
-    return Plan(units, 0, 0, 0, list(range(K)))
-
-
-def _members(sample_groups: Tensor | Sequence | None, B: int) -> Tensor:
-    """``[B]`` dense unit index of each sample: its GRPO group, or itself."""
-    if sample_groups is None:
-        return torch.arange(B)
-    if not isinstance(sample_groups, Tensor):
-        first: dict = {}
-        sample_groups = torch.tensor([first.setdefault(k, len(first)) for k in sample_groups])
-    return torch.unique(sample_groups.cpu().flatten(), return_inverse=True)[1]
+    bundles = [_single(i, k, weight) for j, k in enumerate(steps) for i in range(B) if chosen[i, j]]
+    return Plan(bundles, 0, 0, 0, list(range(K)))

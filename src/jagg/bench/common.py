@@ -33,7 +33,7 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
     inner steps of the intervals that run exact, and ``nograd`` the inner steps of the routed intervals under
     ``fresh``. With ``steps=None`` the limit is for one full interval of ``window`` steps: the defaults
     (``B = 2F``, ``F_grad = F_nograd``) give docs/design.md's ``3W / (W + 4)`` (fresh) and ``W / 2`` (interp). With
-    ``steps=K`` the ``K`` trained steps are laid out as the estimator lays them out: groups of ``window`` (the last
+    ``steps=K`` the ``K`` trained steps are laid out as the estimator lays them out: step groups of ``window`` (the last
     may be shorter), or shared knots every ``window - 1`` steps (``adaptive`` has as many knots; its intervals'
     sizes depend on the data, so ``shared``'s sizes stand in for them when ``jagg_frac < 1``). Routing: the
     fraction ``jagg_frac`` of each eligible interval (>= 3 steps, not among the first ``exact_first`` / last

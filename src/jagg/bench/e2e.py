@@ -9,7 +9,7 @@ iteration, the iteration ratio exact / variant, and its ideal
     ideal = (S + R + T) / (S + R + T / limit)
 
 from the exact trainer's medians and the cost-model limit of the variant (docs/design.md §3, ``B = 2F``, the config's
-trained steps, window, routed fraction and exact first/last groups): what the ratio would be if sampling and
+trained steps, window, routed fraction and exact first/last intervals): what the ratio would be if sampling and
 rewards stayed as they are and training shrank by exactly the cost model.
 """
 
@@ -34,13 +34,13 @@ QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompts x the 
 
 def routed_limit(cfg: TrainConfig) -> float:
     """:func:`~jagg.bench.common.cost_limit` (``B = 2F``) of the config's estimator: its trained steps, knot layout,
-    window, routed fraction, exact first/last groups, correction probability and corrected intervals."""
+    window, routed fraction, exact first/last intervals, correction probability and corrected intervals."""
     e, c = cfg.estimator, cfg.sample
     if e.mode == "exact":
         return 1.0
     steps = select_train_steps(c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)[0]
     return cost_limit(e.window, e.intermediate, steps=int(steps.numel()), jagg_frac=e.jagg_frac,
-                      exact_first=e.exact_first_groups, exact_last=e.exact_last_groups, knots=e.knots,
+                      exact_first=e.exact_first_intervals, exact_last=e.exact_last_intervals, knots=e.knots,
                       correction_p=e.correction_p, correction_intervals=e.correction_intervals)
 
 

@@ -86,7 +86,7 @@ def expected_rows(traj, cfg: EstimatorConfig, groups, draws: int = 64) -> float:
     n = 1 if cfg.correction_p == 0 or cfg.mode != "jagg" else draws
     if cfg.mode == "jagg" and cfg.knots == "adaptive":      # adaptive needs the loss signals; shared has as many rows
         cfg = dataclasses.replace(cfg, knots="shared")
-    rows = [sum(len(u.rows) for u in plan_update(traj, cfg, groups, generator=gen).units) for _ in range(n)]
+    rows = [sum(len(b.rows) for b in plan_update(traj, cfg, groups, generator=gen).bundles) for _ in range(n)]
     return statistics.fmean(rows) / traj.batch_size
 
 
@@ -134,7 +134,7 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
                 trainer.opt.zero_grad(set_to_none=True)
                 c0 = time.perf_counter()
                 with torch.enable_grad():
-                    st = policy_gradient(vf, traj, adv, est, sample_groups=groups, generator=gen)
+                    st = policy_gradient(vf, traj, adv, est, prompt_groups=groups, generator=gen)
                 train_s[name].append(time.perf_counter() - c0)
                 rows[name].append(st.backward_items / traj.batch_size)
                 out.append(flat_grad(params).double())

@@ -1,7 +1,7 @@
 """``jagg bench fidelity``: how close the JAGG gradient is to the exact one, and which routing score knows.
 
 For each checkpoint, one fresh rollout batch is drawn the way the trainer draws it (its prompts, noise,
-SDE sampler with guidance, the configured reward, group-relative advantages, zero-spread groups dropped),
+SDE sampler with guidance, the configured reward, group-relative advantages, zero-spread prompt groups dropped),
 then every gradient below comes from :func:`jagg.policy_gradient`:
 
 1. Fidelity, on-policy (right after sampling) and off-policy (the trainer's second minibatch: after one
@@ -12,10 +12,10 @@ then every gradient below comes from :func:`jagg.policy_gradient`:
    (:func:`jagg.audit_gradient`: the gradient of each third's loss terms, knots and routing those of the whole
    trajectory). The total is decided by the clean steps, whose signals are largest; layout is decided at the
    noisy ones. The Pareto table (rows against total cosine) marks the layouts no other beats on both.
-2. Routing study (on-policy, windows > 2): per (sample, group) the true gradient cosine of JAGG vs exact;
-   for each score of ``jagg.estimator_config.SCORES`` its Spearman rank correlation with that cosine, and the
-   total-gradient cosine reached when only the top ``jagg_frac`` by that score go through JAGG, routing whole
-   GRPO groups (the trainer's way) and single (sample, group) pairs (also with the first and last groups
+2. Routing study (on-policy, windows > 2): per (sample, interval) pair the true gradient cosine of JAGG vs
+   exact; for each score of ``jagg.estimator_config.SCORES`` its Spearman rank correlation with that cosine, and
+   the total-gradient cosine reached when only the top ``jagg_frac`` by that score go through JAGG, routing units
+   of whole prompt groups (the trainer's way) and of single samples (also with the first and last intervals
    kept exact).
 """
 
@@ -39,7 +39,8 @@ from ..estimator_config import ALPHAS, INTERMEDIATES, KNOTS, SCORES, EstimatorCo
 from ..estimator import GradientStats, policy_gradient, reference_velocities
 from ..shapes.velocity import GuidedVelocity
 from ..rewards.registry import get_reward
-from ..routing import group_scores, make_groups
+from ..knots import interval_alphas, step_groups
+from ..routing import linearity_scores
 from ..schedule import flow_sigmas
 from ..shapes.config import TrainConfig
 from ..trajectory import Trajectory, sample_trajectories, select_train_steps
@@ -102,8 +103,8 @@ class Rollout:
     adv: Tensor             # [B]
     ref_v: Tensor | None    # [B, T, *S] when estimator.kl_beta > 0
     reward_mean: float
-    sampled: int            # samples drawn before dropping zero-spread groups
-    groups: Tensor          # [B] GRPO group (prompt) of each sample, for routing
+    sampled: int            # samples drawn before dropping zero-spread prompt groups
+    groups: Tensor          # [B] prompt group of each sample, for routing
 
     def select(self, idx: Tensor) -> "Rollout":
         return Rollout(self.traj.select(idx), self.tokens[idx], self.adv[idx],
@@ -112,7 +113,7 @@ class Rollout:
 
 
 def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) -> Rollout:
-    """Sample, reward and compute advantages exactly as ``jagg.shapes.trainer.Trainer.step`` does."""
+    """Sample, reward and compute advantages exactly as the shapes trainer's iteration does."""
     c, t = cfg.train.sample, cfg.train
     rng = np.random.default_rng(cfg.seed)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -161,15 +162,15 @@ def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) ->
 def gradient(model: nn.Module, ro: Rollout, est: EstimatorConfig, guidance: float,
              steps: list[int] | None = None, route_groups: bool = True) -> tuple[Tensor, GradientStats]:
     """The flattened gradient ``policy_gradient`` accumulates (``.grad`` zeroed first), optionally with the
-    trajectory's trained steps restricted to ``steps``; routing moves whole GRPO groups unless ``route_groups``
-    is False (then single (sample, group) pairs)."""
+    trajectory's trained steps restricted to ``steps``; routing moves whole prompt groups unless ``route_groups``
+    is False (then single samples)."""
     traj = ro.traj
     if steps is not None:
         ts = torch.tensor(steps, dtype=torch.long, device=traj.latents.device)
         traj = dataclasses.replace(traj, train_steps=ts)
     model.zero_grad(set_to_none=True)
     stats = policy_gradient(GuidedVelocity(model, ro.tokens, guidance), traj, ro.adv, est, ref_velocities=ro.ref_v,
-                            sample_groups=ro.groups if route_groups else None)
+                            prompt_groups=ro.groups if route_groups else None)
     g = flat_grad(list(model.parameters()))
     model.zero_grad(set_to_none=True)
     return g, stats
@@ -178,7 +179,7 @@ def gradient(model: nn.Module, ro: Rollout, est: EstimatorConfig, guidance: floa
 def _est(base: EstimatorConfig, **kw) -> EstimatorConfig:
     """The configured estimator (micro-batch, clip range, KL) with JAGG everywhere and no unbiased correction (a
     same-batch comparison of a random estimate says little) unless ``kw`` says otherwise."""
-    d = dict(base.to_dict(), jagg_frac=1.0, exact_first_groups=0, exact_last_groups=0, correction_p=0.0)
+    d = dict(base.to_dict(), jagg_frac=1.0, exact_first_intervals=0, exact_last_intervals=0, correction_p=0.0)
     return EstimatorConfig.from_dict({**d, **kw})
 
 
@@ -244,7 +245,7 @@ def off_policy_rollout(model: nn.Module, ro: Rollout, cfg: FidelityConfig) -> tu
 
 
 def routing(model: nn.Module, ro: Rollout, cfg: FidelityConfig, ckpt: str) -> list[dict]:
-    """Spearman of each score with the true per-(sample, group) cosine; total cosine per ``jagg_frac``."""
+    """Spearman of each score with the true per-(sample, interval) cosine; total cosine per ``jagg_frac``."""
     base, w = cfg.train.estimator, cfg.train.sample.guidance_scale
     traj, B = ro.traj, ro.traj.batch_size
     steps = traj.train_steps.tolist()
@@ -252,35 +253,36 @@ def routing(model: nn.Module, ro: Rollout, cfg: FidelityConfig, ckpt: str) -> li
     head = {"checkpoint": ckpt, "intermediate": base.intermediate, "samples": B}
     out = []
     for W in [w_ for w_ in cfg.windows if w_ > 2]:
-        groups = make_groups(steps, W)
-        eligible = [gi for gi, g in enumerate(groups) if len(g) > 2]
+        intervals = step_groups(steps, W)
+        eligible = [j for j, iv in enumerate(intervals) if len(iv) > 2]
         if not eligible:
             continue
         est = _est(base, mode="jagg", window=W)
-        cos = torch.full((B, len(groups)), math.nan, dtype=torch.float64)
-        for i in range(B):                                  # the true per-(sample, group) cosine
+        cos = torch.full((B, len(intervals)), math.nan, dtype=torch.float64)
+        for i in range(B):                                  # the true per-(sample, interval) cosine
             one = ro.select(torch.tensor([i], device=traj.latents.device))
-            for gi in eligible:
-                ge, _ = gradient(model, one, _est(base, mode="exact"), w, groups[gi])
-                gj, _ = gradient(model, one, est, w, groups[gi])
-                cos[i, gi] = cosine(gj, ge)
+            for j in eligible:
+                ge, _ = gradient(model, one, _est(base, mode="exact"), w, intervals[j])
+                gj, _ = gradient(model, one, est, w, intervals[j])
+                cos[i, j] = cosine(gj, ge)
         valid = torch.isfinite(cos)                         # NaN: a zero gradient (zero advantage)
         for score in (SCORES if bool(valid.any()) else ()):
-            sc = group_scores(traj.velocities, traj.sigmas, groups, score).cpu().double()
+            alphas = [interval_alphas(traj.sigmas, iv) for iv in intervals]
+            sc = linearity_scores(traj.velocities, intervals, alphas, score).cpu().double()
             out.append({**head, "kind": "spearman", "window": W, "score": score,
                         "spearman": spearman(sc[valid].tolist(), cos[valid].tolist()),
                         "pairs": int(valid.sum()), "mean_pair_cosine": float(cos[valid].mean()),
                         "min_pair_cosine": float(cos[valid].min())})
         for edge in (0, 1):
             for frac in cfg.fracs:
-                for unit in (("group", "pair") if frac < 1 else ("any",)):   # frac 1 routes everything
+                for unit in (("prompt_group", "sample") if frac < 1 else ("any",)):   # frac 1 routes everything
                     for score in (SCORES if frac < 1 else SCORES[:1]):
                         e = _est(base, mode="jagg", window=W, jagg_frac=frac, score=score,
-                                 exact_first_groups=edge, exact_last_groups=edge)
-                        g, st = gradient(model, ro, e, w, route_groups=unit == "group")
+                                 exact_first_intervals=edge, exact_last_intervals=edge)
+                        g, st = gradient(model, ro, e, w, route_groups=unit == "prompt_group")
                         out.append({**head, "kind": "routing", "window": W, "score": score if frac < 1 else "any",
-                                    "route_unit": unit, "jagg_frac": frac, "exact_first_groups": edge,
-                                    "exact_last_groups": edge, "cosine": cosine(g, g_ex), "rel_err": rel_err(g, g_ex),
+                                    "route_unit": unit, "jagg_frac": frac, "exact_first_intervals": edge,
+                                    "exact_last_intervals": edge, "cosine": cosine(g, g_ex), "rel_err": rel_err(g, g_ex),
                                     "jagg_frac_routed": st.jagg_frac_routed, "backward_items": st.backward_items})
     return out
 
@@ -305,7 +307,7 @@ def _print_report(records: list[dict]) -> None:
         r.pop("_pareto")
     sp = [r for r in records if r["kind"] == "spearman"]
     if sp:
-        print("\nrouting scores: Spearman rank correlation with the true per-(sample, group) gradient cosine")
+        print("\nrouting scores: Spearman rank correlation with the true per-(sample, interval) gradient cosine")
         print(table(sp, [("checkpoint", "checkpoint", ""), ("window", "W", ""), ("score", "score", ""),
                          ("spearman", "spearman", ".3f"), ("pairs", "pairs", ""),
                          ("mean_pair_cosine", "mean pair cos", ".4f"), ("min_pair_cosine", "min pair cos", ".4f")]))
@@ -313,14 +315,14 @@ def _print_report(records: list[dict]) -> None:
     if rt:
         rows = {}
         for r in rt:
-            key = (r["checkpoint"], r["window"], r["exact_first_groups"], r["jagg_frac"], r.get("route_unit", "pair"))
+            key = (r["checkpoint"], r["window"], r["exact_first_intervals"], r["jagg_frac"], r["route_unit"])
             row = rows.setdefault(key, {"checkpoint": key[0], "window": key[1], "edges": key[2], "jagg_frac": key[3],
                                         "unit": key[4], "backward_items": r["backward_items"]})
             for s in SCORES:
                 if r["score"] in (s, "any"):
                     row[s] = r["cosine"]
         print("\nrouting: total-gradient cosine vs exact when the top jagg_frac by each score go through JAGG; unit "
-              "group: whole GRPO groups, pair: single (sample, group) pairs (edges=1: first and last groups exact)")
+              "prompt_group: whole prompt groups, sample: single samples (edges=1: first and last intervals exact)")
         cols = [("checkpoint", "checkpoint", ""), ("window", "W", ""), ("edges", "edges", ""),
                 ("jagg_frac", "frac", ".2f"), ("unit", "unit", ""), ("backward_items", "bwd", "")]
         print(table(list(rows.values()), cols + [(s, s, ".4f") for s in SCORES]))
@@ -392,7 +394,7 @@ def add_parser(sub) -> None:
     p.add_argument("--fracs", nargs="+", type=float,
                    help=f"routing jagg_frac values [default: {' '.join(map(str, d.fracs))}]")
     p.add_argument("--advantages", choices=ADVANTAGES, default="reward",
-                   help="reward: the trainer's group-relative advantages (zero-spread groups dropped); random: "
+                   help="reward: the trainer's group-relative advantages (zero-spread prompt groups dropped); random: "
                         "N(0,1) per sample, for untrained checkpoints [default: reward]")
     p.add_argument("--no-routing", action="store_true", help="skip the routing study")
     p.add_argument("--no-off-policy", action="store_true", help="skip the off-policy (after one update) comparison")

@@ -120,24 +120,24 @@ def measure(cfg: TrainConfig, rewards: list[str], batches: int, fixed_prompts: b
         for name, fn in fns.items():
             scores, _ = fn(images, prompts, None)
             r = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
-            groups = r.view(-1, cfg.sample.group_size)    # [prompts_per_iter, group_size]
-            spread[name].append(float((groups.std(1) > 0).float().mean()))
-            stds[name].append(float(groups.std(1).mean()))
+            by_prompt = r.view(-1, cfg.sample.group_size)    # [prompts_per_iter, group_size]: the prompt groups
+            spread[name].append(float((by_prompt.std(1) > 0).float().mean()))
+            stds[name].append(float(by_prompt.std(1).mean()))
             means[name].append(float(r.mean()))
             adv = group_advantages(r, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
             for e in estimators:
                 trainer.opt.zero_grad(set_to_none=True)
                 with torch.enable_grad():
                     policy_gradient(GuidedVelocity(trainer.model, tokens, cfg.sample.guidance_scale), traj, adv,
-                                    ests[e], sample_groups=prompts, generator=pick_generator(cfg.seed, b))
+                                    ests[e], prompt_groups=prompts, generator=pick_generator(cfg.seed, b))
                 grads[(name, e)].append(flat_grad(params))
     n = statistics.fmean(trained)
     out = []
     for name in rewards:
         head = {"reward": name, "batches": batches, "samples_per_batch": n, "fixed_prompts": fixed_prompts,
                 "trainable": cfg.model.trainable, "reward_mean": statistics.fmean(means[name]),
-                "within_group_std": statistics.fmean(stds[name]),
-                "groups_with_spread": statistics.fmean(spread[name])}
+                "within_prompt_group_std": statistics.fmean(stds[name]),
+                "prompt_groups_with_spread": statistics.fmean(spread[name])}
         for e in estimators:
             g = torch.stack(grads[(name, e)])              # [K, P]
             c, se = agreement(g)
@@ -183,8 +183,8 @@ def bias_record(head: dict, config_grads: torch.Tensor, exact_grads: torch.Tenso
 COLUMNS = [("reward", "reward", ""), ("mode", "estimator", ""), ("samples_per_batch", "N", ".0f"),
            ("cosine", "cos(g_i, g_j)", ".4f"),
            ("cosine_se", "± SE", ".4f"), ("need", "N for cos 0.5", ""),
-           ("reward_mean", "reward", ".3f"), ("within_group_std", "group std", ".3f"),
-           ("groups_with_spread", "groups w/ spread", ".2f"), ("grad_norm", "|g|", ".2e"),
+           ("reward_mean", "reward", ".3f"), ("within_prompt_group_std", "prompt group std", ".3f"),
+           ("prompt_groups_with_spread", "prompt groups w/ spread", ".2f"), ("grad_norm", "|g|", ".2e"),
            ("same_batch_cosine", "same-batch cos", ".4f"), ("rel_err", "|e|/|g|", ".3f"),
            ("bias_to_signal", "bias/signal", ".2f")]
 ESTIMATORS = ("config", "exact")

@@ -275,11 +275,11 @@ class RealTrainer(TrainerCore):
         if n_global == 0:
             return {}
         names = ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl")
-        counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "groups", "groups_jagg")
+        counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "intervals", "intervals_jagg")
         local = [0.0] * (len(names) + len(counts))
         if n:
             st = policy_gradient(self.policy.velocity(prompts), traj, adv, c.estimator, ref_velocities=ref_v,
-                                 loss_scale=loss_scale(n, n_global, self.world), sample_groups=groups,
+                                 loss_scale=loss_scale(n, n_global, self.world), prompt_groups=groups,
                                  generator=self.pick_gen)
             local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
         if self.world > 1:
@@ -290,7 +290,7 @@ class RealTrainer(TrainerCore):
         tot = self._reduce(local)
         stats = {k: tot[i] / n_global for i, k in enumerate(names)}
         stats.update({k: int(tot[len(names) + i]) for i, k in enumerate(counts)})
-        stats["jagg_frac_routed"] = stats["groups_jagg"] / stats["groups"] if stats["groups"] else 0.0
+        stats["jagg_frac_routed"] = stats["intervals_jagg"] / stats["intervals"] if stats["intervals"] else 0.0
         grads = [p for p in self.params if p.grad is not None]
         max_norm = c.optim.max_grad_norm if c.optim.max_grad_norm > 0 else float("inf")
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0

@@ -142,7 +142,7 @@ class Trainer(TrainerCore):
         c = self.cfg
         self.opt.zero_grad(set_to_none=True)
         vf = GuidedVelocity(self.model, tokens, c.sample.guidance_scale)
-        stats = policy_gradient(vf, traj, adv, c.estimator, ref_velocities=ref_v, sample_groups=groups,
+        stats = policy_gradient(vf, traj, adv, c.estimator, ref_velocities=ref_v, prompt_groups=groups,
                                 generator=self.pick_gen).to_dict()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, c.optim.max_grad_norm if c.optim.max_grad_norm > 0 else float("inf"))
