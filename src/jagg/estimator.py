@@ -45,7 +45,7 @@ from .knots import Bundle, Plan, plan_update
 from .loss import StepLoss, step_loss
 from .schedule import is_finite_number
 from .sde import compute_dtype
-from .trajectory import Trajectory, VelocityFn, checked_velocity
+from .trajectory import Trajectory, VelocityFn, checked_velocity, velocity_shape_error
 
 
 @dataclass
@@ -174,10 +174,11 @@ def _as_advantages(advantages, B: int, device) -> Tensor:
 
 
 def _check_reference(ref_velocities: Tensor | None, traj: Trajectory, config: EstimatorConfig) -> None:
-    """Reference velocities ``[B, T, *S]`` are needed, and must have that shape, when ``config.kl_beta > 0``."""
+    """Reference velocities ``[B, T, *S]`` (the shape of the rollout's velocities) are needed, and must have that
+    shape, when ``config.kl_beta > 0``."""
     if config.kl_beta <= 0:
         return
-    shape = (traj.batch_size, traj.num_steps, *traj.latents.shape[2:])
+    shape = tuple(traj.velocities.shape)
     if ref_velocities is None:
         raise ValueError("config.kl_beta > 0 needs ref_velocities [B, T, *S]; compute them once per rollout "
                          "with jagg.reference_velocities(ref_fn, traj)")
@@ -190,16 +191,25 @@ def _check_reference(ref_velocities: Tensor | None, traj: Trajectory, config: Es
 
 @dataclass
 class UpdateInputs:
-    """What every phase of one :func:`policy_gradient` call reads: the checked velocity callable, the trajectory,
-    the advantages ``[B]``, the configuration, the reference velocities and ``term_weight``, the weight of one term
+    """What every phase of one :func:`policy_gradient` call reads: the velocity callable, the trajectory, the
+    advantages ``[B]``, the configuration, the reference velocities and ``term_weight``, the weight of one term
     ``l_{i,k}`` in the loss ``L`` (``loss_scale / (B |K|)``)."""
 
-    velocity: VelocityFn
+    velocity_fn: VelocityFn
     traj: Trajectory
     advantages: Tensor
     config: EstimatorConfig
     ref_velocities: Tensor | None
     term_weight: float
+
+    def velocity(self, sample: Tensor, step: Tensor) -> Tensor:
+        """One network call: the velocities ``[n, *S]`` of the rows ``(sample, step)``, checked to have exactly the
+        latents' shape (:func:`jagg.trajectory.velocity_shape_error`)."""
+        x = self.traj.latents[sample, step]
+        v = self.velocity_fn(x, self.traj.sigmas[step], sample)
+        if not isinstance(v, Tensor) or v.shape != x.shape:
+            raise velocity_shape_error(self.velocity_fn, v, x)
+        return v
 
     def losses(self, v: Tensor, sample: Tensor, step: Tensor) -> StepLoss:
         """The loss head (:func:`jagg.loss.step_loss`) of the terms ``(sample, step)`` at velocities ``v``."""
@@ -292,8 +302,7 @@ def fresh_velocities(inputs: UpdateInputs, ch: Chunk) -> list[tuple[Tensor, Tens
     ``micro_batch`` of them (run before the chunk's graph exists)."""
     out = []
     for part in ch.inner.split(inputs.config.micro_batch):
-        sample, step = ch.term_sample[part], ch.term_step[part]
-        out.append((part, inputs.velocity(inputs.traj.latents[sample, step], inputs.traj.sigmas[step], sample)))
+        out.append((part, inputs.velocity(ch.term_sample[part], ch.term_step[part])))
     return out
 
 
@@ -340,7 +349,7 @@ def backward_chunk(inputs: UpdateInputs, ch: Chunk, fresh: list[tuple[Tensor, Te
     """Phase 4: one forward with grad of the chunk's rows, their signals (phase 3), and one backward of the scalar
     surrogate ``sum(v * G)``, whose gradient is ``sum_row J_row^T G_row``. Returns the terms' losses."""
     traj = inputs.traj
-    v = inputs.velocity(traj.latents[ch.row_sample, ch.row_step], traj.sigmas[ch.row_step], ch.row_sample)  # grad
+    v = inputs.velocity(ch.row_sample, ch.row_step)                                     # with grad
     counters.forward_grad += ch.rows
     counters.calls += 1
     dtype = compute_dtype(v, traj.latents)
@@ -428,10 +437,11 @@ def policy_gradient(
         prompt_groups = renamed("policy_gradient(sample_groups=...)", sample_groups, "prompt_groups", prompt_groups)
     check_call(velocity_fn, traj, config, loss_scale, generator)
     traj.validate()
+    B = traj.batch_size
+    advantages = _as_advantages(advantages, B, traj.latents.device)
     _check_reference(ref_velocities, traj, config)
-    inputs = UpdateInputs(checked_velocity(velocity_fn, tuple(traj.latents.shape[2:])), traj,
-                          _as_advantages(advantages, traj.batch_size, traj.latents.device), config, ref_velocities,
-                          loss_scale / (traj.batch_size * traj.train_steps.numel()))
+    inputs = UpdateInputs(velocity_fn, traj, advantages, config, ref_velocities,
+                          loss_scale / (B * traj.train_steps.numel()))
     backward_context = backward_context or (lambda last: contextlib.nullcontext())
     backward_fn = backward_fn or (lambda loss: loss.backward())
 

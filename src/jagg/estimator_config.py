@@ -6,13 +6,14 @@ from dataclasses import InitVar, asdict, dataclass, field, fields
 from typing import ClassVar
 
 from .deprecation import renamed, warn_renamed
-from .schedule import is_finite_number
+from .schedule import first_non_finite
 
 MODES = ("exact", "jagg", "subsample")
 INTERMEDIATES = ("interp", "fresh")
 SCORES = ("chord", "cosine", "cosine_min", "velocity_cosine")
 KNOTS = ("groups", "shared", "adaptive")
 ALPHAS = ("sigma", "index")
+NUMBERS = ("jagg_frac", "correction_p", "clip_range", "kl_beta", "subsample_frac")   # finite, checked first
 
 
 @dataclass
@@ -87,10 +88,9 @@ class EstimatorConfig:
                                                 "exact_last_intervals", self.exact_last_intervals, 0)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
-        for name in ("jagg_frac", "correction_p", "clip_range", "kl_beta", "subsample_frac"):
-            value = getattr(self, name)
-            if not is_finite_number(value):
-                raise ValueError(f"{name} must be a finite number; got {value!r}")
+        bad = first_non_finite({name: getattr(self, name) for name in NUMBERS})
+        if bad is not None:
+            raise ValueError(f"{bad} must be a finite number; got {getattr(self, bad)!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be an integer >= 1 (the trained steps of an interval); got {self.window!r}")
         if self.intermediate not in INTERMEDIATES:

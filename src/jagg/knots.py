@@ -208,7 +208,7 @@ def layout_intervals(traj, config: EstimatorConfig,
     """``(intervals, knot positions, jagg)`` of one update: the layout ``config.knots`` asks for when JAGG applies
     (``jagg``: mode ``jagg``, ``window > 2`` and more than two trained steps), else one interval per trained step."""
     steps = traj.train_steps.tolist()
-    B, K = traj.batch_size, len(steps)
+    K = len(steps)
     jagg = config.mode == "jagg" and config.window > 2 and K > 2
     scheme = config.knots if jagg else "groups"
     window = config.window if jagg else 1
@@ -216,9 +216,7 @@ def layout_intervals(traj, config: EstimatorConfig,
     if scheme == "adaptive":
         if signal_norms is None:
             raise ValueError("knots='adaptive' needs signal_norms [B, K]")
-        D = traj.velocities[0, 0].numel()
-        cost = interval_cost(traj.velocities[:, steps].reshape(B, K, D), signal_norms, traj.sigmas[steps],
-                             config.alpha)
+        cost = interval_cost(traj.velocities[:, steps].flatten(2), signal_norms, traj.sigmas[steps], config.alpha)
         positions = adaptive_knots(cost, num_shared_knots(K, window))
     intervals = intervals_of(steps, scheme, window, positions)
     if scheme == "groups":

@@ -6,7 +6,7 @@ For one item with velocity ``v`` at step k (docs/design.md §2)::
     l  = max(-A r, -A clip(r, 1 - eps, 1 + eps)) + beta * KL
     KL = mean_dims (mean(v) - mean(v_ref))^2 / (2 std_k^2)
 
-The log-probability and the mean come from the trajectory's SDE type (:func:`jagg.sde.step_moments`). KL follows
+The log-probability and the mean come from the trajectory's SDE type (:func:`jagg.sde.step_log_prob`). KL follows
 Flow-GRPO's convention for every type: it divides by ``std_k^2 = step_std^2 / |dt|``, i.e. it is the Gaussian
 KL between the two step distributions times ``|dt|``. The total loss averages ``l`` over the batch and
 the trained steps, so it has the same scale whatever the estimator.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sde import gaussian_log_prob, step_moments
+from .sde import step_log_prob, step_moments
 
 
 @dataclass
@@ -61,8 +61,7 @@ def step_loss(
         reduction: ``"mean"`` (Flow-GRPO) or ``"sum"`` of the log-prob over the latent dimensions.
         sde_type: the SDE the trajectory was sampled with (:data:`jagg.sde.SDE_TYPES`).
     """
-    mean, step_std, std = step_moments(x, v, sigma, sigma_next, sigma_one, eta, sde_type)
-    log_prob = gaussian_log_prob(x_next, mean, step_std, reduction)
+    log_prob, mean, std = step_log_prob(x, v, x_next, sigma, sigma_next, sigma_one, eta, sde_type, reduction)
     ratio = torch.exp(log_prob - old_log_prob.to(log_prob.dtype))
     adv = advantages.to(log_prob.dtype)
     unclipped = -adv * ratio

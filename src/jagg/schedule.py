@@ -18,6 +18,12 @@ def is_finite_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
 
 
+def first_non_finite(values: dict) -> str | None:
+    """The name of the first of ``values`` (name -> value) that is not a finite number (:func:`is_finite_number`), or
+    None: several arguments checked in one call."""
+    return next((name for name, value in values.items() if not is_finite_number(value)), None)
+
+
 def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
     """SD3's timestep shift ``s' = shift * s / (1 + (shift - 1) * s)``; ``shift=1`` is the identity.
 

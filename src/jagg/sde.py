@@ -103,6 +103,14 @@ def gaussian_log_prob(x_next: Tensor, mean: Tensor, step_std: Tensor, reduction:
     return lp.mean(1) if reduction == "mean" else lp.sum(1)
 
 
+def step_log_prob(x: Tensor, v: Tensor, x_next: Tensor, sigma: Tensor, sigma_next: Tensor, sigma_one: float,
+                  eta: float, sde_type: str = "flow_grpo", reduction: str = "mean") -> tuple[Tensor, Tensor, Tensor]:
+    """``(log_prob [N], mean [N, *S], std [N])`` of a stored step ``x -> x_next`` under velocity ``v``: what the loss
+    head needs (:func:`step_moments`, then :func:`gaussian_log_prob` of ``x_next``)."""
+    mean, step_std, std = step_moments(x, v, sigma, sigma_next, sigma_one, eta, sde_type)
+    return gaussian_log_prob(x_next, mean, step_std, reduction), mean, std
+
+
 def sde_step(
     x: Tensor,
     v: Tensor,

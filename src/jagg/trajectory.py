@@ -24,18 +24,23 @@ def _name(fn) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
+def velocity_shape_error(velocity_fn: VelocityFn, v, latents: Tensor, what: str = "velocity_fn") -> ValueError:
+    """The error for a velocity callable whose output ``v`` is not exactly the shape of its ``latents`` ``[N, *S]``
+    (no broadcasting, e.g. ``[N, 1, 1, 1]``): it names the function and both shapes."""
+    got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+    return ValueError(f"{what} {_name(velocity_fn)} returned {got} for latents {tuple(latents.shape)}; it must "
+                      f"return a velocity of exactly the latents' shape {tuple(latents.shape)} (no broadcasting)")
+
+
 def checked_velocity(velocity_fn: VelocityFn, latent_shape: tuple[int, ...], what: str = "velocity_fn") -> VelocityFn:
-    """``velocity_fn`` wrapped so that an output whose shape is not exactly ``[N, *S]`` (the latents' shape; no
-    broadcasting, e.g. ``[N, 1, 1, 1]``) raises a ValueError naming the function and both shapes."""
+    """``velocity_fn`` wrapped so that an output whose shape is not exactly ``[N, *S]`` (the latents' shape) raises
+    :func:`velocity_shape_error`."""
     S = tuple(latent_shape)
 
     def call(latents: Tensor, sigma: Tensor, sample_index: Tensor) -> Tensor:
         v = velocity_fn(latents, sigma, sample_index)
-        want = (latents.shape[0], *S)
-        if not isinstance(v, Tensor) or tuple(v.shape) != want:
-            got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
-            raise ValueError(f"{what} {_name(velocity_fn)} returned {got} for latents {tuple(latents.shape)}; it must "
-                             f"return a velocity of exactly the latents' shape {want} (no broadcasting)")
+        if not isinstance(v, Tensor) or tuple(v.shape) != (latents.shape[0], *S):
+            raise velocity_shape_error(velocity_fn, v, latents, what)
         return v
 
     return call
