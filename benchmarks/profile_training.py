@@ -32,8 +32,8 @@ from jagg.advantages import group_advantages
 from jagg.bench.common import default_config_path
 from jagg.estimator_config import EstimatorConfig
 from jagg.shapes.velocity import GuidedVelocity
-from jagg.shapes.config import TrainConfig
-from jagg.shapes.trainer import Trainer
+from jagg.trainers.shapes_config import ShapesTrainConfig
+from jagg.trainers.shapes import ShapesTrainer
 from jagg.shapes import from_tensor
 
 LABELS = ("network_forward", "network_backward")
@@ -55,7 +55,7 @@ def labelled_backward(loss):
         loss.backward()
 
 
-def phase(trainer: Trainer, batch, est: EstimatorConfig) -> float:
+def phase(trainer: ShapesTrainer, batch, est: EstimatorConfig) -> float:
     prompts, tokens, traj, adv = batch
     trainer.opt.zero_grad(set_to_none=True)
     vf = LabelledVelocity(GuidedVelocity(trainer.model, tokens, trainer.cfg.sample.guidance_scale))
@@ -65,7 +65,7 @@ def phase(trainer: Trainer, batch, est: EstimatorConfig) -> float:
     return time.perf_counter() - t0
 
 
-def profile_mode(trainer: Trainer, batch, est: EstimatorConfig, repeats: int) -> dict:
+def profile_mode(trainer: ShapesTrainer, batch, est: EstimatorConfig, repeats: int) -> dict:
     phase(trainer, batch, est)                                    # warm-up
     walls = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -103,9 +103,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args()
-    cfg = configuration.load(TrainConfig, args.config, ["log.output_dir=runs/profile_training", "log.tensorboard=false",
+    cfg = configuration.load(ShapesTrainConfig, args.config, ["log.output_dir=runs/profile_training", "log.tensorboard=false",
                                                         "log.progress=false", *args.set])
-    trainer = Trainer(cfg)
+    trainer = ShapesTrainer(cfg)
     prompts, tokens, traj = trainer.sample_batch()
     scores, _ = trainer.reward_fn(from_tensor(traj.latents[:, -1]), prompts, None)
     adv = group_advantages(torch.as_tensor(scores, dtype=torch.float32), prompts, cfg.grpo.global_std,

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from jagg.bench.efficiency import measure
-from jagg.shapes.config import TrainConfig
+from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.training import config_loader as configuration
 
 WINDOWS = {10: [0, 8], 20: [0, 12]}
@@ -35,7 +35,7 @@ def run_regime(r: dict, sets: list[str], batches: int, draws: int) -> list[dict]
                  "log.output_dir=runs/regime_map_scratch", f"sample.num_steps={r['num_steps']}",
                  f"sample.sde_window={WINDOWS[r['num_steps']]}", f"sample.sde_type={r['sde_type']}",
                  f"sample.eta={r['eta']}", "estimator.window=4", "estimator.correction_p=0.25", *sets]
-    cfg = configuration.load(TrainConfig, None, overrides)
+    cfg = configuration.load(ShapesTrainConfig, None, overrides)
     recs = measure(cfg, [*ESTIMATORS, "subsample"], batches, draws, None)
     return [{**r, **rec} for rec in recs]
 

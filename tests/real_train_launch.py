@@ -9,9 +9,9 @@ import sys
 import torch
 
 from jagg.cli import main
-from jagg.integrations.trainer import RealTrainer
+from jagg.trainers.diffusers import DiffusersTrainer
 
-_train = RealTrainer.train
+_train = DiffusersTrainer.train
 
 
 def _train_and_save(self):
@@ -21,5 +21,5 @@ def _train_and_save(self):
 
 
 if __name__ == "__main__":
-    RealTrainer.train = _train_and_save
+    DiffusersTrainer.train = _train_and_save
     sys.exit(main(sys.argv[1:]))

@@ -216,7 +216,7 @@ def test_bench_signal_separates_a_learnable_reward_from_noise(tmp_path, bench_ck
 def test_bench_e2e_round_robin(tmp_path, bench_ckpt, capsys):
     from jagg.bench.e2e import routed_limit
     from jagg.training import config_loader as configuration
-    from jagg.shapes.config import TrainConfig
+    from jagg.trainers.shapes_config import ShapesTrainConfig
 
     out = tmp_path / "e2e.json"
     sets = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=2",
@@ -233,11 +233,11 @@ def test_bench_e2e_round_robin(tmp_path, bench_ckpt, capsys):
         r = recs[v]
         assert r["iter_s"] > 0 and r["sample_s"] > 0 and 1.0 < r["iter_ratio_ideal"] < r["limit"]
     assert recs["jagg_interp"]["limit"] == pytest.approx(2.0) and recs["jagg_fresh"]["limit"] == pytest.approx(1.5)
-    half = configuration.load(TrainConfig, None, ["estimator.jagg_frac=0.5", "sample.num_steps=8",
+    half = configuration.load(ShapesTrainConfig, None, ["estimator.jagg_frac=0.5", "sample.num_steps=8",
                                                   "sample.sde_window=null", "estimator.window=4",
                                                   "estimator.correction_p=0"])
     assert routed_limit(half) == pytest.approx(1 / (0.5 + 0.5 / 2))        # half the groups at the W/2 limit
-    unb = configuration.load(TrainConfig, None, ["sample.num_steps=8", "sample.sde_window=null"])
+    unb = configuration.load(ShapesTrainConfig, None, ["sample.num_steps=8", "sample.sde_window=null"])
     assert routed_limit(unb) == pytest.approx(8 / (4 + 0.25 * 4))           # default: unbiased, p = 0.25
     assert "ideal" in capsys.readouterr().out
 
@@ -303,10 +303,10 @@ def test_bench_signal_row_of_a_reward_does_not_depend_on_the_other_rewards(tmp_p
     same batches: unbiased JAGG's picks drew from torch's global RNG, which the second reward's gradients advanced.
     Each (reward, batch) now draws its picks from an RNG of the seed and the batch alone."""
     from jagg.bench import signal
-    from jagg.shapes.config import TrainConfig, main_job_path
+    from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
     from jagg.training import config_loader as configuration
 
-    cfg = configuration.load(TrainConfig, main_job_path(), [
+    cfg = configuration.load(ShapesTrainConfig, main_job_path(), [
         "sample.prompts_per_iter=2", "sample.group_size=4", "threads=1", "log.progress=false",
         "log.tensorboard=false", "estimator.correction_p=0.5", f"log.output_dir={tmp_path / 'scratch'}"])
     assert cfg.estimator.mode == "jagg" and cfg.model.checkpoint == "builtin:tiny_dit"

@@ -15,7 +15,7 @@ from PIL import Image
 
 from conftest import tiny_train_args
 from jagg.cli import main
-from jagg.shapes.config import TrainConfig, main_job_path
+from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
 from jagg.training import config_loader as configuration
 from jagg.training.checkpoint import load_latest, save_checkpoint
 from jagg.training.metrics import CAPTION_MIN_WIDTH, save_grid
@@ -91,7 +91,7 @@ def test_load_latest_still_skips_unreadable_checkpoints(tmp_path, tiny_ckpt, cap
 
 def test_group_of_one_image_is_rejected_in_both_trainers(tmp_path, capsys):
     with pytest.raises(ValueError, match="group_size must be >= 2"):
-        configuration.load(TrainConfig, None, ["sample.group_size=1"])
+        configuration.load(ShapesTrainConfig, None, ["sample.group_size=1"])
     assert main(["train", "--set", "sample.group_size=1", "--print-config"]) == 2
     assert "sample.group_size must be >= 2" in _one_line_error(capsys, "train")
     cfg = _real_config(tmp_path)                                                 # the real-model trainer's config
@@ -156,7 +156,7 @@ def test_one_main_job_file_for_jagg_train_make_train_and_benchmarks():
 
 def test_jagg_train_outside_the_repository_runs_the_main_job(tmp_path, tiny_ckpt, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)                                                # no configs/ here
-    main_job = configuration.load(TrainConfig, main_job_path())
+    main_job = configuration.load(ShapesTrainConfig, main_job_path())
     assert main(["train", "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed == configuration.to_dict(main_job)
@@ -181,8 +181,8 @@ def test_print_config_round_trips_and_trains_nothing(tmp_path, capsys):
     assert main(argv) == 0
     first = tmp_path / "first.yaml"
     first.write_text(capsys.readouterr().out)
-    expected = configuration.load(TrainConfig, main_job_path(), sets + [f"log.output_dir={tmp_path / 'run'}"])
-    assert configuration.load(TrainConfig, first) == expected
+    expected = configuration.load(ShapesTrainConfig, main_job_path(), sets + [f"log.output_dir={tmp_path / 'run'}"])
+    assert configuration.load(ShapesTrainConfig, first) == expected
     assert expected.optim.lr == 3e-5 and expected.sample.sde_window is None
     assert main(["train", "--config", str(first), "--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out) == yaml.safe_load(first.read_text())
@@ -197,7 +197,7 @@ def test_print_config_of_a_real_model_config_round_trips(tmp_path, capsys):
     data = yaml.safe_load(printed.read_text())
     assert data["pipeline"]["family"] == "sd3" and data["grpo"]["iterations"] == 3
     assert data["reward"]["name"] == "jpeg_compressibility" and data["reward_server"] is None
-    assert data["log"]["output_dir"] == "runs/real"                          # RealLogConfig's default, not TinyDiT's
+    assert data["log"]["output_dir"] == "runs/real"                          # DiffusersLogConfig's default, not TinyDiT's
     assert main(["train", "--config", str(printed), "--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out) == data
 
@@ -236,10 +236,10 @@ def test_save_grid_captions_prompt_and_reward(tmp_path, capsys, tiny_ckpt):
 def test_eval_defaults_are_the_main_jobs_evaluation():
     """`jagg eval --checkpoint runs/default` evaluates as the trainer did: same guidance, steps, images, seed."""
     from jagg.cli import _main_job_defaults, build_parser
-    from jagg.shapes.config import TrainConfig, main_job_path
+    from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
     from jagg.training import config_loader
 
-    main = config_loader.load(TrainConfig, str(main_job_path()), [])
+    main = config_loader.load(ShapesTrainConfig, str(main_job_path()), [])
     a = build_parser().parse_args(["eval"])
     _main_job_defaults(a)
     assert (a.guidance_scale, a.steps, a.images_per_prompt, a.seed, a.shift) == (
@@ -272,9 +272,9 @@ def test_train_help_shows_the_main_jobs_values_beside_the_dataclass_defaults(tmp
     from jagg.rewards.client import RewardClient
     import dataclasses
 
-    main_job = configuration.load(TrainConfig, main_job_path())
+    main_job = configuration.load(ShapesTrainConfig, main_job_path())
     lines = _help(["train", "--help"], capsys)
-    for key, default, _ in configuration.describe(TrainConfig):
+    for key, default, _ in configuration.describe(ShapesTrainConfig):
         value = repr(_value(main_job, key))
         assert lines[key].endswith(f"[{value}]" if value == default else f"[{value}; dataclass default: {default}]"), key
     assert lines["optim.lr"].endswith("[0.0001; dataclass default: 0.0003]")

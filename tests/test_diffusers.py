@@ -444,8 +444,8 @@ def test_shipped_yaml_configs_load(name, family, rank, tmp_path):
     server section builds a client, and the placeholder model path fails with the download hint."""
     import yaml
 
-    from jagg.integrations.train_config import RealSampleConfig
-    from jagg.training.sections import GRPOConfig, OptimConfig
+    from jagg.trainers.diffusers_config import DiffusersSampleConfig
+    from jagg.trainers.sections import GRPOConfig, OptimConfig
     from jagg.training.config_loader import from_dict
     from jagg.rewards import RewardClient
 
@@ -457,7 +457,7 @@ def test_shipped_yaml_configs_load(name, family, rank, tmp_path):
     data = yaml.safe_load(path.read_text())
     (tmp_path / "prompts.txt").write_text("a red cube\n")
     data["sample"]["prompts_file"] = str(tmp_path / "prompts.txt")      # the shipped configs leave it to the user
-    for section, cls in (("sample", RealSampleConfig), ("estimator", jagg.EstimatorConfig),
+    for section, cls in (("sample", DiffusersSampleConfig), ("estimator", jagg.EstimatorConfig),
                          ("optim", OptimConfig), ("grpo", GRPOConfig)):
         from_dict(cls, data[section], section)
     RewardClient(**data["reward_server"])

@@ -351,7 +351,7 @@ def _user_files(args: list[str], scratch: Path) -> None:
 def _load(cmd: Command, args: list[str], ns: argparse.Namespace, scratch: Path, capsys) -> None:
     """The fast form: the configs a jagg command would load, loaded; nothing trains."""
     from jagg.cli import PretrainRunConfig
-    from jagg.shapes.config import TrainConfig
+    from jagg.trainers.shapes_config import ShapesTrainConfig
     from jagg.training import config_loader as configuration
 
     _user_files(args, scratch)
@@ -360,7 +360,7 @@ def _load(cmd: Command, args: list[str], ns: argparse.Namespace, scratch: Path, 
     elif ns.command == "pretrain":
         configuration.load(PretrainRunConfig, None, ns.set or [])
     elif ns.command == "bench" and hasattr(ns, "set") and getattr(ns, "config", None):
-        configuration.load(TrainConfig, ns.config, ns.set or [])
+        configuration.load(ShapesTrainConfig, ns.config, ns.set or [])
 
 
 def _skip_reason(cmd: Command) -> str | None:
@@ -488,11 +488,11 @@ def test_the_pipeline_key_list_names_every_key():
 
 def test_the_main_jobs_settings_table_matches_the_main_job():
     """usage.md's table of the main job's settings: each single-key row's value is the main job's."""
-    from jagg.shapes.config import TrainConfig, main_job_path
+    from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
     from jagg.training import config_loader as configuration
     from jagg.cli import _value
 
-    job = configuration.load(TrainConfig, main_job_path())
+    job = configuration.load(ShapesTrainConfig, main_job_path())
     text = (REPO / "docs" / "usage.md").read_text().split("**Its settings**", 1)[1].split("\n\n", 2)[1]
     rows = re.findall(r"^\| `([\w.]+)` \| `?([^|`]+?)`? \|", text.replace("\\|", "|"), re.M)
     checked = 0

@@ -28,7 +28,7 @@ from test_diffusers import _tiny_clip, embeds, tiny_flux, tiny_sd3, tiny_vae  # 
 
 from jagg.cli import main  # noqa: E402
 from jagg.integrations import VelocityConfig, velocity_adapter  # noqa: E402
-from jagg.integrations import train_config, trainer as real_train  # noqa: E402
+from jagg.trainers import diffusers as real_train, diffusers_config as train_config  # noqa: E402
 
 PROMPTS = ["a red cube", "a blue ball", "a green cone"]
 
@@ -83,16 +83,16 @@ def records(out: Path) -> list[dict]:
 
 @pytest.fixture
 def captured(monkeypatch):
-    """Every RealTrainer that `jagg train` runs, with copies of its trainable weights when training starts."""
+    """Every DiffusersTrainer that `jagg train` runs, with copies of its trainable weights when training starts."""
     seen = []
-    original = real_train.RealTrainer.train
+    original = real_train.DiffusersTrainer.train
 
     def train(self):
         seen.append((self, lora_weights(self), [int(self.opt.state[p]["step"]) for p in self.params
                                                  if p in self.opt.state]))
         return original(self)
 
-    monkeypatch.setattr(real_train.RealTrainer, "train", train)
+    monkeypatch.setattr(real_train.DiffusersTrainer, "train", train)
     return seen
 
 
@@ -373,7 +373,7 @@ def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_
 def test_sampling_pieces_do_not_depend_on_the_process_count():
     """The SDE noise is seeded per sampling piece (global start): with shards that are whole pieces, 1 and 2 processes
     sample the same pieces; otherwise the pieces are cut at the shard edge, and no two share a start (a seed)."""
-    from jagg.integrations.trainer import sampling_pieces
+    from jagg.trainers.diffusers import sampling_pieces
     from jagg.training.distributed import shard
 
     one = sampling_pieces(shard(8, 0, 1), 2)

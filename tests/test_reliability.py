@@ -16,8 +16,8 @@ from conftest import tiny_train_args
 from jagg.training import config_loader as configuration
 from jagg.training.checkpoint import list_checkpoints, load_latest
 from jagg.cli import main
-from jagg.shapes.config import TrainConfig
-from jagg.shapes.trainer import Trainer
+from jagg.trainers.shapes_config import ShapesTrainConfig
+from jagg.trainers.shapes import ShapesTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]))
@@ -91,7 +91,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, tiny_ckpt):
 
 
 def test_nonfinite_gradient_skips_update_and_aborts(tmp_path, tiny_ckpt, monkeypatch):
-    import jagg.shapes.trainer as tr
+    import jagg.trainers.shapes as tr
 
     real = tr.policy_gradient
 
@@ -104,7 +104,7 @@ def test_nonfinite_gradient_skips_update_and_aborts(tmp_path, tiny_ckpt, monkeyp
     sets = tiny_train_args(tiny_ckpt, tmp_path, 3)[4::2] + [f"log.output_dir={tmp_path}"]
     data = configuration.apply_overrides({}, sets)
     data["grpo"]["max_consecutive_skips"] = 0
-    trainer = Trainer(configuration.from_dict(TrainConfig, data))
+    trainer = ShapesTrainer(configuration.from_dict(ShapesTrainConfig, data))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     records = [r for r in trainer.train() if r["kind"] == "train"]
     assert [r["skipped"] for r in records] == [2, 2, 2] and records[-1]["skipped_total"] == 6
@@ -116,7 +116,7 @@ def test_nonfinite_gradient_skips_update_and_aborts(tmp_path, tiny_ckpt, monkeyp
     data["grpo"]["max_consecutive_skips"] = 3
     data["log"]["output_dir"] = str(tmp_path / "abort")
     with pytest.raises(RuntimeError, match="3 consecutive updates"):
-        Trainer(configuration.from_dict(TrainConfig, data)).train()
+        ShapesTrainer(configuration.from_dict(ShapesTrainConfig, data)).train()
 
 
 def test_failing_reward_saves_and_resume_retries_the_iteration(tmp_path, tiny_ckpt, monkeypatch, capsys):
@@ -138,19 +138,19 @@ def test_failing_reward_saves_and_resume_retries_the_iteration(tmp_path, tiny_ck
 def test_prompt_files_are_checked_at_load(tmp_path):
     good = tmp_path / "good.txt"
     good.write_text("a red circle\n\nthree blue squares\n")
-    cfg = configuration.load(TrainConfig, None, [f"sample.prompts_file={good}"])
+    cfg = configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={good}"])
     assert cfg.sample.prompts() == ["a red circle", "three blue squares"]
     empty = tmp_path / "empty.txt"
     empty.write_text("\n \n")
     with pytest.raises(ValueError, match="holds no prompt"):
-        configuration.load(TrainConfig, None, [f"sample.prompts_file={empty}"])
+        configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={empty}"])
     with pytest.raises(ValueError, match="does not exist"):
-        configuration.load(TrainConfig, None, [f"sample.prompts_file={tmp_path / 'missing.txt'}"])
+        configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={tmp_path / 'missing.txt'}"])
     bad = tmp_path / "bad.txt"
     bad.write_text("a red circle\na purple circle\n")
     with pytest.raises(ValueError, match="line 2.*purple"):
-        configuration.load(TrainConfig, None, [f"sample.prompts_file={bad}"])
+        configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={bad}"])
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(ValueError, match="cannot be read"):
-        configuration.load(TrainConfig, None, [f"sample.prompts_file={binary}"])
+        configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={binary}"])

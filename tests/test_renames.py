@@ -20,18 +20,18 @@ def test_exact_first_and_last_groups_keywords_are_the_intervals_ones(capsys):
 
 
 def test_old_yaml_keys_load_with_a_message_naming_the_new_key(capsys):
-    from jagg.shapes.config import TrainConfig
+    from jagg.trainers.shapes_config import ShapesTrainConfig
     from jagg.training import config_loader as configuration
 
     with pytest.warns(DeprecationWarning):
-        cfg = configuration.load(TrainConfig, None, ["estimator.exact_first_groups=1",
+        cfg = configuration.load(ShapesTrainConfig, None, ["estimator.exact_first_groups=1",
                                                      "estimator.exact_last_groups=1"])
     assert (cfg.estimator.exact_first_intervals, cfg.estimator.exact_last_intervals) == (1, 1)
     with pytest.raises(ValueError, match="former name of exact_first_intervals"):
-        configuration.load(TrainConfig, None, ["estimator.exact_first_groups=1", "estimator.exact_first_intervals=2"])
+        configuration.load(ShapesTrainConfig, None, ["estimator.exact_first_groups=1", "estimator.exact_first_intervals=2"])
     # a config saved under the old names (an old checkpoint) reads as the new one, silently
     saved = {"estimator": {"exact_first_groups": 1}, "seed": 0}
-    assert configuration.renamed_keys(TrainConfig, saved, warn=False) == {"estimator": {"exact_first_intervals": 1},
+    assert configuration.renamed_keys(ShapesTrainConfig, saved, warn=False) == {"estimator": {"exact_first_intervals": 1},
                                                                          "seed": 0}
 
 

@@ -187,21 +187,21 @@ def test_resume_needs_a_run_and_starting_fresh_needs_an_explicit_flag(tmp_path, 
 
 
 def test_library_resume_true_starts_or_continues_as_bench_quality_needs(tmp_path, tiny_ckpt):
-    """`Trainer(cfg, resume=True)` (what `jagg bench quality` calls) starts a run in an empty directory and
+    """`ShapesTrainer(cfg, resume=True)` (what `jagg bench quality` calls) starts a run in an empty directory and
     continues it later; it never starts over unreadable checkpoints."""
-    from jagg.shapes.config import TrainConfig
-    from jagg.shapes.trainer import Trainer
+    from jagg.trainers.shapes_config import ShapesTrainConfig
+    from jagg.trainers.shapes import ShapesTrainer
     from jagg.training import config_loader as configuration
 
     run = tmp_path / "q"
     sets = tiny_train_args(tiny_ckpt, run, 1, "eval.every=0")[4::2] + [f"log.output_dir={run}"]
-    Trainer(configuration.load(TrainConfig, None, sets), resume=True).train()
-    Trainer(configuration.load(TrainConfig, None, sets + ["grpo.iterations=2"]), resume=True).train()
+    ShapesTrainer(configuration.load(ShapesTrainConfig, None, sets), resume=True).train()
+    ShapesTrainer(configuration.load(ShapesTrainConfig, None, sets + ["grpo.iterations=2"]), resume=True).train()
     assert [r["iteration"] for r in _train_records(run)] == [1, 2]
     for p in list_checkpoints(run / "checkpoints"):
         p.write_bytes(b"x")
     with pytest.raises(ValueError, match="no readable checkpoint"):
-        Trainer(configuration.load(TrainConfig, None, sets + ["grpo.iterations=3"]), resume=True)
+        ShapesTrainer(configuration.load(ShapesTrainConfig, None, sets + ["grpo.iterations=3"]), resume=True)
 
 
 # ---------------------------------------------------------------------------------------------- 3. pretrain
@@ -315,7 +315,7 @@ def _real_config(tmp_path: Path) -> Path:
 
 
 def test_the_real_model_trainer_applies_the_same_rules_before_loading_a_model(tmp_path, capsys):
-    """The rules live in jagg.training.rundir, which RealTrainer calls before it loads the model (the model path
+    """The rules live in jagg.training.rundir, which DiffusersTrainer calls before it loads the model (the model path
     here does not exist: each refusal comes first)."""
     cfg, run = _real_config(tmp_path), tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -12,7 +12,7 @@ from conftest import tiny_train_args
 from jagg.training import config_loader as configuration
 from jagg.training.checkpoint import list_checkpoints, load_latest
 from jagg.cli import main
-from jagg.shapes.config import TrainConfig
+from jagg.trainers.shapes_config import ShapesTrainConfig
 
 
 def _records(out):
@@ -119,18 +119,18 @@ def test_sample_rejects_unknown_words(tmp_path, tiny_ckpt, capsys):
 
 def test_config_unknown_key_suggests_closest():
     with pytest.raises(ValueError, match="did you mean 'window'"):
-        configuration.load(TrainConfig, None, ["estimator.windw=4"])
+        configuration.load(ShapesTrainConfig, None, ["estimator.windw=4"])
     with pytest.raises(ValueError, match="estimator.*jagg_frac"):
-        configuration.load(TrainConfig, None, ["estimator.jagg_frac=2"])
+        configuration.load(ShapesTrainConfig, None, ["estimator.jagg_frac=2"])
     with pytest.raises(ValueError, match="expected an integer"):
-        configuration.load(TrainConfig, None, ["sample.num_steps=ten"])
+        configuration.load(ShapesTrainConfig, None, ["sample.num_steps=ten"])
     with pytest.raises(ValueError, match="divisible"):
-        configuration.load(TrainConfig, None, ["sample.prompts_per_iter=3", "sample.group_size=3"])
+        configuration.load(ShapesTrainConfig, None, ["sample.prompts_per_iter=3", "sample.group_size=3"])
 
 
 def test_default_config_loads_and_round_trips():
-    cfg = configuration.load(TrainConfig, "configs/default.yaml")
-    again = configuration.from_dict(TrainConfig, configuration.to_dict(cfg))
+    cfg = configuration.load(ShapesTrainConfig, "configs/default.yaml")
+    again = configuration.from_dict(ShapesTrainConfig, configuration.to_dict(cfg))
     assert again == cfg
     assert cfg.estimator.mode == "jagg"
 
@@ -139,5 +139,5 @@ def test_train_help_lists_every_key(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
-    for key, _, _ in configuration.describe(TrainConfig):
+    for key, _, _ in configuration.describe(ShapesTrainConfig):
         assert key in text

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from .training import config_loader as configuration
 from .shapes.pretrain import PretrainConfig
-from .shapes.config import TrainConfig, main_job_path
+from .trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section, load_config
+from .trainers.shapes_config import ShapesTrainConfig, main_job_path
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,22 +99,17 @@ def _train_epilog(argv: list[str] | None) -> str:
     config, sets = _help_argv(argv)
     where = "the main job, " + str(main_job_path()) if config == str(main_job_path()) else config
     after = f" and {len(sets)} --set" if sets else ""
-    try:
-        from .integrations.train_config import RealTrainConfig, load_config
-    except ImportError:
-        RealTrainConfig = load_config = None
     note = ""
     try:
         data = configuration.apply_overrides(configuration.read_yaml(config), sets)
     except (ValueError, OSError) as e:
         note = f"(cannot read {config}: {' '.join(str(e).split())}; the dataclass defaults are shown)\n"
-        text = note + _keys_epilog(TrainConfig)
-        return text + ("\n\nwith a pipeline: section (real models), " + _keys_epilog(RealTrainConfig)
-                       if RealTrainConfig else "")
-    real = "pipeline" in data
-    cls = RealTrainConfig if real else TrainConfig
+        text = note + _keys_epilog(ShapesTrainConfig)
+        return text + "\n\nwith a pipeline: section (real models), " + _keys_epilog(DiffusersTrainConfig)
+    real = has_pipeline_section(data)
+    cls = DiffusersTrainConfig if real else ShapesTrainConfig
     try:
-        cfg = load_config(config, sets) if real else configuration.load(TrainConfig, config, sets)
+        cfg = load_config(config, sets) if real else configuration.load(ShapesTrainConfig, config, sets)
         value_of = lambda key: _value(cfg, key)
     except (ValueError, OSError) as e:     # e.g. a required prompts file not given yet: the values as written
         note = (f"(the config does not load yet: {' '.join(str(e).split())}; values as written, the dataclass "
@@ -122,11 +118,9 @@ def _train_epilog(argv: list[str] | None) -> str:
     how = ("[value] is what runs with " + where + after + "; a key the YAML leaves out takes the dataclass default; "
            "set keys in a YAML file (--config) or with --set key=value")
     if real:
-        return note + _keys_epilog(cls, value_of, "config keys of the real-model trainer (pipeline: section)", how)
-    text = note + _keys_epilog(cls, value_of, "config keys of the TinyDiT trainer", how)
-    if RealTrainConfig is not None:
-        text += "\n\nwith a pipeline: section (real models), " + _keys_epilog(RealTrainConfig)
-    return text
+        return note + _keys_epilog(cls, value_of, "config keys of the diffusers trainer (pipeline: section)", how)
+    text = note + _keys_epilog(cls, value_of, "config keys of the shapes (TinyDiT) trainer", how)
+    return text + "\n\nwith a pipeline: section (real models), " + _keys_epilog(DiffusersTrainConfig)
 
 
 @dataclass
@@ -146,14 +140,12 @@ def _train(args) -> int:
     if args.output_dir:
         overrides.append(f"log.output_dir={args.output_dir}")
     config = args.config or str(main_job_path())
-    real = "pipeline" in configuration.read_yaml(config)   # a real diffusers model (SD3/FLUX): jagg.integrations.trainer
+    real = has_pipeline_section(config)          # a real diffusers model (SD3/FLUX): jagg.trainers.diffusers
     if args.print_config:
         if real:
-            from .integrations.train_config import load_config
-
             cfg = load_config(config, overrides)
         else:
-            cfg = configuration.load(TrainConfig, config, overrides)
+            cfg = configuration.load(ShapesTrainConfig, config, overrides)
         print(f"# resolved by jagg train --print-config from {config!r} and {len(overrides)} --set override(s)")
         print(configuration.dump(cfg), end="")
         return 0
@@ -161,14 +153,14 @@ def _train(args) -> int:
     run_dir = dict(resume=args.resume or args.resume_or_start, require_checkpoint=args.resume,
                    overwrite=args.overwrite)
     if real:
-        from .integrations.trainer import run
+        from .trainers.diffusers import run
 
         return run(config, overrides, **run_dir)
-    from .shapes.trainer import Trainer
+    from .trainers.shapes import ShapesTrainer
     from .training.rundir import outputs
 
-    cfg = configuration.load(TrainConfig, config, overrides)
-    records = Trainer(cfg, **run_dir).train()
+    cfg = configuration.load(ShapesTrainConfig, config, overrides)
+    records = ShapesTrainer(cfg, **run_dir).train()
     evals = [r for r in records if r["kind"] == "eval"]
     if len(evals) >= 2:
         print(f"test reward: {evals[0]['reward_mean']:.3f} (iteration {evals[0]['iteration']}) -> "
@@ -261,7 +253,7 @@ def _eval(args) -> int:
 
 def _main_job_defaults(args) -> None:
     """Fill the sampling options left unset (None) with the main job's evaluation settings."""
-    main = configuration.load(TrainConfig, str(main_job_path()), [])
+    main = configuration.load(ShapesTrainConfig, str(main_job_path()), [])
     defaults = {"steps": main.eval.num_steps, "guidance_scale": main.sample.guidance_scale, "shift": main.sample.shift,
                 "seed": main.eval.seed if args.command == "eval" else 0,
                 "images_per_prompt": main.eval.images_per_prompt}
@@ -279,7 +271,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="GRPO training on the embedded shapes world, or on SD3/FLUX (pipeline: config)",
                        description="GRPO training. A --config whose YAML has a top-level `pipeline:` section "
                        "(configs/sd35_medium.yaml, configs/flux_dev.yaml) trains that diffusers model (SD3/SD3.5, "
-                       "FLUX.1) from its local directory with jagg.integrations.trainer (its keys: the second list "
+                       "FLUX.1) from its local directory with jagg.trainers.diffusers (its keys: the second list "
                        "below; docs/real_models.md); any other config trains the embedded TinyDiT.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.epilog_fn = lambda: _train_epilog(argv)

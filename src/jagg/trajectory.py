@@ -96,16 +96,8 @@ class Trajectory:
         if tuple(self.log_probs.shape) != (B, T):
             raise ValueError(f"log_probs must have shape [B, T] = {(B, T)}; got {tuple(self.log_probs.shape)}")
         ts = self.train_steps
-        if ts.ndim != 1 or ts.numel() == 0 or ts.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"train_steps must be a non-empty 1-D integer tensor; got {ts!r}")
-        if int(ts.min()) < 0 or int(ts.max()) >= T:
-            raise ValueError(f"train_steps must lie in [0, {T - 1}]; got {ts.tolist()}")
-        if not bool((ts[1:] > ts[:-1]).all()):
-            raise ValueError(f"train_steps must be sorted and unique; got {ts.tolist()}")
-        check_eta(self.eta)
-        if self.logprob_reduction not in REDUCTIONS:
-            raise ValueError(f"logprob_reduction must be one of {REDUCTIONS}; got {self.logprob_reduction!r}")
-        check_sde_type(self.sde_type, self.eta)
+        check_train_steps(ts, T)
+        check_sampler(self.eta, self.logprob_reduction, self.sde_type)
         if self.sde_type == "cps" and float(self.sigmas[int(ts.max()) + 1]) <= 0:
             raise ValueError(CPS_LAST_STEP)
 
@@ -169,10 +161,30 @@ def check_noise(noise: Tensor) -> None:
         raise ValueError("noise contains NaN or infinity")
 
 
+def check_train_steps(ts: Tensor, num_steps: int) -> None:
+    """Raise a ValueError unless ``ts`` is a non-empty 1-D integer tensor of sorted, unique steps in
+    ``[0, num_steps)``."""
+    if not isinstance(ts, Tensor) or ts.ndim != 1 or ts.numel() == 0 or ts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"train_steps must be a non-empty 1-D integer tensor; got {ts!r}")
+    if int(ts.min()) < 0 or int(ts.max()) >= num_steps:
+        raise ValueError(f"train_steps must lie in [0, {num_steps - 1}]; got {ts.tolist()}")
+    if not bool((ts[1:] > ts[:-1]).all()):
+        raise ValueError(f"train_steps must be sorted and unique; got {ts.tolist()}")
+
+
 def check_eta(eta: float) -> None:
     """Raise a ValueError unless the SDE noise level ``eta`` is a finite number > 0."""
     if not is_finite_number(eta) or eta <= 0:
         raise ValueError(f"eta must be a finite number > 0 for trained (SDE) steps; got {eta!r}")
+
+
+def check_sampler(eta: float, logprob_reduction: str, sde_type: str) -> None:
+    """Raise a ValueError unless the SDE's settings fit: ``eta`` (:func:`check_eta`), the log-prob reduction and the
+    SDE type (:func:`jagg.sde.check_sde_type`)."""
+    check_eta(eta)
+    if logprob_reduction not in REDUCTIONS:
+        raise ValueError(f"logprob_reduction must be one of {REDUCTIONS}; got {logprob_reduction!r}")
+    check_sde_type(sde_type, eta)
 
 
 def check_finite_rollout(latents: list[Tensor]) -> None:
@@ -184,6 +196,32 @@ def check_finite_rollout(latents: list[Tensor]) -> None:
         samples = (~finite[:, step + 1]).nonzero().flatten().tolist()
         raise ValueError(f"the rollout became non-finite at step {step}: the velocity function returned NaN or "
                          f"infinity there (samples {samples[:8]}{'...' if len(samples) > 8 else ''})")
+
+
+def _sample_steps(velocity_fn: VelocityFn, x: Tensor, sigmas: Tensor, sde_mask: Tensor, eta: float,
+                  generator: torch.Generator | None, micro_batch: int | None, reduction: str,
+                  sde_type: str) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """The rollout from ``x = x_0``: per step, the velocity (``micro_batch`` rows per call) and an SDE step (``sde_mask``
+    True) or an Euler step; returns the latents ``x_0 .. x_T``, the velocities and the log-probabilities (0 at ODE
+    steps), all in ``x``'s dtype."""
+    B, dtype = x.shape[0], x.dtype
+    latents, velocities, log_probs = [x], [], []
+    sigma_one = float(sigmas[1])
+    for k in range(sigmas.numel() - 1):
+        v = torch.empty_like(x)
+        for sl in _chunks(B, micro_batch):
+            idx = torch.arange(B, device=x.device)[sl]
+            v[sl] = velocity_fn(x[sl], sigmas[k].expand(idx.numel()), idx).to(dtype)
+        s, s_next = sigmas[k].expand(B), sigmas[k + 1].expand(B)
+        if sde_mask[k]:
+            x, lp, _, _ = sde_step(x, v, s, s_next, sigma_one, eta, generator=generator, reduction=reduction,
+                                   sde_type=sde_type)
+        else:
+            x, lp = euler_step(x, v, s, s_next), torch.zeros(B, device=x.device, dtype=dtype)
+        latents.append(x)
+        velocities.append(v)
+        log_probs.append(lp.to(dtype))
+    return latents, velocities, log_probs
 
 
 @torch.no_grad()
@@ -208,44 +246,29 @@ def sample_trajectories(
     DanceGRPO's constant ``eta sqrt(-dt)`` noise; ``"cps"`` = coefficients-preserving sampling, whose last step must
     be an ODE step); what ``eta`` means depends on it (docs/design.md §2).
 
-    Raises ValueError on non-finite or misshaped noise, an ``eta`` that is not a finite number > 0, a bad schedule,
-    a velocity of the wrong shape (naming the function), and, with ``check_finite`` (one device sync after
-    sampling), a rollout that turned NaN/inf (naming the step). The trainers turn it off: a non-finite rollout gives
+    Raises ValueError, before any network call, on non-finite or misshaped noise, an ``eta`` that is not a finite
+    number > 0, an unknown SDE type or log-prob reduction, a bad schedule, trained steps that are not sorted, unique
+    SDE steps; then on a velocity of the wrong shape (naming the function), and, with ``check_finite`` (one device
+    sync after sampling), a rollout that turned NaN/inf (naming the step). The trainers turn it off: a non-finite rollout gives
     a non-finite loss there, which they skip and, after ``grpo.max_consecutive_skips``, stop on with a checkpoint.
     """
     check_noise(noise)
-    check_eta(eta)
-    check_sde_type(sde_type, eta)
+    check_sampler(eta, logprob_reduction, sde_type)
     dtype = compute_dtype(noise)                        # fp32 storage (fp64 if the noise is fp64)
     sigmas = sigmas.to(device=noise.device, dtype=dtype)
     check_sigmas(sigmas)
-    B, T = noise.shape[0], sigmas.numel() - 1
+    T = sigmas.numel() - 1
     sde_mask = torch.ones(T, dtype=torch.bool) if sde_mask is None else sde_mask.cpu()
     if train_steps is None:
         train_steps = torch.nonzero(sde_mask).flatten()
+    check_train_steps(train_steps.cpu().long(), T)      # before sampling (the trajectory is valid by construction)
     if not bool(sde_mask[train_steps.cpu()].all()):
         raise ValueError("every trained step must be an SDE step (sde_mask True)")
     if sde_type == "cps" and bool(sde_mask[-1]):
         raise ValueError(CPS_LAST_STEP)
-    x = noise.to(dtype)
     velocity_fn = checked_velocity(velocity_fn, tuple(noise.shape[1:]))
-    latents = [x]
-    velocities, log_probs = [], []
-    sigma_one = float(sigmas[1])
-    for k in range(T):
-        v = torch.empty_like(x)
-        for sl in _chunks(B, micro_batch):
-            idx = torch.arange(B, device=x.device)[sl]
-            v[sl] = velocity_fn(x[sl], sigmas[k].expand(idx.numel()), idx).to(dtype)
-        s, s_next = sigmas[k].expand(B), sigmas[k + 1].expand(B)
-        if sde_mask[k]:
-            x, lp, _, _ = sde_step(x, v, s, s_next, sigma_one, eta, generator=generator, reduction=logprob_reduction,
-                                   sde_type=sde_type)
-        else:
-            x, lp = euler_step(x, v, s, s_next), torch.zeros(B, device=x.device, dtype=dtype)
-        latents.append(x)
-        velocities.append(v)
-        log_probs.append(lp.to(dtype))
+    latents, velocities, log_probs = _sample_steps(velocity_fn, noise.to(dtype), sigmas, sde_mask, eta, generator,
+                                                   micro_batch, logprob_reduction, sde_type)
     if check_finite:
         check_finite_rollout(latents)
     traj = Trajectory(
@@ -258,7 +281,6 @@ def sample_trajectories(
         logprob_reduction=logprob_reduction,
         sde_type=sde_type,
     )
-    traj.validate()
     return traj
 
 

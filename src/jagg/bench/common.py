@@ -209,9 +209,9 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def default_config_path() -> str:
-    """The main job's YAML shipped inside the package (:func:`jagg.shapes.config.main_job_path`), the file that
+    """The main job's YAML shipped inside the package (:func:`jagg.trainers.shapes_config.main_job_path`), the file that
     ``jagg train`` without ``--config`` and ``make train`` read, from any working directory."""
-    from ..shapes.config import main_job_path
+    from ..trainers.shapes_config import main_job_path
 
     return str(main_job_path())
 

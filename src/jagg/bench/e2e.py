@@ -1,6 +1,6 @@
 """``jagg bench e2e``: one whole GRPO iteration (sampling + reward + training), exact vs JAGG, side by side.
 
-One :class:`jagg.shapes.trainer.Trainer` per variant is built from the same config (the main job or ``--config``, plus
+One :class:`jagg.trainers.shapes.ShapesTrainer` per variant is built from the same config (the main job or ``--config``, plus
 ``--set``) and seed; their iterations then run round-robin in one process (``exact``, ``jagg``, ``exact``,
 ``jagg``, ... after one warm-up iteration each), so a busy stretch of the machine slows every variant alike.
 Reported per variant: the median seconds of sampling ``S``, reward ``R``, training ``T`` and the whole
@@ -19,7 +19,7 @@ import argparse
 import statistics
 
 from ..training import config_loader as configuration
-from ..shapes.config import TrainConfig
+from ..trainers.shapes_config import ShapesTrainConfig
 from ..trajectory import select_train_steps
 from .common import cost_limit, default_config_path, table, write_json
 
@@ -32,7 +32,7 @@ KEYS = ("sample_s", "reward_s", "train_s", "iter_s")
 QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompts x the config's group size, 2 iterations
 
 
-def routed_limit(cfg: TrainConfig) -> float:
+def routed_limit(cfg: ShapesTrainConfig) -> float:
     """:func:`~jagg.bench.common.cost_limit` (``B = 2F``) of the config's estimator: its trained steps, knot layout,
     window, routed fraction, exact first/last intervals, correction probability and corrected intervals."""
     e, c = cfg.estimator, cfg.sample
@@ -45,15 +45,15 @@ def routed_limit(cfg: TrainConfig) -> float:
 
 
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:
-    from ..shapes.trainer import Trainer
+    from ..trainers.shapes import ShapesTrainer
 
     if iterations < 1:
         raise ValueError(f"--iterations must be >= 1; got {iterations}")
     base = ["log.progress=false", "log.tensorboard=false", "eval.every=0", "log.checkpoint_every=0"]
     trainers = {}
     for v in variants:
-        cfg = configuration.load(TrainConfig, config, base + list(sets) + VARIANTS[v] + [f"log.output_dir=runs/bench_e2e/{v}"])
-        trainers[v] = Trainer(cfg)
+        cfg = configuration.load(ShapesTrainConfig, config, base + list(sets) + VARIANTS[v] + [f"log.output_dir=runs/bench_e2e/{v}"])
+        trainers[v] = ShapesTrainer(cfg)
     times = {v: {k: [] for k in KEYS} for v in variants}
     backward = {v: [] for v in variants}
     for it in range(iterations + 1):                       # iteration 0 is the warm-up

@@ -47,7 +47,7 @@ from ..estimator_config import EstimatorConfig
 from ..knots import plan_update
 from ..rewards.registry import get_reward
 from ..shapes import from_tensor
-from ..shapes.config import TrainConfig
+from ..trainers.shapes_config import ShapesTrainConfig
 from ..shapes.velocity import GuidedVelocity
 from ..training import config_loader as configuration
 from .common import default_config_path, flat_grad, table, write_json
@@ -94,15 +94,15 @@ def is_random(cfg: EstimatorConfig) -> bool:
     return (cfg.mode == "jagg" and cfg.correction_p > 0) or (cfg.mode == "subsample" and cfg.subsample_frac < 1)
 
 
-def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None) -> list[dict]:
+def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None) -> list[dict]:
     """One record per estimator (module docstring)."""
-    from ..shapes.trainer import Trainer
+    from ..trainers.shapes import ShapesTrainer
 
     if batches < 3:
         raise ValueError(f"--batches must be >= 3 (a variance and a bias across batches); got {batches}")
     if draws < 1:
         raise ValueError(f"--draws must be >= 1; got {draws}")
-    trainer = Trainer(cfg)
+    trainer = ShapesTrainer(cfg)
     reward = get_reward(cfg.reward.weights or cfg.reward.name)
     ests = dict(parse_estimator(s, cfg.estimator) for s in ["exact", *[s for s in specs if s != "exact"]])
     params = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -175,7 +175,7 @@ COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".
 def _run(args: argparse.Namespace) -> int:
     sets = (QUICK_SETS if args.quick else []) + ["log.progress=false", "log.tensorboard=false", "eval.every=0",
                                                    f"log.output_dir={args.out}"] + list(args.set or [])
-    cfg = configuration.load(TrainConfig, args.config, sets)
+    cfg = configuration.load(ShapesTrainConfig, args.config, sets)
     specs = args.estimator or ["config", "plain", "subsample"]
     batches = args.batches if args.batches is not None else (3 if args.quick else 6)
     draws = args.draws if args.draws is not None else (2 if args.quick else 4)

@@ -42,7 +42,7 @@ from ..rewards.registry import get_reward
 from ..knots import interval_alphas, step_groups
 from ..routing import linearity_scores
 from ..schedule import flow_sigmas
-from ..shapes.config import TrainConfig
+from ..trainers.shapes_config import ShapesTrainConfig
 from ..trajectory import Trajectory, sample_trajectories, select_train_steps
 from ..shapes import from_tensor, tokenizer, train_prompts
 from .common import (cosine, default_config_path, flat_grad, fmt, rel_err, resolve_device, set_threads,
@@ -65,7 +65,7 @@ class FidelityConfig:
     seed: int = 0
     device: str = "cpu"
     threads: int = 0
-    train: TrainConfig = field(default_factory=TrainConfig)   # sampling, reward, estimator and optimizer settings
+    train: ShapesTrainConfig = field(default_factory=ShapesTrainConfig)   # sampling, reward, estimator and optimizer settings
 
     def __post_init__(self):
         if not self.checkpoints:
@@ -353,7 +353,7 @@ def run_fidelity(cfg: FidelityConfig) -> list[dict]:
 
 def _run(args: argparse.Namespace) -> int:
     sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
-    train = configuration.load(TrainConfig, args.config, sets)
+    train = configuration.load(ShapesTrainConfig, args.config, sets)
     d = FidelityConfig()
     cfg = FidelityConfig(
         checkpoints=args.checkpoint or d.checkpoints, windows=args.windows or d.windows,

@@ -1,6 +1,6 @@
 """``jagg bench quality``: does a JAGG variant reach a given reward sooner than exact? Paired GRPO runs x seeds.
 
-Every variant trains with :class:`jagg.shapes.trainer.Trainer` from the same config (the main job plus ``--set``),
+Every variant trains with :class:`jagg.trainers.shapes.ShapesTrainer` from the same config (the main job plus ``--set``),
 for the same iterations and optimizer updates, once per seed. Seeds are paired across variants: a seed fixes the
 prompts and the noise streams (the unbiased correction's picks use an RNG of their own), so the variants of one seed
 differ only by their gradients. The runs alternate (seed 0 of every variant, then seed 1, ...), so a busy stretch of
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..shapes.config import TrainConfig
+from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
 from .common import default_config_path, table, write_json
 
@@ -100,10 +100,10 @@ class QualityConfig:
         if "exact" not in self.variants:
             self.variants = {"exact": BUILTIN["exact"], **self.variants}
 
-    def train_config(self, variant: str, seed: int) -> TrainConfig:
+    def train_config(self, variant: str, seed: int) -> ShapesTrainConfig:
         run = [f"seed={seed}", f"log.output_dir={self.run_dir(variant, seed)}"]
         try:
-            return configuration.load(TrainConfig, self.config, DEFAULT_SETS + self.sets + self.variants[variant] + run)
+            return configuration.load(ShapesTrainConfig, self.config, DEFAULT_SETS + self.sets + self.variants[variant] + run)
         except ValueError as e:
             raise ValueError(f"variant {variant!r}: {e}") from None
 
@@ -114,7 +114,7 @@ class QualityConfig:
 # ----------------------------------------------------------------------------- runs
 
 
-def summarize(records: list[dict], cfg: TrainConfig, variant: str, seed: int) -> dict:
+def summarize(records: list[dict], cfg: ShapesTrainConfig, variant: str, seed: int) -> dict:
     """One run's result from its metrics records."""
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
@@ -147,9 +147,9 @@ def _num_test_prompts() -> int:
 
 def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     """Train (or resume, or skip) one run and return its summary."""
-    from ..shapes.trainer import Trainer
+    from ..trainers.shapes import ShapesTrainer
     from ..training.config_loader import to_dict
-    from ..training.core import check_resumable
+    from ..trainers.base import check_resumable
 
     cfg = q.train_config(variant, seed)
     out = q.run_dir(variant, seed)
@@ -158,13 +158,13 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
         result = json.loads(done.read_text())
         if result.get("iterations") == cfg.grpo.iterations and "train_curve" in result:
             try:
-                check_resumable(result["config"], to_dict(cfg))
+                check_resumable(result["config"], to_dict(cfg), config_class=ShapesTrainConfig)
             except (KeyError, ValueError) as e:
                 raise ValueError(f"{done} was trained with another config ({e}); use another --out") from None
             print(f"quality: {variant} seed {seed}: already done ({done}), skipped", flush=True)
             return {**result, "variant": variant}          # its directory is this variant's (even if renamed)
     print(f"quality: {variant} seed {seed}: training {cfg.grpo.iterations} iterations into {out}", flush=True)
-    records = Trainer(cfg, resume=True).train()
+    records = ShapesTrainer(cfg, resume=True).train()
     if not records or max(r["iteration"] for r in records) < cfg.grpo.iterations:
         raise RuntimeError(f"run {out} stopped before iteration {cfg.grpo.iterations}; rerun to resume it")
     result = {**summarize(records, cfg, variant, seed), "config": to_dict(cfg)}

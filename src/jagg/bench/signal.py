@@ -44,7 +44,7 @@ from ..advantages import group_advantages
 from ..estimator import policy_gradient
 from ..shapes.velocity import GuidedVelocity
 from ..rewards.registry import get_reward
-from ..shapes.config import TrainConfig
+from ..trainers.shapes_config import ShapesTrainConfig
 from ..shapes import from_tensor
 from .common import default_config_path, flat_grad, table, write_json
 
@@ -90,19 +90,19 @@ def samples_for_half(c: float, se: float, n: float) -> tuple[float, bool]:
     return n * (1 - cc) / cc, bound
 
 
-def measure(cfg: TrainConfig, rewards: list[str], batches: int, fixed_prompts: bool = False,
+def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prompts: bool = False,
             estimators: tuple[str, ...] = ("config",)) -> list[dict]:
     """Records per (reward, estimator): the agreement of ``batches`` independent gradient estimates (module
     docstring). ``estimators``: ``config`` (the config's estimator) and/or ``exact``; with both, one more record
     per reward compares them (``estimator: "config x exact"``)."""
-    from ..shapes.trainer import Trainer
+    from ..trainers.shapes import ShapesTrainer
 
     if batches < 3:
         raise ValueError(f"--batches must be >= 3; got {batches}")
     bad = [e for e in estimators if e not in ESTIMATORS]
     if bad or not estimators:
         raise ValueError(f"--estimators must be some of {ESTIMATORS}; got {list(estimators)}")
-    trainer = Trainer(cfg)
+    trainer = ShapesTrainer(cfg)
     fns = {name: get_reward(name) for name in rewards}
     ests = {"config": cfg.estimator, "exact": dataclasses.replace(cfg.estimator, mode="exact")}
     params = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -193,7 +193,7 @@ ESTIMATORS = ("config", "exact")
 def _run(args: argparse.Namespace) -> int:
     sets = (QUICK_SETS if args.quick else []) + ["log.progress=false", "log.tensorboard=false"]
     sets += [f"log.output_dir={args.out}"] + list(args.set or [])
-    cfg = configuration.load(TrainConfig, args.config, sets)
+    cfg = configuration.load(ShapesTrainConfig, args.config, sets)
     rewards = args.rewards or [cfg.reward.name]
     batches = args.batches if args.batches is not None else (3 if args.quick else 8)
     records = measure(cfg, rewards, batches, args.fixed_prompts, tuple(args.estimators))

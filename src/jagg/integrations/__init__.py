@@ -5,7 +5,8 @@ Modules: :mod:`~jagg.integrations.config` (the ``pipeline:`` section: model, LoR
 :mod:`~jagg.integrations.pipeline` (a local diffusers directory: checks, loading, the prompt-cache builder
 ``python -m jagg.integrations.pipeline cache``), :mod:`~jagg.integrations.policy` (the owner of the policy:
 trainable weights, KL reference, prompts, sampler, velocity, decoding, adapter files),
-:mod:`~jagg.integrations.train_config` and :mod:`~jagg.integrations.trainer` (``jagg train`` on these models).
+:mod:`jagg.trainers.diffusers` and :mod:`jagg.trainers.diffusers_config` (``jagg train`` on these models) live
+with the other trainer in :mod:`jagg.trainers`.
 
 Needs the ``diffusers`` extra (``pip install 'jagg[diffusers]'``: diffusers, peft, transformers, accelerate);
 diffusers and peft are imported only when a function needs them.

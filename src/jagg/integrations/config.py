@@ -221,3 +221,18 @@ def load_pipeline_config(path: str | Path, overrides: dict | None = None) -> Pip
     section = dict(data["pipeline"] or {})
     section.update(overrides or {})
     return from_dict(PipelineConfig, section, "pipeline")
+
+
+def read_prompt_lines(path: str, what: str = "sample.prompts_file") -> list[str]:
+    """The prompts of a text file, one per line (surrounding spaces and blank lines dropped); errors name ``what``."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist or is not a file; give a text file with one "
+                                "prompt per line")
+    try:
+        prompts = [line.strip() for line in p.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} {str(path)!r} cannot be read as text: {e}") from None
+    if not prompts:
+        raise ValueError(f"{what} {str(path)!r} holds no prompt; put one prompt per line")
+    return prompts

@@ -23,7 +23,7 @@ from typing import Sequence
 
 from torch import nn
 
-from .config import DTYPES, PipelineConfig, load_pipeline_config
+from .config import DTYPES, PipelineConfig, load_pipeline_config, read_prompt_lines
 from .velocity import encode_prompts
 
 PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
@@ -110,8 +110,6 @@ def build_prompt_cache(config: PipelineConfig, prompts: Sequence[str], out: str 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jagg.integrations.pipeline cache ...``; returns 0, or 2 after printing what is wrong."""
-    from .train_config import read_prompt_lines
-
     ap = argparse.ArgumentParser(prog="python -m jagg.integrations.pipeline",
                                  description="Precompute a prompt-embedding cache with the model's text encoders.")
     sub = ap.add_subparsers(dest="cmd", required=True)

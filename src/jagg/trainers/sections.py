@@ -38,11 +38,33 @@ def check_sampler(sde_type: str, eta: float, window: list[int] | None, num_steps
 
 
 def check_group_size(group_size: int) -> None:
-    """Raise unless ``sample.group_size`` >= 2: advantages are relative to a prompt's group, so a group of one
+    """Raise unless ``sample.group_size`` >= 2: advantages are relative to a prompt group, so a prompt group of one
     image has no reward spread, every advantage is 0 and GRPO trains nothing."""
     if group_size < 2:
-        raise ValueError(f"sample.group_size must be >= 2 (GRPO compares the images of one prompt; a group of "
-                         f"{group_size} has no reward spread and trains nothing); got {group_size}")
+        raise ValueError(f"sample.group_size must be >= 2 (GRPO compares the images of one prompt; a prompt group "
+                         f"of {group_size} has no reward spread and trains nothing); got {group_size}")
+
+
+class SampleBatch:
+    """What both trainers' ``sample:`` sections share (a mixin of the two dataclasses, no fields of its own): the
+    batch of ``prompts_per_iter`` prompt groups of ``group_size`` samples, and the checks of its keys."""
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per iteration: ``prompts_per_iter x group_size``."""
+        return self.prompts_per_iter * self.group_size
+
+    def check_batch(self, positive: tuple[str, ...]) -> None:
+        """Raise unless the keys ``positive`` are >= 1, ``group_size`` >= 2 (:func:`check_group_size`),
+        ``timestep_fraction`` is in (0, 1], and only one of ``timestep_fraction`` and ``sde_window`` is set."""
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"sample.{name} must be >= 1; got {getattr(self, name)}")
+        check_group_size(self.group_size)
+        if not 0 < self.timestep_fraction <= 1:
+            raise ValueError(f"sample.timestep_fraction must be in (0, 1]; got {self.timestep_fraction}")
+        if self.sde_window is not None and self.timestep_fraction != 1.0:
+            raise ValueError("set either sample.timestep_fraction or sample.sde_window, not both")
 
 
 def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:
@@ -124,8 +146,9 @@ class LogConfig:
 @dataclass
 class TrainerSections:
     """The top-level keys both trainers' configs share: seed, threads, and the estimator, optimizer and GRPO sections.
-    :class:`jagg.shapes.config.TrainConfig` and :class:`jagg.integrations.train_config.RealTrainConfig` extend it
-    with their own model, sampling, reward and logging sections (which must include ``sample.batch_size``)."""
+    :class:`jagg.trainers.shapes_config.ShapesTrainConfig` and
+    :class:`jagg.trainers.diffusers_config.DiffusersTrainConfig` extend it with their own model, sampling, reward and
+    logging sections (which must include ``sample.batch_size`` and ``sample.group_size``)."""
 
     seed: int = field(default=0, metadata=_help(
         "Seed of prompts, noise, initialisation, minibatches and unbiased JAGG's picks."))

@@ -1,4 +1,5 @@
-"""The GRPO trainer's configuration: one typed dataclass per concern, validated on creation.
+"""The shapes trainer's configuration (:class:`ShapesTrainConfig`): one typed dataclass per concern, validated on
+creation; the sections both trainers share are :mod:`jagg.trainers.sections`.
 
 Loaded from YAML (by default the main job shipped in the package, :func:`main_job_path`) with
 ``--set section.key=value`` overrides; ``jagg train --help`` lists every key with its default and help.
@@ -10,8 +11,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from ..training.sections import (LogConfig, RewardConfig, TrainerSections, _help, check_group_size, check_sampler,
-                                check_sde_window)
+from .sections import (LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_sampler,
+                       check_sde_window)
 
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
 
@@ -28,7 +29,7 @@ def main_job_path() -> Path:
 
 def read_prompts(path: str) -> list[str]:
     """Prompts of a text file, one per line (blank lines skipped), each checked against the world's grammar."""
-    from . import parse_prompt
+    from ..shapes import parse_prompt
 
     p = Path(path)
     if not p.is_file():
@@ -72,7 +73,7 @@ class ModelConfig:
 
 
 @dataclass
-class SampleConfig:
+class SampleConfig(SampleBatch):
     num_steps: int = field(default=10, metadata=_help("Sampling steps T per trajectory."))
     shift: float = field(default=1.0, metadata=_help("SD3 timestep shift of the sigma schedule (1 = none)."))
     eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO's noise_level); its meaning depends on "
@@ -94,36 +95,25 @@ class SampleConfig:
         "Text file of training prompts, one per line (default: the world's train split)."))
 
     def __post_init__(self):
-        for name in ("num_steps", "prompts_per_iter", "micro_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sample.{name} must be >= 1; got {getattr(self, name)}")
-        check_group_size(self.group_size)
+        self.check_batch(("num_steps", "prompts_per_iter", "micro_batch"))
         if self.shift <= 0:
             raise ValueError(f"sample.shift must be > 0; got {self.shift}")
         if self.eta <= 0:
             raise ValueError(f"sample.eta must be > 0 (the SDE needs noise); got {self.eta}")
         if self.guidance_scale < 1:
             raise ValueError(f"sample.guidance_scale must be >= 1; got {self.guidance_scale}")
-        if not 0 < self.timestep_fraction <= 1:
-            raise ValueError(f"sample.timestep_fraction must be in (0, 1]; got {self.timestep_fraction}")
         check_sde_window(self.sde_window, self.num_steps)
         check_sampler(self.sde_type, self.eta, self.sde_window, self.num_steps)
-        if self.sde_window is not None:
-            if self.timestep_fraction != 1.0:
-                raise ValueError("set either sample.timestep_fraction or sample.sde_window, not both")
         if self.prompts_file is not None:
             self.prompts_file = str(self.prompts_file)
             read_prompts(self.prompts_file)  # fail at load, not mid-run
 
     def prompts(self) -> list[str]:
         """The training prompts: the file's, or the world's train split."""
-        from . import train_prompts
+        from ..shapes import train_prompts
 
         return read_prompts(self.prompts_file) if self.prompts_file else train_prompts()
 
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_iter * self.group_size
 
 
 @dataclass
@@ -145,9 +135,8 @@ class EvalConfig:
 
 
 @dataclass
-class TrainConfig(TrainerSections):
-    """Everything one ``jagg train`` run on the shapes world needs; saved into every checkpoint. The shared keys
-    (seed, threads, estimator, optim, grpo) come from :class:`jagg.training.sections.TrainerSections`."""
+class ShapesTrainConfig(TrainerSections):
+    """Everything one ``jagg train`` run on the shapes world needs (saved into every checkpoint)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)

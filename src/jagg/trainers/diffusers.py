@@ -1,8 +1,9 @@
 """``jagg train`` on a real diffusers model (SD3/SD3.5, FLUX.1): GRPO with the JAGG estimator, LoRA or full weights.
 
 A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``; the config is
-:class:`jagg.integrations.train_config.RealTrainConfig`) makes ``jagg train --config X.yaml`` run
-:class:`RealTrainer` instead of the TinyDiT trainer. The trainer asks one object for everything model specific, the
+:class:`jagg.trainers.diffusers_config.DiffusersTrainConfig`) makes ``jagg train --config X.yaml`` run
+:class:`DiffusersTrainer` instead of the shapes trainer. The loop is :class:`jagg.trainers.base.GRPOTrainer`'s; this
+trainer fills its hooks and asks one object for everything model specific, the
 :class:`jagg.integrations.policy.Policy` (prompts, sampler, velocity callable, KL reference, decoding, adapter
 files). One iteration:
 
@@ -14,7 +15,7 @@ files). One iteration:
    of processes when every shard is a whole number of pieces; decode with the VAE; score with the reward
    (registry name, weighted sum, ``module:function`` or an HTTP reward server);
 3. gather the rewards of all ranks, group-relative advantages per prompt on the global batch
-   (:func:`jagg.group_advantages`), drop zero-spread groups;
+   (:func:`jagg.group_advantages`), drop zero-spread prompt groups;
 4. ``inner_epochs x updates_per_epoch`` AdamW updates whose gradients come from :func:`jagg.policy_gradient`
    (KL reference = the adapters switched off, or a frozen copy for full fine-tuning); with several ranks the
    local gradients are averaged once per update with :func:`jagg.training.distributed.all_reduce_gradients`, each
@@ -29,7 +30,7 @@ config; atomic, keep-last-N) and, with LoRA, ``checkpoints/adapter_<n>/pytorch_l
 
 Data parallelism replicates the model on every rank (LoRA on SD3.5 / FLUX fits one GPU); the model is not wrapped
 in DDP: gradients accumulate locally and are all-reduced once per optimizer update, so ranks may hold different
-numbers of samples after zero-spread groups are dropped. With one update per epoch (``grpo.updates_per_epoch: 1``)
+numbers of samples after zero-spread prompt groups are dropped. With one update per epoch (``grpo.updates_per_epoch: 1``)
 two processes make the same update as one process on the same global batch (tested with ``accelerate launch``).
 FSDP / DeepSpeed sharding are available through the library API (docs/real_models.md), not through this trainer.
 """
@@ -40,29 +41,24 @@ import dataclasses
 import os
 import random
 import shutil
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
-from ..advantages import group_advantages, nonzero_spread_mask
-from ..estimator import policy_gradient, reference_velocities
-from ..trajectory import Trajectory, sample_trajectories, select_train_steps
+from ..estimator import policy_gradient
+from ..integrations.policy import Policy, load_model
+from ..trajectory import sample_trajectories
 from ..training import config_loader as configuration
 from ..training.checkpoint import prune_checkpoints, write_checkpoint
-from ..training.core import RESUMABLE_CHANGES, TrainerCore, check_resumable
-from ..training.rundir import open_run, outputs, read_run_file, write_run_file
-from ..training.distributed import (all_reduce_gradients, gather, gather_objects, init_process_group_from_env,
-                                    loss_scale, shard)
-from ..training.metrics import MetricsLogger, plot_reward_curve, save_grid
-from .policy import Policy, load_model
-from .train_config import RealTrainConfig, load_config, read_prompt_lines
+from ..training.distributed import all_reduce_gradients, gather_objects, loss_scale, shard
+from ..training.metrics import plot_reward_curve, save_grid
+from ..training.rundir import outputs
+from .base import RESUMABLE_CHANGES, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, update_summary
+from .diffusers_config import DiffusersTrainConfig, load_config, read_prompt_lines
 
-# config keys that may differ between a checkpoint and its resumption, besides the TinyDiT trainer's
+# config keys that may differ between a checkpoint and its resumption, besides the shapes trainer's
 # (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient
 RESUMABLE_REAL = ("pipeline.path", "pipeline.device", "pipeline.prompt_cache", "pipeline.load_text_encoders",
                   "pipeline.gradient_checkpointing", "reward_server")
@@ -81,28 +77,17 @@ def sampling_pieces(local: slice, size: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(starts, starts[1:] + [local.stop])]
 
 
-class RealTrainer(TrainerCore):
-    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX model, in the run directory
-    ``cfg.log.output_dir``: ``resume``, ``overwrite`` and ``require_checkpoint`` as for the TinyDiT trainer
-    (:class:`jagg.shapes.trainer.Trainer`, :mod:`jagg.training.rundir`). Launch with torchrun / accelerate for
-    several processes (``WORLD_SIZE > 1``)."""
+class DiffusersTrainer(GRPOTrainer):
+    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX model (:class:`~jagg.trainers.base.GRPOTrainer`:
+    the run directory, ``resume``, ``overwrite``, ``require_checkpoint`` and the loop). Launch with torchrun /
+    accelerate for several processes (``WORLD_SIZE > 1``)."""
 
-    def __init__(self, cfg: RealTrainConfig, resume: bool = False, overwrite: bool = False,
-                 require_checkpoint: bool = False):
-        self.cfg = cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        self.rank, self.world = init_process_group_from_env()
-        self.main = self.rank == 0
-        self.out = Path(cfg.log.output_dir)
-        self.ckpt_dir = self.out / "checkpoints"
-        barrier = dist.barrier if self.world > 1 else None
-        # every process decides from the same files, before the model is loaded (a run directory that cannot be used
-        # fails in seconds, not after minutes of loading weights); the main process moves an old run aside first
-        # (--overwrite) and writes run.json only after all have decided (the barrier before the logger)
-        start = open_run(self.out, resume=resume, require_checkpoint=require_checkpoint, overwrite=overwrite,
-                         main=self.main, barrier=barrier, log=self._print)
-        self.run_id = start.run_id
+    cfg: DiffusersTrainConfig
+    multiprocess = True
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.progress_label = f"GRPO {cfg.pipeline.family}"
         self.local = shard(cfg.sample.batch_size)              # this rank's slice; the batch must split evenly
         self.prompts = read_prompt_lines(cfg.sample.prompts_file)
         self.reward_fn = cfg.reward_fn()
@@ -120,40 +105,21 @@ class RealTrainer(TrainerCore):
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         # shared by all ranks: prompt choice and the initial noise of the global batch; per sampling piece: the SDE
-        # noise (seeded by iteration and position, see _rollout); per rank: the minibatch order
+        # noise (seeded by iteration and position, see rollout); per rank: the minibatch order
         self.np_rng = np.random.default_rng(cfg.seed)
         self.gen = torch.Generator().manual_seed(_seed(cfg.seed, 1))
         self.perm_gen = torch.Generator().manual_seed(_seed(cfg.seed, 3, self.rank))
         self.pick_gen = torch.Generator().manual_seed(_seed(cfg.seed, 4, self.rank))   # unbiased JAGG's picks
-        self.iteration = 0
-        self.wall = 0.0
-        self.skipped_updates = 0
-        self.consecutive_skips = 0
-        self._stop = False
         self._images, self._prompts = None, None
-        resumed_from = None
-        if start.resumed is not None:
-            state, path = start.resumed
-            changed = self._load_state(state)
-            resumed_from = self.iteration
-            self._print(f"resumed from {path} (iteration {self.iteration})")
-            for line in changed:
-                self._print(f"  {line}")
-        if barrier is not None:
-            barrier()
-        if self.main and (start.resumed is None or read_run_file(self.out) is None):
-            write_run_file(self.out, self.run_id)
-        self.logger = (MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from)
-                       if self.main else None)
 
     # ------------------------------------------------------------------ state
-    def _rng_state(self) -> dict:
+    def rng_state(self) -> dict:
         return {"numpy": self.np_rng.bit_generator.state, "gen": self.gen.get_state(),
                 "perm_gen": self.perm_gen.get_state(), "pick_gen": self.pick_gen.get_state(),
                 "torch": torch.get_rng_state(), "python": random.getstate(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
-    def _set_rng_state(self, rng: dict, local: bool = True) -> None:
+    def set_rng_state(self, rng: dict, local: bool = True) -> None:
         self.np_rng.bit_generator.state = rng["numpy"]
         self.gen.set_state(rng["gen"])
         torch.set_rng_state(rng["torch"])
@@ -172,14 +138,14 @@ class RealTrainer(TrainerCore):
                 "skipped_updates": self.skipped_updates, "config": configuration.to_dict(self.cfg),
                 "run_id": self.run_id, "world_size": self.world, "rng": rngs}
 
-    def _load_state(self, state: dict) -> list[str]:
+    def load_state(self, state: dict) -> list[str]:
         """Restore ``state``; returns one line per config key that changed and may (``RESUMABLE_REAL`` and the
-        TinyDiT trainer's ``RESUMABLE_CHANGES``)."""
+        shapes trainer's ``RESUMABLE_CHANGES``)."""
         if state.get("trainer") != TRAINER_TAG:
-            raise ValueError(f"the checkpoints in {self.ckpt_dir} were not written by the real-model trainer (TinyDiT "
+            raise ValueError(f"the checkpoints in {self.ckpt_dir} were not written by the diffusers trainer (a shapes "
                              "run?); use another log.output_dir")
         changed = check_resumable(state["config"], configuration.to_dict(self.cfg),
-                                  RESUMABLE_CHANGES + RESUMABLE_REAL)
+                                  RESUMABLE_CHANGES + RESUMABLE_REAL, config_class=type(self.cfg))
         saved = state["model"]
         if set(saved) != set(self.named_params):
             diff = sorted(set(saved) ^ set(self.named_params))[:3]
@@ -193,18 +159,18 @@ class RealTrainer(TrainerCore):
         self.skipped_updates = state["skipped_updates"]
         rngs = state["rng"]
         if len(rngs) == self.world:
-            self._set_rng_state(rngs[self.rank])
+            self.set_rng_state(rngs[self.rank])
         else:
             self._print(f"warning: the checkpoint was written by {len(rngs)} process(es), this run has {self.world}: "
                         "the per-process minibatch order is reseeded (the run continues, not bit-exactly)")
-            self._set_rng_state(rngs[0], local=False)
+            self.set_rng_state(rngs[0], local=False)
             self.perm_gen.manual_seed(_seed(self.cfg.seed, 3, self.rank, self.iteration))
         return changed
 
     def save(self, rngs: list[dict] | None = None) -> Path | None:
         """Checkpoint (rank 0 writes; a collective: every rank must call it): LoRA adapter directory first, then
         ``ckpt_<n>.pt``, each written to a temporary name and renamed; the newest ``log.keep_last`` are kept."""
-        rngs = rngs if rngs is not None else gather_objects([self._rng_state()])
+        rngs = rngs if rngs is not None else gather_objects([self.rng_state()])
         path = None
         if self.main:
             if self.cfg.pipeline.lora.enabled:
@@ -234,19 +200,10 @@ class RealTrainer(TrainerCore):
         return final
 
     # ------------------------------------------------------------------ one iteration
-    def _rollout(self) -> tuple[list[str], Trajectory]:
-        """Sample this rank's shard of the global batch; returns (the global batch's prompts, local trajectories)."""
+    def rollout(self) -> Rollout:
+        """Sample this rank's shard of the global batch (the global batch's prompts, local trajectories)."""
         c, p = self.cfg.sample, self.cfg.pipeline
-        idx = self.np_rng.choice(len(self.prompts), size=c.prompts_per_iter,
-                                 replace=len(self.prompts) < c.prompts_per_iter)
-        prompts = [self.prompts[i] for i in idx for _ in range(c.group_size)]
-        shape = self.policy.latent_shape
-        if c.shared_noise:
-            noise = torch.randn(c.prompts_per_iter, *shape, generator=self.gen).repeat_interleave(c.group_size, 0)
-        else:
-            noise = torch.randn(len(prompts), *shape, generator=self.gen)
-        train_steps, sde_mask = select_train_steps(p.num_steps, c.timestep_fraction,
-                                                   tuple(c.sde_window) if c.sde_window else None)
+        prompts, noise, train_steps, sde_mask = self.draw_batch(self.policy.latent_shape, p.num_steps)
         sigmas = self.policy.sigmas()
         parts = []
         for piece in self.pieces:                # SDE noise by (seed, iteration, global position), not by rank
@@ -254,160 +211,71 @@ class RealTrainer(TrainerCore):
             parts.append(sample_trajectories(self.policy.velocity(prompts[piece]), noise[piece].to(self.device),
                                              sigmas, p.eta, train_steps, sde_mask, generator=gen,
                                              micro_batch=c.micro_batch, check_finite=False, sde_type=c.sde_type))
-        if len(parts) == 1:
-            return prompts, parts[0]
-        batched = ("latents", "log_probs", "velocities")
-        return prompts, dataclasses.replace(parts[0], **{f: torch.cat([getattr(t, f) for t in parts]) for f in batched})
+        traj = parts[0]
+        if len(parts) > 1:
+            batched = ("latents", "log_probs", "velocities")
+            traj = dataclasses.replace(parts[0], **{f: torch.cat([getattr(t, f) for t in parts]) for f in batched})
+        return Rollout(prompts, self.local, traj, prompts[self.local])
 
-    def _reduce(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t.tolist()
+    def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
+        images = self.policy.decode(rollout.traj.latents[:, -1])
+        scores, info = self.reward_fn(images, rollout.conditioning, None)
+        self._images, self._prompts = images, rollout.conditioning          # the samples saved at a checkpoint
+        return scores, info
 
-    @torch.enable_grad()
-    def _update(self, traj, prompts, adv, ref_v, groups) -> dict:
-        """One optimizer update on this rank's minibatch (possibly empty); gradients averaged over the ranks."""
-        c = self.cfg
-        self.opt.zero_grad(set_to_none=True)
-        n = len(prompts)
-        n_global = int(self._reduce([n])[0])
+    def velocity(self, prompts):
+        return self.policy.velocity(prompts)
+
+    def reference(self, prompts):
+        return self.policy.reference(self.policy.velocity(prompts))
+
+    def minibatches(self, n: int) -> list[torch.Tensor]:
+        perm = torch.randperm(n, generator=self.perm_gen)
+        return [mb.sort().values for mb in perm.tensor_split(self.cfg.grpo.updates_per_epoch)]   # sets, in order
+
+    def gradient(self, mb: Minibatch) -> dict:
+        """This rank's gradient of its part of the minibatch (possibly empty), averaged over the ranks, and the
+        statistics of the whole minibatch."""
+        n = mb.size
+        n_global = int(self.sum_over_processes([n])[0])
         if n_global == 0:
             return {}
         names = ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl")
         counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "intervals", "intervals_jagg")
         local = [0.0] * (len(names) + len(counts))
         if n:
-            st = policy_gradient(self.policy.velocity(prompts), traj, adv, c.estimator, ref_velocities=ref_v,
-                                 loss_scale=loss_scale(n, n_global, self.world), prompt_groups=groups,
-                                 generator=self.pick_gen)
+            st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
+                                 ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
+                                 prompt_groups=mb.prompt_groups, generator=self.pick_gen)
             local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
         if self.world > 1:
             for p in self.params:                              # same buckets on every rank, even with no samples
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             all_reduce_gradients(self.params)
-        tot = self._reduce(local)
+        tot = self.sum_over_processes(local)
         stats = {k: tot[i] / n_global for i, k in enumerate(names)}
         stats.update({k: int(tot[len(names) + i]) for i, k in enumerate(counts)})
         stats["jagg_frac_routed"] = stats["intervals_jagg"] / stats["intervals"] if stats["intervals"] else 0.0
-        grads = [p for p in self.params if p.grad is not None]
-        max_norm = c.optim.max_grad_norm if c.optim.max_grad_norm > 0 else float("inf")
-        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
-        self.guarded_step(stats)
         return stats
 
-    def step(self) -> dict:
-        """One GRPO iteration: sample, reward, advantages, updates. Returns the metrics record."""
-        c = self.cfg
-        self._rng_at_start, self._updating = self._rng_state(), False
-        t0 = time.perf_counter()
-        prompts, traj = self._rollout()
-        local_prompts = prompts[self.local]
-        t1 = time.perf_counter()
-        images = self.policy.decode(traj.latents[:, -1])
-        scores, _ = self.reward_fn(images, local_prompts, None)
-        self._images, self._prompts = images, local_prompts
-        rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=self.device)).cpu()  # global batch
-        adv = group_advantages(rewards, prompts, c.grpo.global_std, c.grpo.adv_clip_max)[self.local]
-        keep = (nonzero_spread_mask(rewards, prompts) if c.grpo.drop_zero_spread
-                else torch.ones(len(prompts), dtype=torch.bool))[self.local]
-        t2 = time.perf_counter()
-        keep_idx = torch.nonzero(keep).flatten()
-        self._updating = True
-        per_update = []
-        groups = (torch.arange(len(prompts)) // c.sample.group_size)[self.local][keep_idx]   # GRPO group per sample
-        kept = [local_prompts[i] for i in keep_idx.tolist()]
-        adv = adv[keep_idx].to(self.device)
-        if not bool(keep.all()):
-            traj = traj.select(keep_idx.to(self.device))
-        ref_v = None
-        if c.estimator.kl_beta > 0 and kept:
-            ref_fn = self.policy.reference(self.policy.velocity(kept))
-            ref_v = reference_velocities(ref_fn, traj, c.estimator.micro_batch)
-        audit_s = 0.0
-        if self.main and kept and self.audit_due():           # the main process audits its own samples
-            audit_s, _ = self.audit(lambda sub: self.policy.velocity([kept[i] for i in sub]), traj, adv, ref_v,
-                                    groups, self.params)
-        for _ in range(c.grpo.inner_epochs):
-            perm = torch.randperm(len(kept), generator=self.perm_gen)
-            for mb in perm.tensor_split(c.grpo.updates_per_epoch):
-                mb = mb.sort().values              # a minibatch is a set: accumulate it in the batch's order
-                rows = mb.tolist()
-                whole = len(rows) == len(kept)     # one update per epoch: no copy of the trajectories
-                mb = mb.to(self.device)
-                stats = self._update(traj if whole else traj.select(mb) if rows else None, [kept[i] for i in rows],
-                                     adv[mb], None if ref_v is None else ref_v[mb], groups[mb.cpu()])
-                if stats:
-                    per_update.append(stats)
-        t3 = time.perf_counter() - audit_s                 # the audit is a diagnostic: not the iteration's cost
-        self.iteration += 1
-        self.wall += t3 - t0
-        trained = int(self._reduce([len(kept)])[0])
+    def record(self, it: Iteration) -> dict:
+        rewards = it.rewards
         rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(rewards.mean()),
-               "reward_std": float(rewards.std(unbiased=False)), "samples": len(prompts), "trained_samples": trained,
-               "processes": self.world, "sample_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2,
-               "iter_s": t3 - t0, "wall_s": self.wall}
-        if per_update:
-            for k in ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl", "grad_norm", "jagg_frac_routed"):
-                rec[k] = float(np.mean([s[k] for s in per_update]))
-            for k in ("backward_items", "forward_grad_items", "forward_nograd_items", "skipped"):
-                rec[k] = int(sum(s[k] for s in per_update))
-        rec["updates"] = len(per_update)
-        rec["skipped_total"] = self.skipped_updates
-        return rec
-
-    # ------------------------------------------------------------------ the loop
-    def train(self) -> list[dict]:
-        c = self.cfg
-        if self.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-        if self.iteration >= c.grpo.iterations:
-            self._print(f"the run in {self.out} is at iteration {self.iteration} of grpo.iterations="
-                        f"{c.grpo.iterations}: nothing to train (raise grpo.iterations to continue it, or --overwrite "
-                        "to start over)")
-        handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            bar = tqdm(total=c.grpo.iterations, initial=self.iteration, disable=not (c.log.progress and self.main),
-                       dynamic_ncols=True, desc=f"GRPO {c.pipeline.family}")
-            while self.iteration < c.grpo.iterations:
-                try:
-                    rec = self.step()
-                except Exception:
-                    self._save_on_failure()
-                    raise
-                if self.main:
-                    self.logger.log(rec)
-                stop = bool(self._reduce([float(self._stop)])[0])  # every rank stops at the same iteration
-                done = self.iteration == c.grpo.iterations
-                abort = self.skip_limit_error(c.grpo.max_consecutive_skips)
-                if (c.log.checkpoint_every and self.iteration % c.log.checkpoint_every == 0) or done or stop or abort:
-                    self.save()
-                bar.update(1)
-                bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", bwd=rec.get("backward_items", 0),
-                                s_it=f"{rec['iter_s']:.2f}")
-                if abort is not None:
-                    raise abort
-                if stop:
-                    self._print(f"saved iteration {self.iteration}; continue with --resume")
-                    break
-            bar.close()
-        finally:
-            for s, h in handlers.items():
-                signal.signal(s, h)
-            if self.logger is not None:
-                self.logger.close()
-        return self.logger.records() if self.logger is not None else []
+               "reward_std": float(rewards.std(unbiased=False)), "samples": len(it.rollout.prompts),
+               "trained_samples": int(self.sum_over_processes([it.trained])[0]), "processes": self.world, **it.times}
+        return {**rec, **update_summary(it.per_update), "updates": len(it.per_update),
+                "skipped_total": self.skipped_updates}
 
 
 def run(config_path: str, overrides: list[str] | None = None, resume: bool = False, overwrite: bool = False,
         require_checkpoint: bool = False) -> int:
     """``jagg train --config <yaml with pipeline:>``: load, train, print where the outputs are. Returns 0.
-    ``resume``, ``overwrite`` and ``require_checkpoint``: as :class:`RealTrainer`."""
+    ``resume``, ``overwrite`` and ``require_checkpoint``: as :class:`DiffusersTrainer`."""
     cfg = load_config(config_path, overrides)
     owns_group = not dist.is_initialized()
     try:
-        trainer = RealTrainer(cfg, resume=resume, overwrite=overwrite, require_checkpoint=require_checkpoint)
+        trainer = DiffusersTrainer(cfg, resume=resume, overwrite=overwrite, require_checkpoint=require_checkpoint)
         records = trainer.train()
     finally:
         if owns_group and dist.is_initialized():

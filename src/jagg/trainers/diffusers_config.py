@@ -1,11 +1,11 @@
-"""The configuration of ``jagg train`` on a real diffusers model: :class:`RealTrainConfig` and its sections.
+"""The configuration of ``jagg train`` on a real diffusers model: :class:`DiffusersTrainConfig` and its sections.
 
 A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``) is a
 real-model config (:func:`has_pipeline_section`); :func:`load_config` reads it with ``--set`` overrides. Sections:
-``pipeline:`` (:class:`jagg.integrations.config.PipelineConfig`, the model), ``sample:`` (:class:`RealSampleConfig`,
+``pipeline:`` (:class:`jagg.integrations.config.PipelineConfig`, the model), ``sample:`` (:class:`DiffusersSampleConfig`,
 the prompts file and the batch), ``estimator:``, ``optim:``, ``grpo:``, ``reward:`` or ``reward_server:``, ``log:``
-(:class:`RealLogConfig`), and ``seed``, ``threads``. Each value is checked when the config is built, with an error
-naming the key; the trainer is :mod:`jagg.integrations.trainer`.
+(:class:`DiffusersLogConfig`), and ``seed``, ``threads``. Each value is checked when the config is built, with an error
+naming the key; the trainer is :mod:`jagg.trainers.diffusers`.
 """
 
 from __future__ import annotations
@@ -14,37 +14,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..integrations.config import PipelineConfig, read_prompt_lines
 from ..rewards.client import RewardClient
 from ..rewards.registry import get_reward
 from ..training import config_loader as configuration
-from ..training.sections import (LogConfig, RewardConfig, TrainerSections, check_group_size, check_sampler,
-                                 check_sde_window)
-from .config import PipelineConfig
-
-
-def _help(text: str) -> dict:
-    return {"help": text}
-
-
-def read_prompt_lines(path: str, what: str = "sample.prompts_file") -> list[str]:
-    """The prompts of a text file, one per line (surrounding spaces and blank lines dropped); errors name ``what``."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"{what} {str(path)!r} does not exist or is not a file; give a text file with one "
-                                "prompt per line")
-    try:
-        prompts = [line.strip() for line in p.read_text().splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{what} {str(path)!r} cannot be read as text: {e}") from None
-    if not prompts:
-        raise ValueError(f"{what} {str(path)!r} holds no prompt; put one prompt per line")
-    return prompts
+from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_sampler, check_sde_window
 
 
 @dataclass
-class RealSampleConfig:
+class DiffusersSampleConfig(SampleBatch):
     """Rollouts of a real model. Steps, eta, shift and guidance are the model's and live in ``pipeline:``; the
-    TinyDiT trainer's ``SampleConfig`` does not fit (its prompt file must parse in the shapes-world grammar)."""
+    shapes trainer's ``SampleConfig`` does not fit (its prompt file must parse in the shapes-world grammar)."""
 
     prompts_file: str | None = field(default=None, metadata=_help(
         "Required: text file of training prompts, one per line (blank lines skipped)."))
@@ -71,23 +51,12 @@ class RealSampleConfig:
                              "(in the YAML's sample: section or --set sample.prompts_file=prompts.txt)")
         self.prompts_file = str(self.prompts_file)
         read_prompt_lines(self.prompts_file)                       # fail at load, not mid-run
-        for name in ("prompts_per_iter", "group_size", "micro_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sample.{name} must be >= 1; got {getattr(self, name)}")
-        check_group_size(self.group_size)
-        if not 0 < self.timestep_fraction <= 1:
-            raise ValueError(f"sample.timestep_fraction must be in (0, 1]; got {self.timestep_fraction}")
-        if self.sde_window is not None and self.timestep_fraction != 1.0:
-            raise ValueError("set either sample.timestep_fraction or sample.sde_window, not both")
-
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_iter * self.group_size
+        self.check_batch(("prompts_per_iter", "group_size", "micro_batch"))
 
 
 @dataclass
-class RealLogConfig(LogConfig):
-    """:class:`jagg.shapes.config.LogConfig` with its own default run directory."""
+class DiffusersLogConfig(LogConfig):
+    """:class:`jagg.trainers.sections.LogConfig` with its own default run directory."""
 
     output_dir: str = field(default="runs/real", metadata=_help(
         "Run directory: metrics, sample images, checkpoints and LoRA adapters."))
@@ -101,21 +70,22 @@ class RealLogConfig(LogConfig):
 
 
 @dataclass
-class RealTrainConfig(TrainerSections):
-    """Everything one ``jagg train`` run on a diffusers model needs; saved into every checkpoint. The shared keys
-    (seed, threads, estimator, optim, grpo) come from :class:`jagg.training.sections.TrainerSections`."""
+class DiffusersTrainConfig(TrainerSections):
+    """Everything one ``jagg train`` run on a diffusers model needs, saved into every checkpoint: the model
+    (``pipeline:``), the prompts file and batch (``sample:``), a local reward or a reward server, logging, and the
+    keys both trainers share (:class:`jagg.trainers.sections.TrainerSections`)."""
 
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    sample: RealSampleConfig = field(default_factory=RealSampleConfig)
+    sample: DiffusersSampleConfig = field(default_factory=DiffusersSampleConfig)
     reward: RewardConfig | None = field(default=None, metadata=_help(
         "Local reward, {name: <registry name | package.module:function>} or {weights: {name: w, ...}} "
-        "(jagg.shapes.config.RewardConfig); the function takes (images uint8 [N,H,W,3], prompts, metadata). "
+        "(jagg.trainers.sections.RewardConfig); the function takes (images uint8 [N,H,W,3], prompts, metadata). "
         "Set this or reward_server."))
     reward_server: RewardClient | None = field(default=None, metadata=_help(
         "HTTP reward server, jagg.rewards.RewardClient arguments {"
         + ", ".join(f.name for f in dataclasses.fields(RewardClient))
         + "} (token: better in $JAGG_REWARD_TOKEN, every checkpoint saves the config). Set this or reward."))
-    log: RealLogConfig = field(default_factory=RealLogConfig)
+    log: DiffusersLogConfig = field(default_factory=DiffusersLogConfig)
 
     def __post_init__(self):
         if isinstance(self.reward, dict):
@@ -132,7 +102,7 @@ class RealTrainConfig(TrainerSections):
                                 "both are set: drop one, e.g. --set reward_server=null"))
         super().__post_init__()
         if self.optim.ema_decay > 0:
-            raise ValueError("optim.ema_decay is not supported by the real-model trainer; set it to 0")
+            raise ValueError("optim.ema_decay is not supported by the diffusers trainer; set it to 0")
         s, T = self.sample, self.pipeline.num_steps
         check_sde_window(s.sde_window, T, "pipeline.num_steps")
         check_sampler(s.sde_type, self.pipeline.eta, s.sde_window, T)
@@ -150,19 +120,23 @@ class RealTrainConfig(TrainerSections):
         return get_reward(self.reward.weights or self.reward.name)
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RealTrainConfig:
-    """A YAML with a ``pipeline:`` section plus ``--set key=value`` overrides -> :class:`RealTrainConfig`."""
-    return configuration.load(RealTrainConfig, path, overrides)
+def load_config(path: str | Path, overrides: list[str] | None = None) -> DiffusersTrainConfig:
+    """A YAML with a ``pipeline:`` section plus ``--set key=value`` overrides -> :class:`DiffusersTrainConfig`."""
+    return configuration.load(DiffusersTrainConfig, path, overrides)
 
 
-def has_pipeline_section(path: str | Path | None) -> bool:
-    """True when ``path`` is a readable YAML mapping with a top-level ``pipeline:`` key (a real-model config)."""
+def has_pipeline_section(config: str | Path | dict | None) -> bool:
+    """True when ``config`` (a YAML file, or the mapping read from one) has a top-level ``pipeline:`` key: a config
+    for the diffusers trainer, not the shapes trainer. An unreadable file is False (the shapes trainer's loading then
+    names what is wrong with it)."""
     import yaml
 
-    if path is None or not Path(path).is_file():
+    if isinstance(config, dict):
+        return "pipeline" in config
+    if config is None or not Path(config).is_file():
         return False
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+        data = yaml.safe_load(Path(config).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
     return isinstance(data, dict) and "pipeline" in data

@@ -1,0 +1,508 @@
+"""The GRPO loop both trainers share, once: :class:`GRPOTrainer` runs it and names the hooks each trainer fills.
+
+One iteration (:meth:`GRPOTrainer.step`): the trainer's :meth:`~GRPOTrainer.rollout` samples this process's share of
+the global batch and :meth:`~GRPOTrainer.score` rewards it; the loop gathers the rewards, computes group-relative
+advantages per prompt group on the global batch, drops the prompt groups without reward spread, computes the KL
+reference velocities (:meth:`~GRPOTrainer.reference`), runs the estimator audit when due, and makes
+``inner_epochs x updates_per_epoch`` optimizer updates, each from the trainer's :meth:`~GRPOTrainer.gradient` of a
+minibatch (:meth:`~GRPOTrainer.minibatches`), skipped when its loss or gradient norm is not finite. Around it: the
+run directory (new, resumed or moved aside, :mod:`jagg.training.rundir`), checkpoints at ``log.checkpoint_every``,
+the abort after ``grpo.max_consecutive_skips``, the save after a failure before an iteration's first update, and
+SIGINT/SIGTERM (finish the iteration, save, exit).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from tqdm import tqdm
+
+from ..advantages import group_advantages, nonzero_spread_mask
+from ..audit import AuditMeter, audit_flag, audit_parts, meter_flag
+from ..estimator import reference_velocities
+from ..training.config_loader import renamed_keys
+from ..training.distributed import gather, init_process_group_from_env
+from ..training.metrics import MetricsLogger
+from ..training.rundir import open_run, read_run_file, write_run_file
+from ..trajectory import Trajectory, VelocityFn, select_train_steps
+
+# config keys that may change between a checkpoint and its resumption
+RESUMABLE_CHANGES = ("grpo.iterations", "log.", "eval.", "threads")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "weights":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _may_change(key: str, allowed: tuple[str, ...]) -> bool:
+    """Whether ``key`` is one of ``allowed``: a key, a section (``"log."``) or a key with sub-keys (``"reward_server"``)."""
+    return any(key.startswith(a) if a.endswith(".") else key == a or key.startswith(a + ".") for a in allowed)
+
+
+_ABSENT = object()
+
+
+def _shown(value) -> str:
+    if value is _ABSENT:
+        return "(absent)"
+    return "null" if value is None else repr(value) if isinstance(value, str) else str(value)
+
+
+def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUMABLE_CHANGES,
+                    config_class: type | None = None) -> list[str]:
+    """Raise a ValueError naming the first config key whose change would break continuation; return one line per
+    key that changed and may (``allowed``), e.g. ``"grpo.iterations: 30 in the checkpoint, 200 now"``. With
+    ``config_class``, keys the checkpoint saved under a former name are read under the current one first."""
+    if config_class is not None:
+        saved = renamed_keys(config_class, saved, warn=False)
+    a, b = _flatten(saved), _flatten(current)
+    changed = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key):
+            continue
+        if not _may_change(key, allowed):
+            raise ValueError(f"cannot resume: config key {key!r} was {a.get(key)!r} in the checkpoint but is "
+                             f"{b.get(key)!r} now; use the checkpoint's value or start a new run (another log.output_dir)")
+        changed.append(f"{key}: {_shown(a.get(key, _ABSENT))} in the checkpoint, {_shown(b.get(key, _ABSENT))} now")
+    return changed
+
+
+def take(items, index) -> Any:
+    """``items`` at ``index`` (a tensor, or a list or tensor of positions): a tensor is indexed, a list picked from."""
+    if isinstance(items, Tensor):
+        return items[index.to(items.device) if isinstance(index, Tensor) else index]
+    return [items[i] for i in (index.tolist() if isinstance(index, Tensor) else index)]
+
+
+@dataclass
+class Rollout:
+    """What :meth:`GRPOTrainer.rollout` sampled in one iteration.
+
+    Attributes:
+        prompts: the global batch's prompts, prompt group after prompt group (``sample.group_size`` each).
+        local: this process's samples of the global batch (all of them in a single process).
+        traj: this process's trajectories.
+        conditioning: per local sample, what the trainer's :meth:`~GRPOTrainer.velocity` needs (the shapes trainer:
+            prompt tokens ``[n, L]``; the diffusers trainer: the prompts).
+    """
+
+    prompts: list[str]
+    local: slice
+    traj: Trajectory
+    conditioning: Any
+
+
+@dataclass
+class Minibatch:
+    """The samples of one optimizer update on this process (possibly none, with several processes)."""
+
+    traj: Trajectory | None
+    conditioning: Any
+    advantages: Tensor
+    ref_velocities: Tensor | None
+    prompt_groups: Tensor                    # [n] prompt group of each sample
+    size: int
+
+
+@dataclass
+class Iteration:
+    """One iteration's outcome, for :meth:`GRPOTrainer.record`: the rollout, this process's scores and the reward's
+    info, the global batch's rewards, this process's trained (kept) samples, the updates' statistics, the phases'
+    seconds (``sample_s``, ``reward_s``, ``train_s``, ``iter_s``, ``wall_s``) and the iteration's CPU seconds."""
+
+    rollout: Rollout
+    scores: np.ndarray
+    info: dict
+    rewards: Tensor
+    trained: int
+    per_update: list[dict]
+    times: dict = field(default_factory=dict)
+    cpu: float = 0.0
+
+
+def update_summary(per_update: list[dict]) -> dict:
+    """The mean statistics and the summed counts of an iteration's updates (empty without updates)."""
+    if not per_update:
+        return {}
+    rec = {k: float(np.mean([s[k] for s in per_update]))
+           for k in ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl", "grad_norm", "jagg_frac_routed")}
+    rec.update({k: int(sum(s[k] for s in per_update))
+                for k in ("backward_items", "forward_grad_items", "forward_nograd_items", "skipped")})
+    return rec
+
+
+class GRPOTrainer(ABC):
+    """The GRPO loop (module docstring) in the run directory ``cfg.log.output_dir``.
+
+    ``Trainer(cfg)`` starts a new run and refuses a directory that holds one (``overwrite=True``: moves it aside
+    first). ``Trainer(cfg, resume=True)`` continues the directory's run from its newest readable checkpoint; when the
+    directory holds no run it starts one, unless ``require_checkpoint=True`` (``jagg train --resume``), which makes
+    that an error. Neither ever starts over a run: checkpoints that are all unreadable are an error naming them.
+
+    What a trainer provides (the abstract methods): :meth:`setup` (model, optimizer ``opt``, trainable ``params``,
+    reward, prompts, RNGs), :meth:`rollout`, :meth:`score`, :meth:`velocity`, :meth:`reference`,
+    :meth:`minibatches`, :meth:`gradient`, :meth:`record`, :meth:`save`, :meth:`load_state`, :meth:`rng_state` and
+    :meth:`set_rng_state`; optionally :meth:`after_step` (e.g. an EMA), :meth:`before_training` and
+    :meth:`after_iteration` (evaluation), and the attributes :attr:`multiprocess` (several processes),
+    :attr:`progress_label` and :attr:`evaluates`. ``cfg`` must have
+    ``seed``, ``threads``, ``estimator``, ``optim``, ``grpo``, ``sample`` (``group_size``, ``batch_size``) and
+    ``log`` (:class:`jagg.trainers.sections.TrainerSections`).
+    """
+
+    device = torch.device("cpu")
+    progress_label = "GRPO"                              # the progress bar's label
+    evaluates = False                                    # whether after_iteration returns evaluation records
+    multiprocess = False                                 # torchrun / accelerate: a process group from the environment
+
+    def __init__(self, cfg, resume: bool = False, overwrite: bool = False, require_checkpoint: bool = False):
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.rank, self.world = init_process_group_from_env() if self.multiprocess else (0, 1)
+        self.main = self.rank == 0
+        self.out = Path(cfg.log.output_dir)
+        self.ckpt_dir = self.out / "checkpoints"
+        barrier = dist.barrier if self.world > 1 else None
+        # every process decides from the same files before the model is loaded (a run directory that cannot be used
+        # fails in seconds); the main process moves an old run aside first (--overwrite) and writes run.json only
+        # after all have decided (the barrier before the logger)
+        start = open_run(self.out, resume=resume, require_checkpoint=require_checkpoint, overwrite=overwrite,
+                         main=self.main, barrier=barrier, log=self._print)
+        self.run_id = start.run_id
+        self.iteration, self.wall, self.cpu = 0, 0.0, 0.0    # seconds in iterations (not eval), across resumes
+        self.skipped_updates = self.consecutive_skips = 0
+        self._stop = False
+        self.setup()
+        resumed_from = None
+        if start.resumed is not None:
+            state, path = start.resumed
+            changed = self.load_state(state)
+            resumed_from = self.iteration
+            self._print(f"resumed from {path} (iteration {self.iteration})")
+            for line in changed:
+                self._print(f"  {line}")
+        if barrier is not None:
+            barrier()
+        if self.main and (start.resumed is None or read_run_file(self.out) is None):
+            write_run_file(self.out, self.run_id)        # an unwritable directory fails here, before any training
+        self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from) if self.main else None
+
+    # ------------------------------------------------------------------ what each trainer provides
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Build the model, ``self.opt``, ``self.params`` (the trainable parameters), the reward, the prompts and
+        the RNGs (after the run directory is decided, before a checkpoint is restored)."""
+
+    @abstractmethod
+    def rollout(self) -> Rollout:
+        """Sample this process's trajectories of one iteration (advances the RNGs)."""
+
+    @abstractmethod
+    def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
+        """This process's rewards ``[n]`` (float32) of ``rollout`` and the reward's info."""
+
+    @abstractmethod
+    def velocity(self, conditioning) -> VelocityFn:
+        """The velocity callable of the samples whose conditioning (:attr:`Rollout.conditioning` rows) is given."""
+
+    @abstractmethod
+    def reference(self, conditioning) -> VelocityFn:
+        """The KL reference's velocity callable of those samples (called when ``estimator.kl_beta > 0``)."""
+
+    @abstractmethod
+    def minibatches(self, n: int) -> list[Tensor]:
+        """One epoch's minibatches: positions into this process's ``n`` kept samples (advances an RNG)."""
+
+    @abstractmethod
+    def gradient(self, mb: Minibatch) -> dict:
+        """Accumulate the minibatch's policy gradient into the parameters' ``.grad`` (zeroed before) and return its
+        statistics (``loss`` and :class:`jagg.GradientStats`' counts), or ``{}`` when no process has a sample."""
+
+    def after_step(self) -> None:
+        """Called after each optimizer step that was taken (e.g. an EMA of the weights)."""
+
+    @abstractmethod
+    def record(self, it: Iteration) -> dict:
+        """The iteration's ``train`` record of ``metrics.jsonl``."""
+
+    @abstractmethod
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current iteration (every process calls it); its path on the main process."""
+
+    @abstractmethod
+    def load_state(self, state: dict) -> list[str]:
+        """Restore a checkpoint; return one line per config key that changed and may (:func:`check_resumable`)."""
+
+    @abstractmethod
+    def rng_state(self) -> dict:
+        """Every RNG state of this process."""
+
+    @abstractmethod
+    def set_rng_state(self, rng: dict) -> None:
+        """Restore :meth:`rng_state`."""
+
+    def before_training(self) -> None:
+        """Called once before the first iteration of :meth:`train` (e.g. evaluate the starting model)."""
+
+    def after_iteration(self, done: bool) -> dict | None:
+        """Called after each iteration is logged (``done``: the last one); an evaluation record, or None."""
+        return None
+
+    # ------------------------------------------------------------------ one iteration
+
+    def draw_batch(self, latent_shape: tuple[int, ...], num_steps: int) -> tuple[list[str], Tensor, Tensor, Tensor]:
+        """The iteration's global batch, for a trainer's :meth:`rollout`: ``sample.prompts_per_iter`` prompts drawn
+        from ``self.prompts`` with ``self.np_rng``, each repeated ``sample.group_size`` times (its prompt group); the
+        initial noise ``[N, *latent_shape]`` from ``self.gen`` (shared within a prompt group with
+        ``sample.shared_noise``); and the trained steps and SDE mask of ``num_steps`` sampling steps."""
+        c = self.cfg.sample
+        idx = self.np_rng.choice(len(self.prompts), size=c.prompts_per_iter,
+                                 replace=len(self.prompts) < c.prompts_per_iter)
+        prompts = [self.prompts[i] for i in idx for _ in range(c.group_size)]
+        if c.shared_noise:
+            noise = torch.randn(c.prompts_per_iter, *latent_shape, generator=self.gen).repeat_interleave(c.group_size, 0)
+        else:
+            noise = torch.randn(len(prompts), *latent_shape, generator=self.gen)
+        train_steps, sde_mask = select_train_steps(num_steps, c.timestep_fraction,
+                                                   tuple(c.sde_window) if c.sde_window else None)
+        return prompts, noise, train_steps, sde_mask
+
+    def step(self) -> dict:
+        """One GRPO iteration: sample, reward, advantages, updates. Returns the metrics record."""
+        c = self.cfg
+        self._rng_at_start, self._updating = self.rng_state(), False
+        t0, c0 = time.perf_counter(), time.process_time()
+        rollout = self.rollout()
+        t1 = time.perf_counter()
+        scores, info = self.score(rollout)
+        rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=self.device)).cpu()  # the global batch
+        prompts = rollout.prompts
+        adv = group_advantages(rewards, prompts, c.grpo.global_std, c.grpo.adv_clip_max)[rollout.local]
+        keep = (nonzero_spread_mask(rewards, prompts) if c.grpo.drop_zero_spread
+                else torch.ones(len(prompts), dtype=torch.bool))[rollout.local]
+        t2 = time.perf_counter()
+        self._updating = True
+        keep_idx = torch.nonzero(keep).flatten()
+        per_update, audit_s, audit_cpu = self.train_on(rollout, adv, keep_idx, bool(keep.all()))
+        t3 = time.perf_counter() - audit_s                 # the audit is a diagnostic: not the iteration's cost
+        cpu = time.process_time() - c0 - audit_cpu
+        self.iteration += 1
+        self.wall += t3 - t0
+        self.cpu += cpu
+        times = {"sample_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2, "iter_s": t3 - t0, "wall_s": self.wall}
+        return self.record(Iteration(rollout, scores, info, rewards, int(keep_idx.numel()), per_update, times, cpu))
+
+    def train_on(self, rollout: Rollout, adv: Tensor, keep_idx: Tensor, all_kept: bool) -> tuple[list[dict], float,
+                                                                                                   float]:
+        """The training phase of one iteration on the kept samples ``keep_idx`` (local positions): the KL reference
+        velocities, the audit when due, and the updates. Returns the updates' statistics and the audit's seconds and
+        CPU seconds."""
+        c = self.cfg
+        groups = (torch.arange(len(rollout.prompts)) // c.sample.group_size)[rollout.local][keep_idx]
+        cond = take(rollout.conditioning, keep_idx)
+        adv = adv[keep_idx].to(self.device)
+        traj = rollout.traj if all_kept else rollout.traj.select(keep_idx.to(self.device))
+        n = int(keep_idx.numel())
+        ref_v, audit_s, audit_cpu = None, 0.0, 0.0
+        if n and c.estimator.kl_beta > 0:
+            ref_v = reference_velocities(self.reference(cond), traj, c.estimator.micro_batch)
+        if self.main and n and self.audit_due():               # the main process audits its own samples
+            audit_s, audit_cpu = self.audit(lambda sub: self.velocity(take(cond, sub)), traj, adv, ref_v, groups,
+                                            self.params)
+        per_update = []
+        for _ in range(c.grpo.inner_epochs):
+            for mb in self.minibatches(n):
+                rows = mb.tolist()
+                dev = mb.to(self.device)
+                sub = traj if rows == list(range(n)) else traj.select(dev) if rows else None   # no copy of the whole
+                stats = self.update(Minibatch(sub, take(cond, mb), adv[dev], None if ref_v is None else ref_v[dev],
+                                              groups[mb.cpu()], len(rows)))
+                if stats:
+                    per_update.append(stats)
+        return per_update, audit_s, audit_cpu
+
+    @torch.enable_grad()
+    def update(self, mb: Minibatch) -> dict:
+        """One optimizer update: the trainer's gradient of the minibatch, clipped to ``optim.max_grad_norm``, and the
+        guarded step (:meth:`guarded_step`); returns its statistics (``{}`` when no process had a sample)."""
+        self.opt.zero_grad(set_to_none=True)
+        stats = self.gradient(mb)
+        if not stats:
+            return {}
+        grads = [p for p in self.params if p.grad is not None]
+        max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
+        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        if self.guarded_step(stats):
+            self.after_step()
+        return stats
+
+    def guarded_step(self, stats: dict) -> bool:
+        """Step unless ``stats["loss"]`` or ``stats["grad_norm"]`` is non-finite; sets ``stats["skipped"]``."""
+        if not (np.isfinite(stats["loss"]) and np.isfinite(stats["grad_norm"])):
+            self.opt.zero_grad(set_to_none=True)
+            self.skipped_updates += 1
+            self.consecutive_skips += 1
+            stats["skipped"] = 1
+            return False
+        self.opt.step()
+        self.consecutive_skips = 0
+        stats["skipped"] = 0
+        return True
+
+    def skip_limit_error(self, limit: int) -> RuntimeError | None:
+        """The error to stop with after ``limit`` consecutive skipped updates (0 = never), else None."""
+        if limit and self.consecutive_skips >= limit:
+            return RuntimeError(f"aborting: {limit} consecutive updates had a non-finite loss or gradient "
+                                "(see metrics.jsonl 'skipped'); lower optim.lr")
+        return None
+
+    def sum_over_processes(self, values: list[float]) -> list[float]:
+        """``values`` summed over the processes (float64; a collective with several processes)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    # ------------------------------------------------------------------ the estimator audit
+
+    def audit_due(self) -> bool:
+        """Whether the coming iteration runs the estimator audit (``estimator.audit_every``)."""
+        every = self.cfg.estimator.audit_every
+        return bool(every) and (self.iteration + 1) % every == 0
+
+    @torch.enable_grad()
+    def audit(self, make_velocity: Callable[[list[int]], Callable], traj, adv, ref_v, groups,
+              params: Sequence[torch.nn.Parameter]) -> tuple[float, float]:
+        """The estimator audit (:func:`jagg.audit.audit_parts`) on whole prompt groups (``groups`` ``[B]``) of the
+        batch, at least ``estimator.audit_samples`` samples and two prompt groups where the batch has them, picked at
+        random with an RNG of its own, so a run is the same with and without it. ``make_velocity(indices)`` gives the
+        velocity callable of those samples. Feeds the run's :class:`jagg.audit.AuditMeter` (error against noise,
+        predicted efficiency), logs an ``audit`` record (on the main process), prints each warning once per run, and
+        returns its ``(seconds, CPU seconds)`` so that the caller can leave them out of the iteration's time."""
+        c = self.cfg
+        c0 = time.process_time()
+        gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.iteration)
+        ids = torch.unique(groups)
+        chosen: list[int] = []
+        for n, gi in enumerate(ids[torch.randperm(ids.numel(), generator=gen)]):
+            chosen += torch.nonzero(groups == gi).flatten().tolist()
+            if len(chosen) >= c.estimator.audit_samples and n >= 1:
+                break
+        sub = sorted(chosen)
+        idx = torch.tensor(sub, device=traj.latents.device)
+        g_sub = groups[torch.tensor(sub)]
+        a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], c.estimator, params,
+                                    None if ref_v is None else ref_v[idx], g_sub, gen, split=g_sub)
+        if getattr(self, "_meter", None) is None:
+            self._meter = AuditMeter(seed=c.seed)
+        per_update = c.sample.batch_size / c.grpo.updates_per_epoch / c.sample.group_size
+        last = self.logger.records("train")[-1:] if self.logger is not None else []
+        share = last[0]["train_s"] / last[0]["iter_s"] if last and last[0].get("iter_s") else None
+        a.update(self._meter.update(exact, est, a["rows_exact"], a["rows_estimator"], per_update, share))
+        flags = [f for f in (audit_flag(a, c.estimator), meter_flag(a)) if f]
+        if self.logger is not None:
+            self.logger.log({"kind": "audit", "iteration": self.iteration + 1, "samples": len(sub), **a,
+                             "flagged": int(bool(flags))})
+        shown = getattr(self, "_flags_shown", set())
+        for f in flags:
+            key = f.split("(")[0]
+            if key not in shown:
+                shown.add(key)
+                self._print(f"\niteration {self.iteration + 1}: {f}")
+        self._flags_shown = shown
+        return a["seconds"], time.process_time() - c0
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> list[dict]:
+        """Run iterations up to ``grpo.iterations`` (logged, evaluated and checkpointed as configured); returns the
+        metrics records (on the main process)."""
+        c = self.cfg
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        if self.iteration >= c.grpo.iterations:
+            self._print(f"the run in {self.out} is at iteration {self.iteration} of grpo.iterations="
+                        f"{c.grpo.iterations}: nothing to train (raise grpo.iterations to continue it, or --overwrite "
+                        "to start over)")
+        handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.before_training()
+            bar = tqdm(total=c.grpo.iterations, initial=self.iteration, disable=not (c.log.progress and self.main),
+                       dynamic_ncols=True, desc=self.progress_label)
+            last_eval = None
+            while self.iteration < c.grpo.iterations:
+                rec = self._logged_step()
+                stop = bool(self.sum_over_processes([float(self._stop)])[0])   # every process stops together
+                done = self.iteration == c.grpo.iterations
+                last_eval = self.after_iteration(done) or last_eval
+                abort = self.skip_limit_error(c.grpo.max_consecutive_skips)
+                path = None
+                if (c.log.checkpoint_every and self.iteration % c.log.checkpoint_every == 0) or done or stop or abort:
+                    path = self.save()
+                bar.update(1)
+                bar.set_postfix(self._progress(rec, last_eval))
+                if abort is not None:
+                    raise abort
+                if stop:
+                    self._print(f"saved {path}; continue with --resume")
+                    break
+            bar.close()
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            if self.logger is not None:
+                self.logger.close()
+        return self.logger.records() if self.logger is not None else []
+
+    def _logged_step(self) -> dict:
+        """:meth:`step`, logged on the main process; a failure first saves what lets ``--resume`` retry it."""
+        try:
+            rec = self.step()
+        except Exception:
+            self._save_on_failure()
+            raise
+        if self.logger is not None:
+            self.logger.log(rec)
+        return rec
+
+    def _progress(self, rec: dict, last_eval: dict | None) -> dict:
+        """The progress bar's figures: the train reward, the last test reward (trainers that evaluate), the rows
+        back-propagated and the iteration's seconds."""
+        shown = {"reward": f"{rec['reward_mean']:.3f}"}
+        if self.evaluates:
+            shown["test"] = f"{last_eval['reward_mean']:.3f}" if last_eval else "-"
+        return {**shown, "bwd": rec.get("backward_items", 0), "s_it": f"{rec['iter_s']:.2f}"}
+
+    def _print(self, text: str) -> None:
+        if self.main:
+            print(text, flush=True)
+
+    def _save_on_failure(self) -> None:
+        """A failure before this iteration's first update (sampling, reward) left the weights untouched: in a
+        single process, rewind the RNGs to the iteration's start and save, so ``--resume`` retries exactly
+        this iteration."""
+        if self._updating or self.world > 1:
+            return
+        self.set_rng_state(self._rng_at_start)
+        path = self.save()
+        print(f"\nthe run failed in iteration {self.iteration + 1}; saved {path}: fix the cause and use --resume")
+
+    def _handle_signal(self, signum, frame):
+        self._stop = True
+        self._print(f"\nreceived signal {signum}: finishing this iteration, saving a checkpoint, exiting")

@@ -1,0 +1,188 @@
+"""The GRPO trainer of the embedded shapes world (its config: :mod:`jagg.trainers.shapes_config`).
+
+The loop is :class:`jagg.trainers.base.GRPOTrainer`'s; this trainer fills its hooks with the TinyDiT: sample
+``prompts_per_iter x group_size`` trajectories with the Flow-GRPO SDE (classifier-free guidance through
+:class:`jagg.shapes.velocity.GuidedVelocity`), reward the images (by default the world's GenEval-like reward),
+take each update's gradient from :func:`jagg.policy_gradient` (the same function a user calls in their own loop),
+keep an optional EMA of the weights, and evaluate on the world's test prompts every ``eval.every`` iterations.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..estimator import policy_gradient
+from ..rewards.registry import get_reward
+from ..schedule import flow_sigmas
+from ..shapes import from_tensor, tokenizer
+from ..shapes.evaluation import evaluate
+from ..shapes.velocity import GuidedVelocity
+from ..shapes.weights import load_model
+from ..training.checkpoint import save_checkpoint
+from ..training.config_loader import to_dict
+from ..training.metrics import plot_reward_curve, save_grid
+from ..trajectory import sample_trajectories
+from .base import GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, update_summary
+from .shapes_config import ShapesTrainConfig
+
+
+class ShapesTrainer(GRPOTrainer):
+    """``jagg train`` on the shapes world (:class:`~jagg.trainers.base.GRPOTrainer`: the run directory, resuming
+    and the loop), TinyDiT in one process."""
+
+    cfg: ShapesTrainConfig
+    evaluates = True
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.model = load_model(cfg.model.checkpoint, use_ema=True)
+        self.model_config = self.model.config.to_dict()
+        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if cfg.estimator.kl_beta > 0 else None
+        if cfg.model.trainable != "all":
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(re.search(cfg.model.trainable, name) is not None)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError(f"model.trainable {cfg.model.trainable!r} matches no parameter name")
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.ema = [p.detach().clone() for p in self.model.parameters()] if o.ema_decay > 0 else None
+        self.reward_fn = get_reward(cfg.reward.weights or cfg.reward.name)
+        self.prompts = cfg.sample.prompts()
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        # the unbiased correction's picks draw from an RNG of their own, so that runs of one seed with different
+        # estimators sample the same prompts and noise streams
+        self.pick_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
+        self.np_rng = np.random.default_rng(cfg.seed)
+
+    # ------------------------------------------------------------------ state
+    def _state(self) -> dict:
+        return {
+            "model": self.model.state_dict(), "model_config": self.model_config,
+            "optimizer": self.opt.state_dict(),
+            "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
+            "iteration": self.iteration, "wall": self.wall, "cpu": self.cpu, "skipped_updates": self.skipped_updates,
+            "config": to_dict(self.cfg), "run_id": self.run_id,
+            "rng": self.rng_state(),
+        }
+
+    def load_state(self, state: dict) -> list[str]:
+        changed = check_resumable(state["config"], to_dict(self.cfg), config_class=type(self.cfg))
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        if self.ema is not None:
+            named = dict(self.model.named_parameters())
+            self.ema = [state["ema"][k].clone() for k in named]
+        self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state.get("cpu", 0.0)
+        self.skipped_updates = state["skipped_updates"]
+        self.set_rng_state(state["rng"])
+        return changed
+
+    def save(self) -> Path:
+        return save_checkpoint(self._state(), self.ckpt_dir, self.iteration, self.cfg.log.keep_last)
+
+    def rng_state(self) -> dict:
+        return {"gen": self.gen.get_state(), "pick_gen": self.pick_gen.get_state(), "numpy": self.np_rng.bit_generator.state,
+                "torch": torch.get_rng_state(), "python": random.getstate()}
+
+    def set_rng_state(self, rng: dict) -> None:
+        self.gen.set_state(rng["gen"])
+        if "pick_gen" in rng:                                  # checkpoints before unbiased JAGG have none
+            self.pick_gen.set_state(rng["pick_gen"])
+        self.np_rng.bit_generator.state = rng["numpy"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+
+    # ------------------------------------------------------------------ one iteration
+    def sample_batch(self):
+        """Sample one iteration's batch: ``(prompts [B], tokens [B, L], Trajectory)`` (advances the RNGs)."""
+        c, m = self.cfg.sample, self.model.config
+        prompts, noise, train_steps, sde_mask = self.draw_batch((m.channels, m.image_size, m.image_size), c.num_steps)
+        tokens = tokenizer.encode(prompts, max_len=m.max_text_len)
+        traj = sample_trajectories(GuidedVelocity(self.model, tokens, c.guidance_scale), noise,
+                                   flow_sigmas(c.num_steps, c.shift), c.eta, train_steps, sde_mask,
+                                   generator=self.gen, micro_batch=c.micro_batch, check_finite=False,
+                                   sde_type=c.sde_type)
+        return prompts, tokens, traj
+
+    def rollout(self) -> Rollout:
+        prompts, tokens, traj = self.sample_batch()
+        return Rollout(prompts, slice(0, len(prompts)), traj, tokens)
+
+    def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
+        return self.reward_fn(from_tensor(rollout.traj.latents[:, -1]), rollout.prompts, None)
+
+    def velocity(self, tokens) -> GuidedVelocity:
+        return GuidedVelocity(self.model, tokens, self.cfg.sample.guidance_scale)
+
+    def reference(self, tokens) -> GuidedVelocity:
+        return GuidedVelocity(self.ref_model, tokens, self.cfg.sample.guidance_scale)
+
+    def minibatches(self, n: int) -> list[torch.Tensor]:
+        perm = torch.randperm(n, generator=self.gen)
+        return [mb for mb in perm.tensor_split(self.cfg.grpo.updates_per_epoch) if mb.numel()]
+
+    def gradient(self, mb: Minibatch) -> dict:
+        c = self.cfg
+        return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, c.estimator,
+                               ref_velocities=mb.ref_velocities, prompt_groups=mb.prompt_groups,
+                               generator=self.pick_gen).to_dict()
+
+    def after_step(self) -> None:
+        if self.ema is not None:
+            with torch.no_grad():
+                torch._foreach_lerp_(self.ema, [p.detach() for p in self.model.parameters()],
+                                     1 - self.cfg.optim.ema_decay)
+
+    def record(self, it: Iteration) -> dict:
+        rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(it.scores.mean()),
+               "reward_std": float(it.scores.std()), "trained_samples": it.trained, **it.times,
+               "iter_cpu_s": it.cpu, "cpu_s": self.cpu}
+        if "correct" in it.info:
+            rec["accuracy"] = float(np.mean(it.info["correct"]))
+        rec.update({"reward/" + k[len("scores/"):]: float(np.mean(v)) for k, v in it.info.items()
+                    if k.startswith("scores/")})
+        return {**rec, **update_summary(it.per_update), "skipped_total": self.skipped_updates}
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_model(self):
+        if self.ema is None:
+            return self.model
+        m = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for p, e in zip(m.parameters(), self.ema):
+                p.copy_(e)
+        return m
+
+    def evaluate(self) -> dict:
+        e, s = self.cfg.eval, self.cfg.sample
+        t0 = time.perf_counter()
+        metrics, images, prompts, scores = evaluate(self.eval_model(), self.reward_fn, e.num_prompts,
+                                                    e.images_per_prompt, e.num_steps, s.guidance_scale, e.seed,
+                                                    s.shift, with_scores=True)
+        n = min(e.grid_size, len(images))
+        save_grid(images[:n], self.out / "samples" / f"eval_{self.iteration:06d}.png", prompts=prompts[:n],
+                  rewards=scores[:n])
+        rec = {"kind": "eval", "iteration": self.iteration, "wall_s": self.wall, "eval_s": time.perf_counter() - t0,
+               **metrics}
+        self.logger.log(rec)
+        plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
+                          f"GRPO ({self.cfg.estimator.mode}) on the shapes world")
+        return rec
+
+    def before_training(self) -> None:
+        if self.iteration == 0 and self.cfg.eval.every:
+            first = self.evaluate()
+            print(f"iteration 0: test reward {first['reward_mean']:.3f}")
+
+    def after_iteration(self, done: bool) -> dict | None:
+        every = self.cfg.eval.every
+        return self.evaluate() if every and (self.iteration % every == 0 or done) else None
