@@ -4,6 +4,7 @@ They check that each sub-command runs, writes the documented JSON keys and sane 
 counts match the cost model exactly. They time nothing: speed is measured by the benchmark itself.
 """
 
+import argparse
 import json
 
 import pytest
@@ -265,12 +266,14 @@ def test_bench_signal_compares_estimators_on_the_same_batches(tmp_path, bench_ck
             assert 0 < err["rel_err"] < 1 and -1 <= err["cosine"] <= 1 and err["cosine_se"] >= 0
 
 
-def test_paired_eval_script(tiny_ckpt, tmp_path):
-    """benchmarks/paired_eval.py: a checkpoint against itself differs by exactly 0; against another model the
-    difference is non-zero, inside its interval, and the whole split is the prompt-weighted mean of its parts."""
+def test_bench_paired(tiny_ckpt, tmp_path):
+    """jagg bench paired (and benchmarks/paired_eval.py, which forwards to it): a checkpoint against itself differs
+    by exactly 0; against another model the difference is non-zero, inside its interval, and the whole split is the
+    prompt-weighted mean of its parts."""
     import importlib.util
     from pathlib import Path
 
+    from jagg.bench import paired
     from jagg.shapes.dit import DiTConfig, TinyDiT, save_pretrained
     from jagg.shapes import tokenizer
 
@@ -278,7 +281,9 @@ def test_paired_eval_script(tiny_ckpt, tmp_path):
         "paired_eval", Path(__file__).resolve().parents[1] / "benchmarks" / "paired_eval.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    same = mod.main([tiny_ckpt, tiny_ckpt, "--images-per-prompt", "1", "--steps", "2", "--bootstrap", "50"])
+    js_same = tmp_path / "same.json"
+    assert main(["bench", "paired", tiny_ckpt, tiny_ckpt, "--quick", "--json", str(js_same)]) == 0
+    same = json.loads(js_same.read_text())["results"]
     assert all(r["diff"] == 0 and r["ci95"] == [0, 0] for r in same.values())
     assert same["all"]["prompts"] == same["seen_pairs"]["prompts"] + same["held_out_pairs"]["prompts"] == 69
 
@@ -290,8 +295,9 @@ def test_paired_eval_script(tiny_ckpt, tmp_path):
         torch.nn.init.normal_(p, std=0.05)          # a non-zero output layer: images differ from tiny_ckpt's
     save_pretrained(m, other)
     js = tmp_path / "paired.json"
-    r = mod.main([tiny_ckpt, str(other), "--images-per-prompt", "1", "--steps", "2", "--reward",
-                  "jpeg_compressibility", "--json", str(js)])
+    args = [tiny_ckpt, str(other), "--images-per-prompt", "1", "--steps", "2", "--reward", "jpeg_compressibility"]
+    assert mod.main(args + ["--json", str(js)]) == 0
+    r = paired.compare(paired.add_arguments(argparse.ArgumentParser()).parse_args(args))
     a, s, h = r["all"], r["seen_pairs"], r["held_out_pairs"]
     assert a["diff"] != 0 and a["ci95"][0] <= a["diff"] <= a["ci95"][1]
     assert abs(a["diff"] * 69 - s["diff"] * s["prompts"] - h["diff"] * h["prompts"]) < 1e-9

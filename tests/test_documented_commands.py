@@ -77,6 +77,8 @@ SKIP = [
     (r"^jagg bench (speed|fidelity|quality|signal)(?!.*--help)", "a benchmark: a minute (--quick) to an hour of CPU, "
                                                                  "or a GPU"),
     (r"^jagg bench e2e(?!.*--quick)(?!.*--help)", "20 iterations x variants of the main job: minutes of CPU"),
+    (r"^jagg bench efficiency(?!.*--quick)(?!.*--help)", "batches x estimators x draws of the main job: minutes of CPU"),
+    (r"^jagg bench paired(?!.*--quick)(?!.*--help)", "needs a trained checkpoint (runs/default/checkpoints/...)"),
     (r"benchmarks/gpu_bench\.py --scaled-down", "the same command runs in tests/test_gpu_bench.py"),
     (r"benchmarks/gpu_bench\.py(?!.*--scaled-down)", "full-size models on a GPU, or minutes of CPU (--small)"),
     (r"benchmarks/paired_eval\.py", "needs a trained checkpoint (runs/default/checkpoints/...)"),

@@ -1,4 +1,4 @@
-"""Benchmarks: ``jagg bench speed | fidelity | quality | e2e | signal | efficiency`` (see docs/benchmarks.md).
+"""Benchmarks: ``jagg bench speed | fidelity | quality | e2e | signal | efficiency | paired`` (docs/benchmarks.md).
 
 Every benchmark computes gradients with :func:`jagg.policy_gradient`, the function the trainer calls.
 """
@@ -10,7 +10,7 @@ import argparse
 
 def add_bench_parser(sub) -> None:
     """Add ``bench`` and its sub-commands to the ``jagg`` argparse sub-parsers ``sub``."""
-    from . import e2e, efficiency, fidelity, quality, signal, speed
+    from . import e2e, efficiency, fidelity, paired, quality, signal, speed
 
     b = sub.add_parser(
         "bench", help="benchmarks: speed vs the cost model, gradient fidelity and routing, training quality, end to end, gradient signal",
@@ -23,12 +23,14 @@ def add_bench_parser(sub) -> None:
                     "  signal    agreement of gradients from independent batches: is there anything to learn?\n"
                     "  efficiency  each estimator's error against the update's own noise: efficiency vs exact and vs\n"
                     "            random timestep subsampling at equal rows\n"
+                    "  paired    did GRPO raise the test reward? two checkpoints paired over the test prompts\n"
                     "Each has --quick (a smoke-sized run) and --json PATH. See docs/benchmarks.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{speed,fidelity,quality,e2e,signal,efficiency}")
+    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{speed,fidelity,quality,e2e,signal,efficiency,paired}")
     speed.add_parser(bsub)
     fidelity.add_parser(bsub)
     quality.add_parser(bsub)
     e2e.add_parser(bsub)
     signal.add_parser(bsub)
     efficiency.add_parser(bsub)
+    paired.add_parser(bsub)
