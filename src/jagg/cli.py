@@ -262,12 +262,8 @@ def _main_job_defaults(args) -> None:
             setattr(args, k, v)
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The ``jagg`` parser. With ``argv`` given, the ``bench`` sub-commands are only built when ``argv`` asks for
-    them (or for the help)."""
-    p = _Parser(prog="jagg", description="GRPO fine-tuning of flow-matching models with JAGG.")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_train(sub, argv: list[str] | None) -> None:
+    """``jagg train``: the shapes trainer, or the diffusers trainer for a config with a ``pipeline:`` section."""
     t = sub.add_parser("train", help="GRPO training on the embedded shapes world, or on SD3/FLUX (pipeline: config)",
                        description="GRPO training. A --config whose YAML has a top-level `pipeline:` section "
                        "(configs/sd35_medium.yaml, configs/flux_dev.yaml) trains that diffusers model (SD3/SD3.5, "
@@ -293,6 +289,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    "and every --set; loads back with --config) and exit without training")
     t.set_defaults(func=_train)
 
+
+def _add_pretrain(sub) -> None:
+    """``jagg pretrain``: the TinyDiT on rendered shapes."""
     pt = sub.add_parser("pretrain", help="rectified-flow pretraining of the TinyDiT on rendered shapes",
                         description="Rectified-flow pretraining of the TinyDiT on rendered shapes-world images of the "
                         "train prompts. The defaults below are the recipe of the shipped builtin:tiny_dit "
@@ -304,17 +303,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     pt.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. train.steps=3000, model.dim=128")
     pt.set_defaults(func=_pretrain)
 
-    def sampling_args(q):   # None: the main job's evaluation setting (_main_job_defaults)
-        q.add_argument("--checkpoint", default="builtin:tiny_dit",
-                       help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
-        q.add_argument("--steps", type=_number(int, 1), help="ODE sampling steps [default: the main job's eval.num_steps]")
-        q.add_argument("--guidance-scale", type=_number(float),
-                       help="classifier-free guidance scale [default: the main job's sample.guidance_scale]")
-        q.add_argument("--shift", type=_number(float, 0, strict=True), help="SD3 timestep shift [default: the main job's sample.shift]")
-        q.add_argument("--seed", type=_number(int, 0), help="noise seed [default: 0; eval: the main job's eval.seed]")
 
+def _sampling_args(q) -> None:
+    """The checkpoint and ODE sampler arguments of ``sample`` and ``eval`` (None: the main job's evaluation
+    setting, :func:`_main_job_defaults`)."""
+    q.add_argument("--checkpoint", default="builtin:tiny_dit",
+                   help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
+    q.add_argument("--steps", type=_number(int, 1), help="ODE sampling steps [default: the main job's eval.num_steps]")
+    q.add_argument("--guidance-scale", type=_number(float),
+                   help="classifier-free guidance scale [default: the main job's sample.guidance_scale]")
+    q.add_argument("--shift", type=_number(float, 0, strict=True), help="SD3 timestep shift [default: the main job's sample.shift]")
+    q.add_argument("--seed", type=_number(int, 0), help="noise seed [default: 0; eval: the main job's eval.seed]")
+
+
+def _add_sample_and_eval(sub) -> None:
+    """``jagg sample`` (prompts -> image grid) and ``jagg eval`` (the test-prompt reward) of a checkpoint."""
     s = sub.add_parser("sample", help="prompts -> image grid from a checkpoint")
-    sampling_args(s)
+    _sampling_args(s)
     s.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     s.add_argument("--prompt-file", help="a text file with one prompt per line")
     s.add_argument("--num-per-prompt", type=_number(int, 1), default=4, help="images per prompt (one grid row each)")
@@ -323,7 +328,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="held-out test-prompt reward of a checkpoint (defaults: the main job's evaluation, so "
                        "`jagg eval --checkpoint runs/default` reproduces the trainer's test reward)")
-    sampling_args(e)
+    _sampling_args(e)
     e.add_argument("--reward", default="geneval", help="reward name or module:function")
     e.add_argument("--num-prompts", type=_number(int, 0), default=0, help="test prompts (0 = all)")
     e.add_argument("--images-per-prompt", type=_number(int, 1),
@@ -331,6 +336,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     e.add_argument("--json", help="also write the metrics to this JSON file")
     e.set_defaults(func=_eval)
 
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``jagg`` parser. With ``argv`` given, the ``bench`` sub-commands are only built when ``argv`` asks for
+    them (or for the help)."""
+    p = _Parser(prog="jagg", description="GRPO fine-tuning of flow-matching models with JAGG.")
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_train(sub, argv)
+    _add_pretrain(sub)
+    _add_sample_and_eval(sub)
     if argv is not None and not set(argv[:1]) & {"bench", "-h", "--help"}:
         sub.add_parser("bench", help="benchmarks (jagg bench --help)", add_help=False)   # built when asked for
         return p
