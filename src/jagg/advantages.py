@@ -10,7 +10,7 @@ from torch import Tensor
 
 
 def _group_ids(prompt_ids: Sequence | Tensor) -> Tensor:
-    """Map arbitrary hashable prompt ids (strings, ints) to dense group indices ``[B]``."""
+    """Map arbitrary hashable prompt ids (strings, ints) to dense prompt group indices ``[B]``."""
     if isinstance(prompt_ids, Tensor):
         prompt_ids = prompt_ids.tolist()
     table: dict = {}
@@ -44,7 +44,7 @@ def group_advantages(
 
     Args:
         rewards: ``[B]`` rewards (a tensor, list or numpy array), all finite.
-        prompt_ids: ``B`` ids; samples with equal ids form one group (one prompt).
+        prompt_ids: ``B`` ids; samples with equal ids form one prompt group.
         global_std: divide by the std of the whole batch instead of each prompt's (Flow-GRPO's option).
         adv_clip_max: clip bound (Flow-GRPO uses 5).
         eps: floor added to the std.
@@ -75,7 +75,7 @@ def group_advantages(
 def nonzero_spread_mask(rewards: Tensor, prompt_ids: Sequence | Tensor, tol: float = 1e-8) -> Tensor:
     """``[B]`` bool: True where the sample's prompt group has rewards that are not all equal.
 
-    Groups with zero spread carry no learning signal (all advantages are 0); drop them to save compute.
+    Prompt groups with zero spread carry no learning signal (all advantages are 0); drop them to save compute.
     """
     rewards = _as_rewards(rewards)
     if len(prompt_ids) != rewards.numel():

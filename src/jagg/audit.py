@@ -49,7 +49,7 @@ def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
 
 
 def predicted_efficiency(work_ratio: float, error_to_noise: float) -> float:
-    """``work_ratio / (1 + error_to_noise)``: progress per unit of work against exact for an estimator whose update
+    """``work_ratio / (1 + error_to_noise)``: progress for the same work against exact for an estimator whose update
     carries ``V_b + E|e|^2`` of variance instead of ``V_b`` (docs/design.md §3). ``work_ratio`` = exact's rows (or
     time) / the estimator's."""
     return work_ratio / (1.0 + max(error_to_noise, 0.0)) if error_to_noise == error_to_noise else math.nan

@@ -29,7 +29,7 @@ VARIANTS = {
     "jagg_interp": ["estimator.mode=jagg", "estimator.intermediate=interp"],
 }
 KEYS = ("sample_s", "reward_s", "train_s", "iter_s")
-QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompts x the config's group size, 2 iterations
+QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompt groups of the config's size, 2 iterations
 
 
 def routed_limit(cfg: ShapesTrainConfig) -> float:

@@ -2,7 +2,7 @@
 
 A GRPO update is noise-dominated: the exact gradients of independent batches agree with cosine ~0. For an unbiased
 estimator ``g^ = g + e`` the update's variance is ``V_b + E|e|^2``, where ``V_b`` is the batch-to-batch variance of
-the exact gradient, so progress per unit of work goes as (docs/design.md §3)
+the exact gradient, so progress for the same work goes as (docs/design.md §3)
 
     efficiency      = (rows_exact / rows) * V_b / (V_b + E|e|^2)        (training-phase rows)
     time_efficiency = (t_exact / t)       * V_b / (V_b + E|e|^2)        (whole iterations, rollout included)
@@ -80,13 +80,13 @@ def parse_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorCon
     return name, configuration.from_dict(EstimatorConfig, {**base.to_dict(), **kv}, "estimator")
 
 
-def expected_rows(traj, cfg: EstimatorConfig, groups, draws: int = 64) -> float:
+def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) -> float:
     """Rows with grad per sample of ``cfg`` on ``traj``, the mean over ``draws`` plans (no network call)."""
     gen = torch.Generator().manual_seed(0)
     n = 1 if cfg.correction_p == 0 or cfg.mode != "jagg" else draws
     if cfg.mode == "jagg" and cfg.knots == "adaptive":      # adaptive needs the loss signals; shared has as many rows
         cfg = dataclasses.replace(cfg, knots="shared")
-    rows = [sum(len(b.rows) for b in plan_update(traj, cfg, groups, generator=gen).bundles) for _ in range(n)]
+    rows = [sum(len(b.rows) for b in plan_update(traj, cfg, prompt_groups, generator=gen).bundles) for _ in range(n)]
     return statistics.fmean(rows) / traj.batch_size
 
 
@@ -119,12 +119,12 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
         adv = group_advantages(rewards, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
         keep = nonzero_spread_mask(rewards, prompts) if cfg.grpo.drop_zero_spread else torch.ones(len(prompts), dtype=torch.bool)
         idx = torch.nonzero(keep).flatten()
-        groups = (torch.arange(len(prompts)) // cfg.sample.group_size)[idx]
+        prompt_groups = (torch.arange(len(prompts)) // cfg.sample.group_size)[idx]
         traj, tokens, adv = traj.select(idx), tokens[idx], adv[idx]
         samples.append(int(idx.numel()))
         if ests.get("subsample", 0) is None:       # subsample at the config's rows, fixed from the first batch
             K = traj.train_steps.numel()
-            frac = min(1.0, expected_rows(traj, cfg.estimator, groups) / K)
+            frac = min(1.0, expected_rows(traj, cfg.estimator, prompt_groups) / K)
             ests["subsample"] = dataclasses.replace(cfg.estimator, mode="subsample", subsample_frac=frac)
         vf = GuidedVelocity(trainer.model, tokens, cfg.sample.guidance_scale)
         for e_i, (name, est) in enumerate(ests.items()):
@@ -134,7 +134,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
                 trainer.opt.zero_grad(set_to_none=True)
                 c0 = time.perf_counter()
                 with torch.enable_grad():
-                    st = policy_gradient(vf, traj, adv, est, prompt_groups=groups, generator=gen)
+                    st = policy_gradient(vf, traj, adv, est, prompt_groups=prompt_groups, generator=gen)
                 train_s[name].append(time.perf_counter() - c0)
                 rows[name].append(st.backward_items / traj.batch_size)
                 out.append(flat_grad(params).double())

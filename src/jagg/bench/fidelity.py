@@ -6,7 +6,7 @@ then every gradient below comes from :func:`jagg.policy_gradient`:
 
 1. Fidelity, on-policy (right after sampling) and off-policy (the trainer's second minibatch: after one
    AdamW update on the first half of the batch with the configured estimator): for every knot layout
-   (``--knots``: groups, shared, adaptive), window, alpha and intermediate mode, the rows it runs with grad, the
+   (``--knots``: groups (step groups), shared, adaptive), window, alpha and intermediate mode, the rows it runs with grad, the
    cosine similarity and relative error ``||g_jagg - g_exact|| / ||g_exact||`` of the total gradient, and the
    cosine over the noisiest, the middle and the cleanest third of the trained steps, separately
    (:func:`jagg.audit_gradient`: the gradient of each third's loss terms, knots and routing those of the whole
@@ -104,12 +104,12 @@ class Rollout:
     ref_v: Tensor | None    # [B, T, *S] when estimator.kl_beta > 0
     reward_mean: float
     sampled: int            # samples drawn before dropping zero-spread prompt groups
-    groups: Tensor          # [B] prompt group of each sample, for routing
+    prompt_groups: Tensor   # [B] prompt group of each sample, for routing
 
     def select(self, idx: Tensor) -> "Rollout":
         return Rollout(self.traj.select(idx), self.tokens[idx], self.adv[idx],
                        None if self.ref_v is None else self.ref_v[idx], self.reward_mean, self.sampled,
-                       self.groups[idx.cpu()])
+                       self.prompt_groups[idx.cpu()])
 
 
 def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) -> Rollout:
@@ -170,7 +170,7 @@ def gradient(model: nn.Module, ro: Rollout, est: EstimatorConfig, guidance: floa
         traj = dataclasses.replace(traj, train_steps=ts)
     model.zero_grad(set_to_none=True)
     stats = policy_gradient(GuidedVelocity(model, ro.tokens, guidance), traj, ro.adv, est, ref_velocities=ro.ref_v,
-                            prompt_groups=ro.groups if route_groups else None)
+                            prompt_groups=ro.prompt_groups if route_groups else None)
     g = flat_grad(list(model.parameters()))
     model.zero_grad(set_to_none=True)
     return g, stats
@@ -198,7 +198,7 @@ def fidelity(model: nn.Module, ro: Rollout, cfg: FidelityConfig, policy: str, ck
                 for inter in cfg.intermediates:
                     est = _est(base, mode="jagg", window=W, knots=knots, alpha=alpha, intermediate=inter)
                     _, st = gradient(model, ro, est, w)
-                    a = audit_gradient(vf, ro.traj, ro.adv, est, params, ro.ref_v, ro.groups,
+                    a = audit_gradient(vf, ro.traj, ro.adv, est, params, ro.ref_v, ro.prompt_groups,
                                        torch.Generator().manual_seed(cfg.seed))
                     out.append({**head, "scope": "total", "knots": knots, "window": W, "alpha": alpha,
                                 "intermediate": inter, "backward_items_jagg": st.backward_items,

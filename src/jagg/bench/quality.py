@@ -279,7 +279,7 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
         limit = 3 * ex["rows_per_update"] / (3 * rows + nograd) if rows else float("nan")
         sr = ex["sample_s"] + ex["reward_s"]
         by_variant[v] = {
-            "kind": "variant", "variant": v, "seeds": S, "iterations": n, "smooth_window": w,
+            "kind": "variant", "variant": v, "seeds": S, "iterations": n, "smooth_iterations": w,
             "updates": rs[0]["updates"],
             "time_to_target_ratio": ratio, "reached": reached,
             "ratio_lo": _interval(np.array([b[0] for b in bt]))[0], "ratio_hi": _interval(np.array([b[0] for b in bt]))[1],

@@ -26,7 +26,7 @@ With both estimators it also reports the **bias consistency**: the agreement ``m
 estimator's errors ``e_i = g_config_i - g_exact_i`` on independent batches, next to the agreement of the exact
 gradients. An error whose direction repeats from batch to batch is a bias that Adam integrates like signal; if its
 repeating part ``sqrt(c_e) |e|`` is comparable to the exact gradient's ``sqrt(c) |g|`` (``bias_to_signal``), the
-estimator can drive training somewhere the reward does not want (the collapse of plain JAGG in the [0, 8] window).
+estimator can drive training somewhere the reward does not want (the collapse of plain JAGG in the SDE window [0, 8]).
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ def agreement(grads: torch.Tensor, other: torch.Tensor | None = None) -> tuple[f
     if k < 3:
         raise ValueError(f"need >= 3 gradient estimates for a standard error; got {k}")
 
-    def unit(g: torch.Tensor) -> torch.Tensor:
+    def normed(g: torch.Tensor) -> torch.Tensor:
         return g.double() / g.double().norm(dim=1, keepdim=True).clamp_min(1e-300)
 
-    cos = unit(grads) @ unit(grads if other is None else other).T      # [K, K]
+    cos = normed(grads) @ normed(grads if other is None else other).T      # [K, K]
 
     def c_of(idx: list[int]) -> float:
         sub = cos[idx][:, idx]

@@ -89,7 +89,7 @@ class SpeedConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1; got {getattr(self, name)}")
         if self.micro_batch < 2:
-            raise ValueError(f"--micro-batch must be >= 2 (a JAGG group's two endpoints go together); "
+            raise ValueError(f"--micro-batch must be >= 2 (an interval's two knots go together); "
                              f"got {self.micro_batch}")
         if max(self.windows) > self.steps:
             raise ValueError(f"--steps ({self.steps}) must be >= the largest window ({max(self.windows)})")
@@ -344,7 +344,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "speed", help="time exact vs JAGG (knot layouts x windows x fresh/interp) against the cost model",
         description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Cost model per group of W trained steps (F forward, B backward): exact W(F+B); JAGG fresh "
+        epilog="Cost model per interval of W trained steps (F forward, B backward): exact W(F+B); JAGG fresh "
                "2F_grad + (W-2)F_nograd + 2B -> 3W/(W+4) with B=2F; interp 2(F+B) -> W/2. Shared and adaptive "
                "knots: 1 + ceil((K-1)/(W-1)) rows per sample instead of K. With guidance, "
                "F_grad includes the no-grad unconditional branch.")

@@ -314,7 +314,7 @@ class GRPOTrainer(ABC):
         velocities, the audit when due, and the updates. Returns the updates' statistics and the audit's seconds and
         CPU seconds."""
         c = self.cfg
-        groups = (torch.arange(len(rollout.prompts)) // c.sample.group_size)[rollout.local][keep_idx]
+        prompt_groups = (torch.arange(len(rollout.prompts)) // c.sample.group_size)[rollout.local][keep_idx]
         cond = take(rollout.conditioning, keep_idx)
         adv = adv[keep_idx].to(self.device)
         traj = rollout.traj if all_kept else rollout.traj.select(keep_idx.to(self.device))
@@ -323,8 +323,8 @@ class GRPOTrainer(ABC):
         if n and c.estimator.kl_beta > 0:
             ref_v = reference_velocities(self.reference(cond), traj, c.estimator.micro_batch)
         if self.main and n and self.audit_due():               # the main process audits its own samples
-            audit_s, audit_cpu = self.audit(lambda sub: self.velocity(take(cond, sub)), traj, adv, ref_v, groups,
-                                            self.params)
+            audit_s, audit_cpu = self.audit(lambda sub: self.velocity(take(cond, sub)), traj, adv, ref_v,
+                                            prompt_groups, self.params)
         per_update = []
         for _ in range(c.grpo.inner_epochs):
             for mb in self.minibatches(n):
@@ -332,7 +332,7 @@ class GRPOTrainer(ABC):
                 dev = mb.to(self.device)
                 sub = traj if rows == list(range(n)) else traj.select(dev) if rows else None   # no copy of the whole
                 stats = self.update(Minibatch(sub, take(cond, mb), adv[dev], None if ref_v is None else ref_v[dev],
-                                              groups[mb.cpu()], len(rows)))
+                                              prompt_groups[mb.cpu()], len(rows)))
                 if stats:
                     per_update.append(stats)
         return per_update, audit_s, audit_cpu
@@ -387,9 +387,9 @@ class GRPOTrainer(ABC):
         return bool(every) and (self.iteration + 1) % every == 0
 
     @torch.enable_grad()
-    def audit(self, make_velocity: Callable[[list[int]], Callable], traj, adv, ref_v, groups,
+    def audit(self, make_velocity: Callable[[list[int]], Callable], traj, adv, ref_v, prompt_groups,
               params: Sequence[torch.nn.Parameter]) -> tuple[float, float]:
-        """The estimator audit (:func:`jagg.audit.audit_parts`) on whole prompt groups (``groups`` ``[B]``) of the
+        """The estimator audit (:func:`jagg.audit.audit_parts`) on whole prompt groups (``prompt_groups`` ``[B]``) of the
         batch, at least ``estimator.audit_samples`` samples and two prompt groups where the batch has them, picked at
         random with an RNG of its own, so a run is the same with and without it. ``make_velocity(indices)`` gives the
         velocity callable of those samples. Feeds the run's :class:`jagg.audit.AuditMeter` (error against noise,
@@ -398,15 +398,15 @@ class GRPOTrainer(ABC):
         c = self.cfg
         c0 = time.process_time()
         gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.iteration)
-        ids = torch.unique(groups)
+        ids = torch.unique(prompt_groups)
         chosen: list[int] = []
         for n, gi in enumerate(ids[torch.randperm(ids.numel(), generator=gen)]):
-            chosen += torch.nonzero(groups == gi).flatten().tolist()
+            chosen += torch.nonzero(prompt_groups == gi).flatten().tolist()
             if len(chosen) >= c.estimator.audit_samples and n >= 1:
                 break
         sub = sorted(chosen)
         idx = torch.tensor(sub, device=traj.latents.device)
-        g_sub = groups[torch.tensor(sub)]
+        g_sub = prompt_groups[torch.tensor(sub)]
         a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], c.estimator, params,
                                     None if ref_v is None else ref_v[idx], g_sub, gen, split=g_sub)
         if getattr(self, "_meter", None) is None:

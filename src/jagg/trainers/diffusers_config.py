@@ -30,8 +30,8 @@ class DiffusersSampleConfig(SampleBatch):
         "Required: text file of training prompts, one per line (blank lines skipped)."))
     prompts_per_iter: int = field(default=8, metadata=_help(
         "Distinct prompts per iteration, over all processes (Flow-GRPO: 48 on 32 GPUs)."))
-    group_size: int = field(default=8, metadata=_help("Images per prompt (the GRPO group; Flow-GRPO: 24)."))
-    shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt's group."))
+    group_size: int = field(default=8, metadata=_help("Images per prompt: the size of a prompt group (Flow-GRPO: 24)."))
+    shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt group."))
     timestep_fraction: float = field(default=1.0, metadata=_help(
         "Train the first fraction of the pipeline.num_steps steps (all steps are SDE steps)."))
     sde_window: list[int] | None = field(default=None, metadata=_help(

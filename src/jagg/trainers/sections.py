@@ -14,15 +14,15 @@ def _help(text: str) -> dict:
     return {"help": text}
 
 
-def check_sde_window(window: list[int] | None, num_steps: int, steps_key: str = "num_steps") -> None:
-    """Raise unless ``window`` is None or ``[start, end]`` with 0 <= start < end <= num_steps (``steps_key`` names
-    the config key that holds num_steps)."""
-    if window is not None and (len(window) != 2 or not 0 <= window[0] < window[1] <= num_steps):
+def check_sde_window(sde_window: list[int] | None, num_steps: int, steps_key: str = "num_steps") -> None:
+    """Raise unless the SDE window is None or ``[start, end]`` with 0 <= start < end <= num_steps (``steps_key``
+    names the config key that holds num_steps)."""
+    if sde_window is not None and (len(sde_window) != 2 or not 0 <= sde_window[0] < sde_window[1] <= num_steps):
         raise ValueError(f"sample.sde_window must be [start, end] with 0 <= start < end <= {steps_key}="
-                         f"{num_steps}; got {window}")
+                         f"{num_steps}; got {sde_window}")
 
 
-def check_sampler(sde_type: str, eta: float, window: list[int] | None, num_steps: int) -> None:
+def check_sampler(sde_type: str, eta: float, sde_window: list[int] | None, num_steps: int) -> None:
     """Raise unless ``sample.sde_type`` is known, fits ``eta``, and (``cps``) the last step is an ODE step."""
     from ..sde import SDE_TYPES
 
@@ -32,7 +32,7 @@ def check_sampler(sde_type: str, eta: float, window: list[int] | None, num_steps
         if not 0 < eta <= 1:
             raise ValueError(f"sample.sde_type 'cps' needs 0 < eta <= 1 (its noise is sigma_next sin(eta pi/2)); "
                              f"got eta={eta}")
-        if window is None or window[1] >= num_steps:
+        if sde_window is None or sde_window[1] >= num_steps:
             raise ValueError("sample.sde_type 'cps' cannot take an SDE step to sigma = 0: set sample.sde_window "
                              f"[start, end] with end < {num_steps} so that the last step is an ODE step")
 

@@ -84,8 +84,8 @@ class SampleConfig(SampleBatch):
         "0 < eta <= 1, last step outside the sde_window); docs/design.md §2."))
     guidance_scale: float = field(default=3.0, metadata=_help("Classifier-free guidance scale w (1 = off)."))
     prompts_per_iter: int = field(default=8, metadata=_help("Distinct prompts sampled per iteration."))
-    group_size: int = field(default=4, metadata=_help("Images per prompt (the GRPO group; at least 2)."))
-    shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt's group."))
+    group_size: int = field(default=4, metadata=_help("Images per prompt: the size of a prompt group (at least 2)."))
+    shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt group."))
     timestep_fraction: float = field(default=1.0, metadata=_help(
         "Train the first fraction of the steps (all steps are SDE steps)."))
     sde_window: list[int] | None = field(default=None, metadata=_help(

@@ -20,9 +20,9 @@ Loss normalisation. ``policy_gradient`` averages its loss over the samples it is
 gradient of the single-process loss over the global batch: ``1/P * sum_r sum_calls P n/N * grad(mean over n) =
 1/N * sum over all N samples``. With equal shards and no accumulation it is 1.
 
-Prompts must not be split away from their group for the advantages: :func:`distributed_advantages` therefore
+Prompts must not be split away from their prompt group for the advantages: :func:`distributed_advantages` therefore
 gathers rewards *and* prompt ids of every rank before normalising per prompt (as Flow-GRPO's gather + per-prompt
-stat tracker). Sampling itself may split a prompt's group across ranks freely.
+stat tracker). Sampling itself may split a prompt group across ranks freely.
 """
 
 from __future__ import annotations
