@@ -90,6 +90,17 @@ def take(items, index) -> Any:
 
 
 @dataclass
+class Draw:
+    """An iteration's draw of the global batch (:meth:`GRPOTrainer.draw_batch`): the prompts, prompt group after
+    prompt group; the initial noise ``[N, *S]``; the trained steps ``[K]`` and the SDE mask ``[T]``."""
+
+    prompts: list[str]
+    noise: Tensor
+    train_steps: Tensor
+    sde_mask: Tensor
+
+
+@dataclass
 class Rollout:
     """What :meth:`GRPOTrainer.rollout` sampled in one iteration.
 
@@ -158,7 +169,7 @@ class GRPOTrainer(ABC):
     reward, prompts, RNGs), :meth:`rollout`, :meth:`score`, :meth:`velocity`, :meth:`reference`,
     :meth:`minibatches`, :meth:`gradient`, :meth:`record`, :meth:`save`, :meth:`load_state`, :meth:`rng_state` and
     :meth:`set_rng_state`; optionally :meth:`after_step` (e.g. an EMA), :meth:`before_training` and
-    :meth:`after_iteration` (evaluation), and the attributes :attr:`multiprocess` (several processes),
+    :meth:`after_iteration` (evaluation), :meth:`stop_requested` (several processes), and the attributes :attr:`multiprocess` (several processes),
     :attr:`progress_label` and :attr:`evaluates`. ``cfg`` must have
     ``seed``, ``threads``, ``estimator``, ``optim``, ``grpo``, ``sample`` (``group_size``, ``batch_size``) and
     ``log`` (:class:`jagg.trainers.sections.TrainerSections`).
@@ -206,12 +217,14 @@ class GRPOTrainer(ABC):
 
     @abstractmethod
     def setup(self) -> None:
-        """Build the model, ``self.opt``, ``self.params`` (the trainable parameters), the reward, the prompts and
-        the RNGs (after the run directory is decided, before a checkpoint is restored)."""
+        """Build the model, ``self.opt``, ``self.params`` (the trainable parameters), the reward, ``self.prompts``,
+        ``self.latent_shape`` and ``self.num_steps`` (a sample's latents and sampling steps) and the RNGs
+        ``self.np_rng`` (prompts) and ``self.gen`` (noise), after the run directory is decided and before a checkpoint
+        is restored."""
 
     @abstractmethod
-    def rollout(self) -> Rollout:
-        """Sample this process's trajectories of one iteration (advances the RNGs)."""
+    def rollout(self, draw: Draw) -> Rollout:
+        """Sample this process's trajectories of the iteration's draw (its share of the global batch)."""
 
     @abstractmethod
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
@@ -266,29 +279,30 @@ class GRPOTrainer(ABC):
 
     # ------------------------------------------------------------------ one iteration
 
-    def draw_batch(self, latent_shape: tuple[int, ...], num_steps: int) -> tuple[list[str], Tensor, Tensor, Tensor]:
-        """The iteration's global batch, for a trainer's :meth:`rollout`: ``sample.prompts_per_iter`` prompts drawn
-        from ``self.prompts`` with ``self.np_rng``, each repeated ``sample.group_size`` times (its prompt group); the
-        initial noise ``[N, *latent_shape]`` from ``self.gen`` (shared within a prompt group with
-        ``sample.shared_noise``); and the trained steps and SDE mask of ``num_steps`` sampling steps."""
+    def draw_batch(self) -> Draw:
+        """The iteration's global batch: ``sample.prompts_per_iter`` prompts drawn from ``self.prompts`` with
+        ``self.np_rng``, each repeated ``sample.group_size`` times (its prompt group); the initial noise
+        ``[N, *self.latent_shape]`` from ``self.gen`` (shared within a prompt group with ``sample.shared_noise``); and
+        the trained steps and SDE mask of ``self.num_steps`` sampling steps."""
         c = self.cfg.sample
         idx = self.np_rng.choice(len(self.prompts), size=c.prompts_per_iter,
                                  replace=len(self.prompts) < c.prompts_per_iter)
         prompts = [self.prompts[i] for i in idx for _ in range(c.group_size)]
+        shape = self.latent_shape
         if c.shared_noise:
-            noise = torch.randn(c.prompts_per_iter, *latent_shape, generator=self.gen).repeat_interleave(c.group_size, 0)
+            noise = torch.randn(c.prompts_per_iter, *shape, generator=self.gen).repeat_interleave(c.group_size, 0)
         else:
-            noise = torch.randn(len(prompts), *latent_shape, generator=self.gen)
-        train_steps, sde_mask = select_train_steps(num_steps, c.timestep_fraction,
+            noise = torch.randn(len(prompts), *shape, generator=self.gen)
+        train_steps, sde_mask = select_train_steps(self.num_steps, c.timestep_fraction,
                                                    tuple(c.sde_window) if c.sde_window else None)
-        return prompts, noise, train_steps, sde_mask
+        return Draw(prompts, noise, train_steps, sde_mask)
 
     def step(self) -> dict:
         """One GRPO iteration: sample, reward, advantages, updates. Returns the metrics record."""
         c = self.cfg
         self._rng_at_start, self._updating = self.rng_state(), False
         t0, c0 = time.perf_counter(), time.process_time()
-        rollout = self.rollout()
+        rollout = self.rollout(self.draw_batch())
         t1 = time.perf_counter()
         scores, info = self.score(rollout)
         rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=self.device)).cpu()  # the global batch
@@ -372,12 +386,10 @@ class GRPOTrainer(ABC):
                                 "(see metrics.jsonl 'skipped'); lower optim.lr")
         return None
 
-    def sum_over_processes(self, values: list[float]) -> list[float]:
-        """``values`` summed over the processes (float64; a collective with several processes)."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t.tolist()
+    def stop_requested(self) -> bool:
+        """Whether to stop after this iteration (SIGINT/SIGTERM); a trainer with several processes makes them agree,
+        so that every process stops at the same iteration."""
+        return self._stop
 
     # ------------------------------------------------------------------ the estimator audit
 
@@ -448,7 +460,7 @@ class GRPOTrainer(ABC):
             last_eval = None
             while self.iteration < c.grpo.iterations:
                 rec = self._logged_step()
-                stop = bool(self.sum_over_processes([float(self._stop)])[0])   # every process stops together
+                stop = self.stop_requested()
                 done = self.iteration == c.grpo.iterations
                 last_eval = self.after_iteration(done) or last_eval
                 abort = self.skip_limit_error(c.grpo.max_consecutive_skips)

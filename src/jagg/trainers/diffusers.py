@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..estimator import policy_gradient
+from ..integrations.config import read_prompt_lines
 from ..integrations.policy import Policy, load_model
 from ..trajectory import sample_trajectories
 from ..training import config_loader as configuration
@@ -55,8 +56,9 @@ from ..training.checkpoint import prune_checkpoints, write_checkpoint
 from ..training.distributed import all_reduce_gradients, gather_objects, loss_scale, shard
 from ..training.metrics import plot_reward_curve, save_grid
 from ..training.rundir import outputs
-from .base import RESUMABLE_CHANGES, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, update_summary
-from .diffusers_config import DiffusersTrainConfig, load_config, read_prompt_lines
+from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
+                   update_summary)
+from .diffusers_config import DiffusersTrainConfig
 
 # config keys that may differ between a checkpoint and its resumption, besides the shapes trainer's
 # (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient
@@ -94,6 +96,7 @@ class DiffusersTrainer(GRPOTrainer):
         torch.manual_seed(cfg.seed)                            # the same LoRA initialisation on every rank
         self.policy: Policy = load_model(cfg.pipeline)        # check_model_dir: clear errors for bad paths
         self.device = self.policy.device
+        self.latent_shape, self.num_steps = self.policy.latent_shape, cfg.pipeline.num_steps
         self.policy.require_prompts(self.prompts, cfg.sample.prompts_file)
         self.named_params, self.params = self.policy.named_params, self.policy.params
         if not self.params:
@@ -200,10 +203,10 @@ class DiffusersTrainer(GRPOTrainer):
         return final
 
     # ------------------------------------------------------------------ one iteration
-    def rollout(self) -> Rollout:
+    def rollout(self, draw: Draw) -> Rollout:
         """Sample this rank's shard of the global batch (the global batch's prompts, local trajectories)."""
         c, p = self.cfg.sample, self.cfg.pipeline
-        prompts, noise, train_steps, sde_mask = self.draw_batch(self.policy.latent_shape, p.num_steps)
+        prompts, noise, train_steps, sde_mask = draw.prompts, draw.noise, draw.train_steps, draw.sde_mask
         sigmas = self.policy.sigmas()
         parts = []
         for piece in self.pieces:                # SDE noise by (seed, iteration, global position), not by rank
@@ -237,7 +240,7 @@ class DiffusersTrainer(GRPOTrainer):
         """This rank's gradient of its part of the minibatch (possibly empty), averaged over the ranks, and the
         statistics of the whole minibatch."""
         n = mb.size
-        n_global = int(self.sum_over_processes([n])[0])
+        n_global = int(self._sum([n])[0])
         if n_global == 0:
             return {}
         names = ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl")
@@ -253,17 +256,27 @@ class DiffusersTrainer(GRPOTrainer):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             all_reduce_gradients(self.params)
-        tot = self.sum_over_processes(local)
+        tot = self._sum(local)
         stats = {k: tot[i] / n_global for i, k in enumerate(names)}
         stats.update({k: int(tot[len(names) + i]) for i, k in enumerate(counts)})
         stats["jagg_frac_routed"] = stats["intervals_jagg"] / stats["intervals"] if stats["intervals"] else 0.0
         return stats
 
+    def _sum(self, values: list[float]) -> list[float]:
+        """``values`` summed over the processes (float64; a collective with several processes)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def stop_requested(self) -> bool:
+        return bool(self._sum([float(self._stop)])[0])                 # every process stops at the same iteration
+
     def record(self, it: Iteration) -> dict:
         rewards = it.rewards
         rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std(unbiased=False)), "samples": len(it.rollout.prompts),
-               "trained_samples": int(self.sum_over_processes([it.trained])[0]), "processes": self.world, **it.times}
+               "trained_samples": int(self._sum([it.trained])[0]), "processes": self.world, **it.times}
         return {**rec, **update_summary(it.per_update), "updates": len(it.per_update),
                 "skipped_total": self.skipped_updates}
 
@@ -272,7 +285,7 @@ def run(config_path: str, overrides: list[str] | None = None, resume: bool = Fal
         require_checkpoint: bool = False) -> int:
     """``jagg train --config <yaml with pipeline:>``: load, train, print where the outputs are. Returns 0.
     ``resume``, ``overwrite`` and ``require_checkpoint``: as :class:`DiffusersTrainer`."""
-    cfg = load_config(config_path, overrides)
+    cfg = configuration.load(DiffusersTrainConfig, config_path, overrides)
     owns_group = not dist.is_initialized()
     try:
         trainer = DiffusersTrainer(cfg, resume=resume, overwrite=overwrite, require_checkpoint=require_checkpoint)

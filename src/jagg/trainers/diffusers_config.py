@@ -18,7 +18,7 @@ from ..integrations.config import PipelineConfig, read_prompt_lines
 from ..rewards.client import RewardClient
 from ..rewards.registry import get_reward
 from ..training import config_loader as configuration
-from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_sampler, check_sde_window
+from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_sampler
 
 
 @dataclass
@@ -104,8 +104,7 @@ class DiffusersTrainConfig(TrainerSections):
         if self.optim.ema_decay > 0:
             raise ValueError("optim.ema_decay is not supported by the diffusers trainer; set it to 0")
         s, T = self.sample, self.pipeline.num_steps
-        check_sde_window(s.sde_window, T, "pipeline.num_steps")
-        check_sampler(s.sde_type, self.pipeline.eta, s.sde_window, T)
+        check_sampler(s.sde_type, self.pipeline.eta, s.sde_window, T, "pipeline.num_steps")
         if s.sde_window is None and int(T * s.timestep_fraction) < 1:
             raise ValueError(f"sample.timestep_fraction={s.timestep_fraction} of pipeline.num_steps={T} trains no "
                              "step; raise it")

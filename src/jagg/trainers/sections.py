@@ -14,17 +14,16 @@ def _help(text: str) -> dict:
     return {"help": text}
 
 
-def check_sde_window(sde_window: list[int] | None, num_steps: int, steps_key: str = "num_steps") -> None:
+def check_sampler(sde_type: str, eta: float, sde_window: list[int] | None, num_steps: int,
+                  steps_key: str = "num_steps") -> None:
     """Raise unless the SDE window is None or ``[start, end]`` with 0 <= start < end <= num_steps (``steps_key``
-    names the config key that holds num_steps)."""
+    names the config key that holds num_steps), and ``sample.sde_type`` is known, fits ``eta`` and (``cps``) leaves
+    the last step an ODE step."""
+    from ..sde import SDE_TYPES
+
     if sde_window is not None and (len(sde_window) != 2 or not 0 <= sde_window[0] < sde_window[1] <= num_steps):
         raise ValueError(f"sample.sde_window must be [start, end] with 0 <= start < end <= {steps_key}="
                          f"{num_steps}; got {sde_window}")
-
-
-def check_sampler(sde_type: str, eta: float, sde_window: list[int] | None, num_steps: int) -> None:
-    """Raise unless ``sample.sde_type`` is known, fits ``eta``, and (``cps``) the last step is an ODE step."""
-    from ..sde import SDE_TYPES
 
     if sde_type not in SDE_TYPES:
         raise ValueError(f"sample.sde_type must be one of {SDE_TYPES}; got {sde_type!r}")

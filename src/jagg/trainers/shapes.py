@@ -29,7 +29,7 @@ from ..training.checkpoint import save_checkpoint
 from ..training.config_loader import to_dict
 from ..training.metrics import plot_reward_curve, save_grid
 from ..trajectory import sample_trajectories
-from .base import GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, update_summary
+from .base import Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, update_summary
 from .shapes_config import ShapesTrainConfig
 
 
@@ -45,6 +45,8 @@ class ShapesTrainer(GRPOTrainer):
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model.checkpoint, use_ema=True)
         self.model_config = self.model.config.to_dict()
+        m = self.model.config
+        self.latent_shape, self.num_steps = (m.channels, m.image_size, m.image_size), cfg.sample.num_steps
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if cfg.estimator.kl_beta > 0 else None
         if cfg.model.trainable != "all":
             for name, p in self.model.named_parameters():
@@ -103,19 +105,18 @@ class ShapesTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ one iteration
     def sample_batch(self):
-        """Sample one iteration's batch: ``(prompts [B], tokens [B, L], Trajectory)`` (advances the RNGs)."""
-        c, m = self.cfg.sample, self.model.config
-        prompts, noise, train_steps, sde_mask = self.draw_batch((m.channels, m.image_size, m.image_size), c.num_steps)
-        tokens = tokenizer.encode(prompts, max_len=m.max_text_len)
-        traj = sample_trajectories(GuidedVelocity(self.model, tokens, c.guidance_scale), noise,
-                                   flow_sigmas(c.num_steps, c.shift), c.eta, train_steps, sde_mask,
+        """Draw and sample one iteration's batch: ``(prompts [B], tokens [B, L], Trajectory)`` (advances the RNGs)."""
+        r = self.rollout(self.draw_batch())
+        return r.prompts, r.conditioning, r.traj
+
+    def rollout(self, draw: Draw) -> Rollout:
+        c = self.cfg.sample
+        tokens = tokenizer.encode(draw.prompts, max_len=self.model.config.max_text_len)
+        traj = sample_trajectories(GuidedVelocity(self.model, tokens, c.guidance_scale), draw.noise,
+                                   flow_sigmas(c.num_steps, c.shift), c.eta, draw.train_steps, draw.sde_mask,
                                    generator=self.gen, micro_batch=c.micro_batch, check_finite=False,
                                    sde_type=c.sde_type)
-        return prompts, tokens, traj
-
-    def rollout(self) -> Rollout:
-        prompts, tokens, traj = self.sample_batch()
-        return Rollout(prompts, slice(0, len(prompts)), traj, tokens)
+        return Rollout(draw.prompts, slice(0, len(draw.prompts)), traj, tokens)
 
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         return self.reward_fn(from_tensor(rollout.traj.latents[:, -1]), rollout.prompts, None)

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .sections import (LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_sampler,
-                       check_sde_window)
+from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_sampler
 
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
 
@@ -102,7 +101,6 @@ class SampleConfig(SampleBatch):
             raise ValueError(f"sample.eta must be > 0 (the SDE needs noise); got {self.eta}")
         if self.guidance_scale < 1:
             raise ValueError(f"sample.guidance_scale must be >= 1; got {self.guidance_scale}")
-        check_sde_window(self.sde_window, self.num_steps)
         check_sampler(self.sde_type, self.eta, self.sde_window, self.num_steps)
         if self.prompts_file is not None:
             self.prompts_file = str(self.prompts_file)
