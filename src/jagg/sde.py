@@ -71,8 +71,8 @@ def sde_mean(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, std: Tenso
 def step_moments(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, sigma_one: float, eta: float,
                  sde_type: str = "flow_grpo") -> tuple[Tensor, Tensor, Tensor]:
     """``(mean [N, *S], step_std [N], std [N])`` of ``x_{k+1}`` under ``sde_type`` (module docstring) in the compute
-    dtype. ``step_std`` is the whole step's standard deviation; ``std = step_std / sqrt(-dt)`` is the per-unit-time
-    one that the KL of :func:`jagg.loss.step_loss` divides by (Flow-GRPO's convention, kept for every type)."""
+    dtype. ``step_std`` is the whole step's standard deviation; ``std = step_std / sqrt(-dt)`` is the one before
+    the step's ``sqrt(-dt)``, which the KL of :func:`jagg.loss.step_loss` divides by (Flow-GRPO's convention, kept for every type)."""
     if sde_type in ("flow_grpo", "dance"):
         sig = sigma.to(compute_dtype(x, v))
         std = sde_std(sig, sigma_one, eta) if sde_type == "flow_grpo" else torch.full_like(sig, eta)
@@ -137,8 +137,8 @@ def sde_step(
         sde_type: ``"flow_grpo"``, ``"dance"`` or ``"cps"`` (module docstring).
 
     Returns:
-        ``(x_next [N, *S], log_prob [N], mean [N, *S], std [N])`` in the compute dtype; ``std`` is per unit time
-        (the step's standard deviation is ``std * sqrt(sigma - sigma_next)``).
+        ``(x_next [N, *S], log_prob [N], mean [N, *S], std [N])`` in the compute dtype; ``std`` is before the
+        step's ``sqrt(-dt)`` (the step's standard deviation is ``std * sqrt(sigma - sigma_next)``).
     """
     check_sde_type(sde_type, eta)
     if sde_type == "cps" and not bool((sigma_next > 0).all()):

@@ -78,7 +78,7 @@ class SampleConfig(SampleBatch):
     eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO's noise_level); its meaning depends on "
                                                    "sde_type."))
     sde_type: str = field(default="flow_grpo", metadata=_help(
-        "SDE of the sampled steps: 'flow_grpo' (std eta sqrt(s/(1-s)) per unit time), 'dance' (DanceGRPO and the JAGG "
+        "SDE of the sampled steps: 'flow_grpo' (std eta sqrt(s/(1-s)) sqrt(-dt) per step), 'dance' (DanceGRPO and the JAGG "
         "authors: constant eta sqrt(-dt) per step) or 'cps' (coefficients-preserving: std sigma_next sin(eta pi/2), "
         "0 < eta <= 1, last step outside the sde_window); docs/design.md §2."))
     guidance_scale: float = field(default=3.0, metadata=_help("Classifier-free guidance scale w (1 = off)."))
