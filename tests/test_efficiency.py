@@ -174,3 +174,16 @@ def test_quality_time_to_the_held_out_target():
     assert not out["slow"]["reached"] and out["slow"]["not_reached_share"] == 1.0
     with pytest.raises(ValueError, match="--target"):
         compare(runs, ["exact", "fast"], [0, 1, 2], "cpu", "best")
+
+
+def test_bias_against_the_signal():
+    """A bias of -0.5 times the true gradient: bias^2 / signal^2 = 0.25 and the bias points against the signal."""
+    g = torch.Generator().manual_seed(3)
+    n, P = 30, 4000
+    mu = torch.randn(P, generator=g, dtype=torch.float64) * 0.02               # |mu|^2 = 1.6, noise V_b = 1
+    exact = mu + torch.randn(n, P, generator=g, dtype=torch.float64) / math.sqrt(P)
+    est = [x - 0.5 * mu + torch.randn(2, P, generator=g, dtype=torch.float64) * math.sqrt(0.1 / P) for x in exact]
+    st = error_noise_stats(exact, est)
+    assert st["signal_sq"] == pytest.approx(float(mu @ mu), rel=0.1)
+    assert st["bias_to_signal"] == pytest.approx(0.25, rel=0.15)
+    assert st["bias_signal_cos"] == pytest.approx(-1.0, abs=0.1)

@@ -82,7 +82,9 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor]) -> dict:
         batches' mean errors: the squared norm of the error that repeats across batches, unbiased, may be < 0 by
         chance), ``signal_sq`` (the same for the exact gradients: ``|E g|^2``), their ratios to the noise
         ``error_to_noise``, ``bias_to_noise``, ``signal_to_noise`` (each with ``_se``), ``grad_norm`` (mean
-        ``|g|``), ``rel_err`` (``sqrt(E|e|^2) / grad_norm``) and ``same_batch_cosine`` (mean cosine to exact).
+        ``|g|``), ``rel_err`` (``sqrt(E|e|^2) / grad_norm``), ``same_batch_cosine`` (mean cosine to exact),
+        ``bias_to_signal`` (``|b|^2 / |E g|^2``: a bias is harmless only when this is small) and ``bias_signal_cos``
+        (``<b, E g> / (|b| |E g|)`` from ``mean_{i != j} <e_i, g_j>``; NaN unless both squared norms are > 0).
     """
     n = exact.shape[0]
     if n < 3 or len(estimates) != n:
@@ -93,6 +95,11 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor]) -> dict:
     mean_err = torch.stack([e.mean(0) for e in errs])                              # [n, P]
     err_sq = torch.tensor([float((e * e).sum(1).mean()) for e in errs], dtype=torch.float64)
     out = _error_noise(exact, mean_err, err_sq)
+    # the repeating error against the signal: mean_{i != j} <e_i, g_j>, and its cosine (NaN unless both are > 0)
+    cross = (float(mean_err.sum(0) @ exact.sum(0)) - float((mean_err * exact).sum())) / (n * (n - 1))
+    both = out["bias_sq"] > 0 and out["signal_sq"] > 0
+    out["bias_to_signal"] = out["bias_sq"] / out["signal_sq"] if out["signal_sq"] > 0 else math.nan
+    out["bias_signal_cos"] = cross / math.sqrt(out["bias_sq"] * out["signal_sq"]) if both else math.nan
     loo = [_error_noise(exact[keep], mean_err[keep], err_sq[keep])
            for keep in ([j for j in range(n) if j != i] for i in range(n))]
     for key in ("error_to_noise", "bias_to_noise", "signal_to_noise"):

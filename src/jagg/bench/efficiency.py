@@ -17,8 +17,11 @@ deterministic estimator). Per estimator:
 - ``bias_to_noise`` = ``|b|^2 / V_b`` with its standard error: ``|b|^2`` is the agreement of the errors' means
   across batches, ``mean_{i != j} <e_i, e_j>``, an unbiased estimate of the squared norm of the error that repeats
   from batch to batch (the bias Adam integrates like a signal). 0 for an unbiased estimator up to its SE;
-- ``efficiency`` and ``time_efficiency`` as above (times: medians of the training phase per batch, measured
-  side by side in this process, plus the rollout's median: sampling and reward);
+- ``bias_to_signal`` = ``|b|^2 / |E g|^2`` (the signal's squared norm estimated the same way from the exact
+  gradients) and ``bias_signal_cos``: a bias is harmless only when it is small against the signal Adam follows;
+- ``efficiency`` and ``time_efficiency`` as above (times: medians of the training phase per batch in CPU seconds of
+  this process, measured side by side, plus the rollout's median: sampling and reward; with ``threads=1`` CPU
+  seconds do not count waiting for a core another process holds);
 - the same extrapolated to ``--target-batch`` samples per update (default: the config's, samples per optimizer
   update): ``V_b`` and the unbiased part of the error fall as ``1 / B``, a bias does not.
 
@@ -111,11 +114,11 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
     rows = {name: [] for name in ests}
     rollout_s, samples = [], []
     for b in range(batches):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         prompts, tokens, traj = trainer.sample_batch()
         scores, _ = reward(from_tensor(traj.latents[:, -1]), prompts, None)
         rewards = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
-        rollout_s.append(time.perf_counter() - t0)
+        rollout_s.append(time.process_time() - t0)
         adv = group_advantages(rewards, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
         keep = nonzero_spread_mask(rewards, prompts) if cfg.grpo.drop_zero_spread else torch.ones(len(prompts), dtype=torch.bool)
         idx = torch.nonzero(keep).flatten()
@@ -132,10 +135,10 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
             for d in range(draws if is_random(est) else 1):
                 gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + b * 1009 + d * 31 + e_i)
                 trainer.opt.zero_grad(set_to_none=True)
-                c0 = time.perf_counter()
+                c0 = time.process_time()
                 with torch.enable_grad():
                     st = policy_gradient(vf, traj, adv, est, prompt_groups=prompt_groups, generator=gen)
-                train_s[name].append(time.perf_counter() - c0)
+                train_s[name].append(time.process_time() - c0)
                 rows[name].append(st.backward_items / traj.batch_size)
                 out.append(flat_grad(params).double())
             grads[name].append(torch.stack(out))
@@ -167,7 +170,8 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
 
 COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".2f"),
            ("error_to_noise", "E|e|^2/V_b", ".4f"), ("bias_to_noise", "bias^2/V_b", ".4f"),
-           ("bias_to_noise_se", "± SE", ".4f"), ("efficiency", "efficiency", ".2f"),
+           ("bias_to_noise_se", "± SE", ".4f"), ("bias_to_signal", "bias^2/signal^2", ".2f"),
+           ("efficiency", "efficiency", ".2f"),
            ("iter_ratio", "iter ratio", ".2f"), ("time_efficiency", "time eff.", ".2f"),
            ("bias_to_noise_at_target", "bias^2/V_b @T", ".4f"), ("time_efficiency_at_target", "time eff. @T", ".2f")]
 
@@ -184,7 +188,8 @@ def _run(args: argparse.Namespace) -> int:
     records = measure(cfg, specs, batches, draws, args.target_batch)
     r0 = records[0]
     print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples, up to {draws} draws per estimator; V_b = "
-          f"{r0['noise']:.3e} (|g| = {r0['grad_norm']:.3e}); @T = extrapolated to {r0['target_batch']} samples per "
+          f"{r0['noise']:.3e} (|g| = {r0['grad_norm']:.3e}), signal |E g|^2 / V_b = {r0['signal_to_noise']:.4f} +- "
+          f"{r0['signal_to_noise_se']:.4f}; @T = extrapolated to {r0['target_batch']} samples per "
           f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)")
     print(table(records, COLUMNS))
     if args.json:
