@@ -22,6 +22,10 @@ def _restore_threads():
     torch.set_num_threads(n)
 
 
+# what these smoke tests assume instead of the main job's layout and reward (step groups of 4 everywhere, geneval)
+GENERIC = ["estimator.window=4", "estimator.exact_last_intervals=0", "reward.weights=null"]
+
+
 @pytest.fixture(scope="module")
 def bench_ckpt(tmp_path_factory):
     """A tiny TinyDiT whose zero-initialised layers are randomised (non-zero velocities and gradients)."""
@@ -88,7 +92,7 @@ def test_bench_speed_smoke(tmp_path, bench_ckpt):
 
 def test_bench_fidelity_smoke(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "fidelity.json"
-    sets = ["sample.num_steps=7", "sample.prompts_per_iter=2", "sample.group_size=2", "estimator.micro_batch=4",
+    sets = [*GENERIC, "sample.num_steps=7", "sample.prompts_per_iter=2", "sample.group_size=2", "estimator.micro_batch=4",
             "estimator.intermediate=interp", "sample.sde_window=null"]
     args = ["bench", "fidelity", "--checkpoint", bench_ckpt, "--advantages", "random", "--windows", "2", "4",
             "--fracs", "0.5", "1.0", "--threads", "1", "--json", str(out)]
@@ -126,7 +130,7 @@ def test_pareto_front():
 
 def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "quality"
-    sets = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=4", "sample.prompts_per_iter=2",
+    sets = [*GENERIC, f"model.checkpoint={bench_ckpt}", "sample.num_steps=4", "sample.prompts_per_iter=2",
             "sample.group_size=2", "eval.num_prompts=4", "eval.num_steps=3", "estimator.micro_batch=4",
             "grpo.drop_zero_spread=false", "threads=1", "grpo.updates_per_epoch=2", "sample.sde_window=null"]
     args = ["bench", "quality", "--quick", "--out", str(out), "--variant", "exact", "--variant", "jagg_fresh",
@@ -199,7 +203,7 @@ def test_agreement_statistic_on_synthetic_gradients():
 
 def test_bench_signal_separates_a_learnable_reward_from_noise(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "signal.json"
-    sets = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=4", "sample.prompts_per_iter=8",
+    sets = [*GENERIC, f"model.checkpoint={bench_ckpt}", "sample.num_steps=4", "sample.prompts_per_iter=8",
             "sample.group_size=4", "estimator.micro_batch=8", "threads=1", "model.trainable=final.bias",
             "sample.sde_window=null"]
     args = ["bench", "signal", "--batches", "8", "--rewards", "reward_plugins:brightness", "reward_plugins:coin",
@@ -220,7 +224,7 @@ def test_bench_e2e_round_robin(tmp_path, bench_ckpt, capsys):
     from jagg.trainers.shapes_config import ShapesTrainConfig
 
     out = tmp_path / "e2e.json"
-    sets = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=2",
+    sets = [*GENERIC, f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=2",
             "estimator.micro_batch=4", "estimator.window=4", "estimator.jagg_frac=1.0", "threads=1",
             "grpo.drop_zero_spread=false", "sample.sde_window=null", "estimator.correction_p=0"]
     args = ["bench", "e2e", "--iterations", "2", "--variants", "jagg_fresh", "jagg_interp", "--json", str(out)]
@@ -245,7 +249,7 @@ def test_bench_e2e_round_robin(tmp_path, bench_ckpt, capsys):
 
 def test_bench_signal_compares_estimators_on_the_same_batches(tmp_path, bench_ckpt):
     out = tmp_path / "signal.json"
-    base = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2",
+    base = [*GENERIC, f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2",
             "sample.group_size=4", "estimator.micro_batch=8", "threads=1", "sample.sde_window=null",
             "estimator.window=4", "estimator.jagg_frac=1.0"]
     for mode, same in (("exact", True), ("jagg", False)):

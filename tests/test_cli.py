@@ -160,14 +160,14 @@ def test_jagg_train_outside_the_repository_runs_the_main_job(tmp_path, tiny_ckpt
     assert main(["train", "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed == configuration.to_dict(main_job)
-    assert printed["sample"]["guidance_scale"] == 1.0 and printed["eval"]["every"] == 50  # not the dataclass defaults
+    assert printed["sample"]["guidance_scale"] == 1.0 and printed["eval"]["every"] == 25  # not the dataclass defaults
     assert main(tiny_train_args(tiny_ckpt, tmp_path / "run", 1, "eval.every=1")) == 0
     state, _ = load_latest(tmp_path / "run" / "checkpoints")
     assert state["config"]["sample"]["guidance_scale"] == main_job.sample.guidance_scale
     assert state["config"]["estimator"]["jagg_frac"] == main_job.estimator.jagg_frac
     # the evaluation grid is captioned with each image's prompt and reward (also in the sidecar .txt)
     lines = (tmp_path / "run" / "samples" / "eval_000001.txt").read_text().splitlines()
-    assert len(lines) == 4 and all(re.fullmatch(r"\d+: [a-z ]+ \(reward \d\.\d{3}\)", l) for l in lines)
+    assert len(lines) == 4 and all(re.fullmatch(r"\d+: [a-z ]+ \(reward -?\d\.\d{3}\)", l) for l in lines)
     assert _caption_has_ink(np.asarray(Image.open(tmp_path / "run" / "samples" / "eval_000001.png")), ncol=4)
 
 
@@ -278,7 +278,7 @@ def test_train_help_shows_the_main_jobs_values_beside_the_dataclass_defaults(tmp
         value = repr(_value(main_job, key))
         assert lines[key].endswith(f"[{value}]" if value == default else f"[{value}; dataclass default: {default}]"), key
     assert lines["optim.lr"].endswith("[0.0001; dataclass default: 0.0003]")
-    assert lines["grpo.iterations"].endswith("[200; dataclass default: 100]")
+    assert lines["grpo.iterations"].endswith("[150; dataclass default: 100]")
     assert lines["sample.eta"].endswith("[1.0; dataclass default: 0.7]")
     assert lines["sample.guidance_scale"].endswith("[1.0; dataclass default: 3.0]")
     assert lines["model.trainable"].endswith("['ada|final'; dataclass default: 'all']")

@@ -52,7 +52,8 @@ def test_extrapolation_and_efficiency_formula():
 
 def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "eff.json"
-    sets = [f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4",
+    sets = ["estimator.exact_last_intervals=0", "estimator.correction_p=0.25", "reward.weights=null",
+            f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4",
             "estimator.micro_batch=8", "threads=1", "sample.sde_window=null", "estimator.window=4",
             "grpo.drop_zero_spread=false", "reward.name=reward_plugins:brightness"]
     args = ["bench", "efficiency", "--batches", "3", "--draws", "2", "--estimator", "config", "--estimator", "plain",

@@ -107,8 +107,12 @@ def test_pretrain_sample_eval_smoke(tmp_path, capsys):
     js = tmp_path / "eval.json"
     assert main(["eval", "--checkpoint", str(out), "--num-prompts", "3", "--images-per-prompt", "1",
                  "--steps", "2", "--json", str(js)]) == 0
-    m = json.loads(js.read_text())
-    assert 0 <= m["reward_mean"] <= 1 and "accuracy" in m
+    m = json.loads(js.read_text())          # the main job's reward: JPEG compressibility, geneval reported beside it
+    assert m["reward_mean"] == pytest.approx(m["reward/jpeg_compressibility"]) and m["reward_mean"] < 0
+    assert 0 <= m["reward/geneval"] <= 1 and "accuracy" in m
+    assert main(["eval", "--checkpoint", str(out), "--num-prompts", "3", "--images-per-prompt", "1",
+                 "--steps", "2", "--reward", "geneval", "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["reward_mean"] == pytest.approx(m["reward/geneval"], abs=1e-6)
 
 
 def test_sample_rejects_unknown_words(tmp_path, tiny_ckpt, capsys):

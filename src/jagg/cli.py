@@ -256,7 +256,8 @@ def _main_job_defaults(args) -> None:
     main = configuration.load(ShapesTrainConfig, str(main_job_path()), [])
     defaults = {"steps": main.eval.num_steps, "guidance_scale": main.sample.guidance_scale, "shift": main.sample.shift,
                 "seed": main.eval.seed if args.command == "eval" else 0,
-                "images_per_prompt": main.eval.images_per_prompt}
+                "images_per_prompt": main.eval.images_per_prompt,
+                "reward": main.reward.weights or main.reward.name}
     for k, v in defaults.items():
         if getattr(args, k, v) is None:
             setattr(args, k, v)
@@ -329,7 +330,8 @@ def _add_sample_and_eval(sub) -> None:
     e = sub.add_parser("eval", help="held-out test-prompt reward of a checkpoint (defaults: the main job's evaluation, so "
                        "`jagg eval --checkpoint runs/default` reproduces the trainer's test reward)")
     _sampling_args(e)
-    e.add_argument("--reward", default="geneval", help="reward name or module:function")
+    e.add_argument("--reward", help="reward name or module:function [default: the main job's reward, "
+                   "jpeg_compressibility with geneval reported beside it]")
     e.add_argument("--num-prompts", type=_number(int, 0), default=0, help="test prompts (0 = all)")
     e.add_argument("--images-per-prompt", type=_number(int, 1),
                    help="images per test prompt [default: the main job's eval.images_per_prompt]")

@@ -248,3 +248,10 @@ def write_json(path: str | Path, records) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_json_safe(records), indent=1) + "\n")
+
+
+def json_if_asked(path: str | Path | None, records) -> None:
+    """``--json PATH``: write the records there and say so; nothing without a path."""
+    if path:
+        write_json(path, records)
+        print(f"wrote {path}")

@@ -21,7 +21,7 @@ import statistics
 from ..training import config_loader as configuration
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..trajectory import select_train_steps
-from .common import cost_limit, default_config_path, table, write_json
+from .common import cost_limit, default_config_path, json_if_asked, table
 
 VARIANTS = {
     "exact": ["estimator.mode=exact"],
@@ -97,9 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     records = run_e2e(args.config, sets, variants, iterations)
     print(f"median seconds over {iterations} round-robin iterations per variant (after a warm-up)")
     print(table(records, COLUMNS))
-    if args.json:
-        write_json(args.json, records)
-        print(f"wrote {args.json}")
+    json_if_asked(args.json, records)
     return 0
 
 

@@ -53,7 +53,7 @@ from ..shapes import from_tensor
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..shapes.velocity import GuidedVelocity
 from ..training import config_loader as configuration
-from .common import default_config_path, flat_grad, table, write_json
+from .common import default_config_path, flat_grad, json_if_asked, table
 
 BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
@@ -192,9 +192,7 @@ def _run(args: argparse.Namespace) -> int:
           f"{r0['signal_to_noise_se']:.4f}; @T = extrapolated to {r0['target_batch']} samples per "
           f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)")
     print(table(records, COLUMNS))
-    if args.json:
-        write_json(args.json, records)
-        print(f"wrote {args.json}")
+    json_if_asked(args.json, records)
     return 0
 
 

@@ -46,7 +46,7 @@ from ..trainers.shapes_config import ShapesTrainConfig
 from ..trajectory import Trajectory, sample_trajectories, select_train_steps
 from ..shapes import from_tensor, tokenizer, train_prompts
 from .common import (cosine, default_config_path, flat_grad, fmt, rel_err, resolve_device, set_threads,
-                     spearman, table, write_json)
+                     spearman, table, json_if_asked)
 
 ADVANTAGES = ("reward", "random")
 
@@ -365,9 +365,7 @@ def _run(args: argparse.Namespace) -> int:
         train=train)
     records = run_fidelity(cfg)
     _print_report(records)
-    if args.json:
-        write_json(args.json, records)
-        print(f"wrote {args.json}")
+    json_if_asked(args.json, records)
     return 0
 
 

@@ -28,7 +28,7 @@ def per_prompt_rewards(checkpoint: str, prompts: list[str], images: int, args: a
     """-> float [len(prompts)]: each prompt's mean reward over its ``images`` samples."""
     batch = [p for p in prompts for _ in range(images)]
     x = generate(load_model(checkpoint), batch, args.steps, args.guidance_scale, args.seed, args.shift)
-    scores, _ = get_reward(args.reward)(x, batch, None)
+    scores, _ = get_reward(args.reward or _main_job_reward())(x, batch, None)
     return np.asarray(scores, dtype=np.float64).reshape(len(prompts), images).mean(1)  # [P, images] -> [P]
 
 
@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale [default: 1.0, the main job's]")
     p.add_argument("--shift", type=float, default=1.0, help="timestep shift [default: 1.0]")
     p.add_argument("--seed", type=int, default=1234, help="noise seed [default: 1234, the trainer's eval seed]")
-    p.add_argument("--reward", default="geneval", help="reward name or module:function [default: geneval]")
+    p.add_argument("--reward", help="reward name or module:function [default: the main job's reward]")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples [default: 2000]")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--json", help="also write the results to this JSON file")
@@ -87,6 +87,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "50 bootstrap resamples")
     p.set_defaults(func=run)
     return p
+
+
+def _main_job_reward():
+    from ..trainers.shapes_config import ShapesTrainConfig, main_job_path
+    from ..training import config_loader as configuration
+
+    r = configuration.load(ShapesTrainConfig, str(main_job_path()), []).reward
+    return r.weights or r.name
 
 
 def add_parser(sub) -> None:

@@ -46,7 +46,7 @@ from ..shapes.velocity import GuidedVelocity
 from ..rewards.registry import get_reward
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..shapes import from_tensor
-from .common import default_config_path, flat_grad, table, write_json
+from .common import default_config_path, flat_grad, json_if_asked, table
 
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=0"]
 
@@ -194,7 +194,7 @@ def _run(args: argparse.Namespace) -> int:
     sets = (QUICK_SETS if args.quick else []) + ["log.progress=false", "log.tensorboard=false"]
     sets += [f"log.output_dir={args.out}"] + list(args.set or [])
     cfg = configuration.load(ShapesTrainConfig, args.config, sets)
-    rewards = args.rewards or [cfg.reward.name]
+    rewards = args.rewards or ([cfg.reward.name] if cfg.reward.name else [k for k, w in cfg.reward.weights.items() if w])
     batches = args.batches if args.batches is not None else (3 if args.quick else 8)
     records = measure(cfg, rewards, batches, args.fixed_prompts, tuple(args.estimators))
     shown = [{**r, "need": "" if math.isnan(r["samples_for_cosine_0.5"]) else (">= " if r["lower_bound"] else "") + (
@@ -203,9 +203,7 @@ def _run(args: argparse.Namespace) -> int:
           f"{records[0]['params']} trainable parameters ({cfg.model.trainable!r})"
           f"{', the same prompts in every batch' if args.fixed_prompts else ''}")
     print(table(shown, COLUMNS))
-    if args.json:
-        write_json(args.json, records)
-        print(f"wrote {args.json}")
+    json_if_asked(args.json, records)
     return 0
 
 
@@ -218,7 +216,7 @@ def add_parser(sub) -> None:
                    help="override a trainer config key (repeatable), e.g. model.trainable=all")
     p.add_argument("--rewards", nargs="+", metavar="REWARD",
                    help="rewards to compare on the same trajectories: registry names or module:function "
-                        "[default: the config's reward.name]")
+                        "[default: the config's reward.name, or the components of its reward.weights with a weight > 0]")
     p.add_argument("--batches", type=int, help="independent batches K (>= 3) [default: 8; 3 with --quick]")
     p.add_argument("--fixed-prompts", action="store_true", help="every batch uses the same prompts")
     p.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=["config"],

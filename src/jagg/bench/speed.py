@@ -28,7 +28,7 @@ from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
 from ..trajectory import Trajectory, VelocityFn, sample_trajectories
-from .common import (PeakMemory, cost_limit, median, resolve_device, set_threads, table, timed, write_json)
+from .common import PeakMemory, cost_limit, json_if_asked, median, resolve_device, set_threads, table, timed
 
 MODELS = ("tiny_dit", "sd3")
 
@@ -334,9 +334,7 @@ def _run(args: argparse.Namespace) -> int:
     print()
     print(table(records, COLUMNS))
     print(f"\nmemory: {records[0]['mem_kind']} (peak above the start of the call; CPU RSS is approximate)")
-    if args.json:
-        write_json(args.json, records)
-        print(f"wrote {args.json}")
+    json_if_asked(args.json, records)
     return 0
 
 

@@ -117,14 +117,19 @@ class GRPOConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = field(default="geneval", metadata=_help(
-        "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility) or module:function."))
+    name: str | None = field(default=None, metadata=_help(
+        "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility) or module:function "
+        "(geneval when neither name nor weights is set)."))
     weights: dict | None = field(default=None, metadata=_help(
-        "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1}; overrides name."))
+        "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1}; a component of weight 0 is "
+        "computed and reported (reward/<name>) but not trained. Set this or name, not both."))
 
     def __post_init__(self):
+        if self.name and self.weights:
+            raise ValueError(f"set reward.name or reward.weights, not both (name {self.name!r}, weights "
+                             f"{self.weights}): for a single reward add --set reward.weights=null")
         if not self.name and not self.weights:
-            raise ValueError("reward.name or reward.weights must be set")
+            self.name = "geneval"
 
 
 @dataclass
