@@ -188,3 +188,30 @@ def test_bias_against_the_signal():
     assert st["signal_sq"] == pytest.approx(float(mu @ mu), rel=0.1)
     assert st["bias_to_signal"] == pytest.approx(0.25, rel=0.15)
     assert st["bias_signal_cos"] == pytest.approx(-1.0, abs=0.1)
+
+
+def test_bench_efficiency_by_interval(tmp_path, bench_ckpt, capsys):
+    """--by-interval: each interval's error alone; an interval the layout keeps exact has none, and the noisy one's
+    equals the whole estimator's when it is the only JAGG interval."""
+    out = tmp_path / "eff.json"
+    sets = ["reward.weights=null", "reward.name=reward_plugins:brightness", f"model.checkpoint={bench_ckpt}",
+            "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4", "estimator.micro_batch=8",
+            "threads=1", "sample.sde_window=null", "grpo.drop_zero_spread=false"]
+    spec = "el:window=4,exact_last_intervals=1,correction_p=0"
+    args = ["bench", "efficiency", "--batches", "3", "--estimator", spec, "--by-interval", spec,
+            "--out", str(tmp_path / "scratch"), "--json", str(out)]
+    assert main(args + [a for s in sets for a in ("--set", s)]) == 0
+    recs = json.loads(out.read_text())
+    parts = [r for r in recs if r.get("kind") == "interval"]
+    whole = next(r for r in recs if r["estimator"] == "el" and r.get("kind") != "interval")
+    assert [p["steps"] for p in parts] == ["0-3", "4-7"]
+    assert parts[1]["error_to_noise"] == 0 and parts[1]["same_batch_cosine"] == pytest.approx(1.0)
+    assert parts[0]["error_to_noise"] > 0
+    assert parts[0]["error_to_noise"] == pytest.approx(whole["error_to_noise"], rel=1e-6)
+    assert "where el's error lives" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="JAGG estimator"):
+        from jagg.bench.efficiency import by_interval
+        from jagg.training import config_loader as configuration
+        from jagg.trainers.shapes_config import ShapesTrainConfig
+
+        by_interval(configuration.load(ShapesTrainConfig, None, sets), "exact", 3, 1)

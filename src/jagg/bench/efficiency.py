@@ -47,7 +47,7 @@ from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import error_noise_stats, extrapolate, predicted_efficiency
 from ..estimator import policy_gradient
 from ..estimator_config import EstimatorConfig
-from ..knots import plan_update
+from ..knots import layout_intervals, plan_update
 from ..rewards.registry import get_reward
 from ..shapes import from_tensor
 from ..trainers.shapes_config import ShapesTrainConfig
@@ -97,6 +97,22 @@ def is_random(cfg: EstimatorConfig) -> bool:
     return (cfg.mode == "jagg" and cfg.correction_p > 0) or (cfg.mode == "subsample" and cfg.subsample_frac < 1)
 
 
+def draw_batch(trainer, cfg: ShapesTrainConfig, reward):
+    """One training batch as the trainer draws it: ``(traj, tokens, advantages, prompt_groups, rollout CPU
+    seconds)``, prompt groups without reward spread dropped when ``grpo.drop_zero_spread``."""
+    t0 = time.process_time()
+    prompts, tokens, traj = trainer.sample_batch()
+    scores, _ = reward(from_tensor(traj.latents[:, -1]), prompts, None)
+    rewards = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
+    seconds = time.process_time() - t0
+    adv = group_advantages(rewards, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
+    keep = (nonzero_spread_mask(rewards, prompts) if cfg.grpo.drop_zero_spread
+            else torch.ones(len(prompts), dtype=torch.bool))
+    idx = torch.nonzero(keep).flatten()
+    prompt_groups = (torch.arange(len(prompts)) // cfg.sample.group_size)[idx]
+    return traj.select(idx), tokens[idx], adv[idx], prompt_groups, seconds
+
+
 def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None) -> list[dict]:
     """One record per estimator (module docstring)."""
     from ..trainers.shapes import ShapesTrainer
@@ -114,17 +130,9 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
     rows = {name: [] for name in ests}
     rollout_s, samples = [], []
     for b in range(batches):
-        t0 = time.process_time()
-        prompts, tokens, traj = trainer.sample_batch()
-        scores, _ = reward(from_tensor(traj.latents[:, -1]), prompts, None)
-        rewards = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
-        rollout_s.append(time.process_time() - t0)
-        adv = group_advantages(rewards, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
-        keep = nonzero_spread_mask(rewards, prompts) if cfg.grpo.drop_zero_spread else torch.ones(len(prompts), dtype=torch.bool)
-        idx = torch.nonzero(keep).flatten()
-        prompt_groups = (torch.arange(len(prompts)) // cfg.sample.group_size)[idx]
-        traj, tokens, adv = traj.select(idx), tokens[idx], adv[idx]
-        samples.append(int(idx.numel()))
+        traj, tokens, adv, prompt_groups, seconds = draw_batch(trainer, cfg, reward)
+        rollout_s.append(seconds)
+        samples.append(traj.batch_size)
         if ests.get("subsample", 0) is None:       # subsample at the config's rows, fixed from the first batch
             K = traj.train_steps.numel()
             frac = min(1.0, expected_rows(traj, cfg.estimator, prompt_groups) / K)
@@ -168,6 +176,61 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
     return records
 
 
+def by_interval(cfg: ShapesTrainConfig, spec: str, batches: int, draws: int) -> list[dict]:
+    """Where one estimator's error lives: for each interval of its layout (steps ``a..b``), the error of the gradient
+    restricted to that interval's loss terms (``only_steps``) against the whole update's noise ``V_b``, and its
+    repeating part, on the same batches as :func:`measure` (same seed). Layouts with data-dependent knots
+    (``adaptive``) use the first batch's intervals."""
+    from ..trainers.shapes import ShapesTrainer
+
+    trainer = ShapesTrainer(cfg)
+    reward = get_reward(cfg.reward.weights or cfg.reward.name)
+    name, est = parse_estimator(spec, cfg.estimator)
+    if est is None or est.mode != "jagg":
+        raise ValueError(f"--by-interval {spec!r}: give a JAGG estimator (config, plain or NAME:KEY=VALUE,...)")
+    exact = dataclasses.replace(est, mode="exact")
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    intervals, totals, parts = None, [], {}
+    for b in range(batches):
+        traj, tokens, adv, prompt_groups, _ = draw_batch(trainer, cfg, reward)
+        vf = GuidedVelocity(trainer.model, tokens, cfg.sample.guidance_scale)
+        intervals = intervals or layout_intervals(traj, dataclasses.replace(est, knots="shared")
+                                                  if est.knots == "adaptive" else est)[0]
+
+        def grad(c, steps, seed):
+            trainer.opt.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                policy_gradient(vf, traj, adv, c, prompt_groups=prompt_groups, only_steps=steps,
+                                generator=torch.Generator().manual_seed(seed))
+            return flat_grad(params).double()
+
+        totals.append(grad(exact, None, 0))
+        for j, iv in enumerate(intervals):
+            g_ex = grad(exact, iv, 0)
+            seeds = [cfg.seed * 1_000_003 + b * 1009 + d * 31 for d in range(draws if is_random(est) else 1)]
+            parts.setdefault(j, []).append((g_ex, torch.stack([grad(est, iv, sd) for sd in seeds])))
+    exact_total = torch.stack(totals)                                      # [batches, P]
+    noise = float(((exact_total - exact_total.mean(0)) ** 2).sum()) / (batches - 1)
+    sig = trainer.cfg.sample
+    sigmas = traj.sigmas.tolist()
+    records = []
+    for j, iv in enumerate(intervals):
+        g_ex = torch.stack([p[0] for p in parts[j]])
+        st = error_noise_stats(g_ex, [p[1] for p in parts[j]])
+        scale = st["noise"] / noise if noise > 0 else math.nan               # ratios against the whole update's V_b
+        records.append({"estimator": name, "interval": j, "steps": f"{iv[0]}-{iv[-1]}",
+                        "sigmas": f"{sigmas[iv[0]]:.2f}-{sigmas[iv[-1]]:.2f}", "sde_type": sig.sde_type,
+                        "error_to_noise": st["error_to_noise"] * scale, "bias_to_noise": st["bias_to_noise"] * scale,
+                        "bias_to_noise_se": st["bias_to_noise_se"] * scale, "same_batch_cosine":
+                        st["same_batch_cosine"]})
+    return records
+
+
+INTERVAL_COLUMNS = [("interval", "interval", ""), ("steps", "steps", ""), ("sigmas", "sigma", ""),
+                    ("error_to_noise", "E|e_j|^2/V_b", ".4f"), ("bias_to_noise", "bias_j^2/V_b", ".4f"),
+                    ("bias_to_noise_se", "± SE", ".4f"), ("same_batch_cosine", "cos to exact", ".3f")]
+
+
 COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".2f"),
            ("error_to_noise", "E|e|^2/V_b", ".4f"), ("bias_to_noise", "bias^2/V_b", ".4f"),
            ("bias_to_noise_se", "± SE", ".4f"), ("bias_to_signal", "bias^2/signal^2", ".2f"),
@@ -192,6 +255,12 @@ def _run(args: argparse.Namespace) -> int:
           f"{r0['signal_to_noise_se']:.4f}; @T = extrapolated to {r0['target_batch']} samples per "
           f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)")
     print(table(records, COLUMNS))
+    if args.by_interval:
+        parts = by_interval(cfg, args.by_interval, batches, draws)
+        print(f"\nwhere {args.by_interval.split(':')[0]}'s error lives: each interval's terms alone, against the whole "
+              "update's noise V_b")
+        print(table(parts, INTERVAL_COLUMNS))
+        records = records + [{**r, "kind": "interval"} for r in parts]
     json_if_asked(args.json, records)
     return 0
 
@@ -211,6 +280,9 @@ def add_parser(sub) -> None:
     p.add_argument("--draws", type=int, help="draws of a random estimator per batch [default: 4; 2 with --quick]")
     p.add_argument("--target-batch", type=int, help="samples per update to extrapolate to [default: the config's "
                    "sample.prompts_per_iter x sample.group_size / grpo.updates_per_epoch]")
+    p.add_argument("--by-interval", metavar="NAME[:KEY=VALUE,...]",
+                   help="also break this JAGG estimator's error down by the intervals of its layout (where does it "
+                        "live, and does it repeat there?), on the same batches")
     p.add_argument("--out", default="runs/bench_efficiency", help="scratch run directory [default: runs/bench_efficiency]")
     p.add_argument("--json", help="also write the records to this JSON file")
     p.add_argument("--quick", action="store_true", help=f"a smoke-sized run: 3 batches, 2 draws, {' '.join(QUICK_SETS)}")
