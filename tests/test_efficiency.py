@@ -215,3 +215,13 @@ def test_bench_efficiency_by_interval(tmp_path, bench_ckpt, capsys):
         from jagg.trainers.shapes_config import ShapesTrainConfig
 
         by_interval(configuration.load(ShapesTrainConfig, None, sets), "exact", 3, 1)
+
+
+def test_quality_intervals_skip_undefined_resamples():
+    """A resample whose target every variant meets at the start has an undefined ratio (0 / 0): the interval comes
+    from the others, and the share of undefined resamples is reported."""
+    from jagg.bench.quality import _interval
+
+    lo, hi = _interval(np.array([1.0, np.nan, 2.0, 3.0, np.nan]))
+    assert 1.0 <= lo < hi <= 3.0
+    assert all(math.isnan(x) for x in _interval(np.array([np.nan, np.nan])))

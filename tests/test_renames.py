@@ -70,3 +70,36 @@ def test_sample_groups_and_the_group_statistics_are_the_new_names():
     assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
     with pytest.raises(TypeError, match="prompt_groups only"):
         jagg.policy_gradient(model, traj, adv, cfg, prompt_groups=[0, 0, 1, 1], sample_groups=[0, 0, 1, 1])
+
+
+def test_a_checkpoint_saved_with_reward_weights_and_the_default_name_resumes():
+    """Before reward.name and reward.weights became exclusive, a config with weights saved name 'geneval' too (the
+    weights overrode it); resuming such a run must not stop on that key. A real change of the reward still does."""
+    import pytest
+
+    from jagg.trainers.base import check_resumable
+
+    weights = {"jpeg_compressibility": 1.0, "geneval": 0.0}
+    old = {"reward": {"name": "geneval", "weights": weights}, "grpo": {"iterations": 10}}
+    now = {"reward": {"name": None, "weights": weights}, "grpo": {"iterations": 10}}
+    assert check_resumable(old, now) == []
+    with pytest.raises(ValueError, match="reward.weights"):
+        check_resumable(old, {"reward": {"name": None, "weights": {"jpeg_compressibility": 1.0}},
+                              "grpo": {"iterations": 10}})
+    with pytest.raises(ValueError, match="reward.name"):
+        check_resumable({"reward": {"name": "geneval", "weights": None}}, {"reward": {"name": "x:y", "weights": None}})
+
+
+def test_reward_name_and_weights_together_are_refused_by_name():
+    import pytest
+
+    from jagg.training import config_loader as configuration
+    from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
+
+    main = str(main_job_path())                                                      # it sets reward.weights
+    with pytest.raises(ValueError, match="reward.name or reward.weights, not both.*reward.weights=null"):
+        configuration.load(ShapesTrainConfig, main, ["reward.name=geneval"])
+    cfg = configuration.load(ShapesTrainConfig, main, ["reward.weights=null", "reward.name=jpeg_compressibility"])
+    assert cfg.reward.name == "jpeg_compressibility" and cfg.reward.weights is None
+    cfg = configuration.load(ShapesTrainConfig, main, ["reward.weights=null"])
+    assert cfg.reward.name == "geneval"                                               # neither set: geneval

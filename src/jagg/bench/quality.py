@@ -213,7 +213,12 @@ def _test_clock(run: dict, col: int) -> list[float]:
 
 
 def _interval(xs: np.ndarray) -> tuple[float, float]:
-    return float(np.percentile(xs, 2.5)), float(np.percentile(xs, 97.5))
+    """The 95% percentile interval of the defined (non-NaN) resamples; NaN when none is defined. A time ratio is
+    undefined in a resample whose target the variants already meet at the start (0 / 0)."""
+    xs = np.asarray(xs, dtype=float)
+    if np.isnan(xs).all():
+        return float("nan"), float("nan")
+    return float(np.nanpercentile(xs, 2.5)), float(np.nanpercentile(xs, 97.5))
 
 
 def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str = "wall",
@@ -284,6 +289,7 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
             "time_to_target_ratio": ratio, "reached": reached,
             "ratio_lo": _interval(np.array([b[0] for b in bt]))[0], "ratio_hi": _interval(np.array([b[0] for b in bt]))[1],
             "not_reached_share": float(np.mean([not b[1] for b in bt])),
+            "undefined_share": float(np.mean([b[0] != b[0] for b in bt])),
             "final_test_mean": float(np.nanmean(fin)), "final_test_lo": _interval(np.array(fin_b))[0],
             "final_test_hi": _interval(np.array(fin_b))[1],
             "diff_vs_exact": float(np.nanmean(diff)), "diff_lo": _interval(np.array(diff_b))[0],

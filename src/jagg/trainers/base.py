@@ -70,6 +70,10 @@ def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUM
     ``config_class``, keys the checkpoint saved under a former name are read under the current one first."""
     if config_class is not None:
         saved = renamed_keys(config_class, saved, warn=False)
+    reward = saved.get("reward")
+    if isinstance(reward, dict) and reward.get("weights") and reward.get("name"):
+        # saved before reward.name and reward.weights became exclusive: the weights overrode the name then
+        saved = {**saved, "reward": {**reward, "name": None}}
     a, b = _flatten(saved), _flatten(current)
     changed = []
     for key in sorted(set(a) | set(b)):
