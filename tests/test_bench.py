@@ -68,8 +68,13 @@ def test_bench_speed_smoke(tmp_path, bench_ckpt):
     B, T = 2, 8
     assert main(["bench", "speed", "--models", "tiny_dit", "--tiny-checkpoint", bench_ckpt,
                  "--windows", "2", "4", "8", "--batch", str(B), "--steps", str(T), "--micro-batch", "4",
-                 "--repeats", "1", "--threads", "1", "--json", str(out)]) == 0
+                 "--repeats", "1", "--threads", "1", "--subsample", "0.5", "0.25", "--json", str(out)]) == 0
     recs = json.loads(out.read_text())
+    sub = {r["window"]: r for r in recs if r["knots"] == "subsample"}   # random timestep subsampling, timed too
+    assert set(sub) == {0.5, 0.25} and all(r["mode"] == "subsample" for r in sub.values())
+    for f, m in ((0.5, 4), (0.25, 2)):                          # round(f 8) of the 8 steps: limit 8 / m
+        assert sub[f]["backward_items_jagg"] == B * m and sub[f]["limit"] == sub[f]["limit_measured"] == T / m
+    recs = [r for r in recs if r["knots"] != "subsample"]
     pairs = {(w, i) for w in (2, 4, 8) for i in ("fresh", "interp")}
     assert {(r["window"], r["intermediate"]) for r in recs} == pairs
     assert len(recs) == 3 * len(pairs)                          # groups, shared, adaptive
@@ -82,7 +87,8 @@ def test_bench_speed_smoke(tmp_path, bench_ckpt):
         assert {"model", "mode", "intermediate", "window", "exact_s", "jagg_s", "speedup", "limit",
                 "backward_items_exact", "backward_items_jagg", "limit_measured", "peak_mem_exact_mb"} <= set(r)
         W, fresh = r["window"], r["intermediate"] == "fresh"
-        assert r["exact_s"] > 0 and r["jagg_s"] > 0 and r["speedup"] > 0 and r["limit_measured"] >= 1.0
+        # limit_measured comes from measured forward/backward times: any positive value on a busy machine
+        assert r["exact_s"] > 0 and r["jagg_s"] > 0 and r["speedup"] > 0 and r["limit_measured"] > 0
         groups = B * T // W                                     # (sample, group) pairs
         assert r["backward_items_exact"] == groups * W          # exact: W backward rows per group per sample
         assert r["backward_items_jagg"] == groups * 2           # JAGG: 2

@@ -60,6 +60,7 @@ class SpeedConfig:
     windows: list[int] = field(default_factory=lambda: [2, 4, 8])
     knots: list[str] = field(default_factory=lambda: list(KNOTS))
     intermediates: list[str] = field(default_factory=lambda: list(INTERMEDIATES))
+    subsample: list[float] = field(default_factory=lambda: [0.5])     # mode="subsample" fractions timed too
     batch: int = 4                 # trajectories B
     steps: int = 16                # sampling steps T, all trained
     micro_batch: int = 8           # rows per network call, the same in every mode
@@ -80,6 +81,8 @@ class SpeedConfig:
         bad = [k for k in self.knots if k not in KNOTS]
         if bad or not self.knots:
             raise ValueError(f"--knots must be some of {KNOTS}; got {self.knots}")
+        if not all(isinstance(f, (int, float)) and 0 < f <= 1 for f in self.subsample):
+            raise ValueError(f"--subsample fractions must be in (0, 1]; got {self.subsample}")
         bad = [i for i in self.intermediates if i not in INTERMEDIATES]
         if bad or not self.intermediates:
             raise ValueError(f"--intermediates must be some of {INTERMEDIATES}; got {self.intermediates}")
@@ -251,6 +254,10 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
           f"(B/F_grad = {bw / fg:.2f})", flush=True)
     mem_exact, mem_kind = peak_memory(s, exact, device)
 
+    K = int(s.traj.train_steps.numel())
+    for f in cfg.subsample:                                 # random timestep subsampling: limit K / m, no inner rows
+        m = max(1, min(K, round(f * K)))
+        jaggs[("subsample", f, "-")] = EstimatorConfig(mode="subsample", subsample_frac=f, micro_batch=cfg.micro_batch)
     records = []
     for (kn, w, inter), est in jaggs.items():
         t_exact, t_jagg = [], []
@@ -264,15 +271,17 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
         # the network's share: rows through the network at the measured per-micro-batch costs
         net = lambda st: (st.forward_grad_items * (fg + bw) + st.forward_nograd_items * fn) / cfg.micro_batch
         ex, jg = median(t_exact), median(t_jagg)
-        K = int(s.traj.train_steps.numel())
-        lim_meas = cost_limit(w, inter, fg, fn, bw, steps=K, knots=kn)
+        if kn == "subsample":
+            lim = lim_meas = K / max(1, min(K, round(w * K)))    # rows K -> m, every row with grad
+        else:
+            lim, lim_meas = cost_limit(w, inter, steps=K, knots=kn), cost_limit(w, inter, fg, fn, bw, steps=K, knots=kn)
         rec = {
             "model": s.name, "model_params": s.params, "device": str(device), "threads": torch.get_num_threads(),
             "batch": cfg.batch, "steps": cfg.steps, "trained_steps": K,
             "micro_batch": cfg.micro_batch, "guidance_scale": cfg.guidance_scale, "repeats": cfg.repeats,
-            "mode": "jagg", "knots": kn, "intermediate": inter, "window": w,
+            "mode": est.mode, "knots": kn, "intermediate": inter, "window": w,
             "exact_s": ex, "jagg_s": jg, "speedup": ex / jg,
-            "limit": cost_limit(w, inter, steps=K, knots=kn), "limit_measured": lim_meas, "efficiency": (ex / jg) / lim_meas,
+            "limit": lim, "limit_measured": lim_meas, "efficiency": (ex / jg) / lim_meas,
             "network_exact_s": net(st_exact), "network_jagg_s": net(st_jagg),
             "overhead_exact": ex / net(st_exact), "overhead_jagg": jg / net(st_jagg),
             "exact_times": t_exact, "jagg_times": t_jagg, **costs,
@@ -286,7 +295,7 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
             "peak_mem_exact_mb": mem_exact, "peak_mem_jagg_mb": mem_jagg, "mem_kind": mem_kind,
         }
         records.append(rec)
-        print(f"  {kn:<8} W={w} {inter:<6} exact {ex:.3f}s  jagg {jg:.3f}s  speed-up {ex / jg:.2f}x  "
+        print(f"  {kn:<9} {'f' if kn == 'subsample' else 'W'}={w} {inter:<6} exact {ex:.3f}s  jagg {jg:.3f}s  speed-up {ex / jg:.2f}x  "
               f"(limit {rec['limit']:.2f}, measured-cost limit {lim_meas:.2f})", flush=True)
     return records
 
@@ -324,7 +333,8 @@ def _run(args: argparse.Namespace) -> int:
     sd3 = base.sd3
     sd3 = SD3Spec(**{**asdict(sd3), **{k: v for k, v in (("layers", args.sd3_layers), ("heads", args.sd3_heads),
                                                           ("latent_size", args.sd3_latent)) if v is not None}})
-    over = {k: getattr(args, k) for k in ("models", "windows", "knots", "intermediates", "batch", "steps", "micro_batch",
+    over = {k: getattr(args, k) for k in ("models", "windows", "knots", "intermediates", "subsample", "batch", "steps",
+                                          "micro_batch",
                                           "repeats", "guidance_scale", "seed", "device", "threads",
                                           "tiny_checkpoint") if getattr(args, k) is not None}
     cfg = SpeedConfig(**{**asdict(base), **over, "sd3": sd3})
@@ -354,6 +364,9 @@ def add_parser(sub) -> None:
     p.add_argument("--models", nargs="+", choices=MODELS, help=f"models to time [default: {' '.join(d.models)}]")
     p.add_argument("--windows", nargs="+", type=int, help=f"JAGG windows [default: {' '.join(map(str, d.windows))}]")
     p.add_argument("--knots", nargs="+", choices=KNOTS, help=f"knot layouts [default: {' '.join(d.knots)}]")
+    p.add_argument("--subsample", nargs="*", type=float, metavar="FRAC",
+                   help=f"also time mode=subsample at these fractions of the trained steps (limit K / round(f K)); "
+                        f"none: skip [default: {' '.join(map(str, d.subsample))}]")
     p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES,
                    help=f"inner-step velocities [default: {' '.join(d.intermediates)}]")
     p.add_argument("--batch", type=int, help=f"trajectories B [default: {d.batch}]")
