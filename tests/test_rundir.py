@@ -333,3 +333,40 @@ def test_the_real_model_trainer_applies_the_same_rules_before_loading_a_model(tm
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
     assert (aside / "metrics.jsonl").is_file() and (aside / "checkpoints" / "ckpt_000001.pt").read_bytes() == b"cut"
     assert not (run / RUN_FILE).exists()                                   # nothing written before the model loads
+
+
+def test_a_run_directory_in_use_by_another_process_is_refused_and_changes_nothing(tmp_path, tiny_ckpt, capsys):
+    """While a process trains in a directory (it holds run.lock), a second jagg train --resume or
+    --resume-or-start there, or a new run with --overwrite, is refused with exit 2 and nothing moves; once the lock
+    is released the same --resume works. (Two bench quality processes once moved a run aside under each other.)"""
+    import subprocess
+    import sys
+    import time
+
+    from jagg.training.rundir import lock_holder, lock_run
+
+    out = tmp_path / "run"
+    assert main(tiny_train_args(tiny_ckpt, out, 1)) == 0
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from jagg.training.rundir import lock_run; "
+                               f"f = lock_run({str(out)!r}); print('locked', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert lock_holder(out) == str(holder.pid)
+        before = _snapshot(out)
+        capsys.readouterr()
+        for extra in (["--resume"], ["--resume-or-start"], ["--overwrite"]):
+            args = tiny_train_args(tiny_ckpt, out, 2)
+            assert main(args[:3] + extra + args[3:]) == 2, extra
+            err = capsys.readouterr().err
+            assert f"in use by another jagg process (pid {holder.pid})" in err and "Traceback" not in err
+            assert _snapshot(out) == before and not list(tmp_path.glob("run.old-*"))
+        with pytest.raises(ValueError, match="in use"):
+            lock_run(out)
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    assert lock_holder(out) is None                    # released by the operating system when the process ended
+    args = tiny_train_args(tiny_ckpt, out, 2)
+    assert main(args[:3] + ["--resume"] + args[3:]) == 0

@@ -32,7 +32,7 @@ from ..estimator import reference_velocities
 from ..training.config_loader import renamed_keys
 from ..training.distributed import gather, init_process_group_from_env
 from ..training.metrics import MetricsLogger
-from ..training.rundir import open_run, read_run_file, write_run_file
+from ..training.rundir import lock_run, open_run, read_run_file, write_run_file
 from ..trajectory import Trajectory, VelocityFn, select_train_steps
 
 # config keys that may change between a checkpoint and its resumption
@@ -450,8 +450,10 @@ class GRPOTrainer(ABC):
         """Run iterations up to ``grpo.iterations`` (logged, evaluated and checkpointed as configured); returns the
         metrics records (on the main process)."""
         c = self.cfg
+        lock = None
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
+            lock = lock_run(self.out)                  # one process trains in a run directory at a time
         if self.iteration >= c.grpo.iterations:
             self._print(f"the run in {self.out} is at iteration {self.iteration} of grpo.iterations="
                         f"{c.grpo.iterations}: nothing to train (raise grpo.iterations to continue it, or --overwrite "
@@ -484,6 +486,8 @@ class GRPOTrainer(ABC):
                 signal.signal(s, h)
             if self.logger is not None:
                 self.logger.close()
+            if lock is not None:
+                lock.close()
         return self.logger.records() if self.logger is not None else []
 
     def _logged_step(self) -> dict:

@@ -11,6 +11,10 @@
   and the library's ``ShapesTrainer(cfg, resume=True)`` that ``jagg bench quality`` uses) starts a new run, and only in a
   directory that holds no run, or after moving aside one that saved no checkpoint (records, samples: a run that
   stopped before its first checkpoint cannot be continued).
+- A run directory is **used by one process at a time**: a training loop holds an exclusive lock on ``<dir>/run.lock``
+  (``fcntl.flock``: the operating system releases it when the process ends, however it ends), and any other
+  ``open_run`` on that directory (a second ``jagg train``, ``--resume``, ``jagg bench quality`` comparing while another
+  process trains the run) is refused while it is held, before anything is moved or written.
 - Filesystem errors while preparing the directory (a file where the directory should be, read-only, no
   permission) are :class:`RunDirError` naming the path and what to do.
 """
@@ -30,6 +34,7 @@ from typing import Callable
 from .checkpoint import list_checkpoints, read_checkpoint
 
 RUN_FILE = "run.json"
+LOCK_FILE = "run.lock"
 HINT = ("use --resume to continue it, another --output-dir for a new run, or --overwrite to move the old run "
         "aside and start over")
 
@@ -142,6 +147,57 @@ def move_aside(out: Path) -> Path:
     return target
 
 
+def _flock(f, exclusive_now: bool) -> bool:
+    """Try to take an exclusive lock on the open file ``f`` without waiting; True when taken (and kept, unless
+    ``exclusive_now`` is False, then released at once). Where ``fcntl`` is missing (not POSIX): always True."""
+    try:
+        import fcntl
+    except ImportError:
+        return True
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    if not exclusive_now:
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    return True
+
+
+def lock_holder(out: Path) -> str | None:
+    """The process that holds ``out``'s run lock (its pid as written in the lock file), or None when it is free."""
+    path = Path(out) / LOCK_FILE
+    if not path.is_file():
+        return None
+    try:
+        with open(path) as f:
+            if _flock(f, exclusive_now=False):
+                return None
+            return f.read().strip() or "unknown"
+    except OSError:
+        return None
+
+
+def lock_run(out: Path):
+    """Take ``out``'s run lock for this process (the open lock file: keep it, close it to release), or raise
+    :class:`RunDirError` naming the process that holds it."""
+    path = Path(out) / LOCK_FILE
+    try:
+        f = open(path, "a+")
+    except OSError as e:
+        raise fs_error(e, Path(out), "lock") from None
+    if not _flock(f, exclusive_now=True):
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RunDirError(f"{out} is in use by another jagg process (pid {holder}); wait for it to end, or use "
+                          "another --output-dir")
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 @dataclass
 class RunStart:
     """What :func:`open_run` decided: the run's id, the checkpoint to resume from (``(state, path)``, or None for a
@@ -168,6 +224,10 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
     out = Path(out)
     barrier = barrier or (lambda: None)
     check_layout(out)
+    holder = lock_holder(out)
+    if holder is not None:
+        raise RunDirError(f"{out} is in use by another jagg process (pid {holder}), which is training in it: wait for "
+                          "it to end (then --resume), or use another --output-dir; nothing was changed")
     moved = None
     if not resume:
         if overwrite and main and run_contents(out):
