@@ -50,6 +50,29 @@ def test_extrapolation_and_efficiency_formula():
     assert predicted_efficiency(1.0, 0.0) == 1.0 and math.isnan(predicted_efficiency(1.0, math.nan))
 
 
+@pytest.mark.parametrize("error_to_noise", [1.0, 3.0])
+def test_adam_pays_the_square_root_of_an_unbiased_error(error_to_noise):
+    """The model behind adam_efficiency: Adam on a noise-dominated gradient (signal s_j = 0.1 of the noise's std in
+    every coordinate) gains along the signal in proportion to 1 / sqrt(1 + E|e|^2 / V_b) when an unbiased error of
+    E|e|^2 is added, not 1 / (1 + E|e|^2 / V_b) as plain SGD's variance model says."""
+    from jagg.audit import adam_efficiency
+
+    def gain(extra: float) -> float:
+        g = torch.Generator().manual_seed(0)
+        P, s = 1000, torch.full((1000,), 0.1, dtype=torch.float64)
+        theta = torch.zeros(P, dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.Adam([theta], lr=1e-3)
+        for _ in range(2000):
+            theta.grad = -(s + torch.randn(P, generator=g, dtype=torch.float64) * math.sqrt(1 + extra))
+            opt.step()
+        return float(s @ theta.detach())
+
+    ratio = gain(error_to_noise) / gain(0.0)
+    assert ratio == pytest.approx(adam_efficiency(1.0, error_to_noise), rel=0.03)
+    assert abs(ratio - predicted_efficiency(1.0, error_to_noise)) > 0.15
+    assert adam_efficiency(2.0, 3.0) == pytest.approx(1.0) and math.isnan(adam_efficiency(1.0, math.nan))
+
+
 def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "eff.json"
     sets = ["estimator.exact_last_intervals=0", "estimator.correction_p=0.25", "reward.weights=null",
@@ -73,11 +96,16 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     assert recs["subsample"]["rows_per_sample"] == 5 and recs["subsample"]["mode"] == "subsample"
     for r in recs.values():
         for key in ("error_to_noise", "bias_to_noise", "bias_to_noise_se", "efficiency", "time_efficiency",
-                    "error_to_noise_at_target", "efficiency_at_target", "noise"):
+                    "adam_efficiency", "adam_time_efficiency", "error_to_noise_at_target", "efficiency_at_target",
+                    "adam_time_efficiency_at_target", "noise"):
             assert math.isfinite(r[key]), (r["estimator"], key)
-        assert r["efficiency"] == pytest.approx(r["rows_ratio"] / (1 + max(r["error_to_noise"], 0)))
+        e2n = max(r["error_to_noise"], 0)
+        assert r["efficiency"] == pytest.approx(r["rows_ratio"] / (1 + e2n))
+        assert r["adam_time_efficiency"] == pytest.approx(r["iter_ratio"] / math.sqrt(1 + e2n))
+        assert r["bias_z"] == pytest.approx(r["bias_to_noise"] / r["bias_to_noise_se"]) if r["bias_to_noise"] else True
     assert recs["plain"]["error_to_noise"] > 0 and recs["plain"]["same_batch_cosine"] < 1
-    assert "time eff." in capsys.readouterr().out
+    assert "Adam time eff." in capsys.readouterr().out
+    assert recs["exact"]["bias_z"] == 0 and recs["exact"]["adam_efficiency"] == 1
 
 
 @pytest.mark.parametrize("spec, match", [("nope", "unknown name"), ("x:window", "not KEY=VALUE"),
@@ -110,6 +138,8 @@ def test_audit_meter_recovers_noise_error_and_bias_from_group_gradients():
     assert r["bias_to_noise"] == pytest.approx(0.4, abs=0.12) and r["bias_to_noise"] > 3 * r["bias_to_noise_se"]
     assert r["predicted_efficiency"] == pytest.approx(2 / (1 + r["error_to_noise"]))
     assert r["predicted_time_efficiency"] == pytest.approx(1.5 / (1 + r["error_to_noise"]))   # (1 - f) + f * 2
+    assert r["predicted_adam_efficiency"] == pytest.approx(2 / math.sqrt(1 + r["error_to_noise"]))
+    assert r["predicted_adam_time_efficiency"] == pytest.approx(1.5 / math.sqrt(1 + r["error_to_noise"]))
     assert "repeats from batch to batch" in meter_flag(r)
     # an unbiased, cheap estimator: no flag
     meter = AuditMeter(seed=2)
@@ -137,6 +167,7 @@ def test_trainer_audit_logs_the_meter_and_warns_once(tmp_path, tiny_ckpt, capsys
         assert r["samples"] == 4 and r["rows_exact"] == 16 and r["rows_estimator"] == 8   # 2 groups of 2; 4 steps
         assert math.isfinite(r["error_to_noise"]) and r["error_to_noise"] > 0
         assert r["predicted_efficiency"] == pytest.approx(2 / (1 + r["error_to_noise"]))
+        assert r["predicted_adam_efficiency"] == pytest.approx(2 / math.sqrt(1 + r["error_to_noise"]))
     assert math.isnan(audits[0]["predicted_time_efficiency"]) and math.isfinite(audits[1]["predicted_time_efficiency"])
     out = capsys.readouterr().out
     assert out.count("audit: this estimator") <= 2          # each warning at most once per run

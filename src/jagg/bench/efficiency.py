@@ -7,6 +7,10 @@ the exact gradient, so progress for the same work goes as (docs/design.md §3)
     efficiency      = (rows_exact / rows) * V_b / (V_b + E|e|^2)        (training-phase rows)
     time_efficiency = (t_exact / t)       * V_b / (V_b + E|e|^2)        (whole iterations, rollout included)
 
+with plain SGD. The trainers use AdamW, whose step the noise normalises: there extra unbiased error costs its square
+root, ``adam_efficiency = (rows_exact / rows) * sqrt(V_b / (V_b + E|e|^2))`` and ``adam_time_efficiency`` likewise
+(docs/design.md §3.8). Both models hold for an unbiased estimator only; read ``bias_to_noise`` (and ``bias_z``) first.
+
 This benchmark measures every term with the trainer's own sampling (the config's, the main job by default) and
 :func:`jagg.policy_gradient`, no optimizer step. It draws ``--batches`` independent batches; on each it computes
 the exact gradient once and every other estimator ``--draws`` times (fresh random picks per draw; one draw for a
@@ -17,9 +21,11 @@ deterministic estimator). Per estimator:
 - ``bias_to_noise`` = ``|b|^2 / V_b`` with its standard error: ``|b|^2`` is the agreement of the errors' means
   across batches, ``mean_{i != j} <e_i, e_j>``, an unbiased estimate of the squared norm of the error that repeats
   from batch to batch (the bias Adam integrates like a signal). 0 for an unbiased estimator up to its SE;
+  ``bias_z`` = ``bias_to_noise / bias_to_noise_se`` (in the main job both layouts at ``bias_z`` >= 2 fell behind
+  exact, both below 1 kept up: docs/RESULTS.md §6.4);
 - ``bias_to_signal`` = ``|b|^2 / |E g|^2`` (the signal's squared norm estimated the same way from the exact
   gradients) and ``bias_signal_cos``: a bias is harmless only when it is small against the signal Adam follows;
-- ``efficiency`` and ``time_efficiency`` as above (times: medians of the training phase per batch in CPU seconds of
+- ``efficiency``, ``time_efficiency``, ``adam_efficiency`` and ``adam_time_efficiency`` as above (times: medians of the training phase per batch in CPU seconds of
   this process, measured side by side, plus the rollout's median: sampling and reward; with ``threads=1`` CPU
   seconds do not count waiting for a core another process holds);
 - the same extrapolated to ``--target-batch`` samples per update (default: the config's, samples per optimizer
@@ -44,7 +50,7 @@ import torch
 import yaml
 
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..audit import error_noise_stats, extrapolate, predicted_efficiency
+from ..audit import adam_efficiency, error_noise_stats, extrapolate, predicted_efficiency
 from ..estimator import policy_gradient
 from ..estimator_config import EstimatorConfig
 from ..knots import layout_intervals, plan_update
@@ -113,6 +119,21 @@ def draw_batch(trainer, cfg: ShapesTrainConfig, reward):
     return traj.select(idx), tokens[idx], adv[idx], prompt_groups, seconds
 
 
+def bias_z(bias_to_noise: float, se: float) -> float:
+    """The repeating error in standard errors (0 for an estimator without one, NaN when its SE is unknown)."""
+    if bias_to_noise == 0:
+        return 0.0
+    return bias_to_noise / se if se > 0 else math.nan
+
+
+def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float) -> dict:
+    """The four efficiencies (module docstring) of an estimator with these work ratios against exact and this error."""
+    return {"efficiency": predicted_efficiency(rows_ratio, error_to_noise),
+            "time_efficiency": predicted_efficiency(time_ratio, error_to_noise),
+            "adam_efficiency": adam_efficiency(rows_ratio, error_to_noise),
+            "adam_time_efficiency": adam_efficiency(time_ratio, error_to_noise)}
+
+
 def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None) -> list[dict]:
     """One record per estimator (module docstring)."""
     from ..trainers.shapes import ShapesTrainer
@@ -165,13 +186,11 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
         rec = {"estimator": name, "mode": est.mode, "batches": batches, "draws": draws if is_random(est) else 1,
                "samples_per_batch": n_samples, "target_batch": target, "rows_per_sample": r,
                "rows_ratio": r_exact / r, "train_s": t, "rollout_s": t_roll, "iter_ratio": time_ratio,
-               **st, "efficiency": predicted_efficiency(r_exact / r, st["error_to_noise"]),
-               "time_efficiency": predicted_efficiency(time_ratio, st["error_to_noise"]),
-               "estimator_config": est.to_dict()}
+               **st, "bias_z": bias_z(st["bias_to_noise"], st["bias_to_noise_se"]),
+               **efficiencies(r_exact / r, time_ratio, st["error_to_noise"]), "estimator_config": est.to_dict()}
         at = extrapolate(st, n_samples, target)
         rec.update({f"{k}_at_target": v for k, v in at.items()})
-        rec["efficiency_at_target"] = predicted_efficiency(r_exact / r, at["error_to_noise"])
-        rec["time_efficiency_at_target"] = predicted_efficiency(time_ratio, at["error_to_noise"])
+        rec.update({f"{k}_at_target": v for k, v in efficiencies(r_exact / r, time_ratio, at["error_to_noise"]).items()})
         records.append(rec)
     return records
 
@@ -233,10 +252,10 @@ INTERVAL_COLUMNS = [("interval", "interval", ""), ("steps", "steps", ""), ("sigm
 
 COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".2f"),
            ("error_to_noise", "E|e|^2/V_b", ".4f"), ("bias_to_noise", "bias^2/V_b", ".4f"),
-           ("bias_to_noise_se", "± SE", ".4f"), ("bias_to_signal", "bias^2/signal^2", ".2f"),
-           ("efficiency", "efficiency", ".2f"),
-           ("iter_ratio", "iter ratio", ".2f"), ("time_efficiency", "time eff.", ".2f"),
-           ("bias_to_noise_at_target", "bias^2/V_b @T", ".4f"), ("time_efficiency_at_target", "time eff. @T", ".2f")]
+           ("bias_to_noise_se", "± SE", ".4f"), ("bias_z", "bias z", ".1f"), ("bias_to_signal", "bias^2/signal^2", ".2f"),
+           ("efficiency", "efficiency", ".2f"), ("iter_ratio", "iter ratio", ".2f"), ("time_efficiency", "time eff.", ".2f"),
+           ("adam_time_efficiency", "Adam time eff.", ".2f"),
+           ("bias_to_noise_at_target", "bias^2/V_b @T", ".4f"), ("adam_time_efficiency_at_target", "Adam @T", ".2f")]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -255,6 +274,8 @@ def _run(args: argparse.Namespace) -> int:
           f"{r0['signal_to_noise_se']:.4f}; @T = extrapolated to {r0['target_batch']} samples per "
           f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)")
     print(table(records, COLUMNS))
+    print("time eff.: plain SGD's variance model; Adam time eff.: the trainers' AdamW (the step normalised by the "
+          "noise), for an estimator whose repeating error is not significant (bias z < 2); docs/design.md §3.8")
     if args.by_interval:
         parts = by_interval(cfg, args.by_interval, batches, draws)
         print(f"\nwhere {args.by_interval.split(':')[0]}'s error lives: each interval's terms alone, against the whole "
