@@ -23,6 +23,17 @@ def tiny_ckpt(tmp_path_factory):
     return str(path)
 
 
+def real_model_config(tmp_path, model_dir: str = "model"):
+    """A real-model (`pipeline:`) trainer config whose model directory ``tmp_path/model_dir`` does not exist: enough
+    for the CLI's parsing, help and run-directory paths, which come before the model is loaded."""
+    (tmp_path / "prompts.txt").write_text("a red cube\na blue ball\n")
+    cfg = tmp_path / "real.yaml"
+    cfg.write_text(f"pipeline: {{family: sd3, path: {tmp_path / model_dir}, num_steps: 4}}\n"
+                   f"reward: {{name: jpeg_compressibility}}\n"
+                   f"sample: {{prompts_file: {tmp_path / 'prompts.txt'}, prompts_per_iter: 2, group_size: 2}}\n")
+    return cfg
+
+
 def tiny_train_args(ckpt: str, out, iterations: int = 3, *extra: str) -> list[str]:
     """`jagg train` arguments for a seconds-long run."""
     sets = [f"model.checkpoint={ckpt}", f"grpo.iterations={iterations}", "sample.num_steps=4",

@@ -13,7 +13,7 @@ import torch
 import yaml
 from PIL import Image
 
-from conftest import tiny_train_args
+from conftest import real_model_config, tiny_train_args
 from jagg.cli import main
 from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
 from jagg.training import config_loader as configuration
@@ -128,12 +128,7 @@ def test_bench_quality_checks_every_variant_before_training(tmp_path, capsys):
 
 
 def _real_config(tmp_path: Path) -> Path:
-    (tmp_path / "prompts.txt").write_text("a red cube\na blue ball\n")
-    cfg = tmp_path / "real.yaml"
-    cfg.write_text(f"pipeline: {{family: sd3, path: {tmp_path / 'model'}, num_steps: 4}}\n"
-                   f"reward: {{name: jpeg_compressibility}}\n"
-                   f"sample: {{prompts_file: {tmp_path / 'prompts.txt'}, prompts_per_iter: 2, group_size: 2}}\n")
-    return cfg
+    return real_model_config(tmp_path, "model")
 
 
 # ---------------------------------------------------------------------------------------------- the main job

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_train_args
+from conftest import real_model_config, tiny_train_args
 from jagg.cli import main
 from jagg.training.checkpoint import list_checkpoints, load_latest, prune_checkpoints, save_checkpoint
 from jagg.training.rundir import RUN_FILE, read_run_file
@@ -306,12 +306,7 @@ def test_the_end_of_run_line_lists_only_what_was_written(tmp_path, tiny_ckpt, ca
 
 
 def _real_config(tmp_path: Path) -> Path:
-    (tmp_path / "prompts.txt").write_text("a red cube\na blue ball\n")
-    cfg = tmp_path / "real.yaml"
-    cfg.write_text(f"pipeline: {{family: sd3, path: {tmp_path / 'no_model'}, num_steps: 4}}\n"
-                   f"reward: {{name: jpeg_compressibility}}\n"
-                   f"sample: {{prompts_file: {tmp_path / 'prompts.txt'}, prompts_per_iter: 2, group_size: 2}}\n")
-    return cfg
+    return real_model_config(tmp_path, "no_model")
 
 
 def test_the_real_model_trainer_applies_the_same_rules_before_loading_a_model(tmp_path, capsys):
