@@ -31,7 +31,7 @@ Inner-step velocities are ``fresh`` (one no-grad forward of the chunk's inner ro
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, ContextManager, Sequence
 
 import numpy as np
@@ -193,7 +193,8 @@ def _check_reference(ref_velocities: Tensor | None, traj: Trajectory, config: Es
 class UpdateInputs:
     """What every phase of one :func:`policy_gradient` call reads: the velocity callable, the trajectory, the
     advantages ``[B]``, the configuration, the reference velocities and ``term_weight``, the weight of one term
-    ``l_{i,k}`` in the loss ``L`` (``loss_scale / (B |K|)``)."""
+    ``l_{i,k}`` in the loss ``L`` (``loss_scale / (B |K|)``); and ``dtype``, the update's compute dtype (the
+    trajectory's, as sampling stores it: fp32, or fp64 when the trajectory is fp64), set once for every chunk."""
 
     velocity_fn: VelocityFn
     traj: Trajectory
@@ -201,6 +202,10 @@ class UpdateInputs:
     config: EstimatorConfig
     ref_velocities: Tensor | None
     term_weight: float
+    dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self):
+        self.dtype = compute_dtype(self.traj.latents)
 
     def velocity(self, sample: Tensor, step: Tensor) -> Tensor:
         """One network call: the velocities ``[n, *S]`` of the rows ``(sample, step)``, checked to have exactly the
@@ -348,14 +353,12 @@ def backward_chunk(inputs: UpdateInputs, ch: Chunk, fresh: list[tuple[Tensor, Te
                    backward_fn: Callable[[Tensor], None], counters: _Counters) -> StepLoss:
     """Phase 4: one forward with grad of the chunk's rows, their signals (phase 3), and one backward of the scalar
     surrogate ``sum(v * G)``, whose gradient is ``sum_row J_row^T G_row``. Returns the terms' losses."""
-    traj = inputs.traj
     v = inputs.velocity(ch.row_sample, ch.row_step)                                     # with grad
     counters.forward_grad += ch.rows
     counters.calls += 1
-    dtype = compute_dtype(v, traj.latents)
-    v_terms = term_velocities(v.detach().to(dtype), inputs, ch, fresh)
+    v_terms = term_velocities(v.detach().to(inputs.dtype), inputs, ch, fresh)
     signal, out = row_signals(v_terms, inputs, ch)
-    backward_fn((v.to(dtype) * signal).sum())
+    backward_fn((v.to(inputs.dtype) * signal).sum())
     return out
 
 
