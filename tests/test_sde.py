@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import jagg
-from jagg.schedule import check_sigmas
 from jagg.sde import sde_mean, sde_std
+from jagg.trajectory import check_sigmas
 
 
 def test_flow_sigmas_match_sd3_schedule():

@@ -44,16 +44,3 @@ def flow_sigmas(num_steps: int, shift: float = 1.0, dtype: torch.dtype = torch.f
         raise ValueError(f"num_steps must be an integer >= 1; got {num_steps!r}")
     t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return shift_sigmas(t, shift).to(dtype)
-
-
-def check_sigmas(sigmas: Tensor) -> None:
-    """Raise a ValueError unless ``sigmas`` is a 1-D strictly decreasing schedule inside [0, 1]."""
-    if sigmas.ndim != 1 or sigmas.numel() < 2:
-        raise ValueError(f"sigmas must be a 1-D tensor of num_steps + 1 >= 2 values; got shape {tuple(sigmas.shape)}")
-    if not bool((sigmas[1:] < sigmas[:-1]).all()):
-        raise ValueError(
-            "sigmas must be strictly decreasing (sampling runs from sigma=1, noise, to sigma=0, data); "
-            f"got {sigmas.tolist()}"
-        )
-    if float(sigmas.max()) > 1.0 or float(sigmas.min()) < 0.0:
-        raise ValueError(f"sigmas must lie in [0, 1]; got min {float(sigmas.min())}, max {float(sigmas.max())}")

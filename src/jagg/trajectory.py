@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .schedule import check_sigmas, is_finite_number
+from .schedule import is_finite_number
 from .sde import CPS_LAST_STEP, REDUCTIONS, check_sde_type, compute_dtype, euler_step, sde_step
 
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -159,6 +159,20 @@ def check_noise(noise: Tensor) -> None:
         raise ValueError(f"noise must have shape [B, *S] (a batch of B >= 1 latents); got {tuple(noise.shape)}")
     if not bool(torch.isfinite(noise).all()):
         raise ValueError("noise contains NaN or infinity")
+
+
+def check_sigmas(sigmas: Tensor) -> None:
+    """Raise a ValueError unless ``sigmas`` is a 1-D strictly decreasing schedule inside [0, 1] (what a rollout and a
+    :class:`Trajectory` take; :func:`jagg.flow_sigmas` makes one)."""
+    if sigmas.ndim != 1 or sigmas.numel() < 2:
+        raise ValueError(f"sigmas must be a 1-D tensor of num_steps + 1 >= 2 values; got shape {tuple(sigmas.shape)}")
+    if not bool((sigmas[1:] < sigmas[:-1]).all()):
+        raise ValueError(
+            "sigmas must be strictly decreasing (sampling runs from sigma=1, noise, to sigma=0, data); "
+            f"got {sigmas.tolist()}"
+        )
+    if float(sigmas.max()) > 1.0 or float(sigmas.min()) < 0.0:
+        raise ValueError(f"sigmas must lie in [0, 1]; got min {float(sigmas.min())}, max {float(sigmas.max())}")
 
 
 def check_train_steps(ts: Tensor, num_steps: int) -> None:
