@@ -50,6 +50,7 @@ import torch.distributed as dist
 from ..estimator import policy_gradient
 from ..integrations.config import read_prompt_lines
 from ..integrations.policy import Policy, load_model
+from ..rewards.registry import get_reward
 from ..trajectory import sample_trajectories
 from ..training import config_loader as configuration
 from ..training.checkpoint import prune_checkpoints, write_checkpoint
@@ -92,7 +93,9 @@ class DiffusersTrainer(GRPOTrainer):
         self.progress_label = f"GRPO {cfg.pipeline.family}"
         self.local = shard(cfg.sample.batch_size)              # this rank's slice; the batch must split evenly
         self.prompts = read_prompt_lines(cfg.sample.prompts_file)
-        self.reward_fn = cfg.reward_fn()
+        # the checked reward callable (images, prompts, metadata) -> (scores [N], info): the server's or the local one
+        self.reward_fn = get_reward(cfg.reward_server if cfg.reward_server is not None
+                                    else cfg.reward.weights or cfg.reward.name)
         torch.manual_seed(cfg.seed)                            # the same LoRA initialisation on every rank
         self.policy: Policy = load_model(cfg.pipeline)        # check_model_dir: clear errors for bad paths
         self.device = self.policy.device

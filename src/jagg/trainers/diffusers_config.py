@@ -16,7 +16,6 @@ from pathlib import Path
 
 from ..integrations.config import PipelineConfig, read_prompt_lines
 from ..rewards.client import RewardClient
-from ..rewards.registry import get_reward
 from ..training import config_loader as configuration
 from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_sampler
 
@@ -111,12 +110,6 @@ class DiffusersTrainConfig(TrainerSections):
         if self.estimator.kl_beta > 0 and not self.pipeline.lora.enabled and not self.pipeline.keep_reference:
             raise ValueError("estimator.kl_beta > 0 with full fine-tuning (pipeline.lora.enabled: false) needs a "
                              "reference model: set pipeline.keep_reference: true, or estimator.kl_beta: 0")
-
-    def reward_fn(self):
-        """The checked reward callable ``(images, prompts, metadata) -> (scores [N], info)``."""
-        if self.reward_server is not None:
-            return get_reward(self.reward_server)
-        return get_reward(self.reward.weights or self.reward.name)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> DiffusersTrainConfig:
