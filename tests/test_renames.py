@@ -103,3 +103,12 @@ def test_reward_name_and_weights_together_are_refused_by_name():
     assert cfg.reward.name == "jpeg_compressibility" and cfg.reward.weights is None
     cfg = configuration.load(ShapesTrainConfig, main, ["reward.weights=null"])
     assert cfg.reward.name == "geneval"                                               # neither set: geneval
+
+
+def test_the_loss_head_keeps_its_former_import_path():
+    """The loss head moved to jagg.sde beside the densities it is built from; jagg.loss still names the same objects."""
+    import jagg.loss
+    import jagg.sde
+
+    assert jagg.loss.step_loss is jagg.sde.step_loss is jagg.step_loss
+    assert jagg.loss.StepLoss is jagg.sde.StepLoss

@@ -4,9 +4,8 @@ from .advantages import group_advantages, nonzero_spread_mask
 from .audit import audit_gradient
 from .estimator_config import EstimatorConfig
 from .estimator import GradientStats, policy_gradient, reference_velocities
-from .loss import step_loss
 from .schedule import flow_sigmas, shift_sigmas
-from .sde import euler_step, gaussian_log_prob, sde_step
+from .sde import euler_step, gaussian_log_prob, sde_step, step_loss
 from .trajectory import Trajectory, sample_ode, sample_trajectories, select_train_steps
 
 __version__ = "0.1.0"

@@ -4,7 +4,7 @@ and ``subsample``.
 :func:`policy_gradient` is the drop-in replacement for the per-step forward/backward loop of a Flow-GRPO
 update. It accumulates into ``.grad`` exactly what ``L.backward()`` would for
 
-    L = loss_scale / (B |K|) * sum_{i, k in K} l_{i,k}        (l from :func:`jagg.loss.step_loss`)
+    L = loss_scale / (B |K|) * sum_{i, k in K} l_{i,k}        (l from :func:`jagg.sde.step_loss`)
 
 in ``exact`` mode (and an estimate of it otherwise), and returns statistics. Every mode runs the same five phases
 (the words: docs/design.md §0):
@@ -42,9 +42,8 @@ from .advantages import as_vector
 from .deprecation import renamed
 from .estimator_config import EstimatorConfig
 from .knots import Bundle, Plan, plan_update
-from .loss import StepLoss, step_loss
 from .schedule import is_finite_number
-from .sde import compute_dtype
+from .sde import StepLoss, compute_dtype, step_loss
 from .trajectory import Trajectory, VelocityFn, checked_velocity, velocity_shape_error
 
 
@@ -217,7 +216,7 @@ class UpdateInputs:
         return v
 
     def losses(self, v: Tensor, sample: Tensor, step: Tensor) -> StepLoss:
-        """The loss head (:func:`jagg.loss.step_loss`) of the terms ``(sample, step)`` at velocities ``v``."""
+        """The loss head (:func:`jagg.sde.step_loss`) of the terms ``(sample, step)`` at velocities ``v``."""
         t, c, ref = self.traj, self.config, self.ref_velocities
         lat, sig = t.latents, t.sigmas
         return step_loss(v, lat[sample, step], lat[sample, step + 1], sig[step], sig[step + 1], float(sig[1]), t.eta,

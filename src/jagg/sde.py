@@ -1,5 +1,5 @@
-"""The SDE steps of GRPO for flow matching (three noise conventions), their Gaussian log-probability, and the
-deterministic Euler step.
+"""The SDE steps of GRPO for flow matching (three noise conventions), their Gaussian log-probability, the
+deterministic Euler step, and the per-step loss head built on them (ratio, PPO clip, KL).
 
 Everything here runs in fp32 (or fp64 if the inputs are fp64), whatever dtype the network produced.
 For step k with ``s = sigma_k > s' = sigma_{k+1}``, ``dt = s' - s < 0``, noise level ``eta`` and velocity ``v``,
@@ -17,11 +17,24 @@ every SDE type samples ``x' = mean + step_std * eps`` with a ``mean`` affine in 
 ``log pi = -||x' - mean||^2 / (2 step_std^2) - log(step_std) - log sqrt(2 pi)``, reduced over the latent dimensions
 with a mean by default (Flow-GRPO), or a sum. For every type this is the true Gaussian log-density (Flow-GRPO's CPS
 code drops the ``1 / (2 step_std^2)`` and the constants; a ratio is then ``exp`` of a differently scaled number).
+
+The per-step Flow-GRPO loss head (:func:`step_loss`) is built from these densities, so it lives here too: for one
+(sample, step) item with velocity ``v`` at step k::
+
+    r  = exp(log pi(x_{k+1} | x_k; v) - log pi_old)
+    l  = max(-A r, -A clip(r, 1 - eps, 1 + eps)) + beta * KL
+    KL = mean_dims (mean(v) - mean(v_ref))^2 / (2 std_k^2)
+
+with the log-probability and the mean of the trajectory's SDE type (:func:`step_log_prob`). KL follows Flow-GRPO's
+convention for every type: it divides by ``std_k^2 = step_std^2 / |dt|``, i.e. it is the Gaussian KL between the two
+step distributions times ``|dt|``. The total loss averages ``l`` over the batch and the trained steps, so it has the
+same scale whatever the estimator.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -72,7 +85,7 @@ def step_moments(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, sigma_
                  sde_type: str = "flow_grpo") -> tuple[Tensor, Tensor, Tensor]:
     """``(mean [N, *S], step_std [N], std [N])`` of ``x_{k+1}`` under ``sde_type`` (module docstring) in the compute
     dtype. ``step_std`` is the whole step's standard deviation; ``std = step_std / sqrt(-dt)`` is the one before
-    the step's ``sqrt(-dt)``, which the KL of :func:`jagg.loss.step_loss` divides by (Flow-GRPO's convention, kept for every type)."""
+    the step's ``sqrt(-dt)``, which the KL of :func:`step_loss` divides by (Flow-GRPO's convention, kept for every type)."""
     if sde_type in ("flow_grpo", "dance"):
         sig = sigma.to(compute_dtype(x, v))
         std = sde_std(sig, sigma_one, eta) if sde_type == "flow_grpo" else torch.full_like(sig, eta)
@@ -154,3 +167,61 @@ def euler_step(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tenso
     """Deterministic (ODE) step ``x + v * dt`` in the compute dtype. ``x, v``: ``[N, *S]``; sigmas ``[N]``."""
     dtype = compute_dtype(x, v)
     return x.to(dtype) + v.to(dtype) * _expand((sigma_next - sigma).to(dtype), x)
+
+
+# ----------------------------------------------------------------------------- the loss head
+
+
+@dataclass
+class StepLoss:
+    """Per-item outputs of :func:`step_loss`, each ``[n]``."""
+
+    loss: Tensor
+    log_prob: Tensor
+    ratio: Tensor
+    clipped: Tensor
+    kl: Tensor
+
+
+def step_loss(
+    v: Tensor,
+    x: Tensor,
+    x_next: Tensor,
+    sigma: Tensor,
+    sigma_next: Tensor,
+    sigma_one: float,
+    eta: float,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    clip_range: float,
+    kl_beta: float = 0.0,
+    ref_v: Tensor | None = None,
+    reduction: str = "mean",
+    sde_type: str = "flow_grpo",
+) -> StepLoss:
+    """Per-item Flow-GRPO loss for ``n`` (sample, step) items (the module docstring's ``l``).
+
+    Args:
+        v: current velocities ``[n, *S]`` (the only input gradients flow through).
+        x, x_next: stored latents ``[n, *S]`` at steps k and k + 1.
+        sigma, sigma_next: ``[n]``.
+        old_log_prob, advantages: ``[n]``.
+        clip_range: PPO clip ``eps``.
+        kl_beta, ref_v: KL weight and reference velocities ``[n, *S]`` (needed when ``kl_beta > 0``).
+        reduction: ``"mean"`` (Flow-GRPO) or ``"sum"`` of the log-prob over the latent dimensions.
+        sde_type: the SDE the trajectory was sampled with (:data:`SDE_TYPES`).
+    """
+    log_prob, mean, std = step_log_prob(x, v, x_next, sigma, sigma_next, sigma_one, eta, sde_type, reduction)
+    ratio = torch.exp(log_prob - old_log_prob.to(log_prob.dtype))
+    adv = advantages.to(log_prob.dtype)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = torch.maximum(unclipped, clipped)
+    kl = torch.zeros_like(loss)
+    if kl_beta > 0:
+        if ref_v is None:
+            raise ValueError("kl_beta > 0 needs reference velocities (ref_v)")
+        ref_mean = step_moments(x, ref_v, sigma, sigma_next, sigma_one, eta, sde_type)[0]
+        kl = ((mean - ref_mean) ** 2).flatten(1).mean(1) / (2 * std**2)
+        loss = loss + kl_beta * kl
+    return StepLoss(loss, log_prob, ratio.detach(), (ratio - 1).abs().detach() > clip_range, kl.detach())
