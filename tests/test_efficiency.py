@@ -204,6 +204,12 @@ def test_quality_time_to_the_held_out_target():
     assert out["fast"]["time_ratio_estimate"] == pytest.approx(2.0 * 2.0 / 1.5)
     assert out["fast"]["test_gain"] == pytest.approx(0.4) and out["exact"]["test_gain"] == pytest.approx(0.2)
     assert not out["slow"]["reached"] and out["slow"]["not_reached_share"] == 1.0
+    # at the highest held-out reward both reach, the updates ratio is the speed of learning per update (0.5 for
+    # "slow", which ends at 0.60, where exact is at iteration 10), times the CPU iteration ratio 2 / 1
+    assert out["slow"]["measured_efficiency"] == pytest.approx(0.5)
+    assert out["slow"]["measured_time_efficiency"] == pytest.approx(0.5 * 2.0)
+    assert out["fast"]["measured_efficiency"] == pytest.approx(2.0) and out["exact"]["measured_efficiency"] == 1
+    assert out["fast"]["measured_efficiency_lo"] == pytest.approx(2.0)          # every resample alike here
     with pytest.raises(ValueError, match="--target"):
         compare(runs, ["exact", "fast"], [0, 1, 2], "cpu", "best")
 

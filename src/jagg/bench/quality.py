@@ -26,7 +26,11 @@ Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy
   evaluation), reached where the seed-mean test curve first crosses it (linear between evaluations). Always reported
   too: the updates-to-target ratio with its interval, and ``time_ratio_estimate`` = updates-to-target ratio times the
   CPU-seconds iteration ratio of the same runs (the load of the machine taken out), and the held-out gain of each
-  variant over its start (``test_gain``, with its interval).
+  variant over its start (``test_gain``, with its interval). Also the measured counterpart of ``jagg bench
+  efficiency``'s prediction, defined for a variant that does not reach exact's final reward too:
+  ``measured_efficiency`` = the updates exact needs to reach the highest held-out reward both reach (the lower of the
+  two seed-mean final rewards) over the updates the variant needs, with its interval, and
+  ``measured_time_efficiency`` = that times the CPU-seconds iteration ratio (compare ``adam_time_efficiency``).
 - **final test reward** at equal updates (held-out test prompts, the trainer's last evaluation), its mean, interval,
   the paired difference to exact with its interval, and the evaluation's own noise (per-image standard error).
 - the training reward at the start and the end (means over the first and last 10% of iterations): a variant that
@@ -264,6 +268,15 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
         t_v, reached = time_to_target(rew[v][idx], wl[v][idx], goal, w)
         return t_ex / t_v, reached
 
+    def common_level_ratio(v: str, idx: np.ndarray) -> float:
+        """Updates exact needs to reach the lower of the two seed-mean final held-out rewards / the variant's."""
+        if m < 2:
+            return float("nan")
+        level = min(float(test["exact"][idx][:, -1].mean()), float(test[v][idx][:, -1].mean()))
+        u_ex, _ = time_to_test_target(test["exact"][idx], test_t["exact"]["iterations"][idx], level)
+        u_v, _ = time_to_test_target(test[v][idx], test_t[v]["iterations"][idx], level)
+        return u_ex / u_v if u_v > 0 and u_ex > 0 else float("nan")
+
     by_variant: dict[str, dict] = {}
     ex = {k: statistics.median(by[("exact", s)][k] for s in seeds) for k in ("sample_s", "reward_s", "train_s",
                                                                               "iter_s", "rows_per_update")}
@@ -304,6 +317,7 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
             "wall_s": statistics.fmean(r["wall_s"] for r in rs),
         }
         ups = [ttt_ratio(v, idx, "iterations")[0] for idx in boots]
+        eff_lo, eff_hi = _interval(np.array([common_level_ratio(v, idx) for idx in boots]))
         cpu_ratio = by_variant[v]["iter_cpu_ratio"]
         by_variant[v].update({
             "target": target, "updates_to_target_ratio": ttt_ratio(v, np.arange(S), "iterations")[0],
@@ -312,6 +326,8 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
             "time_ratio_estimate": ttt_ratio(v, np.arange(S), "iterations")[0] * cpu_ratio,
             "time_ratio_estimate_lo": _interval(np.array(ups))[0] * cpu_ratio,
             "time_ratio_estimate_hi": _interval(np.array(ups))[1] * cpu_ratio,
+            "measured_efficiency": common_level_ratio(v, np.arange(S)),
+            "measured_efficiency_lo": eff_lo, "measured_efficiency_hi": eff_hi,
             "test_start": float(np.nanmean(test[v][:, 0])) if m else None,
             "test_gain": float(np.nanmean(fin - test[v][:, 0])) if m else None,
             "test_gain_lo": _interval(np.array([float(np.nanmean((fin - test[v][:, 0])[idx])) for idx in boots]))[0]
@@ -319,6 +335,8 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
             "test_gain_hi": _interval(np.array([float(np.nanmean((fin - test[v][:, 0])[idx])) for idx in boots]))[1]
             if m else None,
         })
+        for k in ("", "_lo", "_hi"):
+            by_variant[v][f"measured_time_efficiency{k}"] = by_variant[v][f"measured_efficiency{k}"] * cpu_ratio
         out.append(by_variant[v])
     for r in out:
         e = by_variant["exact"]
@@ -379,7 +397,9 @@ VARIANT_COLUMNS = [
     ("variant", "variant", ""), ("seeds", "seeds", ""), ("time_to_target_ratio", "time-to-target", ".2f"),
     ("ratio_lo", "lo", ".2f"), ("ratio_hi", "hi", ".2f"), ("not_reached_share", "unreached", ".2f"),
     ("time_ratio_estimate", "updates x cpu", ".2f"), ("time_ratio_estimate_lo", "lo", ".2f"),
-    ("time_ratio_estimate_hi", "hi", ".2f"), ("test_gain", "test gain", "+.3f"),
+    ("time_ratio_estimate_hi", "hi", ".2f"), ("measured_time_efficiency", "time eff.", ".2f"),
+    ("measured_time_efficiency_lo", "lo", ".2f"), ("measured_time_efficiency_hi", "hi", ".2f"),
+    ("test_gain", "test gain", "+.3f"),
     ("final_test_mean", "final test", ".3f"), ("final_test_lo", "lo", ".3f"), ("final_test_hi", "hi", ".3f"),
     ("diff_vs_exact", "- exact", "+.3f"), ("diff_lo", "lo", "+.3f"), ("diff_hi", "hi", "+.3f"),
     ("eval_se", "eval SE", ".3f"), ("train_start", "train start", ".3f"), ("train_end", "end", ".3f"),
