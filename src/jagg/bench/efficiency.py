@@ -25,9 +25,9 @@ deterministic estimator). Per estimator:
   exact, both below 1 kept up: docs/RESULTS.md §6.4);
 - ``bias_to_signal`` = ``|b|^2 / |E g|^2`` (the signal's squared norm estimated the same way from the exact
   gradients) and ``bias_signal_cos``: a bias is harmless only when it is small against the signal Adam follows;
-- ``efficiency``, ``time_efficiency``, ``adam_efficiency`` and ``adam_time_efficiency`` as above (times: medians of the training phase per batch in CPU seconds of
-  this process, measured side by side, plus the rollout's median: sampling and reward; with ``threads=1`` CPU
-  seconds do not count waiting for a core another process holds);
+- ``efficiency``, ``time_efficiency``, ``adam_efficiency`` and ``adam_time_efficiency`` as above (times: medians
+  of the training phase per batch in CPU seconds of this process, measured side by side, plus the rollout's median:
+  sampling and reward; with ``threads=1`` CPU seconds do not count waiting for a core another process holds);
 - the same extrapolated to ``--target-batch`` samples per update (default: the config's, samples per optimizer
   update): ``V_b`` and the unbiased part of the error fall as ``1 / B``, a bias does not.
 
@@ -190,7 +190,8 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
                **efficiencies(r_exact / r, time_ratio, st["error_to_noise"]), "estimator_config": est.to_dict()}
         at = extrapolate(st, n_samples, target)
         rec.update({f"{k}_at_target": v for k, v in at.items()})
-        rec.update({f"{k}_at_target": v for k, v in efficiencies(r_exact / r, time_ratio, at["error_to_noise"]).items()})
+        at_eff = efficiencies(r_exact / r, time_ratio, at["error_to_noise"])
+        rec.update({f"{k}_at_target": v for k, v in at_eff.items()})
         records.append(rec)
     return records
 
@@ -252,8 +253,9 @@ INTERVAL_COLUMNS = [("interval", "interval", ""), ("steps", "steps", ""), ("sigm
 
 COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".2f"),
            ("error_to_noise", "E|e|^2/V_b", ".4f"), ("bias_to_noise", "bias^2/V_b", ".4f"),
-           ("bias_to_noise_se", "± SE", ".4f"), ("bias_z", "bias z", ".1f"), ("bias_to_signal", "bias^2/signal^2", ".2f"),
-           ("efficiency", "efficiency", ".2f"), ("iter_ratio", "iter ratio", ".2f"), ("time_efficiency", "time eff.", ".2f"),
+           ("bias_to_noise_se", "± SE", ".4f"), ("bias_z", "bias z", ".1f"),
+           ("bias_to_signal", "bias^2/signal^2", ".2f"), ("efficiency", "efficiency", ".2f"),
+           ("iter_ratio", "iter ratio", ".2f"), ("time_efficiency", "time eff.", ".2f"),
            ("adam_time_efficiency", "Adam time eff.", ".2f"),
            ("bias_to_noise_at_target", "bias^2/V_b @T", ".4f"), ("adam_time_efficiency_at_target", "Adam @T", ".2f")]
 
