@@ -277,7 +277,8 @@ def _run(args: argparse.Namespace) -> int:
           f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)")
     print(table(records, COLUMNS))
     print("time eff.: plain SGD's variance model; Adam time eff.: the trainers' AdamW (the step normalised by the "
-          "noise), for an estimator whose repeating error is not significant (bias z < 2); docs/design.md §3.8")
+          "noise), for an estimator whose repeating error is not significant (bias z < 2); both measured at this "
+          "checkpoint, and paired seeds have come in below both: docs/design.md §3.8")
     if args.by_interval:
         parts = by_interval(cfg, args.by_interval, batches, draws)
         print(f"\nwhere {args.by_interval.split(':')[0]}'s error lives: each interval's terms alone, against the whole "
