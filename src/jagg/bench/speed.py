@@ -256,7 +256,6 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
 
     K = int(s.traj.train_steps.numel())
     for f in cfg.subsample:                                 # random timestep subsampling: limit K / m, no inner rows
-        m = max(1, min(K, round(f * K)))
         jaggs[("subsample", f, "-")] = EstimatorConfig(mode="subsample", subsample_frac=f, micro_batch=cfg.micro_batch)
     records = []
     for (kn, w, inter), est in jaggs.items():
