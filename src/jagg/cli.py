@@ -257,7 +257,7 @@ def _main_job_defaults(args) -> None:
     defaults = {"steps": main.eval.num_steps, "guidance_scale": main.sample.guidance_scale, "shift": main.sample.shift,
                 "seed": main.eval.seed if args.command == "eval" else 0,
                 "images_per_prompt": main.eval.images_per_prompt,
-                "reward": main.reward.weights or main.reward.name}
+                "reward": main.reward.spec}
     for k, v in defaults.items():
         if getattr(args, k, v) is None:
             setattr(args, k, v)

@@ -143,7 +143,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
     if draws < 1:
         raise ValueError(f"--draws must be >= 1; got {draws}")
     trainer = ShapesTrainer(cfg)
-    reward = get_reward(cfg.reward.weights or cfg.reward.name)
+    reward = get_reward(cfg.reward.spec)
     ests = dict(parse_estimator(s, cfg.estimator) for s in ["exact", *[s for s in specs if s != "exact"]])
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     grads = {name: [] for name in ests}        # name -> per batch [draws, P]
@@ -204,7 +204,7 @@ def by_interval(cfg: ShapesTrainConfig, spec: str, batches: int, draws: int) -> 
     from ..trainers.shapes import ShapesTrainer
 
     trainer = ShapesTrainer(cfg)
-    reward = get_reward(cfg.reward.weights or cfg.reward.name)
+    reward = get_reward(cfg.reward.spec)
     name, est = parse_estimator(spec, cfg.estimator)
     if est is None or est.mode != "jagg":
         raise ValueError(f"--by-interval {spec!r}: give a JAGG estimator (config, plain or NAME:KEY=VALUE,...)")

@@ -134,7 +134,7 @@ def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) ->
     traj = sample_trajectories(GuidedVelocity(model, tokens, c.guidance_scale), noise,
                                flow_sigmas(c.num_steps, c.shift), c.eta, train_steps, sde_mask,
                                generator=gen, micro_batch=c.micro_batch, sde_type=c.sde_type)
-    scores, _ = get_reward(t.reward.weights or t.reward.name)(from_tensor(traj.latents[:, -1].cpu()), prompts, None)
+    scores, _ = get_reward(t.reward.spec)(from_tensor(traj.latents[:, -1].cpu()), prompts, None)
     rewards = torch.as_tensor(scores, dtype=torch.float32)
     if cfg.advantages == "random":
         adv = torch.randn(len(prompts), generator=torch.Generator().manual_seed(cfg.seed))

@@ -24,11 +24,12 @@ from ..shapes.weights import load_model
 from .common import set_threads, write_json
 
 
-def per_prompt_rewards(checkpoint: str, prompts: list[str], images: int, args: argparse.Namespace) -> np.ndarray:
-    """-> float [len(prompts)]: each prompt's mean reward over its ``images`` samples."""
+def per_prompt_rewards(checkpoint: str, prompts: list[str], images: int, args: argparse.Namespace,
+                       reward) -> np.ndarray:
+    """-> float [len(prompts)]: each prompt's mean ``reward`` over its ``images`` samples."""
     batch = [p for p in prompts for _ in range(images)]
     x = generate(load_model(checkpoint), batch, args.steps, args.guidance_scale, args.seed, args.shift)
-    scores, _ = get_reward(args.reward or _main_job_reward())(x, batch, None)
+    scores, _ = reward(x, batch, None)
     return np.asarray(scores, dtype=np.float64).reshape(len(prompts), images).mean(1)  # [P, images] -> [P]
 
 
@@ -37,7 +38,9 @@ def compare(args: argparse.Namespace) -> dict:
     before, after, diff, its standard error over prompts and a bootstrap 95% interval; printed as it goes."""
     prompts = test_prompts()
     held = np.array([uses_held_out(p) for p in prompts])
-    before, after = (per_prompt_rewards(c, prompts, args.images_per_prompt, args) for c in (args.before, args.after))
+    reward = get_reward(args.reward or _main_job_reward())
+    before, after = (per_prompt_rewards(c, prompts, args.images_per_prompt, args, reward)
+                     for c in (args.before, args.after))
     rng = np.random.default_rng(0)
     out = {}
     for name, mask in (("all", np.ones_like(held)), ("seen_pairs", ~held), ("held_out_pairs", held)):
@@ -93,8 +96,7 @@ def _main_job_reward():
     from ..trainers.shapes_config import ShapesTrainConfig, main_job_path
     from ..training import config_loader as configuration
 
-    r = configuration.load(ShapesTrainConfig, str(main_job_path()), []).reward
-    return r.weights or r.name
+    return configuration.load(ShapesTrainConfig, str(main_job_path()), []).reward.spec
 
 
 def add_parser(sub) -> None:

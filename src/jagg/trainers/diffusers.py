@@ -95,7 +95,7 @@ class DiffusersTrainer(GRPOTrainer):
         self.prompts = read_prompt_lines(cfg.sample.prompts_file)
         # the checked reward callable (images, prompts, metadata) -> (scores [N], info): the server's or the local one
         self.reward_fn = get_reward(cfg.reward_server if cfg.reward_server is not None
-                                    else cfg.reward.weights or cfg.reward.name)
+                                    else cfg.reward.spec)
         torch.manual_seed(cfg.seed)                            # the same LoRA initialisation on every rank
         self.policy: Policy = load_model(cfg.pipeline)        # check_model_dir: clear errors for bad paths
         self.device = self.policy.device

@@ -131,6 +131,11 @@ class RewardConfig:
         if not self.name and not self.weights:
             self.name = "geneval"
 
+    @property
+    def spec(self) -> str | dict:
+        """What :func:`jagg.rewards.registry.get_reward` takes: the weights when set, else the name."""
+        return self.weights or self.name
+
 
 @dataclass
 class LogConfig:

@@ -57,7 +57,7 @@ class ShapesTrainer(GRPOTrainer):
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.ema = [p.detach().clone() for p in self.model.parameters()] if o.ema_decay > 0 else None
-        self.reward_fn = get_reward(cfg.reward.weights or cfg.reward.name)
+        self.reward_fn = get_reward(cfg.reward.spec)
         self.prompts = cfg.sample.prompts()
         self.gen = torch.Generator().manual_seed(cfg.seed)
         # the unbiased correction's picks draw from an RNG of their own, so that runs of one seed with different
