@@ -1,4 +1,6 @@
-"""Held-out evaluation on the shapes world: deterministic ODE sampling with fixed seeds."""
+"""Held-out evaluation on the shapes world: deterministic ODE sampling with fixed seeds, the reward's metrics, and
+the signs of reward hacking (:func:`image_health`): empty images, object counts against the asked ones, and a
+dirty background."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from torch import nn
 from .velocity import GuidedVelocity
 from ..schedule import flow_sigmas
 from ..trajectory import sample_ode
-from . import from_tensor, test_prompts, tokenizer, uses_held_out
+from . import from_tensor, parse_prompt, test_prompts, tokenizer, uses_held_out
+from .geneval import GenevalReward, segment
+from .scene import BACKGROUND
 
 
 @torch.no_grad()
@@ -34,6 +38,43 @@ def _component_info(info: dict) -> dict:
     return {}
 
 
+def background_rms(images: np.ndarray, threshold: float = 90.0) -> np.ndarray:
+    """How far each image's background is from the world's flat background colour: uint8 ``[N, H, W, 3]`` ->
+    float ``[N]``, the RMS RGB distance to ``BACKGROUND`` over the pixels that are neither of an object colour (within
+    ``threshold`` of a palette colour, as the detector segments) nor next to one (a 1-pixel border around objects is
+    left out, where a blurry edge is not an artifact). 0 on rendered scenes; grid patterns, noise and haze raise
+    it. An image without background pixels scores 0."""
+    obj = segment(images, threshold) >= 0                                    # [N, H, W] object-coloured pixels
+    near = obj.copy()                                                        # dilated by one pixel (4-neighbours)
+    near[:, 1:] |= obj[:, :-1]
+    near[:, :-1] |= obj[:, 1:]
+    near[:, :, 1:] |= obj[:, :, :-1]
+    near[:, :, :-1] |= obj[:, :, 1:]
+    bg = ~near
+    d2 = ((images.astype(np.float32) - np.asarray(BACKGROUND, np.float32)) ** 2).sum(-1)   # [N, H, W]
+    n = bg.sum((1, 2))
+    return np.sqrt(np.where(n > 0, (d2 * bg).sum((1, 2)) / np.maximum(n, 1), 0.0))
+
+
+def image_health(images: np.ndarray, prompts: list[str], detector: GenevalReward | None = None) -> dict:
+    """The signs of reward hacking in a batch, uint8 ``[N, H, W, 3]`` images of ``prompts`` ``[N]``, measured with
+    the GenEval-like detector (whatever reward is trained):
+
+      empty_frac       the fraction of images in which no object is detected;
+      objects_mean     the mean number of detected objects, beside asked_mean, the mean number the prompts ask for;
+      count_error      the mean |detected - asked| objects per image;
+      background_rms   the mean of :func:`background_rms` (RGB units, 0-255 scale).
+    """
+    detector = detector or GenevalReward()
+    if len(prompts) != len(images):
+        raise ValueError(f"image_health: {len(images)} images but {len(prompts)} prompts")
+    found = np.array([len(d) for d in detector.detect(images)], dtype=np.float64)
+    asked = np.array([sum(o.count for o in parse_prompt(p).objects) for p in prompts], dtype=np.float64)
+    return {"empty_frac": float((found == 0).mean()), "objects_mean": float(found.mean()),
+            "asked_mean": float(asked.mean()), "count_error": float(np.abs(found - asked).mean()),
+            "background_rms": float(background_rms(images, detector.color_threshold).mean())}
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, reward_fn, num_prompts: int = 0, images_per_prompt: int = 2, num_steps: int = 10,
              guidance_scale: float = 3.0, seed: int = 1234, shift: float = 1.0, with_scores: bool = False) -> tuple:
@@ -41,10 +82,12 @@ def evaluate(model: nn.Module, reward_fn, num_prompts: int = 0, images_per_promp
 
     Returns ``(metrics, images uint8 [N, H, W, 3], prompts)``, and the per-image rewards ``[N]`` as a fourth item
     when ``with_scores`` (the trainer captions its sample grids with them); metrics hold ``reward_mean``, ``accuracy``,
-    ``held_out_reward`` (prompts using a held-out colour+shape pair), per-category accuracies and, for rewards
-    that report ``constraints`` (geneval), the pass rate of each constraint kind (``pass/shape``, ``pass/color``,
-    ``pass/relation``, ``pass/no_extra``), and for a weighted sum of rewards each component's unweighted mean
-    (``reward/<name>``).
+    ``held_out_reward`` / ``held_out_accuracy`` (prompts using a held-out colour+shape pair) and ``seen_reward`` /
+    ``seen_accuracy`` (the others), per-category accuracies (``accuracy/<category>``) and rewards
+    (``score/<category>``) and, for rewards that report ``constraints`` (geneval), the pass rate of each constraint
+    kind (``pass/shape``, ``pass/color``, ``pass/relation``, ``pass/no_extra``), for a weighted sum of rewards each
+    component's unweighted mean (``reward/<name>``), and the signs of reward hacking of :func:`image_health`
+    (``empty_frac``, ``objects_mean``, ``asked_mean``, ``count_error``, ``background_rms``).
     """
     prompts = test_prompts()
     prompts = prompts[:num_prompts] if num_prompts else prompts
@@ -52,15 +95,21 @@ def evaluate(model: nn.Module, reward_fn, num_prompts: int = 0, images_per_promp
     images = generate(model, batch, num_steps, guidance_scale, seed, shift)
     scores, info = reward_fn(images, batch, None)
     info = {**info, **_component_info(info)}
+    scores = np.asarray(scores)
     held = np.array([uses_held_out(p) for p in batch])
+    correct = np.asarray(info["correct"], dtype=bool) if "correct" in info else None
     metrics = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std())}
-    if "correct" in info:
-        metrics["accuracy"] = float(np.mean(info["correct"]))
-    if held.any():
-        metrics["held_out_reward"] = float(scores[held].mean())
-    if (~held).any():
-        metrics["seen_reward"] = float(scores[~held].mean())
+    if correct is not None:
+        metrics["accuracy"] = float(correct.mean())
+    for part, mask in (("held_out", held), ("seen", ~held)):
+        if mask.any():
+            metrics[f"{part}_reward"] = float(scores[mask].mean())
+            if correct is not None:
+                metrics[f"{part}_accuracy"] = float(correct[mask].mean())
     metrics.update({k: v for k, v in info.items() if k.startswith("accuracy/")})
+    if "category" in info:
+        category = np.asarray(info["category"])
+        metrics.update({f"score/{c}": float(scores[category == c].mean()) for c in dict.fromkeys(info["category"])})
     for k, v in info.items():      # a weighted sum of rewards: each component's mean, reported separately
         if k.startswith("scores/"):
             metrics["reward/" + k[len("scores/"):]] = float(np.mean(v))
@@ -70,4 +119,46 @@ def evaluate(model: nn.Module, reward_fn, num_prompts: int = 0, images_per_promp
             for k, v in c.items():
                 passed.setdefault("pass/" + k.split(":")[0], []).append(bool(v))
         metrics.update({k: float(np.mean(v)) for k, v in passed.items()})
-    return (metrics, images, batch, np.asarray(scores)) if with_scores else (metrics, images, batch)
+    metrics.update(image_health(images, batch))
+    return (metrics, images, batch, scores) if with_scores else (metrics, images, batch)
+
+
+def comparison_prompts(n: int) -> list[str]:
+    """The first ``n`` test prompts (the split is interleaved by category, so any prefix covers every category)."""
+    return test_prompts()[:n]
+
+
+def save_comparison(before: np.ndarray, after: np.ndarray, prompts: list[str], path, labels: tuple[str, str],
+                    ncol: int = 8) -> dict:
+    """The same prompts and noise before and after training, side by side, as one captioned PNG (and its ``.txt``).
+
+    ``before`` and ``after``: uint8 ``[N, H, W, 3]`` images of ``prompts`` ``[N]``. Rows come in pairs, ``labels[0]``
+    above ``labels[1]``, ``ncol`` prompts per pair; each image is captioned with its prompt, its GenEval-like score, whether
+    it is fully correct, and each constraint passed (``+``) or failed (``-``). Returns both sets' mean score and
+    accuracy (``before_score``, ``after_score``, ``before_accuracy``, ``after_accuracy``)."""
+    from ..training.metrics import save_grid
+
+    before, after = np.asarray(before), np.asarray(after)
+    if before.shape != after.shape or len(before) != len(prompts):
+        raise ValueError(f"save_comparison: before {list(before.shape)}, after {list(after.shape)} and {len(prompts)} "
+                         "prompts must match")
+    ncol = min(ncol, len(prompts))
+    if ncol < 1 or len(prompts) % ncol:
+        raise ValueError(f"save_comparison: {len(prompts)} prompts do not fill rows of ncol={ncol}")
+    reward = GenevalReward()
+    captions, out = [], {}
+    for key, label, images in zip(("before", "after"), labels, (before, after)):
+        scores, info = reward(images, prompts)
+        out[f"{key}_score"], out[f"{key}_accuracy"] = float(scores.mean()), float(np.mean(info["correct"]))
+        captions.append([[f"{label}: {s:.2f}" + (" correct" if ok else ""),
+                          " ".join(("+" if v else "-") + k for k, v in c.items())]
+                         for s, ok, c in zip(scores, info["correct"], info["constraints"])])
+    rows, texts, notes = [], [], []
+    for start in range(0, len(prompts), ncol):                  # a row of `before`, then the same prompts `after`
+        block = range(start, min(start + ncol, len(prompts)))
+        for images, caps in zip((before, after), captions):
+            rows += [images[i] for i in block]
+            texts += [prompts[i] for i in block]
+            notes += [caps[i] for i in block]
+    save_grid(np.stack(rows), path, ncol=ncol, prompts=texts, notes=notes)
+    return out

@@ -83,12 +83,13 @@ CAPTION_MIN_WIDTH = 192  # pixels per captioned cell: about 36 characters per li
 
 
 def save_grid(images: np.ndarray, path: Path, ncol: int = 8, scale: int = 4, prompts: list[str] | None = None,
-              rewards=None) -> None:
+              rewards=None, notes: list[list[str]] | None = None) -> None:
     """uint8 ``[N, H, W, 3]`` -> one PNG grid, each image nearest-upscaled ``scale`` times.
 
     With ``prompts`` and/or ``rewards`` (one per image), each image is captioned underneath with its prompt
     (wrapped) and a line ``reward 0.812``, the cells upscaled to at least ``CAPTION_MIN_WIDTH`` pixels wide so that
     the text is readable; the captions also go to a sidecar ``.txt``, one line ``<i>: <prompt> (reward <r>)`` each.
+    ``notes`` (one list of lines per image) adds lines under those, in the picture and in the sidecar.
     """
     from PIL import Image, ImageDraw, ImageFont
 
@@ -97,7 +98,7 @@ def save_grid(images: np.ndarray, path: Path, ncol: int = 8, scale: int = 4, pro
         raise ValueError(f"save_grid needs uint8 images [N, H, W, 3] with N >= 1; got {images.dtype} "
                          f"{list(images.shape)}")
     n, h, w, _ = images.shape
-    for name, seq in (("prompts", prompts), ("rewards", rewards)):
+    for name, seq in (("prompts", prompts), ("rewards", rewards), ("notes", notes)):
         if seq is not None and len(seq) != n:
             raise ValueError(f"save_grid: {len(seq)} {name} for {n} images; pass one per image")
     if ncol < 1 or scale < 1:
@@ -105,12 +106,13 @@ def save_grid(images: np.ndarray, path: Path, ncol: int = 8, scale: int = 4, pro
     texts = [[p] for p in prompts] if prompts is not None else [[] for _ in range(n)]
     if rewards is not None:
         texts = [t + [f"reward {float(r):.3f}"] for t, r in zip(texts, rewards)]
-    captioned = prompts is not None or rewards is not None
+    captioned = prompts is not None or rewards is not None or notes is not None
     if captioned:
         scale = max(scale, math.ceil(CAPTION_MIN_WIDTH / w))
     ch, cw = h * scale, w * scale
     font = ImageFont.load_default()
-    lines = [[l for t in text for l in _wrap(t, font, cw)] for text in texts]
+    extra = [list(map(str, n)) for n in notes] if notes is not None else [[] for _ in range(n)]
+    lines = [[l for t in text + more for l in _wrap(t, font, cw)] for text, more in zip(texts, extra)]
     line_h = font.getbbox("Ag")[3] + 3
     cell_h = ch + max(len(l) for l in lines) * line_h + (2 if captioned else 0) + scale   # image, caption, gap
     ncol = min(ncol, n)
@@ -127,7 +129,8 @@ def save_grid(images: np.ndarray, path: Path, ncol: int = 8, scale: int = 4, pro
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
     if captioned:
-        rows = [f"{t[0]} ({t[1]})" if len(t) == 2 else t[0] for t in texts]   # "<prompt> (reward <r>)"
+        rows = [f"{t[0]} ({t[1]})" if len(t) == 2 else (t[0] if t else "") for t in texts]   # "<prompt> (reward <r>)"
+        rows = ["; ".join(r for r in (row, *more) if r) for row, more in zip(rows, extra)]
         path.with_suffix(".txt").write_text("".join(f"{i}: {row}\n" for i, row in enumerate(rows)))
 
 
