@@ -271,7 +271,8 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model(family):
     assert stats.backward_items > 0
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
     # Qwen-Image's last block still has its text-stream outputs, which nothing reads: they get no gradient
-    unused = ("transformer_blocks.1.attn.to_add_out.", "transformer_blocks.1.txt_mlp.") if family == "qwen_image" else ()
+    unused = (("transformer_blocks.1.attn.to_add_out.", "transformer_blocks.1.txt_mlp.") if family == "qwen_image"
+              else ())
     assert all((p.grad is None) == n.startswith(unused) for n, p in model.named_parameters() if "lora_" in n)
     opt.step()
     x, s, i = traj.latents[:, 1], traj.sigmas[1].expand(B), torch.arange(B)
@@ -505,10 +506,12 @@ def test_flux_model_from_directory_with_prompt_cache(tmp_path):
     assert isinstance(model, RealModel) and model.reference(v) is not None
 
 
-@pytest.mark.parametrize("name, family, rank", [("sd35_medium", "sd3", 32), ("flux_dev", "flux", 64)])
+@pytest.mark.parametrize("name, family, rank", [("sd35_medium", "sd3", 32), ("flux_dev", "flux", 64),
+                                                ("qwen_image", "qwen_image", 64)])
 def test_shipped_yaml_configs_load(name, family, rank, tmp_path):
     """configs/<name>.yaml: the pipeline section loads, the trainer sections use the trainer's keys, the reward
-    server section builds a client, and the placeholder model path fails with the download hint."""
+    server section builds a client (or the reward section names a registry reward), and the placeholder model path
+    fails with the download hint."""
     import yaml
 
     from jagg.trainers.diffusers_config import DiffusersSampleConfig
@@ -527,7 +530,11 @@ def test_shipped_yaml_configs_load(name, family, rank, tmp_path):
     for section, cls in (("sample", DiffusersSampleConfig), ("estimator", jagg.EstimatorConfig),
                          ("optim", OptimConfig), ("grpo", GRPOConfig)):
         from_dict(cls, data[section], section)
-    RewardClient(**data["reward_server"])
+    if "reward_server" in data:
+        RewardClient(**data["reward_server"])
+    else:
+        from jagg.rewards.registry import parse_spec, registered_name
+        assert registered_name(data["reward"]["name"]) and parse_spec(data["reward"]["name"])[1]["path"]
     if not Path(cfg.path).exists():
         with pytest.raises(FileNotFoundError, match="never downloads weights"):
             load_model(cfg)

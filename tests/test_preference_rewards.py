@@ -92,7 +92,7 @@ def test_torch_preprocessing_is_the_clip_processors(clip_dir):
         tol = 1e-5 if shape == (SIDE, SIDE) else 0.03
         assert float((got - want).abs().max()) < tol, shape
     pad = ClipImages(proc.image_processor, mode="pad")
-    wide = torch.rand(1, 3, SIDE // 2, SIDE)        # open_clip's ResizeMaxSize: the image centred, black above and below
+    wide = torch.rand(1, 3, SIDE // 2, SIDE)       # open_clip's ResizeMaxSize: the image centred, black above, below
     out, q = pad(wide), SIDE // 4
     torch.testing.assert_close(out[:, :, q:3 * q], (wide - pad.mean) / pad.std)
     black = ((0 - pad.mean) / pad.std).expand(1, 3, q, SIDE)

@@ -200,17 +200,17 @@ def test_bad_model_paths_and_config_errors(tmp_path, sd3_dir, capsys):
 
 
 def test_shipped_configs_reach_the_model_check(tmp_path, capsys):
-    """configs/sd35_medium.yaml and flux_dev.yaml load as real-model configs; with a prompts file the placeholder model
-    path fails with the download hint (no weights here)."""
+    """configs/sd35_medium.yaml, flux_dev.yaml and qwen_image.yaml load as real-model configs; with a prompts file the
+    placeholder model path (qwen_image: first its reward's, HPSv2) fails with the download hint (no weights here)."""
     (tmp_path / "p.txt").write_text("a photo of a cat\n")
     root = Path(__file__).resolve().parents[1]
-    for name in ("sd35_medium", "flux_dev"):
+    for name in ("sd35_medium", "flux_dev", "qwen_image"):
         path = root / "configs" / f"{name}.yaml"
         assert train_config.has_pipeline_section(path)
         assert main(["train", "--config", str(path), "--output-dir", str(tmp_path / name)]) == 2
         assert "sample.prompts_file must be set" in capsys.readouterr().err
         cfg = train_config.load_config(path, [f"sample.prompts_file={tmp_path / 'p.txt'}"])
-        assert cfg.reward_server is not None and cfg.reward is None
+        assert (cfg.reward_server is None) == (name == "qwen_image") and (cfg.reward is None) != (name == "qwen_image")
         if not Path(cfg.pipeline.path).exists():
             assert main(["train", "--config", str(path), "--output-dir", str(tmp_path / name),
                          "--set", f"sample.prompts_file={tmp_path / 'p.txt'}"]) == 2
@@ -407,7 +407,12 @@ def test_audit_and_unbiased_jagg_on_a_real_model(tmp_path, sd3_dir, captured):
 def test_qwen_image_lora_train_with_text_encoder_and_true_cfg(tmp_path, qwen_dir, captured):
     """`jagg train` on a tiny Qwen-Image directory: its text encoder embeds the prompts (and the negative prompt ' '),
     true CFG 4 in sampling and training, DanceGRPO's SDE, 4 of 5 steps trained in step groups of 2 interpolated by
-    index; the LoRA adapter it saves loads into QwenImagePipeline and gives the trained policy's velocity."""
+    index, a weighted mix of PickScore (a tiny CLIP, in-process) and JPEG compressibility; the LoRA adapter it saves
+    loads into QwenImagePipeline and gives the trained policy's velocity."""
+    from test_preference_rewards import save_tiny_clip
+
+    (tmp_path / "clip").mkdir()
+    clip = save_tiny_clip(tmp_path / "clip")
     (tmp_path / "prompts.txt").write_text("a red cube\na blue ball on a table\n")
     cfg = tmp_path / "qwen.yaml"
     cfg.write_text(f"""\
@@ -424,7 +429,7 @@ pipeline:
   negative_prompt: " "
   max_sequence_length: 512
   lora: {{rank: 2}}
-reward: {{name: jpeg_compressibility}}
+reward: {{weights: {{"pickscore:path={clip},batch_size=3": 1.0, jpeg_compressibility: 0.1}}}}
 sample: {{prompts_file: {tmp_path / "prompts.txt"}, prompts_per_iter: 2, group_size: 2, timestep_fraction: 0.8,
          sde_type: dance, shared_noise: true, micro_batch: 4}}
 estimator: {{mode: jagg, window: 2, alpha: index, intermediate: fresh, micro_batch: 4, clip_range: 0.1,
@@ -437,8 +442,11 @@ threads: 1
     assert main(["train", "--config", str(cfg)]) == 0
     (r,) = records(tmp_path / "run")
     assert np.isfinite(r["reward_mean"]) and np.isfinite(r["loss"]) and r["grad_norm"] > 0
+    assert r["reward_mean"] == pytest.approx(r["reward/pickscore"] + 0.1 * r["reward/jpeg_compressibility"], rel=1e-5)
     assert r["backward_items"] == 4 * 4                              # 4 samples x 2 groups x 2 endpoint rows
     trainer, _, _ = captured[0]
+    pickscore = trainer.reward_fn.fn.parts["pickscore"].fn         # on the trainer's device, in pipeline.dtype
+    assert pickscore.device == torch.device("cpu") and pickscore.model.dtype == torch.float32
     policy = trainer.policy
     assert policy.shift == 3.0 and policy.shift_terminal is None     # an explicit shift is static
     pipe = diffusers.QwenImagePipeline.from_pretrained(qwen_dir, text_encoder=None, tokenizer=None, vae=None)

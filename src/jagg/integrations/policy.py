@@ -247,7 +247,8 @@ def default_shift(family: str, image_seq_len: int, scheduler_config: dict | None
 
 def vae_scale_factor(vae: nn.Module) -> int:
     """Pixels per latent along each side, as the pipelines compute it: ``2 ** len(temperal_downsample)`` for
-    Qwen-Image's video VAE (``AutoencoderKLQwenImage``), ``2 ** (len(block_out_channels) - 1)`` for ``AutoencoderKL``."""
+    Qwen-Image's video VAE (``AutoencoderKLQwenImage``), ``2 ** (len(block_out_channels) - 1)`` for
+    ``AutoencoderKL``."""
     cfg = vae.config
     if _is_video_vae(vae):
         return 2 ** len(cfg.temperal_downsample)

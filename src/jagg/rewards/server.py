@@ -270,9 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Security: the server has no TLS. Off loopback (--host 0.0.0.0 or a LAN address) anyone who can reach "
                f"the port can use it: set a token (--token or ${TOKEN_ENV}, sent by the client as reward_server.token"
                f" or ${TOKEN_ENV}) and keep it on a trusted network or behind an SSH tunnel.")
-    ap.add_argument("--reward", required=True, help="a registry reward, its options in the name (pickscore:path=/models/"
-                    "PickScore_v1,batch_size=16; jagg.rewards.registry), or module:function (or module:Class) of a "
-                    "reward callable")
+    ap.add_argument("--reward", required=True, help="a registry reward, its options in the name "
+                    "(pickscore:path=/models/PickScore_v1,batch_size=16; jagg.rewards.registry), or module:function "
+                    "(or module:Class) of a reward callable")
     ap.add_argument("--kwargs", default="{}", help="JSON keyword arguments for a reward class, or more options of a "
                     "registry reward")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")

@@ -118,11 +118,13 @@ class GRPOConfig:
 @dataclass
 class RewardConfig:
     name: str | None = field(default=None, metadata=_help(
-        "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility) or module:function "
-        "(geneval when neither name nor weights is set)."))
+        "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility, and the preference models "
+        "clip_score, pickscore, hpsv2, aesthetic), its options after a colon (pickscore:path=/models/PickScore_v1,"
+        "batch_size=16; jagg.rewards.registry), or module:function (geneval when neither name nor weights is set)."))
     weights: dict | None = field(default=None, metadata=_help(
-        "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1}; a component of weight 0 is "
-        "computed and reported (reward/<name>) but not trained. Set this or name, not both."))
+        "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1} (a key may carry options: "
+        "'pickscore:path=/models/PickScore_v1'); a component of weight 0 is computed and reported (reward/<name>, the "
+        "name without its options) but not trained. Set this or name, not both."))
 
     def __post_init__(self):
         if self.name and self.weights:
