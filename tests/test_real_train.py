@@ -189,7 +189,8 @@ def test_bad_model_paths_and_config_errors(tmp_path, sd3_dir, capsys):
              (["reward_server.url=http://127.0.0.1:1"], "both are set"),
              (["sample.sde_window=[2, 9]"], "pipeline.num_steps=4"),
              (["pipeline.lora.enabled=false"], "keep_reference"),
-             (["pipeline.cfg_scal=2"], "did you mean 'cfg_scale'")]
+             (["pipeline.cfg_scal=2"], "did you mean 'cfg_scale'"),
+             (["reward.name=pickscore:pth=/models/x"], "reward.name: reward 'pickscore': unknown option(s) ['pth']")]
     for sets, message in cases:
         args = ["train", "--config", str(cfg)] + [a for s in sets for a in ("--set", s)]
         assert main(args) == 2, sets

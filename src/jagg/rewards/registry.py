@@ -118,14 +118,11 @@ def _option(name: str, param: inspect.Parameter, value):
                          f"; got {value!r}") from None
 
 
-def build_reward(name: str, options: dict | None = None, defaults: dict | None = None) -> RewardFn:
-    """The unchecked reward callable of the registered ``name``: its factory called with ``options`` (a spec's strings
-    are converted to the type of the factory's default for that keyword: int, float, bool) and with each of
-    ``defaults`` that it takes and ``options`` do not set. An option the factory does not take is a ValueError
-    naming the ones it does."""
+def _factory_call(name: str, options: dict, defaults: dict | None) -> tuple[Callable[..., RewardFn], dict]:
+    """The factory of the registered ``name`` and its checked keyword arguments (see :func:`build_reward`)."""
     if name not in REWARDS:
         raise ValueError(f"unknown reward {name!r}; available: {', '.join(available_rewards())}")
-    factory, options = REWARDS[name], dict(options or {})
+    factory = REWARDS[name]
     params = {k: p for k, p in inspect.signature(factory).parameters.items()
               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     unknown = sorted(set(options) - set(params))
@@ -134,7 +131,25 @@ def build_reward(name: str, options: dict | None = None, defaults: dict | None =
                          f"{', '.join(params) if params else 'none'}")
     kwargs = {k: v for k, v in (defaults or {}).items() if k in params}
     kwargs.update({k: _option(name, params[k], v) for k, v in options.items()})
+    return factory, kwargs
+
+
+def build_reward(name: str, options: dict | None = None, defaults: dict | None = None) -> RewardFn:
+    """The unchecked reward callable of the registered ``name``: its factory called with ``options`` (a spec's strings
+    are converted to the type of the factory's default for that keyword: int, float, bool) and with each of
+    ``defaults`` that it takes and ``options`` do not set. An option the factory does not take is a ValueError
+    naming the ones it does."""
+    factory, kwargs = _factory_call(name, dict(options or {}), defaults)
     return factory(**kwargs)
+
+
+def check_spec(spec: str | dict) -> None:
+    """Check the options of a registered reward spec (or of each key of a dict of weights) without building the
+    reward: a malformed option, one its factory does not take or a value of the wrong type is a ValueError. Specs of
+    unregistered names (``module:function``, a package's reward registered on import) are checked when built."""
+    for one in (spec if isinstance(spec, dict) else [spec]):
+        if isinstance(one, str) and registered_name(one):
+            _factory_call(*parse_spec(one), None)
 
 
 class RewardError(ValueError):

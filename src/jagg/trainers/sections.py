@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..estimator_config import EstimatorConfig
+from ..rewards.registry import check_spec
 
 
 def _help(text: str) -> dict:
@@ -132,6 +133,10 @@ class RewardConfig:
                              f"{self.weights}): for a single reward add --set reward.weights=null")
         if not self.name and not self.weights:
             self.name = "geneval"
+        try:
+            check_spec(self.spec)                       # a registered reward's options, before anything loads
+        except ValueError as e:
+            raise ValueError(f"reward.{'weights' if self.weights else 'name'}: {e}") from None
 
     @property
     def spec(self) -> str | dict:
