@@ -1,4 +1,4 @@
-"""``jagg train`` on a real diffusers model (SD3/SD3.5, FLUX.1): GRPO with the JAGG estimator, LoRA or full weights.
+"""``jagg train`` on a real diffusers model (SD3/SD3.5, FLUX.1, Qwen-Image): GRPO with JAGG, LoRA or full weights.
 
 A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``; the config is
 :class:`jagg.trainers.diffusers_config.DiffusersTrainConfig`) makes ``jagg train --config X.yaml`` run
@@ -81,7 +81,7 @@ def sampling_pieces(local: slice, size: int) -> list[slice]:
 
 
 class DiffusersTrainer(GRPOTrainer):
-    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX model (:class:`~jagg.trainers.base.GRPOTrainer`:
+    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX/Qwen-Image model (:class:`~jagg.trainers.base.GRPOTrainer`:
     the run directory, ``resume``, ``overwrite``, ``require_checkpoint`` and the loop). Launch with torchrun /
     accelerate for several processes (``WORLD_SIZE > 1``)."""
 
