@@ -112,6 +112,13 @@ def test_batched_cfg_pads_prompts_like_separate_forwards():
     assert float((out["separate"][1] - out["both"][1]).norm() / out["both"][1].norm()) > 0.05
 
 
+def test_older_diffusers_is_refused(monkeypatch):
+    """Before 0.37 QwenImageTransformer2DModel ignored the text mask (shorter prompts would attend to padding)."""
+    monkeypatch.setattr(diffusers, "__version__", "0.36.0")
+    with pytest.raises(RuntimeError, match="Qwen-Image needs diffusers >= 0.37.*found 0.36.0"):
+        velocity_adapter(tiny_qwen(), embeds(family="qwen_image")[0])
+
+
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory):
     """A tiny random Qwen-Image pipeline with its text encoder and tokenizer, saved as a local diffusers directory."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -498,6 +499,17 @@ class QwenImageVelocity(PackedVelocity):
     family = "qwen_image"
     takes_pooled = False
     takes_mask = True
+    MIN_DIFFUSERS = (0, 37)        # from 0.37 the transformer masks the text padding (encoder_hidden_states_mask)
+
+    def __init__(self, transformer, cond, uncond=None, config=None):
+        import diffusers
+
+        found = tuple(int(x) for x in re.findall(r"\d+", diffusers.__version__)[:2])
+        if found < self.MIN_DIFFUSERS:
+            raise RuntimeError(f"Qwen-Image needs diffusers >= {'.'.join(map(str, self.MIN_DIFFUSERS))} (earlier "
+                               "QwenImageTransformer2DModel attends to the padding of shorter prompts); found "
+                               f"{diffusers.__version__}: pip install -U 'diffusers>=0.37'")
+        super().__init__(transformer, cond, uncond, config)
 
     def packed_forward(self, packed, sigma, text, guidance, height, width):
         return self.transformer(hidden_states=packed, timestep=sigma, guidance=guidance,
