@@ -268,6 +268,8 @@ def test_missing_or_wrong_paths_are_one_line_errors(clip_dir, tmp_path):
         (f"hpsv2:path={tmp_path},processor={clip_dir}", ValueError, "is a directory; expected the HPSv2 checkpoint"),
         (f"pickscore:path={clip_dir},size=3", ValueError, "unknown option(s) ['size']; its options: path, processor"),
         (f"pickscore:path={clip_dir},batch_size=0", ValueError, "batch_size must be an integer >= 1"),
+        (f"pickscore:path={clip_dir},device=gpu", ValueError, "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+        (f"pickscore:path={clip_dir},dtype=float", ValueError, "dtype must be one of ('fp32', 'bf16', 'fp16')"),
         ("pickscore:path", ValueError, "options must be key=value"),
     ]
     for spec, error, message in cases:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -88,7 +88,10 @@ def _device(device) -> torch.device:
     """``"auto"`` (cuda if available, else cpu), a device name or a ``torch.device``."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}") from None
 
 
 class ClipImages:
@@ -158,21 +161,23 @@ class ClipReward:
     normalised embeddings into scores (:meth:`score`).
 
     Args:
-        model: the ``CLIPModel`` (moved to ``device`` and ``dtype``, eval mode, no grad).
-        processor: its ``CLIPProcessor`` (tokenizer and image processor settings).
+        load: ``device -> (CLIPModel, CLIPProcessor)``, called once the other arguments are checked; the model is then
+            moved to ``device`` and ``dtype``, eval mode, no grad; the processor gives the tokenizer and the image
+            settings.
         batch_size: images (and prompts) per forward.
         device: ``"auto"`` (cuda if available), ``"cpu"``, ``"cuda:1"``, or a ``torch.device``.
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` (or a torch dtype) of the model.
         image_mode: ``"crop"`` (CLIPImageProcessor) or ``"pad"`` (open_clip's ResizeMaxSize).
     """
 
-    def __init__(self, model: nn.Module, processor, batch_size: int = 32, device="auto", dtype="fp32",
-                 image_mode: str = "crop"):
+    def __init__(self, load: Callable[[torch.device], tuple[nn.Module, object]], batch_size: int = 32, device="auto",
+                 dtype="fp32", image_mode: str = "crop"):
         self.batch_size = _positive_int("batch_size", batch_size)
         if isinstance(dtype, str) and dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}; got {dtype!r}")
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.device = _device(device)
+        model, processor = load(self.device)                  # after the checks: the weights are large
         self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)
         self.processor = processor
         self.images = ClipImages(processor.image_processor, image_mode)
@@ -221,13 +226,17 @@ def _features(out) -> Tensor:
     return getattr(out, "pooler_output", out)
 
 
-def _load_clip(path, processor, what: str, repo: str, processor_repo: str) -> tuple[nn.Module, object]:
-    from transformers import CLIPModel, CLIPProcessor
+def _clip_loader(path, processor, what: str, repo: str, processor_repo: str):
+    """``device -> (CLIPModel, CLIPProcessor)`` from local transformers directories (the processor's defaults to
+    ``path``); the directories are checked when it is called."""
+    def load(device: torch.device) -> tuple[nn.Module, object]:
+        from transformers import CLIPModel, CLIPProcessor
 
-    model_dir = _clip_dir(path, what, repo, "model")
-    processor_dir = _clip_dir(processor or path, f"{what} processor", processor_repo, "processor")
-    return (CLIPModel.from_pretrained(str(model_dir), local_files_only=True),
-            CLIPProcessor.from_pretrained(str(processor_dir), local_files_only=True))
+        model_dir = _clip_dir(path, what, repo, "model")
+        processor_dir = _clip_dir(processor or path, f"{what} processor", processor_repo, "processor")
+        return (CLIPModel.from_pretrained(str(model_dir), local_files_only=True),
+                CLIPProcessor.from_pretrained(str(processor_dir), local_files_only=True))
+    return load
 
 
 class ClipScoreReward(ClipReward):
@@ -239,7 +248,7 @@ class ClipScoreReward(ClipReward):
     def __init__(self, path=None, processor=None, batch_size: int = 32, device="auto", dtype="fp32",
                  normalize: float = 30.0):
         repo = "openai/clip-vit-large-patch14"
-        super().__init__(*_load_clip(path, processor, "clip_score", repo, repo), batch_size, device, dtype)
+        super().__init__(_clip_loader(path, processor, "clip_score", repo, repo), batch_size, device, dtype)
         self.normalize = _positive_float("normalize", normalize)
 
     def score(self, cosine):
@@ -255,8 +264,8 @@ class PickScoreReward(ClipReward):
 
     def __init__(self, path=None, processor=None, batch_size: int = 32, device="auto", dtype="fp32",
                  normalize: float = 26.0):
-        super().__init__(*_load_clip(path, processor, "pickscore", "yuvalkirstain/PickScore_v1",
-                                     "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"), batch_size, device, dtype)
+        super().__init__(_clip_loader(path, processor, "pickscore", "yuvalkirstain/PickScore_v1",
+                                      "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"), batch_size, device, dtype)
         self.normalize = _positive_float("normalize", normalize)
 
     def score(self, cosine):
@@ -346,36 +355,40 @@ class HPSv2Reward(ClipReward):
     HPSv2's."""
 
     def __init__(self, path=None, processor=None, batch_size: int = 32, device="auto", dtype="fp32"):
-        from transformers import CLIPConfig, CLIPModel, CLIPProcessor
-
-        ckpt = local_path(path, "hpsv2", "an HPSv2 checkpoint file (HPS_v2.1_compressed.pt, an open_clip ViT-H-14 "
-                          "state dict)", "xswu/HPSv2")
-        if not ckpt.is_file():
-            raise ValueError(f"hpsv2: {ckpt} is a directory; expected the HPSv2 checkpoint file "
-                             "(HPS_v2.1_compressed.pt, an open_clip ViT-H-14 state dict)")
-        processor_dir = _clip_dir(processor, "hpsv2 processor", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "processor")
-        try:
-            data = torch.load(ckpt, map_location="cpu", weights_only=True)
-        except Exception as e:                            # a file that is not a torch checkpoint
-            raise ValueError(f"hpsv2: {ckpt} is not a torch checkpoint ({type(e).__name__}); expected an open_clip "
-                             "state dict such as HPS_v2.1_compressed.pt") from None
-        state = data.get("state_dict", data) if isinstance(data, dict) else None
-        if not isinstance(state, dict) or "visual.proj" not in state:
-            raise ValueError(f"hpsv2: {ckpt} holds no open_clip CLIP state dict (no 'visual.proj'); expected an HPSv2 "
-                             "checkpoint such as HPS_v2.1_compressed.pt")
-        dev = _device(device)
-        with torch.device(dev):
-            model = CLIPModel(CLIPConfig.from_pretrained(str(processor_dir), local_files_only=True))
-        try:
-            model.load_state_dict(open_clip_to_transformers(state), strict=True)
-        except RuntimeError as e:
-            raise ValueError(f"hpsv2: the checkpoint {ckpt} does not fit the CLIP architecture of {processor_dir}/"
-                             f"config.json ({str(e).splitlines()[0]})") from None
-        super().__init__(model, CLIPProcessor.from_pretrained(str(processor_dir), local_files_only=True), batch_size,
-                         dev, dtype, image_mode="pad")
+        super().__init__(lambda dev: _load_hpsv2(path, processor, dev), batch_size, device, dtype, image_mode="pad")
 
     def score(self, cosine):
         return cosine, {}
+
+
+def _load_hpsv2(path, processor, device: torch.device) -> tuple[nn.Module, object]:
+    """HPSv2's checkpoint converted into a ``CLIPModel`` built (on ``device``) from the processor directory's config,
+    and that directory's ``CLIPProcessor``."""
+    from transformers import CLIPConfig, CLIPModel, CLIPProcessor
+
+    ckpt = local_path(path, "hpsv2", "an HPSv2 checkpoint file (HPS_v2.1_compressed.pt, an open_clip ViT-H-14 "
+                      "state dict)", "xswu/HPSv2")
+    if not ckpt.is_file():
+        raise ValueError(f"hpsv2: {ckpt} is a directory; expected the HPSv2 checkpoint file "
+                         "(HPS_v2.1_compressed.pt, an open_clip ViT-H-14 state dict)")
+    processor_dir = _clip_dir(processor, "hpsv2 processor", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "processor")
+    try:
+        data = torch.load(ckpt, map_location="cpu", weights_only=True)
+    except Exception as e:                            # a file that is not a torch checkpoint
+        raise ValueError(f"hpsv2: {ckpt} is not a torch checkpoint ({type(e).__name__}); expected an open_clip "
+                         "state dict such as HPS_v2.1_compressed.pt") from None
+    state = data.get("state_dict", data) if isinstance(data, dict) else None
+    if not isinstance(state, dict) or "visual.proj" not in state:
+        raise ValueError(f"hpsv2: {ckpt} holds no open_clip CLIP state dict (no 'visual.proj'); expected an HPSv2 "
+                         "checkpoint such as HPS_v2.1_compressed.pt")
+    with torch.device(device):
+        model = CLIPModel(CLIPConfig.from_pretrained(str(processor_dir), local_files_only=True))
+    try:
+        model.load_state_dict(open_clip_to_transformers(state), strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"hpsv2: the checkpoint {ckpt} does not fit the CLIP architecture of {processor_dir}/"
+                         f"config.json ({str(e).splitlines()[0]})") from None
+    return model, CLIPProcessor.from_pretrained(str(processor_dir), local_files_only=True)
 
 
 class AestheticReward(ClipReward):
@@ -388,7 +401,7 @@ class AestheticReward(ClipReward):
         head_path = local_path(head, "aesthetic head", "the aesthetic predictor's MLP weights "
                                "sac+logos+ava1-l14-linearMSE.pth", "camenduru/improved-aesthetic-predictor")
         repo = "openai/clip-vit-large-patch14"
-        super().__init__(*_load_clip(path, processor, "aesthetic", repo, repo), batch_size, device, dtype)
+        super().__init__(_clip_loader(path, processor, "aesthetic", repo, repo), batch_size, device, dtype)
         state = torch.load(head_path, map_location="cpu", weights_only=True)
         layers = sorted({int(k.split(".")[1]) for k in state if k.startswith("layers.")})
         if not layers:
