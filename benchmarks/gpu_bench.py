@@ -1,11 +1,12 @@
-"""Exact vs JAGG training-step time and peak memory on full-size SD3.5-Medium and FLUX.1-dev transformers.
+"""Exact vs JAGG training-step time and peak memory on full-size SD3.5-Medium, FLUX.1-dev and Qwen-Image transformers.
 
 Random weights built from the published transformer configs (nothing is downloaded), bf16, Flow-GRPO's LoRA
-(SD3.5: rank 32 on the attention projections; FLUX: rank 64 plus the MLPs; adapters in bf16 too, or fp32 under
-bf16 autocast with ``--autocast``), Flow-GRPO's guidance (SD3.5: CFG 4.5 with both branches through the network
-with grad, one batched forward, as its ``train.cfg = True``; ``--detach-uncond`` measures jagg's cheaper variant,
-whose gradient differs: the unconditional branch a separate no-grad forward; FLUX.1-dev: embedded guidance 3.5, no
-CFG).
+(SD3.5: rank 32 on the attention projections; FLUX and Qwen-Image: rank 64 plus the MLPs; adapters in bf16 too, or
+fp32 under bf16 autocast with ``--autocast``), Flow-GRPO's guidance (SD3.5: CFG 4.5 with both branches through the
+network with grad, one batched forward, as its ``train.cfg = True``; ``--detach-uncond`` measures jagg's cheaper
+variant, whose gradient differs: the unconditional branch a separate no-grad forward; FLUX.1-dev: embedded guidance
+3.5, no CFG); Qwen-Image as the JAGG authors train it (no CFG, a static shift of 3; configs/qwen_image.yaml), 64 text
+tokens.
 For each model and resolution one rollout of ``--samples`` trajectories x ``--steps`` steps (all trained) is
 sampled with the model itself, then :func:`jagg.policy_gradient` computes the gradient of one update in ``exact``
 mode and in ``jagg`` mode for every window and intermediate, all with the same ``--micro-batch``. Every
@@ -14,6 +15,7 @@ median seconds, the speed-up over exact, docs/design.md §3's cost-model limit (
 ``W/2``; CFG's unconditional rows are not in it) and the peak GPU memory of the call.
 
     python benchmarks/gpu_bench.py                       # one H200: < 5 minutes (a time budget guards it)
+    python benchmarks/gpu_bench.py --models qwen_image --resolutions 512,1024    # Qwen-Image (20B) alone
     python benchmarks/gpu_bench.py --scaled-down         # tiny configs on the CPU, seconds (used by the tests)
     python benchmarks/gpu_bench.py --small --models sd35m --resolutions 512 [--detach-uncond]   # CPU, ~1 min
 
@@ -48,9 +50,14 @@ SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24,
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
                 axes_dims_rope=(16, 56, 56))
-# text tokens as Flow-GRPO encodes them (max_sequence_length 128): SD3 77 CLIP + 128 T5; FLUX 128 T5
+# QwenImageTransformer2DModel's defaults, which are Qwen/Qwen-Image's transformer/config.json (20.4B parameters)
+QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+# text tokens as Flow-GRPO encodes them (max_sequence_length 128): SD3 77 CLIP + 128 T5; FLUX 128 T5; Qwen-Image's
+# prompts keep their own length (a short prompt and QwenImagePipeline's template suffix: 64 Qwen2.5-VL tokens here)
 FULL = {"sd35m": dict(cls="SD3Transformer2DModel", config=SD35_MEDIUM, text_len=77 + 128, pooled=2048),
-        "flux": dict(cls="FluxTransformer2DModel", config=FLUX_DEV, text_len=128, pooled=768)}
+        "flux": dict(cls="FluxTransformer2DModel", config=FLUX_DEV, text_len=128, pooled=768),
+        "qwen_image": dict(cls="QwenImageTransformer2DModel", config=QWEN_IMAGE, text_len=64, pooled=None)}
 TINY = {"sd35m": dict(cls="SD3Transformer2DModel", text_len=8, pooled=8, config=dict(
             sample_size=16, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=2,
             joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8, out_channels=16,
@@ -58,7 +65,10 @@ TINY = {"sd35m": dict(cls="SD3Transformer2DModel", text_len=8, pooled=8, config=
         "flux": dict(cls="FluxTransformer2DModel", text_len=8, pooled=8, config=dict(
             patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=8,
             num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, guidance_embeds=True,
-            axes_dims_rope=(2, 2, 4)))}
+            axes_dims_rope=(2, 2, 4))),
+        "qwen_image": dict(cls="QwenImageTransformer2DModel", text_len=8, pooled=None, config=dict(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+            joint_attention_dim=16, axes_dims_rope=(2, 2, 4)))}
 # --small: 4-block models of width 128 on 32x32 latents at 512 px: the network, not Python, dominates on a CPU
 SMALL = {"sd35m": dict(cls="SD3Transformer2DModel", text_len=16, pooled=32, config=dict(
              sample_size=32, patch_size=2, in_channels=16, num_layers=4, attention_head_dim=32, num_attention_heads=4,
@@ -67,16 +77,20 @@ SMALL = {"sd35m": dict(cls="SD3Transformer2DModel", text_len=16, pooled=32, conf
          "flux": dict(cls="FluxTransformer2DModel", text_len=16, pooled=32, config=dict(
              patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=32,
              num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True,
-             axes_dims_rope=(8, 12, 12)))}
-FAMILY = {"sd35m": "sd3", "flux": "flux"}
-GUIDANCE = {"sd35m": VelocityConfig(cfg_scale=4.5), "flux": VelocityConfig(guidance_embed=3.5)}
+             axes_dims_rope=(8, 12, 12))),
+         "qwen_image": dict(cls="QwenImageTransformer2DModel", text_len=16, pooled=None, config=dict(
+             patch_size=2, in_channels=64, out_channels=16, num_layers=4, attention_head_dim=32,
+             num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(8, 12, 12)))}
+FAMILY = {"sd35m": "sd3", "flux": "flux", "qwen_image": "qwen_image"}
+GUIDANCE = {"sd35m": VelocityConfig(cfg_scale=4.5), "flux": VelocityConfig(guidance_embed=3.5),
+            "qwen_image": VelocityConfig()}
 SHIFT = {"sd35m": lambda res: 3.0, "flux": lambda res: float(torch.exp(torch.tensor(
-    0.5 + 0.65 * ((res // 16) ** 2 - 256) / 3840)))}
+    0.5 + 0.65 * ((res // 16) ** 2 - 256) / 3840))), "qwen_image": lambda res: 3.0}
 
 
 @dataclass
 class BenchConfig:
-    models: list[str] = field(default_factory=lambda: ["sd35m", "flux"])
+    models: list[str] = field(default_factory=lambda: ["sd35m", "flux", "qwen_image"])
     resolutions: list[int] = field(default_factory=lambda: [512, 1024])
     windows: list[int] = field(default_factory=lambda: [2, 4, 8])
     intermediates: list[str] = field(default_factory=lambda: ["fresh", "interp"])
@@ -183,10 +197,13 @@ def bench_model(name: str, cfg: BenchConfig, dev: torch.device, dtype: torch.dty
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     g = torch.Generator().manual_seed(cfg.seed)
-    cond = PromptEmbeddings(torch.randn(1, spec["text_len"], spec["config"]["joint_attention_dim"], generator=g),
-                            torch.randn(1, spec["pooled"], generator=g)).to(dev, dtype)
-    uncond = PromptEmbeddings(torch.randn(1, spec["text_len"], spec["config"]["joint_attention_dim"], generator=g),
-                              torch.randn(1, spec["pooled"], generator=g)).to(dev, dtype)
+
+    def text() -> PromptEmbeddings:                          # one random prompt (Qwen-Image has no pooled embedding)
+        return PromptEmbeddings(torch.randn(1, spec["text_len"], spec["config"]["joint_attention_dim"], generator=g),
+                                None if spec["pooled"] is None else torch.randn(1, spec["pooled"], generator=g)
+                                ).to(dev, dtype)
+
+    cond, uncond = text(), text()
     # --autocast: fp32 adapter weights on the bf16 base, run under bf16 autocast (mixed precision); default: all bf16
     vcfg = dataclasses.replace(GUIDANCE[name], autocast="bf16" if cfg.autocast and dtype == torch.bfloat16 else None,
                                detach_uncond=cfg.detach_uncond)
@@ -285,7 +302,7 @@ def _clean(x):
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="sd35m,flux", help="comma list of sd35m, flux")
+    ap.add_argument("--models", default="sd35m,flux,qwen_image", help="comma list of sd35m, flux, qwen_image")
     ap.add_argument("--resolutions", default=None, help="comma list of image sizes (default 512,1024; "
                     "scaled-down: 512,1024 mapped to 8x8 and 16x16 latents)")
     ap.add_argument("--windows", default="2,4,8")

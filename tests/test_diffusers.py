@@ -1,8 +1,9 @@
 """Real diffusers architectures (tiny random configs, no downloads) through the jagg estimators.
 
-SD3Transformer2DModel and FluxTransformer2DModel with 1-2 layers on 16x16 latents: on-policy ratio 1, JAGG with
-2-step groups equals exact, LoRA trains only adapters, the reference is the base model, saved adapters load back
-through diffusers' own ``load_lora_weights``, the loader's errors, and a full load from a local directory.
+SD3Transformer2DModel, FluxTransformer2DModel and QwenImageTransformer2DModel with 1-2 layers on 16x16 latents:
+on-policy ratio 1, JAGG with 2-step groups equals exact, LoRA trains only adapters, the reference is the base model,
+saved adapters load back through diffusers' own ``load_lora_weights``, the loader's errors, and a full load from a
+local directory. Qwen-Image against its own pipeline: tests/test_qwen_image.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel  # noqa: E402
-from diffusers import SD3Transformer2DModel  # noqa: E402
+from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel, SD3Transformer2DModel  # noqa: E402
 
 import jagg  # noqa: E402
 from jagg.integrations import (LoraSettings, PipelineConfig, PromptEmbeddings, RealModel, VelocityConfig,  # noqa: E402
@@ -50,6 +51,26 @@ def tiny_flux(seed=0) -> FluxTransformer2DModel:
                                   pooled_projection_dim=DP, guidance_embeds=True, axes_dims_rope=(2, 2, 4))
 
 
+def tiny_qwen(seed=0) -> QwenImageTransformer2DModel:
+    torch.manual_seed(seed)
+    return QwenImageTransformer2DModel(patch_size=2, in_channels=4 * C, out_channels=C, num_layers=2,
+                                       attention_head_dim=8, num_attention_heads=2, joint_attention_dim=D,
+                                       axes_dims_rope=(2, 2, 4))
+
+
+def tiny_qwen_vae() -> AutoencoderKLQwenImage:
+    """Qwen-Image's video VAE at 8x (3 spatial downsamplings, as the real one), with its per-channel normalisation."""
+    torch.manual_seed(0)
+    return AutoencoderKLQwenImage(base_dim=8, z_dim=C, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                  temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+                                  latents_std=[1.5, 0.7, 1.1, 0.9])
+
+
+# Qwen/Qwen-Image's scheduler/scheduler_config.json (dynamic exponential shift, stretched to 0.02)
+QWEN_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
+                      shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)
+
+
 def tiny_vae() -> AutoencoderKL:
     torch.manual_seed(0)
     return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
@@ -58,14 +79,23 @@ def tiny_vae() -> AutoencoderKL:
                          shift_factor=0.0609)
 
 
-MODELS = {"sd3": (tiny_sd3, VelocityConfig(cfg_scale=4.5)), "flux": (tiny_flux, VelocityConfig(guidance_embed=3.5))}
+MODELS = {"sd3": (tiny_sd3, VelocityConfig(cfg_scale=4.5)), "flux": (tiny_flux, VelocityConfig(guidance_embed=3.5)),
+          "qwen_image": (tiny_qwen, VelocityConfig(cfg_scale=4.0))}
 
 
-def embeds(seed=0, prompts=("a red cube", "a blue ball")) -> tuple[PromptEmbeddings, PromptEmbeddings]:
+def embeds(seed=0, prompts=("a red cube", "a blue ball"), family="sd3") -> tuple[PromptEmbeddings, PromptEmbeddings]:
+    """One row per sample (each prompt twice) and the negative prompt. SD3 / FLUX: L tokens each, pooled embeddings;
+    Qwen-Image: no pooled embedding and a token count of each prompt's own (L, L - 2, ...; the negative prompt 2),
+    padded with a mask."""
     g = torch.Generator().manual_seed(seed)
-    cond = PromptEmbeddings(torch.randn(len(prompts), L, D, generator=g), torch.randn(len(prompts), DP, generator=g),
-                            list(prompts))
-    neg = PromptEmbeddings(torch.randn(1, L, D, generator=g), torch.randn(1, DP, generator=g), [""])
+    if family == "qwen_image":
+        cond = PromptEmbeddings.cat([PromptEmbeddings(torch.randn(1, L - 2 * (i % 2), D, generator=g), None, [p])
+                                     for i, p in enumerate(prompts)])
+        neg = PromptEmbeddings(torch.randn(1, 2, D, generator=g), None, [" "])
+    else:
+        cond = PromptEmbeddings(torch.randn(len(prompts), L, D, generator=g),
+                                torch.randn(len(prompts), DP, generator=g), list(prompts))
+        neg = PromptEmbeddings(torch.randn(1, L, D, generator=g), torch.randn(1, DP, generator=g), [""])
     return cond.select([0, 0, 1, 1]), neg
 
 
@@ -86,7 +116,7 @@ def assert_rel(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
     assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
 
 
-@pytest.fixture(params=["sd3", "flux"])
+@pytest.fixture(params=["sd3", "flux", "qwen_image"])
 def family(request):
     return request.param
 
@@ -96,7 +126,7 @@ def family(request):
 def test_on_policy_ratio_is_one_and_jagg_pairs_equal_exact(family):
     make, vcfg = MODELS[family]
     model = make()
-    cond, neg = embeds()
+    cond, neg = embeds(family=family)
     v = velocity_adapter(model, cond, neg, vcfg)
     traj = rollout(v)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
@@ -119,7 +149,7 @@ def test_jagg_group_gradient_is_the_endpoint_vjp(family, intermediate):
 
     make, vcfg = MODELS[family]
     model = make()
-    cond, neg = embeds()
+    cond, neg = embeds(family=family)
     v = velocity_adapter(model, cond, neg, vcfg)
     traj = rollout(v)                                            # T = 6 -> groups [0, 1, 2], [3, 4, 5]
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
@@ -231,7 +261,7 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model(family):
     params = add_lora(model, LoraSettings(rank=4, alpha=8.0))
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names) and len(params) == len(names)
-    cond, neg = embeds()
+    cond, neg = embeds(family=family)
     v = velocity_adapter(model, cond, neg, vcfg)
     ref = reference_velocity(v)
     traj = rollout(v, T=4)
@@ -240,7 +270,10 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model(family):
                                  jagg.EstimatorConfig(correction_p=0.0, mode="jagg", window=2, micro_batch=4))
     assert stats.backward_items > 0
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
-    assert all(p.grad is not None for p in params)
+    # Qwen-Image's last block still has its text-stream outputs, which nothing reads: they get no gradient
+    unused = (("transformer_blocks.1.attn.to_add_out.", "transformer_blocks.1.txt_mlp.") if family == "qwen_image"
+              else ())
+    assert all((p.grad is None) == n.startswith(unused) for n, p in model.named_parameters() if "lora_" in n)
     opt.step()
     x, s, i = traj.latents[:, 1], traj.sigmas[1].expand(B), torch.arange(B)
     with torch.no_grad():
@@ -262,7 +295,7 @@ def test_saved_adapter_loads_back_with_diffusers(tmp_path, family):
             if "lora_B" in n:
                 p.normal_(0, 0.1)
     save_lora(model, tmp_path / "adapter", family)
-    cond, neg = embeds()
+    cond, neg = embeds(family=family)
     x, s, i = torch.randn(2, C, H, W), torch.tensor([0.8, 0.4]), torch.tensor([0, 3])
     with torch.no_grad():
         want = velocity_adapter(model, cond, neg, vcfg)(x, s, i)
@@ -271,9 +304,12 @@ def test_saved_adapter_loads_back_with_diffusers(tmp_path, family):
         pipe = diffusers.StableDiffusion3Pipeline(transformer=make(), scheduler=FlowMatchEulerDiscreteScheduler(),
                                                   vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
                                                   tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
-    else:
+    elif family == "flux":
         pipe = diffusers.FluxPipeline(transformer=make(), scheduler=FlowMatchEulerDiscreteScheduler(), vae=None,
                                       text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    else:
+        pipe = diffusers.QwenImagePipeline(transformer=make(), scheduler=FlowMatchEulerDiscreteScheduler(), vae=None,
+                                           text_encoder=None, tokenizer=None)
     pipe.load_lora_weights(str(tmp_path / "adapter"))
     with torch.no_grad():
         got = velocity_adapter(pipe.transformer, cond, neg, vcfg)(x, s, i)
@@ -293,6 +329,9 @@ def test_lora_settings_defaults_and_errors():
     assert LoraSettings().resolved("sd3")[:2] == (32, 64.0)
     assert LoraSettings().resolved("flux")[:2] == (64, 128.0)
     assert "ff_context.net.2" in LoraSettings().resolved("flux")[2]
+    rank, alpha, targets = LoraSettings().resolved("qwen_image")       # Flow-GRPO's Qwen-Image LoRA
+    assert (rank, alpha) == (64, 128.0) and {"attn.add_q_proj", "attn.to_out.0", "img_mlp.net.2"} <= set(targets)
+    add_lora(tiny_qwen(), LoraSettings(rank=2))                         # every default target is a Linear layer
     assert LoraSettings(rank=8).resolved("sd3")[:2] == (8, 16.0)
     with pytest.raises(ValueError, match="rank"):
         LoraSettings(rank=0)
@@ -317,6 +356,35 @@ def test_prompt_embedding_cache_roundtrip(tmp_path):
         uniq.lookup(["a green cone"])
     with pytest.raises(FileNotFoundError, match="python -m jagg.integrations.pipeline cache"):
         PromptEmbeddings.load(tmp_path / "missing.safetensors")
+
+
+def test_prompts_of_their_own_length_pad_with_a_mask_and_round_trip(tmp_path):
+    """Qwen-Image's embeddings: rows of L and L - 2 tokens are zero-padded to L with a mask; each row comes back
+    unpadded (the cache entry), the cache files keep the mask and no pooled embedding, and families without a text
+    mask refuse them."""
+    cond, neg = embeds(family="qwen_image")
+    assert cond.pooled is None and cond.prompt_embeds.shape == (4, L, D)
+    assert cond.mask.tolist() == [[True] * L] * 2 + [[True] * (L - 2) + [False] * 2] * 2
+    assert (cond.prompt_embeds[2:, L - 2:] == 0).all()
+    assert cond.row(2).prompt_embeds.shape == (1, L - 2, D) and cond.row(2).mask is None
+    same = PromptEmbeddings.cat([cond.row(0), cond.row(1)])
+    assert same.mask is None and same.prompts == ["a red cube"] * 2      # equal lengths: no mask, as diffusers
+    uniq = cond.select([0, 2])
+    for suffix in (".safetensors", ".pt"):
+        uniq.save(tmp_path / f"cache{suffix}")
+        back = PromptEmbeddings.load(tmp_path / f"cache{suffix}")
+        assert back.pooled is None and back.prompts == uniq.prompts
+        torch.testing.assert_close(back.prompt_embeds, uniq.prompt_embeds)
+        assert torch.equal(back.mask, uniq.mask)
+    torch.save({p: (uniq.row(k).prompt_embeds[0], None) for k, p in enumerate(uniq.prompts)}, tmp_path / "d.pt")
+    back = PromptEmbeddings.load(tmp_path / "d.pt")
+    assert torch.equal(back.mask, uniq.mask) and torch.equal(back.prompt_embeds, uniq.prompt_embeds)
+    with pytest.raises(ValueError, match="takes no text mask"):
+        velocity_adapter(tiny_sd3(), PromptEmbeddings(cond.prompt_embeds, torch.zeros(4, DP), None, cond.mask))
+    with pytest.raises(ValueError, match="takes no pooled embeddings"):
+        velocity_adapter(tiny_qwen(), embeds()[0])
+    with pytest.raises(ValueError, match="tokens followed by padding"):
+        PromptEmbeddings(cond.prompt_embeds[:1], None, None, torch.tensor([[True, False, True, True, True]])).row(0)
 
 
 def test_loader_errors_name_the_problem(tmp_path):
@@ -438,10 +506,12 @@ def test_flux_model_from_directory_with_prompt_cache(tmp_path):
     assert isinstance(model, RealModel) and model.reference(v) is not None
 
 
-@pytest.mark.parametrize("name, family, rank", [("sd35_medium", "sd3", 32), ("flux_dev", "flux", 64)])
+@pytest.mark.parametrize("name, family, rank", [("sd35_medium", "sd3", 32), ("flux_dev", "flux", 64),
+                                                ("qwen_image", "qwen_image", 64)])
 def test_shipped_yaml_configs_load(name, family, rank, tmp_path):
     """configs/<name>.yaml: the pipeline section loads, the trainer sections use the trainer's keys, the reward
-    server section builds a client, and the placeholder model path fails with the download hint."""
+    server section builds a client (or the reward section names a registry reward), and the placeholder model path
+    fails with the download hint."""
     import yaml
 
     from jagg.trainers.diffusers_config import DiffusersSampleConfig
@@ -460,7 +530,11 @@ def test_shipped_yaml_configs_load(name, family, rank, tmp_path):
     for section, cls in (("sample", DiffusersSampleConfig), ("estimator", jagg.EstimatorConfig),
                          ("optim", OptimConfig), ("grpo", GRPOConfig)):
         from_dict(cls, data[section], section)
-    RewardClient(**data["reward_server"])
+    if "reward_server" in data:
+        RewardClient(**data["reward_server"])
+    else:
+        from jagg.rewards.registry import parse_spec, registered_name
+        assert registered_name(data["reward"]["name"]) and parse_spec(data["reward"]["name"])[1]["path"]
     if not Path(cfg.path).exists():
         with pytest.raises(FileNotFoundError, match="never downloads weights"):
             load_model(cfg)

@@ -33,10 +33,10 @@ def test_scaled_down_run_writes_table_and_json(bench, tmp_path, capsys):
     assert "speedup" in text and f"wrote {out}" in text
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert len(rows) == 2 * 2 * 6 == len(result["rows"])        # models x resolutions x (exact, W2, W4 x2, W8 x2)
+    assert len(rows) == 3 * 2 * 6 == len(result["rows"])        # models x resolutions x (exact, W2, W4 x2, W8 x2)
     assert all(r["status"] == "ok" and r["seconds"] > 0 for r in rows)
     by = {(r["model"], r["resolution"], r["mode"], r["window"], r["intermediate"]): r for r in rows}
-    for model in ("sd35m", "flux"):
+    for model in ("sd35m", "flux", "qwen_image"):
         for res in (512, 1024):
             k = (model, res)
             assert by[k + ("exact", 1, "-")]["backward_items"] == 8      # 1 sample x 8 trained steps
@@ -74,3 +74,4 @@ def test_full_size_configs_build(bench):
         counts[name] = sum(p.numel() for p in model.parameters())
     assert 2.2e9 < counts["sd35m"] < 2.6e9          # SD3.5-Medium transformer
     assert 11.8e9 < counts["flux"] < 12.0e9         # FLUX.1-dev transformer
+    assert 20.3e9 < counts["qwen_image"] < 20.5e9   # Qwen-Image transformer (20.4B)

@@ -1,7 +1,8 @@
 """``jagg train --config <yaml with pipeline:>`` end to end on tiny random diffusers models saved to disk.
 
 SD3 with LoRA: metrics, diffusers-loadable adapters, only the adapters train, ``--resume`` continues exactly as an
-uninterrupted run. FLUX with full fine-tuning, the KL reference and an HTTP reward server. Clear errors for bad model
+uninterrupted run. FLUX with full fine-tuning, the KL reference and an HTTP reward server. Qwen-Image with LoRA, its
+text encoder, true CFG, DanceGRPO's SDE and index-interpolated step groups (the JAGG authors' recipe, scaled down). Clear errors for bad model
 paths, prompt files, prompt caches and rewards; SIGTERM saves and exits; non-finite updates are skipped, then the run
 aborts. Two CPU processes launched by accelerate keep identical replicas and make the one-process update.
 """
@@ -25,6 +26,7 @@ pytest.importorskip("peft")
 import diffusers  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: E402
 from test_diffusers import _tiny_clip, embeds, tiny_flux, tiny_sd3, tiny_vae  # noqa: E402
+from test_qwen_image import qwen_dir  # noqa: E402,F401  (the fixture: a tiny Qwen-Image directory)
 
 from jagg.cli import main  # noqa: E402
 from jagg.integrations import VelocityConfig, velocity_adapter  # noqa: E402
@@ -187,7 +189,8 @@ def test_bad_model_paths_and_config_errors(tmp_path, sd3_dir, capsys):
              (["reward_server.url=http://127.0.0.1:1"], "both are set"),
              (["sample.sde_window=[2, 9]"], "pipeline.num_steps=4"),
              (["pipeline.lora.enabled=false"], "keep_reference"),
-             (["pipeline.cfg_scal=2"], "did you mean 'cfg_scale'")]
+             (["pipeline.cfg_scal=2"], "did you mean 'cfg_scale'"),
+             (["reward.name=pickscore:pth=/models/x"], "reward.name: reward 'pickscore': unknown option(s) ['pth']")]
     for sets, message in cases:
         args = ["train", "--config", str(cfg)] + [a for s in sets for a in ("--set", s)]
         assert main(args) == 2, sets
@@ -198,17 +201,17 @@ def test_bad_model_paths_and_config_errors(tmp_path, sd3_dir, capsys):
 
 
 def test_shipped_configs_reach_the_model_check(tmp_path, capsys):
-    """configs/sd35_medium.yaml and flux_dev.yaml load as real-model configs; with a prompts file the placeholder model
-    path fails with the download hint (no weights here)."""
+    """configs/sd35_medium.yaml, flux_dev.yaml and qwen_image.yaml load as real-model configs; with a prompts file the
+    placeholder model path (qwen_image: first its reward's, HPSv2) fails with the download hint (no weights here)."""
     (tmp_path / "p.txt").write_text("a photo of a cat\n")
     root = Path(__file__).resolve().parents[1]
-    for name in ("sd35_medium", "flux_dev"):
+    for name in ("sd35_medium", "flux_dev", "qwen_image"):
         path = root / "configs" / f"{name}.yaml"
         assert train_config.has_pipeline_section(path)
         assert main(["train", "--config", str(path), "--output-dir", str(tmp_path / name)]) == 2
         assert "sample.prompts_file must be set" in capsys.readouterr().err
         cfg = train_config.load_config(path, [f"sample.prompts_file={tmp_path / 'p.txt'}"])
-        assert cfg.reward_server is not None and cfg.reward is None
+        assert (cfg.reward_server is None) == (name == "qwen_image") and (cfg.reward is None) != (name == "qwen_image")
         if not Path(cfg.pipeline.path).exists():
             assert main(["train", "--config", str(path), "--output-dir", str(tmp_path / name),
                          "--set", f"sample.prompts_file={tmp_path / 'p.txt'}"]) == 2
@@ -400,3 +403,61 @@ def test_audit_and_unbiased_jagg_on_a_real_model(tmp_path, sd3_dir, captured):
         assert r["predicted_efficiency"] == pytest.approx(1.0, abs=1e-6)
     train = [r for r in records(out) if r["kind"] == "train"]
     assert all(r["backward_items"] == 4 * 4 for r in train)   # p = 1: every inner step also runs exactly
+
+
+def test_qwen_image_lora_train_with_text_encoder_and_true_cfg(tmp_path, qwen_dir, captured):
+    """`jagg train` on a tiny Qwen-Image directory: its text encoder embeds the prompts (and the negative prompt ' '),
+    true CFG 4 in sampling and training, DanceGRPO's SDE, 4 of 5 steps trained in step groups of 2 interpolated by
+    index, a weighted mix of PickScore (a tiny CLIP, in-process) and JPEG compressibility; the LoRA adapter it saves
+    loads into QwenImagePipeline and gives the trained policy's velocity."""
+    from test_preference_rewards import save_tiny_clip
+
+    (tmp_path / "clip").mkdir()
+    clip = save_tiny_clip(tmp_path / "clip")
+    (tmp_path / "prompts.txt").write_text("a red cube\na blue ball on a table\n")
+    cfg = tmp_path / "qwen.yaml"
+    cfg.write_text(f"""\
+pipeline:
+  family: qwen_image
+  path: {qwen_dir}
+  dtype: fp32
+  device: cpu
+  resolution: 128
+  num_steps: 5
+  shift: 3.0
+  eta: 0.3
+  cfg_scale: 4.0
+  negative_prompt: " "
+  max_sequence_length: 512
+  lora: {{rank: 2}}
+reward: {{weights: {{"pickscore:path={clip},batch_size=3": 1.0, jpeg_compressibility: 0.1}}}}
+sample: {{prompts_file: {tmp_path / "prompts.txt"}, prompts_per_iter: 2, group_size: 2, timestep_fraction: 0.8,
+         sde_type: dance, shared_noise: true, micro_batch: 4}}
+estimator: {{mode: jagg, window: 2, alpha: index, intermediate: fresh, micro_batch: 4, clip_range: 0.1,
+            correction_p: 0.0}}
+optim: {{lr: 0.01, max_grad_norm: 10.0}}
+grpo: {{iterations: 1, drop_zero_spread: false}}
+log: {{output_dir: {tmp_path / "run"}, tensorboard: false, progress: false}}
+threads: 1
+""")
+    assert main(["train", "--config", str(cfg)]) == 0
+    (r,) = records(tmp_path / "run")
+    assert np.isfinite(r["reward_mean"]) and np.isfinite(r["loss"]) and r["grad_norm"] > 0
+    assert r["reward_mean"] == pytest.approx(r["reward/pickscore"] + 0.1 * r["reward/jpeg_compressibility"], rel=1e-5)
+    assert r["backward_items"] == 4 * 4                              # 4 samples x 2 groups x 2 endpoint rows
+    trainer, _, _ = captured[0]
+    pickscore = trainer.reward_fn.fn.parts["pickscore"].fn         # on the trainer's device, in pipeline.dtype
+    assert pickscore.device == torch.device("cpu") and pickscore.model.dtype == torch.float32
+    policy = trainer.policy
+    assert policy.shift == 3.0 and policy.shift_terminal is None     # an explicit shift is static
+    pipe = diffusers.QwenImagePipeline.from_pretrained(qwen_dir, text_encoder=None, tokenizer=None, vae=None)
+    pipe.load_lora_weights(str(tmp_path / "run" / "checkpoints" / "adapter_000001"))
+    prompts = ["a red cube", "a blue ball on a table"]
+    v = policy.velocity(prompts)
+    x, s, i = torch.randn(2, 4, 16, 16), torch.tensor([0.7, 0.3]), torch.arange(2)
+    with torch.no_grad():
+        want = v(x, s, i)
+        got = v.with_transformer(pipe.transformer)(x, s, i)
+    assert (want - policy.reference(v)(x, s, i)).abs().max() > 1e-5     # the adapters trained: not the base model
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+

@@ -1,8 +1,8 @@
 """The HTTP reward client and server on loopback (127.0.0.1, port 0, real sockets): batching, both image wire
 formats, image inputs as local rewards take them, the CLI entry point, whole-request deadlines, broken answers from
 a raw socket server (trickling, truncated, not HTTP), scores that are not finite, rewards that fail, bad requests,
-tokens, body-size limits, read timeouts and bounded connections; model-weight rewards' errors and a tiny random
-CLIP."""
+tokens, body-size limits, read timeouts and bounded connections. Registry rewards served by name (the preference
+models on a tiny random CLIP): tests/test_preference_rewards.py."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 
 from jagg.rewards import RewardClient, RewardServerError
 from jagg.rewards.protocol import TOKEN_ENV
-from jagg.rewards.server import AestheticReward, ClipScoreReward, PickScoreReward, load_reward, make_server
+from jagg.rewards.server import load_reward, make_server
 from jagg.rewards.images import to_uint8
 from jagg.training.config_loader import from_dict
 
@@ -324,69 +324,11 @@ def test_cli_serves_module_function_with_a_token_from_the_environment(monkeypatc
 
 
 def test_load_reward_errors():
-    with pytest.raises(ValueError, match="module:function"):
+    with pytest.raises(ValueError, match="registry name .* or 'module:function'"):
         load_reward("jagg.rewards")
     with pytest.raises(ValueError, match="cannot load reward"):
         load_reward("jagg.rewards:NoSuchReward")
-
-
-# -- rewards that need model weights ---------------------------------------------------------------------------
-
-
-def test_model_rewards_without_weights_are_clear_errors(tmp_path, monkeypatch):
-    for var in ("JAGG_CLIP_PATH", "JAGG_PICKSCORE_PATH", "JAGG_PICKSCORE_PROCESSOR_PATH", "JAGG_AESTHETIC_HEAD_PATH"):
-        monkeypatch.delenv(var, raising=False)
-    with pytest.raises(FileNotFoundError, match="PickScore weights: no local path given.*yuvalkirstain/PickScore_v1"):
-        PickScoreReward()
-    with pytest.raises(FileNotFoundError, match="CLIP score weights: .* does not exist.*clip-vit-large-patch14"):
-        ClipScoreReward(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="aesthetic head weights"):
-        AestheticReward(tmp_path)
-
-
-@pytest.fixture(scope="module")
-def tiny_clip_dir(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    d = tmp_path_factory.mktemp("tiny_clip")
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for ch in "abcdefghijklmnopqrstuvwxyz":
-        vocab[ch] = len(vocab)
-        vocab[ch + "</w>"] = len(vocab)
-    try:                                                # transformers >= 5 takes the vocab, 4.x reads files
-        tok = transformers.CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
-    except TypeError:
-        (d / "vocab.json").write_text(json.dumps(vocab))
-        (d / "merges.txt").write_text("#version: 0.2\n")
-        tok = transformers.CLIPTokenizer(vocab_file=str(d / "vocab.json"), merges_file=str(d / "merges.txt"),
-                                         model_max_length=77)
-    proc = transformers.CLIPProcessor(image_processor=transformers.CLIPImageProcessor(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}), tokenizer=tok)
-    cfg = transformers.CLIPConfig(
-        text_config=dict(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=0, eos_token_id=1,
-                         pad_token_id=1),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        projection_dim=8)
-    torch.manual_seed(0)
-    transformers.CLIPModel(cfg).save_pretrained(d)
-    proc.save_pretrained(d)
-    head = {"layers.0.weight": torch.randn(4, 8), "layers.0.bias": torch.zeros(4),
-            "layers.2.weight": torch.randn(1, 4), "layers.2.bias": torch.zeros(1)}
-    torch.save(head, d / "head.pth")
-    return d
-
-
-def test_tiny_random_clip_rewards(tiny_clip_dir):
-    ims, prompts = images(3), ["a red cube", "a blue ball", "two cats"]
-    clip = ClipScoreReward(tiny_clip_dir, device="cpu")
-    img, txt = clip._embed(ims, prompts)
-    assert img.shape == txt.shape == (3, 8)                # projected embeddings (projection_dim), not hidden states
-    s, info = clip(ims, prompts)
-    assert s.shape == (3,) and s.dtype == np.float32 and np.all(np.abs(s) <= 1.0 + 1e-6)
-    p, info = PickScoreReward(tiny_clip_dir, device="cpu")(ims, prompts)
-    np.testing.assert_allclose(p * 26.0, info["pickscore_raw"], rtol=1e-5)
-    a, _ = AestheticReward(tiny_clip_dir, tiny_clip_dir / "head.pth", device="cpu")(ims, prompts)
-    assert a.shape == (3,) and np.isfinite(a).all()
+    with pytest.raises(ValueError, match=r"option\(s\) \['path'\] are given both"):
+        load_reward("pickscore:path=/a", {"path": "/b"})
+    with pytest.raises(ImportError, match="PickScoreReward moved .* to jagg.rewards.preference"):
+        from jagg.rewards.server import PickScoreReward as _  # noqa: F401

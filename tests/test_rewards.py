@@ -1,5 +1,7 @@
 """The shapes-world GenEval reward, the JPEG rewards and the reward registry."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -126,8 +128,8 @@ def test_reward_errors(user_module):
         get_reward(f"{user_module}:too_short")(images, prompts, None)
     with pytest.raises(ValueError, match="nan_at_2.*batch index 2"):  # inside a weighted sum, too
         get_reward({"geneval": 1.0, f"{user_module}:nan_at_2": 1.0})(images, prompts, None)
-    with pytest.raises(ValueError, match="available: .*geneval.*jpeg_compressibility"):
-        get_reward("clip_score")
+    with pytest.raises(ValueError, match="available: .*geneval.*jpeg_compressibility.*pickscore"):
+        get_reward("imagereward")
     with pytest.raises(ValueError, match="cannot load"):
         get_reward(f"{user_module}:missing")
     with pytest.raises(ValueError, match="4 images but 3 prompts"):
@@ -178,9 +180,10 @@ def test_rewards_do_not_import_the_shapes_world():
     import sys
 
     code = ("import sys; import jagg.rewards.server, jagg.rewards.registry, jagg.rewards.client, "
-            "jagg.rewards.protocol; print(sorted(m for m in sys.modules if m.startswith('jagg.shapes')))")
+            "jagg.rewards.protocol; print(sorted(m for m in sys.modules if m.startswith('jagg.shapes') "
+            "or m == 'transformers'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert out.strip() == "[]"                       # nor transformers: a preference model imports it when built
 
 
 def test_the_shapes_world_registers_geneval_itself():
@@ -188,3 +191,30 @@ def test_the_shapes_world_registers_geneval_itself():
     from jagg.rewards import available_rewards
 
     assert "geneval" in available_rewards()
+
+
+def test_registered_rewards_take_options_in_their_name(monkeypatch):
+    """'name:key=value,...': keyword arguments of the factory, converted to the type of its defaults; the trainer's
+    defaults reach only factories that take them and lose to the spec's own options."""
+    from jagg.rewards.registry import REWARDS, parse_spec
+
+    made = []
+
+    def toy(scale: float = 1.0, flag: bool = False, n: int = 2, device: str = "auto", label=None):
+        made.append(dict(scale=scale, flag=flag, n=n, device=device, label=label))
+        return lambda images, prompts, metadata=None: np.full(len(images), scale * n, np.float32)
+
+    monkeypatch.setitem(REWARDS, "toy", toy)
+    images = np.zeros((2, 8, 8, 3), np.uint8)
+    scores, _ = get_reward("toy:scale=2.5, flag=true,n=3,label=a/b", {"device": "cuda:1", "dtype": "bf16"})(
+        images, ["x", "y"], None)
+    assert made[-1] == dict(scale=2.5, flag=True, n=3, device="cuda:1", label="a/b") and scores.tolist() == [7.5] * 2
+    get_reward("toy:device=cpu", {"device": "cuda:1"})
+    assert made[-1]["device"] == "cpu"                      # the spec wins over the trainer's default
+    assert parse_spec("toy") == ("toy", {}) and parse_spec("toy:n=1,") == ("toy", {"n": "1"})
+    for spec, message in (("toy:flag=yes", "flag must be true or false"), ("toy:n=2.5", "n must be an integer"),
+                          ("toy:scale=big", "scale must be a number"), ("toy:n=1,n=2", "'n' is given twice"),
+                          ("toy:colour=red", "unknown option(s) ['colour']; its options: scale, flag, n, device")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            get_reward(spec)
+

@@ -140,7 +140,7 @@ def _train(args) -> int:
     if args.output_dir:
         overrides.append(f"log.output_dir={args.output_dir}")
     config = args.config or str(main_job_path())
-    real = has_pipeline_section(config)          # a real diffusers model (SD3/FLUX): jagg.trainers.diffusers
+    real = has_pipeline_section(config)          # a real diffusers model: jagg.trainers.diffusers
     if args.print_config:
         if real:
             cfg = load_config(config, overrides)
@@ -265,11 +265,13 @@ def _main_job_defaults(args) -> None:
 
 def _add_train(sub, argv: list[str] | None) -> None:
     """``jagg train``: the shapes trainer, or the diffusers trainer for a config with a ``pipeline:`` section."""
-    t = sub.add_parser("train", help="GRPO training on the embedded shapes world, or on SD3/FLUX (pipeline: config)",
+    t = sub.add_parser("train", help="GRPO training on the embedded shapes world, or on SD3/FLUX/Qwen-Image "
+                       "(pipeline: config)",
                        description="GRPO training. A --config whose YAML has a top-level `pipeline:` section "
-                       "(configs/sd35_medium.yaml, configs/flux_dev.yaml) trains that diffusers model (SD3/SD3.5, "
-                       "FLUX.1) from its local directory with jagg.trainers.diffusers (its keys: the second list "
-                       "below; docs/real_models.md); any other config trains the embedded TinyDiT.",
+                       "(configs/sd35_medium.yaml, configs/flux_dev.yaml, configs/qwen_image.yaml) trains that "
+                       "diffusers model (SD3/SD3.5, FLUX.1, Qwen-Image) from its local directory with "
+                       "jagg.trainers.diffusers (its keys: the second list below; docs/real_models.md); any other "
+                       "config trains the embedded TinyDiT.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.epilog_fn = lambda: _train_epilog(argv)
     t.add_argument("--config", help="YAML config (default: the main job shipped with jagg, jagg/shapes/main_job.yaml, "

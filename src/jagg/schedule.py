@@ -44,3 +44,18 @@ def flow_sigmas(num_steps: int, shift: float = 1.0, dtype: torch.dtype = torch.f
         raise ValueError(f"num_steps must be an integer >= 1; got {num_steps!r}")
     t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return shift_sigmas(t, shift).to(dtype)
+
+
+def stretch_to_terminal(sigmas: Tensor, terminal: float) -> Tensor:
+    """diffusers' ``shift_terminal`` (Qwen-Image's scheduler: 0.02): stretch a schedule ``[T + 1]`` from 1 down to a
+    final 0 so that its last sigma before the 0 is ``terminal``. ``1 - sigma`` of every sigma but the final 0 is
+    scaled by ``(1 - terminal) / (1 - sigma_{T-1})``, so sigma_0 = 1 stays. Needs ``T >= 2``."""
+    if not is_finite_number(terminal) or not 0 < terminal < 1:
+        raise ValueError(f"shift_terminal must be a number in (0, 1); got {terminal!r}")
+    if sigmas.ndim != 1 or sigmas.numel() < 3:
+        raise ValueError(f"stretching to a terminal sigma needs a schedule of >= 2 steps ([T + 1] sigmas); got shape "
+                         f"{tuple(sigmas.shape)}")
+    head = sigmas[:-1]
+    stretched = 1 - (1 - head) * ((1 - terminal) / (1 - head[-1]))
+    return torch.cat([stretched, sigmas[-1:]])
+

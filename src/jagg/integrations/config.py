@@ -5,16 +5,20 @@ LoRA or full fine-tuning) and :class:`VelocityConfig` (how :mod:`jagg.integratio
 a velocity callable; derived from the pipeline section). Every value is checked when the object is built, with an
 error naming the key. Plain dataclasses: nothing here imports diffusers.
 
-Flow-GRPO's LoRA settings (``scripts/train_sd3.py``, ``scripts/train_flux.py`` in yifan123/flow_grpo), the defaults:
+Flow-GRPO's LoRA settings (``scripts/train_sd3.py``, ``scripts/train_flux.py``, ``scripts/train_qwenimage_edit_plus.py``
+in yifan123/flow_grpo), the defaults:
 
-=========  ====  =====  ==========  =================================================================================
-family     rank  alpha  init        target modules
-=========  ====  =====  ==========  =================================================================================
-SD3/SD3.5  32    64     gaussian    ``attn.add_k_proj, attn.add_q_proj, attn.add_v_proj, attn.to_add_out, attn.to_k,
-                                    attn.to_out.0, attn.to_q, attn.to_v``
-FLUX.1     64    128    gaussian    the SD3 list plus ``ff.net.0.proj, ff.net.2, ff_context.net.0.proj,
-                                    ff_context.net.2``
-=========  ====  =====  ==========  =================================================================================
+==========  ====  =====  ==========  ================================================================================
+family      rank  alpha  init        target modules
+==========  ====  =====  ==========  ================================================================================
+SD3/SD3.5   32    64     gaussian    ``attn.add_k_proj, attn.add_q_proj, attn.add_v_proj, attn.to_add_out, attn.to_k,
+                                     attn.to_out.0, attn.to_q, attn.to_v``
+FLUX.1      64    128    gaussian    the SD3 list plus ``ff.net.0.proj, ff.net.2, ff_context.net.0.proj,
+                                     ff_context.net.2``
+Qwen-Image  64    128    gaussian    the SD3 list (the joint attention of ``QwenImageTransformerBlock``: image
+                                     ``to_q/k/v``, ``to_out.0``; text ``add_q/k/v_proj``, ``to_add_out``) plus
+                                     ``img_mlp.net.0.proj, img_mlp.net.2, txt_mlp.net.0.proj, txt_mlp.net.2``
+==========  ====  =====  ==========  ================================================================================
 
 (``attn.to_q`` matches ``transformer_blocks.i.attn.to_q`` but not SD3.5's second attention ``attn2``.)
 """
@@ -28,13 +32,17 @@ import torch
 
 from ..training.config_loader import from_dict
 
-FAMILIES = ("sd3", "flux")
+FAMILIES = ("sd3", "flux", "qwen_image")
 UNCOND_FORWARDS = ("separate", "batched")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SD3_TARGET_MODULES = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
                       "attn.to_out.0", "attn.to_q", "attn.to_v")
 FLUX_TARGET_MODULES = SD3_TARGET_MODULES + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
-FLOW_GRPO_LORA = {"sd3": (32, 64.0, SD3_TARGET_MODULES), "flux": (64, 128.0, FLUX_TARGET_MODULES)}
+QWEN_IMAGE_TARGET_MODULES = SD3_TARGET_MODULES + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                                                  "txt_mlp.net.2")
+FLOW_GRPO_LORA = {"sd3": (32, 64.0, SD3_TARGET_MODULES), "flux": (64, 128.0, FLUX_TARGET_MODULES),
+                  "qwen_image": (64, 128.0, QWEN_IMAGE_TARGET_MODULES)}
+QWEN_MAX_SEQUENCE_LENGTH = 1024           # QwenImagePipeline refuses longer prompts
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
@@ -72,7 +80,8 @@ class VelocityConfig:
 
     cfg_scale: float = field(default=1.0, metadata=_help(
         "Classifier-free guidance weight w in v = v_u + w (v_c - v_u); 1 = no CFG (one forward). Flow-GRPO SD3.5: "
-        "4.5; FLUX.1-dev (guidance-distilled): 1."))
+        "4.5; FLUX.1-dev (guidance-distilled): 1. Qwen-Image (QwenImagePipeline's true_cfg_scale): the combination "
+        "is rescaled to the conditional velocity's norm per 2x2 latent patch."))
     guidance_embed: float | None = field(default=None, metadata=_help(_HELP["guidance_embed"]))
     detach_uncond: bool = field(default=False, metadata=_help(_HELP["detach_uncond"]))
     uncond_forward: str = field(default="separate", metadata=_help(_HELP["uncond_forward"]))
@@ -97,7 +106,8 @@ class LoraSettings:
 
     enabled: bool = field(default=True, metadata=_help("Train LoRA adapters (true) or all transformer weights "
                           "(false: full fine-tuning; the KL reference is then a frozen copy)."))
-    rank: int | None = field(default=None, metadata=_help("LoRA rank r (Flow-GRPO: SD3 32, FLUX 64)."))
+    rank: int | None = field(default=None, metadata=_help("LoRA rank r (Flow-GRPO: SD3 32, FLUX and Qwen-Image "
+                                                                 "64)."))
     alpha: float | None = field(default=None, metadata=_help("LoRA alpha; scale = alpha / r (Flow-GRPO: 2 r)."))
     target_modules: list[str] | None = field(default=None, metadata=_help("Module-name suffixes that get adapters "
                                              "(default: Flow-GRPO's list for the family, see "
@@ -140,7 +150,8 @@ class LoraSettings:
 class PipelineConfig:
     """A real text-to-image model to fine-tune (defaults: Flow-GRPO's SD3.5-Medium settings)."""
 
-    family: str = field(default="sd3", metadata=_help(f"Model family, one of {FAMILIES} (SD3/SD3.5 or FLUX.1)."))
+    family: str = field(default="sd3", metadata=_help(f"Model family, one of {FAMILIES} (SD3/SD3.5, FLUX.1 or "
+                                                      "Qwen-Image)."))
     path: str = field(default="", metadata=_help("Local diffusers model directory (model_index.json + transformer/)."))
     dtype: str = field(default="bf16", metadata=_help("Transformer / text-encoder weights dtype: bf16, fp16 or fp32."))
     vae_dtype: str = field(default="fp32", metadata=_help("VAE dtype (Flow-GRPO decodes in fp32)."))
@@ -149,17 +160,22 @@ class PipelineConfig:
     resolution: int = field(default=512, metadata=_help("Image height = width in pixels (multiple of 16)."))
     num_steps: int = field(default=10, metadata=_help("Sampling steps of a training rollout (Flow-GRPO SD3: 10)."))
     eval_num_steps: int = field(default=40, metadata=_help("Steps of the evaluation sampler (Flow-GRPO SD3: 40)."))
-    shift: float | None = field(default=None, metadata=_help("Timestep shift; null = the model's own: SD3 the "
-                                "scheduler's shift (3.0), FLUX the resolution-dependent exp(mu)."))
+    shift: float | None = field(default=None, metadata=_help("Static timestep shift (SD3's rule); null = the "
+                                "model's own, as its scheduler config says: SD3 the scheduler's shift (3.0), FLUX and "
+                                "Qwen-Image the resolution-dependent exp(mu), Qwen-Image then stretched to its "
+                                "shift_terminal (0.02)."))
     eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO: SD3 0.7, FLUX 0.9)."))
     cfg_scale: float = field(default=4.5, metadata=_help("Classifier-free guidance weight in sampling and training "
                              "(Flow-GRPO SD3.5: 4.5; FLUX.1-dev: 1, it is guidance-distilled)."))
     guidance_embed: float | None = field(default=None, metadata=_help(_HELP["guidance_embed"]))
-    negative_prompt: str = field(default="", metadata=_help("Negative prompt of classifier-free guidance."))
+    negative_prompt: str = field(default="", metadata=_help("Negative prompt of classifier-free guidance "
+                                 "(Flow-GRPO: '' for SD3, ' ' for Qwen-Image)."))
     detach_uncond: bool = field(default=False, metadata=_help(_HELP["detach_uncond"]))
     uncond_forward: str = field(default="separate", metadata=_help(_HELP["uncond_forward"]))
     autocast: str | None = field(default=None, metadata=_help(_HELP["autocast"]))
-    max_sequence_length: int = field(default=128, metadata=_help("T5 tokens per prompt (Flow-GRPO: 128)."))
+    max_sequence_length: int = field(default=128, metadata=_help("Text tokens per prompt: T5's for SD3 and FLUX "
+                                     "(Flow-GRPO: 128), Qwen2.5-VL's for Qwen-Image (QwenImagePipeline: 512, at most "
+                                     f"{QWEN_MAX_SEQUENCE_LENGTH}), where shorter prompts keep their own length."))
     prompt_cache: str | None = field(default=None, metadata=_help("Precomputed prompt-embedding cache (.safetensors "
                                      "or .pt); with it the text encoders are not loaded."))
     load_text_encoders: bool | None = field(default=None, metadata=_help("Load the text encoders (needed to embed "
@@ -179,11 +195,14 @@ class PipelineConfig:
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"pipeline.{name} must be one of {tuple(DTYPES)}; got {getattr(self, name)!r}")
         if self.resolution < 16 or self.resolution % 16:
-            raise ValueError(f"pipeline.resolution must be a positive multiple of 16 (VAE /8, FLUX packing /2); "
+            raise ValueError(f"pipeline.resolution must be a positive multiple of 16 (VAE /8, 2x2 packing); "
                              f"got {self.resolution}")
         for name in ("num_steps", "eval_num_steps", "max_sequence_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"pipeline.{name} must be >= 1; got {getattr(self, name)}")
+        if self.family == "qwen_image" and self.max_sequence_length > QWEN_MAX_SEQUENCE_LENGTH:
+            raise ValueError(f"pipeline.max_sequence_length must be <= {QWEN_MAX_SEQUENCE_LENGTH} for qwen_image "
+                             f"(QwenImagePipeline's limit); got {self.max_sequence_length}")
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"pipeline.shift must be > 0 or null; got {self.shift}")
         if self.eta <= 0:

@@ -2,8 +2,8 @@
 
 Weights are never downloaded: ``path`` must be a local diffusers model directory (``model_index.json`` plus a
 ``transformer/`` subfolder), e.g. made with ``huggingface-cli download stabilityai/stable-diffusion-3.5-medium
---local-dir /models/sd3.5-medium`` on a machine with internet access. The text encoders (T5-XXL is ~9 GB in bf16)
-are only needed to embed prompts: precompute a prompt-embedding cache once::
+--local-dir /models/sd3.5-medium`` on a machine with internet access. The text encoders (T5-XXL is ~9 GB in bf16,
+Qwen-Image's Qwen2.5-VL-7B ~16 GB) are only needed to embed prompts: precompute a prompt-embedding cache once::
 
     python -m jagg.integrations.pipeline cache --config <yaml> --prompts <file> --out <cache.safetensors>
 
@@ -26,7 +26,7 @@ from torch import nn
 from .config import DTYPES, PipelineConfig, load_pipeline_config, read_prompt_lines
 from .velocity import encode_prompts
 
-PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
+PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline"}
 TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
 
 
@@ -40,7 +40,7 @@ def check_model_dir(path: str | Path, family: str) -> dict:
     p = Path(path).expanduser() if path else None
     hint = ("download it once on a machine with internet, e.g. `huggingface-cli download "
             "stabilityai/stable-diffusion-3.5-medium --local-dir /models/sd3.5-medium` (FLUX: "
-            "black-forest-labs/FLUX.1-dev), copy it here and set pipeline.path")
+            "black-forest-labs/FLUX.1-dev; Qwen-Image: Qwen/Qwen-Image), copy it here and set pipeline.path")
     if p is None or not p.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist; jagg never downloads weights: {hint}")
     if not p.is_dir():
@@ -50,8 +50,9 @@ def check_model_dir(path: str | Path, family: str) -> dict:
         raise FileNotFoundError(f"{p} is not a diffusers model directory: no model_index.json. Point pipeline.path "
                                 f"at the directory that contains model_index.json; {hint}")
     if not (p / "transformer" / "config.json").is_file():
-        raise FileNotFoundError(f"{p} has no transformer/ subfolder (transformer/config.json): it is not an SD3/FLUX "
-                                "diffusers directory (UNet models such as SD1.5/SDXL are not flow-matching DiTs)")
+        raise FileNotFoundError(f"{p} has no transformer/ subfolder (transformer/config.json): it is not an SD3, "
+                                "FLUX or Qwen-Image diffusers directory (UNet models such as SD1.5/SDXL are not "
+                                "flow-matching DiTs)")
     index = json.loads((p / "model_index.json").read_text())
     expected = PIPELINE_CLASSES[family]
     found = index.get("_class_name", "")

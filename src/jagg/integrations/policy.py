@@ -1,4 +1,4 @@
-"""The policy of one SD3 / FLUX model, owned in one place: :class:`Policy`.
+"""The policy of one SD3 / FLUX / Qwen-Image model, owned in one place: :class:`Policy`.
 
     cfg = load_pipeline_config("configs/sd35_medium.yaml")        # the `pipeline:` section (+ `lora:` inside it)
     policy = load_model(cfg)                                       # SD3.5 / FLUX pipeline, LoRA added, on the GPU
@@ -19,7 +19,7 @@ The free functions (:func:`add_lora`, :func:`full_finetune`, :func:`frozen_copy`
 :func:`reference_velocity`, :func:`save_lora`, :func:`load_lora`) are the same operations on a bare transformer, for
 your own loop. Adapters are added with diffusers' own ``transformer.add_adapter(LoraConfig)``, so the transformer
 keeps its class (forward signature, ``config``, ``enable_gradient_checkpointing``), and checkpoints are exactly what
-``StableDiffusion3Pipeline.load_lora_weights`` / ``FluxPipeline.load_lora_weights`` read: the peft state dict
+``<Pipeline>.load_lora_weights`` (StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline) reads: the peft state dict
 (``get_peft_model_state_dict``) saved with ``<Pipeline>.save_lora_weights`` plus the adapter's LoraConfig as metadata
 (so ``alpha != rank`` survives the round trip). Note: ``convert_state_dict_to_diffusers`` must *not* be applied to
 transformer adapters in current diffusers: it renames keys to the old UNet ``lora.down/up`` format and
@@ -39,10 +39,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..schedule import flow_sigmas
+from ..schedule import flow_sigmas, stretch_to_terminal
 from .config import DTYPES, LORA_WEIGHT_NAME, LoraSettings, PipelineConfig
 from .pipeline import PIPELINE_CLASSES, TEXT_COMPONENTS, load_pipeline
-from .velocity import ADAPTERS, PromptEmbeddings, TransformerVelocity, encode_prompts, model_family, unwrap_model
+from .velocity import (ADAPTERS, PackedVelocity, PromptEmbeddings, TransformerVelocity, encode_prompts, model_family,
+                       unwrap_model)
 
 # ----------------------------------------------------------------------------------------------------------------
 # trainable weights, reference, adapter files (on a bare or wrapped transformer)
@@ -218,35 +219,66 @@ def _not_cached(missing: Sequence[str], where: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def flux_shift(resolution: int, scheduler_config: dict | None = None) -> float:
-    """FLUX's resolution-dependent shift ``exp(mu)``, ``mu`` linear in the packed image sequence length (diffusers'
-    ``calculate_shift``). ``exp(mu) t / (exp(mu) t + 1 - t)`` is :func:`jagg.shift_sigmas` with ``shift = exp(mu)``."""
+def dynamic_shift(image_seq_len: int, scheduler_config: dict | None = None) -> float:
+    """FLUX's and Qwen-Image's resolution-dependent shift: ``mu`` linear in the packed image sequence length
+    (diffusers' ``calculate_shift``, with the scheduler config's ``base_image_seq_len``, ``max_image_seq_len``,
+    ``base_shift``, ``max_shift``; the pipelines' defaults 256, 4096, 0.5, 1.15 where it has none), then ``exp(mu)``
+    (``time_shift_type: exponential``, the default) or ``mu`` (``linear``). The scheduler's ``exp(mu) / (exp(mu) +
+    1 / t - 1)`` is :func:`jagg.shift_sigmas` with this shift."""
     c = scheduler_config or {}
-    seq = (resolution // 16) ** 2
     lo, hi = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
     b0, b1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
-    mu = b0 + (b1 - b0) * (seq - lo) / (hi - lo)
-    return math.exp(mu)
+    mu = b0 + (b1 - b0) * (image_seq_len - lo) / (hi - lo)
+    kind = c.get("time_shift_type", "exponential")
+    if kind not in ("exponential", "linear"):
+        raise ValueError(f"scheduler time_shift_type must be 'exponential' or 'linear'; got {kind!r}")
+    return math.exp(mu) if kind == "exponential" else mu
 
 
-def default_shift(family: str, resolution: int, scheduler_config: dict | None = None) -> float:
-    """The model's own timestep shift: SD3 the scheduler's static ``shift`` (3.0), FLUX :func:`flux_shift`."""
+def default_shift(family: str, image_seq_len: int, scheduler_config: dict | None = None) -> float:
+    """The model's own timestep shift, as its scheduler config says: with ``use_dynamic_shifting`` (FLUX.1-dev,
+    Qwen-Image; the default of the packed families when the config does not say) :func:`dynamic_shift` of the packed
+    image sequence length ``(H/16)(W/16)``, else the static ``shift`` (SD3: 3.0)."""
     c = dict(scheduler_config or {})
-    if family == "flux" or c.get("use_dynamic_shifting", False):
-        return flux_shift(resolution, c)
+    if c.get("use_dynamic_shifting", issubclass(ADAPTERS[family], PackedVelocity)):
+        return dynamic_shift(image_seq_len, c)
     return float(c.get("shift", 3.0))
+
+
+def vae_scale_factor(vae: nn.Module) -> int:
+    """Pixels per latent along each side, as the pipelines compute it: ``2 ** len(temperal_downsample)`` for
+    Qwen-Image's video VAE (``AutoencoderKLQwenImage``), ``2 ** (len(block_out_channels) - 1)`` for
+    ``AutoencoderKL``."""
+    cfg = vae.config
+    if _is_video_vae(vae):
+        return 2 ** len(cfg.temperal_downsample)
+    return 2 ** (len(cfg.block_out_channels) - 1)
+
+
+def _is_video_vae(vae: nn.Module) -> bool:
+    return getattr(vae.config, "temperal_downsample", None) is not None
 
 
 @torch.no_grad()
 def decode_latents(vae: nn.Module, latents: Tensor, micro_batch: int = 8) -> np.ndarray:
-    """VAE latents ``[B, 16, H/8, W/8]`` -> uint8 images ``[B, H, W, 3]`` (``z / scaling_factor + shift_factor``)."""
+    """VAE latents ``[B, C, H/8, W/8]`` -> uint8 images ``[B, H, W, 3]``.
+
+    ``AutoencoderKL`` (SD3, FLUX): ``z / scaling_factor + shift_factor``. Qwen-Image's ``AutoencoderKLQwenImage``
+    (as ``QwenImagePipeline``): ``z * latents_std + latents_mean`` per channel, decoded as one frame ``[B, C, 1, h,
+    w]`` whose frame axis is dropped again."""
     cfg = vae.config
-    shift = getattr(cfg, "shift_factor", None) or 0.0
     param = next(vae.parameters())
+    video = _is_video_vae(vae)
+    if video:
+        mean, std = (torch.tensor(v, dtype=torch.float32, device=param.device).view(1, -1, 1, 1)
+                     for v in (cfg.latents_mean, cfg.latents_std))
+    shift = getattr(cfg, "shift_factor", None) or 0.0
     out = []
     for s in range(0, latents.shape[0], micro_batch):
-        z = latents[s:s + micro_batch].to(device=param.device, dtype=torch.float32) / cfg.scaling_factor + shift
+        z = latents[s:s + micro_batch].to(device=param.device, dtype=torch.float32)
+        z = (z * std + mean)[:, :, None] if video else z / cfg.scaling_factor + shift
         img = vae.decode(z.to(param.dtype), return_dict=False)[0].float()
+        img = img[:, :, 0] if video else img
         img = ((img / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         out.append(img.permute(0, 2, 3, 1).cpu().numpy())
     return np.concatenate(out)
@@ -258,23 +290,26 @@ def decode_latents(vae: nn.Module, latents: Tensor, micro_batch: int = 8) -> np.
 
 
 class Policy:
-    """The policy of one SD3 / FLUX model: trainable transformer, KL reference, prompts, sampler, velocity, decoder.
+    """The policy of one SD3 / FLUX / Qwen-Image model: trainable transformer, KL reference, prompts, sampler,
+    velocity, decoder.
 
     Build it with :func:`load_model` (from a local diffusers directory) or directly from components.
 
     Args:
         config: the :class:`PipelineConfig` (family, dtype, device, sampler, guidance, ``lora:``).
-        transformer: the diffusers ``SD3Transformer2DModel`` / ``FluxTransformer2DModel`` (bare or wrapped); LoRA
-            adapters are added to it (or all its weights made trainable) here.
+        transformer: the diffusers ``SD3Transformer2DModel`` / ``FluxTransformer2DModel`` /
+            ``QwenImageTransformer2DModel`` (bare or wrapped); LoRA adapters are added to it (or all its weights made
+            trainable) here.
         vae: the pipeline's VAE (for :meth:`decode`), or None.
         pipe: the diffusers pipeline, whose text encoders embed prompts missing from the cache, or None.
-        scheduler_config: the scheduler's config (the model's own timestep shift).
+        scheduler_config: the scheduler's config (the model's own timestep shift and terminal stretch).
         prompt_cache: :class:`PromptEmbeddings` with prompt strings, e.g. loaded from ``pipeline.prompt_cache``.
 
     Attributes: ``config``, ``pipe``, ``vae``, ``device``, ``transformer`` (the module the velocity callables call:
     replace it by its DDP / FSDP / accelerate wrapper after ``prepare``), ``bare`` (the unwrapped module, fixed at
     construction), ``named_params`` / ``params`` (the trainable weights), ``reference_model`` (the frozen copy of
-    a full fine-tune with ``keep_reference``, else None), ``latent_shape``, ``shift``.
+    a full fine-tune with ``keep_reference``, else None), ``latent_shape``, ``shift``, ``shift_terminal`` (the
+    scheduler's ``shift_terminal`` the sigmas are stretched to, when ``pipeline.shift`` is null; else None).
     """
 
     def __init__(self, config: PipelineConfig, transformer: nn.Module, vae: nn.Module | None = None, pipe=None,
@@ -295,17 +330,20 @@ class Policy:
         self.params = list(self.named_params.values())
         if config.gradient_checkpointing:
             self.bare.enable_gradient_checkpointing()
-        self.scheduler_config = dict(scheduler_config or {})
-        self.shift = (config.shift if config.shift is not None
-                      else default_shift(config.family, config.resolution, self.scheduler_config))
-        mc = self.bare.config
-        c = mc.in_channels if config.family == "sd3" else mc.in_channels // 4
-        f = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 8
-        self.latent_shape: tuple[int, int, int] = (c, config.resolution // f, config.resolution // f)
-        self.velocity_config = config.velocity_config()
         self._adapter = ADAPTERS[config.family]
+        f = vae_scale_factor(vae) if vae is not None else 8
+        side = config.resolution // f
+        self.latent_shape: tuple[int, int, int] = (self._adapter.latent_channels(self.bare.config), side, side)
+        self.scheduler_config = dict(scheduler_config or {})
+        # an explicit pipeline.shift is a static shift; the model's own may end in a stretch (Qwen-Image: 0.02)
+        self.shift = (config.shift if config.shift is not None
+                      else default_shift(config.family, (side // 2) ** 2, self.scheduler_config))
+        self.shift_terminal: float | None = None
+        if config.shift is None and self.scheduler_config.get("shift_terminal"):
+            self.shift_terminal = float(self.scheduler_config["shift_terminal"])
+        self.velocity_config = config.velocity_config()
         self._dtype = DTYPES[config.dtype]                    # checked by PipelineConfig
-        self._cache: dict[str, tuple[Tensor, Tensor]] = {}
+        self._cache: dict[str, PromptEmbeddings] = {}         # one unpadded row per prompt
         self._negative: PromptEmbeddings | None = None
         if prompt_cache is not None:
             self.add_embeddings(prompt_cache)
@@ -313,8 +351,11 @@ class Policy:
     # -- sampler --------------------------------------------------------------------------------------------------
 
     def sigmas(self, num_steps: int | None = None) -> Tensor:
-        """``[T + 1]`` sigmas from 1 to 0 with the model's shift (as its diffusers scheduler)."""
-        return flow_sigmas(num_steps or self.config.num_steps, shift=self.shift).to(self.device)
+        """``[T + 1]`` sigmas from 1 to 0 with the model's shift and terminal stretch (as its diffusers scheduler)."""
+        sigmas = flow_sigmas(num_steps or self.config.num_steps, shift=self.shift, dtype=torch.float64)
+        if self.shift_terminal is not None:
+            sigmas = stretch_to_terminal(sigmas, self.shift_terminal)
+        return sigmas.float().to(self.device)
 
     def noise(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
         """Initial noise ``[B, C, H/8, W/8]`` fp32 on the model's device."""
@@ -332,7 +373,7 @@ class Policy:
         if emb.prompts is None:
             raise ValueError("cached embeddings need their prompt strings (PromptEmbeddings.prompts)")
         for i, p in enumerate(emb.prompts):
-            self._cache[p] = (emb.prompt_embeds[i], emb.pooled[i])
+            self._cache[p] = emb.row(i)
 
     def embeddings(self, prompts: Sequence[str]) -> PromptEmbeddings:
         """``PromptEmbeddings`` of ``prompts`` (one row each): from the cache, the rest encoded with the pipeline's
@@ -344,9 +385,7 @@ class Policy:
                 raise KeyError(_not_cached(missing, ""))
             self.add_embeddings(encode_prompts(self.pipe, self.config.family, missing,
                                                self.config.max_sequence_length, batch_size=1))
-        rows = [self._cache[p] for p in prompts]
-        return PromptEmbeddings(torch.stack([r[0] for r in rows]).to(self.device, self._dtype),
-                                torch.stack([r[1] for r in rows]).to(self.device, self._dtype), list(prompts))
+        return PromptEmbeddings.cat([self._cache[p] for p in prompts]).to(self.device, self._dtype)
 
     def negative(self) -> PromptEmbeddings:
         """The negative prompt's embeddings (one row), computed once."""

@@ -1,4 +1,4 @@
-"""Velocity adapters: a diffusers SD3 / FLUX transformer plus prompt embeddings -> a jagg velocity callable.
+"""Velocity adapters: a diffusers SD3 / FLUX / Qwen-Image transformer plus prompt embeddings -> a velocity callable.
 
 Prompt embeddings are :class:`PromptEmbeddings` (one row per prompt; :func:`encode_prompts` makes them with the
 pipeline's text encoders, :meth:`PromptEmbeddings.save` / :meth:`~PromptEmbeddings.load` are the cache file).
@@ -6,19 +6,25 @@ pipeline's text encoders, :meth:`PromptEmbeddings.save` / :meth:`~PromptEmbeddin
 A jagg velocity callable is ``(latents [N, C, H, W], sigma [N], sample_index [N] long) -> v [N, C, H, W]``.
 The adapters own everything model specific, so the core (sampling, log-probs, estimators) stays generic:
 
-- **latents** are always the VAE latents ``[N, 16, H/8, W/8]`` (fp32 in the stored trajectory). FLUX wants them
-  packed into 2x2 patches ``[N, (H/16)(W/16), 64]`` with ``img_ids`` / ``txt_ids`` position ids; its adapter packs
-  on the way in and unpacks on the way out (a pure permutation, so log-probs are unchanged).
-- **timestep**: ``SD3Transformer2DModel`` takes ``timestep = sigma * 1000``; ``FluxTransformer2DModel`` takes
-  ``timestep = sigma`` (it multiplies by 1000 inside; the diffusers pipeline passes ``t / 1000``) and, for
-  FLUX.1-dev, the distilled guidance as an embedding (``guidance = 3.5``, also scaled inside).
+- **latents** are always the VAE latents ``[N, 16, H/8, W/8]`` (fp32 in the stored trajectory). FLUX and Qwen-Image
+  want them packed into 2x2 patches ``[N, (H/16)(W/16), 64]`` (``FluxPipeline._pack_latents``; Qwen-Image's video
+  VAE has a frame axis of length 1, which ``QwenImagePipeline._pack_latents`` folds away the same way); their
+  adapters pack on the way in and unpack on the way out (a pure permutation, so log-probs are unchanged). FLUX adds
+  ``img_ids`` / ``txt_ids`` position ids, Qwen-Image ``img_shapes = [(1, H/16, W/16)]`` per sample.
+- **timestep**: ``SD3Transformer2DModel`` takes ``timestep = sigma * 1000``; ``FluxTransformer2DModel`` and
+  ``QwenImageTransformer2DModel`` take ``timestep = sigma`` (they multiply by 1000 inside; their pipelines pass
+  ``t / 1000``) and, for guidance-distilled models (FLUX.1-dev), the guidance as an embedding (``guidance = 3.5``,
+  also scaled inside).
 - **conditioning**: :class:`PromptEmbeddings` holds one row per trajectory of the batch (``sample_index`` picks the
-  row); classifier-free guidance ``v = v_u + w (v_c - v_u)`` uses one negative row (or one per sample).
-  By default both branches run as one batched ``[uncond; cond]`` forward with grad, as Flow-GRPO's SD3 trainer
-  (``train.cfg = True``). ``VelocityConfig.detach_uncond`` is a cheaper variant that changes the gradient: the
-  unconditional branch gets none, run either as a separate no-grad forward (``uncond_forward="separate"``, saves
-  the activations of half the rows) or inside the batched forward and detached (``"batched"``); both give the
-  same values and gradient, ``w`` times the conditional branch's.
+  row); classifier-free guidance ``v = v_u + w (v_c - v_u)`` uses one negative row (or one per sample). Qwen-Image
+  (``QwenImagePipeline``'s true CFG) rescales that combination to the norm of ``v_c`` per packed token (a 2x2 patch
+  of the 16 latent channels). Qwen-Image's prompts keep their own token counts: a batch is zero-padded to its longest
+  prompt with a text mask (``encoder_hidden_states_mask``); SD3 and FLUX take no mask and no padding beyond their
+  tokenizers'. By default both CFG branches run as one batched ``[uncond; cond]`` forward with grad, as Flow-GRPO's
+  SD3 trainer (``train.cfg = True``). ``VelocityConfig.detach_uncond`` is a cheaper variant that changes the
+  gradient: the unconditional branch gets none, run either as a separate no-grad forward
+  (``uncond_forward="separate"``, saves the activations of half the rows) or inside the batched forward and detached
+  (``"batched"``); both give the same values and gradient, ``w`` times the conditional branch's for plain CFG.
 - **precision**: inputs are cast to the transformer's dtype (bf16 weights) or run under ``torch.autocast``;
   the returned velocity is fp32 (``output_dtype``), and the SDE step / scores in the core are fp32 anyway.
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -52,18 +59,20 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+TRANSFORMER_FAMILIES = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux",
+                        "QwenImageTransformer2DModel": "qwen_image"}
+
+
 def model_family(transformer: nn.Module) -> str:
-    """``"sd3"`` or ``"flux"`` from the (unwrapped, possibly peft-wrapped) transformer's class or a base class of it
-    (FSDP2's ``fully_shard`` swaps the class for a subclass, ``FSDPSD3Transformer2DModel``)."""
+    """``"sd3"``, ``"flux"`` or ``"qwen_image"`` from the (unwrapped, possibly peft-wrapped) transformer's class or a
+    base class of it (FSDP2's ``fully_shard`` swaps the class for a subclass, ``FSDPSD3Transformer2DModel``)."""
     m = unwrap_model(transformer)
     base = getattr(getattr(m, "base_model", None), "model", m)        # peft PeftModel -> LoraModel -> model
-    classes = {c.__name__ for c in type(base).__mro__}
-    if "SD3Transformer2DModel" in classes:
-        return "sd3"
-    if "FluxTransformer2DModel" in classes:
-        return "flux"
+    for c in type(base).__mro__:
+        if c.__name__ in TRANSFORMER_FAMILIES:
+            return TRANSFORMER_FAMILIES[c.__name__]
     raise TypeError(f"unsupported transformer class {type(base).__name__}; jagg adapts diffusers' "
-                    "SD3Transformer2DModel and FluxTransformer2DModel. For your own DiT write a velocity callable "
+                    f"{', '.join(TRANSFORMER_FAMILIES)}. For your own DiT write a velocity callable "
                     "(latents, sigma, index) -> v")
 
 
@@ -81,32 +90,63 @@ class PromptEmbeddings:
     """Text conditioning of ``P`` prompts, as the transformers consume it.
 
     Attributes:
-        prompt_embeds: ``[P, L, D]`` sequence embeddings (SD3: CLIP-L/G + T5, ``D = 4096``; FLUX: T5).
-        pooled: ``[P, Dp]`` pooled embeddings (SD3: ``Dp = 2048``; FLUX: CLIP-L, ``Dp = 768``).
+        prompt_embeds: ``[P, L, D]`` sequence embeddings (SD3: CLIP-L/G + T5, ``D = 4096``; FLUX: T5; Qwen-Image: the
+            last hidden state of Qwen2.5-VL, ``D = 3584``).
+        pooled: ``[P, Dp]`` pooled embeddings (SD3: ``Dp = 2048``; FLUX: CLIP-L, ``Dp = 768``), or None (Qwen-Image
+            has none).
         prompts: the ``P`` prompt strings (optional; needed by :meth:`lookup` and saved with the cache).
+        mask: ``[P, L]`` bool, True at each prompt's tokens and False at the zero padding after them, or None (every
+            row is all tokens). Qwen-Image's prompts keep their own lengths, so rows of different lengths are padded
+            to the longest with this mask (``QwenImagePipeline.encode_prompt``'s ``prompt_embeds_mask``).
     """
 
     prompt_embeds: Tensor
-    pooled: Tensor
+    pooled: Tensor | None
     prompts: list[str] | None = None
+    mask: Tensor | None = None
 
     def __post_init__(self):
+        p = self.prompt_embeds.shape[0]
         if self.prompt_embeds.ndim != 3:
             raise ValueError(f"prompt_embeds must be [P, L, D]; got shape {tuple(self.prompt_embeds.shape)}")
-        if self.pooled.ndim != 2 or self.pooled.shape[0] != self.prompt_embeds.shape[0]:
-            raise ValueError(f"pooled must be [P, Dp] with P = {self.prompt_embeds.shape[0]}; "
-                             f"got shape {tuple(self.pooled.shape)}")
-        if self.prompts is not None and len(self.prompts) != self.prompt_embeds.shape[0]:
-            raise ValueError(f"got {len(self.prompts)} prompts for {self.prompt_embeds.shape[0]} embedding rows")
+        if self.pooled is not None and (self.pooled.ndim != 2 or self.pooled.shape[0] != p):
+            raise ValueError(f"pooled must be [P, Dp] with P = {p} (or None); got shape {tuple(self.pooled.shape)}")
+        if self.mask is not None:
+            if self.mask.shape != self.prompt_embeds.shape[:2]:
+                raise ValueError(f"mask must be [P, L] = {list(self.prompt_embeds.shape[:2])}; got shape "
+                                 f"{tuple(self.mask.shape)}")
+            self.mask = self.mask.bool()
+        if self.prompts is not None and len(self.prompts) != p:
+            raise ValueError(f"got {len(self.prompts)} prompts for {p} embedding rows")
 
     def __len__(self) -> int:
         return self.prompt_embeds.shape[0]
 
+    def take(self, index: Tensor) -> "PromptEmbeddings":
+        """Rows ``index`` (a long tensor, on any device) without their prompt strings: no host synchronisation, for the
+        adapters' per-call row lookup."""
+        i = index.to(self.prompt_embeds.device)
+        return PromptEmbeddings(self.prompt_embeds[i], None if self.pooled is None else self.pooled[i], None,
+                                None if self.mask is None else self.mask[i])
+
     def select(self, index: Tensor | Sequence[int]) -> "PromptEmbeddings":
         """Rows ``index`` (e.g. one row per trajectory: ``embeds.select(prompt_of_sample)``)."""
         idx = torch.as_tensor(index, dtype=torch.long, device=self.prompt_embeds.device)
-        prompts = None if self.prompts is None else [self.prompts[i] for i in idx.tolist()]
-        return PromptEmbeddings(self.prompt_embeds[idx], self.pooled[idx], prompts)
+        out = self.take(idx)
+        out.prompts = None if self.prompts is None else [self.prompts[i] for i in idx.tolist()]
+        return out
+
+    def row(self, i: int) -> "PromptEmbeddings":
+        """Row ``i`` alone and without its padding: ``[1, L_i, D]`` (a prompt-cache entry)."""
+        embeds = self.prompt_embeds[i:i + 1]
+        if self.mask is not None:
+            n = int(self.mask[i].sum())
+            if not bool(self.mask[i, :n].all()):
+                raise ValueError(f"the text mask of row {i} is not its tokens followed by padding; jagg pads prompts "
+                                 "at the end, as QwenImagePipeline does")
+            embeds = embeds[:, :n]
+        return PromptEmbeddings(embeds, None if self.pooled is None else self.pooled[i:i + 1],
+                                None if self.prompts is None else [self.prompts[i]])
 
     def lookup(self, prompts: Sequence[str]) -> "PromptEmbeddings":
         """The rows of ``prompts`` (in that order, repeats allowed); raises naming the prompts not cached."""
@@ -122,14 +162,32 @@ class PromptEmbeddings:
         return self.select([table[p] for p in prompts])
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "PromptEmbeddings":
+        """The embeddings on ``device`` in ``dtype`` (the mask stays bool)."""
         return PromptEmbeddings(self.prompt_embeds.to(device=device, dtype=dtype),
-                                self.pooled.to(device=device, dtype=dtype), self.prompts)
+                                None if self.pooled is None else self.pooled.to(device=device, dtype=dtype),
+                                self.prompts, None if self.mask is None else self.mask.to(device))
+
+    def padded_mask(self, length: int) -> Tensor:
+        """The text mask ``[P, length]``: this one (all True without a mask) with False appended."""
+        p, n = self.prompt_embeds.shape[:2]
+        mask = self.mask if self.mask is not None else torch.ones(p, n, dtype=torch.bool,
+                                                                   device=self.prompt_embeds.device)
+        return torch.nn.functional.pad(mask, (0, length - n), value=False)
 
     @staticmethod
     def cat(parts: Sequence["PromptEmbeddings"]) -> "PromptEmbeddings":
+        """The rows of ``parts`` in order. Parts of different lengths are zero-padded to the longest, with a mask; the
+        result has no mask when every row is all tokens."""
+        if len({p.pooled is None for p in parts}) > 1:
+            raise ValueError("cannot concatenate embeddings with and without pooled embeddings (mixed families?)")
+        length = max(p.prompt_embeds.shape[1] for p in parts)
+        embeds = torch.cat([torch.nn.functional.pad(p.prompt_embeds, (0, 0, 0, length - p.prompt_embeds.shape[1]))
+                            for p in parts])
+        ragged = any(p.mask is not None or p.prompt_embeds.shape[1] < length for p in parts)
+        mask = torch.cat([p.padded_mask(length) for p in parts]) if ragged else None
+        pooled = None if parts[0].pooled is None else torch.cat([p.pooled for p in parts])
         prompts = None if any(p.prompts is None for p in parts) else [s for p in parts for s in p.prompts]
-        return PromptEmbeddings(torch.cat([p.prompt_embeds for p in parts]), torch.cat([p.pooled for p in parts]),
-                                prompts)
+        return PromptEmbeddings(embeds, pooled, prompts, mask)
 
     # -- the on-disk cache: {prompt -> embeddings} as .safetensors (prompts in the metadata) or .pt --------------
 
@@ -139,8 +197,12 @@ class PromptEmbeddings:
             raise ValueError("a prompt-embedding cache needs the prompt strings (PromptEmbeddings.prompts)")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"prompt_embeds": self.prompt_embeds.detach().cpu().contiguous(),
-                   "pooled_prompt_embeds": self.pooled.detach().cpu().contiguous()}
+        tensors = {"prompt_embeds": self.prompt_embeds}
+        if self.pooled is not None:
+            tensors["pooled_prompt_embeds"] = self.pooled
+        if self.mask is not None:
+            tensors["prompt_embeds_mask"] = self.mask
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         if path.suffix == ".safetensors":
             from safetensors.torch import save_file
 
@@ -152,7 +214,8 @@ class PromptEmbeddings:
 
     @classmethod
     def load(cls, path: str | Path) -> "PromptEmbeddings":
-        """Read a cache written by :meth:`save`, or a ``.pt`` dict ``{prompt: (prompt_embeds [L, D], pooled [Dp])}``."""
+        """Read a cache written by :meth:`save`, or a ``.pt`` dict ``{prompt: (prompt_embeds [L, D], pooled [Dp] or
+        None)}`` (rows of different lengths are padded, with a mask)."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"prompt-embedding cache {path} does not exist; build it where the text "
@@ -162,21 +225,25 @@ class PromptEmbeddings:
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                if "prompts" not in meta or not {"prompt_embeds", "pooled_prompt_embeds"} <= set(f.keys()):
-                    raise ValueError(f"{path} is not a jagg prompt-embedding cache: it needs tensors "
-                                     "'prompt_embeds', 'pooled_prompt_embeds' and 'prompts' metadata")
-                return cls(f.get_tensor("prompt_embeds"), f.get_tensor("pooled_prompt_embeds"),
-                           json.loads(meta["prompts"]))
+                meta, keys = f.metadata() or {}, set(f.keys())
+                if "prompts" not in meta or "prompt_embeds" not in keys:
+                    raise ValueError(f"{path} is not a jagg prompt-embedding cache: it needs a tensor 'prompt_embeds' "
+                                     "(and 'pooled_prompt_embeds', 'prompt_embeds_mask' where the family has them) "
+                                     "and 'prompts' metadata")
+                optional = {k: f.get_tensor(k) if k in keys else None
+                            for k in ("pooled_prompt_embeds", "prompt_embeds_mask")}
+                return cls(f.get_tensor("prompt_embeds"), optional["pooled_prompt_embeds"],
+                           json.loads(meta["prompts"]), optional["prompt_embeds_mask"])
         if path.suffix in (".pt", ".pth"):
             data = torch.load(path, map_location="cpu", weights_only=True)
             if isinstance(data, dict) and "prompt_embeds" in data:
-                return cls(data["prompt_embeds"], data["pooled_prompt_embeds"], list(data["prompts"]))
+                return cls(data["prompt_embeds"], data.get("pooled_prompt_embeds"), list(data["prompts"]),
+                           data.get("prompt_embeds_mask"))
             if isinstance(data, dict) and data and all(isinstance(k, str) for k in data):
-                prompts = list(data)
-                rows = [data[p] for p in prompts]
-                rows = [(r["prompt_embeds"], r["pooled_prompt_embeds"]) if isinstance(r, dict) else r for r in rows]
-                return cls(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), prompts)
+                rows = [(r["prompt_embeds"], r.get("pooled_prompt_embeds")) if isinstance(r, dict) else r
+                        for r in data.values()]
+                return cls.cat([cls(e[None], None if po is None else po[None], [p])
+                                for p, (e, po) in zip(data, rows)])
             raise ValueError(f"{path}: expected {{'prompt_embeds', 'pooled_prompt_embeds', 'prompts'}} or "
                              "{prompt: (prompt_embeds, pooled)}")
         raise ValueError(f"prompt-embedding cache must end in .safetensors or .pt; got {path}")
@@ -185,25 +252,28 @@ class PromptEmbeddings:
 @torch.no_grad()
 def encode_prompts(pipe, family: str, prompts: Sequence[str], max_sequence_length: int = 128,
                    batch_size: int = 16, device=None) -> PromptEmbeddings:
-    """Embed ``prompts`` with the pipeline's own ``encode_prompt`` (its text encoders must be loaded)."""
+    """Embed ``prompts`` with the pipeline's own ``encode_prompt`` (its text encoders must be loaded). Qwen-Image's
+    embeddings keep each prompt's own length: batches are padded to their longest prompt, with a mask."""
     if getattr(pipe, "text_encoder", None) is None:
         raise RuntimeError("the pipeline was loaded without text encoders (a prompt_cache is configured); add the "
                            "missing prompts to the cache or set pipeline.load_text_encoders: true")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size}")
     device = device or pipe.text_encoder.device
-    embeds, pooled = [], []
+    parts = []
     for s in range(0, len(prompts), batch_size):
         chunk = list(prompts[s:s + batch_size])
+        pooled = mask = None
         if family == "sd3":
-            pe, _, po, _ = pipe.encode_prompt(chunk, None, None, device=device, do_classifier_free_guidance=False,
-                                              max_sequence_length=max_sequence_length)
+            embeds, _, pooled, _ = pipe.encode_prompt(chunk, None, None, device=device,
+                                                      do_classifier_free_guidance=False,
+                                                      max_sequence_length=max_sequence_length)
+        elif family == "flux":
+            embeds, pooled, _ = pipe.encode_prompt(chunk, None, device=device, max_sequence_length=max_sequence_length)
         else:
-            pe, po, _ = pipe.encode_prompt(chunk, None, device=device, max_sequence_length=max_sequence_length)
-        embeds.append(pe.cpu())
-        pooled.append(po.cpu())
-    return PromptEmbeddings(torch.cat(embeds), torch.cat(pooled), list(prompts))
-
+            embeds, mask = pipe.encode_prompt(chunk, device=device, max_sequence_length=max_sequence_length)
+        parts.append(PromptEmbeddings(embeds, pooled, chunk, mask).to("cpu"))
+    return PromptEmbeddings.cat(parts)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -223,6 +293,8 @@ class TransformerVelocity:
     """
 
     family = ""
+    takes_pooled = True            # the network takes pooled text embeddings (SD3, FLUX; not Qwen-Image)
+    takes_mask = False             # the network takes a text mask, so prompts may differ in length (Qwen-Image)
 
     def __init__(self, transformer: nn.Module, cond: PromptEmbeddings, uncond: PromptEmbeddings | None = None,
                  config: VelocityConfig | None = None):
@@ -233,17 +305,38 @@ class TransformerVelocity:
                              "encode the empty prompt '' (Flow-GRPO) or set cfg_scale=1")
         if uncond is not None and len(uncond) not in (1, len(cond)):
             raise ValueError(f"uncond must have 1 row or one per sample ({len(cond)}); got {len(uncond)}")
+        for name, emb in (("cond", cond), ("uncond", uncond)):
+            if emb is not None:
+                self._check_text(name, emb)
         self.cond, self.uncond = cond, uncond
         self.bare = unwrap_model(transformer)                  # once: the module under DDP / FSDP / compile
         self.model_config = _model_config(self.bare)
         self._autocast_dtype = None if self.config.autocast is None else torch_dtype(self.config.autocast)
 
+    def _check_text(self, name: str, emb: PromptEmbeddings) -> None:
+        if self.takes_pooled != (emb.pooled is not None):
+            raise ValueError(f"{name}: the {self.family} transformer takes "
+                             f"{'pooled embeddings; these have none' if self.takes_pooled else 'no pooled embeddings'}"
+                             " (embeddings of another model family?)")
+        if emb.mask is not None and not self.takes_mask:
+            raise ValueError(f"{name}: the {self.family} transformer takes no text mask, so every prompt must have the "
+                             "same length (its tokenizers pad them); these embeddings carry one")
+
     # -- family specific -----------------------------------------------------------------------------------------
 
-    def forward(self, latents: Tensor, sigma: Tensor, embeds: Tensor, pooled: Tensor) -> Tensor:
-        """One network call: ``latents [n, C, H, W]``, ``sigma [n]`` fp32, ``embeds [n, L, D]``, ``pooled [n, Dp]``
-        (already in the input dtype) -> velocity ``[n, C, H, W]`` in the network's dtype."""
+    @classmethod
+    def latent_channels(cls, model_config) -> int:
+        """Channels of the VAE latents ``[N, C, H/8, W/8]`` the network denoises (its config's ``in_channels``)."""
+        return model_config.in_channels
+
+    def forward(self, latents: Tensor, sigma: Tensor, text: PromptEmbeddings) -> Tensor:
+        """One network call: ``latents [n, C, H, W]``, ``sigma [n]`` fp32, ``text`` one row per latent (already in
+        the input dtype) -> velocity ``[n, C, H, W]`` in the network's dtype."""
         raise NotImplementedError
+
+    def guide(self, v_u: Tensor, v_c: Tensor) -> Tensor:
+        """Classifier-free guidance ``v_u + w (v_c - v_u)`` of the unconditional and conditional velocities."""
+        return v_u + self.config.cfg_scale * (v_c - v_u)
 
     # -- generic ------------------------------------------------------------------------------------------------
 
@@ -270,16 +363,12 @@ class TransformerVelocity:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self._autocast_dtype)
 
-    def _rows(self, emb: PromptEmbeddings, index: Tensor, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
-        if len(emb) == 1:
-            index = torch.zeros_like(index)
-        index = index.to(emb.prompt_embeds.device)
-        return (emb.prompt_embeds[index].to(device=device, dtype=dtype),
-                emb.pooled[index].to(device=device, dtype=dtype))
+    def _rows(self, emb: PromptEmbeddings, index: Tensor, dtype: torch.dtype, device) -> PromptEmbeddings:
+        return emb.take(torch.zeros_like(index) if len(emb) == 1 else index).to(device, dtype)
 
-    def _call(self, latents: Tensor, sigma: Tensor, embeds: Tensor, pooled: Tensor) -> Tensor:
+    def _call(self, latents: Tensor, sigma: Tensor, text: PromptEmbeddings) -> Tensor:
         with self._autocast(latents.device):
-            return self.forward(latents, sigma, embeds, pooled)
+            return self.forward(latents, sigma, text)
 
     def __call__(self, latents: Tensor, sigma: Tensor, sample_index: Tensor) -> Tensor:
         """``latents [N, C, H, W]``, ``sigma [N]``, ``sample_index [N]`` long -> velocity ``[N, C, H, W]``."""
@@ -293,23 +382,22 @@ class TransformerVelocity:
             raise IndexError(f"sample_index {int(sample_index.max())} out of range: the adapter holds "
                              f"{len(self.cond)} prompt rows; build it with one row per trajectory")
         x, s = latents.to(dt), sigma.float()
-        ce, cp = self._rows(self.cond, sample_index, dt, dev)
-        w = self.config.cfg_scale
-        if w == 1.0:
-            v = self._call(x, s, ce, cp)
+        cond = self._rows(self.cond, sample_index, dt, dev)
+        if self.config.cfg_scale == 1.0:
+            v = self._call(x, s, cond)
         else:
-            ue, up = self._rows(self.uncond, sample_index, dt, dev)
+            uncond = self._rows(self.uncond, sample_index, dt, dev)
             c = self.config
             if torch.is_grad_enabled() and c.detach_uncond and c.uncond_forward == "separate":
                 with torch.no_grad():
-                    v_u = self._call(x, s, ue, up)
-                v_c = self._call(x, s, ce, cp)
+                    v_u = self._call(x, s, uncond)
+                v_c = self._call(x, s, cond)
             else:
-                both = self._call(torch.cat([x, x]), torch.cat([s, s]), torch.cat([ue, ce]), torch.cat([up, cp]))
+                both = self._call(torch.cat([x, x]), torch.cat([s, s]), PromptEmbeddings.cat([uncond, cond]))
                 v_u, v_c = both.chunk(2)
                 if self.config.detach_uncond:
                     v_u = v_u.detach()
-            v = v_u + w * (v_c - v_u)
+            v = self.guide(v_u, v_c)
         return v.float() if self.config.output_dtype == "fp32" else v
 
 
@@ -318,16 +406,19 @@ class SD3Velocity(TransformerVelocity):
 
     family = "sd3"
 
-    def forward(self, latents, sigma, embeds, pooled):
-        return self.transformer(hidden_states=latents, timestep=sigma * 1000.0, encoder_hidden_states=embeds,
-                                pooled_projections=pooled, return_dict=False)[0]
+    def forward(self, latents, sigma, text):
+        return self.transformer(hidden_states=latents, timestep=sigma * 1000.0,
+                                encoder_hidden_states=text.prompt_embeds, pooled_projections=text.pooled,
+                                return_dict=False)[0]
 
 
 def pack_latents(latents: Tensor) -> Tensor:
-    """FLUX 2x2 packing: ``[N, C, H, W]`` -> ``[N, (H/2)(W/2), 4C]`` (as ``FluxPipeline._pack_latents``)."""
+    """2x2 packing: ``[N, C, H, W]`` -> ``[N, (H/2)(W/2), 4C]`` (as ``FluxPipeline._pack_latents`` and, on Qwen-Image's
+    one-frame latents ``[N, 1, C, H, W]``, ``QwenImagePipeline._pack_latents``)."""
     n, c, h, w = latents.shape
     if h % 2 or w % 2:
-        raise ValueError(f"FLUX latents need even height and width (resolution divisible by 16); got {h}x{w}")
+        raise ValueError(f"packed latents (FLUX, Qwen-Image) need even height and width (resolution divisible by 16); "
+                         f"got {h}x{w}")
     x = latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
     return x.reshape(n, (h // 2) * (w // 2), c * 4)
 
@@ -347,38 +438,101 @@ def latent_image_ids(height: int, width: int, device=None, dtype=torch.float32) 
     return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
-class FluxVelocity(TransformerVelocity):
-    """``FluxTransformer2DModel`` (FLUX.1-dev / -schnell): ``timestep = sigma`` (scaled by 1000 inside), the
-    distilled guidance embedding (``config.guidance_embed``, FLUX.1-dev: 3.5), packed latents with ``img_ids``
-    and all-zero ``txt_ids``. Latents in and out are unpacked ``[N, 16, H/8, W/8]``."""
-
-    family = "flux"
+class PackedVelocity(TransformerVelocity):
+    """FLUX.1 and Qwen-Image: the network takes 2x2-packed latents (packed here, unpacked after: latents in and out
+    are ``[N, 16, H/8, W/8]``), ``timestep = sigma`` (scaled by 1000 inside) and, if it is guidance-distilled
+    (``guidance_embeds``, FLUX.1-dev), the guidance as an embedding (``config.guidance_embed``). Subclasses define
+    :meth:`packed_forward`."""
 
     def __init__(self, transformer, cond, uncond=None, config=None):
         super().__init__(transformer, cond, uncond, config)
         self.guidance_embeds = bool(getattr(self.model_config, "guidance_embeds", False))
         if self.guidance_embeds and self.config.guidance_embed is None:
-            raise ValueError("this FLUX transformer has guidance_embeds=True (FLUX.1-dev): set "
-                             "VelocityConfig.guidance_embed (Flow-GRPO and diffusers use 3.5)")
-        self._ids: dict = {}
+            raise ValueError(f"this {self.family} transformer has guidance_embeds=True (guidance-distilled, as "
+                             "FLUX.1-dev): set VelocityConfig.guidance_embed (Flow-GRPO and diffusers use 3.5 for "
+                             "FLUX.1-dev)")
 
-    def forward(self, latents, sigma, embeds, pooled):
+    @classmethod
+    def latent_channels(cls, model_config) -> int:
+        return model_config.in_channels // 4
+
+    def packed_forward(self, packed: Tensor, sigma: Tensor, text: PromptEmbeddings, guidance: Tensor | None,
+                       height: int, width: int) -> Tensor:
+        """One network call on ``packed [n, (H/2)(W/2), 4C]`` latents of latent size ``height x width``, ``guidance
+        [n]`` fp32 or None -> packed velocity in the network's dtype."""
+        raise NotImplementedError
+
+    def forward(self, latents, sigma, text):
         n, _, h, w = latents.shape
-        key = (h, w, latents.device, latents.dtype, embeds.shape[1])
-        if key not in self._ids:
-            self._ids = {key: (latent_image_ids(h, w, latents.device, latents.dtype),
-                               torch.zeros(embeds.shape[1], 3, device=latents.device, dtype=latents.dtype))}
-        img_ids, txt_ids = self._ids[key]
         guidance = None
         if self.guidance_embeds:
             guidance = torch.full((n,), float(self.config.guidance_embed), device=latents.device, dtype=torch.float32)
-        out = self.transformer(hidden_states=pack_latents(latents), timestep=sigma, guidance=guidance,
-                               pooled_projections=pooled, encoder_hidden_states=embeds, txt_ids=txt_ids,
-                               img_ids=img_ids, return_dict=False)[0]
-        return unpack_latents(out, h, w)
+        return unpack_latents(self.packed_forward(pack_latents(latents), sigma, text, guidance, h, w), h, w)
 
 
-ADAPTERS = {"sd3": SD3Velocity, "flux": FluxVelocity}
+class FluxVelocity(PackedVelocity):
+    """``FluxTransformer2DModel`` (FLUX.1-dev / -schnell): packed latents with ``img_ids`` and all-zero ``txt_ids``,
+    CLIP-L pooled embeddings, the distilled guidance embedding of FLUX.1-dev (3.5)."""
+
+    family = "flux"
+
+    def __init__(self, transformer, cond, uncond=None, config=None):
+        super().__init__(transformer, cond, uncond, config)
+        self._ids: dict = {}
+
+    def packed_forward(self, packed, sigma, text, guidance, height, width):
+        key = (height, width, packed.device, packed.dtype, text.prompt_embeds.shape[1])
+        if key not in self._ids:
+            self._ids = {key: (latent_image_ids(height, width, packed.device, packed.dtype),
+                               torch.zeros(text.prompt_embeds.shape[1], 3, device=packed.device, dtype=packed.dtype))}
+        img_ids, txt_ids = self._ids[key]
+        return self.transformer(hidden_states=packed, timestep=sigma, guidance=guidance, pooled_projections=text.pooled,
+                                encoder_hidden_states=text.prompt_embeds, txt_ids=txt_ids, img_ids=img_ids,
+                                return_dict=False)[0]
+
+
+class QwenImageVelocity(PackedVelocity):
+    """``QwenImageTransformer2DModel`` (Qwen-Image), as ``QwenImagePipeline`` calls it: packed latents with
+    ``img_shapes = [(1, H/16, W/16)]`` per sample, Qwen2.5-VL text embeddings with their text mask (prompts of
+    different lengths), no pooled embedding; true CFG (:meth:`guide`) rescaled to the conditional norm."""
+
+    family = "qwen_image"
+    takes_pooled = False
+    takes_mask = True
+    MIN_DIFFUSERS = (0, 37)        # from 0.37 the transformer masks the text padding (encoder_hidden_states_mask)
+
+    def __init__(self, transformer, cond, uncond=None, config=None):
+        import diffusers
+
+        found = tuple(int(x) for x in re.findall(r"\d+", diffusers.__version__)[:2])
+        if found < self.MIN_DIFFUSERS:
+            raise RuntimeError(f"Qwen-Image needs diffusers >= {'.'.join(map(str, self.MIN_DIFFUSERS))} (earlier "
+                               "QwenImageTransformer2DModel attends to the padding of shorter prompts); found "
+                               f"{diffusers.__version__}: pip install -U 'diffusers>=0.37'")
+        super().__init__(transformer, cond, uncond, config)
+
+    def packed_forward(self, packed, sigma, text, guidance, height, width):
+        return self.transformer(hidden_states=packed, timestep=sigma, guidance=guidance,
+                                encoder_hidden_states=text.prompt_embeds, encoder_hidden_states_mask=text.mask,
+                                img_shapes=[[(1, height // 2, width // 2)]] * packed.shape[0], return_dict=False)[0]
+
+    def guide(self, v_u, v_c):
+        """``QwenImagePipeline``'s true CFG: ``comb = v_u + w (v_c - v_u)``, then ``comb * ||v_c|| / ||comb||`` with
+        the norms taken per packed token (over the ``4C = 64`` values of a 2x2 patch of latents), differentiable in
+        both branches."""
+        comb = super().guide(v_u, v_c)
+        n, c, h, w = comb.shape
+
+        def patches(v: Tensor) -> Tensor:                      # [n, C, H/2, 2, W/2, 2]: one token per (H/2, W/2)
+            return v.reshape(n, c, h // 2, 2, w // 2, 2)
+
+        def norm(v: Tensor) -> Tensor:
+            return torch.linalg.vector_norm(patches(v), dim=(1, 3, 5), keepdim=True)
+
+        return (patches(comb) * (norm(v_c) / norm(comb))).reshape(n, c, h, w)
+
+
+ADAPTERS = {"sd3": SD3Velocity, "flux": FluxVelocity, "qwen_image": QwenImageVelocity}
 
 
 def velocity_adapter(transformer: nn.Module, cond: PromptEmbeddings, uncond: PromptEmbeddings | None = None,

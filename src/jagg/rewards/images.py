@@ -37,3 +37,15 @@ def to_uint8(images: np.ndarray | torch.Tensor) -> np.ndarray:
         raise ValueError(f"images must be uint8 [N, H, W, 3] or a float tensor [N, 3, H, W] in [-1, 1], got "
                          f"{images.dtype} {images.shape}")
     return images
+
+
+def to_unit_float(images: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """What :func:`to_uint8` accepts -> float32 ``[N, 3, H, W]`` in [0, 1]: uint8 pixels divided by 255, a float
+    tensor in [-1, 1] mapped by ``(x + 1) / 2`` and clamped, on its own device and without quantising it (the input
+    of the preference models' torch preprocessing, :mod:`jagg.rewards.preference`)."""
+    if isinstance(images, torch.Tensor) and images.is_floating_point():
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"a float image tensor must be [N, 3, H, W] in [-1, 1]; got shape {tuple(images.shape)}")
+        return ((images.detach().float() + 1.0) / 2.0).clamp(0.0, 1.0)
+    return torch.tensor(to_uint8(images)).permute(0, 3, 1, 2).float().div(255.0)
+

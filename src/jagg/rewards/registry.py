@@ -5,19 +5,26 @@ Every reward has the signature
     reward(images, prompts: list[str], metadata: list[dict] | None) -> (scores float32 [N], info: dict)
 
 with images uint8 [N, H, W, 3] or a float tensor [N, 3, H, W] in [-1, 1]. `get_reward(spec)` accepts
-  - a registered name: "jpeg_compressibility", "jpeg_incompressibility", and what packages register with
+  - a registered name: "jpeg_compressibility", "jpeg_incompressibility", the preference models "clip_score",
+    "pickscore", "hpsv2", "aesthetic" (:mod:`jagg.rewards.preference`), and what packages register with
     `register_reward` when they are imported (`jagg.shapes` registers its GenEval-like "geneval");
-  - a dict of weights, e.g. {"geneval": 1.0, "jpeg_compressibility": 0.1}: the weighted sum, with each
-    component's scores in info["scores/<name>"] and its info under "<name>/<key>";
+  - a registered name with options, "name:key=value,key=value" (e.g. "pickscore:path=/models/PickScore_v1,
+    batch_size=16"): keyword arguments of the name's factory; a value is converted to the type of the factory's
+    default for that keyword (int, float, bool), and may not contain a comma;
+  - a dict of weights, e.g. {"geneval": 1.0, "jpeg_compressibility": 0.1} (keys may carry options): the weighted sum,
+    with each component's scores in info["scores/<name>"] and its info under "<name>/<key>" (the name without its
+    options);
   - "package.module:attribute", a user function (or a class, instantiated with no arguments) that
     returns (scores, info) or just scores;
   - a callable with that signature.
+`defaults` (the trainer's device and dtype) go to every factory that takes them, unless the spec sets them.
 The returned callable checks what every reward gives back: one finite score per image.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import io
 import math
 from typing import Callable
@@ -27,6 +34,7 @@ import torch
 from PIL import Image
 
 from .images import to_uint8
+from .preference import AestheticReward, ClipScoreReward, HPSv2Reward, PickScoreReward
 
 RewardFn = Callable[..., "tuple[np.ndarray, dict] | np.ndarray"]
 
@@ -53,17 +61,95 @@ def jpeg_incompressibility(images, prompts, metadata=None):
     return kb, {"jpeg_kb": kb}
 
 
-REWARDS: dict[str, Callable[[], RewardFn]] = {  # name -> factory
+REWARDS: dict[str, Callable[..., RewardFn]] = {  # name -> factory(**options)
     "jpeg_compressibility": lambda: jpeg_compressibility,
     "jpeg_incompressibility": lambda: jpeg_incompressibility,
+    "clip_score": ClipScoreReward,
+    "pickscore": PickScoreReward,
+    "hpsv2": HPSv2Reward,
+    "aesthetic": AestheticReward,
 }
 
 
-def register_reward(name: str, factory: Callable[[], RewardFn]) -> None:
-    """Make `get_reward(name)` return the checked `factory()`."""
+def register_reward(name: str, factory: Callable[..., RewardFn]) -> None:
+    """Make `get_reward(name)` (and `get_reward("name:key=value")`) return the checked `factory(**options)`."""
     if name in REWARDS:
         raise ValueError(f"reward {name!r} is already registered")
+    if not name or any(c in name for c in ":,= "):
+        raise ValueError(f"reward name {name!r} must be non-empty without ':', ',', '=' or spaces")
     REWARDS[name] = factory
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``"name"`` or ``"name:key=value,key=value"`` -> ``(name, {key: value})``; a malformed option is a ValueError."""
+    name, _, rest = spec.partition(":")
+    options: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"reward {spec!r}: options must be key=value separated by commas, e.g. "
+                             f"'{name}:path=/models/x,batch_size=16'; got {item!r}")
+        if key.strip() in options:
+            raise ValueError(f"reward {spec!r}: option {key.strip()!r} is given twice")
+        options[key.strip()] = value.strip()
+    return name, options
+
+
+def registered_name(spec: str) -> str | None:
+    """The registered name ``spec`` starts with (``"pickscore"`` for ``"pickscore:path=..."``), or None (a
+    ``module:function`` or an unknown name)."""
+    name = spec.partition(":")[0]
+    return name if name in REWARDS else None
+
+
+def _option(name: str, param: inspect.Parameter, value):
+    """An option value from a spec string, converted to the type of the factory's default (int, float, bool)."""
+    kind = type(param.default)
+    if not isinstance(value, str) or param.default is inspect.Parameter.empty or kind not in (bool, int, float):
+        return value
+    if kind is bool:
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"reward {name!r}: option {param.name} must be true or false; got {value!r}")
+        return value.lower() == "true"
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"reward {name!r}: option {param.name} must be {'an integer' if kind is int else 'a number'}"
+                         f"; got {value!r}") from None
+
+
+def _factory_call(name: str, options: dict, defaults: dict | None) -> tuple[Callable[..., RewardFn], dict]:
+    """The factory of the registered ``name`` and its checked keyword arguments (see :func:`build_reward`)."""
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; available: {', '.join(available_rewards())}")
+    factory = REWARDS[name]
+    params = {k: p for k, p in inspect.signature(factory).parameters.items()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        raise ValueError(f"reward {name!r}: unknown option(s) {unknown}; its options: "
+                         f"{', '.join(params) if params else 'none'}")
+    kwargs = {k: v for k, v in (defaults or {}).items() if k in params}
+    kwargs.update({k: _option(name, params[k], v) for k, v in options.items()})
+    return factory, kwargs
+
+
+def build_reward(name: str, options: dict | None = None, defaults: dict | None = None) -> RewardFn:
+    """The unchecked reward callable of the registered ``name``: its factory called with ``options`` (a spec's strings
+    are converted to the type of the factory's default for that keyword: int, float, bool) and with each of
+    ``defaults`` that it takes and ``options`` do not set. An option the factory does not take is a ValueError
+    naming the ones it does."""
+    factory, kwargs = _factory_call(name, dict(options or {}), defaults)
+    return factory(**kwargs)
+
+
+def check_spec(spec: str | dict) -> None:
+    """Check the options of a registered reward spec (or of each key of a dict of weights) without building the
+    reward: a malformed option, one its factory does not take or a value of the wrong type is a ValueError. Specs of
+    unregistered names (``module:function``, a package's reward registered on import) are checked when built."""
+    for one in (spec if isinstance(spec, dict) else [spec]):
+        if isinstance(one, str) and registered_name(one):
+            _factory_call(*parse_spec(one), None)
 
 
 class RewardError(ValueError):
@@ -108,11 +194,16 @@ class CheckedReward:
 
 
 class WeightedSum:
-    """sum_i weight_i * reward_i; component scores in info["scores/<name>"], their info under "<name>/"."""
+    """sum_i weight_i * reward_i; component scores in info["scores/<name>"], their info under "<name>/" (the name of
+    a registered spec without its options)."""
 
-    def __init__(self, weights: dict[str, float]):
-        self.weights = dict(weights)
-        self.parts = {name: get_reward(name) for name in self.weights}
+    def __init__(self, weights: dict[str, float], defaults: dict | None = None):
+        self.weights, self.parts = {}, {}
+        for spec, w in weights.items():
+            name = registered_name(spec) or spec
+            if name in self.parts:
+                raise ValueError(f"reward {name!r} appears twice in the weights {list(weights)}; give each once")
+            self.weights[name], self.parts[name] = w, get_reward(spec, defaults)
 
     def __call__(self, images, prompts, metadata=None):
         total = np.zeros(len(images), dtype=np.float32)
@@ -143,8 +234,10 @@ def available_rewards() -> list[str]:
     return sorted(REWARDS)
 
 
-def get_reward(spec: str | dict[str, float] | RewardFn) -> CheckedReward:
-    """A reward spec (name, {name: weight}, "module:function" or callable) -> checked reward callable."""
+def get_reward(spec: str | dict[str, float] | RewardFn, defaults: dict | None = None) -> CheckedReward:
+    """A reward spec (name, "name:key=value,...", {name: weight}, "module:function" or callable) -> checked reward
+    callable. ``defaults``: options offered to every registered factory that takes them (the trainer's ``device``
+    and ``dtype``); the spec's own options win."""
     if isinstance(spec, CheckedReward):
         return spec
     if isinstance(spec, dict):
@@ -153,15 +246,15 @@ def get_reward(spec: str | dict[str, float] | RewardFn) -> CheckedReward:
         for name, w in spec.items():
             if not isinstance(w, (int, float)) or not math.isfinite(w):
                 raise ValueError(f"weight of reward {name!r} must be a finite number, got {w!r}")
-        return CheckedReward("+".join(f"{w:g}*{n}" for n, w in spec.items()), WeightedSum(spec))
+        return CheckedReward("+".join(f"{w:g}*{n}" for n, w in spec.items()), WeightedSum(spec, defaults))
     if isinstance(spec, str):
-        if spec in REWARDS:
-            return CheckedReward(spec, REWARDS[spec]())
+        if registered_name(spec):
+            return CheckedReward(spec, build_reward(*parse_spec(spec), defaults))
         if ":" in spec:
             return CheckedReward(spec, _import(spec))
-        raise ValueError(f"unknown reward {spec!r}; available: {', '.join(available_rewards())}, "
-                         f"a dict of weights, or 'package.module:function' (a package's own rewards are registered "
-                         f"when it is imported: import jagg.shapes registers 'geneval')")
+        raise ValueError(f"unknown reward {spec!r}; available: {', '.join(available_rewards())} (options as "
+                         "'name:key=value,...'), a dict of weights, or 'package.module:function' (a package's own "
+                         "rewards are registered when it is imported: import jagg.shapes registers 'geneval')")
     if callable(spec):
         return CheckedReward(getattr(spec, "__name__", type(spec).__name__), spec)
     raise TypeError(f"reward spec must be a name, a dict of weights, 'module:function' or a callable, got {spec!r}")

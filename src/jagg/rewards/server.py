@@ -1,13 +1,15 @@
-"""A reward server: serve any jagg reward callable over HTTP, plus rewards that need model weights.
+"""A reward server: serve any jagg reward over HTTP, a registry name (with its options) or a callable.
 
 Every jagg reward is a callable ``(images uint8 [N, H, W, 3], prompts list[str], metadata list[dict] | None) ->
 (scores float32 [N], info dict)``. This server scores ``POST /score`` requests with one (wire format:
 :mod:`jagg.rewards.protocol`); :class:`jagg.rewards.RewardClient` is the matching reward callable for the trainer.
-Serve any reward callable (``module:function``; a class is instantiated with ``--kwargs``)::
+Serve a registry reward by its spec (:mod:`jagg.rewards.registry`; ``--kwargs`` are more options) or any reward
+callable (``module:function``; a class is instantiated with ``--kwargs``)::
 
+    python -m jagg.rewards.server --reward pickscore:path=/models/PickScore_v1,processor=/models/CLIP-ViT-H-14
+    python -m jagg.rewards.server --reward hpsv2 --kwargs '{"path": "/models/HPS_v2.1_compressed.pt",
+        "processor": "/models/CLIP-ViT-H-14-laion2B-s32B-b79K", "batch_size": 16}'
     python -m jagg.rewards.server --reward jagg.shapes.geneval:GenevalReward --port 8000
-    python -m jagg.rewards.server --reward jagg.rewards.server:PickScoreReward \\
-        --kwargs '{"model_path": "/models/PickScore_v1", "processor_path": "/models/CLIP-ViT-H-14"}'
 
 The server prints ``jagg reward server listening on http://HOST:PORT`` once ready (``--port 0`` picks a free port).
 It binds to 127.0.0.1 unless ``--host`` says otherwise. Answers: 200 with the scores; 400 naming the wrong or
@@ -16,8 +18,8 @@ does not arrive within ``--read-timeout`` seconds; 411/413 without a Content-Len
 when the reward raised or returned wrong scores (wrong count, NaN, inf) on this input. Calls to the reward are
 serialised (models are rarely thread-safe); at most ``--max-connections`` requests are handled at once.
 
-Rewards needing model weights (:class:`ClipScoreReward`, :class:`PickScoreReward`, :class:`AestheticReward`) load
-them from local paths only; a missing path is an error naming what to download, never a silent zero.
+The preference models (``clip_score``, ``pickscore``, ``hpsv2``, ``aesthetic``: :mod:`jagg.rewards.preference`) load
+their weights from local paths only; a missing path is an error naming it, never a silent zero.
 """
 
 from __future__ import annotations
@@ -32,19 +34,18 @@ import os
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
-from .images import to_uint8
 from .protocol import TOKEN_ENV, auth_header, decode_images, jsonable
-from .registry import CheckedReward
+from .registry import CheckedReward, build_reward, parse_spec, registered_name
 
 RewardFn = Callable[..., tuple]
 _MOVED = {"RewardClient": "jagg.rewards.client", "RewardServerError": "jagg.rewards.client",
           "encode_images": "jagg.rewards.protocol", "decode_images": "jagg.rewards.protocol",
-          "IMAGE_FORMATS": "jagg.rewards.protocol"}
+          "IMAGE_FORMATS": "jagg.rewards.protocol", "ClipScoreReward": "jagg.rewards.preference",
+          "PickScoreReward": "jagg.rewards.preference", "AestheticReward": "jagg.rewards.preference"}
 
 
 def __getattr__(name: str):
@@ -60,9 +61,17 @@ def __getattr__(name: str):
 
 
 def load_reward(spec: str, kwargs: dict | None = None) -> RewardFn:
-    """``"module:attr"`` -> a reward callable. A class is instantiated with ``kwargs``; a function is used as is."""
+    """A registry spec (``"pickscore:path=/models/x"``, with ``kwargs`` as more options) or ``"module:attr"`` -> a
+    reward callable. A class is instantiated with ``kwargs``; a function is used as is."""
+    if registered_name(spec):
+        name, options = parse_spec(spec)
+        twice = sorted(set(options) & set(kwargs or {}))
+        if twice:
+            raise ValueError(f"option(s) {twice} are given both in --reward {spec!r} and in --kwargs; give each once")
+        return build_reward(name, {**(kwargs or {}), **options})
     if ":" not in spec:
-        raise ValueError(f"reward must be 'module:function' (e.g. jagg.shapes.geneval:GenevalReward); got {spec!r}")
+        raise ValueError(f"reward must be a registry name (e.g. pickscore:path=/models/PickScore_v1) or "
+                         f"'module:function' (e.g. jagg.shapes.geneval:GenevalReward); got {spec!r}")
     mod_name, attr = spec.split(":", 1)
     try:
         obj = getattr(importlib.import_module(mod_name), attr)
@@ -261,8 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Security: the server has no TLS. Off loopback (--host 0.0.0.0 or a LAN address) anyone who can reach "
                f"the port can use it: set a token (--token or ${TOKEN_ENV}, sent by the client as reward_server.token"
                f" or ${TOKEN_ENV}) and keep it on a trusted network or behind an SSH tunnel.")
-    ap.add_argument("--reward", required=True, help="module:function (or module:Class) of the reward callable")
-    ap.add_argument("--kwargs", default="{}", help="JSON keyword arguments for a reward class")
+    ap.add_argument("--reward", required=True, help="a registry reward, its options in the name "
+                    "(pickscore:path=/models/PickScore_v1,batch_size=16; jagg.rewards.registry), or module:function "
+                    "(or module:Class) of a reward callable")
+    ap.add_argument("--kwargs", default="{}", help="JSON keyword arguments for a reward class, or more options of a "
+                    "registry reward")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     ap.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
     ap.add_argument("--token", default=None, help=f"shared token every request must carry (default: ${TOKEN_ENV} "
@@ -296,137 +308,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.server_close()
     return 0
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# rewards that need model weights (local paths only)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def require_local_model(path: str | os.PathLike | None, what: str, download: str) -> Path:
-    """``path`` as a Path if it is an existing local model directory/file; otherwise a clear error."""
-    if not path:
-        raise FileNotFoundError(f"{what}: no local path given. jagg never downloads weights: on a machine with "
-                                f"internet run `{download}`, copy the result here and pass its path")
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"{what}: {p} does not exist. jagg never downloads weights: on a machine with "
-                                f"internet run `{download}`, copy the result here and pass its path")
-    return p
-
-
-class _ClipBase:
-    """Shared CLIP loading and embedding (transformers ``CLIPModel`` + ``CLIPProcessor`` from local directories)."""
-
-    def __init__(self, model_path, processor_path=None, device: str = "auto", dtype: str = "fp32", *, what: str,
-                 download: str):
-        import torch
-        from transformers import AutoProcessor, CLIPModel
-
-        mp = require_local_model(model_path, what, download)
-        pp = require_local_model(processor_path or model_path, what + " processor", download)
-        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                                   ("cpu" if device == "auto" else device))
-        self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        self.processor = AutoProcessor.from_pretrained(str(pp), local_files_only=True)
-        self.model = CLIPModel.from_pretrained(str(mp), local_files_only=True).to(self.device, self.dtype).eval()
-
-    def _embed(self, images: np.ndarray, prompts: Sequence[str] | None):
-        import torch
-
-        with torch.no_grad():
-            pix = self.processor(images=list(to_uint8(images)), return_tensors="pt")["pixel_values"]
-            img = self.model.get_image_features(pixel_values=pix.to(self.device, self.dtype))
-            img = getattr(img, "pooler_output", img)
-            img = torch.nn.functional.normalize(img.float(), dim=-1)
-            if prompts is None:
-                return img, None
-            tok = self.processor(text=list(prompts), padding=True, truncation=True, return_tensors="pt")
-            txt = self.model.get_text_features(input_ids=tok["input_ids"].to(self.device),
-                                               attention_mask=tok["attention_mask"].to(self.device))
-            txt = getattr(txt, "pooler_output", txt)
-            return img, torch.nn.functional.normalize(txt.float(), dim=-1)
-
-
-class ClipScoreReward(_ClipBase):
-    """CLIP score: cosine similarity of the image and prompt embeddings, in [-1, 1].
-
-    ``model_path``: a local ``openai/clip-vit-large-patch14`` (or any CLIPModel) directory; the processor is read
-    from ``processor_path`` (default: the same directory). Default path: ``$JAGG_CLIP_PATH``.
-    """
-
-    def __init__(self, model_path=None, processor_path=None, device="auto", dtype="fp32"):
-        super().__init__(model_path or os.environ.get("JAGG_CLIP_PATH"), processor_path, device, dtype,
-                         what="CLIP score weights",
-                         download="huggingface-cli download openai/clip-vit-large-patch14 --local-dir <dir>")
-
-    def __call__(self, images, prompts, metadata=None):
-        img, txt = self._embed(images, prompts)
-        cos = (img * txt).sum(-1)
-        return cos.cpu().numpy().astype(np.float32), {"clip_cosine": cos.cpu().numpy()}
-
-
-class PickScoreReward(_ClipBase):
-    """PickScore (Kirstain et al. 2023): ``logit_scale * cos(image, prompt) / normalize`` (Flow-GRPO divides by 26).
-
-    ``model_path``: local ``yuvalkirstain/PickScore_v1``; ``processor_path``: local
-    ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (its processor). Defaults: ``$JAGG_PICKSCORE_PATH``,
-    ``$JAGG_PICKSCORE_PROCESSOR_PATH``.
-    """
-
-    def __init__(self, model_path=None, processor_path=None, device="auto", dtype="fp32", normalize: float = 26.0):
-        super().__init__(model_path or os.environ.get("JAGG_PICKSCORE_PATH"),
-                         processor_path or os.environ.get("JAGG_PICKSCORE_PROCESSOR_PATH"), device, dtype,
-                         what="PickScore weights",
-                         download="huggingface-cli download yuvalkirstain/PickScore_v1 --local-dir <dir> (and "
-                                  "laion/CLIP-ViT-H-14-laion2B-s32B-b79K for the processor)")
-        self.normalize = float(normalize)
-
-    def __call__(self, images, prompts, metadata=None):
-        img, txt = self._embed(images, prompts)
-        raw = self.model.logit_scale.detach().exp().float() * (img * txt).sum(-1)
-        return (raw / self.normalize).cpu().numpy().astype(np.float32), {"pickscore_raw": raw.cpu().numpy()}
-
-
-class AestheticReward(_ClipBase):
-    """LAION aesthetic predictor v2: an MLP on normalised CLIP ViT-L/14 image embeddings (prompt-free), ~1-10.
-
-    ``model_path``: local ``openai/clip-vit-large-patch14``; ``head_path``: the MLP weights
-    ``sac+logos+ava1-l14-linearMSE.pth`` (keys ``layers.{0,2,4,6,7}.{weight,bias}``). Defaults: ``$JAGG_CLIP_PATH``,
-    ``$JAGG_AESTHETIC_HEAD_PATH``.
-    """
-
-    def __init__(self, model_path=None, head_path=None, processor_path=None, device="auto", dtype="fp32"):
-        import torch
-
-        head = require_local_model(head_path or os.environ.get("JAGG_AESTHETIC_HEAD_PATH"), "aesthetic head weights",
-                                   "wget https://github.com/christophschuhmann/improved-aesthetic-predictor/raw/main/"
-                                   "sac+logos+ava1-l14-linearMSE.pth")
-        super().__init__(model_path or os.environ.get("JAGG_CLIP_PATH"), processor_path, device, dtype,
-                         what="aesthetic CLIP weights",
-                         download="huggingface-cli download openai/clip-vit-large-patch14 --local-dir <dir>")
-        state = torch.load(head, map_location="cpu", weights_only=True)
-        layers = sorted({int(k.split(".")[1]) for k in state if k.startswith("layers.")})
-        if not layers:
-            raise ValueError(f"{head} is not an aesthetic-predictor state dict (no 'layers.N.weight' keys)")
-        mods: dict[int, torch.nn.Module] = {}
-        for i in range(max(layers) + 1):
-            if i in layers:
-                w = state[f"layers.{i}.weight"]
-                mods[i] = torch.nn.Linear(w.shape[1], w.shape[0])
-            else:
-                mods[i] = torch.nn.Dropout(0.0)
-        self.head = torch.nn.Sequential(*[mods[i] for i in range(max(layers) + 1)])
-        self.head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
-        self.head.to(self.device).eval()
-
-    def __call__(self, images, prompts=None, metadata=None):
-        import torch
-
-        img, _ = self._embed(images, None)
-        with torch.no_grad():
-            s = self.head(img).squeeze(-1)
-        return s.cpu().numpy().astype(np.float32), {}
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ they share once.
 - :mod:`~jagg.trainers.sections`: the config sections both share (estimator, optim, grpo, reward, log);
 - :mod:`~jagg.trainers.shapes` + :mod:`~jagg.trainers.shapes_config`: the TinyDiT on the embedded shapes world (the
   main job);
-- :mod:`~jagg.trainers.diffusers` + :mod:`~jagg.trainers.diffusers_config`: SD3/SD3.5 and FLUX.1 through diffusers,
-  for a config with a ``pipeline:`` section (:func:`~jagg.trainers.diffusers_config.has_pipeline_section`).
+- :mod:`~jagg.trainers.diffusers` + :mod:`~jagg.trainers.diffusers_config`: SD3/SD3.5, FLUX.1 and Qwen-Image through
+  diffusers, for a config with a ``pipeline:`` section (:func:`~jagg.trainers.diffusers_config.has_pipeline_section`).
 
 The modules load on demand (the diffusers trainer needs the ``diffusers`` extra only when it runs)."""

@@ -1,4 +1,4 @@
-"""``jagg train`` on a real diffusers model (SD3/SD3.5, FLUX.1): GRPO with the JAGG estimator, LoRA or full weights.
+"""``jagg train`` on a real diffusers model (SD3/SD3.5, FLUX.1, Qwen-Image): GRPO with JAGG, LoRA or full weights.
 
 A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``; the config is
 :class:`jagg.trainers.diffusers_config.DiffusersTrainConfig`) makes ``jagg train --config X.yaml`` run
@@ -81,7 +81,7 @@ def sampling_pieces(local: slice, size: int) -> list[slice]:
 
 
 class DiffusersTrainer(GRPOTrainer):
-    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX model (:class:`~jagg.trainers.base.GRPOTrainer`:
+    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX/Qwen-Image model (:class:`~jagg.trainers.base.GRPOTrainer`:
     the run directory, ``resume``, ``overwrite``, ``require_checkpoint`` and the loop). Launch with torchrun /
     accelerate for several processes (``WORLD_SIZE > 1``)."""
 
@@ -93,9 +93,10 @@ class DiffusersTrainer(GRPOTrainer):
         self.progress_label = f"GRPO {cfg.pipeline.family}"
         self.local = shard(cfg.sample.batch_size)              # this rank's slice; the batch must split evenly
         self.prompts = read_prompt_lines(cfg.sample.prompts_file)
-        # the checked reward callable (images, prompts, metadata) -> (scores [N], info): the server's or the local one
-        self.reward_fn = get_reward(cfg.reward_server if cfg.reward_server is not None
-                                    else cfg.reward.spec)
+        # the checked reward callable (images, prompts, metadata) -> (scores [N], info): the server's or the local one,
+        # a preference model on this process's device in the pipeline's dtype unless its spec says otherwise
+        self.reward_fn = get_reward(cfg.reward_server if cfg.reward_server is not None else cfg.reward.spec,
+                                    {"device": cfg.pipeline.resolve_device(), "dtype": cfg.pipeline.dtype})
         torch.manual_seed(cfg.seed)                            # the same LoRA initialisation on every rank
         self.policy: Policy = load_model(cfg.pipeline)        # check_model_dir: clear errors for bad paths
         self.device = self.policy.device
@@ -280,6 +281,12 @@ class DiffusersTrainer(GRPOTrainer):
         rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std(unbiased=False)), "samples": len(it.rollout.prompts),
                "trained_samples": int(self._sum([it.trained])[0]), "processes": self.world, **it.times}
+        # a weighted sum's components (info["scores/<name>"] of this process's samples), averaged over the processes
+        parts = {k[len("scores/"):]: np.asarray(v, dtype=np.float64) for k, v in it.info.items()
+                 if k.startswith("scores/")}
+        if parts:
+            sums = self._sum([float(v.sum()) for v in parts.values()] + [float(len(it.rollout.conditioning))])
+            rec.update({f"reward/{name}": total / sums[-1] for name, total in zip(parts, sums)})
         return {**rec, **update_summary(it.per_update), "updates": len(it.per_update),
                 "skipped_total": self.skipped_updates}
 

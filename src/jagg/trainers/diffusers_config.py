@@ -1,7 +1,8 @@
 """The configuration of ``jagg train`` on a real diffusers model: :class:`DiffusersTrainConfig` and its sections.
 
-A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``) is a
-real-model config (:func:`has_pipeline_section`); :func:`load_config` reads it with ``--set`` overrides. Sections:
+A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``,
+``configs/qwen_image.yaml``) is a real-model config (:func:`has_pipeline_section`); :func:`load_config` reads it with
+``--set`` overrides. Sections:
 ``pipeline:`` (:class:`jagg.integrations.config.PipelineConfig`, the model), ``sample:`` (:class:`DiffusersSampleConfig`,
 the prompts file and the batch), ``estimator:``, ``optim:``, ``grpo:``, ``reward:`` or ``reward_server:``, ``log:``
 (:class:`DiffusersLogConfig`), and ``seed``, ``threads``. Each value is checked when the config is built, with an error

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..estimator_config import EstimatorConfig
+from ..rewards.registry import check_spec
 
 
 def _help(text: str) -> dict:
@@ -118,11 +119,13 @@ class GRPOConfig:
 @dataclass
 class RewardConfig:
     name: str | None = field(default=None, metadata=_help(
-        "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility) or module:function "
-        "(geneval when neither name nor weights is set)."))
+        "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility, and the preference models "
+        "clip_score, pickscore, hpsv2, aesthetic), its options after a colon (pickscore:path=/models/PickScore_v1,"
+        "batch_size=16; jagg.rewards.registry), or module:function (geneval when neither name nor weights is set)."))
     weights: dict | None = field(default=None, metadata=_help(
-        "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1}; a component of weight 0 is "
-        "computed and reported (reward/<name>) but not trained. Set this or name, not both."))
+        "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1} (a key may carry options: "
+        "'pickscore:path=/models/PickScore_v1'); a component of weight 0 is computed and reported (reward/<name>, the "
+        "name without its options) but not trained. Set this or name, not both."))
 
     def __post_init__(self):
         if self.name and self.weights:
@@ -130,6 +133,10 @@ class RewardConfig:
                              f"{self.weights}): for a single reward add --set reward.weights=null")
         if not self.name and not self.weights:
             self.name = "geneval"
+        try:
+            check_spec(self.spec)                       # a registered reward's options, before anything loads
+        except ValueError as e:
+            raise ValueError(f"reward.{'weights' if self.weights else 'name'}: {e}") from None
 
     @property
     def spec(self) -> str | dict:
