@@ -89,3 +89,26 @@ def test_the_comparison_grid_shows_the_same_prompts_before_and_after(tmp_path):
         save_comparison(_blank(8), truth, prompts, tmp_path / "x.png", ("a", "b"), ncol=3)
     with pytest.raises(ValueError, match="must match"):
         save_comparison(_blank(7), truth, prompts, tmp_path / "x.png", ("a", "b"))
+
+
+def test_collapse_warnings_fire_on_each_sign_and_only_then():
+    from jagg.shapes.evaluation import collapse_warnings
+
+    def ev(it, r, empty=0.0, bg=1.0):
+        return {"iteration": it, "reward_mean": r, "empty_frac": empty, "background_rms": bg}
+
+    rising = [ev(0, 0.47), ev(25, 0.50), ev(50, 0.53)]
+    assert collapse_warnings(rising, 0.05, 0.1, 5.0) == []
+    assert collapse_warnings(rising[:1], 0.05, 0.1, 5.0) == []
+    fell = rising + [ev(75, 0.47)]
+    (w,) = collapse_warnings(fell, 0.05, 0.1, 5.0)
+    assert "fell to 0.470" in w and "best 0.530 (iteration 50)" in w
+    assert collapse_warnings(fell, 0.07, 0.1, 5.0) == []                   # within the margin
+    assert collapse_warnings(fell, 0.0, 0.1, 5.0) == []                    # 0 = off
+    empty = rising + [ev(75, 0.52, empty=0.15)]
+    (w,) = collapse_warnings(empty, 0.05, 0.1, 5.0)
+    assert "no object rose from 0.000 to 0.150" in w
+    dirty = rising + [ev(75, 0.52, bg=7.0)]
+    (w,) = collapse_warnings(dirty, 0.05, 0.1, 5.0)
+    assert "background_rms" in w and "1.000 to 7.000" in w
+    assert len(collapse_warnings(rising + [ev(75, 0.40, empty=0.5, bg=9.0)], 0.05, 0.1, 5.0)) == 3

@@ -162,3 +162,29 @@ def save_comparison(before: np.ndarray, after: np.ndarray, prompts: list[str], p
             notes += [caps[i] for i in block]
     save_grid(np.stack(rows), path, ncol=ncol, prompts=texts, notes=notes)
     return out
+
+
+def collapse_warnings(evals: list[dict], drop: float, empty_rise: float, background_rise: float) -> list[str]:
+    """Plain warnings about the latest of ``evals`` (the run's evaluation records, oldest first; the first is the
+    starting model's), one per sign that fires:
+
+    - the held-out reward (``reward_mean``) fell more than ``drop`` below its best so far;
+    - the fraction of empty images rose more than ``empty_rise`` above the first evaluation's;
+    - the background measure (``background_rms``) rose more than ``background_rise`` above the first evaluation's.
+
+    A margin of 0 turns its check off. The trainer prints each kind once per run."""
+    if len(evals) < 2:
+        return []
+    first, last = evals[0], evals[-1]
+    out = []
+    best = max(evals[:-1], key=lambda r: r["reward_mean"])
+    if drop and last["reward_mean"] < best["reward_mean"] - drop:
+        out.append(f"the held-out reward fell to {last['reward_mean']:.3f}, more than {drop} below its best "
+                   f"{best['reward_mean']:.3f} (iteration {best['iteration']}): training may be collapsing; the "
+                   f"checkpoints keep the better model")
+    for key, margin, what in (("empty_frac", empty_rise, "the fraction of images with no object"),
+                              ("background_rms", background_rise, "the background measure (background_rms)")):
+        if margin and key in first and last[key] > first[key] + margin:
+            out.append(f"{what} rose from {first[key]:.3f} to {last[key]:.3f} (more than {margin}): the model may be "
+                       "gaming the reward instead of following the prompts; look at the sample grids")
+    return out
