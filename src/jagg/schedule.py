@@ -5,23 +5,10 @@
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 from torch import Tensor
 
-
-def is_finite_number(value) -> bool:
-    """True for a finite real number (int, float, numpy scalar); False for bool, NaN, infinity and non-numbers.
-    The one check the core's argument validation uses."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-
-
-def first_non_finite(values: dict) -> str | None:
-    """The name of the first of ``values`` (name -> value) that is not a finite number (:func:`is_finite_number`), or
-    None: several arguments checked in one call."""
-    return next((name for name, value in values.items() if not is_finite_number(value)), None)
+from .checks import is_finite_number
 
 
 def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:

@@ -162,13 +162,13 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
         result = json.loads(done.read_text())
         if result.get("iterations") == cfg.grpo.iterations and "train_curve" in result:
             try:
-                check_resumable(result["config"], to_dict(cfg), config_class=ShapesTrainConfig)
+                check_resumable(result["config"], to_dict(cfg))
             except (KeyError, ValueError) as e:
                 raise ValueError(f"{done} was trained with another config ({e}); use another --out") from None
             print(f"quality: {variant} seed {seed}: already done ({done}), skipped", flush=True)
             return {**result, "variant": variant}          # its directory is this variant's (even if renamed)
     print(f"quality: {variant} seed {seed}: training {cfg.grpo.iterations} iterations into {out}", flush=True)
-    records = ShapesTrainer(cfg, resume=True).train()
+    records = ShapesTrainer.run(cfg, resume=True)
     if not records or max(r["iteration"] for r in records) < cfg.grpo.iterations:
         raise RuntimeError(f"run {out} stopped before iteration {cfg.grpo.iterations}; rerun to resume it")
     result = {**summarize(records, cfg, variant, seed), "config": to_dict(cfg)}

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import Keys, check_eta
 from ..training.config_loader import from_dict
 
 FAMILIES = ("sd3", "flux")
@@ -186,8 +187,7 @@ class PipelineConfig:
                 raise ValueError(f"pipeline.{name} must be >= 1; got {getattr(self, name)}")
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"pipeline.shift must be > 0 or null; got {self.shift}")
-        if self.eta <= 0:
-            raise ValueError(f"pipeline.eta must be > 0 (the SDE needs noise); got {self.eta}")
+        check_eta(self.eta, Keys(eta="pipeline.eta"))
         try:
             self.velocity_config()                                  # validates cfg_scale, uncond_forward, autocast
         except ValueError as e:
