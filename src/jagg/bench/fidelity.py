@@ -46,7 +46,7 @@ from ..trainers.shapes_config import ShapesTrainConfig
 from ..trajectory import Trajectory, sample_trajectories, select_train_steps
 from ..shapes import from_tensor, tokenizer, train_prompts
 from ..audit import cosine, flat_grad, rel_err
-from .common import default_config_path, fmt, json_if_asked, resolve_device, set_threads, spearman, table
+from .common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
 
 ADVANTAGES = ("reward", "random")
 

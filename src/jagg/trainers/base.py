@@ -179,7 +179,7 @@ class GRPO(ABC):
     reward, prompts, RNGs), :meth:`rollout`, :meth:`score`, :meth:`velocity`, :meth:`reference`, :meth:`minibatches`,
     :meth:`gradient` and :meth:`record`; optionally :meth:`draw_batch`, :meth:`after_step` (e.g. an EMA) and the
     attribute :attr:`multiprocess` (several processes). ``cfg`` must have ``seed``, ``threads``, ``estimator``,
-    ``optim``, ``grpo``, ``sample`` (``group_size``, ``batch_size``) and ``log``
+    ``optim``, ``grpo`` and ``sample`` (``group_size``, ``batch_size``), and for a :class:`GRPOTrainer` ``log``
     (:class:`jagg.trainers.sections.TrainerSections`).
     """
 

@@ -14,10 +14,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checks import Keys
 from ..integrations.config import PipelineConfig, read_prompt_lines
 from ..rewards.client import RewardClient
 from ..training import config_loader as configuration
-from ..checks import Keys
 from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help
 
 
