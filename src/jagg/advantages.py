@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .checks import as_vector
+from .checks import as_vector, check_positive
 
 
 def prompt_group_index(prompt_ids: Sequence | Tensor) -> Tensor:
@@ -46,8 +46,7 @@ def group_advantages(
         raise ValueError(f"got {rewards.numel()} rewards but {len(prompt_ids)} prompt ids")
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards contain NaN or infinity; check the reward function")
-    if adv_clip_max <= 0:
-        raise ValueError(f"adv_clip_max must be > 0; got {adv_clip_max}")
+    check_positive(adv_clip_max, "adv_clip_max")
     g = prompt_group_index(prompt_ids).to(rewards.device)
     n = int(g.max()) + 1
     zeros = lambda: torch.zeros(n, device=rewards.device, dtype=rewards.dtype)   # whatever the default dtype

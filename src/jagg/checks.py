@@ -47,6 +47,12 @@ def as_vector(values, name: str, dtype=np.float32) -> Tensor:
     return values.detach().flatten()
 
 
+def check_positive(value, name: str, why: str = "") -> None:
+    """Raise unless ``value`` is a finite number > 0; the message names it ``name`` and adds ``why`` in brackets."""
+    if not is_finite_number(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0{f' ({why})' if why else ''}; got {value!r}")
+
+
 class Keys(dict):
     """The names the checks' messages give the settings they check: ``Keys()`` the argument names themselves (``eta``),
     ``Keys("sample.")`` the keys of a ``sample:`` config section (``sample.eta``), and
@@ -67,8 +73,7 @@ ARGUMENTS = Keys()
 
 def check_eta(eta, keys: Keys = ARGUMENTS) -> None:
     """Raise unless the SDE noise level ``eta`` is a finite number > 0."""
-    if not is_finite_number(eta) or eta <= 0:
-        raise ValueError(f"{keys['eta']} must be a finite number > 0 (the SDE steps need noise); got {eta!r}")
+    check_positive(eta, keys["eta"], "the SDE steps need noise")
 
 
 def check_sde_type(sde_type: str, eta: float | None = None, keys: Keys = ARGUMENTS) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import is_finite_number
+from .checks import check_positive
+
+SHIFT_HINT = "SD3 uses 3.0, 1.0 means no shift"
 
 
 def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
@@ -16,8 +18,7 @@ def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
 
     A shift > 1 spends more steps at high noise (SD3 uses 3.0). Works on any shape.
     """
-    if not is_finite_number(shift) or shift <= 0:
-        raise ValueError(f"shift must be a finite number > 0 (SD3 uses 3.0, 1.0 means no shift); got {shift!r}")
+    check_positive(shift, "shift", SHIFT_HINT)
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 

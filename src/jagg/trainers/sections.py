@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..checks import Keys, check_group_size, check_sde_steps, check_sde_type
+from ..checks import Keys, check_group_size, check_positive, check_sde_steps, check_sde_type
 from ..estimator_config import EstimatorConfig
 
 SAMPLE_KEYS = Keys("sample.")                 # how the checks name the sample: section's keys
@@ -87,8 +87,7 @@ class GRPOConfig:
                 raise ValueError(f"grpo.{name} must be >= 1; got {getattr(self, name)}")
         if self.max_consecutive_skips < 0:
             raise ValueError(f"grpo.max_consecutive_skips must be >= 0; got {self.max_consecutive_skips}")
-        if self.adv_clip_max <= 0:
-            raise ValueError(f"grpo.adv_clip_max must be > 0; got {self.adv_clip_max}")
+        check_positive(self.adv_clip_max, "grpo.adv_clip_max")
 
 
 @dataclass

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from ..checks import check_eta
+from ..checks import check_eta, check_positive
+from ..schedule import SHIFT_HINT
 from .sections import SAMPLE_KEYS, LogConfig, RewardConfig, SampleBatch, TrainerSections, _help
 
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
@@ -96,8 +97,7 @@ class SampleConfig(SampleBatch):
 
     def __post_init__(self):
         self.check_batch(("num_steps", "prompts_per_iter", "micro_batch"))
-        if self.shift <= 0:
-            raise ValueError(f"sample.shift must be > 0; got {self.shift}")
+        check_positive(self.shift, "sample.shift", SHIFT_HINT)
         check_eta(self.eta, SAMPLE_KEYS)
         if self.guidance_scale < 1:
             raise ValueError(f"sample.guidance_scale must be >= 1; got {self.guidance_scale}")
