@@ -1,9 +1,9 @@
 """``jagg bench e2e``: one whole GRPO iteration (sampling + reward + training), exact vs JAGG, side by side.
 
-One :class:`jagg.trainers.shapes.ShapesGRPO` per variant (the trainer's iteration, in memory: no run directory) is built
-from the same config (the main job or ``--config``, plus ``--set``) and seed; their iterations then run round-robin in
-one process (``exact``, ``jagg``, ``exact``,
-``jagg``, ... after one warm-up iteration each), so a busy stretch of the machine slows every variant alike.
+One :class:`jagg.trainers.shapes.ShapesGRPO` per variant (the trainer's iteration, in memory: no run directory) is
+built from the same config (the main job or ``--config``, plus ``--set``) and seed; their iterations then run
+round-robin in one process (``exact``, ``jagg``, ``exact``, ``jagg``, ... after one warm-up iteration each), so a
+busy stretch of the machine slows every variant alike.
 Reported per variant: the median seconds of sampling ``S``, reward ``R``, training ``T`` and the whole
 iteration, the iteration ratio exact / variant, and its ideal
 

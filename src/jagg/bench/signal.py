@@ -1,10 +1,10 @@
 """``jagg bench signal``: does the policy gradient carry a learnable signal at this batch size?
 
 GRPO only improves a reward when the gradient of one update points, more than by chance, where the next one
-does. This benchmark measures that directly, with the trainer's own sampler (:class:`jagg.trainers.shapes.ShapesSampler`
-of the same config; no run directory) and the trainer's own gradient (:func:`jagg.policy_gradient`, no optimizer
-step): it draws ``K`` independent batches,
-computes one gradient ``g_i`` per batch over the trainable parameters, and reports per reward
+does. This benchmark measures that directly, with the trainer's own sampler
+(:class:`jagg.trainers.shapes.ShapesSampler` of the same config; no run directory) and the trainer's own gradient
+(:func:`jagg.policy_gradient`, no optimizer step): it draws ``K`` independent batches, computes one gradient ``g_i``
+per batch over the trainable parameters, and reports per reward
 
     c = mean_{i != j} cos(g_i, g_j)
 

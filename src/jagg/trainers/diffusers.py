@@ -290,4 +290,3 @@ class DiffusersTrainer(GRPOTrainer):
                "trained_samples": int(self._sum([it.trained])[0]), "processes": self.world, **it.times}
         return {**rec, **update_summary(it.per_update), "updates": len(it.per_update),
                 "skipped_total": self.skipped_updates}
-
