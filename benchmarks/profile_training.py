@@ -1,6 +1,7 @@
 """Profile one training phase of the main job: where does the time of ``jagg.policy_gradient`` go?
 
-Samples one iteration's batch exactly as ``jagg train`` does (the main job or ``--config``, plus ``--set``), then runs
+Samples one iteration's batch exactly as ``jagg train`` does (its sampler, ``jagg.trainers.shapes.ShapesSampler``, of the
+main job or ``--config`` plus ``--set``; no run directory), then runs
 the training phase (one ``policy_gradient`` call over the batch) in ``exact`` and in the configured JAGG mode
 under ``torch.profiler``. The velocity function and the backward are wrapped in ``record_function`` labels
 through the estimator's public hooks, so the wall time splits into
@@ -31,10 +32,8 @@ from jagg.training import config_loader as configuration
 from jagg.advantages import group_advantages
 from jagg.bench.common import default_config_path
 from jagg.estimator_config import EstimatorConfig
-from jagg.shapes.velocity import GuidedVelocity
+from jagg.trainers.shapes import ShapesSampler
 from jagg.trainers.shapes_config import ShapesTrainConfig
-from jagg.trainers.shapes import ShapesTrainer
-from jagg.shapes import from_tensor
 
 LABELS = ("network_forward", "network_backward")
 
@@ -55,22 +54,22 @@ def labelled_backward(loss):
         loss.backward()
 
 
-def phase(trainer: ShapesTrainer, batch, est: EstimatorConfig) -> float:
+def phase(sampler: ShapesSampler, batch, est: EstimatorConfig) -> float:
     prompts, tokens, traj, adv = batch
-    trainer.opt.zero_grad(set_to_none=True)
-    vf = LabelledVelocity(GuidedVelocity(trainer.model, tokens, trainer.cfg.sample.guidance_scale))
+    sampler.zero_grad()
+    vf = LabelledVelocity(sampler.velocity(tokens))
     t0 = time.perf_counter()
     with torch.enable_grad():
         policy_gradient(vf, traj, adv, est, backward_fn=labelled_backward)
     return time.perf_counter() - t0
 
 
-def profile_mode(trainer: ShapesTrainer, batch, est: EstimatorConfig, repeats: int) -> dict:
-    phase(trainer, batch, est)                                    # warm-up
+def profile_mode(sampler: ShapesSampler, batch, est: EstimatorConfig, repeats: int) -> dict:
+    phase(sampler, batch, est)                                    # warm-up
     walls = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
-            walls.append(phase(trainer, batch, est))
+            walls.append(phase(sampler, batch, est))
     wall = sum(walls)
     label_s = dict.fromkeys(LABELS, 0.0)
     outside: dict[str, list] = {}                                 # op -> [self seconds, calls] outside the labels
@@ -103,16 +102,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args()
-    cfg = configuration.load(ShapesTrainConfig, args.config, ["log.output_dir=runs/profile_training", "log.tensorboard=false",
-                                                        "log.progress=false", *args.set])
-    trainer = ShapesTrainer(cfg)
-    prompts, tokens, traj = trainer.sample_batch()
-    scores, _ = trainer.reward_fn(from_tensor(traj.latents[:, -1]), prompts, None)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1; got {args.repeats}")
+    cfg = configuration.load(ShapesTrainConfig, args.config, args.set)
+    sampler = ShapesSampler(cfg)
+    rollout = sampler.sample()
+    prompts, tokens, traj = rollout.prompts, rollout.conditioning, rollout.traj
+    scores, _ = sampler.score(rollout)
     adv = group_advantages(torch.as_tensor(scores, dtype=torch.float32), prompts, cfg.grpo.global_std,
                            cfg.grpo.adv_clip_max)
     batch = (prompts, tokens, traj, adv)
     exact = dataclasses.replace(cfg.estimator, mode="exact")
-    records = [profile_mode(trainer, batch, est, args.repeats) for est in (exact, cfg.estimator)]
+    records = [profile_mode(sampler, batch, est, args.repeats) for est in (exact, cfg.estimator)]
     print(f"one training phase of the main job: {len(prompts)} samples x {int(traj.train_steps.numel())} trained "
           f"steps, micro-batch {cfg.estimator.micro_batch}, {torch.get_num_threads()} thread(s)")
     for r in records:

@@ -31,8 +31,7 @@ def regimes(steps: list[int], sdes: list[str]) -> list[dict]:
 
 
 def run_regime(r: dict, sets: list[str], batches: int, draws: int) -> list[dict]:
-    overrides = ["threads=1", "log.progress=false", "log.tensorboard=false", "eval.every=0",
-                 "log.output_dir=runs/regime_map_scratch", f"sample.num_steps={r['num_steps']}",
+    overrides = ["threads=1", f"sample.num_steps={r['num_steps']}",
                  f"sample.sde_window={WINDOWS[r['num_steps']]}", f"sample.sde_type={r['sde_type']}",
                  f"sample.eta={r['eta']}", "estimator.window=4", "estimator.correction_p=0.25", *sets]
     cfg = configuration.load(ShapesTrainConfig, None, overrides)

@@ -1,12 +1,89 @@
+"""Shared fixtures, and what keeps the suite hermetic: every test runs in its own temporary directory, with a
+temporary home, and the suite fails when a test leaves anything in the checkout (`git status`, or the checkout's
+runs/, which git ignores)."""
+
 import os
+import shutil
+import site
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/toy.py
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/toy.py, tests/reward_plugins.py
 torch.set_num_threads(1)  # tiny models: threads only add contention (30-60x slower on a busy 2-core box)
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_HOME: str | None = None
+
+
+def pytest_configure(config):
+    """A temporary home for the whole session (and every process it starts), before any test module is imported:
+    caches and configs (matplotlib, Hugging Face, accelerate, torch) are neither read from nor written to the user's.
+    Packages installed in the user's site directory still import (``PYTHONUSERBASE`` keeps pointing there)."""
+    global _HOME
+    _HOME = tempfile.mkdtemp(prefix="jagg-tests-home-")
+    os.environ.setdefault("PYTHONUSERBASE", site.getuserbase())
+    os.environ["HOME"] = _HOME
+    for name, sub in (("XDG_CONFIG_HOME", ".config"), ("XDG_CACHE_HOME", ".cache"), ("XDG_DATA_HOME", ".local/share")):
+        os.environ[name] = os.path.join(_HOME, sub)
+
+
+def pytest_unconfigure(config):
+    if _HOME is not None:
+        shutil.rmtree(_HOME, ignore_errors=True)
+
+
+def _git_status() -> str | None:
+    """``git status --porcelain --untracked-files=all`` of the checkout, or None when the tests do not run from a git
+    checkout (an unpacked sdist, no git)."""
+    try:
+        top = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    except OSError:
+        return None
+    if top.returncode or Path(top.stdout.strip()).resolve() != ROOT:
+        return None
+    return subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=all"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def _runs_listing() -> dict[str, int]:
+    """Every path under the checkout's runs/ (gitignored: `make train` writes there) with its modification time."""
+    runs = ROOT / "runs"
+    paths = [runs, *runs.rglob("*")] if runs.exists() else []
+    return {str(p.relative_to(ROOT)): p.lstat().st_mtime_ns for p in paths}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_left_as_found():
+    """Fail the suite when the tests changed the checkout: a file added, changed or deleted (``git status``), or
+    anything under runs/ written (a test that trained into ``runs/default`` of the cwd, say). Tests write into their
+    ``tmp_path``; :func:`in_tmp_path` makes that the cwd."""
+    status, runs = _git_status(), _runs_listing()
+    yield
+    problems = []
+    after = _git_status()
+    if status is not None and after != status:
+        changed = sorted(set(after.splitlines()) ^ set(status.splitlines()))
+        problems.append("git status changed: " + "; ".join(changed))
+    now = _runs_listing()
+    if now != runs:
+        touched = sorted(k for k in set(now) | set(runs) if now.get(k) != runs.get(k))
+        problems.append(f"{ROOT / 'runs'} changed: " + ", ".join(touched[:10]) + (" ..." if len(touched) > 10 else ""))
+    if problems:
+        pytest.fail("the tests left the checkout changed (a test must write into its tmp_path only):\n  "
+                    + "\n  ".join(problems), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """Every test runs with its own temporary directory as the cwd: relative paths (``runs/default``, the
+    benchmarks' defaults) land there, never in the checkout or wherever pytest was started."""
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture(scope="session")

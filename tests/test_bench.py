@@ -213,7 +213,7 @@ def test_bench_signal_separates_a_learnable_reward_from_noise(tmp_path, bench_ck
             "sample.group_size=4", "estimator.micro_batch=8", "threads=1", "model.trainable=final.bias",
             "sample.sde_window=null"]
     args = ["bench", "signal", "--batches", "8", "--rewards", "reward_plugins:brightness", "reward_plugins:coin",
-            "--out", str(tmp_path / "scratch"), "--json", str(out)] + [a for s in sets for a in ("--set", s)]
+            "--json", str(out)] + [a for s in sets for a in ("--set", s)]
     assert main(args) == 0
     recs = {r["reward"]: r for r in json.loads(out.read_text())}
     bright, coin = recs["reward_plugins:brightness"], recs["reward_plugins:coin"]
@@ -260,7 +260,7 @@ def test_bench_signal_compares_estimators_on_the_same_batches(tmp_path, bench_ck
             "estimator.window=4", "estimator.jagg_frac=1.0"]
     for mode, same in (("exact", True), ("jagg", False)):
         args = ["bench", "signal", "--batches", "3", "--rewards", "reward_plugins:brightness", "--estimators",
-                "config", "exact", "--out", str(tmp_path / mode), "--json", str(out)]
+                "config", "exact", "--json", str(out)]
         assert main(args + [a for s in base + [f"estimator.mode={mode}"] for a in ("--set", s)]) == 0
         recs = {r["estimator"]: r for r in json.loads(out.read_text())}
         assert set(recs) == {"config", "exact", "config x exact", "error (config - exact)"}

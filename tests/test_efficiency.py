@@ -81,7 +81,7 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
             "grpo.drop_zero_spread=false", "reward.name=reward_plugins:brightness"]
     args = ["bench", "efficiency", "--batches", "3", "--draws", "2", "--estimator", "config", "--estimator", "plain",
             "--estimator", "subsample", "--estimator", "w8:window=8,correction_p=0", "--target-batch", "32",
-            "--out", str(tmp_path / "scratch"), "--json", str(out)]
+            "--json", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
     recs = {r["estimator"]: r for r in json.loads(out.read_text())}
     assert list(recs) == ["exact", "config", "plain", "subsample", "w8"]
@@ -236,7 +236,7 @@ def test_bench_efficiency_by_interval(tmp_path, bench_ckpt, capsys):
             "threads=1", "sample.sde_window=null", "grpo.drop_zero_spread=false"]
     spec = "el:window=4,exact_last_intervals=1,correction_p=0"
     args = ["bench", "efficiency", "--batches", "3", "--estimator", spec, "--by-interval", spec,
-            "--out", str(tmp_path / "scratch"), "--json", str(out)]
+            "--json", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
     recs = json.loads(out.read_text())
     parts = [r for r in recs if r.get("kind") == "interval"]

@@ -55,7 +55,7 @@ def test_sigkill_during_checkpoint_write_keeps_previous_and_resume_matches(tmp_p
     marker = tmp_path / "marker"
     args = tiny_train_args(tiny_ckpt, killed, 3, "eval.every=0")
     proc = subprocess.Popen([sys.executable, "-c", KILL_MID_SAVE, *args], env=dict(ENV, MARKER=str(marker)),
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _wait_for(marker.exists)
     finally:
@@ -74,7 +74,7 @@ def test_sigkill_during_checkpoint_write_keeps_previous_and_resume_matches(tmp_p
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path, tiny_ckpt):
     args = tiny_train_args(tiny_ckpt, tmp_path, 1000, "eval.every=0", "log.checkpoint_every=0")
-    proc = subprocess.Popen([sys.executable, "-m", "jagg.cli", *args], env=ENV, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "jagg.cli", *args], env=ENV, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
     try:

@@ -5,7 +5,7 @@ import torch
 
 import jagg
 from jagg.sde import sde_mean, sde_std
-from jagg.trajectory import check_sigmas
+from jagg.checks import check_sigmas
 
 
 def test_flow_sigmas_match_sd3_schedule():

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,7 +134,7 @@ def test_config_unknown_key_suggests_closest():
 
 
 def test_default_config_loads_and_round_trips():
-    cfg = configuration.load(ShapesTrainConfig, "configs/default.yaml")
+    cfg = configuration.load(ShapesTrainConfig, Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
     again = configuration.from_dict(ShapesTrainConfig, configuration.to_dict(cfg))
     assert again == cfg
     assert cfg.estimator.mode == "jagg"

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import jagg
-from jagg.loss import step_loss
+from jagg.sde import step_loss
 
 S = (2, 3, 3)          # latent shape
 D = 18

@@ -4,29 +4,19 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from .checks import as_vector, check_positive
 
-def _group_ids(prompt_ids: Sequence | Tensor) -> Tensor:
-    """Map arbitrary hashable prompt ids (strings, ints) to dense prompt group indices ``[B]``."""
+
+def prompt_group_index(prompt_ids: Sequence | Tensor) -> Tensor:
+    """``[B]`` the dense prompt group index of each sample, in the order the prompt ids first appear; the ids may be
+    any hashables (strings, ints; a tensor's values)."""
     if isinstance(prompt_ids, Tensor):
         prompt_ids = prompt_ids.tolist()
     table: dict = {}
     return torch.tensor([table.setdefault(p, len(table)) for p in prompt_ids], dtype=torch.long)
-
-
-def as_vector(values, name: str, dtype=np.float32) -> Tensor:
-    """A flat tensor from a tensor or any array-like of numbers (list, numpy array); a TypeError naming ``name``
-    otherwise. Tensors keep their dtype and device."""
-    if not isinstance(values, Tensor):
-        try:
-            values = torch.as_tensor(np.asarray(values, dtype=dtype))
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"{name} must be a tensor or an array-like of numbers; got {type(values).__name__}: "
-                            f"{e}") from None
-    return values.detach().flatten()
 
 
 def _as_rewards(rewards) -> Tensor:
@@ -56,9 +46,8 @@ def group_advantages(
         raise ValueError(f"got {rewards.numel()} rewards but {len(prompt_ids)} prompt ids")
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards contain NaN or infinity; check the reward function")
-    if adv_clip_max <= 0:
-        raise ValueError(f"adv_clip_max must be > 0; got {adv_clip_max}")
-    g = _group_ids(prompt_ids).to(rewards.device)
+    check_positive(adv_clip_max, "adv_clip_max")
+    g = prompt_group_index(prompt_ids).to(rewards.device)
     n = int(g.max()) + 1
     zeros = lambda: torch.zeros(n, device=rewards.device, dtype=rewards.dtype)   # whatever the default dtype
     count = zeros().index_add_(0, g, torch.ones_like(rewards))
@@ -80,7 +69,7 @@ def nonzero_spread_mask(rewards: Tensor, prompt_ids: Sequence | Tensor, tol: flo
     rewards = _as_rewards(rewards)
     if len(prompt_ids) != rewards.numel():
         raise ValueError(f"got {rewards.numel()} rewards but {len(prompt_ids)} prompt ids")
-    g = _group_ids(prompt_ids).to(rewards.device)
+    g = prompt_group_index(prompt_ids).to(rewards.device)
     n = int(g.max()) + 1
     full = lambda v: torch.full((n,), v, device=rewards.device, dtype=rewards.dtype)
     hi = full(-torch.inf).scatter_reduce(0, g, rewards, "amax")

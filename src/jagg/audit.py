@@ -19,15 +19,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .deprecation import renamed
 from .estimator import check_call, policy_gradient
 from .estimator_config import EstimatorConfig
 from .trajectory import Trajectory, VelocityFn
 
 RANGE_NAMES = ("noisy", "middle", "clean")
-# a step range whose same-batch cosine falls below this flags a biased estimator (plain JAGG) as at risk of drifting:
-# in the SDE window [0, 8] of the main job, where plain JAGG collapsed training, the noisy third measured 0.52
-FLAG_BELOW = 0.8
+FLAG_BELOW = 0.8     # a step range whose same-batch cosine falls below this flags a biased estimator (plain JAGG)
 
 
 def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
@@ -36,7 +33,7 @@ def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
     same-batch cosine is then noise, which averages out over updates.)"""
     if config.mode != "jagg" or config.correction_p > 0:
         return None
-    low = {k[4:]: v for k, v in result.items() if k.startswith("cos_") and v == v and v < FLAG_BELOW}
+    low = {k[4:]: v for k, v in result.items() if k.startswith("cos_") and not math.isnan(v) and v < FLAG_BELOW}
     if not low:
         return None
     where = ", ".join(f"{k} {v:.2f}" for k, v in low.items())
@@ -52,7 +49,7 @@ def predicted_efficiency(work_ratio: float, error_to_noise: float) -> float:
     """``work_ratio / (1 + error_to_noise)``: progress for the same work against exact for an estimator whose update
     carries ``V_b + E|e|^2`` of variance instead of ``V_b`` (docs/design.md §3). ``work_ratio`` = exact's rows (or
     time) / the estimator's."""
-    return work_ratio / (1.0 + max(error_to_noise, 0.0)) if error_to_noise == error_to_noise else math.nan
+    return math.nan if math.isnan(error_to_noise) else work_ratio / (1.0 + max(error_to_noise, 0.0))
 
 
 def adam_efficiency(work_ratio: float, error_to_noise: float) -> float:
@@ -61,7 +58,7 @@ def adam_efficiency(work_ratio: float, error_to_noise: float) -> float:
     gradient-norm clip that is always active). Its expected step is the signal divided by ``sqrt(V_b + E|e|^2)`` and
     the noise's second-order cost is normalised away, so extra unbiased error costs its square root
     (docs/design.md §3.8). Valid for an unbiased estimator only: a repeating error enters the step at full weight."""
-    return work_ratio / math.sqrt(1.0 + max(error_to_noise, 0.0)) if error_to_noise == error_to_noise else math.nan
+    return math.nan if math.isnan(error_to_noise) else work_ratio / math.sqrt(1.0 + max(error_to_noise, 0.0))
 
 
 def _error_noise(exact: Tensor, mean_err: Tensor, err_sq: Tensor) -> dict:
@@ -141,14 +138,22 @@ def step_ranges(train_steps: Sequence[int], parts: int = 3) -> list[list[int]]:
     return [list(map(int, r)) for r in np.array_split(steps, min(parts, len(steps))) if len(r)]
 
 
-def _flat(params: Sequence[torch.nn.Parameter]) -> Tensor:
+def flat_grad(params: Sequence[torch.nn.Parameter]) -> Tensor:
+    """All ``.grad`` concatenated into one fp64 vector ``[P]`` (zeros where a grad is None)."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
                       for p in params])
 
 
-def _cos(a: Tensor, b: Tensor) -> float:
+def cosine(a: Tensor, b: Tensor) -> float:
+    """Cosine similarity of two vectors (NaN when either is zero)."""
     na, nb = float(a.norm()), float(b.norm())
-    return float(a @ b) / (na * nb) if na > 0 and nb > 0 else float("nan")
+    return float(a @ b) / (na * nb) if na > 0 and nb > 0 else math.nan
+
+
+def rel_err(approx: Tensor, ref: Tensor) -> float:
+    """``||approx - ref|| / ||ref||`` (NaN when ``ref`` is zero)."""
+    n = float(ref.norm())
+    return float((approx - ref).norm()) / n if n > 0 else math.nan
 
 
 def _rows(traj: Trajectory, config: EstimatorConfig, prompt_groups, seed: int) -> int:
@@ -213,21 +218,18 @@ def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: l
                 policy_gradient(velocity_fn, sub.traj, sub.advantages, cfg, ref_velocities=sub.ref_velocities,
                                 prompt_groups=sub.prompt_groups, generator=torch.Generator().manual_seed(sub.seed),
                                 only_steps=steps)
-                g = _flat(params)
+                g = flat_grad(params)
                 grads[key] = grads[key] + g * sub.share                    # the whole audit batch's gradient
                 part_grads[key][j] = part_grads[key][j] + g
-        out[f"cos_{name}"] = _cos(grads["est"], grads["exact"])
+        out[f"cos_{name}"] = cosine(grads["est"], grads["exact"])
     return out, part_grads
 
 
 def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=None, prompt_groups=None,
-                generator=None, parts: int = 3, split=None, sample_groups=None) -> tuple[dict, Tensor, Tensor]:
+                generator=None, parts: int = 3, split=None) -> tuple[dict, Tensor, Tensor]:
     """:func:`audit_gradient`, also returning the exact and the estimator's gradients of each sub-batch of ``split``
     (``[n]`` ids, e.g. the prompt groups): ``(result, exact [m, P], estimate [m, P])``, float64, each sub-batch's
-    gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient).
-    ``sample_groups`` is the former name of ``prompt_groups`` (deprecated)."""
-    if sample_groups is not None:
-        prompt_groups = renamed("audit_parts(sample_groups=...)", sample_groups, "prompt_groups", prompt_groups)
+    gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient)."""
     check_call(velocity_fn, traj, config, generator=generator)
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"parts must be an integer >= 1 (3: noisy, middle and clean thirds); got {parts!r}")
@@ -253,9 +255,8 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
             p.grad = g
     ge = sum(g * s.share for g, s in zip(part_grads["exact"], subs))
     gj = sum(g * s.share for g, s in zip(part_grads["est"], subs))
-    n = float(ge.norm())
-    out["cos"] = _cos(gj, ge)
-    out["rel_err"] = float((gj - ge).norm()) / n if n > 0 else float("nan")
+    out["cos"] = cosine(gj, ge)
+    out["rel_err"] = rel_err(gj, ge)
     out["rows_exact"], out["rows_estimator"] = rows["exact"], rows["est"]
     out["rows"] = rows["exact"] + rows["est"]
     out["seconds"] = time.perf_counter() - t0
@@ -272,7 +273,6 @@ def audit_gradient(
     prompt_groups: Tensor | Sequence | None = None,
     generator: torch.Generator | None = None,
     parts: int = 3,
-    sample_groups: Tensor | Sequence | None = None,
 ) -> dict:
     """The configured estimator's gradient next to the exact one on the same batch, per step range and in total.
 
@@ -285,7 +285,6 @@ def audit_gradient(
         params: the trainable parameters whose gradients are compared.
         generator: RNG of the correction's picks (one seed drawn from it serves every range).
         parts: number of step ranges (3: noisy, middle, clean thirds of the trained steps).
-        sample_groups: the former name of ``prompt_groups`` (deprecated).
 
     Returns:
         ``{"cos": total cosine, "rel_err": ||g - g_exact|| / ||g_exact||, "cos_<range>": per range (``noisy``,
@@ -294,8 +293,6 @@ def audit_gradient(
         two together), "seconds": its wall-clock}``. A cosine is NaN where a gradient is zero (e.g. all advantages
         0).
     """
-    if sample_groups is not None:
-        prompt_groups = renamed("audit_gradient(sample_groups=...)", sample_groups, "prompt_groups", prompt_groups)
     return audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities, prompt_groups, generator,
                        parts)[0]
 
@@ -368,7 +365,7 @@ class AuditMeter:
         G = max(prompt_groups_per_update, 1.0)
         noise = statistics.fmean(self.noise) / G
         bias = self._bias()
-        b0 = max(bias, 0.0) if bias == bias else 0.0
+        b0 = 0.0 if math.isnan(bias) else max(bias, 0.0)
         err = b0 + max(statistics.fmean(self.err_sq) - b0, 0.0) / G
         rho = self.rows[0] / max(self.rows[1], 1)
         out["error_to_noise"] = err / noise if noise > 0 else math.nan
@@ -390,14 +387,14 @@ class AuditMeter:
 def meter_flag(result: dict, min_audits: int = 4) -> str | None:
     """A warning when, after ``min_audits`` audits, the estimator's error repeats from batch to batch (its
     ``bias_to_noise`` more than 3 standard errors above 0), else None. There is no warning on the predicted
-    efficiencies: in the main job the repeating error marked the two estimators that fell behind exact, while the
-    efficiencies, which model an unbiased estimator, could not (docs/RESULTS.md §6.4)."""
+    efficiencies: they model an unbiased estimator, so a repeating error is outside what they can see (what the two
+    signs told in the measured runs: docs/RESULTS.md)."""
     if result.get("audits", 0) < min_audits:
         return None
     b, se = result.get("bias_to_noise", math.nan), result.get("bias_to_noise_se", math.nan)
-    if b == b and se == se and b > 3 * se and b > 0:
+    if not (math.isnan(b) or math.isnan(se)) and b > 3 * se and b > 0:
         return (f"audit: this estimator's error repeats from batch to batch (bias^2 / noise {b:.4f} +- {se:.4f}): a "
-                "bias Adam integrates like a signal, which slowed or reversed learning wherever it was measured; "
+                "bias Adam integrates like a signal; "
                 "consider estimator.correction_p > 0 (unbiased JAGG), keeping the intervals where it lives exact "
                 "(jagg bench efficiency --by-interval), or estimator.mode=exact")
     return None

@@ -136,36 +136,25 @@ class PretrainRunConfig:
 
 
 def _train(args) -> int:
+    """``jagg train``: the config (the main job by default; a ``pipeline:`` section: a real diffusers model), printed
+    (``--print-config``) or trained by its trainer's ``run`` (:meth:`jagg.trainers.base.GRPOTrainer.run`)."""
     overrides = list(args.set or [])
     if args.output_dir:
         overrides.append(f"log.output_dir={args.output_dir}")
     config = args.config or str(main_job_path())
     real = has_pipeline_section(config)          # a real diffusers model: jagg.trainers.diffusers
+    cfg = load_config(config, overrides) if real else configuration.load(ShapesTrainConfig, config, overrides)
     if args.print_config:
-        if real:
-            cfg = load_config(config, overrides)
-        else:
-            cfg = configuration.load(ShapesTrainConfig, config, overrides)
         print(f"# resolved by jagg train --print-config from {config!r} and {len(overrides)} --set override(s)")
         print(configuration.dump(cfg), end="")
         return 0
-    # --resume: the run's checkpoint must be there; --resume-or-start: or no run at all (a new one starts)
-    run_dir = dict(resume=args.resume or args.resume_or_start, require_checkpoint=args.resume,
-                   overwrite=args.overwrite)
     if real:
-        from .trainers.diffusers import run
-
-        return run(config, overrides, **run_dir)
-    from .trainers.shapes import ShapesTrainer
-    from .training.rundir import outputs
-
-    cfg = configuration.load(ShapesTrainConfig, config, overrides)
-    records = ShapesTrainer(cfg, **run_dir).train()
-    evals = [r for r in records if r["kind"] == "eval"]
-    if len(evals) >= 2:
-        print(f"test reward: {evals[0]['reward_mean']:.3f} (iteration {evals[0]['iteration']}) -> "
-              f"{evals[-1]['reward_mean']:.3f} (iteration {evals[-1]['iteration']})")
-    print(f"outputs in {cfg.log.output_dir}: {', '.join(outputs(Path(cfg.log.output_dir))) or 'none'}")
+        from .trainers.diffusers import DiffusersTrainer as Trainer
+    else:
+        from .trainers.shapes import ShapesTrainer as Trainer
+    # --resume: the run's checkpoint must be there; --resume-or-start: or no run at all (a new one starts)
+    Trainer.run(cfg, resume=args.resume or args.resume_or_start, require_checkpoint=args.resume,
+                overwrite=args.overwrite)
     return 0
 
 

@@ -38,11 +38,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .advantages import as_vector
-from .deprecation import renamed
+from .checks import as_vector, is_finite_number
 from .estimator_config import EstimatorConfig
 from .knots import Bundle, Plan, plan_update
-from .schedule import is_finite_number
 from .sde import StepLoss, compute_dtype, step_loss
 from .trajectory import Trajectory, VelocityFn, checked_velocity, velocity_shape_error
 
@@ -69,8 +67,6 @@ class GradientStats:
         intervals_jagg: of those, routed to JAGG.
         jagg_frac_routed: ``intervals_jagg / intervals`` (0 when no interval is eligible).
         intervals_corrected: of the routed ones, those also run exactly by unbiased JAGG (``correction_p``).
-
-    ``groups``, ``groups_jagg`` and ``groups_corrected`` are the former, read-only names of the three interval counts.
     """
 
     loss: float
@@ -87,10 +83,6 @@ class GradientStats:
     intervals_jagg: int
     jagg_frac_routed: float
     intervals_corrected: int = 0
-
-    groups = property(lambda self: self.intervals, doc="Former name of :attr:`intervals`.")
-    groups_jagg = property(lambda self: self.intervals_jagg, doc="Former name of :attr:`intervals_jagg`.")
-    groups_corrected = property(lambda self: self.intervals_corrected, doc="Former name of :attr:`intervals_corrected`.")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -403,7 +395,6 @@ def policy_gradient(
     prompt_groups: Tensor | Sequence | None = None,
     generator: torch.Generator | None = None,
     only_steps: Sequence[int] | None = None,
-    sample_groups: Tensor | Sequence | None = None,
 ) -> GradientStats:
     """Accumulate the Flow-GRPO policy gradient of one update into the parameters' ``.grad``.
 
@@ -430,13 +421,10 @@ def policy_gradient(
         only_steps: accumulate only the loss terms of these trained steps (diagnostics: the gradient of a step
             range). Knots, routing and picks are those of the whole trajectory, so the gradients of disjoint ranges
             sum to the full one. Statistics then cover those steps only.
-        sample_groups: the former name of ``prompt_groups`` (deprecated).
 
     Returns:
         :class:`GradientStats`.
     """
-    if sample_groups is not None:
-        prompt_groups = renamed("policy_gradient(sample_groups=...)", sample_groups, "prompt_groups", prompt_groups)
     check_call(velocity_fn, traj, config, loss_scale, generator)
     traj.validate()
     B = traj.batch_size

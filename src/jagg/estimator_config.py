@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import InitVar, asdict, dataclass, field, fields
-from typing import ClassVar
+import difflib
+from dataclasses import asdict, dataclass, field, fields
 
-from .deprecation import renamed, warn_renamed
-from .schedule import first_non_finite
+from .checks import first_non_finite
 
 MODES = ("exact", "jagg", "subsample")
 INTERMEDIATES = ("interp", "fresh")
@@ -18,13 +17,7 @@ NUMBERS = ("jagg_frac", "correction_p", "clip_range", "kl_beta", "subsample_frac
 
 @dataclass
 class EstimatorConfig:
-    """How the policy gradient of one Flow-GRPO update is computed (docs/design.md §2-3; its words: §0).
-
-    The former keywords ``exact_first_groups`` / ``exact_last_groups`` (also as config keys) still work, with a
-    deprecation message: they are ``exact_first_intervals`` / ``exact_last_intervals``."""
-
-    RENAMED_KEYS: ClassVar[dict[str, str]] = {"exact_first_groups": "exact_first_intervals",
-                                              "exact_last_groups": "exact_last_intervals"}
+    """How the policy gradient of one Flow-GRPO update is computed (docs/design.md §2-3; its words: §0)."""
 
     mode: str = field(default="jagg", metadata={"help": f"Gradient estimator, one of {MODES}. 'exact' runs one "
                       "backward per trained step (the Flow-GRPO baseline); 'jagg' one joint backward of the two "
@@ -49,19 +42,20 @@ class EstimatorConfig:
                              "sample, x interval) routed through JAGG, the most linear first by `score`; the rest run "
                              "exact. 0 = exact. Only intervals of >= 3 steps count (JAGG is exact and no cheaper on 1- "
                              "or 2-step intervals)."})
-    score: str = field(default="cosine", metadata={"help": f"Linearity score used by routing, one of {SCORES}. "
-                       "'cosine' (mean cosine of consecutive velocity increments with the chord) ranked the true "
-                       "per-interval gradient cosine best in `jagg bench fidelity` (docs/RESULTS.md)."})
+    score: str = field(default="cosine", metadata={"help": f"Linearity score used by routing, one of {SCORES}: "
+                       "'chord' (minus the largest distance of the stored velocities to their interval's chord), "
+                       "'cosine' (mean cosine of consecutive velocity increments with the chord), 'cosine_min' (the "
+                       "least of those cosines), 'velocity_cosine' (the least cosine of consecutive velocities); how "
+                       "each ranks the true per-interval gradient cosine: `jagg bench fidelity`."})
     exact_first_intervals: int = field(default=0, metadata={"help": "Always run the first N intervals with inner "
-                                       "steps (the noisiest) exact (formerly exact_first_groups)."})
+                                       "steps (the noisiest) exact."})
     exact_last_intervals: int = field(default=0, metadata={"help": "Always run the last N intervals with inner steps "
-                                      "(the cleanest) exact (formerly exact_last_groups)."})
+                                      "(the cleanest) exact."})
     correction_p: float = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a JAGG "
                                 "unit (prompt group with prompt_groups, else sample, x interval) also runs its inner steps "
                                 "exactly and adds (exact - interpolated) / p, so the expected gradient is exact. Costs "
                                 "p x the inner rows and adds variance (1/p - 1)|e|^2. 0 = plain JAGG (the paper), biased "
-                                "where the Jacobian is not linear: it collapsed training in the main job's SDE window "
-                                "(docs/RESULTS.md §3), hence the default 0.25."})
+                                "where the Jacobian is not linear (what that did to training: docs/RESULTS.md)."})
     correction_intervals: int = field(default=0, metadata={"help": "Correct only the first N JAGG-eligible intervals "
                                       "of the trajectory (the noisiest); 0 = all."})
     subsample_frac: float = field(default=0.5, metadata={"help": "mode='subsample': each sample trains a fresh random "
@@ -77,15 +71,8 @@ class EstimatorConfig:
                              "third of the trained steps (audit/* in metrics and TensorBoard). 0 = off."})
     audit_samples: int = field(default=4, metadata={"help": "Trainers only: samples (whole prompt groups, at least "
                                "two) the audit uses."})
-    exact_first_groups: InitVar[int | None] = None          # deprecated keywords: see RENAMED_KEYS
-    exact_last_groups: InitVar[int | None] = None
 
-    def __post_init__(self, exact_first_groups=None, exact_last_groups=None):
-        if exact_first_groups is not None or exact_last_groups is not None:          # the deprecated keywords
-            self.exact_first_intervals = renamed("EstimatorConfig(exact_first_groups=...)", exact_first_groups,
-                                                 "exact_first_intervals", self.exact_first_intervals, 0)
-            self.exact_last_intervals = renamed("EstimatorConfig(exact_last_groups=...)", exact_last_groups,
-                                                "exact_last_intervals", self.exact_last_intervals, 0)
+    def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
         bad = first_non_finite({name: getattr(self, name) for name in NUMBERS})
@@ -132,15 +119,11 @@ class EstimatorConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "EstimatorConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known - set(cls.RENAMED_KEYS)
-        if unknown:
-            raise ValueError(f"unknown EstimatorConfig keys {sorted(unknown)}; valid keys: {sorted(known)}")
-        d = dict(d)
-        for old, new in cls.RENAMED_KEYS.items():
-            if old in d:
-                if new in d:
-                    raise ValueError(f"got both {old} (deprecated) and {new}; give {new} only")
-                warn_renamed(f"EstimatorConfig key {old}", new)
-                d[new] = d.pop(old)
+        """The config of a mapping of its keys; an unknown key is an error naming the closest valid one."""
+        known = [f.name for f in fields(cls)]
+        for key in d:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"unknown EstimatorConfig key {key!r}{hint} (valid keys: {', '.join(known)})")
         return cls(**d)

@@ -37,6 +37,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .advantages import prompt_group_index
 from .estimator_config import ALPHAS, EstimatorConfig
 from .routing import linearity_scores
 
@@ -246,8 +247,7 @@ def unit_rows(prompt_groups: Tensor | Sequence | None, B: int) -> Tensor:
     if prompt_groups is None:
         return torch.arange(B)
     if not isinstance(prompt_groups, Tensor):             # e.g. the prompts themselves, or prompt ids
-        first: dict = {}
-        prompt_groups = torch.tensor([first.setdefault(k, len(first)) for k in prompt_groups])
+        prompt_groups = prompt_group_index(prompt_groups)
     ids = prompt_groups.cpu().flatten()
     if ids.numel() != B:
         raise ValueError(f"prompt_groups must have shape [B] = [{B}]; got {tuple(ids.shape)}")

@@ -5,23 +5,12 @@
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 from torch import Tensor
 
+from .checks import check_positive
 
-def is_finite_number(value) -> bool:
-    """True for a finite real number (int, float, numpy scalar); False for bool, NaN, infinity and non-numbers.
-    The one check the core's argument validation uses."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-
-
-def first_non_finite(values: dict) -> str | None:
-    """The name of the first of ``values`` (name -> value) that is not a finite number (:func:`is_finite_number`), or
-    None: several arguments checked in one call."""
-    return next((name for name, value in values.items() if not is_finite_number(value)), None)
+SHIFT_HINT = "SD3 uses 3.0, 1.0 means no shift"
 
 
 def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
@@ -29,8 +18,7 @@ def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
 
     A shift > 1 spends more steps at high noise (SD3 uses 3.0). Works on any shape.
     """
-    if not is_finite_number(shift) or shift <= 0:
-        raise ValueError(f"shift must be a finite number > 0 (SD3 uses 3.0, 1.0 means no shift); got {shift!r}")
+    check_positive(shift, "shift", SHIFT_HINT)
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 

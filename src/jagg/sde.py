@@ -39,19 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-REDUCTIONS = ("mean", "sum")
-SDE_TYPES = ("flow_grpo", "dance", "cps")
-CPS_LAST_STEP = ("sde_type 'cps' cannot take an SDE step to sigma = 0 (its noise, sigma_next * sin(eta pi / 2), is 0 "
-                 "there): make the last step an ODE step (sde_window / sample.sde_window ending before num_steps)")
+from .checks import Keys, check_reduction, check_sde_type, cps_last_step_error
 
-
-def check_sde_type(sde_type: str, eta: float | None = None) -> None:
-    """Raise a ValueError unless ``sde_type`` is one of :data:`SDE_TYPES` (and, for ``cps``, ``0 < eta <= 1``)."""
-    if sde_type not in SDE_TYPES:
-        raise ValueError(f"sde_type must be one of {SDE_TYPES}; got {sde_type!r}")
-    if sde_type == "cps" and eta is not None and not 0 < eta <= 1:
-        raise ValueError(f"sde_type 'cps' needs 0 < eta <= 1 (its step std is sigma_next * sin(eta * pi / 2)); "
-                         f"got eta={eta}")
+REDUCTION_ARGUMENT = Keys(logprob_reduction="reduction")       # the argument's name here
 
 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -86,20 +76,19 @@ def step_moments(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, sigma_
     """``(mean [N, *S], step_std [N], std [N])`` of ``x_{k+1}`` under ``sde_type`` (module docstring) in the compute
     dtype. ``step_std`` is the whole step's standard deviation; ``std = step_std / sqrt(-dt)`` is the one before
     the step's ``sqrt(-dt)``, which the KL of :func:`step_loss` divides by (Flow-GRPO's convention, kept for every type)."""
+    check_sde_type(sde_type)
     if sde_type in ("flow_grpo", "dance"):
         sig = sigma.to(compute_dtype(x, v))
         std = sde_std(sig, sigma_one, eta) if sde_type == "flow_grpo" else torch.full_like(sig, eta)
         return sde_mean(x, v, sigma, sigma_next, std), std * torch.sqrt(sigma - sigma_next).to(std.dtype), std
-    if sde_type == "cps":
-        dtype = compute_dtype(x, v, sigma)
-        sigma, s_next = sigma.to(dtype), sigma_next.to(dtype)
-        step_std = s_next * math.sin(eta * math.pi / 2)
-        x, v = x.to(dtype), v.to(dtype)
-        s, sn = _expand(sigma, x), _expand(s_next, x)
-        root = torch.sqrt((sn**2 - _expand(step_std, x) ** 2).clamp_min(0))
-        mean = (1 - sn) * (x - s * v) + root * (x + (1 - s) * v)
-        return mean, step_std, step_std / torch.sqrt(sigma - s_next)
-    raise ValueError(f"sde_type must be one of {SDE_TYPES}; got {sde_type!r}")
+    dtype = compute_dtype(x, v, sigma)                                       # cps
+    sigma, s_next = sigma.to(dtype), sigma_next.to(dtype)
+    step_std = s_next * math.sin(eta * math.pi / 2)
+    x, v = x.to(dtype), v.to(dtype)
+    s, sn = _expand(sigma, x), _expand(s_next, x)
+    root = torch.sqrt((sn**2 - _expand(step_std, x) ** 2).clamp_min(0))
+    mean = (1 - sn) * (x - s * v) + root * (x + (1 - s) * v)
+    return mean, step_std, step_std / torch.sqrt(sigma - s_next)
 
 
 def gaussian_log_prob(x_next: Tensor, mean: Tensor, step_std: Tensor, reduction: str = "mean") -> Tensor:
@@ -107,8 +96,7 @@ def gaussian_log_prob(x_next: Tensor, mean: Tensor, step_std: Tensor, reduction:
 
     ``step_std`` ``[N]`` is ``std_k * sqrt(-dt)``. ``reduction``: ``"mean"`` (Flow-GRPO) or ``"sum"``.
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"logprob reduction must be one of {REDUCTIONS}; got {reduction!r}")
+    check_reduction(reduction, REDUCTION_ARGUMENT)
     x_next = x_next.to(mean.dtype)
     sd = _expand(step_std.to(mean.dtype), mean)
     lp = -((x_next - mean) ** 2) / (2 * sd**2) - torch.log(sd) - 0.5 * math.log(2 * math.pi)
@@ -155,7 +143,7 @@ def sde_step(
     """
     check_sde_type(sde_type, eta)
     if sde_type == "cps" and not bool((sigma_next > 0).all()):
-        raise ValueError(CPS_LAST_STEP)
+        raise cps_last_step_error()
     mean, step_std, std = step_moments(x, v, sigma, sigma_next, sigma_one, eta, sde_type)
     if noise is None:
         noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
@@ -209,7 +197,7 @@ def step_loss(
         clip_range: PPO clip ``eps``.
         kl_beta, ref_v: KL weight and reference velocities ``[n, *S]`` (needed when ``kl_beta > 0``).
         reduction: ``"mean"`` (Flow-GRPO) or ``"sum"`` of the log-prob over the latent dimensions.
-        sde_type: the SDE the trajectory was sampled with (:data:`SDE_TYPES`).
+        sde_type: the SDE the trajectory was sampled with (:data:`jagg.checks.SDE_TYPES`).
     """
     log_prob, mean, std = step_log_prob(x, v, x_next, sigma, sigma_next, sigma_one, eta, sde_type, reduction)
     ratio = torch.exp(log_prob - old_log_prob.to(log_prob.dtype))

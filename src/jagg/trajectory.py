@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .schedule import is_finite_number
-from .sde import CPS_LAST_STEP, REDUCTIONS, check_sde_type, compute_dtype, euler_step, sde_step
+from .checks import check_noise, check_sampler, check_sde_steps, check_sigmas, check_train_steps, cps_last_step_error
+from .sde import compute_dtype, euler_step, sde_step
 
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -58,7 +58,7 @@ class Trajectory:
         train_steps: ``[K]`` sorted, unique step indices that are trained (all SDE steps).
         eta: noise level the SDE steps used; the training log-probs must use the same.
         logprob_reduction: ``"mean"`` (Flow-GRPO) or ``"sum"`` over latent dims.
-        sde_type: the SDE of the sampled steps, one of :data:`jagg.sde.SDE_TYPES` (``"flow_grpo"``, ``"dance"``,
+        sde_type: the SDE of the sampled steps, one of :data:`jagg.checks.SDE_TYPES` (``"flow_grpo"``, ``"dance"``,
             ``"cps"``); the training log-probs use the same.
     """
 
@@ -97,9 +97,9 @@ class Trajectory:
             raise ValueError(f"log_probs must have shape [B, T] = {(B, T)}; got {tuple(self.log_probs.shape)}")
         ts = self.train_steps
         check_train_steps(ts, T)
-        check_sampler(self.eta, self.logprob_reduction, self.sde_type)
+        check_sampler(self.eta, self.sde_type, self.logprob_reduction)
         if self.sde_type == "cps" and float(self.sigmas[int(ts.max()) + 1]) <= 0:
-            raise ValueError(CPS_LAST_STEP)
+            raise cps_last_step_error()
 
     def to(self, device: torch.device | str) -> "Trajectory":
         return Trajectory(
@@ -127,20 +127,10 @@ def select_train_steps(
 
     Returns ``(train_steps [K] long, sde_mask [T] bool)``.
     """
-    if not 0.0 < timestep_fraction <= 1.0:
-        raise ValueError(f"timestep_fraction must be in (0, 1]; got {timestep_fraction}")
+    check_sde_steps(num_steps, timestep_fraction, sde_window)
     if sde_window is None:
-        k = int(num_steps * timestep_fraction)
-        if k < 1:
-            raise ValueError(
-                f"timestep_fraction={timestep_fraction} of {num_steps} steps trains no step; raise it"
-            )
-        return torch.arange(k), torch.ones(num_steps, dtype=torch.bool)
-    if timestep_fraction != 1.0:
-        raise ValueError("use either timestep_fraction or sde_window, not both")
+        return torch.arange(int(num_steps * timestep_fraction)), torch.ones(num_steps, dtype=torch.bool)
     start, end = sde_window
-    if not 0 <= start < end <= num_steps:
-        raise ValueError(f"sde_window must satisfy 0 <= start < end <= num_steps={num_steps}; got {sde_window}")
     mask = torch.zeros(num_steps, dtype=torch.bool)
     mask[start:end] = True
     return torch.arange(start, end), mask
@@ -149,56 +139,6 @@ def select_train_steps(
 def _chunks(n: int, size: int | None) -> Sequence[slice]:
     size = n if not size else size
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def check_noise(noise: Tensor) -> None:
-    """Raise a ValueError unless ``noise`` is a finite tensor ``[B, *S]`` with at least one latent dimension."""
-    if not isinstance(noise, Tensor):
-        raise TypeError(f"noise must be a torch.Tensor [B, *S]; got {type(noise).__name__}")
-    if noise.ndim < 2 or noise.shape[0] == 0:
-        raise ValueError(f"noise must have shape [B, *S] (a batch of B >= 1 latents); got {tuple(noise.shape)}")
-    if not bool(torch.isfinite(noise).all()):
-        raise ValueError("noise contains NaN or infinity")
-
-
-def check_sigmas(sigmas: Tensor) -> None:
-    """Raise a ValueError unless ``sigmas`` is a 1-D strictly decreasing schedule inside [0, 1] (what a rollout and a
-    :class:`Trajectory` take; :func:`jagg.flow_sigmas` makes one)."""
-    if sigmas.ndim != 1 or sigmas.numel() < 2:
-        raise ValueError(f"sigmas must be a 1-D tensor of num_steps + 1 >= 2 values; got shape {tuple(sigmas.shape)}")
-    if not bool((sigmas[1:] < sigmas[:-1]).all()):
-        raise ValueError(
-            "sigmas must be strictly decreasing (sampling runs from sigma=1, noise, to sigma=0, data); "
-            f"got {sigmas.tolist()}"
-        )
-    if float(sigmas.max()) > 1.0 or float(sigmas.min()) < 0.0:
-        raise ValueError(f"sigmas must lie in [0, 1]; got min {float(sigmas.min())}, max {float(sigmas.max())}")
-
-
-def check_train_steps(ts: Tensor, num_steps: int) -> None:
-    """Raise a ValueError unless ``ts`` is a non-empty 1-D integer tensor of sorted, unique steps in
-    ``[0, num_steps)``."""
-    if not isinstance(ts, Tensor) or ts.ndim != 1 or ts.numel() == 0 or ts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"train_steps must be a non-empty 1-D integer tensor; got {ts!r}")
-    if int(ts.min()) < 0 or int(ts.max()) >= num_steps:
-        raise ValueError(f"train_steps must lie in [0, {num_steps - 1}]; got {ts.tolist()}")
-    if not bool((ts[1:] > ts[:-1]).all()):
-        raise ValueError(f"train_steps must be sorted and unique; got {ts.tolist()}")
-
-
-def check_eta(eta: float) -> None:
-    """Raise a ValueError unless the SDE noise level ``eta`` is a finite number > 0."""
-    if not is_finite_number(eta) or eta <= 0:
-        raise ValueError(f"eta must be a finite number > 0 for trained (SDE) steps; got {eta!r}")
-
-
-def check_sampler(eta: float, logprob_reduction: str, sde_type: str) -> None:
-    """Raise a ValueError unless the SDE's settings fit: ``eta`` (:func:`check_eta`), the log-prob reduction and the
-    SDE type (:func:`jagg.sde.check_sde_type`)."""
-    check_eta(eta)
-    if logprob_reduction not in REDUCTIONS:
-        raise ValueError(f"logprob_reduction must be one of {REDUCTIONS}; got {logprob_reduction!r}")
-    check_sde_type(sde_type, eta)
 
 
 def check_finite_rollout(latents: list[Tensor]) -> None:
@@ -256,7 +196,7 @@ def sample_trajectories(
 
     Steps with ``sde_mask`` True use the Flow-GRPO SDE step (noise from ``generator``), the others the Euler
     step. ``train_steps`` defaults to all SDE steps. ``micro_batch`` bounds the rows per network call.
-    ``sde_type`` picks the SDE (:data:`jagg.sde.SDE_TYPES`: ``"flow_grpo"`` = Flow-GRPO's, the default; ``"dance"`` =
+    ``sde_type`` picks the SDE (:data:`jagg.checks.SDE_TYPES`: ``"flow_grpo"`` = Flow-GRPO's, the default; ``"dance"`` =
     DanceGRPO's constant ``eta sqrt(-dt)`` noise; ``"cps"`` = coefficients-preserving sampling, whose last step must
     be an ODE step); what ``eta`` means depends on it (docs/design.md §2).
 
@@ -267,7 +207,7 @@ def sample_trajectories(
     a non-finite loss there, which they skip and, after ``grpo.max_consecutive_skips``, stop on with a checkpoint.
     """
     check_noise(noise)
-    check_sampler(eta, logprob_reduction, sde_type)
+    check_sampler(eta, sde_type, logprob_reduction)
     dtype = compute_dtype(noise)                        # fp32 storage (fp64 if the noise is fp64)
     sigmas = sigmas.to(device=noise.device, dtype=dtype)
     check_sigmas(sigmas)
@@ -279,7 +219,7 @@ def sample_trajectories(
     if not bool(sde_mask[train_steps.cpu()].all()):
         raise ValueError("every trained step must be an SDE step (sde_mask True)")
     if sde_type == "cps" and bool(sde_mask[-1]):
-        raise ValueError(CPS_LAST_STEP)
+        raise cps_last_step_error()
     velocity_fn = checked_velocity(velocity_fn, tuple(noise.shape[1:]))
     latents, velocities, log_probs = _sample_steps(velocity_fn, noise.to(dtype), sigmas, sde_mask, eta, generator,
                                                    micro_batch, logprob_reduction, sde_type)

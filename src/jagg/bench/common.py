@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: the cost model, timing, memory, gradient comparison, tables and JSON.
+"""Shared pieces of the benchmarks: the cost model, timing, memory, rank statistics, tables and JSON (gradients are
+compared with :func:`jagg.audit.flat_grad`, :func:`~jagg.audit.cosine` and :func:`~jagg.audit.rel_err`).
 
 Nothing here computes a gradient: every benchmark calls :func:`jagg.policy_gradient` itself.
 """
@@ -16,7 +17,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from ..knots import intervals_of
 
@@ -159,25 +159,7 @@ class PeakMemory:
         self.mb = (self._peak - self._base) / 2**20
 
 
-# ----------------------------------------------------------------------------- gradients
-
-
-def flat_grad(params: Sequence[torch.nn.Parameter]) -> Tensor:
-    """All ``.grad`` concatenated into one fp64 vector ``[P]`` (zeros where a grad is None)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
-                      for p in params])
-
-
-def cosine(a: Tensor, b: Tensor) -> float:
-    """Cosine similarity of two vectors (NaN when either is zero)."""
-    na, nb = float(a.norm()), float(b.norm())
-    return float(a @ b) / (na * nb) if na > 0 and nb > 0 else math.nan
-
-
-def rel_err(approx: Tensor, ref: Tensor) -> float:
-    """``||approx - ref|| / ||ref||`` (NaN when ``ref`` is zero)."""
-    n = float(ref.norm())
-    return float((approx - ref).norm()) / n if n > 0 else math.nan
+# ----------------------------------------------------------------------------- rank statistics
 
 
 def rankdata(x: np.ndarray) -> np.ndarray:

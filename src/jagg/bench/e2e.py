@@ -1,8 +1,9 @@
 """``jagg bench e2e``: one whole GRPO iteration (sampling + reward + training), exact vs JAGG, side by side.
 
-One :class:`jagg.trainers.shapes.ShapesTrainer` per variant is built from the same config (the main job or ``--config``, plus
-``--set``) and seed; their iterations then run round-robin in one process (``exact``, ``jagg``, ``exact``,
-``jagg``, ... after one warm-up iteration each), so a busy stretch of the machine slows every variant alike.
+One :class:`jagg.trainers.shapes.ShapesGRPO` per variant (the trainer's iteration, in memory: no run directory) is
+built from the same config (the main job or ``--config``, plus ``--set``) and seed; their iterations then run
+round-robin in one process (``exact``, ``jagg``, ``exact``, ``jagg``, ... after one warm-up iteration each), so a
+busy stretch of the machine slows every variant alike.
 Reported per variant: the median seconds of sampling ``S``, reward ``R``, training ``T`` and the whole
 iteration, the iteration ratio exact / variant, and its ideal
 
@@ -45,15 +46,17 @@ def routed_limit(cfg: ShapesTrainConfig) -> float:
 
 
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:
-    from ..trainers.shapes import ShapesTrainer
+    """Per variant: the median phase seconds of ``iterations`` round-robin iterations after a warm-up (module
+    docstring)."""
+    from ..trainers.shapes import ShapesGRPO
 
     if iterations < 1:
         raise ValueError(f"--iterations must be >= 1; got {iterations}")
-    base = ["log.progress=false", "log.tensorboard=false", "eval.every=0", "log.checkpoint_every=0"]
-    trainers = {}
-    for v in variants:
-        cfg = configuration.load(ShapesTrainConfig, config, base + list(sets) + VARIANTS[v] + [f"log.output_dir=runs/bench_e2e/{v}"])
-        trainers[v] = ShapesTrainer(cfg)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    cfgs = {v: configuration.load(ShapesTrainConfig, config, list(sets) + VARIANTS[v]) for v in variants}
+    trainers = {v: ShapesGRPO(cfg) for v, cfg in cfgs.items()}
     times = {v: {k: [] for k in KEYS} for v in variants}
     backward = {v: [] for v in variants}
     for it in range(iterations + 1):                       # iteration 0 is the warm-up

@@ -11,8 +11,8 @@ with plain SGD. The trainers use AdamW, whose step the noise normalises: there e
 root, ``adam_efficiency = (rows_exact / rows) * sqrt(V_b / (V_b + E|e|^2))`` and ``adam_time_efficiency`` likewise
 (docs/design.md §3.8). Both models hold for an unbiased estimator only; read ``bias_to_noise`` (and ``bias_z``) first.
 
-This benchmark measures every term with the trainer's own sampling (the config's, the main job by default) and
-:func:`jagg.policy_gradient`, no optimizer step. It draws ``--batches`` independent batches; on each it computes
+This benchmark measures every term with the trainer's own sampler (:class:`jagg.trainers.shapes.ShapesSampler` of the
+config, the main job by default; no run directory) and :func:`jagg.policy_gradient`, no optimizer step. It draws ``--batches`` independent batches; on each it computes
 the exact gradient once and every other estimator ``--draws`` times (fresh random picks per draw; one draw for a
 deterministic estimator). Per estimator:
 
@@ -21,8 +21,7 @@ deterministic estimator). Per estimator:
 - ``bias_to_noise`` = ``|b|^2 / V_b`` with its standard error: ``|b|^2`` is the agreement of the errors' means
   across batches, ``mean_{i != j} <e_i, e_j>``, an unbiased estimate of the squared norm of the error that repeats
   from batch to batch (the bias Adam integrates like a signal). 0 for an unbiased estimator up to its SE;
-  ``bias_z`` = ``bias_to_noise / bias_to_noise_se`` (in the main job both layouts at ``bias_z`` >= 2 fell behind
-  exact, both below 1 kept up: docs/RESULTS.md §6.4);
+  ``bias_z`` = ``bias_to_noise / bias_to_noise_se`` (what it told about training: docs/RESULTS.md);
 - ``bias_to_signal`` = ``|b|^2 / |E g|^2`` (the signal's squared norm estimated the same way from the exact
   gradients) and ``bias_signal_cos``: a bias is harmless only when it is small against the signal Adam follows;
 - ``efficiency``, ``time_efficiency``, ``adam_efficiency`` and ``adam_time_efficiency`` as above (times: medians
@@ -50,16 +49,14 @@ import torch
 import yaml
 
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..audit import adam_efficiency, error_noise_stats, extrapolate, predicted_efficiency
+from ..audit import adam_efficiency, error_noise_stats, extrapolate, flat_grad, predicted_efficiency
 from ..estimator import policy_gradient
 from ..estimator_config import EstimatorConfig
 from ..knots import layout_intervals, plan_update
-from ..rewards.registry import get_reward
-from ..shapes import from_tensor
+from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
-from ..shapes.velocity import GuidedVelocity
 from ..training import config_loader as configuration
-from .common import default_config_path, flat_grad, json_if_asked, table
+from .common import default_config_path, json_if_asked, table
 
 BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
@@ -103,20 +100,32 @@ def is_random(cfg: EstimatorConfig) -> bool:
     return (cfg.mode == "jagg" and cfg.correction_p > 0) or (cfg.mode == "subsample" and cfg.subsample_frac < 1)
 
 
-def draw_batch(trainer, cfg: ShapesTrainConfig, reward):
+def draw_batch(sampler: ShapesSampler, cfg: ShapesTrainConfig):
     """One training batch as the trainer draws it: ``(traj, tokens, advantages, prompt_groups, rollout CPU
     seconds)``, prompt groups without reward spread dropped when ``grpo.drop_zero_spread``."""
     t0 = time.process_time()
-    prompts, tokens, traj = trainer.sample_batch()
-    scores, _ = reward(from_tensor(traj.latents[:, -1]), prompts, None)
+    rollout = sampler.sample()
+    scores, _ = sampler.score(rollout)
     rewards = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
     seconds = time.process_time() - t0
+    prompts, tokens, traj = rollout.prompts, rollout.conditioning, rollout.traj
     adv = group_advantages(rewards, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
     keep = (nonzero_spread_mask(rewards, prompts) if cfg.grpo.drop_zero_spread
             else torch.ones(len(prompts), dtype=torch.bool))
     idx = torch.nonzero(keep).flatten()
     prompt_groups = (torch.arange(len(prompts)) // cfg.sample.group_size)[idx]
     return traj.select(idx), tokens[idx], adv[idx], prompt_groups, seconds
+
+
+def check_sizes(batches: int, draws: int, target_batch: int | None = None) -> None:
+    """Raise unless ``--batches`` >= 3 (a variance and a bias across batches), ``--draws`` >= 1 and
+    ``--target-batch`` (when given) >= 1."""
+    if batches < 3:
+        raise ValueError(f"--batches must be >= 3 (a variance and a bias across batches); got {batches}")
+    if draws < 1:
+        raise ValueError(f"--draws must be >= 1; got {draws}")
+    if target_batch is not None and target_batch < 1:
+        raise ValueError(f"--target-batch must be >= 1; got {target_batch}")
 
 
 def bias_z(bias_to_noise: float, se: float) -> float:
@@ -136,40 +145,33 @@ def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float) ->
 
 def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None) -> list[dict]:
     """One record per estimator (module docstring)."""
-    from ..trainers.shapes import ShapesTrainer
-
-    if batches < 3:
-        raise ValueError(f"--batches must be >= 3 (a variance and a bias across batches); got {batches}")
-    if draws < 1:
-        raise ValueError(f"--draws must be >= 1; got {draws}")
-    trainer = ShapesTrainer(cfg)
-    reward = get_reward(cfg.reward.spec)
+    check_sizes(batches, draws, target_batch)
     ests = dict(parse_estimator(s, cfg.estimator) for s in ["exact", *[s for s in specs if s != "exact"]])
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    sampler = ShapesSampler(cfg)
     grads = {name: [] for name in ests}        # name -> per batch [draws, P]
     train_s = {name: [] for name in ests}
     rows = {name: [] for name in ests}
     rollout_s, samples = [], []
     for b in range(batches):
-        traj, tokens, adv, prompt_groups, seconds = draw_batch(trainer, cfg, reward)
+        traj, tokens, adv, prompt_groups, seconds = draw_batch(sampler, cfg)
         rollout_s.append(seconds)
         samples.append(traj.batch_size)
         if ests.get("subsample", 0) is None:       # subsample at the config's rows, fixed from the first batch
             K = traj.train_steps.numel()
             frac = min(1.0, expected_rows(traj, cfg.estimator, prompt_groups) / K)
             ests["subsample"] = dataclasses.replace(cfg.estimator, mode="subsample", subsample_frac=frac)
-        vf = GuidedVelocity(trainer.model, tokens, cfg.sample.guidance_scale)
+        vf = sampler.velocity(tokens)
         for e_i, (name, est) in enumerate(ests.items()):
             out = []
             for d in range(draws if is_random(est) else 1):
                 gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + b * 1009 + d * 31 + e_i)
-                trainer.opt.zero_grad(set_to_none=True)
+                sampler.zero_grad()
                 c0 = time.process_time()
                 with torch.enable_grad():
                     st = policy_gradient(vf, traj, adv, est, prompt_groups=prompt_groups, generator=gen)
                 train_s[name].append(time.process_time() - c0)
                 rows[name].append(st.backward_items / traj.batch_size)
-                out.append(flat_grad(params).double())
+                out.append(flat_grad(sampler.params).double())
             grads[name].append(torch.stack(out))
     n_samples = statistics.fmean(samples)
     target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
@@ -196,33 +198,36 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
     return records
 
 
+def by_interval_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorConfig]:
+    """``--by-interval``'s estimator (:func:`parse_estimator`), which must be a JAGG one."""
+    name, est = parse_estimator(spec, base)
+    if est is None or est.mode != "jagg":
+        raise ValueError(f"--by-interval {spec!r}: give a JAGG estimator (config, plain or NAME:KEY=VALUE,...)")
+    return name, est
+
+
 def by_interval(cfg: ShapesTrainConfig, spec: str, batches: int, draws: int) -> list[dict]:
     """Where one estimator's error lives: for each interval of its layout (steps ``a..b``), the error of the gradient
     restricted to that interval's loss terms (``only_steps``) against the whole update's noise ``V_b``, and its
     repeating part, on the same batches as :func:`measure` (same seed). Layouts with data-dependent knots
     (``adaptive``) use the first batch's intervals."""
-    from ..trainers.shapes import ShapesTrainer
-
-    trainer = ShapesTrainer(cfg)
-    reward = get_reward(cfg.reward.spec)
-    name, est = parse_estimator(spec, cfg.estimator)
-    if est is None or est.mode != "jagg":
-        raise ValueError(f"--by-interval {spec!r}: give a JAGG estimator (config, plain or NAME:KEY=VALUE,...)")
+    check_sizes(batches, draws)
+    name, est = by_interval_estimator(spec, cfg.estimator)
     exact = dataclasses.replace(est, mode="exact")
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    sampler = ShapesSampler(cfg)
     intervals, totals, parts = None, [], {}
     for b in range(batches):
-        traj, tokens, adv, prompt_groups, _ = draw_batch(trainer, cfg, reward)
-        vf = GuidedVelocity(trainer.model, tokens, cfg.sample.guidance_scale)
+        traj, tokens, adv, prompt_groups, _ = draw_batch(sampler, cfg)
+        vf = sampler.velocity(tokens)
         intervals = intervals or layout_intervals(traj, dataclasses.replace(est, knots="shared")
                                                   if est.knots == "adaptive" else est)[0]
 
         def grad(c, steps, seed):
-            trainer.opt.zero_grad(set_to_none=True)
+            sampler.zero_grad()
             with torch.enable_grad():
                 policy_gradient(vf, traj, adv, c, prompt_groups=prompt_groups, only_steps=steps,
                                 generator=torch.Generator().manual_seed(seed))
-            return flat_grad(params).double()
+            return flat_grad(sampler.params).double()
 
         totals.append(grad(exact, None, 0))
         for j, iv in enumerate(intervals):
@@ -231,7 +236,7 @@ def by_interval(cfg: ShapesTrainConfig, spec: str, batches: int, draws: int) -> 
             parts.setdefault(j, []).append((g_ex, torch.stack([grad(est, iv, sd) for sd in seeds])))
     exact_total = torch.stack(totals)                                      # [batches, P]
     noise = float(((exact_total - exact_total.mean(0)) ** 2).sum()) / (batches - 1)
-    sig = trainer.cfg.sample
+    sig = cfg.sample
     sigmas = traj.sigmas.tolist()
     records = []
     for j, iv in enumerate(intervals):
@@ -261,14 +266,14 @@ COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".
 
 
 def _run(args: argparse.Namespace) -> int:
-    sets = (QUICK_SETS if args.quick else []) + ["log.progress=false", "log.tensorboard=false", "eval.every=0",
-                                                   f"log.output_dir={args.out}"] + list(args.set or [])
+    sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
     cfg = configuration.load(ShapesTrainConfig, args.config, sets)
     specs = args.estimator or ["config", "plain", "subsample"]
     batches = args.batches if args.batches is not None else (3 if args.quick else 6)
     draws = args.draws if args.draws is not None else (2 if args.quick else 4)
-    if args.target_batch is not None and args.target_batch < 1:
-        raise ValueError(f"--target-batch must be >= 1; got {args.target_batch}")
+    if args.by_interval:                                  # every argument is checked before the first batch
+        check_sizes(batches, draws, args.target_batch)
+        by_interval_estimator(args.by_interval, cfg.estimator)
     records = measure(cfg, specs, batches, draws, args.target_batch)
     r0 = records[0]
     print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples, up to {draws} draws per estimator; V_b = "
@@ -277,8 +282,8 @@ def _run(args: argparse.Namespace) -> int:
           f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)")
     print(table(records, COLUMNS))
     print("time eff.: plain SGD's variance model; Adam time eff.: the trainers' AdamW (the step normalised by the "
-          "noise), for an estimator whose repeating error is not significant (bias z < 2); both measured at this "
-          "checkpoint, and paired seeds have come in below both: docs/design.md §3.8")
+          "noise), for an estimator whose repeating error is not significant (bias z < 2); both predict from this "
+          "checkpoint's gradients, paired seeds measure (docs/design.md §3.8)")
     if args.by_interval:
         parts = by_interval(cfg, args.by_interval, batches, draws)
         print(f"\nwhere {args.by_interval.split(':')[0]}'s error lives: each interval's terms alone, against the whole "
@@ -307,7 +312,6 @@ def add_parser(sub) -> None:
     p.add_argument("--by-interval", metavar="NAME[:KEY=VALUE,...]",
                    help="also break this JAGG estimator's error down by the intervals of its layout (where does it "
                         "live, and does it repeat there?), on the same batches")
-    p.add_argument("--out", default="runs/bench_efficiency", help="scratch run directory [default: runs/bench_efficiency]")
     p.add_argument("--json", help="also write the records to this JSON file")
     p.add_argument("--quick", action="store_true", help=f"a smoke-sized run: 3 batches, 2 draws, {' '.join(QUICK_SETS)}")
     p.set_defaults(func=_run)

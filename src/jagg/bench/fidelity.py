@@ -45,8 +45,8 @@ from ..schedule import flow_sigmas
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..trajectory import Trajectory, sample_trajectories, select_train_steps
 from ..shapes import from_tensor, tokenizer, train_prompts
-from .common import (cosine, default_config_path, flat_grad, fmt, rel_err, resolve_device, set_threads,
-                     spearman, table, json_if_asked)
+from ..audit import cosine, flat_grad, rel_err
+from .common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
 
 ADVANTAGES = ("reward", "random")
 

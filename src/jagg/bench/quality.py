@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,8 @@ QUICK_SETS = ["grpo.iterations=4", "sample.prompts_per_iter=4", "sample.group_si
 BOOTSTRAP = 2000
 CLOCKS = ("wall", "cpu", "iterations")
 TARGETS = ("train", "test")
-CLOCK_COLUMN = {"iterations": 0, "wall": 1, "cpu": 3}      # in a run's train_curve
+TRAIN_CURVE = ("iterations", "wall", "reward", "cpu")    # the columns of a run's train_curve (its result.json)
+TEST_CURVE = ("iterations", "wall", "reward")            # ... and of its test_curve, one row per evaluation
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:
@@ -138,8 +140,8 @@ def summarize(records: list[dict], cfg: ShapesTrainConfig, variant: str, seed: i
         "wall_s": train[-1]["wall_s"] if train else 0.0,
         "rows_per_update": sum(r.get("backward_items", 0) for r in train) / max(updates, 1),
         "nograd_per_update": sum(r.get("forward_nograd_items", 0) for r in train) / max(updates, 1),
-        "train_curve": [[r["iteration"], r["wall_s"], r["reward_mean"], r.get("cpu_s")] for r in train],
-        "test_curve": [[r["iteration"], r["wall_s"], r["reward_mean"]] for r in evals],
+        "train_curve": [[r["iteration"], r["wall_s"], r["reward_mean"], r.get("cpu_s")] for r in train],   # TRAIN_CURVE
+        "test_curve": [[r["iteration"], r["wall_s"], r["reward_mean"]] for r in evals],                    # TEST_CURVE
     }
 
 
@@ -162,13 +164,13 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
         result = json.loads(done.read_text())
         if result.get("iterations") == cfg.grpo.iterations and "train_curve" in result:
             try:
-                check_resumable(result["config"], to_dict(cfg), config_class=ShapesTrainConfig)
+                check_resumable(result["config"], to_dict(cfg))
             except (KeyError, ValueError) as e:
                 raise ValueError(f"{done} was trained with another config ({e}); use another --out") from None
             print(f"quality: {variant} seed {seed}: already done ({done}), skipped", flush=True)
             return {**result, "variant": variant}          # its directory is this variant's (even if renamed)
     print(f"quality: {variant} seed {seed}: training {cfg.grpo.iterations} iterations into {out}", flush=True)
-    records = ShapesTrainer(cfg, resume=True).train()
+    records = ShapesTrainer.run(cfg, resume=True)
     if not records or max(r["iteration"] for r in records) < cfg.grpo.iterations:
         raise RuntimeError(f"run {out} stopped before iteration {cfg.grpo.iterations}; rerun to resume it")
     result = {**summarize(records, cfg, variant, seed), "config": to_dict(cfg)}
@@ -210,19 +212,158 @@ def time_to_test_target(test: np.ndarray, clock: np.ndarray, target: float) -> t
     return float(t[i - 1] + frac * (t[i] - t[i - 1])), True
 
 
-def _test_clock(run: dict, col: int) -> list[float]:
-    """The clock (``col`` of the train curve: 0 iterations, 1 wall, 3 CPU seconds) at each evaluation of a run."""
-    at = {p[0]: p[col] for p in run["train_curve"]}
-    return [0.0 if p[0] == 0 else float(at.get(p[0], np.nan)) for p in run["test_curve"]]
-
-
-def _interval(xs: np.ndarray) -> tuple[float, float]:
+def _interval(xs) -> tuple[float, float]:
     """The 95% percentile interval of the defined (non-NaN) resamples; NaN when none is defined. A time ratio is
     undefined in a resample whose target the variants already meet at the start (0 / 0)."""
     xs = np.asarray(xs, dtype=float)
     if np.isnan(xs).all():
         return float("nan"), float("nan")
     return float(np.nanpercentile(xs, 2.5)), float(np.nanpercentile(xs, 97.5))
+
+
+@dataclass
+class Curves:
+    """One variant's runs over the seeds (``S`` of them), cut to the iterations (``n``) and evaluations (``m``) that
+    every run of the comparison has.
+
+    Attributes:
+        reward: ``[S, n]`` training reward per iteration.
+        clock: per clock of :data:`CLOCKS`, ``[S, n]`` its reading at each iteration.
+        test: ``[S, m]`` held-out reward per evaluation.
+        test_clock: per clock, ``[S, m]`` its reading at each evaluation (0 at the evaluation before training).
+        final: ``[S]`` the final held-out reward (NaN for a run without one).
+    """
+
+    reward: np.ndarray
+    clock: dict[str, np.ndarray]
+    test: np.ndarray
+    test_clock: dict[str, np.ndarray]
+    final: np.ndarray
+
+
+def _at_evaluations(run: dict, clock: str) -> list[float]:
+    """The ``clock`` reading of a run at each of its evaluations (its train curve at the evaluation's iteration)."""
+    col, it = TRAIN_CURVE.index(clock), TRAIN_CURVE.index("iterations")
+    at = {p[it]: p[col] for p in run["train_curve"]}
+    return [0.0 if p[it] == 0 else float(at.get(p[it], np.nan)) for p in run["test_curve"]]
+
+
+def curves(runs: list[dict], n: int, m: int) -> Curves:
+    """:class:`Curves` of one variant's ``runs`` (seed after seed), cut to ``n`` iterations and ``m`` evaluations."""
+    column = lambda name: [[p[TRAIN_CURVE.index(name)] for p in r["train_curve"][:n]] for r in runs]
+    return Curves(
+        reward=np.array(column("reward")),
+        clock={c: np.array(column(c), dtype=float) for c in CLOCKS},
+        test=np.array([[p[TEST_CURVE.index("reward")] for p in r["test_curve"][:m]] for r in runs]),
+        test_clock={c: np.array([_at_evaluations(r, c)[:m] for r in runs]) for c in CLOCKS},
+        final=np.array([np.nan if r["final_test_reward"] is None else r["final_test_reward"] for r in runs]))
+
+
+@dataclass
+class Pair:
+    """A variant's :class:`Curves` beside exact's, and how to compare them: the ``clock`` of time-to-target, its
+    ``target`` (``train`` or ``test``) and the trailing mean's ``w`` iterations."""
+
+    exact: Curves
+    variant: Curves
+    clock: str
+    target: str
+    w: int
+
+    def time_to_target_ratio(self, idx: np.ndarray, clock: str | None = None) -> tuple[float, bool]:
+        """Exact's time to its own final reward over the variant's, on the seeds ``idx`` (a bootstrap resample), and
+        whether the variant reached it (where it did not, the ratio is an upper bound)."""
+        c = clock or self.clock
+        ex, v = self.exact, self.variant
+        if self.target == "test":
+            goal = float(ex.test[idx][:, -1].mean())
+            t_ex, _ = time_to_test_target(ex.test[idx], ex.test_clock[c][idx], goal)
+            t_v, reached = time_to_test_target(v.test[idx], v.test_clock[c][idx], goal)
+            return (t_ex / t_v if t_v > 0 else float("nan")), reached
+        goal = float(ex.reward[idx][:, -self.w:].mean())
+        t_ex, _ = time_to_target(ex.reward[idx], ex.clock[c][idx], goal, self.w)
+        t_v, reached = time_to_target(v.reward[idx], v.clock[c][idx], goal, self.w)
+        return t_ex / t_v, reached
+
+    def common_level_ratio(self, idx: np.ndarray) -> float:
+        """Updates exact needs to reach the lower of the two seed-mean final held-out rewards / the variant's."""
+        ex, v = self.exact, self.variant
+        if ex.test.shape[1] < 2:
+            return float("nan")
+        level = min(float(ex.test[idx][:, -1].mean()), float(v.test[idx][:, -1].mean()))
+        u_ex, _ = time_to_test_target(ex.test[idx], ex.test_clock["iterations"][idx], level)
+        u_v, _ = time_to_test_target(v.test[idx], v.test_clock["iterations"][idx], level)
+        return u_ex / u_v if u_v > 0 and u_ex > 0 else float("nan")
+
+
+def _median(runs: list[dict], key: str) -> float:
+    """The median of ``key`` over runs (a run without it counts as NaN)."""
+    return statistics.median(r.get(key) or np.nan for r in runs)
+
+
+def _costs(exact_runs: list[dict], runs: list[dict]) -> dict:
+    """Rows and seconds per update and iteration (medians over seeds), their ratios to exact's, and the ideal
+    iteration ratio of the module docstring."""
+    ex = {k: statistics.median(r[k] for r in exact_runs)
+          for k in ("sample_s", "reward_s", "train_s", "iter_s", "rows_per_update")}
+    rows = statistics.median(r["rows_per_update"] for r in runs)
+    nograd = statistics.median(r["nograd_per_update"] for r in runs)
+    iter_s = statistics.median(r["iter_s"] for r in runs)
+    limit = 3 * ex["rows_per_update"] / (3 * rows + nograd) if rows else float("nan")
+    sr = ex["sample_s"] + ex["reward_s"]
+    return {"rows_per_update": rows, "nograd_per_update": nograd, "iter_s": iter_s,
+            "train_s": statistics.median(r["train_s"] for r in runs), "iter_ratio": ex["iter_s"] / iter_s,
+            "limit": limit, "iter_cpu_ratio": _median(exact_runs, "iter_cpu_s") / _median(runs, "iter_cpu_s"),
+            "iter_ratio_ideal": (sr + ex["train_s"]) / (sr + ex["train_s"] / limit),
+            "wall_s": statistics.fmean(r["wall_s"] for r in runs)}
+
+
+def _time_to_target(pair: Pair, boots: list[np.ndarray]) -> dict:
+    """Time to exact's final reward, exact / variant, on all seeds, with its interval over the resamples ``boots``."""
+    ratio, reached = pair.time_to_target_ratio(np.arange(pair.exact.reward.shape[0]))
+    bt = [pair.time_to_target_ratio(idx) for idx in boots]
+    lo, hi = _interval([b[0] for b in bt])
+    return {"time_to_target_ratio": ratio, "reached": reached, "ratio_lo": lo, "ratio_hi": hi,
+            "not_reached_share": float(np.mean([not b[1] for b in bt])),
+            "undefined_share": float(np.mean([math.isnan(b[0]) for b in bt]))}
+
+
+def _final_rewards(pair: Pair, boots: list[np.ndarray], runs: list[dict]) -> dict:
+    """The final held-out reward at equal updates, its paired difference to exact's and the evaluation's noise; the
+    training reward at the start and at the end."""
+    v, w = pair.variant, pair.w
+    fin, diff = v.final, v.final - pair.exact.final
+    fin_lo, fin_hi = _interval([float(np.nanmean(fin[idx])) for idx in boots])
+    diff_lo, diff_hi = _interval([float(np.nanmean(diff[idx])) for idx in boots])
+    sd = [r["final_test_reward_std"] for r in runs if r["final_test_reward_std"] is not None]
+    return {"final_test_mean": float(np.nanmean(fin)), "final_test_lo": fin_lo, "final_test_hi": fin_hi,
+            "diff_vs_exact": float(np.nanmean(diff)), "diff_lo": diff_lo, "diff_hi": diff_hi,
+            "eval_se": statistics.fmean(sd) / np.sqrt(runs[0]["eval_images"]) if sd else None,
+            "train_start": float(v.reward[:, :w].mean()), "train_end": float(v.reward[:, -w:].mean())}
+
+
+def _per_update(pair: Pair, boots: list[np.ndarray], cpu_ratio: float) -> dict:
+    """Updates to target with its interval, the time ratio they and the CPU-seconds iteration ratio estimate, the
+    measured efficiency at the level both reach, and the held-out gain over the start."""
+    S, v = pair.exact.reward.shape[0], pair.variant
+    updates = pair.time_to_target_ratio(np.arange(S), "iterations")[0]
+    ups_lo, ups_hi = _interval([pair.time_to_target_ratio(idx, "iterations")[0] for idx in boots])
+    eff_lo, eff_hi = _interval([pair.common_level_ratio(idx) for idx in boots])
+    rec = {"target": pair.target, "updates_to_target_ratio": updates, "updates_ratio_lo": ups_lo,
+           "updates_ratio_hi": ups_hi,
+           # updates-to-target times the CPU-seconds iteration ratio measured in the same runs
+           "time_ratio_estimate": updates * cpu_ratio, "time_ratio_estimate_lo": ups_lo * cpu_ratio,
+           "time_ratio_estimate_hi": ups_hi * cpu_ratio, "measured_efficiency": pair.common_level_ratio(np.arange(S)),
+           "measured_efficiency_lo": eff_lo, "measured_efficiency_hi": eff_hi}
+    if v.test.shape[1]:
+        gain = v.final - v.test[:, 0]
+        rec.update({"test_start": float(np.nanmean(v.test[:, 0])), "test_gain": float(np.nanmean(gain))})
+        rec["test_gain_lo"], rec["test_gain_hi"] = _interval([float(np.nanmean(gain[idx])) for idx in boots])
+    else:
+        rec.update(dict.fromkeys(("test_start", "test_gain", "test_gain_lo", "test_gain_hi")))
+    for k in ("", "_lo", "_hi"):
+        rec[f"measured_time_efficiency{k}"] = rec[f"measured_efficiency{k}"] * cpu_ratio
+    return rec
 
 
 def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str = "wall",
@@ -234,112 +375,27 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
         raise ValueError(f"--clock must be one of {CLOCKS}; got {clock!r}")
     if target not in TARGETS:
         raise ValueError(f"--target must be one of {TARGETS}; got {target!r}")
-    by = {(r["variant"], r["seed"]): r for r in runs}
-    n = min(len(by[(v, s)]["train_curve"]) for v in variants for s in seeds)
+    by_key = {(r["variant"], r["seed"]): r for r in runs}
+    by = {v: [by_key[(v, s)] for s in seeds] for v in variants}
+    n = min(len(r["train_curve"]) for rs in by.values() for r in rs)
+    m = min(len(r["test_curve"]) for rs in by.values() for r in rs)
+    if target == "test" and m < 2:
+        raise ValueError("--target test needs at least two evaluations per run (eval.every > 0)")
     w = max(1, n // 10)
-    col = CLOCK_COLUMN[clock]
-    rew = {v: np.array([[p[2] for p in by[(v, s)]["train_curve"][:n]] for s in seeds]) for v in variants}
-    wall = {v: np.array([[p[col] for p in by[(v, s)]["train_curve"][:n]] for s in seeds], dtype=float)
-            for v in variants}
-    final = {v: np.array([by[(v, s)]["final_test_reward"] if by[(v, s)]["final_test_reward"] is not None else np.nan
-                          for s in seeds]) for v in variants}
+    cur = {v: curves(rs, n, m) for v, rs in by.items()}
     rng = np.random.default_rng(0)
     S = len(seeds)
     boots = [rng.integers(0, S, S) for _ in range(BOOTSTRAP)] if S > 1 else [np.arange(S)]
-
-    m = min(len(by[(v, s)]["test_curve"]) for v in variants for s in seeds)
-    test = {v: np.array([[p[2] for p in by[(v, s)]["test_curve"][:m]] for s in seeds]) for v in variants}
-    test_t = {v: {c: np.array([_test_clock(by[(v, s)], CLOCK_COLUMN[c])[:m] for s in seeds]) for c in CLOCKS}
-              for v in variants}
-    if target == "test" and m < 2:
-        raise ValueError("--target test needs at least two evaluations per run (eval.every > 0)")
-
-    def ttt_ratio(v: str, idx: np.ndarray, c: str = clock) -> tuple[float, bool]:
-        if target == "test":
-            goal = float(test["exact"][idx][:, -1].mean())
-            t_ex, _ = time_to_test_target(test["exact"][idx], test_t["exact"][c][idx], goal)
-            t_v, reached = time_to_test_target(test[v][idx], test_t[v][c][idx], goal)
-            return (t_ex / t_v if t_v > 0 else float("nan")), reached
-        clk = {"iterations": 0, "wall": 1, "cpu": 3}[c]
-        wl = {u: np.array([[p[clk] for p in by[(u, s)]["train_curve"][:n]] for s in seeds], dtype=float)
-              for u in ("exact", v)}
-        goal = float(rew["exact"][idx][:, -w:].mean())
-        t_ex, _ = time_to_target(rew["exact"][idx], wl["exact"][idx], goal, w)
-        t_v, reached = time_to_target(rew[v][idx], wl[v][idx], goal, w)
-        return t_ex / t_v, reached
-
-    def common_level_ratio(v: str, idx: np.ndarray) -> float:
-        """Updates exact needs to reach the lower of the two seed-mean final held-out rewards / the variant's."""
-        if m < 2:
-            return float("nan")
-        level = min(float(test["exact"][idx][:, -1].mean()), float(test[v][idx][:, -1].mean()))
-        u_ex, _ = time_to_test_target(test["exact"][idx], test_t["exact"]["iterations"][idx], level)
-        u_v, _ = time_to_test_target(test[v][idx], test_t[v]["iterations"][idx], level)
-        return u_ex / u_v if u_v > 0 and u_ex > 0 else float("nan")
-
-    by_variant: dict[str, dict] = {}
-    ex = {k: statistics.median(by[("exact", s)][k] for s in seeds) for k in ("sample_s", "reward_s", "train_s",
-                                                                              "iter_s", "rows_per_update")}
-    ex_cpu = statistics.median(by[("exact", s)].get("iter_cpu_s") or np.nan for s in seeds)
     out = []
     for v in variants:
-        rs = [by[(v, s)] for s in seeds]
-        ratio, reached = ttt_ratio(v, np.arange(S))
-        bt = [ttt_ratio(v, idx) for idx in boots]
-        fin = final[v]
-        diff = fin - final["exact"]
-        fin_b = [float(np.nanmean(fin[idx])) for idx in boots]
-        diff_b = [float(np.nanmean(diff[idx])) for idx in boots]
-        sd = [r["final_test_reward_std"] for r in rs if r["final_test_reward_std"] is not None]
-        rows = statistics.median(r["rows_per_update"] for r in rs)
-        nograd = statistics.median(r["nograd_per_update"] for r in rs)
-        iter_s = statistics.median(r["iter_s"] for r in rs)
-        limit = 3 * ex["rows_per_update"] / (3 * rows + nograd) if rows else float("nan")
-        sr = ex["sample_s"] + ex["reward_s"]
-        by_variant[v] = {
-            "kind": "variant", "variant": v, "seeds": S, "iterations": n, "smooth_iterations": w,
-            "updates": rs[0]["updates"],
-            "time_to_target_ratio": ratio, "reached": reached,
-            "ratio_lo": _interval(np.array([b[0] for b in bt]))[0], "ratio_hi": _interval(np.array([b[0] for b in bt]))[1],
-            "not_reached_share": float(np.mean([not b[1] for b in bt])),
-            "undefined_share": float(np.mean([b[0] != b[0] for b in bt])),
-            "final_test_mean": float(np.nanmean(fin)), "final_test_lo": _interval(np.array(fin_b))[0],
-            "final_test_hi": _interval(np.array(fin_b))[1],
-            "diff_vs_exact": float(np.nanmean(diff)), "diff_lo": _interval(np.array(diff_b))[0],
-            "diff_hi": _interval(np.array(diff_b))[1],
-            "eval_se": statistics.fmean(sd) / np.sqrt(rs[0]["eval_images"]) if sd else None,
-            "train_start": float(rew[v][:, :w].mean()), "train_end": float(rew[v][:, -w:].mean()),
-            "rows_per_update": rows, "nograd_per_update": nograd, "iter_s": iter_s,
-            "train_s": statistics.median(r["train_s"] for r in rs),
-            "iter_ratio": ex["iter_s"] / iter_s, "limit": limit, "clock": clock,
-            "iter_cpu_ratio": ex_cpu / statistics.median(r.get("iter_cpu_s") or np.nan for r in rs),
-            "iter_ratio_ideal": (sr + ex["train_s"]) / (sr + ex["train_s"] / limit),
-            "wall_s": statistics.fmean(r["wall_s"] for r in rs),
-        }
-        ups = [ttt_ratio(v, idx, "iterations")[0] for idx in boots]
-        eff_lo, eff_hi = _interval(np.array([common_level_ratio(v, idx) for idx in boots]))
-        cpu_ratio = by_variant[v]["iter_cpu_ratio"]
-        by_variant[v].update({
-            "target": target, "updates_to_target_ratio": ttt_ratio(v, np.arange(S), "iterations")[0],
-            "updates_ratio_lo": _interval(np.array(ups))[0], "updates_ratio_hi": _interval(np.array(ups))[1],
-            # updates-to-target times the CPU-seconds iteration ratio measured in the same runs
-            "time_ratio_estimate": ttt_ratio(v, np.arange(S), "iterations")[0] * cpu_ratio,
-            "time_ratio_estimate_lo": _interval(np.array(ups))[0] * cpu_ratio,
-            "time_ratio_estimate_hi": _interval(np.array(ups))[1] * cpu_ratio,
-            "measured_efficiency": common_level_ratio(v, np.arange(S)),
-            "measured_efficiency_lo": eff_lo, "measured_efficiency_hi": eff_hi,
-            "test_start": float(np.nanmean(test[v][:, 0])) if m else None,
-            "test_gain": float(np.nanmean(fin - test[v][:, 0])) if m else None,
-            "test_gain_lo": _interval(np.array([float(np.nanmean((fin - test[v][:, 0])[idx])) for idx in boots]))[0]
-            if m else None,
-            "test_gain_hi": _interval(np.array([float(np.nanmean((fin - test[v][:, 0])[idx])) for idx in boots]))[1]
-            if m else None,
-        })
-        for k in ("", "_lo", "_hi"):
-            by_variant[v][f"measured_time_efficiency{k}"] = by_variant[v][f"measured_efficiency{k}"] * cpu_ratio
-        out.append(by_variant[v])
+        pair = Pair(cur["exact"], cur[v], clock, target, w)
+        costs = _costs(by["exact"], by[v])
+        out.append({"kind": "variant", "variant": v, "seeds": S, "iterations": n, "smooth_iterations": w,
+                    "updates": by[v][0]["updates"], **_time_to_target(pair, boots),
+                    **_final_rewards(pair, boots, by[v]), **costs, "clock": clock,
+                    **_per_update(pair, boots, costs["iter_cpu_ratio"])})
+    e = out[variants.index("exact")]
     for r in out:
-        e = by_variant["exact"]
         r["within_exact_interval"] = bool(e["final_test_lo"] <= r["final_test_mean"] <= e["final_test_hi"])
         r["drifted"] = r["train_end"] < r["train_start"]
     return out
@@ -358,7 +414,6 @@ def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world", 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
-    col = CLOCK_COLUMN[clock]
     by: dict[str, list[dict]] = {}
     for r in runs:
         by.setdefault(r["variant"], []).append(r)
@@ -366,17 +421,17 @@ def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world", 
         n = min(len(r["train_curve"]) for r in rs)
         if n == 0:
             continue
-        rew = np.array([[p[2] for p in r["train_curve"][:n]] for r in rs])
-        wall = np.array([[p[col] for p in r["train_curve"][:n]] for r in rs], dtype=float).mean(0)
-        per_iter = wall[-1] / n                          # test points: at their iteration's time
-        line, = axes[0].plot(wall, smooth(rew.mean(0), max(1, n // 10)), label=f"{v} ({len(rs)} seeds)")
         m = min(len(r["test_curve"]) for r in rs)
+        cur = curves(rs, n, m)
+        wall = cur.clock[clock].mean(0)
+        per_iter = wall[-1] / n                          # test points: at their iteration's time
+        line, = axes[0].plot(wall, smooth(cur.reward.mean(0), max(1, n // 10)), label=f"{v} ({len(rs)} seeds)")
         if m:
-            test = np.array([[p[2] for p in r["test_curve"][:m]] for r in rs])
-            tw = np.array([p[0] for p in rs[0]["test_curve"][:m]], dtype=float) * per_iter
-            axes[1].plot(tw, test.mean(0), "o-", ms=3, color=line.get_color(), label=v)
+            at = TEST_CURVE.index("iterations")
+            tw = np.array([p[at] for p in rs[0]["test_curve"][:m]], dtype=float) * per_iter
+            axes[1].plot(tw, cur.test.mean(0), "o-", ms=3, color=line.get_color(), label=v)
             if len(rs) > 1:
-                axes[1].fill_between(tw, test.min(0), test.max(0), color=line.get_color(), alpha=0.15)
+                axes[1].fill_between(tw, cur.test.min(0), cur.test.max(0), color=line.get_color(), alpha=0.15)
     axes[0].set_ylabel("training reward (smoothed)")
     axes[1].set_ylabel("test reward (held-out prompts)")
     for ax in axes:

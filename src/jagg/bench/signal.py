@@ -1,9 +1,10 @@
 """``jagg bench signal``: does the policy gradient carry a learnable signal at this batch size?
 
 GRPO only improves a reward when the gradient of one update points, more than by chance, where the next one
-does. This benchmark measures that directly, with the trainer's own sampling (the same config) and the
-trainer's own gradient (:func:`jagg.policy_gradient`, no optimizer step): it draws ``K`` independent batches,
-computes one gradient ``g_i`` per batch over the trainable parameters, and reports per reward
+does. This benchmark measures that directly, with the trainer's own sampler
+(:class:`jagg.trainers.shapes.ShapesSampler` of the same config; no run directory) and the trainer's own gradient
+(:func:`jagg.policy_gradient`, no optimizer step): it draws ``K`` independent batches, computes one gradient ``g_i``
+per batch over the trainable parameters, and reports per reward
 
     c = mean_{i != j} cos(g_i, g_j)
 
@@ -26,7 +27,7 @@ With both estimators it also reports the **bias consistency**: the agreement ``m
 estimator's errors ``e_i = g_config_i - g_exact_i`` on independent batches, next to the agreement of the exact
 gradients. An error whose direction repeats from batch to batch is a bias that Adam integrates like signal; if its
 repeating part ``sqrt(c_e) |e|`` is comparable to the exact gradient's ``sqrt(c) |g|`` (``bias_to_signal``), the
-estimator can drive training somewhere the reward does not want (the collapse of plain JAGG in the SDE window [0, 8]).
+estimator can drive training somewhere the reward does not want (docs/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -39,16 +40,17 @@ import statistics
 import numpy as np
 import torch
 
-from ..training import config_loader as configuration
 from ..advantages import group_advantages
+from ..audit import flat_grad
 from ..estimator import policy_gradient
-from ..shapes.velocity import GuidedVelocity
 from ..rewards.registry import get_reward
-from ..trainers.shapes_config import ShapesTrainConfig
 from ..shapes import from_tensor
-from .common import default_config_path, flat_grad, json_if_asked, table
+from ..trainers.shapes import ShapesSampler
+from ..trainers.shapes_config import ShapesTrainConfig
+from ..training import config_loader as configuration
+from .common import default_config_path, json_if_asked, table
 
-QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=0"]
+QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
 
 
 def agreement(grads: torch.Tensor, other: torch.Tensor | None = None) -> tuple[float, float]:
@@ -95,17 +97,16 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
     """Records per (reward, estimator): the agreement of ``batches`` independent gradient estimates (module
     docstring). ``estimators``: ``config`` (the config's estimator) and/or ``exact``; with both, one more record
     per reward compares them (``estimator: "config x exact"``)."""
-    from ..trainers.shapes import ShapesTrainer
-
     if batches < 3:
         raise ValueError(f"--batches must be >= 3; got {batches}")
     bad = [e for e in estimators if e not in ESTIMATORS]
     if bad or not estimators:
         raise ValueError(f"--estimators must be some of {ESTIMATORS}; got {list(estimators)}")
-    trainer = ShapesTrainer(cfg)
+    if not rewards:
+        raise ValueError("--rewards: give at least one reward")
     fns = {name: get_reward(name) for name in rewards}
     ests = {"config": cfg.estimator, "exact": dataclasses.replace(cfg.estimator, mode="exact")}
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    sampler = ShapesSampler(cfg)
     grads = {(name, e): [] for name in rewards for e in estimators}
     spread = {name: [] for name in rewards}
     stds = {name: [] for name in rewards}
@@ -113,8 +114,9 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
     trained = []
     for b in range(batches):
         if fixed_prompts:
-            trainer.np_rng = np.random.default_rng(cfg.seed)
-        prompts, tokens, traj = trainer.sample_batch()
+            sampler.np_rng = np.random.default_rng(cfg.seed)
+        rollout = sampler.sample()
+        prompts, tokens, traj = rollout.prompts, rollout.conditioning, rollout.traj
         images = from_tensor(traj.latents[:, -1])
         trained.append(len(prompts))
         for name, fn in fns.items():
@@ -126,11 +128,11 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
             means[name].append(float(r.mean()))
             adv = group_advantages(r, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
             for e in estimators:
-                trainer.opt.zero_grad(set_to_none=True)
+                sampler.zero_grad()
                 with torch.enable_grad():
-                    policy_gradient(GuidedVelocity(trainer.model, tokens, cfg.sample.guidance_scale), traj, adv,
-                                    ests[e], prompt_groups=prompts, generator=pick_generator(cfg.seed, b))
-                grads[(name, e)].append(flat_grad(params))
+                    policy_gradient(sampler.velocity(tokens), traj, adv, ests[e], prompt_groups=prompts,
+                                    generator=pick_generator(cfg.seed, b))
+                grads[(name, e)].append(flat_grad(sampler.params))
     n = statistics.fmean(trained)
     out = []
     for name in rewards:
@@ -191,8 +193,7 @@ ESTIMATORS = ("config", "exact")
 
 
 def _run(args: argparse.Namespace) -> int:
-    sets = (QUICK_SETS if args.quick else []) + ["log.progress=false", "log.tensorboard=false"]
-    sets += [f"log.output_dir={args.out}"] + list(args.set or [])
+    sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
     cfg = configuration.load(ShapesTrainConfig, args.config, sets)
     rewards = args.rewards or ([cfg.reward.name] if cfg.reward.name else [k for k, w in cfg.reward.weights.items() if w])
     batches = args.batches if args.batches is not None else (3 if args.quick else 8)
@@ -222,7 +223,6 @@ def add_parser(sub) -> None:
     p.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=["config"],
                    help="config: the config's estimator; exact: mode=exact; both: also their cross-agreement "
                         "'config x exact' (does the JAGG update point where the exact one does?) [default: config]")
-    p.add_argument("--out", default="runs/bench_signal", help="scratch run directory [default: runs/bench_signal]")
     p.add_argument("--json", help="also write the records to this JSON file")
     p.add_argument("--quick", action="store_true", help=f"smaller batches: {' '.join(QUICK_SETS)}")
     p.set_defaults(func=_run)

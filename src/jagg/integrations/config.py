@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import Keys, check_eta
 from ..training.config_loader import from_dict
 
 FAMILIES = ("sd3", "flux", "qwen_image")
@@ -205,8 +206,7 @@ class PipelineConfig:
                              f"(QwenImagePipeline's limit); got {self.max_sequence_length}")
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"pipeline.shift must be > 0 or null; got {self.shift}")
-        if self.eta <= 0:
-            raise ValueError(f"pipeline.eta must be > 0 (the SDE needs noise); got {self.eta}")
+        check_eta(self.eta, Keys(eta="pipeline.eta"))
         try:
             self.velocity_config()                                  # validates cfg_scale, uncond_forward, autocast
         except ValueError as e:

@@ -1,11 +1,12 @@
 """The two GRPO trainers of ``jagg train``, side by side: one config and one trainer per model kind, and the loop
 they share once.
 
-- :mod:`~jagg.trainers.base`: :class:`~jagg.trainers.base.GRPOTrainer`, the loop (run directory, iterations,
-  advantages, updates, audit, checkpoints, signals) and the hooks a trainer fills;
+- :mod:`~jagg.trainers.base`: :class:`~jagg.trainers.base.GRPO`, one iteration (advantages, updates, audit) and the
+  hooks a trainer fills, and :class:`~jagg.trainers.base.GRPOTrainer`, the loop in a run directory (iterations,
+  checkpoints, signals) with ``run()``, how ``jagg train`` starts either trainer;
 - :mod:`~jagg.trainers.sections`: the config sections both share (estimator, optim, grpo, reward, log);
 - :mod:`~jagg.trainers.shapes` + :mod:`~jagg.trainers.shapes_config`: the TinyDiT on the embedded shapes world (the
-  main job);
+  main job), with the sampler the benchmarks share;
 - :mod:`~jagg.trainers.diffusers` + :mod:`~jagg.trainers.diffusers_config`: SD3/SD3.5, FLUX.1 and Qwen-Image through
   diffusers, for a config with a ``pipeline:`` section (:func:`~jagg.trainers.diffusers_config.has_pipeline_section`).
 

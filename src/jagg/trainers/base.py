@@ -1,14 +1,16 @@
-"""The GRPO loop both trainers share, once: :class:`GRPOTrainer` runs it and names the hooks each trainer fills.
+"""The GRPO loop both trainers share, once: :class:`GRPO` runs one iteration at a time and names the hooks each
+trainer fills; :class:`GRPOTrainer` runs it in a run directory.
 
-One iteration (:meth:`GRPOTrainer.step`): the trainer's :meth:`~GRPOTrainer.rollout` samples this process's share of
-the global batch and :meth:`~GRPOTrainer.score` rewards it; the loop gathers the rewards, computes group-relative
-advantages per prompt group on the global batch, drops the prompt groups without reward spread, computes the KL
-reference velocities (:meth:`~GRPOTrainer.reference`), runs the estimator audit when due, and makes
-``inner_epochs x updates_per_epoch`` optimizer updates, each from the trainer's :meth:`~GRPOTrainer.gradient` of a
-minibatch (:meth:`~GRPOTrainer.minibatches`), skipped when its loss or gradient norm is not finite. Around it: the
-run directory (new, resumed or moved aside, :mod:`jagg.training.rundir`), checkpoints at ``log.checkpoint_every``,
-the abort after ``grpo.max_consecutive_skips``, the save after a failure before an iteration's first update, and
-SIGINT/SIGTERM (finish the iteration, save, exit).
+One iteration (:meth:`GRPO.step`): the trainer's :meth:`~GRPO.rollout` samples this process's share of the global
+batch and :meth:`~GRPO.score` rewards it; the loop gathers the rewards, computes group-relative advantages per
+prompt group on the global batch, drops the prompt groups without reward spread, computes the KL reference velocities
+(:meth:`~GRPO.reference`), runs the estimator audit when due, and makes ``inner_epochs x updates_per_epoch`` optimizer
+updates, each from the trainer's :meth:`~GRPO.gradient` of a minibatch (:meth:`~GRPO.minibatches`), skipped when its
+loss or gradient norm is not finite. :class:`GRPO` holds no run directory, logger or checkpoint (``jagg bench e2e``
+times its iterations as they are). Around it, :class:`GRPOTrainer` adds the run directory (new, resumed or moved
+aside, :mod:`jagg.training.rundir`), the metrics logger, checkpoints at ``log.checkpoint_every``, the abort after
+``grpo.max_consecutive_skips``, the save after a failure before an iteration's first update, and SIGINT/SIGTERM
+(finish the iteration, save, exit); :meth:`GRPOTrainer.run` is how ``jagg train`` starts either trainer.
 """
 
 from __future__ import annotations
@@ -29,10 +31,9 @@ from tqdm import tqdm
 from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import AuditMeter, audit_flag, audit_parts, meter_flag
 from ..estimator import reference_velocities
-from ..training.config_loader import renamed_keys
 from ..training.distributed import gather, init_process_group_from_env
 from ..training.metrics import MetricsLogger
-from ..training.rundir import lock_run, open_run, read_run_file, write_run_file
+from ..training.rundir import lock_run, open_run, outputs, read_run_file, write_run_file
 from ..trajectory import Trajectory, VelocityFn, select_train_steps
 
 # config keys that may change between a checkpoint and its resumption
@@ -63,17 +64,9 @@ def _shown(value) -> str:
     return "null" if value is None else repr(value) if isinstance(value, str) else str(value)
 
 
-def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUMABLE_CHANGES,
-                    config_class: type | None = None) -> list[str]:
+def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUMABLE_CHANGES) -> list[str]:
     """Raise a ValueError naming the first config key whose change would break continuation; return one line per
-    key that changed and may (``allowed``), e.g. ``"grpo.iterations: 30 in the checkpoint, 200 now"``. With
-    ``config_class``, keys the checkpoint saved under a former name are read under the current one first."""
-    if config_class is not None:
-        saved = renamed_keys(config_class, saved, warn=False)
-    reward = saved.get("reward")
-    if isinstance(reward, dict) and reward.get("weights") and reward.get("name"):
-        # saved before reward.name and reward.weights became exclusive: the weights overrode the name then
-        saved = {**saved, "reward": {**reward, "name": None}}
+    key that changed and may (``allowed``), e.g. ``"grpo.iterations: 30 in the checkpoint, 200 now"``."""
     a, b = _flatten(saved), _flatten(current)
     changed = []
     for key in sorted(set(a) | set(b)):
@@ -95,8 +88,8 @@ def take(items, index) -> Any:
 
 @dataclass
 class Draw:
-    """An iteration's draw of the global batch (:meth:`GRPOTrainer.draw_batch`): the prompts, prompt group after
-    prompt group; the initial noise ``[N, *S]``; the trained steps ``[K]`` and the SDE mask ``[T]``."""
+    """An iteration's draw of the global batch (:func:`draw_batch`): the prompts, prompt group after prompt group;
+    the initial noise ``[N, *S]``; the trained steps ``[K]`` and the SDE mask ``[T]``."""
 
     prompts: list[str]
     noise: Tensor
@@ -104,15 +97,32 @@ class Draw:
     sde_mask: Tensor
 
 
+def draw_batch(c, prompts: Sequence[str], latent_shape: tuple[int, ...], num_steps: int, np_rng: np.random.Generator,
+               gen: torch.Generator) -> Draw:
+    """An iteration's global batch by the ``sample:`` section ``c``: ``c.prompts_per_iter`` of ``prompts`` drawn with
+    ``np_rng``, each repeated ``c.group_size`` times (its prompt group); the initial noise ``[N, *latent_shape]`` from
+    ``gen`` (shared within a prompt group with ``c.shared_noise``); and the trained steps and SDE mask of
+    ``num_steps`` sampling steps (:func:`jagg.select_train_steps`)."""
+    idx = np_rng.choice(len(prompts), size=c.prompts_per_iter, replace=len(prompts) < c.prompts_per_iter)
+    batch = [prompts[i] for i in idx for _ in range(c.group_size)]
+    if c.shared_noise:
+        noise = torch.randn(c.prompts_per_iter, *latent_shape, generator=gen).repeat_interleave(c.group_size, 0)
+    else:
+        noise = torch.randn(len(batch), *latent_shape, generator=gen)
+    train_steps, sde_mask = select_train_steps(num_steps, c.timestep_fraction,
+                                               tuple(c.sde_window) if c.sde_window else None)
+    return Draw(batch, noise, train_steps, sde_mask)
+
+
 @dataclass
 class Rollout:
-    """What :meth:`GRPOTrainer.rollout` sampled in one iteration.
+    """What :meth:`GRPO.rollout` sampled in one iteration.
 
     Attributes:
         prompts: the global batch's prompts, prompt group after prompt group (``sample.group_size`` each).
         local: this process's samples of the global batch (all of them in a single process).
         traj: this process's trajectories.
-        conditioning: per local sample, what the trainer's :meth:`~GRPOTrainer.velocity` needs (the shapes trainer:
+        conditioning: per local sample, what the trainer's :meth:`~GRPO.velocity` needs (the shapes trainer:
             prompt tokens ``[n, L]``; the diffusers trainer: the prompts).
     """
 
@@ -136,7 +146,7 @@ class Minibatch:
 
 @dataclass
 class Iteration:
-    """One iteration's outcome, for :meth:`GRPOTrainer.record`: the rollout, this process's scores and the reward's
+    """One iteration's outcome, for :meth:`GRPO.record`: the rollout, this process's scores and the reward's
     info, the global batch's rewards, this process's trained (kept) samples, the updates' statistics, the phases'
     seconds (``sample_s``, ``reward_s``, ``train_s``, ``iter_s``, ``wall_s``) and the iteration's CPU seconds."""
 
@@ -161,70 +171,44 @@ def update_summary(per_update: list[dict]) -> dict:
     return rec
 
 
-class GRPOTrainer(ABC):
-    """The GRPO loop (module docstring) in the run directory ``cfg.log.output_dir``.
-
-    ``Trainer(cfg)`` starts a new run and refuses a directory that holds one (``overwrite=True``: moves it aside
-    first). ``Trainer(cfg, resume=True)`` continues the directory's run from its newest readable checkpoint; when the
-    directory holds no run it starts one, unless ``require_checkpoint=True`` (``jagg train --resume``), which makes
-    that an error. Neither ever starts over a run: checkpoints that are all unreadable are an error naming them.
+class GRPO(ABC):
+    """GRPO one iteration at a time (:meth:`step`, the module docstring), in memory: no run directory, no logger, no
+    checkpoint (:class:`GRPOTrainer` adds them). ``GRPO(cfg)`` builds everything through the trainer's :meth:`setup`.
 
     What a trainer provides (the abstract methods): :meth:`setup` (model, optimizer ``opt``, trainable ``params``,
-    reward, prompts, RNGs), :meth:`rollout`, :meth:`score`, :meth:`velocity`, :meth:`reference`,
-    :meth:`minibatches`, :meth:`gradient`, :meth:`record`, :meth:`save`, :meth:`load_state`, :meth:`rng_state` and
-    :meth:`set_rng_state`; optionally :meth:`after_step` (e.g. an EMA), :meth:`before_training` and
-    :meth:`after_iteration` (evaluation), :meth:`stop_requested` (several processes), and the attributes :attr:`multiprocess` (several processes),
-    :attr:`progress_label` and :attr:`evaluates`. ``cfg`` must have
-    ``seed``, ``threads``, ``estimator``, ``optim``, ``grpo``, ``sample`` (``group_size``, ``batch_size``) and
-    ``log`` (:class:`jagg.trainers.sections.TrainerSections`).
+    reward, prompts, RNGs), :meth:`rollout`, :meth:`score`, :meth:`velocity`, :meth:`reference`, :meth:`minibatches`,
+    :meth:`gradient` and :meth:`record`; optionally :meth:`draw_batch`, :meth:`after_step` (e.g. an EMA) and the
+    attribute :attr:`multiprocess` (several processes). ``cfg`` must have ``seed``, ``threads``, ``estimator``,
+    ``optim``, ``grpo`` and ``sample`` (``group_size``, ``batch_size``), and for a :class:`GRPOTrainer` ``log``
+    (:class:`jagg.trainers.sections.TrainerSections`).
     """
 
     device = torch.device("cpu")
-    progress_label = "GRPO"                              # the progress bar's label
-    evaluates = False                                    # whether after_iteration returns evaluation records
     multiprocess = False                                 # torchrun / accelerate: a process group from the environment
 
-    def __init__(self, cfg, resume: bool = False, overwrite: bool = False, require_checkpoint: bool = False):
+    def __init__(self, cfg):
+        self._begin(cfg)
+        self.setup()
+
+    def _begin(self, cfg) -> None:
+        """What comes before :meth:`setup`: the threads, the process group (:attr:`multiprocess`) and the counters."""
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.rank, self.world = init_process_group_from_env() if self.multiprocess else (0, 1)
         self.main = self.rank == 0
-        self.out = Path(cfg.log.output_dir)
-        self.ckpt_dir = self.out / "checkpoints"
-        barrier = dist.barrier if self.world > 1 else None
-        # every process decides from the same files before the model is loaded (a run directory that cannot be used
-        # fails in seconds); the main process moves an old run aside first (--overwrite) and writes run.json only
-        # after all have decided (the barrier before the logger)
-        start = open_run(self.out, resume=resume, require_checkpoint=require_checkpoint, overwrite=overwrite,
-                         main=self.main, barrier=barrier, log=self._print)
-        self.run_id = start.run_id
         self.iteration, self.wall, self.cpu = 0, 0.0, 0.0    # seconds in iterations (not eval), across resumes
         self.skipped_updates = self.consecutive_skips = 0
-        self._stop = False
-        self.setup()
-        resumed_from = None
-        if start.resumed is not None:
-            state, path = start.resumed
-            changed = self.load_state(state)
-            resumed_from = self.iteration
-            self._print(f"resumed from {path} (iteration {self.iteration})")
-            for line in changed:
-                self._print(f"  {line}")
-        if barrier is not None:
-            barrier()
-        if self.main and (start.resumed is None or read_run_file(self.out) is None):
-            write_run_file(self.out, self.run_id)        # an unwritable directory fails here, before any training
-        self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from) if self.main else None
+        self.logger: MetricsLogger | None = None             # a GRPOTrainer's, on its main process
 
     # ------------------------------------------------------------------ what each trainer provides
 
     @abstractmethod
     def setup(self) -> None:
-        """Build the model, ``self.opt``, ``self.params`` (the trainable parameters), the reward, ``self.prompts``,
-        ``self.latent_shape`` and ``self.num_steps`` (a sample's latents and sampling steps) and the RNGs
-        ``self.np_rng`` (prompts) and ``self.gen`` (noise), after the run directory is decided and before a checkpoint
-        is restored."""
+        """Build the model, ``self.opt``, ``self.params`` (the trainable parameters), the reward, and what
+        :meth:`draw_batch` draws from (``self.prompts``, ``self.latent_shape``, ``self.num_steps``, the RNGs
+        ``self.np_rng`` and ``self.gen``, or an override of :meth:`draw_batch`); in a :class:`GRPOTrainer`, after the
+        run directory is decided and before a checkpoint is restored."""
 
     @abstractmethod
     def rollout(self, draw: Draw) -> Rollout:
@@ -256,55 +240,19 @@ class GRPOTrainer(ABC):
 
     @abstractmethod
     def record(self, it: Iteration) -> dict:
-        """The iteration's ``train`` record of ``metrics.jsonl``."""
-
-    @abstractmethod
-    def save(self) -> Path | None:
-        """Write a checkpoint of the current iteration (every process calls it); its path on the main process."""
-
-    @abstractmethod
-    def load_state(self, state: dict) -> list[str]:
-        """Restore a checkpoint; return one line per config key that changed and may (:func:`check_resumable`)."""
-
-    @abstractmethod
-    def rng_state(self) -> dict:
-        """Every RNG state of this process."""
-
-    @abstractmethod
-    def set_rng_state(self, rng: dict) -> None:
-        """Restore :meth:`rng_state`."""
-
-    def before_training(self) -> None:
-        """Called once before the first iteration of :meth:`train` (e.g. evaluate the starting model)."""
-
-    def after_iteration(self, done: bool) -> dict | None:
-        """Called after each iteration is logged (``done``: the last one); an evaluation record, or None."""
-        return None
+        """The iteration's ``train`` record (of ``metrics.jsonl``, in a :class:`GRPOTrainer`)."""
 
     # ------------------------------------------------------------------ one iteration
 
     def draw_batch(self) -> Draw:
-        """The iteration's global batch: ``sample.prompts_per_iter`` prompts drawn from ``self.prompts`` with
-        ``self.np_rng``, each repeated ``sample.group_size`` times (its prompt group); the initial noise
-        ``[N, *self.latent_shape]`` from ``self.gen`` (shared within a prompt group with ``sample.shared_noise``); and
-        the trained steps and SDE mask of ``self.num_steps`` sampling steps."""
-        c = self.cfg.sample
-        idx = self.np_rng.choice(len(self.prompts), size=c.prompts_per_iter,
-                                 replace=len(self.prompts) < c.prompts_per_iter)
-        prompts = [self.prompts[i] for i in idx for _ in range(c.group_size)]
-        shape = self.latent_shape
-        if c.shared_noise:
-            noise = torch.randn(c.prompts_per_iter, *shape, generator=self.gen).repeat_interleave(c.group_size, 0)
-        else:
-            noise = torch.randn(len(prompts), *shape, generator=self.gen)
-        train_steps, sde_mask = select_train_steps(self.num_steps, c.timestep_fraction,
-                                                   tuple(c.sde_window) if c.sde_window else None)
-        return Draw(prompts, noise, train_steps, sde_mask)
+        """The iteration's global batch (:func:`draw_batch`) from ``self.prompts`` with ``self.np_rng`` and
+        ``self.gen``, of latents ``self.latent_shape`` and ``self.num_steps`` sampling steps."""
+        return draw_batch(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng, self.gen)
 
     def step(self) -> dict:
         """One GRPO iteration: sample, reward, advantages, updates. Returns the metrics record."""
         c = self.cfg
-        self._rng_at_start, self._updating = self.rng_state(), False
+        self._updating = False
         t0, c0 = time.perf_counter(), time.process_time()
         rollout = self.rollout(self.draw_batch())
         t1 = time.perf_counter()
@@ -383,18 +331,6 @@ class GRPOTrainer(ABC):
         stats["skipped"] = 0
         return True
 
-    def skip_limit_error(self, limit: int) -> RuntimeError | None:
-        """The error to stop with after ``limit`` consecutive skipped updates (0 = never), else None."""
-        if limit and self.consecutive_skips >= limit:
-            return RuntimeError(f"aborting: {limit} consecutive updates had a non-finite loss or gradient "
-                                "(see metrics.jsonl 'skipped'); lower optim.lr")
-        return None
-
-    def stop_requested(self) -> bool:
-        """Whether to stop after this iteration (SIGINT/SIGTERM); a trainer with several processes makes them agree,
-        so that every process stops at the same iteration."""
-        return self._stop
-
     # ------------------------------------------------------------------ the estimator audit
 
     def audit_due(self) -> bool:
@@ -409,7 +345,8 @@ class GRPOTrainer(ABC):
         batch, at least ``estimator.audit_samples`` samples and two prompt groups where the batch has them, picked at
         random with an RNG of its own, so a run is the same with and without it. ``make_velocity(indices)`` gives the
         velocity callable of those samples. Feeds the run's :class:`jagg.audit.AuditMeter` (error against noise,
-        predicted efficiency), logs an ``audit`` record (on the main process), prints each warning once per run, and
+        predicted efficiency), logs an ``audit`` record (with a logger: on the main process of a :class:`GRPOTrainer`),
+        prints each warning once per run, and
         returns its ``(seconds, CPU seconds)`` so that the caller can leave them out of the iteration's time."""
         c = self.cfg
         c0 = time.process_time()
@@ -443,6 +380,119 @@ class GRPOTrainer(ABC):
                 self._print(f"\niteration {self.iteration + 1}: {f}")
         self._flags_shown = shown
         return a["seconds"], time.process_time() - c0
+
+    def _print(self, text: str) -> None:
+        if self.main:
+            print(text, flush=True)
+
+
+class GRPOTrainer(GRPO):
+    """The GRPO loop (:class:`GRPO`, module docstring) in the run directory ``cfg.log.output_dir``.
+
+    ``Trainer(cfg)`` starts a new run and refuses a directory that holds one (``overwrite=True``: moves it aside
+    first). ``Trainer(cfg, resume=True)`` continues the directory's run from its newest readable checkpoint; when the
+    directory holds no run it starts one, unless ``require_checkpoint=True`` (``jagg train --resume``), which makes
+    that an error. Neither ever starts over a run: checkpoints that are all unreadable are an error naming them.
+    :meth:`run` is that and :meth:`train`, then the end-of-run lines (:meth:`report`): how ``jagg train`` starts
+    either trainer.
+
+    What a trainer provides besides :class:`GRPO`'s hooks: :meth:`save`, :meth:`load_state`, :meth:`rng_state` and
+    :meth:`set_rng_state`; optionally :meth:`before_training` and :meth:`after_iteration` (evaluation),
+    :meth:`stop_requested` (several processes), :meth:`report`, and the attributes :attr:`progress_label` and
+    :attr:`evaluates`.
+    """
+
+    progress_label = "GRPO"                              # the progress bar's label
+    evaluates = False                                    # whether after_iteration returns evaluation records
+
+    def __init__(self, cfg, resume: bool = False, overwrite: bool = False, require_checkpoint: bool = False):
+        self._begin(cfg)
+        self.out = Path(cfg.log.output_dir)
+        self.ckpt_dir = self.out / "checkpoints"
+        barrier = dist.barrier if self.world > 1 else None
+        # every process decides from the same files before the model is loaded (a run directory that cannot be used
+        # fails in seconds); the main process moves an old run aside first (--overwrite) and writes run.json only
+        # after all have decided (the barrier before the logger)
+        start = open_run(self.out, resume=resume, require_checkpoint=require_checkpoint, overwrite=overwrite,
+                         main=self.main, barrier=barrier, log=self._print)
+        self.run_id = start.run_id
+        self._stop = False
+        self.setup()
+        resumed_from = None
+        if start.resumed is not None:
+            state, path = start.resumed
+            changed = self.load_state(state)
+            resumed_from = self.iteration
+            self._print(f"resumed from {path} (iteration {self.iteration})")
+            for line in changed:
+                self._print(f"  {line}")
+        if barrier is not None:
+            barrier()
+        if self.main and (start.resumed is None or read_run_file(self.out) is None):
+            write_run_file(self.out, self.run_id)        # an unwritable directory fails here, before any training
+        self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from) if self.main else None
+
+    @classmethod
+    def run(cls, cfg, resume: bool = False, overwrite: bool = False, require_checkpoint: bool = False) -> list[dict]:
+        """``jagg train``: the run of ``cfg`` in its run directory (``resume``, ``overwrite``, ``require_checkpoint``:
+        as the constructor), trained to ``grpo.iterations``, then the end-of-run lines (:meth:`report`, on the main
+        process). A process group this call set up (torchrun / accelerate) is destroyed at the end. Returns the
+        metrics records (on the main process)."""
+        owns_group = cls.multiprocess and not dist.is_initialized()
+        try:
+            trainer = cls(cfg, resume=resume, overwrite=overwrite, require_checkpoint=require_checkpoint)
+            records = trainer.train()
+        finally:
+            if owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+        if trainer.main:
+            trainer.report(records)
+        return records
+
+    def report(self, records: list[dict]) -> None:
+        """The end-of-run lines of :meth:`run`: where the outputs are (a trainer adds what its run achieved)."""
+        print(f"outputs in {self.out}: {', '.join(self.shown_outputs()) or 'none'}")
+
+    def shown_outputs(self) -> list[str]:
+        """The run directory's outputs as :meth:`report` names them (:func:`jagg.training.rundir.outputs`)."""
+        return outputs(self.out)
+
+    # ------------------------------------------------------------------ what each trainer provides
+
+    @abstractmethod
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current iteration (every process calls it); its path on the main process."""
+
+    @abstractmethod
+    def load_state(self, state: dict) -> list[str]:
+        """Restore a checkpoint; return one line per config key that changed and may (:func:`check_resumable`)."""
+
+    @abstractmethod
+    def rng_state(self) -> dict:
+        """Every RNG state of this process."""
+
+    @abstractmethod
+    def set_rng_state(self, rng: dict) -> None:
+        """Restore :meth:`rng_state`."""
+
+    def before_training(self) -> None:
+        """Called once before the first iteration of :meth:`train` (e.g. evaluate the starting model)."""
+
+    def after_iteration(self, done: bool) -> dict | None:
+        """Called after each iteration is logged (``done``: the last one); an evaluation record, or None."""
+        return None
+
+    def skip_limit_error(self, limit: int) -> RuntimeError | None:
+        """The error to stop with after ``limit`` consecutive skipped updates (0 = never), else None."""
+        if limit and self.consecutive_skips >= limit:
+            return RuntimeError(f"aborting: {limit} consecutive updates had a non-finite loss or gradient "
+                                "(see metrics.jsonl 'skipped'); lower optim.lr")
+        return None
+
+    def stop_requested(self) -> bool:
+        """Whether to stop after this iteration (SIGINT/SIGTERM); a trainer with several processes makes them agree,
+        so that every process stops at the same iteration."""
+        return self._stop
 
     # ------------------------------------------------------------------ the loop
 
@@ -492,6 +542,7 @@ class GRPOTrainer(ABC):
 
     def _logged_step(self) -> dict:
         """:meth:`step`, logged on the main process; a failure first saves what lets ``--resume`` retry it."""
+        self._rng_at_start = self.rng_state()
         try:
             rec = self.step()
         except Exception:
@@ -508,10 +559,6 @@ class GRPOTrainer(ABC):
         if self.evaluates:
             shown["test"] = f"{last_eval['reward_mean']:.3f}" if last_eval else "-"
         return {**shown, "bwd": rec.get("backward_items", 0), "s_it": f"{rec['iter_s']:.2f}"}
-
-    def _print(self, text: str) -> None:
-        if self.main:
-            print(text, flush=True)
 
     def _save_on_failure(self) -> None:
         """A failure before this iteration's first update (sampling, reward) left the weights untouched: in a

@@ -56,7 +56,6 @@ from ..training import config_loader as configuration
 from ..training.checkpoint import prune_checkpoints, write_checkpoint
 from ..training.distributed import all_reduce_gradients, gather_objects, loss_scale, shard
 from ..training.metrics import plot_reward_curve, save_grid
-from ..training.rundir import outputs
 from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
                    update_summary)
 from .diffusers_config import DiffusersTrainConfig
@@ -65,7 +64,7 @@ from .diffusers_config import DiffusersTrainConfig
 # (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient
 RESUMABLE_REAL = ("pipeline.path", "pipeline.device", "pipeline.prompt_cache", "pipeline.load_text_encoders",
                   "pipeline.gradient_checkpointing", "reward_server")
-TRAINER_TAG = "jagg.integrations.train"          # written into checkpoints; the module was called so before
+TRAINER_TAG = "jagg.trainers.diffusers"          # written into its checkpoints (a shapes run's carry none)
 
 
 def _seed(*parts: int) -> int:
@@ -133,8 +132,7 @@ class DiffusersTrainer(GRPOTrainer):
         random.setstate(rng["python"])
         if local:
             self.perm_gen.set_state(rng["perm_gen"])
-            if "pick_gen" in rng:                             # checkpoints before unbiased JAGG have none
-                self.pick_gen.set_state(rng["pick_gen"])
+            self.pick_gen.set_state(rng["pick_gen"])
             if rng.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
@@ -151,8 +149,7 @@ class DiffusersTrainer(GRPOTrainer):
         if state.get("trainer") != TRAINER_TAG:
             raise ValueError(f"the checkpoints in {self.ckpt_dir} were not written by the diffusers trainer (a shapes "
                              "run?); use another log.output_dir")
-        changed = check_resumable(state["config"], configuration.to_dict(self.cfg),
-                                  RESUMABLE_CHANGES + RESUMABLE_REAL, config_class=type(self.cfg))
+        changed = check_resumable(state["config"], configuration.to_dict(self.cfg), RESUMABLE_CHANGES + RESUMABLE_REAL)
         saved = state["model"]
         if set(saved) != set(self.named_params):
             diff = sorted(set(saved) ^ set(self.named_params))[:3]
@@ -276,6 +273,17 @@ class DiffusersTrainer(GRPOTrainer):
     def stop_requested(self) -> bool:
         return bool(self._sum([float(self._stop)])[0])                 # every process stops at the same iteration
 
+    def report(self, records: list[dict]) -> None:
+        train = [r for r in records if r.get("kind") == "train"]
+        if train:
+            print(f"train reward: {train[0]['reward_mean']:.4f} (iteration {train[0]['iteration']}) -> "
+                  f"{train[-1]['reward_mean']:.4f} (iteration {train[-1]['iteration']})")
+        super().report(records)
+
+    def shown_outputs(self) -> list[str]:
+        extra = " (ckpt_*.pt, adapter_*/: LoRA, diffusers load_lora_weights)" if self.cfg.pipeline.lora.enabled else ""
+        return [o + extra if o == "checkpoints/" else o for o in super().shown_outputs()]
+
     def record(self, it: Iteration) -> dict:
         rewards = it.rewards
         rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(rewards.mean()),
@@ -289,26 +297,3 @@ class DiffusersTrainer(GRPOTrainer):
             rec.update({f"reward/{name}": total / sums[-1] for name, total in zip(parts, sums)})
         return {**rec, **update_summary(it.per_update), "updates": len(it.per_update),
                 "skipped_total": self.skipped_updates}
-
-
-def run(config_path: str, overrides: list[str] | None = None, resume: bool = False, overwrite: bool = False,
-        require_checkpoint: bool = False) -> int:
-    """``jagg train --config <yaml with pipeline:>``: load, train, print where the outputs are. Returns 0.
-    ``resume``, ``overwrite`` and ``require_checkpoint``: as :class:`DiffusersTrainer`."""
-    cfg = configuration.load(DiffusersTrainConfig, config_path, overrides)
-    owns_group = not dist.is_initialized()
-    try:
-        trainer = DiffusersTrainer(cfg, resume=resume, overwrite=overwrite, require_checkpoint=require_checkpoint)
-        records = trainer.train()
-    finally:
-        if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-    if trainer.main:
-        train = [r for r in records if r.get("kind") == "train"]
-        if train:
-            print(f"train reward: {train[0]['reward_mean']:.4f} (iteration {train[0]['iteration']}) -> "
-                  f"{train[-1]['reward_mean']:.4f} (iteration {train[-1]['iteration']})")
-        extra = " (ckpt_*.pt, adapter_*/: LoRA, diffusers load_lora_weights)" if cfg.pipeline.lora.enabled else ""
-        shown = [o + extra if o == "checkpoints/" else o for o in outputs(Path(cfg.log.output_dir))]
-        print(f"outputs in {cfg.log.output_dir}: {', '.join(shown) or 'none'}")
-    return 0

@@ -15,10 +15,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checks import Keys
 from ..integrations.config import PipelineConfig, read_prompt_lines
 from ..rewards.client import RewardClient
 from ..training import config_loader as configuration
-from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_sampler
+from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help
 
 
 @dataclass
@@ -103,11 +104,8 @@ class DiffusersTrainConfig(TrainerSections):
         super().__post_init__()
         if self.optim.ema_decay > 0:
             raise ValueError("optim.ema_decay is not supported by the diffusers trainer; set it to 0")
-        s, T = self.sample, self.pipeline.num_steps
-        check_sampler(s.sde_type, self.pipeline.eta, s.sde_window, T, "pipeline.num_steps")
-        if s.sde_window is None and int(T * s.timestep_fraction) < 1:
-            raise ValueError(f"sample.timestep_fraction={s.timestep_fraction} of pipeline.num_steps={T} trains no "
-                             "step; raise it")
+        self.sample.check_steps(self.pipeline.num_steps, self.pipeline.eta,
+                                Keys("sample.", eta="pipeline.eta", num_steps="pipeline.num_steps"))
         if self.estimator.kl_beta > 0 and not self.pipeline.lora.enabled and not self.pipeline.keep_reference:
             raise ValueError("estimator.kl_beta > 0 with full fine-tuning (pipeline.lora.enabled: false) needs a "
                              "reference model: set pipeline.keep_reference: true, or estimator.kl_beta: 0")

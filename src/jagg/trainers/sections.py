@@ -1,48 +1,22 @@
-"""Config sections both trainers share (optimizer, GRPO, reward, logging) and the checks both apply.
+"""Config sections both trainers share (optimizer, GRPO, reward, logging) and the sample keys both have.
 
-One typed dataclass per concern, validated in ``__post_init__``; ``jagg train --help`` lists every key.
+One typed dataclass per concern, validated in ``__post_init__`` with the checks of :mod:`jagg.checks` (the ones the
+library's functions apply to their arguments); ``jagg train --help`` lists every key.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..checks import Keys, check_group_size, check_positive, check_sde_steps, check_sde_type
 from ..estimator_config import EstimatorConfig
 from ..rewards.registry import check_spec
+
+SAMPLE_KEYS = Keys("sample.")                 # how the checks name the sample: section's keys
 
 
 def _help(text: str) -> dict:
     return {"help": text}
-
-
-def check_sampler(sde_type: str, eta: float, sde_window: list[int] | None, num_steps: int,
-                  steps_key: str = "num_steps") -> None:
-    """Raise unless the SDE window is None or ``[start, end]`` with 0 <= start < end <= num_steps (``steps_key``
-    names the config key that holds num_steps), and ``sample.sde_type`` is known, fits ``eta`` and (``cps``) leaves
-    the last step an ODE step."""
-    from ..sde import SDE_TYPES
-
-    if sde_window is not None and (len(sde_window) != 2 or not 0 <= sde_window[0] < sde_window[1] <= num_steps):
-        raise ValueError(f"sample.sde_window must be [start, end] with 0 <= start < end <= {steps_key}="
-                         f"{num_steps}; got {sde_window}")
-
-    if sde_type not in SDE_TYPES:
-        raise ValueError(f"sample.sde_type must be one of {SDE_TYPES}; got {sde_type!r}")
-    if sde_type == "cps":
-        if not 0 < eta <= 1:
-            raise ValueError(f"sample.sde_type 'cps' needs 0 < eta <= 1 (its noise is sigma_next sin(eta pi/2)); "
-                             f"got eta={eta}")
-        if sde_window is None or sde_window[1] >= num_steps:
-            raise ValueError("sample.sde_type 'cps' cannot take an SDE step to sigma = 0: set sample.sde_window "
-                             f"[start, end] with end < {num_steps} so that the last step is an ODE step")
-
-
-def check_group_size(group_size: int) -> None:
-    """Raise unless ``sample.group_size`` >= 2: advantages are relative to a prompt group, so a prompt group of one
-    image has no reward spread, every advantage is 0 and GRPO trains nothing."""
-    if group_size < 2:
-        raise ValueError(f"sample.group_size must be >= 2 (GRPO compares the images of one prompt; a prompt group "
-                         f"of {group_size} has no reward spread and trains nothing); got {group_size}")
 
 
 class SampleBatch:
@@ -55,16 +29,18 @@ class SampleBatch:
         return self.prompts_per_iter * self.group_size
 
     def check_batch(self, positive: tuple[str, ...]) -> None:
-        """Raise unless the keys ``positive`` are >= 1, ``group_size`` >= 2 (:func:`check_group_size`),
-        ``timestep_fraction`` is in (0, 1], and only one of ``timestep_fraction`` and ``sde_window`` is set."""
+        """Raise unless the keys ``positive`` are >= 1 and ``group_size`` >= 2 (:func:`jagg.checks.check_group_size`)."""
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"sample.{name} must be >= 1; got {getattr(self, name)}")
-        check_group_size(self.group_size)
-        if not 0 < self.timestep_fraction <= 1:
-            raise ValueError(f"sample.timestep_fraction must be in (0, 1]; got {self.timestep_fraction}")
-        if self.sde_window is not None and self.timestep_fraction != 1.0:
-            raise ValueError("set either sample.timestep_fraction or sample.sde_window, not both")
+        check_group_size(self.group_size, SAMPLE_KEYS)
+
+    def check_steps(self, num_steps: int, eta: float, keys: Keys = SAMPLE_KEYS) -> None:
+        """Raise unless ``sample.sde_type`` fits ``eta`` (:func:`jagg.checks.check_sde_type`) and the SDE and trained
+        steps among ``num_steps`` fit (``timestep_fraction``, ``sde_window``: :func:`jagg.checks.check_sde_steps`);
+        ``keys`` name the settings (``eta`` and ``num_steps`` live elsewhere in the diffusers trainer's config)."""
+        check_sde_type(self.sde_type, eta, keys)
+        check_sde_steps(num_steps, self.timestep_fraction, self.sde_window, self.sde_type, keys)
 
 
 def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:
@@ -112,8 +88,7 @@ class GRPOConfig:
                 raise ValueError(f"grpo.{name} must be >= 1; got {getattr(self, name)}")
         if self.max_consecutive_skips < 0:
             raise ValueError(f"grpo.max_consecutive_skips must be >= 0; got {self.max_consecutive_skips}")
-        if self.adv_clip_max <= 0:
-            raise ValueError(f"grpo.adv_clip_max must be > 0; got {self.adv_clip_max}")
+        check_positive(self.adv_clip_max, "grpo.adv_clip_max")
 
 
 @dataclass

@@ -1,10 +1,14 @@
-"""The GRPO trainer of the embedded shapes world (its config: :mod:`jagg.trainers.shapes_config`).
+"""The GRPO trainer of the embedded shapes world (its config: :mod:`jagg.trainers.shapes_config`), in three layers:
 
-The loop is :class:`jagg.trainers.base.GRPOTrainer`'s; this trainer fills its hooks with the TinyDiT: sample
-``prompts_per_iter x group_size`` trajectories with the Flow-GRPO SDE (classifier-free guidance through
-:class:`jagg.shapes.velocity.GuidedVelocity`), reward the images (by default the world's GenEval-like reward),
-take each update's gradient from :func:`jagg.policy_gradient` (the same function a user calls in their own loop),
-keep an optional EMA of the weights, and evaluate on the world's test prompts every ``eval.every`` iterations.
+- :class:`ShapesSampler`: the rollouts of a config, what the trainer and every benchmark draw batches with: the
+  TinyDiT (its trainable parameters marked), the prompts, the reward and the prompt and noise RNGs; it samples
+  ``prompts_per_iter x group_size`` trajectories with the config's SDE (classifier-free guidance through
+  :class:`jagg.shapes.velocity.GuidedVelocity`) and rewards the images (by default the world's GenEval-like reward);
+- :class:`ShapesGRPO`: the loop's hooks (:class:`jagg.trainers.base.GRPO`) on a sampler: each update's gradient from
+  :func:`jagg.policy_gradient` (the same function a user calls in their own loop), AdamW, an optional EMA of the
+  weights; one iteration at a time, in memory (``jagg bench e2e``);
+- :class:`ShapesTrainer`: that in a run directory (:class:`jagg.trainers.base.GRPOTrainer`): checkpoints, resuming,
+  and the evaluation on the world's test prompts every ``eval.every`` iterations.
 """
 
 from __future__ import annotations
@@ -29,106 +33,103 @@ from ..training.checkpoint import save_checkpoint
 from ..training.config_loader import to_dict
 from ..training.metrics import plot_reward_curve, save_grid
 from ..trajectory import sample_trajectories
-from .base import Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, update_summary
+from .base import GRPO, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, draw_batch, update_summary
 from .shapes_config import ShapesTrainConfig
 
 
-class ShapesTrainer(GRPOTrainer):
-    """``jagg train`` on the shapes world (:class:`~jagg.trainers.base.GRPOTrainer`: the run directory, resuming
-    and the loop), TinyDiT in one process."""
+class ShapesSampler:
+    """The shapes world's rollouts of ``cfg``: the trainer's and every benchmark's, which never opens a run directory.
 
-    cfg: ShapesTrainConfig
-    evaluates = True
+    Builds, with the config's seed and in this order: the TinyDiT of ``model.checkpoint`` with the parameters
+    ``model.trainable`` matches trainable (:attr:`params`), the reward, the training prompts, the RNG of the noise and
+    of the minibatch order (:attr:`gen`) and the RNG of the prompts (:attr:`np_rng`). :meth:`sample` draws and samples
+    one iteration's batch, advancing them exactly as an iteration of the trainer does."""
 
-    def setup(self) -> None:
-        cfg = self.cfg
+    def __init__(self, cfg: ShapesTrainConfig):
+        self.cfg = cfg
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model.checkpoint, use_ema=True)
-        self.model_config = self.model.config.to_dict()
         m = self.model.config
         self.latent_shape, self.num_steps = (m.channels, m.image_size, m.image_size), cfg.sample.num_steps
-        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if cfg.estimator.kl_beta > 0 else None
         if cfg.model.trainable != "all":
             for name, p in self.model.named_parameters():
                 p.requires_grad_(re.search(cfg.model.trainable, name) is not None)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError(f"model.trainable {cfg.model.trainable!r} matches no parameter name")
-        o = cfg.optim
-        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-        self.ema = [p.detach().clone() for p in self.model.parameters()] if o.ema_decay > 0 else None
         self.reward_fn = get_reward(cfg.reward.spec)
         self.prompts = cfg.sample.prompts()
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        # the unbiased correction's picks draw from an RNG of their own, so that runs of one seed with different
-        # estimators sample the same prompts and noise streams
-        self.pick_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
         self.np_rng = np.random.default_rng(cfg.seed)
 
-    # ------------------------------------------------------------------ state
-    def _state(self) -> dict:
-        return {
-            "model": self.model.state_dict(), "model_config": self.model_config,
-            "optimizer": self.opt.state_dict(),
-            "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
-            "iteration": self.iteration, "wall": self.wall, "cpu": self.cpu, "skipped_updates": self.skipped_updates,
-            "config": to_dict(self.cfg), "run_id": self.run_id,
-            "rng": self.rng_state(),
-        }
-
-    def load_state(self, state: dict) -> list[str]:
-        changed = check_resumable(state["config"], to_dict(self.cfg), config_class=type(self.cfg))
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
-        if self.ema is not None:
-            named = dict(self.model.named_parameters())
-            self.ema = [state["ema"][k].clone() for k in named]
-        self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state.get("cpu", 0.0)
-        self.skipped_updates = state["skipped_updates"]
-        self.set_rng_state(state["rng"])
-        return changed
-
-    def save(self) -> Path:
-        return save_checkpoint(self._state(), self.ckpt_dir, self.iteration, self.cfg.log.keep_last)
-
-    def rng_state(self) -> dict:
-        return {"gen": self.gen.get_state(), "pick_gen": self.pick_gen.get_state(), "numpy": self.np_rng.bit_generator.state,
-                "torch": torch.get_rng_state(), "python": random.getstate()}
-
-    def set_rng_state(self, rng: dict) -> None:
-        self.gen.set_state(rng["gen"])
-        if "pick_gen" in rng:                                  # checkpoints before unbiased JAGG have none
-            self.pick_gen.set_state(rng["pick_gen"])
-        self.np_rng.bit_generator.state = rng["numpy"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-
-    # ------------------------------------------------------------------ one iteration
-    def sample_batch(self):
-        """Draw and sample one iteration's batch: ``(prompts [B], tokens [B, L], Trajectory)`` (advances the RNGs)."""
-        r = self.rollout(self.draw_batch())
-        return r.prompts, r.conditioning, r.traj
+    def draw(self) -> Draw:
+        """The prompts, initial noise, trained steps and SDE mask of one iteration (:func:`~jagg.trainers.base.draw_batch`)."""
+        return draw_batch(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng, self.gen)
 
     def rollout(self, draw: Draw) -> Rollout:
+        """The trajectories of ``draw`` (SDE noise from :attr:`gen`); the conditioning is the prompt tokens ``[B, L]``."""
         c = self.cfg.sample
         tokens = tokenizer.encode(draw.prompts, max_len=self.model.config.max_text_len)
-        traj = sample_trajectories(GuidedVelocity(self.model, tokens, c.guidance_scale), draw.noise,
-                                   flow_sigmas(c.num_steps, c.shift), c.eta, draw.train_steps, draw.sde_mask,
-                                   generator=self.gen, micro_batch=c.micro_batch, check_finite=False,
-                                   sde_type=c.sde_type)
+        traj = sample_trajectories(self.velocity(tokens), draw.noise, flow_sigmas(c.num_steps, c.shift), c.eta,
+                                   draw.train_steps, draw.sde_mask, generator=self.gen, micro_batch=c.micro_batch,
+                                   check_finite=False, sde_type=c.sde_type)
         return Rollout(draw.prompts, slice(0, len(draw.prompts)), traj, tokens)
 
+    def sample(self) -> Rollout:
+        """One iteration's batch, drawn and sampled (:meth:`draw`, :meth:`rollout`)."""
+        return self.rollout(self.draw())
+
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
+        """The reward of the rollout's final images: ``(scores [B], info)``."""
         return self.reward_fn(from_tensor(rollout.traj.latents[:, -1]), rollout.prompts, None)
 
     def velocity(self, tokens) -> GuidedVelocity:
+        """The guided velocity callable of the samples whose prompt tokens ``[n, L]`` are given."""
         return GuidedVelocity(self.model, tokens, self.cfg.sample.guidance_scale)
+
+    def zero_grad(self) -> None:
+        """Clear the trainable parameters' ``.grad`` (before a gradient is accumulated into them)."""
+        for p in self.params:
+            p.grad = None
+
+
+class ShapesGRPO(GRPO):
+    """GRPO on the shapes world, one iteration at a time, in memory (:class:`~jagg.trainers.base.GRPO`): the hooks
+    on a :class:`ShapesSampler`, AdamW, the KL reference (``estimator.kl_beta > 0``), an optional EMA and the RNG of
+    unbiased JAGG's picks."""
+
+    cfg: ShapesTrainConfig
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.sampler = ShapesSampler(cfg)
+        self.model, self.params = self.sampler.model, self.sampler.params
+        self.model_config = self.model.config.to_dict()
+        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if cfg.estimator.kl_beta > 0 else None
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.ema = [p.detach().clone() for p in self.model.parameters()] if o.ema_decay > 0 else None
+        # the unbiased correction's picks draw from an RNG of their own, so that runs of one seed with different
+        # estimators sample the same prompts and noise streams
+        self.pick_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
+
+    def draw_batch(self) -> Draw:
+        return self.sampler.draw()
+
+    def rollout(self, draw: Draw) -> Rollout:
+        return self.sampler.rollout(draw)
+
+    def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
+        return self.sampler.score(rollout)
+
+    def velocity(self, tokens) -> GuidedVelocity:
+        return self.sampler.velocity(tokens)
 
     def reference(self, tokens) -> GuidedVelocity:
         return GuidedVelocity(self.ref_model, tokens, self.cfg.sample.guidance_scale)
 
     def minibatches(self, n: int) -> list[torch.Tensor]:
-        perm = torch.randperm(n, generator=self.gen)
+        perm = torch.randperm(n, generator=self.sampler.gen)
         return [mb for mb in perm.tensor_split(self.cfg.grpo.updates_per_epoch) if mb.numel()]
 
     def gradient(self, mb: Minibatch) -> dict:
@@ -153,6 +154,52 @@ class ShapesTrainer(GRPOTrainer):
                     if k.startswith("scores/")})
         return {**rec, **update_summary(it.per_update), "skipped_total": self.skipped_updates}
 
+
+class ShapesTrainer(ShapesGRPO, GRPOTrainer):
+    """``jagg train`` on the shapes world: :class:`ShapesGRPO` in a run directory
+    (:class:`~jagg.trainers.base.GRPOTrainer`: the run directory, resuming and the loop), TinyDiT in one process, with
+    checkpoints and the evaluation on the test prompts."""
+
+    evaluates = True
+
+    # ------------------------------------------------------------------ state
+    def _state(self) -> dict:
+        return {
+            "model": self.model.state_dict(), "model_config": self.model_config,
+            "optimizer": self.opt.state_dict(),
+            "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
+            "iteration": self.iteration, "wall": self.wall, "cpu": self.cpu, "skipped_updates": self.skipped_updates,
+            "config": to_dict(self.cfg), "run_id": self.run_id,
+            "rng": self.rng_state(),
+        }
+
+    def load_state(self, state: dict) -> list[str]:
+        changed = check_resumable(state["config"], to_dict(self.cfg))
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        if self.ema is not None:
+            named = dict(self.model.named_parameters())
+            self.ema = [state["ema"][k].clone() for k in named]
+        self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state["cpu"]
+        self.skipped_updates = state["skipped_updates"]
+        self.set_rng_state(state["rng"])
+        return changed
+
+    def save(self) -> Path:
+        return save_checkpoint(self._state(), self.ckpt_dir, self.iteration, self.cfg.log.keep_last)
+
+    def rng_state(self) -> dict:
+        return {"gen": self.sampler.gen.get_state(), "pick_gen": self.pick_gen.get_state(),
+                "numpy": self.sampler.np_rng.bit_generator.state, "torch": torch.get_rng_state(),
+                "python": random.getstate()}
+
+    def set_rng_state(self, rng: dict) -> None:
+        self.sampler.gen.set_state(rng["gen"])
+        self.pick_gen.set_state(rng["pick_gen"])
+        self.sampler.np_rng.bit_generator.state = rng["numpy"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+
     # ------------------------------------------------------------------ evaluation
     def eval_model(self):
         if self.ema is None:
@@ -166,7 +213,7 @@ class ShapesTrainer(GRPOTrainer):
     def evaluate(self) -> dict:
         e, s = self.cfg.eval, self.cfg.sample
         t0 = time.perf_counter()
-        metrics, images, prompts, scores = evaluate(self.eval_model(), self.reward_fn, e.num_prompts,
+        metrics, images, prompts, scores = evaluate(self.eval_model(), self.sampler.reward_fn, e.num_prompts,
                                                     e.images_per_prompt, e.num_steps, s.guidance_scale, e.seed,
                                                     s.shift, with_scores=True)
         n = min(e.grid_size, len(images))
@@ -187,3 +234,10 @@ class ShapesTrainer(GRPOTrainer):
     def after_iteration(self, done: bool) -> dict | None:
         every = self.cfg.eval.every
         return self.evaluate() if every and (self.iteration % every == 0 or done) else None
+
+    def report(self, records: list[dict]) -> None:
+        evals = [r for r in records if r["kind"] == "eval"]
+        if len(evals) >= 2:
+            print(f"test reward: {evals[0]['reward_mean']:.3f} (iteration {evals[0]['iteration']}) -> "
+                  f"{evals[-1]['reward_mean']:.3f} (iteration {evals[-1]['iteration']})")
+        super().report(records)

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_sampler
+from ..checks import check_eta, check_positive
+from ..schedule import SHIFT_HINT
+from .sections import SAMPLE_KEYS, LogConfig, RewardConfig, SampleBatch, TrainerSections, _help
 
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
 
@@ -95,13 +97,11 @@ class SampleConfig(SampleBatch):
 
     def __post_init__(self):
         self.check_batch(("num_steps", "prompts_per_iter", "micro_batch"))
-        if self.shift <= 0:
-            raise ValueError(f"sample.shift must be > 0; got {self.shift}")
-        if self.eta <= 0:
-            raise ValueError(f"sample.eta must be > 0 (the SDE needs noise); got {self.eta}")
+        check_positive(self.shift, "sample.shift", SHIFT_HINT)
+        check_eta(self.eta, SAMPLE_KEYS)
         if self.guidance_scale < 1:
             raise ValueError(f"sample.guidance_scale must be >= 1; got {self.guidance_scale}")
-        check_sampler(self.sde_type, self.eta, self.sde_window, self.num_steps)
+        self.check_steps(self.num_steps, self.eta)
         if self.prompts_file is not None:
             self.prompts_file = str(self.prompts_file)
             read_prompts(self.prompts_file)  # fail at load, not mid-run

@@ -16,8 +16,6 @@ from typing import Any
 
 import yaml
 
-from ..deprecation import warn_renamed
-
 
 def _suggest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1)
@@ -81,35 +79,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def renamed_keys(cls, data: dict, where: str = "", warn: bool = True) -> dict:
-    """``data`` with the former names of ``cls``'s keys (its ``RENAMED_KEYS``, e.g. ``EstimatorConfig``'s
-    ``exact_first_groups``) replaced by the current ones, in this section and the nested ones; each with a
-    deprecation message naming the new key (``warn=False``: silently, for configs saved in old checkpoints)."""
-    if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):
-        return data
-    renames = getattr(cls, "RENAMED_KEYS", {})
-    hints = typing.get_type_hints(cls)
-    out = {}
-    for key, value in data.items():
-        if key in renames:
-            new = renames[key]
-            if new in data:
-                raise ValueError(f"{where + '.' if where else ''}{key} is the former name of {new}; give {new} only")
-            if warn:
-                warn_renamed(f"config key {where + '.' if where else ''}{key}", f"{where + '.' if where else ''}{new}")
-            key = new
-        tp = hints.get(key)
-        out[key] = renamed_keys(tp, value, f"{where}.{key}" if where else key, warn) if tp is not None else value
-    return out
-
-
 def from_dict(cls, data: dict, where: str = ""):
-    """Build dataclass ``cls`` from a (nested) dict, rejecting unknown keys (former names of renamed keys are taken,
-    with a deprecation message: :func:`renamed_keys`)."""
+    """Build dataclass ``cls`` from a (nested) dict, rejecting unknown keys (naming the closest valid one)."""
     if not isinstance(data, dict):
         raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
-    if getattr(cls, "RENAMED_KEYS", None):
-        data = renamed_keys(cls, data, where)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}

@@ -8,7 +8,7 @@
   checkpoints carrying the current run's id.
 - ``--resume`` **never starts over**: without a readable checkpoint it is an error naming every checkpoint file
   and why it could not be read (or saying that there is none). Only ``require_checkpoint=False`` (``--resume-or-start``
-  and the library's ``ShapesTrainer(cfg, resume=True)`` that ``jagg bench quality`` uses) starts a new run, and only in a
+  and the library's ``ShapesTrainer.run(cfg, resume=True)`` that ``jagg bench quality`` uses) starts a new run, and only in a
   directory that holds no run, or after moving aside one that saved no checkpoint (records, samples: a run that
   stopped before its first checkpoint cannot be continued).
 - A run directory is **used by one process at a time**: a training loop holds an exclusive lock on ``<dir>/run.lock``
