@@ -288,8 +288,6 @@ def test_client_config_is_checked_and_hides_the_token(monkeypatch):
                             ({"token": ""}, "token"), ({"url": "h:1"}, "url")):
         with pytest.raises(ValueError, match=culprit):
             RewardClient(**{"url": "http://h:1", **kwargs})
-    with pytest.raises(ImportError, match="RewardClient moved .* to jagg.rewards.client"):
-        from jagg.rewards.server import RewardClient as _  # noqa: F401
 
 
 def test_refused_connection():
@@ -330,5 +328,3 @@ def test_load_reward_errors():
         load_reward("jagg.rewards:NoSuchReward")
     with pytest.raises(ValueError, match=r"option\(s\) \['path'\] are given both"):
         load_reward("pickscore:path=/a", {"path": "/b"})
-    with pytest.raises(ImportError, match="PickScoreReward moved .* to jagg.rewards.preference"):
-        from jagg.rewards.server import PickScoreReward as _  # noqa: F401

@@ -50,6 +50,34 @@ def test_train_smoke(tmp_path, tiny_ckpt):
     assert list((tmp_path / "tensorboard").iterdir())
 
 
+def test_a_run_reports_hacking_signs_warns_once_and_draws_a_before_after_comparison(tmp_path, tiny_ckpt, monkeypatch,
+                                                                                     capsys):
+    """Every evaluation logs the signs of reward hacking; a collapse warning is printed once per kind, however often
+    it fires; the end of the run writes samples/comparison.png (the starting model above the trained one, same prompts
+    and noise) with its captions."""
+    import jagg.trainers.shapes as shapes
+
+    calls = []
+
+    def fake_warnings(evals, drop, empty, background):
+        calls.append((len(evals), drop, empty, background))
+        return ["the held-out reward fell to 0.1, more than 0.05 below its best 0.2"] if len(evals) >= 2 else []
+
+    monkeypatch.setattr(shapes, "collapse_warnings", fake_warnings)
+    assert main(tiny_train_args(tiny_ckpt, tmp_path, 4, "eval.every=1", "eval.warn_empty=0.2")) == 0
+    evals = [r for r in _records(tmp_path) if r["kind"] == "eval"]
+    for r in evals:
+        assert {"empty_frac", "objects_mean", "asked_mean", "count_error", "background_rms"} <= set(r)
+        assert 0 <= r["empty_frac"] <= 1 and r["background_rms"] >= 0
+    assert calls[-1] == (5, 0.05, 0.2, 5.0)
+    out = capsys.readouterr().out
+    assert out.count("the held-out reward fell to 0.1") == 1
+    lines = (tmp_path / "samples" / "comparison.txt").read_text().splitlines()
+    assert len(lines) == 8 and "iteration 0:" in lines[0] and "iteration 4:" in lines[4]
+    assert lines[0].split(";")[0] == lines[4].split(";")[0].replace("4: ", "0: ")     # the same prompt above and below
+    assert Image.open(tmp_path / "samples" / "comparison.png").size[0] > 4 * 32
+
+
 def test_training_changes_weights_and_is_deterministic(tmp_path, tiny_ckpt):
     a, b = tmp_path / "a", tmp_path / "b"
     jpeg = "reward.name=jpeg_compressibility"  # a random model scores 0 on geneval: no advantage, no gradient

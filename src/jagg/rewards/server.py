@@ -42,17 +42,6 @@ from .protocol import TOKEN_ENV, auth_header, decode_images, jsonable
 from .registry import CheckedReward, build_reward, parse_spec, registered_name
 
 RewardFn = Callable[..., tuple]
-_MOVED = {"RewardClient": "jagg.rewards.client", "RewardServerError": "jagg.rewards.client",
-          "encode_images": "jagg.rewards.protocol", "decode_images": "jagg.rewards.protocol",
-          "IMAGE_FORMATS": "jagg.rewards.protocol", "ClipScoreReward": "jagg.rewards.preference",
-          "PickScoreReward": "jagg.rewards.preference", "AestheticReward": "jagg.rewards.preference"}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        raise ImportError(f"{name} moved from jagg.rewards.server to {_MOVED[name]}: import it from there "
-                          f"(RewardClient and RewardServerError also from jagg.rewards)")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from ..estimator import policy_gradient
 from ..rewards.registry import get_reward
 from ..schedule import flow_sigmas
 from ..shapes import from_tensor, tokenizer
-from ..shapes.evaluation import evaluate
+from ..shapes.evaluation import collapse_warnings, comparison_prompts, evaluate, generate, save_comparison
 from ..shapes.velocity import GuidedVelocity
 from ..shapes.weights import load_model
 from ..training.checkpoint import save_checkpoint
@@ -224,7 +224,32 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         self.logger.log(rec)
         plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
                           f"GRPO ({self.cfg.estimator.mode}) on the shapes world")
+        self.warn_collapse()
         return rec
+
+    def warn_collapse(self) -> None:
+        """Print each kind of :func:`~jagg.shapes.evaluation.collapse_warnings` once per run (a resumed run reads the
+        evaluations it already logged)."""
+        e = self.cfg.eval
+        shown = getattr(self, "_collapse_shown", set())
+        for text in collapse_warnings(self.logger.records("eval"), e.warn_drop, e.warn_empty, e.warn_background):
+            kind = text.split(" rose ")[0].split(" fell ")[0]
+            if kind not in shown:
+                shown.add(kind)
+                print(f"\nwarning, iteration {self.iteration}: {text}", flush=True)
+        self._collapse_shown = shown
+
+    def save_comparison(self) -> dict:
+        """``samples/comparison.png``: the first ``eval.grid_size`` test prompts, one image each from the same
+        evaluation noise, by the starting model (``model.checkpoint``) above the evaluated model of this iteration,
+        captioned with score and each constraint's pass/fail. Returns the two sets' means."""
+        e, s = self.cfg.eval, self.cfg.sample
+        prompts = comparison_prompts(e.grid_size)
+        before = generate(load_model(self.cfg.model.checkpoint, use_ema=True), prompts, e.num_steps, s.guidance_scale,
+                          e.seed, s.shift)
+        after = generate(self.eval_model(), prompts, e.num_steps, s.guidance_scale, e.seed, s.shift)
+        return save_comparison(before, after, prompts, self.out / "samples" / "comparison.png",
+                               ("iteration 0", f"iteration {self.iteration}"), ncol=min(8, e.grid_size))
 
     def before_training(self) -> None:
         if self.iteration == 0 and self.cfg.eval.every:
@@ -233,11 +258,20 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
 
     def after_iteration(self, done: bool) -> dict | None:
         every = self.cfg.eval.every
-        return self.evaluate() if every and (self.iteration % every == 0 or done) else None
+        rec = self.evaluate() if every and (self.iteration % every == 0 or done) else None
+        if done and every:
+            self.save_comparison()
+        return rec
 
     def report(self, records: list[dict]) -> None:
         evals = [r for r in records if r["kind"] == "eval"]
         if len(evals) >= 2:
-            print(f"test reward: {evals[0]['reward_mean']:.3f} (iteration {evals[0]['iteration']}) -> "
-                  f"{evals[-1]['reward_mean']:.3f} (iteration {evals[-1]['iteration']})")
+            a, b = evals[0], evals[-1]
+            print(f"test reward: {a['reward_mean']:.3f} (iteration {a['iteration']}) -> {b['reward_mean']:.3f} "
+                  f"(iteration {b['iteration']})")
+            shown = [(k, label) for k, label in (("accuracy", "accuracy"), ("seen_reward", "seen pairs"),
+                                                 ("held_out_reward", "held-out pairs"), ("empty_frac", "empty images"),
+                                                 ("background_rms", "background")) if k in a and k in b]
+            if shown:
+                print("  " + ", ".join(f"{label} {a[k]:.3f} -> {b[k]:.3f}" for k, label in shown))
         super().report(records)

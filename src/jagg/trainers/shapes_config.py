@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from ..checks import check_eta, check_positive
+from ..checks import check_eta, check_positive, is_finite_number
 from ..schedule import SHIFT_HINT
 from .sections import SAMPLE_KEYS, LogConfig, RewardConfig, SampleBatch, TrainerSections, _help
 
@@ -121,7 +121,17 @@ class EvalConfig:
     images_per_prompt: int = field(default=2, metadata=_help("Images per test prompt (fixed seeds)."))
     num_steps: int = field(default=10, metadata=_help("ODE steps of the deterministic evaluation sampler."))
     seed: int = field(default=1234, metadata=_help("Seed of the evaluation noise (the same at every evaluation)."))
-    grid_size: int = field(default=16, metadata=_help("Images in the saved sample grid."))
+    grid_size: int = field(default=16, metadata=_help(
+        "Images in the saved sample grids: each evaluation's, and the before/after comparison of the first grid_size "
+        "test prompts written at the end of the run (samples/comparison.png; a multiple of 8)."))
+    warn_drop: float = field(default=0.05, metadata=_help(
+        "Warn (once) when the held-out reward falls more than this below its best so far; 0 = off."))
+    warn_empty: float = field(default=0.1, metadata=_help(
+        "Warn (once) when the fraction of evaluation images with no detected object rises more than this above the "
+        "starting model's; 0 = off."))
+    warn_background: float = field(default=5.0, metadata=_help(
+        "Warn (once) when the background measure (background_rms: RMS distance of the background pixels from the "
+        "flat background colour, 0-255 RGB) rises more than this above the starting model's; 0 = off."))
 
     def __post_init__(self):
         for name in ("every", "num_prompts"):
@@ -130,6 +140,13 @@ class EvalConfig:
         for name in ("images_per_prompt", "num_steps", "grid_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eval.{name} must be >= 1; got {getattr(self, name)}")
+        if self.grid_size % 8 and self.grid_size > 8:
+            raise ValueError(f"eval.grid_size must be at most 8 or a multiple of 8 (rows of 8 prompts in the "
+                             f"comparison grid); got {self.grid_size}")
+        for name in ("warn_drop", "warn_empty", "warn_background"):
+            value = getattr(self, name)
+            if not is_finite_number(value) or value < 0:
+                raise ValueError(f"eval.{name} must be a finite number >= 0 (0 = off); got {value!r}")
 
 
 @dataclass
