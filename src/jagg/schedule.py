@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import check_positive
+from .checks import check_positive, is_finite_number
 
 SHIFT_HINT = "SD3 uses 3.0, 1.0 means no shift"
 
