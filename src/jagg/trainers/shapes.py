@@ -62,9 +62,11 @@ class ShapesSampler:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.np_rng = np.random.default_rng(cfg.seed)
 
-    def draw(self) -> Draw:
-        """The prompts, initial noise, trained steps and SDE mask of one iteration (:func:`~jagg.trainers.base.draw_batch`)."""
-        return draw_batch(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng, self.gen)
+    def draw(self, iteration: int = 0) -> Draw:
+        """The prompts, initial noise, trained steps and SDE mask of iteration ``iteration`` (counted from 0; it decides
+        a sliding SDE window: :func:`~jagg.trainers.base.draw_batch`)."""
+        return draw_batch(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng, self.gen,
+                          iteration)
 
     def rollout(self, draw: Draw) -> Rollout:
         """The trajectories of ``draw`` (SDE noise from :attr:`gen`); the conditioning is the prompt tokens ``[B, L]``."""
@@ -75,9 +77,9 @@ class ShapesSampler:
                                    check_finite=False, sde_type=c.sde_type)
         return Rollout(draw.prompts, slice(0, len(draw.prompts)), traj, tokens)
 
-    def sample(self) -> Rollout:
-        """One iteration's batch, drawn and sampled (:meth:`draw`, :meth:`rollout`)."""
-        return self.rollout(self.draw())
+    def sample(self, iteration: int = 0) -> Rollout:
+        """The batch of iteration ``iteration``, drawn and sampled (:meth:`draw`, :meth:`rollout`)."""
+        return self.rollout(self.draw(iteration))
 
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         """The reward of the rollout's final images: ``(scores [B], info)``."""
@@ -114,7 +116,7 @@ class ShapesGRPO(GRPO):
         self.pick_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
 
     def draw_batch(self) -> Draw:
-        return self.sampler.draw()
+        return self.sampler.draw(self.iteration)
 
     def rollout(self, draw: Draw) -> Rollout:
         return self.sampler.rollout(draw)
