@@ -32,8 +32,10 @@ from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import AuditMeter, audit_flag, audit_parts, meter_flag
 from ..estimator import reference_velocities
 from ..training.distributed import gather, init_process_group_from_env
+from ..training.config_loader import to_dict
 from ..training.metrics import MetricsLogger
 from ..training.rundir import lock_run, open_run, outputs, read_run_file, write_run_file
+from ..training.wandb_run import WandbRun, require_wandb
 from ..trajectory import Trajectory, VelocityFn
 
 # config keys that may change between a checkpoint and its resumption
@@ -414,6 +416,8 @@ class GRPOTrainer(GRPO):
         self._begin(cfg)
         self.out = Path(cfg.log.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
+        if cfg.log.wandb:
+            require_wandb()                              # before anything is written: one line naming the extra
         barrier = dist.barrier if self.world > 1 else None
         # every process decides from the same files before the model is loaded (a run directory that cannot be used
         # fails in seconds); the main process moves an old run aside first (--overwrite) and writes run.json only
@@ -435,7 +439,9 @@ class GRPOTrainer(GRPO):
             barrier()
         if self.main and (start.resumed is None or read_run_file(self.out) is None):
             write_run_file(self.out, self.run_id)        # an unwritable directory fails here, before any training
-        self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from) if self.main else None
+        if self.main:                                    # the main process logs (to wandb too: log.wandb)
+            tracker = WandbRun(cfg.log, self.run_id, self.out, to_dict(cfg)) if cfg.log.wandb else None
+            self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from, wandb=tracker)
 
     @classmethod
     def run(cls, cfg, resume: bool = False, overwrite: bool = False, require_checkpoint: bool = False) -> list[dict]:

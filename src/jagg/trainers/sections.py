@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ..checks import Keys, check_group_size, check_positive, check_sde_steps, check_sde_type, check_sde_window_schedule
 from ..estimator_config import EstimatorConfig
 from ..rewards.registry import check_spec
+from ..training.wandb_run import WANDB_MODES
 from ..trajectory import select_train_steps, sliding_sde_window
 
 SAMPLE_KEYS = Keys("sample.")                 # how the checks name the sample: section's keys
@@ -165,12 +166,25 @@ class LogConfig:
     keep_last: int = field(default=2, metadata=_help("Checkpoints kept (older ones are deleted)."))
     tensorboard: bool = field(default=True, metadata=_help("Write TensorBoard events (needs the tensorboard package)."))
     progress: bool = field(default=True, metadata=_help("Show a progress bar."))
+    wandb: bool = field(default=False, metadata=_help(
+        "Also log to Weights & Biases (pip install 'jagg[wandb]'): the config, every metric under its TensorBoard name, "
+        "the sample grids; --resume continues the same wandb run (its id is run.json's run_id)."))
+    wandb_project: str = field(default="jagg", metadata=_help("wandb project of the run."))
+    wandb_entity: str | None = field(default=None, metadata=_help("wandb entity (user or team; null: wandb's default)."))
+    wandb_mode: str | None = field(default=None, metadata=_help(
+        "wandb mode: online, offline (files only, `wandb sync` later) or disabled; null: wandb's own choice "
+        "($WANDB_MODE, else online)."))
 
     def __post_init__(self):
         if not self.output_dir:
             raise ValueError("log.output_dir must be set")
         if self.checkpoint_every < 0 or self.keep_last < 1:
             raise ValueError("log.checkpoint_every must be >= 0 and log.keep_last >= 1")
+        if not self.wandb_project or (self.wandb_entity is not None and not self.wandb_entity):
+            raise ValueError(f"log.wandb_project must be a name and log.wandb_entity a name or null; got "
+                             f"{self.wandb_project!r} and {self.wandb_entity!r}")
+        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"log.wandb_mode must be one of {WANDB_MODES} or null; got {self.wandb_mode!r}")
 
 
 @dataclass

@@ -219,11 +219,12 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
                                                     e.images_per_prompt, e.num_steps, s.guidance_scale, e.seed,
                                                     s.shift, with_scores=True)
         n = min(e.grid_size, len(images))
-        save_grid(images[:n], self.out / "samples" / f"eval_{self.iteration:06d}.png", prompts=prompts[:n],
-                  rewards=scores[:n])
+        grid = self.out / "samples" / f"eval_{self.iteration:06d}.png"
+        save_grid(images[:n], grid, prompts=prompts[:n], rewards=scores[:n])
         rec = {"kind": "eval", "iteration": self.iteration, "wall_s": self.wall, "eval_s": time.perf_counter() - t0,
                **metrics}
         self.logger.log(rec)
+        self.logger.image("images/eval", grid, self.iteration)
         plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
                           f"GRPO ({self.cfg.estimator.mode}) on the shapes world")
         self.warn_collapse()
@@ -250,8 +251,11 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         before = generate(load_model(self.cfg.model.checkpoint, use_ema=True), prompts, e.num_steps, s.guidance_scale,
                           e.seed, s.shift)
         after = generate(self.eval_model(), prompts, e.num_steps, s.guidance_scale, e.seed, s.shift)
-        return save_comparison(before, after, prompts, self.out / "samples" / "comparison.png",
-                               ("iteration 0", f"iteration {self.iteration}"), ncol=min(8, e.grid_size))
+        path = self.out / "samples" / "comparison.png"
+        means = save_comparison(before, after, prompts, path, ("iteration 0", f"iteration {self.iteration}"),
+                                ncol=min(8, e.grid_size))
+        self.logger.image("images/comparison", path, self.iteration)
+        return means
 
     def before_training(self) -> None:
         if self.iteration == 0 and self.cfg.eval.every:
