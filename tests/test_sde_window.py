@@ -44,7 +44,9 @@ def test_the_window_moves_stride_steps_every_n_iterations_and_returns_to_the_sta
     (dict(every=0), "every must be an integer >= 1"),
     (dict(every=True), "every must be an integer >= 1"),
     (dict(size=9), "size=9 is longer than the 8 steps"),
-    (dict(span=(4, 4)), "span"),
+    (dict(span=(4, 4)), r"span\) must be \[start, end\)"),
+    (dict(span=(0, 8.0)), r"span\) must be \[start, end\)"),
+    (dict(span=(0,)), r"span\) must be \[start, end\)"),
     (dict(iteration=-1), "iteration must be an integer >= 0"),
 ])
 def test_bad_sliding_window_arguments_name_the_culprit(kw, culprit):

@@ -48,6 +48,12 @@ def as_vector(values, name: str, dtype=np.float32) -> Tensor:
     return values.detach().flatten()
 
 
+def check_count(value, name: str, minimum: int = 1) -> None:
+    """Raise unless ``value`` is an integer (not a bool) >= ``minimum``; the message names it ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+
+
 def check_positive(value, name: str, why: str = "") -> None:
     """Raise unless ``value`` is a finite number > 0; the message names it ``name`` and adds ``why`` in brackets."""
     if not is_finite_number(value) or value <= 0:
@@ -138,12 +144,13 @@ def check_sliding_window(span: tuple[int, int], size, stride, every, keys: Keys 
     """Raise unless a sliding SDE window fits: ``size``, ``stride`` and ``every`` are integers >= 1, and the window of
     ``size`` steps fits in the steps ``span = (start, end)`` it slides over (``0 <= start < end``)."""
     for name, value in (("sde_window_size", size), ("sde_window_stride", stride), ("sde_window_every", every)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{keys[name]} must be an integer >= 1; got {value!r}")
-    start, end = span
-    if not 0 <= start < end:
+        check_count(value, keys[name])
+    if (not isinstance(span, (tuple, list)) or len(span) != 2
+            or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in span)
+            or not 0 <= span[0] < span[1]):
         raise ValueError(f"the steps a sliding SDE window slides over ({keys['sde_window']}) must be [start, end) with "
-                         f"0 <= start < end; got {list(span)}")
+                         f"0 <= start < end integers; got {span!r}")
+    start, end = span
     if size > end - start:
         raise ValueError(f"{keys['sde_window_size']}={size} is longer than the {end - start} steps [{start}, {end}) it "
                          f"slides over ({keys['sde_window']}); lower it or widen {keys['sde_window']}")

@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .checks import (Keys, check_noise, check_sampler, check_sde_steps, check_sigmas, check_sliding_window,
-                     check_train_steps, cps_last_step_error)
+from .checks import (Keys, check_count, check_noise, check_sampler, check_sde_steps, check_sigmas,
+                     check_sliding_window, check_train_steps, cps_last_step_error)
 from .sde import compute_dtype, euler_step, sde_step
 
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -152,8 +152,7 @@ def sliding_sde_window(iteration: int, span: tuple[int, int], size: int, stride:
     same window.
     """
     check_sliding_window(span, size, stride, every, SLIDING_ARGS)
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-        raise ValueError(f"iteration must be an integer >= 0; got {iteration!r}")
+    check_count(iteration, "iteration", 0)
     positions = (span[1] - span[0] - size) // stride + 1
     start = span[0] + stride * ((iteration // every) % positions)
     return start, start + size
