@@ -461,3 +461,23 @@ threads: 1
     assert (want - policy.reference(v)(x, s, i)).abs().max() > 1e-5     # the adapters trained: not the base model
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
+
+
+def test_a_sliding_sde_window_and_wandb_on_a_real_model(tmp_path, sd3_dir, captured, monkeypatch):
+    """The diffusers trainer moves a sliding SDE window by the iteration (logged as sde_window_start; 2 of its 4 steps
+    sampled with the SDE and trained) and, with log.wandb, logs its records and its sample grids to wandb."""
+    import fake_wandb
+
+    calls = fake_wandb.install(monkeypatch)
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    out = tmp_path / "sliding"
+    sets = ["sample.sde_window_schedule=sliding", "sample.sde_window_size=2", "sample.sde_window_every=1",
+            "log.wandb=true"]
+    assert main(["train", "--config", str(cfg), "--output-dir", str(out)] + [a for s in sets for a in ("--set", s)]) == 0
+    train = [r for r in records(out) if r["kind"] == "train"]
+    assert [r["sde_window_start"] for r in train] == [0, 1]
+    assert all(r["backward_items"] == 4 * 2 for r in train)    # 4 samples x 2 steps (a 2-step group: exact rows)
+    logs = [c[1] for c in calls if c[0] == "log"]
+    assert [d["train/sde_window_start"] for d in logs if "train/sde_window_start" in d] == [0, 1]
+    grids = [(d["iteration"], Path(d["images/rollouts"].path).name) for d in logs if "images/rollouts" in d]
+    assert grids == [(1, "iter_000001.png"), (2, "iter_000002.png")]

@@ -20,6 +20,7 @@ from torch import Tensor
 
 SDE_TYPES = ("flow_grpo", "dance", "cps")
 REDUCTIONS = ("mean", "sum")
+SDE_WINDOW_SCHEDULES = ("fixed", "sliding")
 
 # ----------------------------------------------------------------------------- general values
 
@@ -45,6 +46,12 @@ def as_vector(values, name: str, dtype=np.float32) -> Tensor:
             raise TypeError(f"{name} must be a tensor or an array-like of numbers; got {type(values).__name__}: "
                             f"{e}") from None
     return values.detach().flatten()
+
+
+def check_count(value, name: str, minimum: int = 1) -> None:
+    """Raise unless ``value`` is an integer (not a bool) >= ``minimum``; the message names it ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
 
 
 def check_positive(value, name: str, why: str = "") -> None:
@@ -131,6 +138,44 @@ def check_sde_steps(num_steps: int, timestep_fraction: float = 1.0, sde_window=N
                          f"{num_steps}; got {list(sde_window)}")
     if sde_type == "cps" and sde_window[1] >= num_steps:
         raise cps_last_step_error(keys)
+
+
+def check_sliding_window(span: tuple[int, int], size, stride, every, keys: Keys = ARGUMENTS) -> None:
+    """Raise unless a sliding SDE window fits: ``size``, ``stride`` and ``every`` are integers >= 1, and the window of
+    ``size`` steps fits in the steps ``span = (start, end)`` it slides over (``0 <= start < end``)."""
+    for name, value in (("sde_window_size", size), ("sde_window_stride", stride), ("sde_window_every", every)):
+        check_count(value, keys[name])
+    if (not isinstance(span, (tuple, list)) or len(span) != 2
+            or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in span)
+            or not 0 <= span[0] < span[1]):
+        raise ValueError(f"the steps a sliding SDE window slides over ({keys['sde_window']}) must be [start, end) with "
+                         f"0 <= start < end integers; got {span!r}")
+    start, end = span
+    if size > end - start:
+        raise ValueError(f"{keys['sde_window_size']}={size} is longer than the {end - start} steps [{start}, {end}) it "
+                         f"slides over ({keys['sde_window']}); lower it or widen {keys['sde_window']}")
+
+
+def check_sde_window_schedule(num_steps: int, timestep_fraction: float, sde_window, schedule: str, size, stride, every,
+                              keys: Keys = ARGUMENTS) -> None:
+    """Raise unless the SDE window's schedule fits: ``schedule`` one of :data:`SDE_WINDOW_SCHEDULES`; ``fixed`` without
+    a size (``sde_window`` is then the SDE window of every iteration, :func:`check_sde_steps`); ``sliding`` without a
+    ``timestep_fraction`` and with a window that fits in the steps it slides over, ``sde_window`` or else all
+    ``num_steps`` (:func:`check_sliding_window`)."""
+    if schedule not in SDE_WINDOW_SCHEDULES:
+        raise ValueError(f"{keys['sde_window_schedule']} must be one of {SDE_WINDOW_SCHEDULES}; got {schedule!r}")
+    if schedule == "fixed":
+        if size is not None:
+            raise ValueError(f"{keys['sde_window_size']} is the size of a sliding SDE window: set "
+                             f"{keys['sde_window_schedule']}=sliding, or drop it (null)")
+        return
+    if timestep_fraction != 1.0:
+        raise ValueError(f"set either {keys['timestep_fraction']} or a sliding SDE window ({keys['sde_window_schedule']}"
+                         "=sliding), not both")
+    if size is None:
+        raise ValueError(f"{keys['sde_window_schedule']}=sliding needs {keys['sde_window_size']}: the SDE steps of "
+                         "one iteration (MixGRPO: 4)")
+    check_sliding_window(tuple(sde_window) if sde_window else (0, num_steps), size, stride, every, keys)
 
 
 def check_group_size(group_size: int, keys: Keys = ARGUMENTS) -> None:

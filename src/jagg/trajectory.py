@@ -14,10 +14,13 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .checks import check_noise, check_sampler, check_sde_steps, check_sigmas, check_train_steps, cps_last_step_error
+from .checks import (Keys, check_count, check_noise, check_sampler, check_sde_steps, check_sigmas,
+                     check_sliding_window, check_train_steps, cps_last_step_error)
 from .sde import compute_dtype, euler_step, sde_step
 
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+# how the checks name sliding_sde_window's arguments
+SLIDING_ARGS = Keys(sde_window="span", sde_window_size="size", sde_window_stride="stride", sde_window_every="every")
 
 
 def _name(fn) -> str:
@@ -134,6 +137,25 @@ def select_train_steps(
     mask = torch.zeros(num_steps, dtype=torch.bool)
     mask[start:end] = True
     return torch.arange(start, end), mask
+
+
+def sliding_sde_window(iteration: int, span: tuple[int, int], size: int, stride: int = 1,
+                       every: int = 1) -> tuple[int, int]:
+    """MixGRPO's sliding SDE window: the ``[start, end)`` of iteration ``iteration`` (counted from 0), for
+    :func:`select_train_steps`'s ``sde_window``.
+
+    The window of ``size`` steps starts at ``span[0]`` and moves ``stride`` steps later every ``every`` iterations
+    (MixGRPO's ``window_size``, shift and ``iters_per_group``). It never runs past ``span[1]``: when the next move would,
+    it returns to ``span[0]`` and slides again (MixGRPO's ``roll_back``). So there are
+    ``(span[1] - span[0] - size) // stride + 1`` positions, visited in turn; the last one ends before ``span[1]`` when
+    ``stride`` does not divide ``span[1] - span[0] - size``. A function of the iteration alone: a resumed run has the
+    same window.
+    """
+    check_sliding_window(span, size, stride, every, SLIDING_ARGS)
+    check_count(iteration, "iteration", 0)
+    positions = (span[1] - span[0] - size) // stride + 1
+    start = span[0] + stride * ((iteration // every) % positions)
+    return start, start + size
 
 
 def _chunks(n: int, size: int | None) -> Sequence[slice]:

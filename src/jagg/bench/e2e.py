@@ -21,7 +21,6 @@ import statistics
 
 from ..training import config_loader as configuration
 from ..trainers.shapes_config import ShapesTrainConfig
-from ..trajectory import select_train_steps
 from .common import cost_limit, default_config_path, json_if_asked, table
 
 VARIANTS = {
@@ -39,7 +38,7 @@ def routed_limit(cfg: ShapesTrainConfig) -> float:
     e, c = cfg.estimator, cfg.sample
     if e.mode == "exact":
         return 1.0
-    steps = select_train_steps(c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)[0]
+    steps = c.sde_steps(c.num_steps)[0]                   # a sliding SDE window has the same size throughout
     return cost_limit(e.window, e.intermediate, steps=int(steps.numel()), jagg_frac=e.jagg_frac,
                       exact_first=e.exact_first_intervals, exact_last=e.exact_last_intervals, knots=e.knots,
                       correction_p=e.correction_p, correction_intervals=e.correction_intervals)

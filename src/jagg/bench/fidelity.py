@@ -43,7 +43,7 @@ from ..knots import interval_alphas, step_groups
 from ..routing import linearity_scores
 from ..schedule import flow_sigmas
 from ..trainers.shapes_config import ShapesTrainConfig
-from ..trajectory import Trajectory, sample_trajectories, select_train_steps
+from ..trajectory import Trajectory, sample_trajectories
 from ..shapes import from_tensor, tokenizer, train_prompts
 from ..audit import cosine, flat_grad, rel_err
 from .common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
@@ -129,8 +129,7 @@ def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) ->
         noise = noise.repeat_interleave(c.group_size, 0)
     else:
         noise = torch.randn(c.batch_size, *shape, generator=gen, device=device)
-    train_steps, sde_mask = select_train_steps(c.num_steps, c.timestep_fraction,
-                                               tuple(c.sde_window) if c.sde_window else None)
+    train_steps, sde_mask = c.sde_steps(c.num_steps)            # a sliding SDE window: its first position
     traj = sample_trajectories(GuidedVelocity(model, tokens, c.guidance_scale), noise,
                                flow_sigmas(c.num_steps, c.shift), c.eta, train_steps, sde_mask,
                                generator=gen, micro_batch=c.micro_batch, sde_type=c.sde_type)

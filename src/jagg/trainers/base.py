@@ -32,9 +32,11 @@ from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import AuditMeter, audit_flag, audit_parts, meter_flag
 from ..estimator import reference_velocities
 from ..training.distributed import gather, init_process_group_from_env
+from ..training.config_loader import to_dict
 from ..training.metrics import MetricsLogger
 from ..training.rundir import lock_run, open_run, outputs, read_run_file, write_run_file
-from ..trajectory import Trajectory, VelocityFn, select_train_steps
+from ..training.wandb_run import WandbRun, require_wandb
+from ..trajectory import Trajectory, VelocityFn
 
 # config keys that may change between a checkpoint and its resumption
 RESUMABLE_CHANGES = ("grpo.iterations", "log.", "eval.", "threads")
@@ -98,19 +100,19 @@ class Draw:
 
 
 def draw_batch(c, prompts: Sequence[str], latent_shape: tuple[int, ...], num_steps: int, np_rng: np.random.Generator,
-               gen: torch.Generator) -> Draw:
-    """An iteration's global batch by the ``sample:`` section ``c``: ``c.prompts_per_iter`` of ``prompts`` drawn with
-    ``np_rng``, each repeated ``c.group_size`` times (its prompt group); the initial noise ``[N, *latent_shape]`` from
-    ``gen`` (shared within a prompt group with ``c.shared_noise``); and the trained steps and SDE mask of
-    ``num_steps`` sampling steps (:func:`jagg.select_train_steps`)."""
+               gen: torch.Generator, iteration: int = 0) -> Draw:
+    """The global batch of iteration ``iteration`` (counted from 0) by the ``sample:`` section ``c``:
+    ``c.prompts_per_iter`` of ``prompts`` drawn with ``np_rng``, each repeated ``c.group_size`` times (its prompt
+    group); the initial noise ``[N, *latent_shape]`` from ``gen`` (shared within a prompt group with
+    ``c.shared_noise``); and the trained steps and SDE mask of ``num_steps`` sampling steps in that iteration (its SDE
+    window: :meth:`jagg.trainers.sections.SampleBatch.sde_steps`)."""
     idx = np_rng.choice(len(prompts), size=c.prompts_per_iter, replace=len(prompts) < c.prompts_per_iter)
     batch = [prompts[i] for i in idx for _ in range(c.group_size)]
     if c.shared_noise:
         noise = torch.randn(c.prompts_per_iter, *latent_shape, generator=gen).repeat_interleave(c.group_size, 0)
     else:
         noise = torch.randn(len(batch), *latent_shape, generator=gen)
-    train_steps, sde_mask = select_train_steps(num_steps, c.timestep_fraction,
-                                               tuple(c.sde_window) if c.sde_window else None)
+    train_steps, sde_mask = c.sde_steps(num_steps, iteration)
     return Draw(batch, noise, train_steps, sde_mask)
 
 
@@ -245,16 +247,18 @@ class GRPO(ABC):
     # ------------------------------------------------------------------ one iteration
 
     def draw_batch(self) -> Draw:
-        """The iteration's global batch (:func:`draw_batch`) from ``self.prompts`` with ``self.np_rng`` and
+        """The coming iteration's global batch (:func:`draw_batch`) from ``self.prompts`` with ``self.np_rng`` and
         ``self.gen``, of latents ``self.latent_shape`` and ``self.num_steps`` sampling steps."""
-        return draw_batch(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng, self.gen)
+        return draw_batch(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng, self.gen,
+                          self.iteration)
 
     def step(self) -> dict:
         """One GRPO iteration: sample, reward, advantages, updates. Returns the metrics record."""
         c = self.cfg
         self._updating = False
         t0, c0 = time.perf_counter(), time.process_time()
-        rollout = self.rollout(self.draw_batch())
+        draw = self.draw_batch()
+        rollout = self.rollout(draw)
         t1 = time.perf_counter()
         scores, info = self.score(rollout)
         rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=self.device)).cpu()  # the global batch
@@ -272,7 +276,10 @@ class GRPO(ABC):
         self.wall += t3 - t0
         self.cpu += cpu
         times = {"sample_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2, "iter_s": t3 - t0, "wall_s": self.wall}
-        return self.record(Iteration(rollout, scores, info, rewards, int(keep_idx.numel()), per_update, times, cpu))
+        rec = self.record(Iteration(rollout, scores, info, rewards, int(keep_idx.numel()), per_update, times, cpu))
+        if c.sample.sde_window_schedule == "sliding":
+            rec["sde_window_start"] = int(draw.train_steps[0])
+        return rec
 
     def train_on(self, rollout: Rollout, adv: Tensor, keep_idx: Tensor, all_kept: bool) -> tuple[list[dict], float,
                                                                                                    float]:
@@ -409,6 +416,8 @@ class GRPOTrainer(GRPO):
         self._begin(cfg)
         self.out = Path(cfg.log.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
+        if cfg.log.wandb:
+            require_wandb()                              # before anything is written: one line naming the extra
         barrier = dist.barrier if self.world > 1 else None
         # every process decides from the same files before the model is loaded (a run directory that cannot be used
         # fails in seconds); the main process moves an old run aside first (--overwrite) and writes run.json only
@@ -430,7 +439,9 @@ class GRPOTrainer(GRPO):
             barrier()
         if self.main and (start.resumed is None or read_run_file(self.out) is None):
             write_run_file(self.out, self.run_id)        # an unwritable directory fails here, before any training
-        self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from) if self.main else None
+        if self.main:                                    # the main process logs (to wandb too: log.wandb)
+            tracker = WandbRun(cfg.log, self.run_id, self.out, to_dict(cfg)) if cfg.log.wandb else None
+            self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from, wandb=tracker)
 
     @classmethod
     def run(cls, cfg, resume: bool = False, overwrite: bool = False, require_checkpoint: bool = False) -> list[dict]:

@@ -186,8 +186,9 @@ class DiffusersTrainer(GRPOTrainer):
                               ignore_errors=True)
             if self._images is not None and self.cfg.log.sample_images:
                 n = min(self.cfg.log.sample_images, len(self._images))
-                save_grid(self._images[:n], self.out / "samples" / f"iter_{self.iteration:06d}.png", ncol=min(n, 4),
-                          scale=1, prompts=self._prompts[:n])
+                grid = self.out / "samples" / f"iter_{self.iteration:06d}.png"
+                save_grid(self._images[:n], grid, ncol=min(n, 4), scale=1, prompts=self._prompts[:n])
+                self.logger.image("images/rollouts", grid, self.iteration)
             plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
                               f"GRPO ({self.cfg.estimator.mode}) on {self.cfg.pipeline.family}")
         if self.world > 1:

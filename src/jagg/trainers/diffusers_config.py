@@ -19,7 +19,7 @@ from ..checks import Keys
 from ..integrations.config import PipelineConfig, read_prompt_lines
 from ..rewards.client import RewardClient
 from ..training import config_loader as configuration
-from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help
+from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, sde_window_field
 
 
 @dataclass
@@ -35,8 +35,11 @@ class DiffusersSampleConfig(SampleBatch):
     shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt group."))
     timestep_fraction: float = field(default=1.0, metadata=_help(
         "Train the first fraction of the pipeline.num_steps steps (all steps are SDE steps)."))
-    sde_window: list[int] | None = field(default=None, metadata=_help(
-        "[start, end): only these steps are SDE steps and trained; the rest are ODE steps (Flow-GRPO-Fast)."))
+    sde_window: list[int] | None = sde_window_field("sde_window")
+    sde_window_schedule: str = sde_window_field("sde_window_schedule")
+    sde_window_size: int | None = sde_window_field("sde_window_size")
+    sde_window_stride: int = sde_window_field("sde_window_stride")
+    sde_window_every: int = sde_window_field("sde_window_every")
     sde_type: str = field(default="flow_grpo", metadata=_help(
         "SDE of the sampled steps, with pipeline.eta: 'flow_grpo' (Flow-GRPO), 'dance' (DanceGRPO and the JAGG "
         "authors: constant eta sqrt(-dt) noise) or 'cps' (coefficients-preserving, 0 < eta <= 1, last step outside "

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..checks import Keys, check_group_size, check_positive, check_sde_steps, check_sde_type
+from ..checks import Keys, check_group_size, check_positive, check_sde_steps, check_sde_type, check_sde_window_schedule
 from ..estimator_config import EstimatorConfig
 from ..rewards.registry import check_spec
+from ..training.wandb_run import WANDB_MODES
+from ..trajectory import select_train_steps, sliding_sde_window
 
 SAMPLE_KEYS = Keys("sample.")                 # how the checks name the sample: section's keys
 
@@ -19,9 +21,31 @@ def _help(text: str) -> dict:
     return {"help": text}
 
 
+# the SDE window's keys, which both trainers' sample: sections declare (sde_window_field): key -> (default, help)
+SDE_WINDOW_KEYS = {
+    "sde_window": (None, "[start, end): only these steps are SDE steps and trained; the rest are ODE steps "
+                         "(Flow-GRPO-Fast). With sde_window_schedule: sliding, the steps the SDE window slides through."),
+    "sde_window_schedule": ("fixed", "'fixed': sde_window is the SDE window of every iteration. 'sliding' (MixGRPO): "
+                                     "an SDE window of sde_window_size steps slides through sde_window (null: all "
+                                     "steps), sde_window_stride steps later every sde_window_every iterations, and "
+                                     "returns to the start when it would run past the end; logged as sde_window_start."),
+    "sde_window_size": (None, "Steps of the sliding SDE window (MixGRPO's window_size); only with sde_window_schedule: "
+                              "sliding."),
+    "sde_window_stride": (1, "Steps the sliding SDE window moves at a time (MixGRPO's shift)."),
+    "sde_window_every": (25, "Iterations between two moves of the sliding SDE window (MixGRPO's iters_per_group)."),
+}
+
+
+def sde_window_field(key: str):
+    """The dataclass field of the SDE window's key ``key`` (:data:`SDE_WINDOW_KEYS`)."""
+    default, text = SDE_WINDOW_KEYS[key]
+    return field(default=default, metadata=_help(text))
+
+
 class SampleBatch:
     """What both trainers' ``sample:`` sections share (a mixin of the two dataclasses, no fields of its own): the
-    batch of ``prompts_per_iter`` prompt groups of ``group_size`` samples, and the checks of its keys."""
+    batch of ``prompts_per_iter`` prompt groups of ``group_size`` samples, the SDE steps of each iteration (a fixed or
+    sliding SDE window, or a timestep fraction), and the checks of their keys."""
 
     @property
     def batch_size(self) -> int:
@@ -41,6 +65,22 @@ class SampleBatch:
         ``keys`` name the settings (``eta`` and ``num_steps`` live elsewhere in the diffusers trainer's config)."""
         check_sde_type(self.sde_type, eta, keys)
         check_sde_steps(num_steps, self.timestep_fraction, self.sde_window, self.sde_type, keys)
+        check_sde_window_schedule(num_steps, self.timestep_fraction, self.sde_window, self.sde_window_schedule,
+                                  self.sde_window_size, self.sde_window_stride, self.sde_window_every, keys)
+
+    def sde_window_at(self, num_steps: int, iteration: int = 0) -> tuple[int, int] | None:
+        """The SDE window ``[start, end)`` of iteration ``iteration`` (counted from 0) of ``num_steps`` sampling steps:
+        ``sde_window`` when fixed (None: no SDE window), :func:`jagg.sliding_sde_window` when sliding."""
+        if self.sde_window_schedule == "sliding":
+            span = tuple(self.sde_window) if self.sde_window else (0, num_steps)
+            return sliding_sde_window(iteration, span, self.sde_window_size, self.sde_window_stride,
+                                      self.sde_window_every)
+        return tuple(self.sde_window) if self.sde_window else None
+
+    def sde_steps(self, num_steps: int, iteration: int = 0):
+        """The trained steps ``[K]`` and the SDE mask ``[T]`` of iteration ``iteration`` (:meth:`sde_window_at`,
+        :func:`jagg.select_train_steps`)."""
+        return select_train_steps(num_steps, self.timestep_fraction, self.sde_window_at(num_steps, iteration))
 
 
 def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:
@@ -126,12 +166,25 @@ class LogConfig:
     keep_last: int = field(default=2, metadata=_help("Checkpoints kept (older ones are deleted)."))
     tensorboard: bool = field(default=True, metadata=_help("Write TensorBoard events (needs the tensorboard package)."))
     progress: bool = field(default=True, metadata=_help("Show a progress bar."))
+    wandb: bool = field(default=False, metadata=_help(
+        "Also log to Weights & Biases (pip install 'jagg[wandb]'): the config, every metric under its TensorBoard name, "
+        "the sample grids; --resume continues the same wandb run (its id is run.json's run_id)."))
+    wandb_project: str = field(default="jagg", metadata=_help("wandb project of the run."))
+    wandb_entity: str | None = field(default=None, metadata=_help("wandb entity (user or team; null: wandb's default)."))
+    wandb_mode: str | None = field(default=None, metadata=_help(
+        "wandb mode: online, offline (files only, `wandb sync` later) or disabled; null: wandb's own choice "
+        "($WANDB_MODE, else online)."))
 
     def __post_init__(self):
         if not self.output_dir:
             raise ValueError("log.output_dir must be set")
         if self.checkpoint_every < 0 or self.keep_last < 1:
             raise ValueError("log.checkpoint_every must be >= 0 and log.keep_last >= 1")
+        if not self.wandb_project or (self.wandb_entity is not None and not self.wandb_entity):
+            raise ValueError(f"log.wandb_project must be a name and log.wandb_entity a name or null; got "
+                             f"{self.wandb_project!r} and {self.wandb_entity!r}")
+        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"log.wandb_mode must be one of {WANDB_MODES} or null; got {self.wandb_mode!r}")
 
 
 @dataclass

@@ -62,9 +62,11 @@ class ShapesSampler:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.np_rng = np.random.default_rng(cfg.seed)
 
-    def draw(self) -> Draw:
-        """The prompts, initial noise, trained steps and SDE mask of one iteration (:func:`~jagg.trainers.base.draw_batch`)."""
-        return draw_batch(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng, self.gen)
+    def draw(self, iteration: int = 0) -> Draw:
+        """The prompts, initial noise, trained steps and SDE mask of iteration ``iteration`` (counted from 0; it decides
+        a sliding SDE window: :func:`~jagg.trainers.base.draw_batch`)."""
+        return draw_batch(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng, self.gen,
+                          iteration)
 
     def rollout(self, draw: Draw) -> Rollout:
         """The trajectories of ``draw`` (SDE noise from :attr:`gen`); the conditioning is the prompt tokens ``[B, L]``."""
@@ -75,9 +77,9 @@ class ShapesSampler:
                                    check_finite=False, sde_type=c.sde_type)
         return Rollout(draw.prompts, slice(0, len(draw.prompts)), traj, tokens)
 
-    def sample(self) -> Rollout:
-        """One iteration's batch, drawn and sampled (:meth:`draw`, :meth:`rollout`)."""
-        return self.rollout(self.draw())
+    def sample(self, iteration: int = 0) -> Rollout:
+        """The batch of iteration ``iteration``, drawn and sampled (:meth:`draw`, :meth:`rollout`)."""
+        return self.rollout(self.draw(iteration))
 
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         """The reward of the rollout's final images: ``(scores [B], info)``."""
@@ -114,7 +116,7 @@ class ShapesGRPO(GRPO):
         self.pick_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
 
     def draw_batch(self) -> Draw:
-        return self.sampler.draw()
+        return self.sampler.draw(self.iteration)
 
     def rollout(self, draw: Draw) -> Rollout:
         return self.sampler.rollout(draw)
@@ -217,11 +219,12 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
                                                     e.images_per_prompt, e.num_steps, s.guidance_scale, e.seed,
                                                     s.shift, with_scores=True)
         n = min(e.grid_size, len(images))
-        save_grid(images[:n], self.out / "samples" / f"eval_{self.iteration:06d}.png", prompts=prompts[:n],
-                  rewards=scores[:n])
+        grid = self.out / "samples" / f"eval_{self.iteration:06d}.png"
+        save_grid(images[:n], grid, prompts=prompts[:n], rewards=scores[:n])
         rec = {"kind": "eval", "iteration": self.iteration, "wall_s": self.wall, "eval_s": time.perf_counter() - t0,
                **metrics}
         self.logger.log(rec)
+        self.logger.image("images/eval", grid, self.iteration)
         plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
                           f"GRPO ({self.cfg.estimator.mode}) on the shapes world")
         self.warn_collapse()
@@ -248,8 +251,11 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         before = generate(load_model(self.cfg.model.checkpoint, use_ema=True), prompts, e.num_steps, s.guidance_scale,
                           e.seed, s.shift)
         after = generate(self.eval_model(), prompts, e.num_steps, s.guidance_scale, e.seed, s.shift)
-        return save_comparison(before, after, prompts, self.out / "samples" / "comparison.png",
-                               ("iteration 0", f"iteration {self.iteration}"), ncol=min(8, e.grid_size))
+        path = self.out / "samples" / "comparison.png"
+        means = save_comparison(before, after, prompts, path, ("iteration 0", f"iteration {self.iteration}"),
+                                ncol=min(8, e.grid_size))
+        self.logger.image("images/comparison", path, self.iteration)
+        return means
 
     def before_training(self) -> None:
         if self.iteration == 0 and self.cfg.eval.every:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..checks import check_eta, check_positive, is_finite_number
 from ..schedule import SHIFT_HINT
-from .sections import SAMPLE_KEYS, LogConfig, RewardConfig, SampleBatch, TrainerSections, _help
+from .sections import SAMPLE_KEYS, LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, sde_window_field
 
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
 
@@ -89,8 +89,11 @@ class SampleConfig(SampleBatch):
     shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt group."))
     timestep_fraction: float = field(default=1.0, metadata=_help(
         "Train the first fraction of the steps (all steps are SDE steps)."))
-    sde_window: list[int] | None = field(default=None, metadata=_help(
-        "[start, end): only these steps are SDE steps and trained; the rest are ODE steps (Flow-GRPO-Fast)."))
+    sde_window: list[int] | None = sde_window_field("sde_window")
+    sde_window_schedule: str = sde_window_field("sde_window_schedule")
+    sde_window_size: int | None = sde_window_field("sde_window_size")
+    sde_window_stride: int = sde_window_field("sde_window_stride")
+    sde_window_every: int = sde_window_field("sde_window_every")
     micro_batch: int = field(default=32, metadata=_help("Rows per network call while sampling."))
     prompts_file: str | None = field(default=None, metadata=_help(
         "Text file of training prompts, one per line (default: the world's train split)."))

@@ -10,13 +10,23 @@ from pathlib import Path
 import numpy as np
 
 
+def scalars(record: dict) -> dict:
+    """The finite numbers of a metrics record (not ``iteration``) under the names TensorBoard and wandb show them,
+    ``<kind>/<key>`` (``train/reward_mean``)."""
+    kind = record.get("kind", "train")
+    return {f"{kind}/{k}": v for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration" and math.isfinite(v)}
+
+
 class MetricsLogger:
-    """Appends one JSON record per line to ``metrics.jsonl``; mirrors numeric values to TensorBoard.
+    """Appends one JSON record per line to ``metrics.jsonl``; mirrors its numbers (:func:`scalars`) to TensorBoard
+    and, given a :class:`jagg.training.wandb_run.WandbRun`, to wandb, with the sample grids (:meth:`image`).
 
     On resume, records after the resumed iteration are dropped so the file reads as one uninterrupted run.
     """
 
-    def __init__(self, out_dir: Path, tensorboard: bool = True, resume_iteration: int | None = None):
+    def __init__(self, out_dir: Path, tensorboard: bool = True, resume_iteration: int | None = None, wandb=None):
+        self.wandb = wandb
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_iteration is None:
@@ -36,12 +46,18 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        numbers = scalars(record)
         if self.tb is not None:
-            kind = record.get("kind", "train")
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration" and math.isfinite(v):
-                    self.tb.add_scalar(f"{kind}/{k}", v, record["iteration"])
+            for name, v in numbers.items():
+                self.tb.add_scalar(name, v, record["iteration"])
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(record["iteration"], numbers)
+
+    def image(self, key: str, path: Path, iteration: int) -> None:
+        """The sample grid written to ``path`` at ``iteration``, to wandb as the image ``key`` (when logging there)."""
+        if self.wandb is not None:
+            self.wandb.image(key, path, iteration)
 
     def records(self, kind: str | None = None) -> list[dict]:
         rows = [json.loads(l) for l in self.path.read_text().splitlines() if l]
@@ -50,6 +66,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 def plot_reward_curve(records: list[dict], path: Path, title: str = "reward") -> None:
