@@ -97,7 +97,7 @@ class RewardConfig:
         "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility, and the preference models "
         "clip_score, pickscore, hpsv2, aesthetic), its options after a colon (pickscore:path=/models/PickScore_v1,"
         "batch_size=16; jagg.rewards.registry), or module:function (geneval when neither name nor weights is set)."))
-    weights: dict | None = field(default=None, metadata=_help(
+    weights: dict[str, float] | None = field(default=None, metadata=_help(
         "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1} (a key may carry options: "
         "'pickscore:path=/models/PickScore_v1'); a component of weight 0 is computed and reported (reward/<name>, the "
         "name without its options) but not trained. Set this or name, not both."))
@@ -106,10 +106,13 @@ class RewardConfig:
         if self.name and self.weights:
             raise ValueError(f"set reward.name or reward.weights, not both (name {self.name!r}, weights "
                              f"{self.weights}): for a single reward add --set reward.weights=null")
+        if self.name == "" or self.weights == {}:
+            raise ValueError(f"reward.{'name' if self.name == '' else 'weights'} is empty; give a reward (or null "
+                             "for the default, geneval)")
         if not self.name and not self.weights:
             self.name = "geneval"
         try:
-            check_spec(self.spec)                       # a registered reward's options, before anything loads
+            check_spec(self.spec)          # every name known, its options and weights, before anything loads
         except ValueError as e:
             raise ValueError(f"reward.{'weights' if self.weights else 'name'}: {e}") from None
 
