@@ -230,17 +230,17 @@ def test_save_grid_captions_prompt_and_reward(tmp_path, capsys, tiny_ckpt):
 
 def test_eval_defaults_are_the_main_jobs_evaluation():
     """`jagg eval --checkpoint runs/default` evaluates as the trainer did: same guidance, steps, images, seed."""
-    from jagg.cli import _main_job_defaults, build_parser
+    from jagg.cli import build_parser, main_job_defaults
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
     from jagg.training import config_loader
 
     main = config_loader.load(ShapesTrainConfig, str(main_job_path()), [])
     a = build_parser().parse_args(["eval"])
-    _main_job_defaults(a)
+    main_job_defaults(a, eval_seed=True)
     assert (a.guidance_scale, a.steps, a.images_per_prompt, a.seed, a.shift) == (
         main.sample.guidance_scale, main.eval.num_steps, main.eval.images_per_prompt, main.eval.seed, main.sample.shift)
     s = build_parser().parse_args(["sample", "--prompt", "a red circle", "--guidance-scale", "2.5"])
-    _main_job_defaults(s)
+    main_job_defaults(s, eval_seed=False)
     assert s.guidance_scale == 2.5 and s.seed == 0 and s.steps == main.eval.num_steps
 
 

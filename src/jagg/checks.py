@@ -137,6 +137,14 @@ def check_unique_names(names: list[str], reserved: tuple[str, ...] | dict, flag:
         seen.add(name)
 
 
+def check_no_repeats(values: list[str], flag: str) -> None:
+    """Raise when a value is given to ``flag`` twice (``--rewards``, ``--variants``): each would be measured twice
+    under one name."""
+    repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"{flag}: {repeated!r} is given twice; give each once")
+
+
 def check_output_file(path: str | Path, flag: str, overwrite: bool = False, suffixes: tuple[str, ...] = ()) -> Path:
     """The file a command will write for ``flag`` (``--out``, ``--json``), checked before any work: a non-empty path
     that is not a directory, whose parent is not a file, ending in one of ``suffixes`` (when given), and that does not

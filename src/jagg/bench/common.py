@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..knots import intervals_of
+from ..training.atomic import atomic_write_text
 
 # ----------------------------------------------------------------------------- the cost model (docs/design.md §3)
 
@@ -226,10 +227,9 @@ def _json_safe(v):
 
 
 def write_json(path: str | Path, records) -> None:
-    """Write ``records`` as indented JSON (NaN and infinity become null)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe(records), indent=1) + "\n")
+    """Write ``records`` as indented JSON (NaN and infinity become null), atomically
+    (:func:`jagg.training.atomic.atomic_write_text`)."""
+    atomic_write_text(path, json.dumps(_json_safe(records), indent=1) + "\n")
 
 
 def json_if_asked(path: str | Path | None, records) -> None:

@@ -33,7 +33,8 @@ deterministic estimator). Per estimator:
 Estimators: ``exact`` (the reference, always), ``config`` (the config's estimator), ``plain`` (the config's with
 ``correction_p=0``, the paper's JAGG), ``subsample`` (random timestep subsampling at the config's rows per sample,
 DanceGRPO's timestep_fraction: the baseline a user would pick instead), or ``NAME:KEY=VALUE,...`` (estimator keys on
-top of the config's, e.g. ``w8:window=8,correction_p=0.1``). Standard errors are jackknife over batches.
+top of the config's, e.g. ``w8:window=8,correction_p=0.1``; every name once, a defined one not a built-in name).
+Standard errors are jackknife over batches.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import yaml
 
 from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import adam_efficiency, error_noise_stats, extrapolate, flat_grad, predicted_efficiency
+from ..checks import check_unique_names
 from ..estimator import policy_gradient
 from ..estimator_config import EstimatorConfig
 from ..knots import layout_intervals, plan_update
@@ -67,6 +69,7 @@ def parse_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorCon
     name, _, rest = spec.partition(":")
     if not name:
         raise ValueError(f"--estimator {spec!r}: give a name, e.g. w8:window=8")
+    check_unique_names([spec], BUILT_IN, "--estimator")
     if not rest:
         if name not in BUILT_IN:
             raise ValueError(f"--estimator {spec!r}: unknown name; built in: {', '.join(BUILT_IN)}, or give "
@@ -84,6 +87,13 @@ def parse_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorCon
             raise ValueError(f"--estimator {spec!r}: {item!r} is not KEY=VALUE")
         kv[key] = yaml.safe_load(value)
     return name, configuration.from_dict(EstimatorConfig, {**base.to_dict(), **kv}, "estimator")
+
+
+def parse_estimators(specs: list[str], base: EstimatorConfig) -> dict[str, EstimatorConfig | None]:
+    """``exact`` and the ``--estimator`` specs -> ``{name: config}`` (:func:`parse_estimator`), every name once
+    (``exact``, always measured, may be given too)."""
+    check_unique_names(specs, BUILT_IN, "--estimator")
+    return dict(parse_estimator(s, base) for s in ["exact", *[s for s in specs if s != "exact"]])
 
 
 def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) -> float:
@@ -146,7 +156,7 @@ def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float) ->
 def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None) -> list[dict]:
     """One record per estimator (module docstring)."""
     check_sizes(batches, draws, target_batch)
-    ests = dict(parse_estimator(s, cfg.estimator) for s in ["exact", *[s for s in specs if s != "exact"]])
+    ests = parse_estimators(specs, cfg.estimator)
     sampler = ShapesSampler(cfg)
     grads = {name: [] for name in ests}        # name -> per batch [draws, P]
     train_s = {name: [] for name in ests}
@@ -271,7 +281,7 @@ def _run(args: argparse.Namespace) -> int:
     specs = args.estimator or ["config", "plain", "subsample"]
     batches = args.batches if args.batches is not None else (3 if args.quick else 6)
     draws = args.draws if args.draws is not None else (2 if args.quick else 4)
-    if args.by_interval:                                  # every argument is checked before the first batch
+    if args.by_interval is not None:                      # every argument is checked before the first batch
         check_sizes(batches, draws, args.target_batch)
         by_interval_estimator(args.by_interval, cfg.estimator)
     records = measure(cfg, specs, batches, draws, args.target_batch)
@@ -284,7 +294,7 @@ def _run(args: argparse.Namespace) -> int:
     print("time eff.: plain SGD's variance model; Adam time eff.: the trainers' AdamW (the step normalised by the "
           "noise), for an estimator whose repeating error is not significant (bias z < 2); both predict from this "
           "checkpoint's gradients, paired seeds measure (docs/design.md §3.8)")
-    if args.by_interval:
+    if args.by_interval is not None:
         parts = by_interval(cfg, args.by_interval, batches, draws)
         print(f"\nwhere {args.by_interval.split(':')[0]}'s error lives: each interval's terms alone, against the whole "
               "update's noise V_b")

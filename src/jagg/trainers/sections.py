@@ -81,13 +81,17 @@ class GRPOConfig:
         "Skip training on prompt groups whose rewards are all equal (no signal)."))
     max_consecutive_skips: int = field(default=5, metadata=_help(
         "Abort after this many consecutive updates skipped for a non-finite loss or gradient (0 = never)."))
+    max_empty_iterations: int = field(default=10, metadata=_help(
+        "Abort after this many consecutive iterations that trained no sample (no prompt group with reward spread, "
+        "e.g. every reward weight 0); the first is warned about with its reason (0 = never abort)."))
 
     def __post_init__(self):
         for name in ("iterations", "inner_epochs", "updates_per_epoch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"grpo.{name} must be >= 1; got {getattr(self, name)}")
-        if self.max_consecutive_skips < 0:
-            raise ValueError(f"grpo.max_consecutive_skips must be >= 0; got {self.max_consecutive_skips}")
+        for name in ("max_consecutive_skips", "max_empty_iterations"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"grpo.{name} must be >= 0 (0 = never); got {getattr(self, name)}")
         check_positive(self.adv_clip_max, "grpo.adv_clip_max")
 
 

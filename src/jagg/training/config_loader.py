@@ -192,7 +192,7 @@ def read_yaml(path: str | Path) -> dict:
     and ``ValueError`` naming the file (and the line and column of a syntax error) for anything unreadable."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"config file {str(p)!r} {'is not a file' if p.exists() else 'not found'}; pass a "
+        raise FileNotFoundError(f"config file {str(path)!r} {'is not a file' if p.exists() else 'not found'}; pass a "
                                 "YAML file to --config (the real-model examples are in the repository's configs/)")
     text = read_text(p, "config file")
     try:
