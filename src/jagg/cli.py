@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     (``jagg train``'s loop itself finishes the iteration, saves and exits 0)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    command = f"jagg {args.command}"
+    command = " ".join(["jagg", args.command, *([args.bench_command] if args.command == "bench" else [])])
     try:
         if args.command in ("sample", "eval"):
             main_job_defaults(args, eval_seed=args.command == "eval")

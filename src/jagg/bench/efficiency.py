@@ -64,15 +64,16 @@ BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
 
 
-def parse_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorConfig | None]:
-    """``NAME`` (built in) or ``NAME:KEY=VALUE,...`` -> (name, config); ``subsample`` is resolved later (None)."""
+def parse_estimator(spec: str, base: EstimatorConfig, flag: str = "--estimator") -> tuple[str, EstimatorConfig | None]:
+    """``NAME`` (built in) or ``NAME:KEY=VALUE,...`` -> (name, config); ``subsample`` is resolved later (None); errors
+    name the option ``flag``."""
     name, _, rest = spec.partition(":")
     if not name:
-        raise ValueError(f"--estimator {spec!r}: give a name, e.g. w8:window=8")
-    check_unique_names([spec], BUILT_IN, "--estimator")
+        raise ValueError(f"{flag} {spec!r}: give a name, e.g. w8:window=8")
+    check_unique_names([spec], BUILT_IN, flag)
     if not rest:
         if name not in BUILT_IN:
-            raise ValueError(f"--estimator {spec!r}: unknown name; built in: {', '.join(BUILT_IN)}, or give "
+            raise ValueError(f"{flag} {spec!r}: unknown name; built in: {', '.join(BUILT_IN)}, or give "
                              "NAME:KEY=VALUE,... of estimator keys")
         if name == "exact":
             return name, dataclasses.replace(base, mode="exact")
@@ -84,7 +85,7 @@ def parse_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorCon
         key, eq, value = item.partition("=")
         key = key.strip().removeprefix("estimator.")
         if not eq or not key:
-            raise ValueError(f"--estimator {spec!r}: {item!r} is not KEY=VALUE")
+            raise ValueError(f"{flag} {spec!r}: {item!r} is not KEY=VALUE")
         kv[key] = yaml.safe_load(value)
     return name, configuration.from_dict(EstimatorConfig, {**base.to_dict(), **kv}, "estimator")
 
@@ -210,7 +211,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
 
 def by_interval_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorConfig]:
     """``--by-interval``'s estimator (:func:`parse_estimator`), which must be a JAGG one."""
-    name, est = parse_estimator(spec, base)
+    name, est = parse_estimator(spec, base, "--by-interval")
     if est is None or est.mode != "jagg":
         raise ValueError(f"--by-interval {spec!r}: give a JAGG estimator (config, plain or NAME:KEY=VALUE,...)")
     return name, est

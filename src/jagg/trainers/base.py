@@ -525,7 +525,7 @@ class GRPOTrainer(GRPO):
             self._print(f"\nwarning, iteration {self.iteration}: no sample was trained: {why}{stops}")
         if limit and self.consecutive_empty >= limit:
             return TrainingAborted(f"{limit} iterations in a row trained no sample: {why}; fix the config and start a "
-                                   f"new run ({self.hints.other_dir}, or {self.hints.start_over})")
+                                   f"new run: {self.hints.other_dir}, or {self.hints.start_over}")
         return None
 
     def stop_requested(self) -> bool:
