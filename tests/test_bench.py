@@ -164,9 +164,11 @@ def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
         assert {"diff_vs_exact", "train_start", "train_end", "drifted", "within_exact_interval"} <= set(r)
     assert (out / "quality.png").stat().st_size > 0
     capsys.readouterr()
-    assert main(args) == 0                                      # finished runs are skipped
+    assert main(args) == 2                                      # the comparison's files are not replaced ...
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(args + ["--overwrite"]) == 0                    # ... unless asked; finished runs are skipped
     assert capsys.readouterr().out.count("already done") == 6
-    assert main(args + ["--set", "optim.lr=0.5"]) == 2          # ... but not reused under another config
+    assert main(args + ["--overwrite", "--set", "optim.lr=0.5"]) == 2   # ... but not reused under another config
     assert "optim.lr" in capsys.readouterr().err
     assert main(args + ["--train-only", "jagg_fresh"]) == 0     # one variant's runs (already done: skipped)
     assert capsys.readouterr().out.count("already done") == 2

@@ -171,7 +171,7 @@ def _pretrain_out(out: str, overwrite: bool, steps: int, snapshot_every: int) ->
     check_output_file(out, "--out", overwrite, (".safetensors",))
     if snapshot_every and not overwrite and path.parent.is_dir():
         snapshot = re.compile(rf"{re.escape(path.stem)}\.step(\d+)\.safetensors")
-        taken = sorted(p.name for p in path.parent.iterdir() if (m := snapshot.fullmatch(p.name))
+        taken = sorted(str(p) for p in path.parent.iterdir() if (m := snapshot.fullmatch(p.name))
                        and int(m.group(1)) % snapshot_every == 0 and int(m.group(1)) < steps)
         if taken:
             raise ValueError(f"--out {out}: snapshot_every={snapshot_every} would replace {', '.join(sorted(taken))}; "
