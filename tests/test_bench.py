@@ -262,7 +262,7 @@ def test_bench_signal_compares_estimators_on_the_same_batches(tmp_path, bench_ck
             "estimator.window=4", "estimator.jagg_frac=1.0"]
     for mode, same in (("exact", True), ("jagg", False)):
         args = ["bench", "signal", "--batches", "3", "--rewards", "reward_plugins:brightness", "--estimators",
-                "config", "exact", "--json", str(out)]
+                "config", "exact", "--json", str(out), "--overwrite"]
         assert main(args + [a for s in base + [f"estimator.mode={mode}"] for a in ("--set", s)]) == 0
         recs = {r["estimator"]: r for r in json.loads(out.read_text())}
         assert set(recs) == {"config", "exact", "config x exact", "error (config - exact)"}
@@ -309,7 +309,7 @@ def test_bench_paired(tiny_ckpt, tmp_path):
     js = tmp_path / "paired.json"
     args = [tiny_ckpt, str(other), "--images-per-prompt", "1", "--steps", "2", "--reward", "jpeg_compressibility"]
     assert mod.main(args + ["--json", str(js)]) == 0
-    r = paired.compare(paired.add_arguments(argparse.ArgumentParser()).parse_args(args))
+    r = paired.compare(paired.resolve(paired.add_arguments(argparse.ArgumentParser()).parse_args(args)))
     a, s, h = r["all"], r["seen_pairs"], r["held_out_pairs"]
     assert a["diff"] != 0 and a["ci95"][0] <= a["diff"] <= a["ci95"][1]
     assert abs(a["diff"] * 69 - s["diff"] * s["prompts"] - h["diff"] * h["prompts"]) < 1e-9

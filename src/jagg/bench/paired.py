@@ -63,15 +63,22 @@ QUICK = {"images_per_prompt": 1, "steps": 2, "bootstrap": 50}       # --quick: a
 BOOTSTRAP = 2000
 
 
-def run(args: argparse.Namespace) -> int:
-    """The command: fill the options not given (``--quick``'s, then the main job's evaluation settings), check the
-    ``--json`` file, compare, print, and write ``--json``."""
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options not given: ``--quick``'s smoke sizes (never over an explicit value), then the main job's
+    evaluation settings (:func:`jagg.cli.main_job_defaults`); returns ``args``."""
     from ..cli import main_job_defaults
 
     for k, v in (QUICK if args.quick else {"bootstrap": BOOTSTRAP}).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     main_job_defaults(args, eval_seed=True)
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command: fill the options not given (:func:`resolve`), check the ``--json`` file, compare, print, and
+    write ``--json``."""
+    resolve(args)
     if args.json is not None:
         check_output_file(args.json, "--json", args.overwrite)
     set_threads(args.threads)
