@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, TrainingAborted):
             print(f"{command}: aborted: {e}", file=sys.stderr)
             return 1
-        if "can't allocate memory" in str(e) or "out of memory" in str(e).lower():   # torch's allocators
+        if any(s in str(e).lower() for s in ("can't allocate memory", "out of memory", "storage size calculation "
+                                             "overflowed")):   # torch's allocators: a size no memory holds
             print(f"{command}: error: out of memory ({' '.join(str(e).split())[:200]}); lower the sizes (batch, "
                   "steps, model)", file=sys.stderr)
             return 2

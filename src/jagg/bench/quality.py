@@ -170,7 +170,7 @@ def _num_test_prompts() -> int:
 
 
 # what the runs' refusals and notes tell the user to do: the bench has no --resume and keeps its runs in --out
-HINTS = RunHints(continue_run="rerun the same jagg bench quality command to continue it", other_dir="use another --out",
+HINTS = RunHints(continue_run="rerun the same jagg bench quality command to continue", other_dir="use another --out",
                  start_over="move that run directory away and rerun")
 
 

@@ -52,7 +52,7 @@ class RunHints:
     (the defaults, :data:`TRAIN`), or another command's (``jagg bench quality`` keeps its runs in ``--out`` and has
     neither ``--resume`` nor ``--output-dir``)."""
 
-    continue_run: str = "continue it with --resume"
+    continue_run: str = "continue with --resume"
     other_dir: str = "use another --output-dir"
     start_over: str = "start over with --overwrite (moves the old run aside, deletes nothing)"
 
