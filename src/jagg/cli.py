@@ -174,7 +174,7 @@ def _pretrain_out(out: str, overwrite: bool, steps: int, snapshot_every: int) ->
         taken = sorted(str(p) for p in path.parent.iterdir() if (m := snapshot.fullmatch(p.name))
                        and int(m.group(1)) % snapshot_every == 0 and int(m.group(1)) < steps)
         if taken:
-            raise ValueError(f"--out {out}: snapshot_every={snapshot_every} would replace {', '.join(sorted(taken))}; "
+            raise ValueError(f"--out {out}: snapshot_every={snapshot_every} would replace {', '.join(taken)}; "
                              "pass --overwrite to replace them, or choose another --out")
     return path
 

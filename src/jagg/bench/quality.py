@@ -212,7 +212,7 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     print(f"quality: {variant} seed {seed}: training {cfg.grpo.iterations} iterations into {out}", flush=True)
     try:
         records = QualityRun.run(cfg, resume=True)
-    except ValueError as e:                   # a config that cannot continue the run (check_resumable)
+    except ValueError as e:                   # any refusal of the run (its directory, its config): named by it
         raise ValueError(f"run {out}: {e}") from None
     result = {**summarize(records, cfg, variant, seed), "config": to_dict(cfg)}
     write_json(done, result)

@@ -59,6 +59,7 @@ class RunHints:
 
 TRAIN = RunHints()
 
+
 def new_run_id() -> str:
     """A run id: the start time and 6 random hex digits, e.g. ``20261201-143012-9f3a1c``."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
@@ -93,10 +94,9 @@ def run_contents(out: Path, hints: RunHints = TRAIN) -> list[str]:
     try:
         if metrics.is_file() and metrics.stat().st_size > 0:
             scan = scan_records(metrics)
-            n = len(scan.records)
-            bad = f" (and {len(scan.bad)} line{'s' * (len(scan.bad) != 1)} that {'are' if len(scan.bad) != 1 else 'is'} " \
-                  "not a record)" if scan.bad else ""
-            found.append(f"metrics.jsonl with {n} record{'s' * (n != 1)}{bad}")
+            n, bad = len(scan.records), len(scan.bad)
+            found.append(f"metrics.jsonl with {n} record{'s' * (n != 1)}"
+                         + (f" (and {bad} line{'s' * (bad != 1)} not a record)" if bad else ""))
         ckpts = list_checkpoints(out / "checkpoints")
         if ckpts:
             found.append(f"{len(ckpts)} checkpoint{'s' * (len(ckpts) != 1)} (newest {ckpts[-1].name})")
