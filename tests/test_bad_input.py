@@ -114,7 +114,8 @@ def test_every_number_is_checked_in_the_dtype_it_is_used_in(tmp_path, tiny_ckpt,
                           ([f"sample.prompts_per_iter={10**19 + 7}"], "sample.prompts_per_iter"),
                           ([f"sample.eta=1{'0' * 400}"], "sample.eta"), (["seed=-1"], "seed"),
                           ([f"seed={SEED_MAX + 1}"], "seed"), (["eval.seed=-3"], "eval.seed"),
-                          (["reward.weights={jpeg_compressibility: 1.0e39}"], "reward.weights.jpeg_compressibility")):
+                          (["reward.weights={jpeg_compressibility: 1.0e39}"], "reward.weights.jpeg_compressibility"),
+                          ([f"threads={2**40}"], "threads must be in [0, 1024]")):
         line = _refused(_train(tiny_ckpt, run, 1, *sets), capsys, culprit)
         assert len(line) < 400
     assert _files(tmp_path) == before and not run.exists()
@@ -125,6 +126,8 @@ def test_every_number_is_checked_in_the_dtype_it_is_used_in(tmp_path, tiny_ckpt,
                           (["bench", "speed", "--batch", str(10**20)], "--batch"),
                           (["bench", "quality", "--first-seed", "-2"], "--first-seed"),
                           (["bench", "fidelity", "--fracs", "1e39"], "--fracs"),
+                          (["bench", "efficiency", "--batches", str(2**63)], "--batches"),
+                          (["bench", "paired", tiny_ckpt, tiny_ckpt, "--threads", "5000"], "--threads"),
                           (["pretrain", "--out", "x.safetensors", "--set", "train.seed=-1"], "train.seed"),
                           (["pretrain", "--out", "x.safetensors", "--set", f"model.dim={2**63}"], "model.dim")):
         _refused(argv, capsys, culprit)

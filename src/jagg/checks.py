@@ -55,6 +55,7 @@ FLOAT32_TINY = float(np.finfo(np.float32).tiny)    # 1.2e-38: the smallest norma
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1            # integers end up in int64 tensors and numpy arrays
 SEED_MAX = 2**32 - 1                               # seeds: numpy's generators need >= 0, and the seeds derived from one
                                                    # (seed * 1_000_003 + iteration, ...) must fit torch's 64 bits
+MAX_THREADS = 1024                                 # torch threads: a C int, and each one a real thread
 
 
 def _named(name: str, text: str) -> str:
@@ -89,6 +90,13 @@ def check_seed(value, name: str = "") -> None:
     """Raise unless ``value`` is an integer seed in ``[0, SEED_MAX]`` (:data:`SEED_MAX`)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= SEED_MAX:
         raise ValueError(f"{name + ' ' if name else ''}must be an integer in [0, {SEED_MAX}] (a seed); got {shown(value)}")
+
+
+def check_threads(value: int, name: str) -> None:
+    """Raise unless ``value`` is a number of torch CPU threads in ``[0, MAX_THREADS]`` (0: torch's default)."""
+    if not 0 <= value <= MAX_THREADS:
+        raise ValueError(f"{name} must be in [0, {MAX_THREADS}] (torch CPU threads; 0 = torch's default); got "
+                         f"{shown(value)}")
 
 
 def parse_number(text: str, kind: type = float, low: float | None = None, strict: bool = False,

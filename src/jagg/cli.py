@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checks import check_output_file, number_arg
+from .checks import check_output_file, check_threads, number_arg
 from .training import config_loader as configuration
 from .shapes.pretrain import PretrainConfig
 from .trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section, load_config
@@ -121,8 +121,9 @@ class PretrainRunConfig:
     train: PretrainConfig = field(default_factory=PretrainConfig)
 
     def __post_init__(self):
-        if self.threads < 0 or self.snapshot_every < 0:
-            raise ValueError(f"threads and snapshot_every must be >= 0; got {self.threads}, {self.snapshot_every}")
+        check_threads(self.threads, "threads")
+        if self.snapshot_every < 0:
+            raise ValueError(f"snapshot_every must be >= 0 (0 = off); got {self.snapshot_every}")
         self.model_config()                          # the architecture's keys checked as any config's, at load
 
     def model_config(self):

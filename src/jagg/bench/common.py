@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..checks import check_threads
 from ..knots import intervals_of
 from ..training.atomic import atomic_write_text
 
@@ -79,8 +80,7 @@ def resolve_device(name: str) -> torch.device:
 
 def set_threads(threads: int) -> None:
     """``torch.set_num_threads(threads)`` when ``threads > 0`` (0 keeps torch's default)."""
-    if threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0 = torch's default); got {threads}")
+    check_threads(threads, "--threads")
     if threads:
         torch.set_num_threads(threads)
 

@@ -51,7 +51,7 @@ import yaml
 
 from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import adam_efficiency, error_noise_stats, extrapolate, flat_grad, predicted_efficiency
-from ..checks import check_unique_names
+from ..checks import check_unique_names, number_arg
 from ..estimator import policy_gradient
 from ..estimator_config import EstimatorConfig
 from ..knots import layout_intervals, plan_update
@@ -316,9 +316,10 @@ def add_parser(sub) -> None:
     p.add_argument("--estimator", action="append", metavar="NAME[:KEY=VALUE,...]",
                    help="an estimator (repeatable): config, plain, subsample, or NAME:KEY=VALUE,... of estimator "
                         "keys on top of the config's; exact is always measured [default: config plain subsample]")
-    p.add_argument("--batches", type=int, help="independent batches (>= 3) [default: 6; 3 with --quick]")
-    p.add_argument("--draws", type=int, help="draws of a random estimator per batch [default: 4; 2 with --quick]")
-    p.add_argument("--target-batch", type=int, help="samples per update to extrapolate to [default: the config's "
+    p.add_argument("--batches", type=number_arg(int, 3), help="independent batches (>= 3) [default: 6; 3 with --quick]")
+    p.add_argument("--draws", type=number_arg(int, 1),
+                   help="draws of a random estimator per batch [default: 4; 2 with --quick]")
+    p.add_argument("--target-batch", type=number_arg(int, 1), help="samples per update to extrapolate to [default: the config's "
                    "sample.prompts_per_iter x sample.group_size / grpo.updates_per_epoch]")
     p.add_argument("--by-interval", metavar="NAME[:KEY=VALUE,...]",
                    help="also break this JAGG estimator's error down by the intervals of its layout (where does it "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..checks import Keys, check_group_size, check_positive, check_sde_steps, check_sde_type
+from ..checks import Keys, check_group_size, check_positive, check_sde_steps, check_sde_type, check_threads
 from ..estimator_config import EstimatorConfig
 from ..rewards.registry import check_spec
 
@@ -156,6 +156,5 @@ class TrainerSections:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self):
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0; got {self.threads}")
+        check_threads(self.threads, "threads")
         check_updates_divide_batch(self.sample.batch_size, self.grpo.updates_per_epoch)
