@@ -83,13 +83,15 @@ def check_float32(value: float, name: str = "") -> None:
 def check_int64(value: int, name: str = "") -> None:
     """Raise unless the integer ``value`` fits int64, the dtype integers are used in (tensor sizes, numpy arrays)."""
     if not INT64_MIN <= value <= INT64_MAX:
-        raise ValueError(_named(name, f"{shown(value)} does not fit a 64-bit integer, the dtype it is used in (|x| < 2**63)"))
+        raise ValueError(_named(name, f"{shown(value)} does not fit a 64-bit integer, the dtype it is used in "
+                                      "(|x| < 2**63)"))
 
 
 def check_seed(value, name: str = "") -> None:
     """Raise unless ``value`` is an integer seed in ``[0, SEED_MAX]`` (:data:`SEED_MAX`)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= SEED_MAX:
-        raise ValueError(f"{name + ' ' if name else ''}must be an integer in [0, {SEED_MAX}] (a seed); got {shown(value)}")
+        raise ValueError(f"{name + ' ' if name else ''}must be an integer in [0, {SEED_MAX}] (a seed); got "
+                         f"{shown(value)}")
 
 
 def check_threads(value: int, name: str) -> None:

@@ -319,11 +319,13 @@ def add_parser(sub) -> None:
     p.add_argument("--batches", type=number_arg(int, 3), help="independent batches (>= 3) [default: 6; 3 with --quick]")
     p.add_argument("--draws", type=number_arg(int, 1),
                    help="draws of a random estimator per batch [default: 4; 2 with --quick]")
-    p.add_argument("--target-batch", type=number_arg(int, 1), help="samples per update to extrapolate to [default: the config's "
+    p.add_argument("--target-batch", type=number_arg(int, 1),
+                   help="samples per update to extrapolate to [default: the config's "
                    "sample.prompts_per_iter x sample.group_size / grpo.updates_per_epoch]")
     p.add_argument("--by-interval", metavar="NAME[:KEY=VALUE,...]",
                    help="also break this JAGG estimator's error down by the intervals of its layout (where does it "
                         "live, and does it repeat there?), on the same batches")
     p.add_argument("--json", help="also write the records to this JSON file")
-    p.add_argument("--quick", action="store_true", help=f"a smoke-sized run: 3 batches, 2 draws, {' '.join(QUICK_SETS)}")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke-sized run: 3 batches, 2 draws, {' '.join(QUICK_SETS)}")
     p.set_defaults(func=_run)

@@ -397,7 +397,8 @@ def add_parser(sub) -> None:
                         "N(0,1) per sample, for untrained checkpoints [default: reward]")
     p.add_argument("--no-routing", action="store_true", help="skip the routing study")
     p.add_argument("--no-off-policy", action="store_true", help="skip the off-policy (after one update) comparison")
-    p.add_argument("--seed", type=number_arg(int, seed=True), default=0, help="seed of prompts, noise and the minibatch split [default: 0]")
+    p.add_argument("--seed", type=number_arg(int, seed=True), default=0,
+                   help="seed of prompts, noise and the minibatch split [default: 0]")
     p.add_argument("--device", default="cpu", help="cpu or cuda [default: cpu]")
     p.add_argument("--threads", type=number_arg(int, 0), help="torch CPU threads [default: the config's threads]")
     p.add_argument("--json", help="write the records to this JSON file")

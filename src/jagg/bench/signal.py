@@ -221,7 +221,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rewards", nargs="+", metavar="REWARD",
                    help="rewards to compare on the same trajectories: registry names or module:function "
                         "[default: the config's reward.name, or the components of its reward.weights with a weight > 0]")
-    p.add_argument("--batches", type=number_arg(int, 3), help="independent batches K (>= 3) [default: 8; 3 with --quick]")
+    p.add_argument("--batches", type=number_arg(int, 3),
+                   help="independent batches K (>= 3) [default: 8; 3 with --quick]")
     p.add_argument("--fixed-prompts", action="store_true", help="every batch uses the same prompts")
     p.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=["config"],
                    help="config: the config's estimator; exact: mode=exact; both: also their cross-agreement "
