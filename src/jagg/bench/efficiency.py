@@ -326,6 +326,5 @@ def add_parser(sub) -> None:
                    help="also break this JAGG estimator's error down by the intervals of its layout (where does it "
                         "live, and does it repeat there?), on the same batches")
     p.add_argument("--json", help="also write the records to this JSON file")
-    p.add_argument("--quick", action="store_true",
-                   help=f"a smoke-sized run: 3 batches, 2 draws, {' '.join(QUICK_SETS)}")
+    p.add_argument("--quick", action="store_true", help=f"a smoke-sized run: 3 batches, 2 draws, {' '.join(QUICK_SETS)}")
     p.set_defaults(func=_run)
