@@ -32,3 +32,27 @@ def coin(images, prompts, metadata):
     from jagg.rewards.images import to_uint8
 
     return np.array([zlib.crc32(im.tobytes()) % 1000 / 1000 for im in to_uint8(images)], dtype=np.float32)
+
+
+def constant(images, prompts, metadata):
+    """A reward that gives every image the same score: no prompt group has any spread, so GRPO trains nothing."""
+    import numpy as np
+
+    return np.full(len(prompts), 0.5, dtype=np.float32)
+
+
+SIGINT_AT = -1  # the call number during which the process sends itself SIGINT; -1 = never
+
+
+def sigint_at(images, prompts, metadata):
+    """``jpeg_compressibility``, sending this process SIGINT (Ctrl-C) during call ``SIGINT_AT``."""
+    import os
+    import signal
+
+    from jagg.rewards.registry import jpeg_compressibility
+
+    global CALLS
+    CALLS += 1
+    if CALLS == SIGINT_AT:
+        os.kill(os.getpid(), signal.SIGINT)
+    return jpeg_compressibility(images, prompts, metadata)

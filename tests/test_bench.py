@@ -164,9 +164,11 @@ def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
         assert {"diff_vs_exact", "train_start", "train_end", "drifted", "within_exact_interval"} <= set(r)
     assert (out / "quality.png").stat().st_size > 0
     capsys.readouterr()
-    assert main(args) == 0                                      # finished runs are skipped
+    assert main(args) == 2                                      # the comparison's files are not replaced ...
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(args + ["--overwrite"]) == 0                    # ... unless asked; finished runs are skipped
     assert capsys.readouterr().out.count("already done") == 6
-    assert main(args + ["--set", "optim.lr=0.5"]) == 2          # ... but not reused under another config
+    assert main(args + ["--overwrite", "--set", "optim.lr=0.5"]) == 2   # ... but not reused under another config
     assert "optim.lr" in capsys.readouterr().err
     assert main(args + ["--train-only", "jagg_fresh"]) == 0     # one variant's runs (already done: skipped)
     assert capsys.readouterr().out.count("already done") == 2
@@ -260,7 +262,7 @@ def test_bench_signal_compares_estimators_on_the_same_batches(tmp_path, bench_ck
             "estimator.window=4", "estimator.jagg_frac=1.0"]
     for mode, same in (("exact", True), ("jagg", False)):
         args = ["bench", "signal", "--batches", "3", "--rewards", "reward_plugins:brightness", "--estimators",
-                "config", "exact", "--json", str(out)]
+                "config", "exact", "--json", str(out), "--overwrite"]
         assert main(args + [a for s in base + [f"estimator.mode={mode}"] for a in ("--set", s)]) == 0
         recs = {r["estimator"]: r for r in json.loads(out.read_text())}
         assert set(recs) == {"config", "exact", "config x exact", "error (config - exact)"}
@@ -307,7 +309,7 @@ def test_bench_paired(tiny_ckpt, tmp_path):
     js = tmp_path / "paired.json"
     args = [tiny_ckpt, str(other), "--images-per-prompt", "1", "--steps", "2", "--reward", "jpeg_compressibility"]
     assert mod.main(args + ["--json", str(js)]) == 0
-    r = paired.compare(paired.add_arguments(argparse.ArgumentParser()).parse_args(args))
+    r = paired.compare(paired.resolve(paired.add_arguments(argparse.ArgumentParser()).parse_args(args)))
     a, s, h = r["all"], r["seen_pairs"], r["held_out_pairs"]
     assert a["diff"] != 0 and a["ci95"][0] <= a["diff"] <= a["ci95"][1]
     assert abs(a["diff"] * 69 - s["diff"] * s["prompts"] - h["diff"] * h["prompts"]) < 1e-9

@@ -124,7 +124,7 @@ def test_sampling_options_are_checked_by_the_parser(command, args, msg, capsys):
 def test_bench_quality_checks_every_variant_before_training(tmp_path, capsys):
     out = tmp_path / "q"
     assert main(["bench", "quality", "--quick", "--out", str(out), "--variant", "bad:knots=xyz"]) == 2
-    assert "variant 'bad'" in _one_line_error(capsys, "bench") and not out.exists()
+    assert "variant 'bad'" in _one_line_error(capsys, "bench quality") and not out.exists()
 
 
 def _real_config(tmp_path: Path) -> Path:
@@ -230,17 +230,17 @@ def test_save_grid_captions_prompt_and_reward(tmp_path, capsys, tiny_ckpt):
 
 def test_eval_defaults_are_the_main_jobs_evaluation():
     """`jagg eval --checkpoint runs/default` evaluates as the trainer did: same guidance, steps, images, seed."""
-    from jagg.cli import _main_job_defaults, build_parser
+    from jagg.cli import build_parser, main_job_defaults
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
     from jagg.training import config_loader
 
     main = config_loader.load(ShapesTrainConfig, str(main_job_path()), [])
     a = build_parser().parse_args(["eval"])
-    _main_job_defaults(a)
+    main_job_defaults(a, eval_seed=True)
     assert (a.guidance_scale, a.steps, a.images_per_prompt, a.seed, a.shift) == (
         main.sample.guidance_scale, main.eval.num_steps, main.eval.images_per_prompt, main.eval.seed, main.sample.shift)
     s = build_parser().parse_args(["sample", "--prompt", "a red circle", "--guidance-scale", "2.5"])
-    _main_job_defaults(s)
+    main_job_defaults(s, eval_seed=False)
     assert s.guidance_scale == 2.5 and s.seed == 0 and s.steps == main.eval.num_steps
 
 

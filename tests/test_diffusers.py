@@ -462,8 +462,10 @@ def test_load_model_from_a_local_directory(tmp_path, capsys):
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     cache_cli = ["cache", "--config", str(tmp_path / "cfg.yaml"), "--prompts", str(tmp_path / "prompts.txt")]
     assert pipeline.main(cache_cli + ["--out", str(tmp_path / "cache.safetensors")]) == 0     # python -m ... cache
+    assert pipeline.main(cache_cli + ["--out", str(tmp_path / "cache.safetensors")]) == 2     # never replaced unasked
+    assert "cache.safetensors exists; pass --overwrite" in capsys.readouterr().err
     assert pipeline.main(cache_cli + ["--out", str(tmp_path / "cache.npz")]) == 2
-    assert "--out must end in .safetensors or .pt" in capsys.readouterr().err
+    assert "the file name must end in one of .safetensors, .pt, .pth" in capsys.readouterr().err
     assert pipeline.main(["cache", "--config", str(tmp_path / "cfg.yaml"), "--prompts", str(tmp_path / "none.txt"),
                           "--out", str(tmp_path / "c.pt")]) == 2
     assert "--prompts" in (err := capsys.readouterr().err) and "none.txt' does not exist" in err

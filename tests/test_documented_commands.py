@@ -56,6 +56,7 @@ NOT_COMMANDS = {
     "jagg fresh": "the JAGG variant with fresh intermediate velocities (usage.md)",
     "jagg interp": "the JAGG variant with interpolated intermediate velocities (usage.md)",
     "jagg train: error: ...": "the form of an error message (usage.md)",
+    "jagg train: aborted: ...": "the form of the message of a run that aborts (usage.md)",
     "accelerate launch": "the launcher named in prose (real_models.md)",
     "accelerate launch --multi_gpu --num_processes 2": "how the test launches 2 CPU processes (real_models.md)",
     "accelerate launch --cpu --num_processes 2": "a launch mode that starts one process (real_models.md)",

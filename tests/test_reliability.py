@@ -152,5 +152,5 @@ def test_prompt_files_are_checked_at_load(tmp_path):
         configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={bad}"])
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"\xff\xfe\x00bad")
-    with pytest.raises(ValueError, match="cannot be read"):
+    with pytest.raises(ValueError, match="bin.txt' is not a UTF-8 text file"):
         configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={binary}"])

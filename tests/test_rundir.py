@@ -235,7 +235,7 @@ def test_a_file_where_the_run_directory_should_be_is_one_line(tmp_path, tiny_ckp
     file = tmp_path / "file"
     file.write_text("not a directory")
     assert _train(tiny_ckpt, file, 1) == 2
-    assert f"--output-dir (log.output_dir) {file} is a file, not a directory" in _one_line_error(capsys)
+    assert f"the run directory {file} is a file, not a directory; use another --output-dir" in _one_line_error(capsys)
     run = tmp_path / "run"
     run.mkdir()
     (run / "checkpoints").write_text("a file")
@@ -272,7 +272,7 @@ def test_a_read_only_run_directory_is_one_line_and_exit_2(tmp_path, tiny_ckpt, c
         assert _train(tiny_ckpt, run, 1) == 2
     err = _one_line_error(capsys)
     assert "cannot write the run directory" in err and "read-only file system" in err and str(run) in err
-    assert "choose a writable --output-dir" in err
+    assert "use another --output-dir, a writable one" in err
     with monkeypatch.context() as m:                      # permission denied
         m.setattr(tempfile, "mkstemp", _refuse_under(run, errno.EACCES))
         assert _train(tiny_ckpt, run, 1) == 2

@@ -140,7 +140,7 @@ def test_pretrain_sample_eval_smoke(tmp_path, capsys):
     assert m["reward_mean"] == pytest.approx(m["reward/jpeg_compressibility"]) and m["reward_mean"] < 0
     assert 0 <= m["reward/geneval"] <= 1 and "accuracy" in m
     assert main(["eval", "--checkpoint", str(out), "--num-prompts", "3", "--images-per-prompt", "1",
-                 "--steps", "2", "--reward", "geneval", "--json", str(js)]) == 0
+                 "--steps", "2", "--reward", "geneval", "--json", str(js), "--overwrite"]) == 0
     assert json.loads(js.read_text())["reward_mean"] == pytest.approx(m["reward/geneval"], abs=1e-6)
 
 

@@ -1,5 +1,6 @@
-"""The checks every layer shares, in one place: general value checks (finite numbers, vectors of numbers) and the
-checks of a rollout's settings (the SDE's noise level, type and log-prob reduction; which steps are SDE steps and
+"""The checks every layer shares, in one place: general value checks (finite numbers, vectors of numbers, numbers that
+fit the dtype they are used in, seeds, command-line numbers, unique names, output files) and the checks of a rollout's
+settings (the SDE's noise level, type and log-prob reduction; which steps are SDE steps and
 trained; the schedule, the noise and the prompt group size).
 
 The library functions (:mod:`jagg.trajectory`, :mod:`jagg.sde`, :mod:`jagg.schedule`, :mod:`jagg.estimator`,
@@ -11,8 +12,10 @@ names the setting as its caller knows it: an argument (``eta``) by default, a co
 
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,6 +55,132 @@ def check_count(value, name: str, minimum: int = 1) -> None:
     """Raise unless ``value`` is an integer (not a bool) >= ``minimum``; the message names it ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)      # 3.4e38: a config's floats end up in float32 tensors
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)    # 1.2e-38: the smallest normal float32; below it precision is lost
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1            # integers end up in int64 tensors and numpy arrays
+SEED_MAX = 2**32 - 1                               # seeds: numpy's generators need >= 0, and the seeds derived from one
+                                                   # (seed * 1_000_003 + iteration, ...) must fit torch's 64 bits
+MAX_THREADS = 1024                                 # torch threads: a C int, and each one a real thread
+
+
+def _named(name: str, text: str) -> str:
+    return f"{name}: {text}" if name else text
+
+
+def shown(value, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a 400-digit number in a message is noise)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 13]}... ({len(text)} characters)"
+
+
+def check_float32(value: float, name: str = "") -> None:
+    """Raise unless the finite float ``value`` fits float32, the dtype a config's numbers are used in: at most
+    :data:`FLOAT32_MAX` in magnitude, and 0 or at least :data:`FLOAT32_TINY` (a smaller one becomes 0 or loses its
+    precision there). The message names the setting ``name``."""
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(_named(name, f"{shown(value)} overflows float32, the dtype it is used in (at most "
+                                      f"{FLOAT32_MAX:.3g} in magnitude)"))
+    if 0 < abs(value) < FLOAT32_TINY:
+        raise ValueError(_named(name, f"{shown(value)} underflows float32, the dtype it is used in (0, or at least "
+                                      f"{FLOAT32_TINY:.3g} in magnitude)"))
+
+
+def check_int64(value: int, name: str = "") -> None:
+    """Raise unless the integer ``value`` fits int64, the dtype integers are used in (tensor sizes, numpy arrays)."""
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(_named(name, f"{shown(value)} does not fit a 64-bit integer, the dtype it is used in "
+                                      "(|x| < 2**63)"))
+
+
+def check_seed(value, name: str = "") -> None:
+    """Raise unless ``value`` is an integer seed in ``[0, SEED_MAX]`` (:data:`SEED_MAX`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= SEED_MAX:
+        raise ValueError(f"{name + ' ' if name else ''}must be an integer in [0, {SEED_MAX}] (a seed); got "
+                         f"{shown(value)}")
+
+
+def check_threads(value: int, name: str) -> None:
+    """Raise unless ``value`` is a number of torch CPU threads in ``[0, MAX_THREADS]`` (0: torch's default)."""
+    if not 0 <= value <= MAX_THREADS:
+        raise ValueError(f"{name} must be in [0, {MAX_THREADS}] (torch CPU threads; 0 = torch's default); got "
+                         f"{shown(value)}")
+
+
+def parse_number(text: str, kind: type = float, low: float | None = None, strict: bool = False,
+                 seed: bool = False) -> int | float:
+    """``text`` as a finite ``kind`` (int or float) that fits its dtype (:func:`check_int64`, :func:`check_float32`),
+    at or above ``low`` (above it when ``strict``), a seed (:func:`check_seed`) when ``seed``; a ValueError saying
+    what is wrong otherwise (for a command-line option: :func:`number_arg` names it)."""
+    try:
+        value = kind(text)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"expected {'an integer' if kind is int else 'a number'}, got {shown(text)}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {shown(text)}")
+    if seed:
+        check_seed(value)
+    (check_int64 if kind is int else check_float32)(value)
+    if low is not None and (value <= low if strict else value < low):
+        raise ValueError(f"must be {'>' if strict else '>='} {low:g}, got {text!r}")
+    return value
+
+
+def number_arg(kind: type = float, low: float | None = None, strict: bool = False, seed: bool = False):
+    """An argparse ``type`` for a number option (:func:`parse_number`): argparse names the option in the error,
+    ``argument --seed: must be an integer in [0, 4294967295] (a seed); got -1``."""
+    def parse(text: str):
+        try:
+            return parse_number(text, kind, low, strict, seed)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def check_unique_names(names: list[str], reserved: tuple[str, ...] | dict, flag: str) -> None:
+    """Raise unless the names given to ``flag`` (``--estimator``, ``--variant``: ``NAME`` or ``NAME:KEY=VALUE,...``)
+    are unique and a defined one (``NAME:...``) does not take a ``reserved`` (built-in) name: one name, one row of
+    the results, never one silently replacing another."""
+    seen = set()
+    for spec in names:
+        name, defines, _ = spec.partition(":")
+        if defines and name in reserved:
+            raise ValueError(f"{flag} {spec!r}: {name!r} is a built-in name ({', '.join(reserved)}); give your "
+                             f"definition another name, e.g. {flag} my_{name}:{spec.partition(':')[2]}")
+        if name in seen:
+            raise ValueError(f"{flag} {spec!r}: the name {name!r} is given twice; give every {flag} its own name")
+        seen.add(name)
+
+
+def check_no_repeats(values: list[str], flag: str) -> None:
+    """Raise when a value is given to ``flag`` twice (``--rewards``, ``--variants``): each would be measured twice
+    under one name."""
+    repeated = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"{flag}: {repeated!r} is given twice; give each once")
+
+
+def check_output_file(path: str | Path, flag: str, overwrite: bool = False, suffixes: tuple[str, ...] = ()) -> Path:
+    """The file a command will write for ``flag`` (``--out``, ``--json``), checked before any work: a non-empty path
+    that is not a directory, whose parent is not a file, ending in one of ``suffixes`` (when given), and that does not
+    exist unless ``overwrite`` (``--overwrite``): a user's file is never replaced without asking."""
+    if str(path).strip() == "":
+        raise ValueError(f"{flag} is empty; give the file to write")
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give the file to write, e.g. {flag} "
+                         f"{p / ('out' + (suffixes[0] if suffixes else ''))}")
+    parent = next((a for a in p.parents if a.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise ValueError(f"{flag} {path}: the file name must end in one of {', '.join(suffixes)} (the format is "
+                         f"taken from it); got {p.suffix or 'no extension'!r}")
+    if p.exists() and not overwrite:
+        raise ValueError(f"{flag} {path} exists; pass --overwrite to replace it, or choose another path")
+    return p
 
 
 def check_positive(value, name: str, why: str = "") -> None:

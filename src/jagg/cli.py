@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .checks import check_output_file, check_threads, number_arg
 from .training import config_loader as configuration
 from .shapes.pretrain import PretrainConfig
 from .trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section, load_config
@@ -26,21 +27,6 @@ class _Parser(argparse.ArgumentParser):
         if self.epilog_fn is not None:
             self.epilog, self.epilog_fn = self.epilog_fn(), None
         return super().format_help()
-
-
-def _number(kind: type, low: float | None = None, strict: bool = False):
-    """An argparse ``type`` for a finite ``int``/``float`` at or above ``low`` (above it when ``strict``)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-        if low is not None and (value <= low if strict else value < low):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text!r}")
-        return value
-    return parse
 
 
 def _value(cfg, key: str):
@@ -134,14 +120,27 @@ class PretrainRunConfig:
                                                         "e.g. {dim: 128, depth: 4}."})
     train: PretrainConfig = field(default_factory=PretrainConfig)
 
+    def __post_init__(self):
+        check_threads(self.threads, "threads")
+        if self.snapshot_every < 0:
+            raise ValueError(f"snapshot_every must be >= 0 (0 = off); got {self.snapshot_every}")
+        self.model_config()                          # the architecture's keys checked as any config's, at load
+
+    def model_config(self):
+        """The TinyDiT's :class:`jagg.shapes.dit.DiTConfig`: the shipped vocabulary and the ``model`` overrides."""
+        from .shapes import tokenizer
+        from .shapes.dit import DiTConfig
+
+        return configuration.from_dict(DiTConfig, {"vocab_size": tokenizer.vocab_size, **self.model}, "model")
+
 
 def _train(args) -> int:
     """``jagg train``: the config (the main job by default; a ``pipeline:`` section: a real diffusers model), printed
     (``--print-config``) or trained by its trainer's ``run`` (:meth:`jagg.trainers.base.GRPOTrainer.run`)."""
     overrides = list(args.set or [])
-    if args.output_dir:
+    if args.output_dir is not None:                  # '' is refused by log.output_dir's check, not ignored
         overrides.append(f"log.output_dir={args.output_dir}")
-    config = args.config or str(main_job_path())
+    config = str(main_job_path()) if args.config is None else args.config
     real = has_pipeline_section(config)          # a real diffusers model: jagg.trainers.diffusers
     cfg = load_config(config, overrides) if real else configuration.load(ShapesTrainConfig, config, overrides)
     if args.print_config:
@@ -158,9 +157,10 @@ def _train(args) -> int:
     return 0
 
 
-def _pretrain_out(out: str) -> Path:
-    """``jagg pretrain --out``: refuse a path inside the jagg package (its shapes/assets/ holds the shipped model)
-    or a directory; create the parent directory."""
+def _pretrain_out(out: str, overwrite: bool, steps: int, snapshot_every: int) -> Path:
+    """``jagg pretrain --out``, checked before training: a new ``.safetensors`` file (an existing one only with
+    ``--overwrite``, and so its ``.step<N>`` snapshots), never inside the jagg package (its shapes/assets/ holds the
+    shipped model)."""
     path = Path(out)
     package = Path(__file__).resolve().parent
     target = path.resolve()
@@ -169,28 +169,31 @@ def _pretrain_out(out: str) -> Path:
                          "shapes/assets/tiny_dit.safetensors is the shipped model that builtin:tiny_dit, the main job and "
                          "the tests load. Write elsewhere (e.g. --out runs/pretrain/tiny_dit.safetensors) and copy the "
                          "file over the asset yourself if you mean to replace it")
-    if path.is_dir():
-        raise ValueError(f"--out {out} is a directory; give the .safetensors file to write, e.g. "
-                         f"--out {path / 'tiny_dit.safetensors'}")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_output_file(out, "--out", overwrite, (".safetensors",))
+    if snapshot_every and not overwrite and path.parent.is_dir():
+        snapshot = re.compile(rf"{re.escape(path.stem)}\.step(\d+)\.safetensors")
+        taken = sorted(str(p) for p in path.parent.iterdir() if (m := snapshot.fullmatch(p.name))
+                       and int(m.group(1)) % snapshot_every == 0 and int(m.group(1)) < steps)
+        if taken:
+            raise ValueError(f"--out {out}: snapshot_every={snapshot_every} would replace {', '.join(taken)}; "
+                             "pass --overwrite to replace them, or choose another --out")
     return path
 
 
 def _pretrain(args) -> int:
     import torch
 
-    from .shapes.dit import DiTConfig, TinyDiT, save_pretrained
+    from .shapes.dit import TinyDiT, save_pretrained
     from .shapes.pretrain import pretrain
-    from .shapes import tokenizer
     from .shapes.data import WorldBatches
 
     run = configuration.load(PretrainRunConfig, None, args.set or [])
     train = run.train
-    out = _pretrain_out(args.out)
+    out = _pretrain_out(args.out, args.overwrite, train.steps, run.snapshot_every)
     if run.threads:
         torch.set_num_threads(run.threads)
     torch.manual_seed(train.seed)
-    mcfg = DiTConfig.from_dict({"vocab_size": tokenizer.vocab_size, **run.model})
+    mcfg = run.model_config()
     model = TinyDiT(mcfg)
     print(f"TinyDiT: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {train.steps} steps")
     def log(record: dict) -> None:
@@ -206,23 +209,23 @@ def _pretrain(args) -> int:
 
 
 def _sample(args) -> int:
+    from .integrations.config import read_prompt_lines
     from .shapes.weights import load_model
     from .shapes.evaluation import generate
-    from .training.metrics import save_grid
+    from .training.metrics import IMAGE_SUFFIXES, save_grid
 
-    model = load_model(args.checkpoint)
+    out = check_output_file(args.out, "--out", args.overwrite, IMAGE_SUFFIXES)
+    check_output_file(out.with_suffix(".txt"), f"--out {out}'s captions", args.overwrite)
     prompts = list(args.prompt or [])
-    if args.prompt_file:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file {path} not found")
-        prompts += [l.strip() for l in path.read_text().splitlines() if l.strip()]
+    if args.prompt_file is not None:
+        prompts += read_prompt_lines(args.prompt_file, "--prompt-file")
     if not prompts:
-        raise ValueError("give at least one --prompt or a non-empty --prompt-file")
+        raise ValueError("give at least one --prompt or a --prompt-file")
+    model = load_model(args.checkpoint)
     batch = [p for p in prompts for _ in range(args.num_per_prompt)]
     images = generate(model, batch, args.steps, args.guidance_scale, args.seed, args.shift)
-    save_grid(images, Path(args.out), ncol=args.num_per_prompt, prompts=batch)
-    print(f"wrote {args.out} ({len(batch)} images, one row per prompt)")
+    save_grid(images, out, ncol=args.num_per_prompt, prompts=batch)
+    print(f"wrote {out} and its captions {out.with_suffix('.txt')} ({len(batch)} images, one row per prompt)")
     return 0
 
 
@@ -230,21 +233,26 @@ def _eval(args) -> int:
     from .shapes.weights import load_model
     from .shapes.evaluation import evaluate
     from .rewards.registry import get_reward
+    from .training.atomic import atomic_write_text
 
-    metrics, _, _ = evaluate(load_model(args.checkpoint), get_reward(args.reward), args.num_prompts,
-                             args.images_per_prompt, args.steps, args.guidance_scale, args.seed, args.shift)
+    if args.json is not None:
+        check_output_file(args.json, "--json", args.overwrite)
+    reward = get_reward(args.reward)
+    metrics, _, _ = evaluate(load_model(args.checkpoint), reward, args.num_prompts, args.images_per_prompt, args.steps,
+                             args.guidance_scale, args.seed, args.shift)
     text = json.dumps(metrics, indent=2)
     print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    if args.json is not None:
+        atomic_write_text(args.json, text + "\n")
     return 0
 
 
-def _main_job_defaults(args) -> None:
-    """Fill the sampling options left unset (None) with the main job's evaluation settings."""
+def main_job_defaults(args, eval_seed: bool) -> None:
+    """Fill the sampling options left unset (None) with the main job's evaluation settings (``jagg sample``,
+    ``jagg eval``, ``jagg bench paired``); the seed is the main job's ``eval.seed`` when ``eval_seed``, else 0."""
     main = configuration.load(ShapesTrainConfig, str(main_job_path()), [])
     defaults = {"steps": main.eval.num_steps, "guidance_scale": main.sample.guidance_scale, "shift": main.sample.shift,
-                "seed": main.eval.seed if args.command == "eval" else 0,
+                "seed": main.eval.seed if eval_seed else 0,
                 "images_per_prompt": main.eval.images_per_prompt,
                 "reward": main.reward.spec}
     for k, v in defaults.items():
@@ -293,40 +301,59 @@ def _add_pretrain(sub) -> None:
     pt.add_argument("--out", required=True, help="output .safetensors (required; never inside the jagg package, "
                     "whose shapes/assets/ holds the shipped model)")
     pt.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. train.steps=3000, model.dim=128")
+    overwrite_argument(pt, "--out (and its .step<N> snapshots)")
     pt.set_defaults(func=_pretrain)
 
 
-def _sampling_args(q) -> None:
-    """The checkpoint and ODE sampler arguments of ``sample`` and ``eval`` (None: the main job's evaluation
-    setting, :func:`_main_job_defaults`)."""
-    q.add_argument("--checkpoint", default="builtin:tiny_dit",
-                   help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
-    q.add_argument("--steps", type=_number(int, 1), help="ODE sampling steps [default: the main job's eval.num_steps]")
-    q.add_argument("--guidance-scale", type=_number(float),
+def sampling_arguments(q, checkpoint: bool = True) -> None:
+    """The ODE sampler's options of ``jagg sample``, ``jagg eval`` and ``jagg bench paired`` (and ``--checkpoint``):
+    one definition, so that they refuse the same values; None is the main job's evaluation setting
+    (:func:`main_job_defaults`)."""
+    if checkpoint:
+        q.add_argument("--checkpoint", default="builtin:tiny_dit",
+                       help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
+    q.add_argument("--steps", type=number_arg(int, 1), help="ODE sampling steps [default: the main job's eval.num_steps]")
+    q.add_argument("--guidance-scale", type=number_arg(float),
                    help="classifier-free guidance scale [default: the main job's sample.guidance_scale]")
-    q.add_argument("--shift", type=_number(float, 0, strict=True), help="SD3 timestep shift [default: the main job's sample.shift]")
-    q.add_argument("--seed", type=_number(int, 0), help="noise seed [default: 0; eval: the main job's eval.seed]")
+    q.add_argument("--shift", type=number_arg(float, 0, strict=True),
+                   help="SD3 timestep shift [default: the main job's sample.shift]")
+    q.add_argument("--seed", type=number_arg(int, seed=True),
+                   help="noise seed, 0 to 2**32 - 1 [default: 0; eval and bench paired: the main job's eval.seed]")
+
+
+def evaluation_arguments(q) -> None:
+    """The evaluation's options of ``jagg eval`` and ``jagg bench paired``: the reward and the images per prompt."""
+    q.add_argument("--reward", help="reward name or module:function [default: the main job's reward, "
+                   "jpeg_compressibility with geneval reported beside it]")
+    q.add_argument("--images-per-prompt", type=number_arg(int, 1),
+                   help="images per test prompt [default: the main job's eval.images_per_prompt]")
+
+
+def overwrite_argument(q, what: str) -> None:
+    """``--overwrite``: replace the command's existing output file(s) ``what``; without it they are refused."""
+    q.add_argument("--overwrite", action="store_true", help=f"replace {what} if it exists (without it an existing "
+                   "file is refused before any work)")
 
 
 def _add_sample_and_eval(sub) -> None:
     """``jagg sample`` (prompts -> image grid) and ``jagg eval`` (the test-prompt reward) of a checkpoint."""
     s = sub.add_parser("sample", help="prompts -> image grid from a checkpoint")
-    _sampling_args(s)
+    sampling_arguments(s)
     s.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     s.add_argument("--prompt-file", help="a text file with one prompt per line")
-    s.add_argument("--num-per-prompt", type=_number(int, 1), default=4, help="images per prompt (one grid row each)")
-    s.add_argument("--out", default="samples.png", help="output PNG")
+    s.add_argument("--num-per-prompt", type=number_arg(int, 1), default=4, help="images per prompt (one grid row each)")
+    s.add_argument("--out", default="samples.png", help="output image (.png, .jpg, ...; its captions go to the same "
+                   "name with .txt)")
+    overwrite_argument(s, "--out and its .txt")
     s.set_defaults(func=_sample)
 
     e = sub.add_parser("eval", help="held-out test-prompt reward of a checkpoint (defaults: the main job's evaluation, so "
                        "`jagg eval --checkpoint runs/default` reproduces the trainer's test reward)")
-    _sampling_args(e)
-    e.add_argument("--reward", help="reward name or module:function [default: the main job's reward, "
-                   "jpeg_compressibility with geneval reported beside it]")
-    e.add_argument("--num-prompts", type=_number(int, 0), default=0, help="test prompts (0 = all)")
-    e.add_argument("--images-per-prompt", type=_number(int, 1),
-                   help="images per test prompt [default: the main job's eval.images_per_prompt]")
+    sampling_arguments(e)
+    evaluation_arguments(e)
+    e.add_argument("--num-prompts", type=number_arg(int, 0), default=0, help="test prompts (0 = all)")
     e.add_argument("--json", help="also write the metrics to this JSON file")
+    overwrite_argument(e, "--json")
     e.set_defaults(func=_eval)
 
 
@@ -351,18 +378,41 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``jagg``: a refusal (bad input, a run directory or file that may not be used) is one line and exit 2, a run
+    that aborted (:class:`jagg.trainers.base.TrainingAborted`) one line and exit 1, Ctrl-C one line and exit 130
+    (``jagg train``'s loop itself finishes the iteration, saves and exits 0)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    if args.command in ("sample", "eval"):
-        _main_job_defaults(args)
+    command = " ".join(["jagg", args.command, *([args.bench_command] if args.command == "bench" else [])])
     try:
+        if args.command in ("sample", "eval"):
+            main_job_defaults(args, eval_seed=args.command == "eval")
         return args.func(args)
+    except KeyboardInterrupt as e:    # Ctrl-C anywhere: setup, a benchmark, an evaluation
+        print(f"\n{command}: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        return 130
     except ValueError as e:           # incl. RewardError and RunDirError: a message, not a traceback
-        print(f"jagg {args.command}: error: {e}", file=sys.stderr)
+        print(f"{command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:              # a file or directory that cannot be read or written: one line, exit 2
-        print(f"jagg {args.command}: error: {_os_error(e)}", file=sys.stderr)
+        print(f"{command}: error: {_os_error(e)}", file=sys.stderr)
         return 2
+    except MemoryError as e:
+        print(f"{command}: error: out of memory{f' ({e})' if str(e) else ''}; lower the sizes (batch, steps, model)",
+              file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        from .trainers.base import TrainingAborted
+
+        if isinstance(e, TrainingAborted):
+            print(f"{command}: aborted: {e}", file=sys.stderr)
+            return 1
+        if any(s in str(e).lower() for s in ("can't allocate memory", "out of memory", "storage size calculation "
+                                             "overflowed")):   # torch's allocators: a size no memory holds
+            print(f"{command}: error: out of memory ({' '.join(str(e).split())[:200]}); lower the sizes (batch, "
+                  "steps, model)", file=sys.stderr)
+            return 2
+        raise
 
 
 def _os_error(e: OSError) -> str:

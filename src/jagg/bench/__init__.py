@@ -1,11 +1,25 @@
 """Benchmarks: ``jagg bench speed | fidelity | quality | e2e | signal | efficiency | paired`` (docs/benchmarks.md).
 
-Every benchmark computes gradients with :func:`jagg.policy_gradient`, the function the trainer calls.
+Every benchmark computes gradients with :func:`jagg.policy_gradient`, the function the trainer calls. Every one has
+``--json PATH``, checked before any work and never replacing an existing file without ``--overwrite``
+(:func:`jagg.checks.check_output_file`).
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Callable
+
+from ..checks import check_output_file
+
+
+def _output_checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``run`` after the check of its ``--json`` file (before any work)."""
+    def checked(args: argparse.Namespace) -> int:
+        if args.json is not None:
+            check_output_file(args.json, "--json", args.overwrite)
+        return run(args)
+    return checked
 
 
 def add_bench_parser(sub) -> None:
@@ -34,3 +48,8 @@ def add_bench_parser(sub) -> None:
     signal.add_parser(bsub)
     efficiency.add_parser(bsub)
     paired.add_parser(bsub)
+    for p in bsub.choices.values():
+        if p.get_default("overwrite") is None:            # bench paired has its own (benchmarks/paired_eval.py)
+            p.add_argument("--overwrite", action="store_true", help="replace an existing --json file (quality: also "
+                           "its --plot; without it an existing file is refused before any work)")
+        p.set_defaults(func=_output_checked(p.get_default("func")))

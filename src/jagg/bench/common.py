@@ -18,7 +18,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..checks import check_threads
 from ..knots import intervals_of
+from ..training.atomic import atomic_write_text
 
 # ----------------------------------------------------------------------------- the cost model (docs/design.md §3)
 
@@ -78,8 +80,7 @@ def resolve_device(name: str) -> torch.device:
 
 def set_threads(threads: int) -> None:
     """``torch.set_num_threads(threads)`` when ``threads > 0`` (0 keeps torch's default)."""
-    if threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0 = torch's default); got {threads}")
+    check_threads(threads, "--threads")
     if threads:
         torch.set_num_threads(threads)
 
@@ -226,10 +227,9 @@ def _json_safe(v):
 
 
 def write_json(path: str | Path, records) -> None:
-    """Write ``records`` as indented JSON (NaN and infinity become null)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe(records), indent=1) + "\n")
+    """Write ``records`` as indented JSON (NaN and infinity become null), atomically
+    (:func:`jagg.training.atomic.atomic_write_text`)."""
+    atomic_write_text(path, json.dumps(_json_safe(records), indent=1) + "\n")
 
 
 def json_if_asked(path: str | Path | None, records) -> None:

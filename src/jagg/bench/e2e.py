@@ -21,6 +21,7 @@ import statistics
 
 from ..training import config_loader as configuration
 from ..trainers.shapes_config import ShapesTrainConfig
+from ..checks import check_no_repeats, number_arg
 from .common import cost_limit, default_config_path, json_if_asked, table
 
 VARIANTS = {
@@ -54,6 +55,7 @@ def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    check_no_repeats(list(variants), "--variants")
     cfgs = {v: configuration.load(ShapesTrainConfig, config, list(sets) + VARIANTS[v]) for v in variants}
     trainers = {v: ShapesGRPO(cfg) for v, cfg in cfgs.items()}
     times = {v: {k: [] for k in KEYS} for v in variants}
@@ -112,7 +114,8 @@ def add_parser(sub) -> None:
                    help="override a trainer config key for every variant (repeatable)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
                    help="variants besides exact (always included) [default: exact jagg_interp]")
-    p.add_argument("--iterations", type=int, help="timed iterations per variant [default: 20; 2 with --quick]")
+    p.add_argument("--iterations", type=number_arg(int, 1),
+                   help="timed iterations per variant [default: 20; 2 with --quick]")
     p.add_argument("--json", help="also write the records to this JSON file")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke-sized run: 2 timed iterations, {' '.join(QUICK_SETS)} (before --set)")

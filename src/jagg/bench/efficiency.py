@@ -33,7 +33,8 @@ deterministic estimator). Per estimator:
 Estimators: ``exact`` (the reference, always), ``config`` (the config's estimator), ``plain`` (the config's with
 ``correction_p=0``, the paper's JAGG), ``subsample`` (random timestep subsampling at the config's rows per sample,
 DanceGRPO's timestep_fraction: the baseline a user would pick instead), or ``NAME:KEY=VALUE,...`` (estimator keys on
-top of the config's, e.g. ``w8:window=8,correction_p=0.1``). Standard errors are jackknife over batches.
+top of the config's, e.g. ``w8:window=8,correction_p=0.1``; every name once, a defined one not a built-in name).
+Standard errors are jackknife over batches.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import yaml
 
 from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import adam_efficiency, error_noise_stats, extrapolate, flat_grad, predicted_efficiency
+from ..checks import check_unique_names, number_arg
 from ..estimator import policy_gradient
 from ..estimator_config import EstimatorConfig
 from ..knots import layout_intervals, plan_update
@@ -62,14 +64,16 @@ BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
 
 
-def parse_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorConfig | None]:
-    """``NAME`` (built in) or ``NAME:KEY=VALUE,...`` -> (name, config); ``subsample`` is resolved later (None)."""
+def parse_estimator(spec: str, base: EstimatorConfig, flag: str = "--estimator") -> tuple[str, EstimatorConfig | None]:
+    """``NAME`` (built in) or ``NAME:KEY=VALUE,...`` -> (name, config); ``subsample`` is resolved later (None); errors
+    name the option ``flag``."""
     name, _, rest = spec.partition(":")
     if not name:
-        raise ValueError(f"--estimator {spec!r}: give a name, e.g. w8:window=8")
+        raise ValueError(f"{flag} {spec!r}: give a name, e.g. w8:window=8")
+    check_unique_names([spec], BUILT_IN, flag)
     if not rest:
         if name not in BUILT_IN:
-            raise ValueError(f"--estimator {spec!r}: unknown name; built in: {', '.join(BUILT_IN)}, or give "
+            raise ValueError(f"{flag} {spec!r}: unknown name; built in: {', '.join(BUILT_IN)}, or give "
                              "NAME:KEY=VALUE,... of estimator keys")
         if name == "exact":
             return name, dataclasses.replace(base, mode="exact")
@@ -81,9 +85,16 @@ def parse_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorCon
         key, eq, value = item.partition("=")
         key = key.strip().removeprefix("estimator.")
         if not eq or not key:
-            raise ValueError(f"--estimator {spec!r}: {item!r} is not KEY=VALUE")
+            raise ValueError(f"{flag} {spec!r}: {item!r} is not KEY=VALUE")
         kv[key] = yaml.safe_load(value)
     return name, configuration.from_dict(EstimatorConfig, {**base.to_dict(), **kv}, "estimator")
+
+
+def parse_estimators(specs: list[str], base: EstimatorConfig) -> dict[str, EstimatorConfig | None]:
+    """``exact`` and the ``--estimator`` specs -> ``{name: config}`` (:func:`parse_estimator`), every name once
+    (``exact``, always measured, may be given too)."""
+    check_unique_names(specs, BUILT_IN, "--estimator")
+    return dict(parse_estimator(s, base) for s in ["exact", *[s for s in specs if s != "exact"]])
 
 
 def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) -> float:
@@ -146,7 +157,7 @@ def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float) ->
 def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None) -> list[dict]:
     """One record per estimator (module docstring)."""
     check_sizes(batches, draws, target_batch)
-    ests = dict(parse_estimator(s, cfg.estimator) for s in ["exact", *[s for s in specs if s != "exact"]])
+    ests = parse_estimators(specs, cfg.estimator)
     sampler = ShapesSampler(cfg)
     grads = {name: [] for name in ests}        # name -> per batch [draws, P]
     train_s = {name: [] for name in ests}
@@ -200,7 +211,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
 
 def by_interval_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorConfig]:
     """``--by-interval``'s estimator (:func:`parse_estimator`), which must be a JAGG one."""
-    name, est = parse_estimator(spec, base)
+    name, est = parse_estimator(spec, base, "--by-interval")
     if est is None or est.mode != "jagg":
         raise ValueError(f"--by-interval {spec!r}: give a JAGG estimator (config, plain or NAME:KEY=VALUE,...)")
     return name, est
@@ -271,7 +282,7 @@ def _run(args: argparse.Namespace) -> int:
     specs = args.estimator or ["config", "plain", "subsample"]
     batches = args.batches if args.batches is not None else (3 if args.quick else 6)
     draws = args.draws if args.draws is not None else (2 if args.quick else 4)
-    if args.by_interval:                                  # every argument is checked before the first batch
+    if args.by_interval is not None:                      # every argument is checked before the first batch
         check_sizes(batches, draws, args.target_batch)
         by_interval_estimator(args.by_interval, cfg.estimator)
     records = measure(cfg, specs, batches, draws, args.target_batch)
@@ -284,7 +295,7 @@ def _run(args: argparse.Namespace) -> int:
     print("time eff.: plain SGD's variance model; Adam time eff.: the trainers' AdamW (the step normalised by the "
           "noise), for an estimator whose repeating error is not significant (bias z < 2); both predict from this "
           "checkpoint's gradients, paired seeds measure (docs/design.md §3.8)")
-    if args.by_interval:
+    if args.by_interval is not None:
         parts = by_interval(cfg, args.by_interval, batches, draws)
         print(f"\nwhere {args.by_interval.split(':')[0]}'s error lives: each interval's terms alone, against the whole "
               "update's noise V_b")
@@ -305,9 +316,11 @@ def add_parser(sub) -> None:
     p.add_argument("--estimator", action="append", metavar="NAME[:KEY=VALUE,...]",
                    help="an estimator (repeatable): config, plain, subsample, or NAME:KEY=VALUE,... of estimator "
                         "keys on top of the config's; exact is always measured [default: config plain subsample]")
-    p.add_argument("--batches", type=int, help="independent batches (>= 3) [default: 6; 3 with --quick]")
-    p.add_argument("--draws", type=int, help="draws of a random estimator per batch [default: 4; 2 with --quick]")
-    p.add_argument("--target-batch", type=int, help="samples per update to extrapolate to [default: the config's "
+    p.add_argument("--batches", type=number_arg(int, 3), help="independent batches (>= 3) [default: 6; 3 with --quick]")
+    p.add_argument("--draws", type=number_arg(int, 1),
+                   help="draws of a random estimator per batch [default: 4; 2 with --quick]")
+    p.add_argument("--target-batch", type=number_arg(int, 1),
+                   help="samples per update to extrapolate to [default: the config's "
                    "sample.prompts_per_iter x sample.group_size / grpo.updates_per_epoch]")
     p.add_argument("--by-interval", metavar="NAME[:KEY=VALUE,...]",
                    help="also break this JAGG estimator's error down by the intervals of its layout (where does it "

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..checks import number_arg
 from ..training import config_loader as configuration
 from ..advantages import group_advantages, nonzero_spread_mask
 from ..shapes.weights import load_model
@@ -383,20 +384,21 @@ def add_parser(sub) -> None:
                    help="override a trainer config key (repeatable), e.g. sample.prompts_per_iter=16")
     p.add_argument("--quick", action="store_true",
                    help=f"a smaller study: {' '.join(QUICK_SETS)}, --fracs {' '.join(map(str, QUICK_FRACS))}")
-    p.add_argument("--windows", nargs="+", type=int, help=f"[default: {' '.join(map(str, d.windows))}]")
+    p.add_argument("--windows", nargs="+", type=number_arg(int, 2), help=f"[default: {' '.join(map(str, d.windows))}]")
     p.add_argument("--knots", nargs="+", choices=KNOTS, help=f"knot layouts [default: {' '.join(d.knots)}]")
     p.add_argument("--alphas", nargs="+", choices=ALPHAS, help="interpolation coefficients [default: sigma]")
     p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES,
                    help=f"[default: {' '.join(d.intermediates)}]")
-    p.add_argument("--fracs", nargs="+", type=float,
+    p.add_argument("--fracs", nargs="+", type=number_arg(float, 0, strict=True),
                    help=f"routing jagg_frac values [default: {' '.join(map(str, d.fracs))}]")
     p.add_argument("--advantages", choices=ADVANTAGES, default="reward",
                    help="reward: the trainer's group-relative advantages (zero-spread prompt groups dropped); random: "
                         "N(0,1) per sample, for untrained checkpoints [default: reward]")
     p.add_argument("--no-routing", action="store_true", help="skip the routing study")
     p.add_argument("--no-off-policy", action="store_true", help="skip the off-policy (after one update) comparison")
-    p.add_argument("--seed", type=int, default=0, help="seed of prompts, noise and the minibatch split [default: 0]")
+    p.add_argument("--seed", type=number_arg(int, seed=True), default=0,
+                   help="seed of prompts, noise and the minibatch split [default: 0]")
     p.add_argument("--device", default="cpu", help="cpu or cuda [default: cpu]")
-    p.add_argument("--threads", type=int, help="torch CPU threads [default: the config's threads]")
+    p.add_argument("--threads", type=number_arg(int, 0), help="torch CPU threads [default: the config's threads]")
     p.add_argument("--json", help="write the records to this JSON file")
     p.set_defaults(func=_run)

@@ -4,7 +4,9 @@ Both checkpoints sample the same test prompts from the same seeded noise (ODE, a
 mean reward of its images is taken, and the difference after - before is reported with its standard error
 over prompts and a bootstrap 95% interval (resampling prompts), for all test prompts, the prompts built from
 colour+shape pairs seen in pretraining and those using a held-out pair. Pairing removes most of the
-evaluation noise that separate ``jagg eval`` runs would carry. The defaults are the main job's evaluation settings.
+evaluation noise that separate ``jagg eval`` runs would carry. The defaults are the main job's evaluation settings,
+and the sampling options are ``jagg eval``'s (they refuse the same values); ``--quick`` only fills the options not
+given.
 
     jagg bench paired BEFORE AFTER [--images-per-prompt 4] [--json PATH]
     jagg bench paired builtin:tiny_dit runs/default/checkpoints/ckpt_000200.pt
@@ -16,6 +18,7 @@ import argparse
 
 import numpy as np
 
+from ..checks import check_output_file, number_arg
 from ..rewards import get_reward
 from ..shapes import test_prompts
 from ..shapes.evaluation import generate
@@ -38,7 +41,7 @@ def compare(args: argparse.Namespace) -> dict:
     before, after, diff, its standard error over prompts and a bootstrap 95% interval; printed as it goes."""
     prompts = test_prompts()
     held = np.array([uses_held_out(p) for p in prompts])
-    reward = get_reward(args.reward or _main_job_reward())
+    reward = get_reward(args.reward)
     before, after = (per_prompt_rewards(c, prompts, args.images_per_prompt, args, reward)
                      for c in (args.before, args.after))
     rng = np.random.default_rng(0)
@@ -57,46 +60,52 @@ def compare(args: argparse.Namespace) -> dict:
 
 
 QUICK = {"images_per_prompt": 1, "steps": 2, "bootstrap": 50}       # --quick: a smoke-sized comparison
+BOOTSTRAP = 2000
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options not given: ``--quick``'s smoke sizes (never over an explicit value), then the main job's
+    evaluation settings (:func:`jagg.cli.main_job_defaults`); returns ``args``."""
+    from ..cli import main_job_defaults
+
+    for k, v in (QUICK if args.quick else {"bootstrap": BOOTSTRAP}).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    main_job_defaults(args, eval_seed=True)
+    return args
 
 
 def run(args: argparse.Namespace) -> int:
-    """The command: check the arguments, compare, print, and write ``--json``."""
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-    if args.images_per_prompt < 1 or args.bootstrap < 1:
-        raise ValueError("--images-per-prompt and --bootstrap must be >= 1")
+    """The command: fill the options not given (:func:`resolve`), check the ``--json`` file, compare, print, and
+    write ``--json``."""
+    resolve(args)
+    if args.json is not None:
+        check_output_file(args.json, "--json", args.overwrite)
     set_threads(args.threads)
     out = compare(args)
-    if args.json:
+    if args.json is not None:
         write_json(args.json, {**{k: v for k, v in vars(args).items() if k != "func"}, "results": out})
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The command's arguments (``jagg bench paired``; also the former ``benchmarks/paired_eval.py``)."""
+    """The command's arguments (``jagg bench paired``; also the former ``benchmarks/paired_eval.py``): the sampling
+    and evaluation options are ``jagg eval``'s (:func:`jagg.cli.sampling_arguments`)."""
+    from ..cli import evaluation_arguments, sampling_arguments
+
     p.add_argument("before", help="checkpoint: builtin:tiny_dit, a .safetensors, a training .pt or a run dir")
     p.add_argument("after", help="checkpoint compared against `before`")
-    p.add_argument("--images-per-prompt", type=int, default=4, help="images per test prompt [default: 4]")
-    p.add_argument("--steps", type=int, default=10, help="ODE steps [default: 10]")
-    p.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale [default: 1.0, the main job's]")
-    p.add_argument("--shift", type=float, default=1.0, help="timestep shift [default: 1.0]")
-    p.add_argument("--seed", type=int, default=1234, help="noise seed [default: 1234, the trainer's eval seed]")
-    p.add_argument("--reward", help="reward name or module:function [default: the main job's reward]")
-    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples [default: 2000]")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    sampling_arguments(p, checkpoint=False)
+    evaluation_arguments(p)
+    p.add_argument("--bootstrap", type=number_arg(int, 1), help=f"bootstrap resamples [default: {BOOTSTRAP}]")
+    p.add_argument("--threads", type=number_arg(int, 0), default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file (without it an existing "
+                   "file is refused before any work)")
     p.add_argument("--quick", action="store_true", help="a smoke-sized comparison: 1 image per prompt, 2 ODE steps, "
-                   "50 bootstrap resamples")
+                   "50 bootstrap resamples (the options not given; the ones given are kept)")
     p.set_defaults(func=run)
     return p
-
-
-def _main_job_reward():
-    from ..trainers.shapes_config import ShapesTrainConfig, main_job_path
-    from ..training import config_loader as configuration
-
-    return configuration.load(ShapesTrainConfig, str(main_job_path()), []).reward.spec
 
 
 def add_parser(sub) -> None:

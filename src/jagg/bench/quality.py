@@ -9,8 +9,10 @@ finished, ``result.json``; a finished run of the same config is skipped and an u
 benchmark can be interrupted and restarted.
 
 A variant is ``NAME`` (built in: ``exact``, ``config`` = the config's own estimator, ``jagg_fresh``,
-``jagg_interp``) or ``NAME:KEY=VALUE,KEY=VALUE`` (estimator keys; ``estimator.`` may be left out), e.g.
-``unbiased:knots=shared,window=5,correction_p=0.25``. ``exact`` is always run: it is the reference.
+``jagg_interp``) or ``NAME:KEY=VALUE,KEY=VALUE`` (estimator keys on top of ``mode=jagg``; ``estimator.`` may be left
+out), e.g. ``unbiased:knots=shared,window=5,correction_p=0.25``; every name once, and a defined one not a built-in
+name. ``exact`` is always run: it is the reference. Ctrl-C (or SIGTERM) finishes the running iteration, saves and
+exits 130 without a result for that run or a comparison; the same command continues it.
 
 Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy):
 - **time to target**: the target is exact's final training reward (the mean over its last 10% of iterations, mean
@@ -50,8 +52,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import SEED_MAX, check_output_file, check_seed, check_unique_names, number_arg
+from ..trainers.shapes import ShapesTrainer
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
+from ..training.atomic import atomic_write
+from ..training.rundir import RunHints
 from .common import default_config_path, table, write_json
 
 BUILTIN = {
@@ -82,13 +88,21 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
             raise ValueError(f"--variant {spec!r}: unknown built-in variant; built in: {sorted(BUILTIN)}, or give "
                              "NAME:KEY=VALUE,...")
         return name, list(BUILTIN[name])
+    check_unique_names([spec], BUILTIN, "--variant")
     sets = []
     for kv in body.split(","):
         key, eq, value = kv.partition("=")
         if not eq or not key:
             raise ValueError(f"--variant {spec!r}: {kv!r} is not KEY=VALUE")
         sets.append(f"{key if '.' in key else 'estimator.' + key}={value}")
-    return name, (["estimator.mode=exact"] if name == "exact" else ["estimator.mode=jagg"]) + sets
+    return name, ["estimator.mode=jagg"] + sets
+
+
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """``--variant`` specs -> ``{name: --set strings}`` (:func:`parse_variant`); every name once
+    (:func:`jagg.checks.check_unique_names`)."""
+    check_unique_names(specs, BUILTIN, "--variant")
+    return dict(parse_variant(s) for s in specs)
 
 
 @dataclass
@@ -103,6 +117,10 @@ class QualityConfig:
     def __post_init__(self):
         if not self.seeds:
             raise ValueError("--seeds must be >= 1")
+        for seed in self.seeds:
+            check_seed(seed, "every seed (--first-seed .. --first-seed + --seeds - 1)")
+        if not str(self.out).strip():
+            raise ValueError("--out is empty; give the bench's output directory")
         if "exact" not in self.variants:
             self.variants = {"exact": BUILTIN["exact"], **self.variants}
 
@@ -151,9 +169,27 @@ def _num_test_prompts() -> int:
     return len(test_prompts())
 
 
+# what the runs' refusals and notes tell the user to do: the bench has no --resume and keeps its runs in --out
+HINTS = RunHints(continue_run="rerun the same jagg bench quality command to continue", other_dir="use another --out",
+                 start_over="move that run directory away and rerun")
+
+
+class QualityRun(ShapesTrainer):
+    """One run of the bench: the shapes trainer in the bench's words (:data:`HINTS`), whose stop on SIGINT/SIGTERM
+    (the iteration finished and saved) is the bench's interruption: a ``KeyboardInterrupt``, so that no result is
+    written as if the run were complete, even when the signal came in its last iteration."""
+
+    hints = HINTS
+
+    def train(self) -> list[dict]:
+        records = super().train()
+        if self.stopped:
+            raise KeyboardInterrupt(f"{self.out} saved at iteration {self.iteration}; {HINTS.continue_run}")
+        return records
+
+
 def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     """Train (or resume, or skip) one run and return its summary."""
-    from ..trainers.shapes import ShapesTrainer
     from ..training.config_loader import to_dict
     from ..trainers.base import check_resumable
 
@@ -161,7 +197,11 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     out = q.run_dir(variant, seed)
     done = out / "result.json"
     if done.is_file():
-        result = json.loads(done.read_text())
+        try:
+            result = json.loads(done.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{done} cannot be read ({' '.join(str(e).split())}); delete it (the run's checkpoints "
+                             "stay, and the run is summarized again)") from None
         if result.get("iterations") == cfg.grpo.iterations and "train_curve" in result:
             try:
                 check_resumable(result["config"], to_dict(cfg))
@@ -170,9 +210,10 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
             print(f"quality: {variant} seed {seed}: already done ({done}), skipped", flush=True)
             return {**result, "variant": variant}          # its directory is this variant's (even if renamed)
     print(f"quality: {variant} seed {seed}: training {cfg.grpo.iterations} iterations into {out}", flush=True)
-    records = ShapesTrainer.run(cfg, resume=True)
-    if not records or max(r["iteration"] for r in records) < cfg.grpo.iterations:
-        raise RuntimeError(f"run {out} stopped before iteration {cfg.grpo.iterations}; rerun to resume it")
+    try:
+        records = QualityRun.run(cfg, resume=True)
+    except ValueError as e:                   # any refusal of the run (its directory, its config): named by it
+        raise ValueError(f"run {out}: {e}") from None
     result = {**summarize(records, cfg, variant, seed), "config": to_dict(cfg)}
     write_json(done, result)
     return result
@@ -443,8 +484,7 @@ def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world", 
     fig.suptitle(f"{title}: reward against {dict(wall='wall-clock time', cpu='CPU time').get(clock, 'updates')}, "
                  "exact vs JAGG")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    atomic_write(path, lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
 
 
@@ -490,15 +530,18 @@ def _run(args: argparse.Namespace) -> int:
     if args.eval_every is not None:
         sets.append(f"eval.every={args.eval_every}")
     n_seeds = args.seeds if args.seeds is not None else (2 if args.quick else 5)
-    if n_seeds < 1:
-        raise ValueError(f"--seeds must be >= 1; got {n_seeds}")
-    variants = dict(parse_variant(s) for s in (args.variant or ["exact", "config"]))
-    out = args.out or ("runs/bench_quality_quick" if args.quick else "runs/bench_quality")
+    variants = parse_variants(args.variant or ["exact", "config"])
+    out = args.out if args.out is not None else ("runs/bench_quality_quick" if args.quick else "runs/bench_quality")
     q = QualityConfig(config=args.config, sets=sets, variants=variants,
                       seeds=list(range(args.first_seed, args.first_seed + n_seeds)), out=out)
+    png = Path(out) / "quality.png" if args.plot is None else args.plot
+    json_path = Path(out) / "quality.json" if args.json is None else args.json
+    if args.train_only is None:                         # the comparison's files, checked before any run trains
+        check_output_file(png, "--plot", args.overwrite, (".png",))
+        check_output_file(json_path, "--json", args.overwrite)
     records = run_quality(q, args.clock, args.train_only, args.target)
     runs = [r for r in records if r["kind"] == "run"]
-    if args.train_only:
+    if args.train_only is not None:
         print(table(runs, RUN_COLUMNS))
         print("trained; run the same command without --train-only to compare the variants")
         return 0
@@ -508,10 +551,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"\nper variant, paired over seeds {q.seeds[0]}..{q.seeds[-1]} (95% bootstrap intervals; time-to-target and "
           "iteration ratios are exact / variant)")
     print(table(summary, VARIANT_COLUMNS))
-    png = Path(args.plot or Path(out) / "quality.png")
-    plot(runs, png, clock=args.clock)
+    plot(runs, Path(png), clock=args.clock)
     print(f"\nwrote {png}")
-    json_path = args.json or Path(out) / "quality.json"
     write_json(json_path, records)
     print(f"wrote {json_path}")
     return 0
@@ -526,11 +567,14 @@ def add_parser(sub) -> None:
                    help="override a trainer config key for every run (repeatable), e.g. grpo.iterations=200")
     p.add_argument("--variant", action="append", metavar="NAME[:KEY=VALUE,...]",
                    help="a variant (repeatable): exact, config, jagg_fresh, jagg_interp, or NAME:KEY=VALUE,... of "
-                        "estimator keys [default: exact config]")
-    p.add_argument("--seeds", type=int, help="paired seeds per variant [default: 5; 2 with --quick]")
-    p.add_argument("--first-seed", type=int, default=0, help="seeds are first-seed .. first-seed + seeds - 1")
-    p.add_argument("--iterations", type=int, help="GRPO iterations per run [default: the config's grpo.iterations]")
-    p.add_argument("--eval-every", type=int, help="evaluate every N iterations [default: the config's eval.every]")
+                        "estimator keys (a name of its own: each name once) [default: exact config]")
+    p.add_argument("--seeds", type=number_arg(int, 1), help="paired seeds per variant [default: 5; 2 with --quick]")
+    p.add_argument("--first-seed", type=number_arg(int, seed=True), default=0,
+                   help=f"seeds are first-seed .. first-seed + seeds - 1, each at most {SEED_MAX}")
+    p.add_argument("--iterations", type=number_arg(int, 1),
+                   help="GRPO iterations per run [default: the config's grpo.iterations]")
+    p.add_argument("--eval-every", type=number_arg(int, 0),
+                   help="evaluate every N iterations [default: the config's eval.every]")
     p.add_argument("--clock", choices=CLOCKS, default="wall",
                    help="time axis of time-to-target: wall-clock seconds, CPU seconds of the training process (with "
                         "threads=1 the two agree on an idle machine; CPU seconds ignore waiting for a busy core, not "
@@ -544,8 +588,8 @@ def add_parser(sub) -> None:
                    help="train only this variant's runs, no comparison: start one process per variant to run them "
                         "side by side (each under the same load), then the same command without it to compare")
     p.add_argument("--out", help="bench output dir, one sub-dir per run [default: runs/bench_quality]")
-    p.add_argument("--plot", help="PNG path [default: OUT/quality.png]")
-    p.add_argument("--json", help="JSON path [default: OUT/quality.json]")
+    p.add_argument("--plot", help="PNG path [default: OUT/quality.png]; an existing file needs --overwrite")
+    p.add_argument("--json", help="JSON path [default: OUT/quality.json]; an existing file needs --overwrite")
     p.add_argument("--quick", action="store_true",
                    help=f"a tiny smoke version, 2 seeds, into runs/bench_quality_quick: {' '.join(QUICK_SETS)}")
     p.set_defaults(func=_run)

@@ -48,6 +48,7 @@ from ..shapes import from_tensor
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
+from ..checks import check_no_repeats, number_arg
 from .common import default_config_path, json_if_asked, table
 
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
@@ -104,6 +105,8 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
         raise ValueError(f"--estimators must be some of {ESTIMATORS}; got {list(estimators)}")
     if not rewards:
         raise ValueError("--rewards: give at least one reward")
+    check_no_repeats(list(rewards), "--rewards")
+    check_no_repeats(list(estimators), "--estimators")
     fns = {name: get_reward(name) for name in rewards}
     ests = {"config": cfg.estimator, "exact": dataclasses.replace(cfg.estimator, mode="exact")}
     sampler = ShapesSampler(cfg)
@@ -218,7 +221,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rewards", nargs="+", metavar="REWARD",
                    help="rewards to compare on the same trajectories: registry names or module:function "
                         "[default: the config's reward.name, or the components of its reward.weights with a weight > 0]")
-    p.add_argument("--batches", type=int, help="independent batches K (>= 3) [default: 8; 3 with --quick]")
+    p.add_argument("--batches", type=number_arg(int, 3),
+                   help="independent batches K (>= 3) [default: 8; 3 with --quick]")
     p.add_argument("--fixed-prompts", action="store_true", help="every batch uses the same prompts")
     p.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=["config"],
                    help="config: the config's estimator; exact: mode=exact; both: also their cross-agreement "

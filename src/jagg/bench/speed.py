@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..checks import number_arg
 from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
@@ -361,25 +362,31 @@ def add_parser(sub) -> None:
                         + ", ".join(f"{k}={v}" for k, v in QUICK.items() if k != "sd3")
                         + ", a 2-layer SD3 (hidden 256) on 16x16 latents")
     p.add_argument("--models", nargs="+", choices=MODELS, help=f"models to time [default: {' '.join(d.models)}]")
-    p.add_argument("--windows", nargs="+", type=int, help=f"JAGG windows [default: {' '.join(map(str, d.windows))}]")
+    p.add_argument("--windows", nargs="+", type=number_arg(int, 2),
+                   help=f"JAGG windows [default: {' '.join(map(str, d.windows))}]")
     p.add_argument("--knots", nargs="+", choices=KNOTS, help=f"knot layouts [default: {' '.join(d.knots)}]")
-    p.add_argument("--subsample", nargs="*", type=float, metavar="FRAC",
+    p.add_argument("--subsample", nargs="*", type=number_arg(float, 0, strict=True), metavar="FRAC",
                    help=f"also time mode=subsample at these fractions of the trained steps (limit K / round(f K)); "
                         f"none: skip [default: {' '.join(map(str, d.subsample))}]")
     p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES,
                    help=f"inner-step velocities [default: {' '.join(d.intermediates)}]")
-    p.add_argument("--batch", type=int, help=f"trajectories B [default: {d.batch}]")
-    p.add_argument("--steps", type=int, help=f"sampling steps T, all trained [default: {d.steps}]")
-    p.add_argument("--micro-batch", type=int, help=f"rows per network call, every mode [default: {d.micro_batch}]")
-    p.add_argument("--repeats", type=int, help=f"timed calls of each mode per pair [default: {d.repeats}]")
-    p.add_argument("--guidance-scale", type=float, help=f"CFG scale (1 = off) [default: {d.guidance_scale}]")
-    p.add_argument("--seed", type=int, help=f"seed of weights, noise, advantages [default: {d.seed}]")
+    p.add_argument("--batch", type=number_arg(int, 1), help=f"trajectories B [default: {d.batch}]")
+    p.add_argument("--steps", type=number_arg(int, 1), help=f"sampling steps T, all trained [default: {d.steps}]")
+    p.add_argument("--micro-batch", type=number_arg(int, 2),
+                   help=f"rows per network call, every mode [default: {d.micro_batch}]")
+    p.add_argument("--repeats", type=number_arg(int, 1),
+                   help=f"timed calls of each mode per pair [default: {d.repeats}]")
+    p.add_argument("--guidance-scale", type=number_arg(float),
+                   help=f"CFG scale (1 = off) [default: {d.guidance_scale}]")
+    p.add_argument("--seed", type=number_arg(int, seed=True),
+                   help=f"seed of weights, noise, advantages [default: {d.seed}]")
     p.add_argument("--device", help="cpu or cuda [default: cpu]")
-    p.add_argument("--threads", type=int, help="torch CPU threads, 0 = torch's default [default: 0]; "
+    p.add_argument("--threads", type=number_arg(int, 0), help="torch CPU threads, 0 = torch's default [default: 0]; "
                                                "1 gives stable timings on a busy machine")
     p.add_argument("--tiny-checkpoint", help="TinyDiT to time [default: builtin:tiny_dit, random weights if missing]")
-    p.add_argument("--sd3-layers", type=int, help=f"SD3 transformer layers [default: {d.sd3.layers}]")
-    p.add_argument("--sd3-heads", type=int, help=f"SD3 heads of 64 channels [default: {d.sd3.heads}]")
-    p.add_argument("--sd3-latent", type=int, help=f"SD3 latent side (16 channels) [default: {d.sd3.latent_size}]")
+    p.add_argument("--sd3-layers", type=number_arg(int, 1), help=f"SD3 transformer layers [default: {d.sd3.layers}]")
+    p.add_argument("--sd3-heads", type=number_arg(int, 1), help=f"SD3 heads of 64 channels [default: {d.sd3.heads}]")
+    p.add_argument("--sd3-latent", type=number_arg(int, 2),
+                   help=f"SD3 latent side (16 channels) [default: {d.sd3.latent_size}]")
     p.add_argument("--json", help="write the records to this JSON file")
     p.set_defaults(func=_run)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..checks import Keys, check_eta
-from ..training.config_loader import from_dict
+from ..training.config_loader import from_dict, read_text
 
 FAMILIES = ("sd3", "flux", "qwen_image")
 UNCOND_FORWARDS = ("separate", "batched")
@@ -243,15 +243,9 @@ def load_pipeline_config(path: str | Path, overrides: dict | None = None) -> Pip
 
 
 def read_prompt_lines(path: str, what: str = "sample.prompts_file") -> list[str]:
-    """The prompts of a text file, one per line (surrounding spaces and blank lines dropped); errors name ``what``."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"{what} {str(path)!r} does not exist or is not a file; give a text file with one "
-                                "prompt per line")
-    try:
-        prompts = [line.strip() for line in p.read_text().splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{what} {str(path)!r} cannot be read as text: {e}") from None
+    """The prompts of a text file, one per line (surrounding spaces and blank lines dropped); errors name ``what``
+    (:func:`jagg.training.config_loader.read_text`)."""
+    prompts = [line.strip() for line in read_text(path, what).splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"{what} {str(path)!r} holds no prompt; put one prompt per line")
     return prompts

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from torch import nn
 
+from ..checks import check_output_file
 from .config import DTYPES, PipelineConfig, load_pipeline_config, read_prompt_lines
 from .velocity import encode_prompts
 
@@ -120,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", required=True, help="cache file to write (.safetensors or .pt)")
     c.add_argument("--batch-size", type=int, default=16, help="prompts per text-encoder call (default 16)")
     c.add_argument("--path", default=None, help="override pipeline.path")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args(argv)
     try:
-        if not str(args.out).endswith((".safetensors", ".pt", ".pth")):
-            raise ValueError(f"--out must end in .safetensors or .pt; got {args.out}")
+        check_output_file(args.out, "--out", args.overwrite, (".safetensors", ".pt", ".pth"))
         cfg = load_pipeline_config(args.config, {"path": args.path} if args.path else None)
         prompts = read_prompt_lines(args.prompts, "--prompts")
         out = build_prompt_cache(cfg, prompts, args.out, args.batch_size)

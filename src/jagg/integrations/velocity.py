@@ -195,8 +195,9 @@ class PromptEmbeddings:
         """Write a prompt-embedding cache: ``.safetensors`` (prompts as JSON metadata) or ``.pt``."""
         if self.prompts is None:
             raise ValueError("a prompt-embedding cache needs the prompt strings (PromptEmbeddings.prompts)")
+        from ..training.atomic import atomic_write
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"prompt_embeds": self.prompt_embeds}
         if self.pooled is not None:
             tensors["pooled_prompt_embeds"] = self.pooled
@@ -204,11 +205,11 @@ class PromptEmbeddings:
             tensors["prompt_embeds_mask"] = self.mask
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         if path.suffix == ".safetensors":
-            from safetensors.torch import save_file
+            from safetensors.torch import save
 
-            save_file(tensors, str(path), metadata={"prompts": json.dumps(self.prompts)})
+            atomic_write(path, lambda f: f.write(save(tensors, metadata={"prompts": json.dumps(self.prompts)})))
         elif path.suffix in (".pt", ".pth"):
-            torch.save({**tensors, "prompts": list(self.prompts)}, path)
+            atomic_write(path, lambda f: torch.save({**tensors, "prompts": list(self.prompts)}, f))
         else:
             raise ValueError(f"prompt-embedding cache must end in .safetensors or .pt; got {path}")
 

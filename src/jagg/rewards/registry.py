@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..checks import check_float32
 from .images import to_uint8
 from .preference import AestheticReward, ClipScoreReward, HPSv2Reward, PickScoreReward
 
@@ -144,12 +145,43 @@ def build_reward(name: str, options: dict | None = None, defaults: dict | None =
 
 
 def check_spec(spec: str | dict) -> None:
-    """Check the options of a registered reward spec (or of each key of a dict of weights) without building the
-    reward: a malformed option, one its factory does not take or a value of the wrong type is a ValueError. Specs of
-    unregistered names (``module:function``, a package's reward registered on import) are checked when built."""
+    """Check a reward spec without building the reward, so that a config is refused at load, not when training
+    starts: a dict of weights is non-empty, each weight a number that fits float32 and each name once; every name is
+    registered (its options well formed, taken by its factory and of the right type) or a
+    ``package.module:attribute`` that imports and is callable. A ValueError says what is wrong."""
+    if isinstance(spec, dict):
+        _check_weights(spec)
     for one in (spec if isinstance(spec, dict) else [spec]):
-        if isinstance(one, str) and registered_name(one):
+        if not isinstance(one, str):
+            raise ValueError(f"a reward name must be a string; got {one!r}")
+        if registered_name(one):
             _factory_call(*parse_spec(one), None)
+        elif ":" in one:
+            _resolve(one)
+        else:
+            raise _unknown(one)
+
+
+def _check_weights(weights: dict) -> None:
+    """Raise unless ``weights`` (name -> weight) is non-empty, every weight a finite number that fits float32, and no
+    registered name appears twice (with different options)."""
+    if not weights:
+        raise ValueError("empty reward weights; give e.g. {'geneval': 1.0}")
+    seen = set()
+    for name, w in weights.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(f"weight of reward {name!r} must be a finite number, got {w!r}")
+        check_float32(float(w), f"weight of reward {name!r}")
+        key = registered_name(str(name)) or name
+        if key in seen:
+            raise ValueError(f"reward {key!r} appears twice in the weights {list(weights)}; give each once")
+        seen.add(key)
+
+
+def _unknown(spec: str) -> ValueError:
+    return ValueError(f"unknown reward {spec!r}; available: {', '.join(available_rewards())} (options as "
+                      "'name:key=value,...'), a dict of weights, or 'package.module:function' (a package's own "
+                      "rewards are registered when it is imported: import jagg.shapes registers 'geneval')")
 
 
 class RewardError(ValueError):
@@ -198,11 +230,10 @@ class WeightedSum:
     a registered spec without its options)."""
 
     def __init__(self, weights: dict[str, float], defaults: dict | None = None):
+        _check_weights(weights)
         self.weights, self.parts = {}, {}
         for spec, w in weights.items():
             name = registered_name(spec) or spec
-            if name in self.parts:
-                raise ValueError(f"reward {name!r} appears twice in the weights {list(weights)}; give each once")
             self.weights[name], self.parts[name] = w, get_reward(spec, defaults)
 
     def __call__(self, images, prompts, metadata=None):
@@ -216,7 +247,9 @@ class WeightedSum:
         return total, info
 
 
-def _import(path: str) -> RewardFn:
+def _resolve(path: str):
+    """The attribute ``package.module:attribute`` names (imported, not called); a ValueError when it cannot be
+    loaded or is not callable."""
     module, _, attr = path.partition(":")
     if not module or not attr:
         raise ValueError(f"user reward {path!r} must look like 'package.module:function'")
@@ -224,6 +257,14 @@ def _import(path: str) -> RewardFn:
         obj = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot load user reward {path!r}: {e}") from e
+    if not callable(obj):
+        raise ValueError(f"user reward {path!r} is a {type(obj).__name__}, not a callable (images, prompts, metadata)")
+    return obj
+
+
+def _import(path: str) -> RewardFn:
+    """The user reward ``package.module:attribute``: a function, or a class instantiated with no arguments."""
+    obj = _resolve(path)
     obj = obj() if isinstance(obj, type) else obj
     if not callable(obj):
         raise ValueError(f"user reward {path!r} is a {type(obj).__name__}, not a callable (images, prompts, metadata)")
@@ -241,20 +282,14 @@ def get_reward(spec: str | dict[str, float] | RewardFn, defaults: dict | None = 
     if isinstance(spec, CheckedReward):
         return spec
     if isinstance(spec, dict):
-        if not spec:
-            raise ValueError("empty reward weights; give e.g. {'geneval': 1.0}")
-        for name, w in spec.items():
-            if not isinstance(w, (int, float)) or not math.isfinite(w):
-                raise ValueError(f"weight of reward {name!r} must be a finite number, got {w!r}")
-        return CheckedReward("+".join(f"{w:g}*{n}" for n, w in spec.items()), WeightedSum(spec, defaults))
+        total = WeightedSum(spec, defaults)
+        return CheckedReward("+".join(f"{w:g}*{n}" for n, w in spec.items()), total)
     if isinstance(spec, str):
         if registered_name(spec):
             return CheckedReward(spec, build_reward(*parse_spec(spec), defaults))
         if ":" in spec:
             return CheckedReward(spec, _import(spec))
-        raise ValueError(f"unknown reward {spec!r}; available: {', '.join(available_rewards())} (options as "
-                         "'name:key=value,...'), a dict of weights, or 'package.module:function' (a package's own "
-                         "rewards are registered when it is imported: import jagg.shapes registers 'geneval')")
+        raise _unknown(spec)
     if callable(spec):
         return CheckedReward(getattr(spec, "__name__", type(spec).__name__), spec)
     raise TypeError(f"reward spec must be a name, a dict of weights, 'module:function' or a callable, got {spec!r}")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -323,23 +322,15 @@ class TinyDiT(nn.Module):
 
 
 def save_pretrained(model: TinyDiT, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-    """Write weights (optionally cast to `dtype`) and the config to one .safetensors file, atomically."""
-    from safetensors.torch import save_file
+    """Write weights (optionally cast to `dtype`) and the config to one .safetensors file, atomically
+    (:func:`jagg.training.atomic.atomic_write`)."""
+    from safetensors.torch import save
 
-    path = os.fspath(path)
+    from ..training.atomic import atomic_write
+
     sd = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in model.state_dict().items()}
     meta = {_META_KEY: json.dumps(model.config.to_dict()), "format": "pt"}
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".safetensors")
-    os.close(fd)
-    try:
-        save_file(sd, tmp, metadata=meta)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    atomic_write(path, lambda f: f.write(save(sd, metadata=meta)))
 
 
 def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> TinyDiT:

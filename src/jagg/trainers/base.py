@@ -8,9 +8,11 @@ prompt group on the global batch, drops the prompt groups without reward spread,
 updates, each from the trainer's :meth:`~GRPO.gradient` of a minibatch (:meth:`~GRPO.minibatches`), skipped when its
 loss or gradient norm is not finite. :class:`GRPO` holds no run directory, logger or checkpoint (``jagg bench e2e``
 times its iterations as they are). Around it, :class:`GRPOTrainer` adds the run directory (new, resumed or moved
-aside, :mod:`jagg.training.rundir`), the metrics logger, checkpoints at ``log.checkpoint_every``, the abort after
-``grpo.max_consecutive_skips``, the save after a failure before an iteration's first update, and SIGINT/SIGTERM
-(finish the iteration, save, exit); :meth:`GRPOTrainer.run` is how ``jagg train`` starts either trainer.
+aside, :mod:`jagg.training.rundir`), the metrics logger, checkpoints at ``log.checkpoint_every``, the aborts
+(:class:`TrainingAborted`) after ``grpo.max_consecutive_skips`` skipped updates and after ``grpo.max_empty_iterations``
+iterations that trained no sample (warned at the first, with the reason), the save after a failure before an
+iteration's first update, and SIGINT/SIGTERM (finish the iteration, save, exit); :meth:`GRPOTrainer.run` is how
+``jagg train`` starts either trainer.
 """
 
 from __future__ import annotations
@@ -34,12 +36,18 @@ from ..estimator import reference_velocities
 from ..training.distributed import gather, init_process_group_from_env
 from ..training.config_loader import to_dict
 from ..training.metrics import MetricsLogger
-from ..training.rundir import lock_run, open_run, outputs, read_run_file, write_run_file
+from ..training.rundir import TRAIN, RunHints, lock_run, open_run, outputs, read_run_file, write_run_file
 from ..training.wandb_run import WandbRun, require_wandb
 from ..trajectory import Trajectory, VelocityFn
 
-# config keys that may change between a checkpoint and its resumption
-RESUMABLE_CHANGES = ("grpo.iterations", "log.", "eval.", "threads")
+# config keys that may change between a checkpoint and its resumption (the aborts' limits change no gradient)
+RESUMABLE_CHANGES = ("grpo.iterations", "grpo.max_consecutive_skips", "grpo.max_empty_iterations", "log.", "eval.",
+                     "threads")
+
+
+class TrainingAborted(RuntimeError):
+    """A run that stopped itself because it cannot go on (non-finite updates, nothing to learn), after saving a
+    checkpoint; ``jagg`` prints the message on one line and exits 1."""
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -76,7 +84,7 @@ def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUM
             continue
         if not _may_change(key, allowed):
             raise ValueError(f"cannot resume: config key {key!r} was {a.get(key)!r} in the checkpoint but is "
-                             f"{b.get(key)!r} now; use the checkpoint's value or start a new run (another log.output_dir)")
+                             f"{b.get(key)!r} now; use the checkpoint's value, or start a new run in another directory")
         changed.append(f"{key}: {_shown(a.get(key, _ABSENT))} in the checkpoint, {_shown(b.get(key, _ABSENT))} now")
     return changed
 
@@ -200,7 +208,8 @@ class GRPO(ABC):
         self.rank, self.world = init_process_group_from_env() if self.multiprocess else (0, 1)
         self.main = self.rank == 0
         self.iteration, self.wall, self.cpu = 0, 0.0, 0.0    # seconds in iterations (not eval), across resumes
-        self.skipped_updates = self.consecutive_skips = 0
+        self.skipped_updates = self.consecutive_skips = self.consecutive_empty = 0
+        self.empty_iteration = self._empty_warned = False    # whether the last iteration had nothing to learn from
         self.logger: MetricsLogger | None = None             # a GRPOTrainer's, on its main process
 
     # ------------------------------------------------------------------ what each trainer provides
@@ -264,8 +273,9 @@ class GRPO(ABC):
         rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=self.device)).cpu()  # the global batch
         prompts = rollout.prompts
         adv = group_advantages(rewards, prompts, c.grpo.global_std, c.grpo.adv_clip_max)[rollout.local]
-        keep = (nonzero_spread_mask(rewards, prompts) if c.grpo.drop_zero_spread
-                else torch.ones(len(prompts), dtype=torch.bool))[rollout.local]
+        spread = nonzero_spread_mask(rewards, prompts)          # [N] samples of prompt groups with reward spread
+        self.empty_iteration = not bool(spread.any())          # no advantage but 0: nothing to learn from
+        keep = (spread if c.grpo.drop_zero_spread else torch.ones(len(prompts), dtype=torch.bool))[rollout.local]
         t2 = time.perf_counter()
         self._updating = True
         keep_idx = torch.nonzero(keep).flatten()
@@ -406,11 +416,14 @@ class GRPOTrainer(GRPO):
     What a trainer provides besides :class:`GRPO`'s hooks: :meth:`save`, :meth:`load_state`, :meth:`rng_state` and
     :meth:`set_rng_state`; optionally :meth:`before_training` and :meth:`after_iteration` (evaluation),
     :meth:`stop_requested` (several processes), :meth:`report`, and the attributes :attr:`progress_label` and
-    :attr:`evaluates`.
+    :attr:`evaluates`. :attr:`hints` says what its messages tell the user to do (``jagg train``'s flags; another
+    command that trains, ``jagg bench quality``, gives its own); after :meth:`train`, :attr:`stopped` says whether a
+    signal stopped it before ``grpo.iterations``.
     """
 
     progress_label = "GRPO"                              # the progress bar's label
     evaluates = False                                    # whether after_iteration returns evaluation records
+    hints: RunHints = TRAIN                              # the words of its refusals and notes
 
     def __init__(self, cfg, resume: bool = False, overwrite: bool = False, require_checkpoint: bool = False):
         self._begin(cfg)
@@ -423,9 +436,9 @@ class GRPOTrainer(GRPO):
         # fails in seconds); the main process moves an old run aside first (--overwrite) and writes run.json only
         # after all have decided (the barrier before the logger)
         start = open_run(self.out, resume=resume, require_checkpoint=require_checkpoint, overwrite=overwrite,
-                         main=self.main, barrier=barrier, log=self._print)
+                         main=self.main, barrier=barrier, log=self._print, hints=self.hints)
         self.run_id = start.run_id
-        self._stop = False
+        self._stop = self.stopped = False
         self.setup()
         resumed_from = None
         if start.resumed is not None:
@@ -438,7 +451,7 @@ class GRPOTrainer(GRPO):
         if barrier is not None:
             barrier()
         if self.main and (start.resumed is None or read_run_file(self.out) is None):
-            write_run_file(self.out, self.run_id)        # an unwritable directory fails here, before any training
+            write_run_file(self.out, self.run_id, self.hints)   # an unwritable directory fails here, before training
         if self.main:                                    # the main process logs (to wandb too: log.wandb)
             tracker = WandbRun(cfg.log, self.run_id, self.out, to_dict(cfg)) if cfg.log.wandb else None
             self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from, wandb=tracker)
@@ -493,11 +506,37 @@ class GRPOTrainer(GRPO):
         """Called after each iteration is logged (``done``: the last one); an evaluation record, or None."""
         return None
 
-    def skip_limit_error(self, limit: int) -> RuntimeError | None:
+    def skip_limit_error(self, limit: int) -> TrainingAborted | None:
         """The error to stop with after ``limit`` consecutive skipped updates (0 = never), else None."""
         if limit and self.consecutive_skips >= limit:
-            return RuntimeError(f"aborting: {limit} consecutive updates had a non-finite loss or gradient "
-                                "(see metrics.jsonl 'skipped'); lower optim.lr")
+            return TrainingAborted(f"{limit} consecutive updates had a non-finite loss or gradient (see metrics.jsonl "
+                                   "'skipped'); lower optim.lr")
+        return None
+
+    def empty_reason(self) -> str:
+        """Why an iteration had nothing to learn from: every trained reward weight 0, or no reward spread."""
+        weights = getattr(getattr(self.cfg, "reward", None), "weights", None)
+        if weights and not any(weights.values()):
+            return f"every reward weight is 0 (reward.weights {weights}), so every image scores 0"
+        return ("no prompt group had any reward spread (every image of a prompt scored the same); check that the "
+                "reward sees the image and that the sampling noise (eta) is neither too low nor too high")
+
+    def empty_limit_error(self, limit: int) -> TrainingAborted | None:
+        """After an iteration: count those in a row that had nothing to learn from (no prompt group with reward
+        spread: no sample trained); at the first of the run print a warning naming the reason; return the error to
+        stop with after ``limit`` in a row (``grpo.max_empty_iterations``, 0 = never), else None."""
+        if not self.empty_iteration:
+            self.consecutive_empty = 0
+            return None
+        self.consecutive_empty += 1
+        why = self.empty_reason()
+        if not self._empty_warned:
+            self._empty_warned = True
+            stops = f"; the run stops after {limit} such iterations in a row (grpo.max_empty_iterations)" if limit else ""
+            self._print(f"\nwarning, iteration {self.iteration}: no sample was trained: {why}{stops}")
+        if limit and self.consecutive_empty >= limit:
+            return TrainingAborted(f"{limit} iterations in a row trained no sample: {why}; fix the config and start a "
+                                   f"new run: {self.hints.other_dir}, or {self.hints.start_over}")
         return None
 
     def stop_requested(self) -> bool:
@@ -514,11 +553,11 @@ class GRPOTrainer(GRPO):
         lock = None
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
-            lock = lock_run(self.out)                  # one process trains in a run directory at a time
+            lock = lock_run(self.out, self.hints)      # one process trains in a run directory at a time
         if self.iteration >= c.grpo.iterations:
             self._print(f"the run in {self.out} is at iteration {self.iteration} of grpo.iterations="
-                        f"{c.grpo.iterations}: nothing to train (raise grpo.iterations to continue it, or --overwrite "
-                        "to start over)")
+                        f"{c.grpo.iterations}: nothing to train (raise grpo.iterations to continue it, or "
+                        f"{self.hints.start_over})")
         handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.before_training()
@@ -530,7 +569,8 @@ class GRPOTrainer(GRPO):
                 stop = self.stop_requested()
                 done = self.iteration == c.grpo.iterations
                 last_eval = self.after_iteration(done) or last_eval
-                abort = self.skip_limit_error(c.grpo.max_consecutive_skips)
+                abort = (self.skip_limit_error(c.grpo.max_consecutive_skips)
+                         or self.empty_limit_error(c.grpo.max_empty_iterations))
                 path = None
                 if (c.log.checkpoint_every and self.iteration % c.log.checkpoint_every == 0) or done or stop or abort:
                     path = self.save()
@@ -539,7 +579,8 @@ class GRPOTrainer(GRPO):
                 if abort is not None:
                     raise abort
                 if stop:
-                    self._print(f"saved {path}; continue with --resume")
+                    self.stopped = True
+                    self._print(f"saved {path}; {self.hints.continue_run}")
                     break
             bar.close()
         finally:
@@ -579,7 +620,8 @@ class GRPOTrainer(GRPO):
             return
         self.set_rng_state(self._rng_at_start)
         path = self.save()
-        print(f"\nthe run failed in iteration {self.iteration + 1}; saved {path}: fix the cause and use --resume")
+        print(f"\nthe run failed in iteration {self.iteration + 1}; saved {path}: fix the cause and "
+              f"{self.hints.continue_run}")
 
     def _handle_signal(self, signum, frame):
         self._stop = True

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..checks import Keys, check_group_size, check_positive, check_sde_steps, check_sde_type, check_sde_window_schedule
+from ..checks import (Keys, check_group_size, check_positive, check_sde_steps, check_sde_type,
+                      check_sde_window_schedule, check_threads)
 from ..estimator_config import EstimatorConfig
 from ..rewards.registry import check_spec
 from ..training.wandb_run import WANDB_MODES
@@ -121,13 +122,17 @@ class GRPOConfig:
         "Skip training on prompt groups whose rewards are all equal (no signal)."))
     max_consecutive_skips: int = field(default=5, metadata=_help(
         "Abort after this many consecutive updates skipped for a non-finite loss or gradient (0 = never)."))
+    max_empty_iterations: int = field(default=10, metadata=_help(
+        "Abort after this many consecutive iterations that trained no sample (no prompt group with reward spread, "
+        "e.g. every reward weight 0); the first is warned about with its reason (0 = never abort)."))
 
     def __post_init__(self):
         for name in ("iterations", "inner_epochs", "updates_per_epoch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"grpo.{name} must be >= 1; got {getattr(self, name)}")
-        if self.max_consecutive_skips < 0:
-            raise ValueError(f"grpo.max_consecutive_skips must be >= 0; got {self.max_consecutive_skips}")
+        for name in ("max_consecutive_skips", "max_empty_iterations"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"grpo.{name} must be >= 0 (0 = never); got {getattr(self, name)}")
         check_positive(self.adv_clip_max, "grpo.adv_clip_max")
 
 
@@ -137,7 +142,7 @@ class RewardConfig:
         "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility, and the preference models "
         "clip_score, pickscore, hpsv2, aesthetic), its options after a colon (pickscore:path=/models/PickScore_v1,"
         "batch_size=16; jagg.rewards.registry), or module:function (geneval when neither name nor weights is set)."))
-    weights: dict | None = field(default=None, metadata=_help(
+    weights: dict[str, float] | None = field(default=None, metadata=_help(
         "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1} (a key may carry options: "
         "'pickscore:path=/models/PickScore_v1'); a component of weight 0 is computed and reported (reward/<name>, the "
         "name without its options) but not trained. Set this or name, not both."))
@@ -146,10 +151,13 @@ class RewardConfig:
         if self.name and self.weights:
             raise ValueError(f"set reward.name or reward.weights, not both (name {self.name!r}, weights "
                              f"{self.weights}): for a single reward add --set reward.weights=null")
+        if self.name == "" or self.weights == {}:
+            raise ValueError(f"reward.{'name' if self.name == '' else 'weights'} is empty; give a reward (or null "
+                             "for the default, geneval)")
         if not self.name and not self.weights:
             self.name = "geneval"
         try:
-            check_spec(self.spec)                       # a registered reward's options, before anything loads
+            check_spec(self.spec)          # every name known, its options and weights, before anything loads
         except ValueError as e:
             raise ValueError(f"reward.{'weights' if self.weights else 'name'}: {e}") from None
 
@@ -202,6 +210,5 @@ class TrainerSections:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self):
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0; got {self.threads}")
+        check_threads(self.threads, "threads")
         check_updates_divide_batch(self.sample.batch_size, self.grpo.updates_per_epoch)

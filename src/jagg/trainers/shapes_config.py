@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .. import shapes                      # noqa: F401  registers the 'geneval' reward that reward: may name
 from ..checks import check_eta, check_positive, is_finite_number
 from ..schedule import SHIFT_HINT
+from ..training import config_loader as configuration
 from .sections import SAMPLE_KEYS, LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, sde_window_field
 
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
@@ -32,15 +34,8 @@ def read_prompts(path: str) -> list[str]:
     """Prompts of a text file, one per line (blank lines skipped), each checked against the world's grammar."""
     from ..shapes import parse_prompt
 
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"sample.prompts_file {path!r} does not exist or is not a file")
-    try:
-        lines = p.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"sample.prompts_file {path!r} cannot be read: {e}") from None
     prompts = []
-    for n, line in enumerate(lines, 1):
+    for n, line in enumerate(configuration.read_text(path, "sample.prompts_file").splitlines(), 1):
         if line.strip():
             try:
                 parse_prompt(line.strip())

@@ -9,33 +9,21 @@ leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from .. import __version__
+from .atomic import atomic_write
 
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
 
 
 def atomic_torch_save(obj, path: Path) -> None:
-    """``torch.save`` to a temp file next to ``path``, fsync, then ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """``torch.save`` through :func:`jagg.training.atomic.atomic_write` (a temp file next to ``path``, fsync, rename)."""
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def write_checkpoint(state: dict, directory: Path, iteration: int) -> Path:

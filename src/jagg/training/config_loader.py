@@ -1,7 +1,9 @@
 """Nested dataclass configs from YAML plus ``--set section.key=value`` overrides.
 
 Every key is checked once at load: unknown keys raise with the closest valid name suggested, values are
-coerced to the field's type, and each dataclass validates itself in ``__post_init__``.
+coerced to the field's type and checked to fit the dtype they are used in (every float finite in float32, every
+integer in int64, every field named ``seed`` a seed: :mod:`jagg.checks`), and each dataclass validates itself in
+``__post_init__``. Text files a config names (prompt files) are read with :func:`read_text`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from ..checks import check_float32, check_int64, check_seed, shown
 
 
 def _suggest(key: str, valid: list[str]) -> str:
@@ -50,16 +54,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected a mapping, got {value!r}")
-        return value
+        args = typing.get_args(tp)
+        return {k: _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()} if args else value
     if tp is bool:
         if isinstance(value, bool):
             return value
         raise ValueError(f"{where}: expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
+            if not (isinstance(value, float) and value.is_integer()):
+                raise ValueError(f"{where}: expected an integer, got {value!r}")
+            value = int(value)
+        check_int64(value, where)
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 6e-4 (no dot) as a string
@@ -69,9 +75,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}: expected a number, got {value!r}")
+        try:
+            value = float(value)
+        except OverflowError:                         # an integer beyond any float
+            raise ValueError(f"{where}: {shown(value)} overflows float32, the dtype it is used in") from None
         if not math.isfinite(value):                  # NaN would pass every range check after this
             raise ValueError(f"{where}: expected a finite number, got {value!r}")
-        return float(value)
+        check_float32(value, where)
+        return value
     if tp is str:
         if not isinstance(value, str):
             raise ValueError(f"{where}: expected a string, got {value!r}")
@@ -96,10 +107,12 @@ def from_dict(cls, data: dict, where: str = ""):
             kwargs[key] = from_dict(tp, value or {}, path)
         else:
             kwargs[key] = _coerce(value, tp, path)
+            if key == "seed" and kwargs[key] is not None:
+                check_seed(kwargs[key], path)
     try:
         return cls(**kwargs)
-    except ValueError as e:
-        raise ValueError(f"{where + ': ' if where else ''}{e}") from None
+    except ValueError as e:                   # named by section, unless the message names the key already
+        raise ValueError(f"{where + ': ' if where and not str(e).startswith(where + '.') else ''}{e}") from None
 
 
 def to_dict(cfg) -> dict:
@@ -154,17 +167,36 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
+def read_text(path: str | Path, what: str) -> str:
+    """The text of the file ``path`` that the setting or option ``what`` names (a prompt file, a config); a
+    ``ValueError`` naming both when it is missing, not a file, unreadable, not UTF-8 or binary (a NUL byte)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"{what} {str(path)!r} {'is not a file' if p.exists() else 'does not exist'}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{what} {str(path)!r} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        line = p.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(f"{what} {str(path)!r} is not a UTF-8 text file (byte {e.start}, line {line}: {e.reason}); "
+                         "give a text file") from None
+    if "\x00" in text:
+        raise ValueError(f"{what} {str(path)!r} is a binary file (a NUL byte on line "
+                         f"{text[: text.index(chr(0))].count(chr(10)) + 1}); give a text file")
+    return text
+
+
 def read_yaml(path: str | Path) -> dict:
     """The mapping in a YAML config file (``{}`` when empty). Raises ``FileNotFoundError`` for a missing file
     and ``ValueError`` naming the file (and the line and column of a syntax error) for anything unreadable."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"config file {str(p)!r} {'is not a file' if p.exists() else 'not found'}; pass a "
+        raise FileNotFoundError(f"config file {str(path)!r} {'is not a file' if p.exists() else 'not found'}; pass a "
                                 "YAML file to --config (the real-model examples are in the repository's configs/)")
+    text = read_text(p, "config file")
     try:
-        data = yaml.safe_load(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"config file {str(p)!r} cannot be read: {e}") from None
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ValueError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(e)}") from None
     if data is not None and not isinstance(data, dict):

@@ -4,10 +4,83 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from .atomic import atomic_write, atomic_write_text
+
+
+class MetricsError(ValueError):
+    """A ``metrics.jsonl`` whose line before the last is not a record: corrupt, not just torn by an interrupted
+    append (the message names the file and the line)."""
+
+
+@dataclass
+class RecordScan:
+    """What :func:`scan_records` read in a ``metrics.jsonl``: its records (each with its line number and text) and the
+    numbers of the (non-blank) lines that are not a record (not UTF-8, not JSON, not an object with an ``iteration``).
+    Only the last line may be such a line: an append cut short by a crash or a full disk (:attr:`torn`)."""
+
+    path: Path
+    rows: list[tuple[int, str, dict]] = field(default_factory=list)
+    bad: list[tuple[int, bytes]] = field(default_factory=list)
+    last: int = 0                                      # the number of the last non-blank line (0: none)
+
+    @property
+    def records(self) -> list[dict]:
+        return [r for _, _, r in self.rows]
+
+    @property
+    def torn(self) -> tuple[int, bytes] | None:
+        """The last line ``(number, bytes)`` when it is not a record, else None."""
+        return self.bad[-1] if self.bad and self.bad[-1][0] == self.last else None
+
+    def check(self) -> None:
+        """Raise :class:`MetricsError` when a line before the last is not a record."""
+        early = [n for n, _ in self.bad if n != self.last]
+        if early:
+            raise MetricsError(f"{self.path} line {early[0]} is not a JSON record (of {self.last} lines"
+                               f"{f'; {len(early)} such lines before the last' if len(early) > 1 else ''})")
+
+
+def scan_records(path: Path) -> RecordScan:
+    """Read ``path`` (``metrics.jsonl``) line by line without failing on a bad line (:class:`RecordScan`)."""
+    scan = RecordScan(Path(path))
+    for n, raw in enumerate(Path(path).read_bytes().split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        scan.last = n
+        try:
+            text = raw.decode("utf-8")
+            record = json.loads(text)
+        except (UnicodeDecodeError, ValueError):
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("iteration"), int):
+            scan.rows.append((n, text, record))
+        else:
+            scan.bad.append((n, raw))
+    return scan
+
+
+def set_aside_torn(scan: RecordScan) -> Path | None:
+    """Copy the torn last line of ``scan`` (if any) to ``metrics.jsonl.torn-<YYYYmmdd-HHMMSS>`` next to the file
+    (never replacing one), print a warning naming the file and the line, and return the copy's path."""
+    if scan.torn is None:
+        return None
+    n, raw = scan.torn
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, k = scan.path.with_name(f"{scan.path.name}.torn-{stamp}"), 1
+    while aside.exists():
+        k += 1
+        aside = scan.path.with_name(f"{scan.path.name}.torn-{stamp}-{k}")
+    atomic_write(aside, lambda f: f.write(raw + b"\n"))
+    print(f"warning: {scan.path} line {n} is not a complete record (an append cut short by a crash or a full disk): "
+          f"dropped from the run, kept in {aside}", flush=True)
+    return aside
 
 
 def scalars(record: dict) -> dict:
@@ -22,7 +95,8 @@ class MetricsLogger:
     """Appends one JSON record per line to ``metrics.jsonl``; mirrors its numbers (:func:`scalars`) to TensorBoard
     and, given a :class:`jagg.training.wandb_run.WandbRun`, to wandb, with the sample grids (:meth:`image`).
 
-    On resume, records after the resumed iteration are dropped so the file reads as one uninterrupted run.
+    On resume, records after the resumed iteration are dropped so the file reads as one uninterrupted run; a torn
+    last line is set aside (:func:`set_aside_torn`), a bad line before it is a :class:`MetricsError`.
     """
 
     def __init__(self, out_dir: Path, tensorboard: bool = True, resume_iteration: int | None = None, wandb=None):
@@ -30,10 +104,12 @@ class MetricsLogger:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_iteration is None:
-            self.path.write_text("")
+            atomic_write_text(self.path, "")
         elif self.path.exists():
-            keep = [l for l in self.path.read_text().splitlines() if l and json.loads(l)["iteration"] <= resume_iteration]
-            self.path.write_text("".join(l + "\n" for l in keep))
+            scan = scan_records(self.path)
+            scan.check()
+            set_aside_torn(scan)
+            atomic_write_text(self.path, "".join(f"{t}\n" for _, t, r in scan.rows if r["iteration"] <= resume_iteration))
         self.tb = None
         if tensorboard:
             try:
@@ -94,7 +170,7 @@ def plot_reward_curve(records: list[dict], path: Path, title: str = "reward") ->
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_write(path, lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
 
 
@@ -145,12 +221,25 @@ def save_grid(images: np.ndarray, path: Path, ncol: int = 8, scale: int = 4, pro
         for k, line in enumerate(cell_lines):
             draw.text((x, y + ch + 2 + k * line_h), line, fill=(0, 0, 0), font=font)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
+    atomic_write(path, lambda f: img.save(f, format=image_format(path)))
     if captioned:
         rows = [f"{t[0]} ({t[1]})" if len(t) == 2 else (t[0] if t else "") for t in texts]   # "<prompt> (reward <r>)"
         rows = ["; ".join(r for r in (row, *more) if r) for row, more in zip(rows, extra)]
-        path.with_suffix(".txt").write_text("".join(f"{i}: {row}\n" for i, row in enumerate(rows)))
+        atomic_write_text(path.with_suffix(".txt"), "".join(f"{i}: {row}\n" for i, row in enumerate(rows)))
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")   # what save_grid writes, by the name
+
+
+def image_format(path: Path) -> str:
+    """PIL's format name of an image file, from its suffix (:data:`IMAGE_SUFFIXES`)."""
+    from PIL import Image
+
+    suffix = Path(path).suffix.lower()
+    if suffix not in IMAGE_SUFFIXES:
+        raise ValueError(f"{path}: an image file must end in one of {', '.join(IMAGE_SUFFIXES)}; got "
+                         f"{suffix or 'no extension'!r}")
+    return Image.registered_extensions()[suffix]
 
 
 def _wrap(text: str, font, width: int) -> list[str]:

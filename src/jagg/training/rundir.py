@@ -17,6 +17,10 @@
   process trains the run) is refused while it is held, before anything is moved or written.
 - Filesystem errors while preparing the directory (a file where the directory should be, read-only, no
   permission) are :class:`RunDirError` naming the path and what to do.
+- ``--resume`` reads ``metrics.jsonl`` before anything is written: a line before the last that is not a record is
+  an error naming the file and the line (a torn last line is set aside by :class:`jagg.training.metrics.MetricsLogger`).
+- What to do is said in the words of the command that trains (:class:`RunHints`: ``jagg train``'s flags, or
+  ``jagg bench quality``'s, which has none of them).
 """
 
 from __future__ import annotations
@@ -25,22 +29,35 @@ import errno
 import json
 import os
 import secrets
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .atomic import atomic_write_text
 from .checkpoint import list_checkpoints, read_checkpoint
+from .metrics import MetricsError, scan_records
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
-HINT = ("use --resume to continue it, another --output-dir for a new run, or --overwrite to move the old run "
-        "aside and start over")
 
 
 class RunDirError(ValueError):
     """A run directory that this command may not use as asked (``jagg`` exits 2 with the message)."""
+
+
+@dataclass(frozen=True)
+class RunHints:
+    """What a command that trains in a run directory tells its user to do, in its own words: ``jagg train``'s flags
+    (the defaults, :data:`TRAIN`), or another command's (``jagg bench quality`` keeps its runs in ``--out`` and has
+    neither ``--resume`` nor ``--output-dir``)."""
+
+    continue_run: str = "continue with --resume"
+    other_dir: str = "use another --output-dir"
+    start_over: str = "start over with --overwrite (moves the old run aside, deletes nothing)"
+
+
+TRAIN = RunHints()
 
 
 def new_run_id() -> str:
@@ -54,33 +71,32 @@ def one_line(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def fs_error(e: OSError, out: Path, doing: str) -> RunDirError:
+def fs_error(e: OSError, out: Path, doing: str, hints: RunHints = TRAIN) -> RunDirError:
     """A filesystem error on the run directory ``out`` as one line that names the path and says what to do."""
     what = e.strerror or type(e).__name__
     if e.errno == errno.EROFS:
         what = "read-only file system"
     path = e.filename if e.filename is not None else out
-    return RunDirError(f"cannot {doing} {path}: {what}; choose a writable --output-dir (log.output_dir) "
-                       f"instead of {out}")
+    return RunDirError(f"cannot {doing} {path}: {what}; {hints.other_dir}, a writable one, instead of {out}")
 
 
-def check_layout(out: Path) -> None:
+def check_layout(out: Path, hints: RunHints = TRAIN) -> None:
     """Raise :class:`RunDirError` when ``out`` or ``out/checkpoints`` exists but is not a directory."""
-    for path, what in ((out, "--output-dir (log.output_dir)"), (out / "checkpoints", "its checkpoints/")):
+    for path, what in ((out, "the run directory"), (out / "checkpoints", "its checkpoints/")):
         if path.exists() and not path.is_dir():
-            raise RunDirError(f"{what} {path} is a file, not a directory; choose another --output-dir or move the "
-                              "file away")
+            raise RunDirError(f"{what} {path} is a file, not a directory; {hints.other_dir} or move the file away")
 
 
-def run_contents(out: Path) -> list[str]:
+def run_contents(out: Path, hints: RunHints = TRAIN) -> list[str]:
     """What of a run ``out`` holds, one short phrase each; empty when a new run may start there."""
     found = []
     metrics = out / "metrics.jsonl"
     try:
         if metrics.is_file() and metrics.stat().st_size > 0:
-            with metrics.open("rb") as f:
-                records = sum(1 for line in f if line.strip())
-            found.append(f"metrics.jsonl with {records} record{'s' * (records != 1)}")
+            scan = scan_records(metrics)
+            n, bad = len(scan.records), len(scan.bad)
+            found.append(f"metrics.jsonl with {n} record{'s' * (n != 1)}"
+                         + (f" (and {bad} line{'s' * (bad != 1)} not a record)" if bad else ""))
         ckpts = list_checkpoints(out / "checkpoints")
         if ckpts:
             found.append(f"{len(ckpts)} checkpoint{'s' * (len(ckpts) != 1)} (newest {ckpts[-1].name})")
@@ -94,7 +110,7 @@ def run_contents(out: Path) -> list[str]:
         if (out / "reward_curve.png").exists():
             found.append("reward_curve.png")
     except OSError as e:
-        raise fs_error(e, out, "read") from None
+        raise fs_error(e, out, "read", hints) from None
     return found
 
 
@@ -107,34 +123,25 @@ def read_run_file(out: Path) -> dict | None:
     return data if isinstance(data, dict) and isinstance(data.get("run_id"), str) else None
 
 
-def write_run_file(out: Path, run_id: str) -> None:
+def write_run_file(out: Path, run_id: str, hints: RunHints = TRAIN) -> None:
     """Create ``out`` if needed and write ``out/run.json`` atomically; filesystem errors become :class:`RunDirError`."""
     from .. import __version__
 
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=RUN_FILE + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                           "jagg_version": __version__}, f)
-                f.write("\n")
-            os.replace(tmp, out / RUN_FILE)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_text(out / RUN_FILE, json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                                      "jagg_version": __version__}) + "\n")
     except OSError as e:
-        raise fs_error(e, out, "write the run directory") from None
+        raise fs_error(e, out, "write the run directory", hints) from None
 
 
-def move_aside(out: Path) -> Path:
+def move_aside(out: Path, hints: RunHints = TRAIN) -> Path:
     """Rename ``out`` to ``out.old-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... if taken); returns the new path."""
     out = Path(os.path.abspath(out))
     cwd = Path.cwd().resolve()
     if cwd == out.resolve() or out.resolve() in cwd.parents:
-        raise RunDirError(f"cannot move {out} aside: it holds the current directory; run from elsewhere or choose "
-                          "another --output-dir")
+        raise RunDirError(f"cannot move {out} aside: it holds the current directory; run from elsewhere or "
+                          f"{hints.other_dir}")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target, n = out.with_name(f"{out.name}.old-{stamp}"), 1
     while target.exists():
@@ -143,7 +150,7 @@ def move_aside(out: Path) -> Path:
     try:
         os.rename(out, target)
     except OSError as e:
-        raise fs_error(e, out, "move aside") from None
+        raise fs_error(e, out, "move aside", hints) from None
     return target
 
 
@@ -177,20 +184,20 @@ def lock_holder(out: Path) -> str | None:
         return None
 
 
-def lock_run(out: Path):
+def lock_run(out: Path, hints: RunHints = TRAIN):
     """Take ``out``'s run lock for this process (the open lock file: keep it, close it to release), or raise
     :class:`RunDirError` naming the process that holds it."""
     path = Path(out) / LOCK_FILE
     try:
         f = open(path, "a+")
     except OSError as e:
-        raise fs_error(e, Path(out), "lock") from None
+        raise fs_error(e, Path(out), "lock", hints) from None
     if not _flock(f, exclusive_now=True):
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        raise RunDirError(f"{out} is in use by another jagg process (pid {holder}); wait for it to end, or use "
-                          "another --output-dir")
+        raise RunDirError(f"{out} is in use by another jagg process (pid {holder}); wait for it to end, or "
+                          f"{hints.other_dir}")
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
@@ -210,7 +217,7 @@ class RunStart:
 
 def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True, overwrite: bool = False,
              main: bool = True, barrier: Callable[[], None] | None = None,
-             log: Callable[[str], None] = print) -> RunStart:
+             log: Callable[[str], None] = print, hints: RunHints = TRAIN) -> RunStart:
     """Decide how a trainer may use the run directory ``out`` (module docstring); reads only, except that the main
     process moves an old run aside (``overwrite``). The caller writes ``run.json`` (:func:`write_run_file`) on the
     main process after every process has decided (``barrier``: a collective, with several processes).
@@ -219,24 +226,26 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
     newest readable checkpoint of ``out/checkpoints``, which must belong to the directory's run; without one, an
     error naming each unreadable file, or (``require_checkpoint=False``) a new run: at once when ``out`` holds no run,
     after moving it aside when it holds one without any checkpoint. With several processes every one must call this
-    (``barrier`` runs in every branch that does not raise).
+    (``barrier`` runs in every branch that does not raise). A resumed run's ``metrics.jsonl`` must read as records
+    up to its last line (:func:`jagg.training.metrics.scan_records`). ``hints``: what the messages tell the user to do.
     Raises :class:`RunDirError` (a ``ValueError``)."""
     out = Path(out)
     barrier = barrier or (lambda: None)
-    check_layout(out)
+    check_layout(out, hints)
     holder = lock_holder(out)
     if holder is not None:
         raise RunDirError(f"{out} is in use by another jagg process (pid {holder}), which is training in it: wait for "
-                          "it to end (then --resume), or use another --output-dir; nothing was changed")
+                          f"it to end (then {hints.continue_run}), or {hints.other_dir}; nothing was changed")
     moved = None
     if not resume:
-        if overwrite and main and run_contents(out):
-            moved = move_aside(out)
+        if overwrite and main and run_contents(out, hints):
+            moved = move_aside(out, hints)
             log(f"--overwrite: moved the previous run in {out} to {moved} (nothing deleted)")
         barrier()
-        there = run_contents(out)
+        there = run_contents(out, hints)
         if there:
-            raise RunDirError(f"{out} already holds a run ({'; '.join(there)}); {HINT}")
+            raise RunDirError(f"{out} already holds a run ({'; '.join(there)}); {hints.continue_run}, "
+                              f"{hints.other_dir} for a new run, or {hints.start_over}")
         return RunStart(new_run_id(), None, moved)
 
     ckpt_dir = out / "checkpoints"
@@ -251,7 +260,7 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
             unreadable.append(f"{path.name} {one_line(str(e).replace(str(path), '').strip(' :,'), 200)}")
         except OSError as e:                      # e.g. no read permission
             unreadable.append(f"{path.name} cannot be read: {e.strerror or e}")
-    there = run_contents(out) if found is None and not unreadable else []
+    there = run_contents(out, hints) if found is None and not unreadable else []
     barrier()
     if found is not None:
         state, path = found
@@ -260,21 +269,22 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
             raise RunDirError(f"cannot resume: {path} belongs to run {theirs}, but {out}/{RUN_FILE} names run "
                               f"{own_id}: the directory mixes two runs; move {path.name} out of {ckpt_dir} (or resume "
                               "in the directory it came from)")
+        check_metrics(out, hints)
         for line in unreadable:
             log(f"warning: skipping unreadable checkpoint {ckpt_dir}/{line}")
         return RunStart(theirs or own_id or new_run_id(), found)
     if unreadable:
         raise RunDirError(f"cannot resume: no readable checkpoint in {ckpt_dir}, nothing was changed: "
-                          + "; ".join(unreadable) + ". Restore a checkpoint, or start a new run with another "
-                          "--output-dir or with --overwrite (moves this directory aside)")
+                          + "; ".join(unreadable) + f". Restore a checkpoint, {hints.other_dir} for a new run, or "
+                          f"{hints.start_over}")
     if there and require_checkpoint:
         raise RunDirError(f"cannot resume: {out} holds {'; '.join(there)} but no checkpoint (the run stopped before "
-                          "its first one, see log.checkpoint_every); start it over with --overwrite (moves the old "
-                          "files aside), or --resume-or-start, or use another --output-dir")
+                          f"its first one, see log.checkpoint_every); {hints.start_over}, or --resume-or-start, or "
+                          f"{hints.other_dir}")
     moved = None
     if there:                                      # a run that cannot be continued: kept aside, a new one starts
         if main:
-            moved = move_aside(out)
+            moved = move_aside(out, hints)
             log(f"{out} holds {'; '.join(there)} but no checkpoint to resume: moved it to {moved} (nothing deleted); "
                 "starting a new run")
         barrier()
@@ -285,6 +295,21 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
                           "there, or use --resume-or-start")
     log(f"no run in {out} yet: starting a new one")
     return RunStart(new_run_id())
+
+
+def check_metrics(out: Path, hints: RunHints = TRAIN) -> None:
+    """Raise :class:`RunDirError` when ``out/metrics.jsonl`` holds a line before its last that is not a record
+    (a torn last line is no error: the resumed run sets it aside); reads only."""
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return
+    try:
+        scan_records(path).check()
+    except MetricsError as e:
+        raise RunDirError(f"cannot resume: {e}; repair or delete that line (the records after it stay), then "
+                          f"{hints.continue_run}; or {hints.start_over}, or {hints.other_dir}") from None
+    except OSError as e:
+        raise fs_error(e, out, "read", hints) from None
 
 
 def outputs(out: Path) -> list[str]:

@@ -1,0 +1,37 @@
+"""Atomic file writes: every file jagg writes (checkpoints, weights, ``run.json``, image grids, plots, JSON results)
+goes through :func:`atomic_write`, so that a crash, a full disk or Ctrl-C mid-write leaves the previous file (or
+none), never a torn one. Whether a command may replace a user's file is decided before the work, by
+:func:`jagg.checks.check_output_file` (``--overwrite``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Callable
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
+    """Write ``path`` atomically: ``write(f)`` fills a temporary file (binary) in the same directory, which is flushed
+    to disk and renamed over ``path``; on any failure (or interrupt) the temporary file is removed and ``path`` is as
+    it was. The parent directory is created. Returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """:func:`atomic_write` of ``text`` (UTF-8)."""
+    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
