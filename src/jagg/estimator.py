@@ -185,7 +185,7 @@ class CorrectionState:
             if [tuple(t.shape) for t in ts] != shapes:
                 raise ValueError(f"CorrectionState: the saved means of interval {j} do not fit these parameters "
                                  f"({len(ts)} tensors for {len(shapes)} parameters, or other shapes)")
-        self.means = {int(j): [t.to(p.device, _mean_dtype(p)) for t, p in zip(ts, self.params)]
+        self.means = {int(j): [t.to(p.device, _mean_dtype(p), copy=True) for t, p in zip(ts, self.params)]
                       for j, ts in state["means"].items()}
         self.counts = {int(j): int(n) for j, n in state["counts"].items()}
 
