@@ -145,23 +145,23 @@ def test_exact_mode_draws_whole_step_ranges_and_rows_drop():
     """mode exact, interval_frac 0.5, step groups of 4 of 8 steps: each sample trains one whole step group (4 of its
     8 rows, each term at weight 2); JAGG's step groups cost 2 of 4 knot rows; shared knots (0, 3, 6, 7 of 8 steps:
     intervals 0-3, 3-6, 6-7) cost 2 or 3 knot rows for 2 of 3 intervals, 3 when the two are neighbours."""
-    _, traj, _ = _case(B=5, T=8)
+    _, traj, _ = _case(B=8, T=8)
     gen = torch.Generator().manual_seed(2)
     plan = plan_update(traj, EstimatorConfig(mode="exact", window=4, interval_frac=0.5), generator=gen)
     per = {}
     for b in plan.bundles:
         assert len(b.rows) == 1 and b.terms[0].weights == [(0, 2.0)]
         per.setdefault(b.sample, []).append(b.rows[0])
-    assert all(sorted(s) in ([0, 1, 2, 3], [4, 5, 6, 7]) for s in per.values()) and len(per) == 5
+    assert all(sorted(s) in ([0, 1, 2, 3], [4, 5, 6, 7]) for s in per.values()) and len(per) == 8
     assert len({tuple(sorted(s)) for s in per.values()}) == 2                   # fresh per sample
-    assert plan.drawn == 5
+    assert plan.drawn == 8
     jg = plan_update(traj, EstimatorConfig(mode="jagg", window=4, interval_frac=0.5, correction_p=0.0), generator=gen)
-    assert sum(len(b.rows) for b in jg.bundles) == 5 * 2 and jg.routed == jg.eligible == jg.drawn == 5
+    assert sum(len(b.rows) for b in jg.bundles) == 8 * 2 and jg.routed == jg.eligible == jg.drawn == 8
     rows = []
     for seed in range(40):
         sh = plan_update(traj, EstimatorConfig(mode="jagg", window=4, knots="shared", interval_frac=0.67,
                                                correction_p=0.0), generator=torch.Generator().manual_seed(seed))
-        for i in range(5):
+        for i in range(8):
             mine = [b for b in sh.bundles if b.sample == i]
             rows.append(len({k for b in mine for k in b.rows}))
             terms = sorted(t.step for b in mine for t in b.terms)
