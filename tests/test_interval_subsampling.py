@@ -143,8 +143,8 @@ def test_draws_from_the_generator_average_to_the_full_estimator(knots):
 
 def test_exact_mode_draws_whole_step_ranges_and_rows_drop():
     """mode exact, interval_frac 0.5, step groups of 4 of 8 steps: each sample trains one whole step group (4 of its
-    8 rows, each term at weight 2); JAGG's step groups cost 2 of 4 knot rows; shared knots (0, 3, 6, 7 of 8 steps:
-    intervals 0-3, 3-6, 6-7) cost 2 or 3 knot rows for 2 of 3 intervals, 3 when the two are neighbours."""
+    8 rows, each term at weight 2); JAGG's step groups cost 2 of 4 knot rows; shared knots (0, 3, 6, 9 of 10 steps)
+    cost 3 or 4 knot rows for 2 of their 3 intervals, 3 when the two are neighbours (2 draws in 3)."""
     _, traj, _ = _case(B=8, T=8)
     gen = torch.Generator().manual_seed(2)
     plan = plan_update(traj, EstimatorConfig(mode="exact", window=4, interval_frac=0.5), generator=gen)
@@ -157,7 +157,7 @@ def test_exact_mode_draws_whole_step_ranges_and_rows_drop():
     assert plan.drawn == 8
     jg = plan_update(traj, EstimatorConfig(mode="jagg", window=4, interval_frac=0.5, correction_p=0.0), generator=gen)
     assert sum(len(b.rows) for b in jg.bundles) == 8 * 2 and jg.routed == jg.eligible == jg.drawn == 8
-    rows = []
+    rows, traj = [], _case(B=8, T=10)[1]
     for seed in range(40):
         sh = plan_update(traj, EstimatorConfig(mode="jagg", window=4, knots="shared", interval_frac=0.67,
                                                correction_p=0.0), generator=torch.Generator().manual_seed(seed))
