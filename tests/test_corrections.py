@@ -277,3 +277,37 @@ def test_correction_state_running_mean_and_checkpoint():
         CorrectionState([torch.nn.Parameter(torch.ones(4))]).load_state_dict(state.state_dict())
     with pytest.raises(ValueError, match="requires_grad"):
         CorrectionState([torch.ones(3)])
+
+
+# ----------------------------------------------------------------------------- in the trainers
+
+
+def test_trainer_keeps_the_control_variate_across_a_resume(tmp_path, tiny_ckpt):
+    """estimator.control_variate: the run's CorrectionState is in every checkpoint, the audit reads it, and a resumed
+    run continues as if never stopped (same weights, same rewards); the step correction and interval subsampling
+    train too."""
+    from conftest import tiny_train_args
+    from test_train import _params, _records
+    from jagg.cli import main
+
+    extra = ("estimator.window=4", "estimator.correction_p=0.5", "estimator.control_variate=0.5",
+             "reward.name=jpeg_compressibility", "estimator.audit_every=1", "estimator.audit_samples=2")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(tiny_train_args(tiny_ckpt, straight, 4, *extra)) == 0
+    assert main(tiny_train_args(tiny_ckpt, split, 2, *extra)) == 0
+    saved = torch.load(sorted((split / "checkpoints").glob("ckpt_*.pt"))[-1], weights_only=False)
+    assert saved["correction_state"]["counts"] and 0 in saved["correction_state"]["means"]
+    assert main(tiny_train_args(tiny_ckpt, split, 4, *extra) + ["--resume"]) == 0
+    p1, p2 = _params(straight), _params(split)
+    assert all(torch.allclose(p1[k], p2[k], rtol=1e-5, atol=1e-7) for k in p1)
+    assert [r["reward_mean"] for r in _records(straight) if r["kind"] == "train"] == \
+        [r["reward_mean"] for r in _records(split) if r["kind"] == "train"]
+    assert len([r for r in _records(straight) if r["kind"] == "audit"]) == 4
+    for name, sets in (("step", ("estimator.correction=step",)),
+                       ("frac", ("estimator.window=3", "estimator.correction_p=0", "estimator.interval_frac=0.5"))):
+        out = tmp_path / name
+        assert main(tiny_train_args(tiny_ckpt, out, 2, "estimator.window=4", "estimator.correction_p=0.5", *sets)) == 0
+        train = [r for r in _records(out) if r["kind"] == "train"]
+        assert len(train) == 2 and all(r["backward_items"] > 0 for r in train)
+        if name == "frac":                       # step groups 0-2 and 3: one of the two per sample, 1 or 2 rows
+            assert all(4 <= r["backward_items"] <= 8 for r in train)
