@@ -207,7 +207,7 @@ def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: l
     """Per step range, the exact and the configured gradients of every sub-batch (``policy_gradient(...,
     only_steps=range)``): the ranges' cosines ``{"cos_<name>": ...}`` and each sub-batch's gradients summed over the
     ranges ``{"exact": [m], "est": [m]}``."""
-    exact = dataclasses.replace(config, mode="exact")
+    exact = config.exact()
     out: dict = {}
     part_grads = {"exact": [0.0] * len(subs), "est": [0.0] * len(subs)}
     for name, steps in zip(names, ranges):
@@ -248,7 +248,7 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
         sub.seed += seed
     ranges = step_ranges(traj.train_steps.tolist(), parts)
     names = list(RANGE_NAMES) if len(ranges) == 3 else [f"range{i}" for i in range(len(ranges))]
-    exact = dataclasses.replace(config, mode="exact")
+    exact = config.exact()
     try:
         out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names, correction_state)
         rows = {key: sum(_rows(s.traj, cfg, s.prompt_groups, s.seed) for s in subs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from .checks import check_probabilities, first_non_finite
 
@@ -178,6 +178,10 @@ class EstimatorConfig:
         """Whether one update's gradient is a random draw (the correction's picks, interval or step subsampling)."""
         return (self.corrects or (self.mode != "subsample" and self.interval_frac < 1)
                 or (self.mode == "subsample" and self.subsample_frac < 1))
+
+    def exact(self) -> "EstimatorConfig":
+        """The exact estimator of the same loss (mode ``exact``, every interval): what this one estimates."""
+        return replace(self, mode="exact", interval_frac=1.0)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -22,7 +22,7 @@ import statistics
 from ..training import config_loader as configuration
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..trajectory import select_train_steps
-from .common import cost_limit, default_config_path, json_if_asked, table
+from .common import default_config_path, estimator_limit, json_if_asked, table
 
 VARIANTS = {
     "exact": ["estimator.mode=exact"],
@@ -34,15 +34,11 @@ QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompt groups 
 
 
 def routed_limit(cfg: ShapesTrainConfig) -> float:
-    """:func:`~jagg.bench.common.cost_limit` (``B = 2F``) of the config's estimator: its trained steps, knot layout,
-    window, routed fraction, exact first/last intervals, correction probability and corrected intervals."""
-    e, c = cfg.estimator, cfg.sample
-    if e.mode == "exact":
-        return 1.0
+    """:func:`~jagg.bench.common.estimator_limit` (``B = 2F``) of the config's estimator on its trained steps: knot
+    layout, window, routed fraction, exact first/last intervals, the correction and interval subsampling."""
+    c = cfg.sample
     steps = select_train_steps(c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)[0]
-    return cost_limit(e.window, e.intermediate, steps=int(steps.numel()), jagg_frac=e.jagg_frac,
-                      exact_first=e.exact_first_intervals, exact_last=e.exact_last_intervals, knots=e.knots,
-                      correction_p=e.correction_p, correction_intervals=e.correction_intervals)
+    return estimator_limit(cfg.estimator, int(steps.numel()))
 
 
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:
