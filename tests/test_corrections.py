@@ -12,6 +12,7 @@ import torch
 import jagg
 from jagg import CorrectionState, EstimatorConfig
 from jagg.knots import budget_rates
+from test_bench import bench_ckpt  # noqa: F401  (the tiny random TinyDiT fixture)
 from test_interval_subsampling import assert_mean_is
 from toy import Nonlinear, perturb, run, sampled_traj
 
@@ -311,3 +312,46 @@ def test_trainer_keeps_the_control_variate_across_a_resume(tmp_path, tiny_ckpt):
         assert len(train) == 2 and all(r["backward_items"] > 0 for r in train)
         if name == "frac":                       # step groups 0-2 and 3: one of the two per sample, 1 or 2 rows
             assert all(4 <= r["backward_items"] <= 8 for r in train)
+
+
+# ----------------------------------------------------------------------------- in jagg bench efficiency
+
+
+def test_estimator_specs_take_lists_and_budget_rates():
+    from jagg.bench.efficiency import parse_estimator, spec_items, wants_budget_rates
+
+    assert spec_items("correction_rates=[0.4,0.1],window=5") == ["correction_rates=[0.4,0.1]", "window=5"]
+    name, est = parse_estimator("r:correction_rates=[0.4, 0.1],window=5", EstimatorConfig())
+    assert name == "r" and est.correction_rates == [0.4, 0.1] and est.window == 5
+    assert wants_budget_rates("r:correction_rates=by_interval,correction=step")
+    assert not wants_budget_rates("r:correction_rates=[0.5]") and not wants_budget_rates("config")
+    assert parse_estimator("r:correction_rates=by_interval", EstimatorConfig())[1].correction_rates is None
+    assert parse_estimator("plain", EstimatorConfig(control_variate=0.5, correction_rates=[0.2]))[1].corrects is False
+
+
+def test_bench_efficiency_measures_the_new_estimators(tmp_path, bench_ckpt, capsys):
+    """The step correction, budget rates from the per-interval error (a pilot of its own), a control variate warmed up
+    on batches of its own, and interval subsampling, through `jagg bench efficiency` on the tiny checkpoint."""
+    import json
+
+    from jagg.cli import main
+
+    out = tmp_path / "eff.json"
+    sets = ["estimator.exact_last_intervals=0", "estimator.correction_p=0.25", "reward.weights=null",
+            f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4",
+            "estimator.micro_batch=8", "threads=1", "sample.sde_window=null", "estimator.window=4",
+            "grpo.drop_zero_spread=false", "reward.name=reward_plugins:brightness"]
+    args = ["bench", "efficiency", "--batches", "3", "--draws", "2", "--warmup", "1", "--estimator", "st:correction=step",
+            "--estimator", "rates:correction_rates=by_interval", "--estimator", "cv:control_variate=0.5",
+            "--estimator", "half:interval_frac=0.5", "--json", str(out)]
+    assert main(args + [a for s in sets for a in ("--set", s)]) == 0
+    recs = {r["estimator"]: r for r in json.loads(out.read_text())}
+    assert list(recs) == ["exact", "st", "rates", "cv", "half"]
+    # 8 steps, step groups of 4: 4 knot rows; step: + 0.25 x 1 row per group; cv: + 0.25 x (2 + 2) per group
+    assert recs["st"]["rows_per_sample"] == pytest.approx(4 + 0.25 * 2 * 1)
+    assert recs["cv"]["rows_per_sample"] == pytest.approx(4 + 0.25 * 2 * 4)
+    assert 2 <= recs["half"]["rows_per_sample"] <= 3           # one group's 2 knots, + 2 inner rows if corrected
+    rates = recs["rates"]["estimator_config"]["correction_rates"]
+    assert len(rates) == 2 and sum(rates) * 2 == pytest.approx(0.25 * 4, abs=1e-3)      # the uniform rate's rows
+    assert "rates: correction_rates" in capsys.readouterr().out
+    assert all(math.isfinite(r["error_to_noise"]) for r in recs.values())
