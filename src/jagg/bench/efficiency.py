@@ -196,13 +196,18 @@ def warm_up(cfg: ShapesTrainConfig, ests: dict, batches: int) -> dict[str, dict]
     return {name: state.state_dict() for name, state in states.items()}
 
 
-def budget_rates_of(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, batches: int) -> EstimatorConfig:
+def budget_rates_of(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, batches: int,
+                    pilots: dict | None = None) -> EstimatorConfig:
     """``est`` with ``correction_rates`` from :func:`jagg.knots.budget_rates`: ``D_j`` = plain JAGG's error against the
-    noise in each interval (:func:`interval_errors`, on ``batches`` batches of their own: seed ``seed + 1``), ``r_j`` =
-    the rows one correction runs (the inner steps; 1 for ``correction="step"``), at the rows of ``est``'s uniform
-    ``correction_p`` over the intervals it corrects."""
+    noise in each interval (:func:`interval_errors`, on ``batches`` batches of their own: seed ``seed + 1``; kept in
+    ``pilots`` for the next estimator of the same plain JAGG), ``r_j`` = the rows one correction runs (the inner steps;
+    1 for ``correction="step"``), at the rows of ``est``'s uniform ``correction_p`` over the intervals it corrects."""
     pilot = dataclasses.replace(cfg, seed=cfg.seed + 1)
-    parts = interval_errors(pilot, name, plain_of(est), batches, 1)
+    pilots = {} if pilots is None else pilots
+    key = repr(dataclasses.replace(plain_of(est), correction="interval", interval_frac=1.0))
+    if key not in pilots:
+        pilots[key] = interval_errors(pilot, name, plain_of(est), batches, 1)
+    parts = pilots[key]
     inner = [r["inner_steps"] for r in parts]
     eligible = eligible_intervals([list(range(n + 2)) for n in inner], True, est)      # the intervals JAGG may take
     scope = interval_rates(eligible, dataclasses.replace(est, correction_p=1.0))         # 1 where corrected
@@ -217,10 +222,11 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
     """One record per estimator (module docstring)."""
     check_sizes(batches, draws, target_batch)
     ests = dict(parse_estimator(s, cfg.estimator) for s in ["exact", *[s for s in specs if s != "exact"]])
+    pilots: dict = {}
     for spec in specs:
         if wants_budget_rates(spec):
             name = spec.partition(":")[0]
-            ests[name] = budget_rates_of(cfg, name, ests[name], batches)
+            ests[name] = budget_rates_of(cfg, name, ests[name], batches, pilots)
             print(f"{name}: correction_rates {ests[name].correction_rates} (budget_rates on {batches} batches of "
                   f"seed {cfg.seed + 1})")
     sampler = ShapesSampler(cfg)
