@@ -63,6 +63,28 @@ def test_step_correction_is_exact_in_expectation(p):
     assert_mean_is(_draws(model, traj, adv, cfg, 300, prompt_groups=[0, 0, 1, 1]), exact, plain)
 
 
+def test_step_correction_takes_one_step_per_unit():
+    """With prompt groups a picked unit's samples all correct the same inner step (their shared error keeps
+    cancelling in their zero-sum advantages); different units and draws take different steps."""
+    from jagg.knots import plan_update
+
+    _, traj, _ = _case(B=8)
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    cfg = EstimatorConfig(**_base(correction="step", correction_p=1.0))
+    seen = set()
+    for seed in range(6):
+        plan = plan_update(traj, cfg, groups, generator=torch.Generator().manual_seed(seed))
+        fixed = {}                                          # (sample, step group) -> the corrected step (own row)
+        for b in plan.bundles:
+            for t in b.terms:
+                if b.rows == [t.step] and t.weights[0][1] == 2.0:
+                    fixed[(b.sample, t.step // 4)] = t.step
+        assert len(fixed) == 8 * 3
+        assert all(fixed[(i, j)] == fixed[(i ^ 1, j)] for i, j in fixed)
+        seen |= {tuple(fixed[(i, j)] for i in range(0, 8, 2)) for j in range(3)}
+    assert len(seen) > 3
+
+
 def _inner_errors(model, traj, adv, window=4):
     """``d[u][j]``: per sample u and step group j, the inner steps' errors (exact - interpolated term) as vectors:
     each sample's advantage alone (the others' 0), each inner step alone (``only_steps``)."""

@@ -62,10 +62,11 @@ class EstimatorConfig:
                                       "of the trajectory (the noisiest); 0 = all."})
     correction: str = field(default="interval", metadata={"help": f"What a picked unit runs exactly, one of "
                             f"{CORRECTIONS}: 'interval' = every inner step of the interval, adding (exact - "
-                            "interpolated) / p (p x the inner rows); 'step' = one uniformly random inner step k of "
-                            "each of its samples' intervals, adding (|I| / p) (exact - interpolated term of k), |I| the "
-                            "interval's inner steps (p rows per unit; less variance than 'interval' at equal rows when "
-                            "the inner steps' errors point the same way). p: correction_p, or correction_rates."})
+                            "interpolated) / p (p x the inner rows); 'step' = one uniformly random inner step k (the "
+                            "same for the unit's samples), adding (|I| / p) (exact - interpolated term of k), |I| the "
+                            "interval's inner steps (p rows per sample of the unit; less variance than 'interval' at "
+                            "equal rows when the inner steps' errors point the same way). p: correction_p, or "
+                            "correction_rates."})
     correction_rates: list[float] | None = field(default=None, metadata={"help": "Per-interval correction "
                                                  "probabilities p_j in [0, 1], one per interval of the layout in order "
                                                  "(e.g. [0.4, 0.1] for two step groups), used instead of correction_p; "

@@ -471,9 +471,10 @@ def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence 
     else:
         scores = torch.zeros(B, G, dtype=torch.float32)
     routed = route(scores, config.jagg_frac, eligible, prompt_groups)                  # [B, G]
-    picked = pick_corrections(routed, eligible, unit_rows(prompt_groups, B), config, generator)
+    units = unit_rows(prompt_groups, B)
+    picked = pick_corrections(routed, eligible, units, config, generator)
     rates = interval_rates(eligible, config)
-    fixes = _corrected_steps(picked, intervals, rates, config.correction, generator)
+    fixes = _corrected_steps(picked, units, intervals, rates, config.correction, generator)
     m = drawn_count(G, config.interval_frac)
     drawn = draw(B, G, m, generator)
     weight = 1.0 if m == G else G / m
@@ -488,17 +489,20 @@ def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence 
                 int(drawn.sum()), control)
 
 
-def _corrected_steps(picked: Tensor, intervals, rates: list[float], correction: str,
+def _corrected_steps(picked: Tensor, units: Tensor, intervals, rates: list[float], correction: str,
                      generator: torch.Generator | None) -> dict[tuple[int, int], dict[int, float]]:
     """``{(sample, interval): {inner step: f}}`` of the picked intervals (``rates``: :func:`interval_rates`): every
     inner step at ``f = 1 / p_j`` (``correction="interval"``), or one uniformly random inner step at ``f = |I| / p_j``
-    (``"step"``, drawn interval-major); a corrected step's interpolated term is scaled by ``1 - f`` and its own row
-    enters at ``f``."""
-    pairs = sorted(((int(i), int(j)) for i, j in torch.nonzero(picked).tolist()), key=lambda u: (u[1], u[0]))
+    (``"step"``), the same step for every sample of a unit (``units``: :func:`unit_rows`), drawn unit by unit,
+    interval-major, so that the error a prompt group's samples share keeps cancelling in their zero-sum advantages;
+    a corrected step's interpolated term is scaled by ``1 - f`` and its own row enters at ``f``."""
+    pairs = [(int(i), int(j)) for i, j in torch.nonzero(picked).tolist()]
     if correction == "step":
-        sizes = torch.tensor([len(intervals[j]) - 2 for _, j in pairs], dtype=torch.float64)
-        choice = (torch.rand(len(pairs), generator=generator, dtype=torch.float64) * sizes).long().tolist()
-        return {(i, j): {intervals[j][1 + c]: (len(intervals[j]) - 2) / rates[j]} for (i, j), c in zip(pairs, choice)}
+        cells = sorted({(j, int(units[i])) for i, j in pairs})                  # (interval, unit), interval-major
+        sizes = torch.tensor([len(intervals[j]) - 2 for j, _ in cells], dtype=torch.float64)
+        draws = (torch.rand(len(cells), generator=generator, dtype=torch.float64) * sizes).long().tolist()
+        step = {cell: intervals[cell[0]][1 + c] for cell, c in zip(cells, draws)}
+        return {(i, j): {step[(j, int(units[i]))]: (len(intervals[j]) - 2) / rates[j]} for i, j in pairs}
     return {(i, j): {k: 1.0 / rates[j] for k in intervals[j][1:-1]} for i, j in pairs}
 
 
