@@ -58,9 +58,45 @@ def test_cost_model_and_spearman():
     assert cost_limit(4, "interp", steps=8, correction_p=0.25) == pytest.approx(8 / (4 + 0.25 * 4))
     assert cost_limit(4, "interp", steps=8, correction_p=0.25, correction_intervals=1) == pytest.approx(8 / (4 + 0.25 * 2))
     assert cost_limit(4, "interp", steps=10, exact_last=1) == pytest.approx(10 / 8)  # the last group JAGG could take
+    # interval subsampling: m of n intervals kept; exact's is n / m; a knot shared with a drawn neighbour counts once
+    assert cost_limit(5, "interp", steps=20, interval_frac=0.6) == pytest.approx(20 / 4)      # 2 of 4 step groups
+    assert cost_limit(4, "interp", steps=10, jagg_frac=0.0, interval_frac=0.5) == pytest.approx(1.5)
+    assert cost_limit(4, "interp", steps=10, knots="shared", interval_frac=0.67) == pytest.approx(10 / (10 / 3))
+    assert cost_limit(4, "interp", steps=8, correction="step", correction_p=0.5) == pytest.approx(8 / (4 + 0.5 * 2))
+    assert cost_limit(4, "interp", steps=8, correction_rates=[0.5, 0.0]) == pytest.approx(8 / (4 + 0.5 * 2))
+    assert cost_limit(4, "interp", steps=8, correction_p=0.25, control_variate=True) == pytest.approx(
+        8 / (4 + 0.25 * 2 * (2 + 2)))
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 1, 2, 3], [5, 5, 6, 7]) == pytest.approx(1.0)       # ties get average ranks
+
+
+@pytest.mark.parametrize("est", [
+    dict(mode="jagg", window=4, knots="shared", interval_frac=0.5, correction_p=0.25),
+    dict(mode="jagg", window=4, knots="shared", interval_frac=0.67, correction_p=0.0, intermediate="fresh"),
+    dict(mode="jagg", window=5, interval_frac=0.6, correction="step", correction_p=0.5, exact_last_intervals=1),
+    dict(mode="jagg", window=4, correction_rates=[0.5, 0.25, 1.0, 0.0], control_variate=0.5, intermediate="fresh"),
+    dict(mode="jagg", window=4, knots="shared", correction_p=0.5, control_variate=0.5, interval_frac=0.5),
+    dict(mode="exact", window=4, knots="shared", interval_frac=0.4),
+])
+def test_cost_model_expects_the_rows_the_plans_run(est):
+    """estimator_limit's expected rows (B = 2F) against the mean over 400 plans of what they run (rows with grad,
+    no-grad inner rows), for interval subsampling, the corrections and the control variate on 14 trained steps."""
+    from jagg import EstimatorConfig
+    from jagg.bench.common import estimator_limit
+    from jagg.knots import plan_update
+    from toy import Nonlinear, sampled_traj
+
+    torch.manual_seed(0)
+    traj = sampled_traj(Nonlinear(batch=4), B=4, T=14)
+    cfg = EstimatorConfig(micro_batch=64, **est)
+    gen, cost = torch.Generator().manual_seed(0), []
+    for _ in range(400):
+        plan = plan_update(traj, cfg, generator=gen)
+        rows = sum(len(b.rows) for b in plan.bundles)
+        nograd = sum(t.source[1] >= 0 for b in plan.bundles for t in b.terms) if cfg.intermediate == "fresh" else 0
+        cost.append(3 * rows + nograd)
+    assert 14 * 3 * 4 / (sum(cost) / len(cost)) == pytest.approx(estimator_limit(cfg, 14), rel=0.02)
 
 
 def test_bench_speed_smoke(tmp_path, bench_ckpt):
@@ -75,6 +111,16 @@ def test_bench_speed_smoke(tmp_path, bench_ckpt):
     for f, m in ((0.5, 4), (0.25, 2)):                          # round(f 8) of the 8 steps: limit 8 / m
         assert sub[f]["backward_items_jagg"] == B * m and sub[f]["limit"] == sub[f]["limit_measured"] == T / m
     recs = [r for r in recs if r["knots"] != "subsample"]
+    variants = [r for r in recs if r["variant"]]                # interval subsampling and the step correction, W > 2
+    assert {(r["knots"], r["window"], r["intermediate"], r["variant"]) for r in variants} == {
+        (k, w, i, v) for k in ("groups", "shared", "adaptive") for w in (4, 8) for i in ("fresh", "interp")
+        for v in ("interval_frac=0.5", "step:0.25")}
+    by = {(r["knots"], r["window"], r["intermediate"], r["variant"]): r for r in variants}
+    half = by[("groups", 4, "interp", "interval_frac=0.5")]     # one of the 2 step groups per sample: 2 of 8 rows
+    assert half["backward_items_jagg"] == B * 2 and half["limit"] == pytest.approx(4.0)
+    step = by[("groups", 4, "interp", "step:0.25")]             # 4 units at 0.25: one corrected by one row
+    assert step["backward_items_jagg"] == B * 4 + 1 and step["limit"] == pytest.approx(8 / (4 + 0.25 * 2))
+    recs = [r for r in recs if not r["variant"]]
     pairs = {(w, i) for w in (2, 4, 8) for i in ("fresh", "interp")}
     assert {(r["window"], r["intermediate"]) for r in recs} == pairs
     assert len(recs) == 3 * len(pairs)                          # groups, shared, adaptive

@@ -29,9 +29,10 @@ FLAG_BELOW = 0.8     # a step range whose same-batch cosine falls below this fla
 
 def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
     """A warning when a biased estimator (JAGG without the unbiased correction) has a step range whose cosine to
-    exact is below :data:`FLAG_BELOW`, else None. (With ``correction_p > 0`` the estimate is unbiased: a low
-    same-batch cosine is then noise, which averages out over updates.)"""
-    if config.mode != "jagg" or config.correction_p > 0:
+    exact is below :data:`FLAG_BELOW`, else None. (With the correction on, ``correction_p > 0`` or a rate of
+    ``correction_rates``, the estimate is unbiased: a low same-batch cosine is then noise, which averages out over
+    updates.)"""
+    if config.mode != "jagg" or config.corrects:
         return None
     low = {k[4:]: v for k, v in result.items() if k.startswith("cos_") and not math.isnan(v) and v < FLAG_BELOW}
     if not low:
@@ -161,7 +162,7 @@ def _rows(traj: Trajectory, config: EstimatorConfig, prompt_groups, seed: int) -
     which has as many knots)."""
     from .knots import plan_update
 
-    if config.mode == "jagg" and config.knots == "adaptive":
+    if config.knots == "adaptive":
         config = dataclasses.replace(config, knots="shared")
     plan = plan_update(traj, config, prompt_groups, generator=torch.Generator().manual_seed(seed))
     return sum(len(b.rows) for b in plan.bundles)
@@ -202,11 +203,11 @@ def _sub_batches(traj: Trajectory, advantages, prompt_groups, ref_velocities, sp
 
 
 def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: list[_SubBatch],
-                     ranges: list[list[int]], names: list[str]) -> tuple[dict, dict]:
+                     ranges: list[list[int]], names: list[str], correction_state=None) -> tuple[dict, dict]:
     """Per step range, the exact and the configured gradients of every sub-batch (``policy_gradient(...,
     only_steps=range)``): the ranges' cosines ``{"cos_<name>": ...}`` and each sub-batch's gradients summed over the
     ranges ``{"exact": [m], "est": [m]}``."""
-    exact = dataclasses.replace(config, mode="exact")
+    exact = config.exact()
     out: dict = {}
     part_grads = {"exact": [0.0] * len(subs), "est": [0.0] * len(subs)}
     for name, steps in zip(names, ranges):
@@ -217,7 +218,7 @@ def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: l
                     p.grad = None
                 policy_gradient(velocity_fn, sub.traj, sub.advantages, cfg, ref_velocities=sub.ref_velocities,
                                 prompt_groups=sub.prompt_groups, generator=torch.Generator().manual_seed(sub.seed),
-                                only_steps=steps)
+                                only_steps=steps, correction_state=correction_state if key == "est" else None)
                 g = flat_grad(params)
                 grads[key] = grads[key] + g * sub.share                    # the whole audit batch's gradient
                 part_grads[key][j] = part_grads[key][j] + g
@@ -226,10 +227,12 @@ def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: l
 
 
 def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=None, prompt_groups=None,
-                generator=None, parts: int = 3, split=None) -> tuple[dict, Tensor, Tensor]:
+                generator=None, parts: int = 3, split=None, correction_state=None) -> tuple[dict, Tensor, Tensor]:
     """:func:`audit_gradient`, also returning the exact and the estimator's gradients of each sub-batch of ``split``
     (``[n]`` ids, e.g. the prompt groups): ``(result, exact [m, P], estimate [m, P])``, float64, each sub-batch's
-    gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient)."""
+    gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient).
+    ``correction_state``: the run's :class:`jagg.CorrectionState` when the estimator has a control variate (read, not
+    updated: every call is per step range)."""
     check_call(velocity_fn, traj, config, generator=generator)
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"parts must be an integer >= 1 (3: noisy, middle and clean thirds); got {parts!r}")
@@ -245,9 +248,9 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
         sub.seed += seed
     ranges = step_ranges(traj.train_steps.tolist(), parts)
     names = list(RANGE_NAMES) if len(ranges) == 3 else [f"range{i}" for i in range(len(ranges))]
-    exact = dataclasses.replace(config, mode="exact")
+    exact = config.exact()
     try:
-        out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names)
+        out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names, correction_state)
         rows = {key: sum(_rows(s.traj, cfg, s.prompt_groups, s.seed) for s in subs)
                 for key, cfg in (("exact", exact), ("est", config))}
     finally:
@@ -273,6 +276,7 @@ def audit_gradient(
     prompt_groups: Tensor | Sequence | None = None,
     generator: torch.Generator | None = None,
     parts: int = 3,
+    correction_state=None,
 ) -> dict:
     """The configured estimator's gradient next to the exact one on the same batch, per step range and in total.
 
@@ -285,6 +289,7 @@ def audit_gradient(
         params: the trainable parameters whose gradients are compared.
         generator: RNG of the correction's picks (one seed drawn from it serves every range).
         parts: number of step ranges (3: noisy, middle, clean thirds of the trained steps).
+        correction_state: the :class:`jagg.CorrectionState` of an estimator with a control variate (read only).
 
     Returns:
         ``{"cos": total cosine, "rel_err": ||g - g_exact|| / ||g_exact||, "cos_<range>": per range (``noisy``,
@@ -294,7 +299,7 @@ def audit_gradient(
         0).
     """
     return audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities, prompt_groups, generator,
-                       parts)[0]
+                       parts, correction_state=correction_state)[0]
 
 
 class AuditMeter:

@@ -189,6 +189,17 @@ def check_positive(value, name: str, why: str = "") -> None:
         raise ValueError(f"{name} must be a finite number > 0{f' ({why})' if why else ''}; got {value!r}")
 
 
+def check_probabilities(values, name: str) -> list[float]:
+    """``values`` as a list of floats, each a finite number in [0, 1]; raise naming ``name`` and the first bad entry
+    unless it is a non-empty sequence of such numbers."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) == 0:
+        raise ValueError(f"{name} must be a non-empty list of probabilities in [0, 1]; got {values!r}")
+    for j, v in enumerate(values):
+        if not is_finite_number(v) or not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name}[{j}] must be a finite number in [0, 1]; got {v!r}")
+    return [float(v) for v in values]
+
+
 class Keys(dict):
     """The names the checks' messages give the settings they check: ``Keys()`` the argument names themselves (``eta``),
     ``Keys("sample.")`` the keys of a ``sample:`` config section (``sample.eta``), and

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
-from .checks import first_non_finite
+from .checks import check_probabilities, first_non_finite
 
 MODES = ("exact", "jagg", "subsample")
 INTERMEDIATES = ("interp", "fresh")
 SCORES = ("chord", "cosine", "cosine_min", "velocity_cosine")
 KNOTS = ("groups", "shared", "adaptive")
 ALPHAS = ("sigma", "index")
-NUMBERS = ("jagg_frac", "correction_p", "clip_range", "kl_beta", "subsample_frac")   # finite, checked first
+CORRECTIONS = ("interval", "step")
+NUMBERS = ("jagg_frac", "correction_p", "clip_range", "kl_beta", "subsample_frac", "interval_frac",
+           "control_variate")                                                        # finite, checked first
 
 
 @dataclass
@@ -58,6 +60,38 @@ class EstimatorConfig:
                                 "where the Jacobian is not linear (what that did to training: docs/RESULTS.md)."})
     correction_intervals: int = field(default=0, metadata={"help": "Correct only the first N JAGG-eligible intervals "
                                       "of the trajectory (the noisiest); 0 = all."})
+    correction: str = field(default="interval", metadata={"help": f"What a picked unit runs exactly, one of "
+                            f"{CORRECTIONS}: 'interval' = every inner step of the interval, adding (exact - "
+                            "interpolated) / p (p x the inner rows); 'step' = one uniformly random inner step k (the "
+                            "same for the unit's samples), adding (|I| / p) (exact - interpolated term of k), |I| the "
+                            "interval's inner steps (p rows per sample of the unit; less variance than 'interval' at "
+                            "equal rows when the inner steps' errors point the same way). p: correction_p, or "
+                            "correction_rates."})
+    correction_rates: list[float] | None = field(default=None, metadata={"help": "Per-interval correction "
+                                                 "probabilities p_j in [0, 1], one per interval of the layout in order "
+                                                 "(e.g. [0.4, 0.1] for two step groups), used instead of correction_p; "
+                                                 "the rate of an interval that runs exact is unused. "
+                                                 "jagg.knots.budget_rates sets p_j proportional to sqrt(D_j / r_j) at a "
+                                                 "row budget from each interval's error D_j (jagg bench efficiency "
+                                                 "--by-interval) and inner rows r_j. null = correction_p everywhere."})
+    control_variate: float = field(default=0.0, metadata={"help": "Control variate of the correction, 0 = off. "
+                                   "w in (0, 1]: per interval position j a running estimate c_j of the correction's "
+                                   "mean, fixed before the picks, is added for every routed interval outside the "
+                                   "randomness, and a picked one adds (Z/p)(D - c_j) instead of (Z/p) D: still "
+                                   "unbiased, variance (1/p - 1)|D - c_j|^2. After each update c_j <- c_j + max(w, "
+                                   "1/t)(measured - c_j), t the updates that measured position j. Needs "
+                                   "policy_gradient(..., correction_state=jagg.CorrectionState(params)) (the trainers "
+                                   "keep one per run, in the checkpoint); a picked interval then runs its two knot rows "
+                                   "once more, to measure its correction apart."})
+    interval_frac: float = field(default=1.0, metadata={"help": "Interval subsampling (the JAGG authors' "
+                                 "timestep_fraction of step groups): each sample trains a fresh random round(f n) (at "
+                                 "least 1) of the n intervals of the layout of window and knots, each drawn interval's "
+                                 "loss terms weighted n / that number, so the expected gradient is the estimator's over "
+                                 "all intervals. Composes with routing, exact_first/last_intervals and the correction (a "
+                                 "drawn interval is corrected with its usual probability; an undrawn one is neither "
+                                 "routed nor corrected). In mode='exact' it draws the same intervals (window > 2): "
+                                 "subsampling of whole step ranges, the authors' exact baseline. 1 = every interval, "
+                                 "bit for bit. Not with mode='subsample'."})
     subsample_frac: float = field(default=0.5, metadata={"help": "mode='subsample': each sample trains a fresh random "
                                   "round(f K) (at least 1) of its K trained steps, each weighted K / that number, so "
                                   "the expected gradient is exact; 1 = exact bit for bit. Ignored by the other modes."})
@@ -94,6 +128,22 @@ class EstimatorConfig:
                              f"mode='subsample'); got {self.subsample_frac}")
         if not 0.0 <= float(self.correction_p) <= 1.0:
             raise ValueError(f"correction_p must be in [0, 1] (0 = plain JAGG); got {self.correction_p}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"correction must be one of {CORRECTIONS}; got {self.correction!r}")
+        if self.correction_rates is not None:
+            self.correction_rates = check_probabilities(self.correction_rates, "correction_rates")
+        if not 0.0 <= float(self.control_variate) <= 1.0:
+            raise ValueError(f"control_variate must be in [0, 1] (0 = off; the weight of each update's measured "
+                             f"correction in the running estimate); got {self.control_variate}")
+        if self.control_variate > 0 and not any(r > 0 for r in self.rates):
+            raise ValueError("control_variate > 0 needs a correction to subtract it from: correction_p > 0 or a "
+                             "correction_rates entry > 0")
+        if not 0.0 < float(self.interval_frac) <= 1.0:
+            raise ValueError(f"interval_frac must be in (0, 1] (the fraction of each sample's intervals it trains); "
+                             f"got {self.interval_frac}")
+        if self.mode == "subsample" and self.interval_frac < 1:
+            raise ValueError("interval_frac < 1 needs mode 'exact' or 'jagg': mode 'subsample' draws single steps "
+                             "itself (subsample_frac)")
         for name in ("correction_intervals", "audit_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {getattr(self, name)!r}")
@@ -113,6 +163,26 @@ class EstimatorConfig:
             raise ValueError(f"clip_range must be > 0; got {self.clip_range}")
         if self.kl_beta < 0:
             raise ValueError(f"kl_beta must be >= 0; got {self.kl_beta}")
+
+    @property
+    def rates(self) -> list[float]:
+        """The correction's probabilities: ``correction_rates``, or ``[correction_p]`` for every interval."""
+        return list(self.correction_rates) if self.correction_rates is not None else [float(self.correction_p)]
+
+    @property
+    def corrects(self) -> bool:
+        """Whether unbiased JAGG's correction runs: mode ``jagg`` with a rate > 0."""
+        return self.mode == "jagg" and any(r > 0 for r in self.rates)
+
+    @property
+    def random(self) -> bool:
+        """Whether one update's gradient is a random draw (the correction's picks, interval or step subsampling)."""
+        return (self.corrects or (self.mode != "subsample" and self.interval_frac < 1)
+                or (self.mode == "subsample" and self.subsample_frac < 1))
+
+    def exact(self) -> "EstimatorConfig":
+        """The exact estimator of the same loss (mode ``exact``, every interval): what this one estimates."""
+        return replace(self, mode="exact", interval_frac=1.0)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -18,9 +18,14 @@ docs/design.md §0):
 - *unit*: what routing and the correction decide on: (prompt group, interval) when the prompt group of each sample
   is given (``prompt_groups``), else (sample, interval) (:func:`unit_rows`).
 - *routing* (``jagg_frac``, :func:`route`): the most linear units (:mod:`jagg.routing` scores them) go through JAGG;
-  a unit routed exact makes all its steps knots. *Unbiased JAGG* (``correction_p = p``): each routed unit is also
-  *picked* with probability ``p`` (:func:`pick_corrections`): its inner steps then also run exactly and add
-  ``(exact - interpolated) / p``, so the expected gradient is the exact one.
+  a unit routed exact makes all its steps knots. *Unbiased JAGG* (``correction_p = p``, or ``correction_rates`` per
+  interval): each routed unit is also *picked* with probability ``p`` (:func:`pick_corrections`): its inner steps then
+  also run exactly and add ``(exact - interpolated) / p`` (``correction="step"``: one random inner step ``k`` adds
+  ``|I| / p`` times its own), so the expected gradient is the exact one; :func:`budget_rates` spreads a row budget
+  over the intervals; with the control variate (``control_variate``) a picked interval's correction goes in bundles
+  of its own (:class:`Control`; the running means live in :class:`jagg.estimator.CorrectionState`).
+- *interval subsampling* (``interval_frac``): each sample trains a random ``m`` of the ``n`` intervals (:func:`draw`),
+  every term of a drawn interval at weight ``n / m``; each term belongs to one interval (:func:`owners`).
 - *bundle* (:class:`Bundle`): rows of one sample that go through the network together (never split across chunks),
   and the loss *terms* (:class:`Term`, one per (sample, trained step)) they cover.
 
@@ -38,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .advantages import prompt_group_index
+from .checks import is_finite_number
 from .estimator_config import ALPHAS, EstimatorConfig
 from .routing import linearity_scores
 
@@ -69,6 +75,7 @@ class Bundle:
     sample: int
     rows: list[int]                          # the knot steps, in order
     terms: list[Term] = field(default_factory=list)
+    measure: int = -1                        # control variate: the interval whose correction it carries, else -1
 
     @property
     def jagg(self) -> bool:
@@ -77,16 +84,41 @@ class Bundle:
 
 
 @dataclass
+class Control:
+    """The control variate's part of a plan at one interval (``control_variate > 0``; docs/design.md §3.5).
+
+    Attributes:
+        interval: the interval's position in the layout (``j``).
+        step: its first inner step: the term that the added ``c_j`` belongs to (``only_steps``).
+        added: ``c_j``'s coefficient, in units of one term's weight: ``n/m`` x (routed drawn samples' intervals -
+            picked / ``p_j``), so that the update adds ``c_j`` per routed interval and ``-c_j / p_j`` per picked one.
+        measured: the picked samples' intervals whose correction bundles carry ``measure = j``.
+        scale: their correction's weight ``(n/m) / p_j``: the measured gradient over ``scale x term weight x
+            measured`` is the mean correction of one sample's interval.
+    """
+
+    interval: int
+    step: int
+    added: float
+    measured: int
+    scale: float
+
+
+@dataclass
 class Plan:
-    """The bundles of one update and what routing and the correction did. Counts are per sample: one sample's
-    interval counts once (``B`` samples x eligible intervals at most).
+    """The bundles of one update and what routing, the correction and the draws did. Counts are per sample: one
+    sample's interval counts once (``B`` samples x intervals at most), and only the drawn ones count
+    (``interval_frac``).
 
     Attributes:
         bundles: in execution order.
-        eligible: samples' intervals JAGG could take (intervals with inner steps, outside the exact first/last).
+        eligible: drawn samples' intervals JAGG could take (intervals with inner steps, outside the exact first/last).
         routed: of those, routed to JAGG.
         corrected: of those routed, picked by unbiased JAGG (also run exactly).
         knots: the interval ends per sample before routing: positions into the trained steps (``[M]``).
+        drawn: samples' intervals whose terms are trained: ``B`` x ``round(interval_frac n)`` of the ``n`` intervals
+            (single steps where no layout applies: window <= 2, mode exact without interval_frac, mode subsample).
+        control: the control variate's part per interval (:class:`Control`; empty without it).
     """
 
     bundles: list[Bundle]
@@ -94,6 +126,8 @@ class Plan:
     routed: int
     corrected: int
     knots: list[int]
+    drawn: int = 0
+    control: list[Control] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- the interval layout
@@ -206,13 +240,14 @@ def intervals_of(steps: list[int], knots: str, window: int, positions: list[int]
 
 def layout_intervals(traj, config: EstimatorConfig,
                      signal_norms: Tensor | None = None) -> tuple[list[list[int]], list[int], bool]:
-    """``(intervals, knot positions, jagg)`` of one update: the layout ``config.knots`` asks for when JAGG applies
-    (``jagg``: mode ``jagg``, ``window > 2`` and more than two trained steps), else one interval per trained step."""
+    """``(intervals, knot positions, jagg)`` of one update: the layout ``config.knots`` asks for (``window > 2`` and more
+    than two trained steps) when JAGG applies (``jagg``: mode ``jagg``) or when ``interval_frac < 1`` draws its
+    intervals (in mode ``exact`` too), else one interval per trained step."""
     steps = traj.train_steps.tolist()
     K = len(steps)
-    jagg = config.mode == "jagg" and config.window > 2 and K > 2
-    scheme = config.knots if jagg else "groups"
-    window = config.window if jagg else 1
+    laid = config.window > 2 and K > 2 and (config.mode == "jagg" or config.interval_frac < 1)
+    scheme = config.knots if laid else "groups"
+    window = config.window if laid else 1
     positions = None
     if scheme == "adaptive":
         if signal_norms is None:
@@ -222,7 +257,20 @@ def layout_intervals(traj, config: EstimatorConfig,
     intervals = intervals_of(steps, scheme, window, positions)
     if scheme == "groups":
         positions = sorted({steps.index(s) for iv in intervals for s in (iv[0], iv[-1])})
-    return intervals, positions, jagg
+    return intervals, positions, laid and config.mode == "jagg"
+
+
+def owners(intervals: list[list[int]], shared: bool) -> dict[int, int]:
+    """``{step: interval}``: the interval that owns each trained step's own loss term, so that every term belongs to
+    exactly one interval (what interval subsampling draws). Disjoint intervals (step groups) own their steps. Intervals
+    sharing knots (``shared``, ``adaptive``) own ``(a, b]``: their inner steps and their end knot; the first one also
+    owns its start knot. A drawn interval still needs both knot rows when its start knot belongs to an undrawn
+    neighbour."""
+    out: dict[int, int] = {}
+    for j, iv in enumerate(intervals):
+        for k in (iv if not shared or j == 0 else iv[1:]):
+            out.setdefault(k, j)
+    return out
 
 
 def eligible_intervals(intervals: list[list[int]], jagg: bool, config: EstimatorConfig) -> Tensor:
@@ -305,20 +353,92 @@ def _pick(candidates: Tensor, p: float, generator: torch.Generator | None) -> Te
     return out.view_as(candidates)
 
 
+def interval_rates(eligible: Tensor, config: EstimatorConfig) -> list[float]:
+    """``[G]`` the correction probability of each interval: ``correction_p`` (or ``correction_rates[j]``) for the
+    first ``correction_intervals`` eligible intervals (all when 0), 0 elsewhere."""
+    G = eligible.numel()
+    if not bool(eligible.any()):
+        return [0.0] * G
+    if config.correction_rates is not None and len(config.correction_rates) != G:
+        raise ValueError(f"correction_rates has {len(config.correction_rates)} rates, one per interval of the layout, "
+                         f"but this update's layout has {G} intervals")
+    rates = config.correction_rates if config.correction_rates is not None else [float(config.correction_p)] * G
+    cols = torch.nonzero(eligible).flatten().tolist()
+    scope = set(cols[: config.correction_intervals] if config.correction_intervals else cols)
+    return [float(rates[j]) if j in scope else 0.0 for j in range(G)]
+
+
 def pick_corrections(routed: Tensor, eligible: Tensor, units: Tensor, config: EstimatorConfig,
                      generator: torch.Generator | None) -> Tensor:
-    """Unbiased JAGG's picks ``[B, G]``: each routed unit (``units``: :func:`unit_rows`) among the first
-    ``correction_intervals`` eligible intervals (all when 0) is picked with probability exactly ``correction_p``."""
+    """Unbiased JAGG's picks ``[B, G]``: each routed unit (``units``: :func:`unit_rows`) is picked with the probability
+    of its interval (:func:`interval_rates`): one :func:`_pick` over every interval at ``correction_p``, or one per
+    interval, in order, at ``correction_rates[j]``."""
     B, G = routed.shape
-    p = config.correction_p
-    if p <= 0 or not bool(routed.any()):
+    rates = interval_rates(eligible, config)
+    if not any(r > 0 for r in rates) or not bool(routed.any()):
         return torch.zeros(B, G, dtype=torch.bool)
-    scope = torch.zeros(G, dtype=torch.bool)
-    cols = torch.nonzero(eligible).flatten().tolist()
-    scope[cols[: config.correction_intervals] if config.correction_intervals else cols] = True
+    scope = torch.tensor([r > 0 for r in rates], dtype=torch.bool)
     U = int(units.max()) + 1
     unit_routed = torch.zeros(U, G, dtype=torch.int64).index_add_(0, units, routed.long()) > 0      # [U, G]
-    return _pick(unit_routed & scope[None], p, generator)[units] & routed
+    candidates = unit_routed & scope[None]
+    if config.correction_rates is None:
+        picked = _pick(candidates, float(config.correction_p), generator)
+    else:
+        picked = torch.stack([_pick(candidates[:, j], rates[j], generator) for j in range(G)], 1)
+    return picked[units] & routed
+
+
+def draw(B: int, n: int, m: int, generator: torch.Generator | None) -> Tensor:
+    """``[B, n]`` bool: a fresh uniformly random ``m`` of ``n`` per row, without replacement (all ``n``, and no draw,
+    when ``m >= n``)."""
+    if m >= n:
+        return torch.ones(B, n, dtype=torch.bool)
+    order = torch.rand(B, n, generator=generator, dtype=torch.float32).argsort(dim=1)      # [B, n]
+    return torch.zeros(B, n, dtype=torch.bool).scatter_(1, order[:, :m], True)
+
+
+def drawn_count(n: int, frac: float) -> int:
+    """``m = round(frac n)``, at least 1 and at most ``n``: how many of ``n`` units a draw at ``frac`` keeps."""
+    return max(1, min(n, round(frac * n)))
+
+
+def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) -> list[float]:
+    """Per-interval correction rates ``p_j`` that minimise the correction's variance ``sum_j (1/p_j - 1) D_j`` at the
+    row budget ``sum_j p_j r_j = budget``: ``p_j = min(1, c sqrt(D_j / r_j))`` with ``c`` set by the budget (capped
+    rates at 1, the rest of the budget shared again). An interval without error or without rows gets 0; a budget of at
+    least the rows of every interval with an error gives them 1.
+
+    Args:
+        errors: ``[G]`` ``D_j >= 0``, the error energy the correction of interval ``j`` removes, e.g. plain JAGG's
+            ``error_to_noise`` of that interval (``jagg bench efficiency --by-interval``); negative estimates count as 0.
+        rows: ``[G]`` ``r_j >= 0``, the rows one correction of interval ``j`` runs per sample (its inner steps for
+            ``correction='interval'``, 1 for ``'step'``).
+        budget: the correction rows per sample to spend, ``>= 0`` (e.g. ``p sum_j r_j`` for a uniform rate ``p``).
+    """
+    if len(errors) != len(rows):
+        raise ValueError(f"budget_rates needs one error per interval and one row count per interval; got "
+                         f"{len(errors)} and {len(rows)}")
+    for name, values in (("errors", errors), ("rows", rows), ("budget", [budget])):
+        if not all(is_finite_number(v) for v in values):
+            raise ValueError(f"budget_rates: {name} must be finite numbers; got {list(values)}")
+    if budget < 0 or any(r < 0 for r in rows):
+        raise ValueError(f"budget_rates: rows and budget must be >= 0; got rows {list(rows)}, budget {budget}")
+    D = [max(float(d), 0.0) for d in errors]
+    live = [j for j in range(len(D)) if D[j] > 0 and rows[j] > 0]
+    p = [0.0] * len(D)
+    left, free = float(budget), list(live)
+    while free:
+        c = left / sum(math.sqrt(D[j] * rows[j]) for j in free)          # sum_j r_j c sqrt(D_j / r_j) = left
+        capped = [j for j in free if c * math.sqrt(D[j] / rows[j]) >= 1.0]
+        if not capped:
+            for j in free:
+                p[j] = c * math.sqrt(D[j] / rows[j])
+            break
+        for j in capped:
+            p[j] = 1.0
+            left -= rows[j]
+        free = [j for j in free if j not in capped]
+    return p
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -326,7 +446,7 @@ def pick_corrections(routed: Tensor, eligible: Tensor, units: Tensor, config: Es
 
 def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence | None = None,
                 signal_norms: Tensor | None = None, generator: torch.Generator | None = None) -> Plan:
-    """Lay out, route, pick and bundle the rows of one update (see the module docstring).
+    """Lay out, route, pick, draw and bundle the rows of one update (see the module docstring).
 
     Args:
         traj: the :class:`~jagg.trajectory.Trajectory` (``B`` samples, trained steps ``[K]``).
@@ -335,74 +455,172 @@ def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence 
             (prompt group, interval) unit (:func:`route`).
         signal_norms: ``[B, K]`` norms of the upstream signals at the rollout velocities; needed by
             ``knots="adaptive"``.
-        generator: RNG of the correction's random picks (``torch.rand`` / ``randperm`` on the CPU).
+        generator: RNG of the random choices, in this order: the correction's picks, the inner step of each picked
+            interval (``correction="step"``), the intervals each sample trains (``interval_frac < 1``)
+            (``torch.rand`` / ``randperm`` / ``randint`` on the CPU).
     """
     B = traj.batch_size
     if config.mode == "subsample":
         return _subsample_plan(traj.train_steps.tolist(), B, config.subsample_frac, generator)
     intervals, positions, jagg = layout_intervals(traj, config, signal_norms)
+    G = len(intervals)
     alphas = [interval_alphas(traj.sigmas, iv, config.alpha) for iv in intervals]      # once per interval
     eligible = eligible_intervals(intervals, jagg, config)
     if 0.0 < config.jagg_frac < 1.0:
         scores = linearity_scores(traj.velocities, intervals, alphas, config.score).cpu()
     else:
-        scores = torch.zeros(B, len(intervals), dtype=torch.float32)
+        scores = torch.zeros(B, G, dtype=torch.float32)
     routed = route(scores, config.jagg_frac, eligible, prompt_groups)                  # [B, G]
-    corrected = pick_corrections(routed, eligible, unit_rows(prompt_groups, B), config, generator)
-    weight = 1.0 / config.correction_p if config.correction_p > 0 else 1.0
-    layout = (intervals, [a.tolist() for a in alphas], routed, corrected, weight)
-    bundles = (_step_group_bundles(B, *layout) if config.knots == "groups" or not jagg
-               else _shared_knot_bundles(B, traj.train_steps.tolist(), *layout, config.micro_batch))
-    return Plan(bundles, B * int(eligible.sum()), int(routed.sum()), int(corrected.sum()), positions)
+    units = unit_rows(prompt_groups, B)
+    picked = pick_corrections(routed, eligible, units, config, generator)
+    rates = interval_rates(eligible, config)
+    fixes = _corrected_steps(picked, units, intervals, rates, config.correction, generator)
+    m = drawn_count(G, config.interval_frac)
+    drawn = draw(B, G, m, generator)
+    weight = 1.0 if m == G else G / m
+    cv = config.control_variate > 0 and jagg
+    shared = config.knots != "groups" and len(intervals) > 1 and intervals[0][-1] == intervals[1][0]
+    layout = _Layout(intervals, [a.tolist() for a in alphas], routed & drawn,
+                     {u: f for u, f in fixes.items() if drawn[u]}, drawn, weight, cv)
+    bundles = (_shared_knot_bundles(B, traj.train_steps.tolist(), layout, config.micro_batch) if shared
+               else _step_group_bundles(B, layout))
+    control = _controls(layout, rates) if cv else []
+    return Plan(bundles, int((eligible[None] & drawn).sum()), int(layout.routed.sum()), len(layout.fixes), positions,
+                int(drawn.sum()), control)
 
 
-def _step_group_bundles(B: int, intervals, alphas, routed: Tensor, corrected: Tensor, weight: float) -> list[Bundle]:
+def _corrected_steps(picked: Tensor, units: Tensor, intervals, rates: list[float], correction: str,
+                     generator: torch.Generator | None) -> dict[tuple[int, int], dict[int, float]]:
+    """``{(sample, interval): {inner step: f}}`` of the picked intervals (``rates``: :func:`interval_rates`): every
+    inner step at ``f = 1 / p_j`` (``correction="interval"``), or one uniformly random inner step at ``f = |I| / p_j``
+    (``"step"``), the same step for every sample of a unit (``units``: :func:`unit_rows`), drawn unit by unit,
+    interval-major, so that the error a prompt group's samples share keeps cancelling in their zero-sum advantages;
+    a corrected step's interpolated term is scaled by ``1 - f`` and its own row enters at ``f``."""
+    pairs = [(int(i), int(j)) for i, j in torch.nonzero(picked).tolist()]
+    if correction == "step":
+        cells = sorted({(j, int(units[i])) for i, j in pairs})                  # (interval, unit), interval-major
+        sizes = torch.tensor([len(intervals[j]) - 2 for j, _ in cells], dtype=torch.float64)
+        draws = (torch.rand(len(cells), generator=generator, dtype=torch.float64) * sizes).long().tolist()
+        step = {cell: intervals[cell[0]][1 + c] for cell, c in zip(cells, draws)}
+        return {(i, j): {step[(j, int(units[i]))]: (len(intervals[j]) - 2) / rates[j]} for i, j in pairs}
+    return {(i, j): {k: 1.0 / rates[j] for k in intervals[j][1:-1]} for i, j in pairs}
+
+
+@dataclass
+class _Layout:
+    """What the bundle builders read: the intervals and their alphas; ``routed`` ``[B, G]`` (routed to JAGG and
+    drawn); the corrections ``{(sample, interval): {inner step: f}}`` (:func:`_corrected_steps`, drawn only); ``drawn``
+    ``[B, G]`` and the weight ``n / m`` of a drawn interval's terms; ``cv``: the control variate is on (a picked
+    interval's correction goes in bundles of its own, measured apart)."""
+
+    intervals: list[list[int]]
+    alphas: list[list[float]]
+    routed: Tensor
+    fixes: dict[tuple[int, int], dict[int, float]]
+    drawn: Tensor
+    weight: float
+    cv: bool
+
+
+def _step_group_bundles(B: int, lay: _Layout) -> list[Bundle]:
     """Bundles of disjoint intervals, interval-major as Flow-GRPO's step loop (and the estimator before knots): per
-    interval, its routed samples' knot pairs and the other samples' exact steps; the picked inner steps last."""
+    interval, its routed samples' knot pairs and the other drawn samples' exact steps; the picked inner steps last
+    (first, in bundles of their own, with the control variate)."""
     bundles: list[Bundle] = []
     singles: list[Bundle] = []
-    for j, iv in enumerate(intervals):
+    w = lay.weight
+    for j, iv in enumerate(lay.intervals):
         for i in range(B):
-            if routed[i, j]:
-                bundles += _chain_bundles(i, [iv], [alphas[j]], 2, {0: 1.0 - weight} if corrected[i, j] else {})
-        bundles += [_single(i, k) for k in iv for i in range(B) if not routed[i, j]]
-        singles += [_single(i, k, weight) for k in iv[1:-1] for i in range(B) if corrected[i, j]]
-    return bundles + singles
+            if lay.routed[i, j]:
+                bundles += _chain_bundles(i, [iv], [lay.alphas[j]], 2, {0: lay.fixes.get((i, j), {})}, w, True, lay.cv)
+        bundles += [_single(i, k, w) for k in iv for i in range(B) if lay.drawn[i, j] and not lay.routed[i, j]]
+        singles += _correction_singles(B, j, iv, lay)
+    return (_measured_bundles(B, lay) + bundles) if lay.cv else bundles + singles
 
 
-def _shared_knot_bundles(B: int, steps: list[int], intervals, alphas, routed: Tensor, corrected: Tensor,
-                         weight: float, micro_batch: int) -> list[Bundle]:
-    """Bundles of intervals sharing knots: per sample, each maximal run of routed intervals is one chain; the steps no
-    chain covers run exact, step-major; the picked inner steps last."""
+def _shared_knot_bundles(B: int, steps: list[int], lay: _Layout, micro_batch: int) -> list[Bundle]:
+    """Bundles of intervals sharing knots: per sample, each maximal run of routed (and drawn) intervals is one chain;
+    the steps no chain covers run exact, step-major, when their owner (:func:`owners`) is drawn; the picked inner steps
+    last (first, in bundles of their own, with the control variate)."""
     bundles: list[Bundle] = []
-    G = len(intervals)
+    G = len(lay.intervals)
     for i in range(B):
         run: list[int] = []
         for j in range(G + 1):
-            if j < G and routed[i, j]:
+            if j < G and lay.routed[i, j]:
                 run.append(j)
                 continue
             if run:
-                scale = {r: 1.0 - weight for r, jj in enumerate(run) if corrected[i, jj]}
-                bundles += _chain_bundles(i, [intervals[jj] for jj in run], [alphas[jj] for jj in run], micro_batch,
-                                          scale)
+                first = run[0]
+                own_start = bool(lay.drawn[i, first - 1]) if first > 0 else True      # its start knot's owner
+                bundles += _chain_bundles(i, [lay.intervals[jj] for jj in run], [lay.alphas[jj] for jj in run],
+                                          micro_batch, {r: lay.fixes.get((i, jj), {}) for r, jj in enumerate(run)},
+                                          lay.weight, own_start, lay.cv)
                 run = []
     covered = [set() for _ in range(B)]
     for b in bundles:
         covered[b.sample].update(t.step for t in b.terms)
-    singles = [_single(i, k) for k in steps for i in range(B) if k not in covered[i]]
-    for j, iv in enumerate(intervals):
-        singles += [_single(i, k, weight) for k in iv[1:-1] for i in range(B) if corrected[i, j]]
+    owner = owners(lay.intervals, shared=True)
+    singles = [_single(i, k, lay.weight) for k in steps for i in range(B)
+               if k not in covered[i] and lay.drawn[i, owner[k]]]
+    if lay.cv:
+        return _measured_bundles(B, lay) + bundles + singles
+    for j, iv in enumerate(lay.intervals):
+        singles += _correction_singles(B, j, iv, lay)
     return bundles + singles
 
 
+def _correction_singles(B: int, j: int, iv: list[int], lay: _Layout) -> list[Bundle]:
+    """The own rows of interval ``j``'s corrected inner steps, each at ``f n / m`` (inner-step-major)."""
+    if lay.cv:
+        return []
+    return [_single(i, k, lay.fixes[(i, j)][k] * lay.weight) for k in iv[1:-1] for i in range(B)
+            if k in lay.fixes.get((i, j), {})]
+
+
+def _measured_bundles(B: int, lay: _Layout) -> list[Bundle]:
+    """With the control variate: each picked interval's correction on its own, ``f n / m`` (exact - interpolated) of its
+    corrected inner steps: its two knot rows carrying minus the interpolated terms, and the steps' own rows; tagged
+    with the interval (``measure``) and ordered by it, so the estimator can measure each interval's corrections."""
+    out: list[Bundle] = []
+    for j, iv in enumerate(lay.intervals):
+        alpha = dict(zip(iv, lay.alphas[j]))
+        for i in range(B):
+            fix = lay.fixes.get((i, j))
+            if not fix:
+                continue
+            knots = Bundle(i, [iv[0], iv[-1]], measure=j)
+            for k, f in fix.items():
+                s = f * lay.weight
+                knots.terms.append(Term(k, (0, 1, alpha[k]), [(0, -(1.0 - alpha[k]) * s), (1, -alpha[k] * s)],
+                                        counted=False))
+            out.append(knots)
+            out += [Bundle(i, [k], [Term(k, (0, -1, 0.0), [(0, f * lay.weight)])], measure=j) for k, f in fix.items()]
+    return out
+
+
+def _controls(lay: _Layout, rates: list[float]) -> list[Control]:
+    """The control variate's part of the plan (:class:`Control`) at each interval that is corrected (``p_j > 0``) and
+    has a routed drawn sample."""
+    out = []
+    for j, iv in enumerate(lay.intervals):
+        n = int(lay.routed[:, j].sum())
+        if not n or rates[j] <= 0:
+            continue
+        picked = sum(1 for (_, jj) in lay.fixes if jj == j)
+        out.append(Control(j, iv[1], lay.weight * (n - picked / rates[j]), picked, lay.weight / rates[j]))
+    return out
+
+
 def _chain_bundles(sample: int, chain: list[list[int]], alphas: list[list[float]], micro_batch: int,
-                   scale: dict[int, float]) -> list[Bundle]:
+                   fixes: dict[int, dict[int, float]], weight: float, own_start: bool, cv: bool) -> list[Bundle]:
     """Bundles of one run of JAGG intervals sharing knots (``chain``: intervals ``[a, ..., b]``, consecutive ones
-    sharing an end; ``alphas``: their interpolation coefficients). Split into pieces of at most ``micro_batch`` knots
-    that overlap by one knot; a knot's own term is counted in the first piece holding it. ``scale[j]`` (``1 - 1/p``
-    for a picked interval) multiplies the weights of interval ``j``'s inner steps; their terms then do not count in
-    the statistics."""
+    sharing an end; ``alphas``: their interpolation coefficients), every weight times ``weight`` (``n / m`` with
+    interval subsampling). Split into pieces of at most ``micro_batch`` knots that overlap by one knot; a knot's own
+    term is counted in the first piece holding it, the chain's start knot only when ``own_start`` (its owner is
+    drawn, :func:`owners`). ``fixes[r]`` (``{inner step: f}``, :func:`_corrected_steps`) scales those inner steps'
+    interpolated weights of interval ``r`` by ``1 - f`` (by 1 with the control variate, ``cv``, whose correction
+    bundles carry it); their terms then do not count in the statistics."""
     bundles: list[Bundle] = []
     start = 0
     n = len(chain)                                          # intervals; knots = n + 1
@@ -411,12 +629,14 @@ def _chain_bundles(sample: int, chain: list[list[int]], alphas: list[list[float]
         part = chain[start : start + per]
         b = Bundle(sample, [iv[0] for iv in part] + [part[-1][-1]])
         for r, iv in enumerate(part):
-            if r == 0 and start == 0:
-                b.terms.append(Term(iv[0], (0, -1, 0.0), [(0, 1.0)]))
-            s = scale.get(start + r, 1.0)
+            if r == 0 and start == 0 and own_start:
+                b.terms.append(Term(iv[0], (0, -1, 0.0), [(0, 1.0 * weight)]))
+            fix = fixes.get(start + r, {})
             for k, al in zip(iv[1:-1], alphas[start + r][1:-1]):
-                b.terms.append(Term(k, (r, r + 1, al), [(r, (1.0 - al) * s), (r + 1, al * s)], counted=s == 1.0))
-            b.terms.append(Term(iv[-1], (r + 1, -1, 0.0), [(r + 1, 1.0)]))
+                s = 1.0 if cv or k not in fix else 1.0 - fix[k]
+                b.terms.append(Term(k, (r, r + 1, al), [(r, (1.0 - al) * s * weight), (r + 1, al * s * weight)],
+                                    counted=k not in fix))
+            b.terms.append(Term(iv[-1], (r + 1, -1, 0.0), [(r + 1, 1.0 * weight)]))
         bundles.append(b)
         start += per
     return bundles
@@ -431,12 +651,8 @@ def _subsample_plan(steps: list[int], B: int, frac: float, generator: torch.Gene
     """``mode="subsample"``: each sample's ``m = max(1, round(frac K))`` trained steps drawn uniformly without
     replacement, fresh per sample and update, each weighted ``K / m`` (unbiased); step-major as ``exact``."""
     K = len(steps)
-    m = max(1, min(K, round(frac * K)))
-    if m == K:                                    # every step at weight 1: exact, bit for bit (no draw)
-        chosen = torch.ones(B, K, dtype=torch.bool)
-    else:
-        order = torch.rand(B, K, generator=generator, dtype=torch.float32).argsort(dim=1)      # [B, K]
-        chosen = torch.zeros(B, K, dtype=torch.bool).scatter_(1, order[:, :m], True)
+    m = drawn_count(K, frac)
+    chosen = draw(B, K, m, generator)                # every step at weight 1 when m = K: exact, bit for bit (no draw)
     weight = 1.0 if m == K else K / m
     bundles = [_single(i, k, weight) for j, k in enumerate(steps) for i in range(B) if chosen[i, j]]
-    return Plan(bundles, 0, 0, 0, list(range(K)))
+    return Plan(bundles, 0, 0, 0, list(range(K)), B * m)

@@ -22,7 +22,7 @@ import statistics
 from ..training import config_loader as configuration
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..checks import check_no_repeats, number_arg
-from .common import cost_limit, default_config_path, json_if_asked, table
+from .common import default_config_path, estimator_limit, json_if_asked, table
 
 VARIANTS = {
     "exact": ["estimator.mode=exact"],
@@ -34,15 +34,10 @@ QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompt groups 
 
 
 def routed_limit(cfg: ShapesTrainConfig) -> float:
-    """:func:`~jagg.bench.common.cost_limit` (``B = 2F``) of the config's estimator: its trained steps, knot layout,
-    window, routed fraction, exact first/last intervals, correction probability and corrected intervals."""
-    e, c = cfg.estimator, cfg.sample
-    if e.mode == "exact":
-        return 1.0
-    steps = c.sde_steps(c.num_steps)[0]                   # a sliding SDE window has the same size throughout
-    return cost_limit(e.window, e.intermediate, steps=int(steps.numel()), jagg_frac=e.jagg_frac,
-                      exact_first=e.exact_first_intervals, exact_last=e.exact_last_intervals, knots=e.knots,
-                      correction_p=e.correction_p, correction_intervals=e.correction_intervals)
+    """:func:`~jagg.bench.common.estimator_limit` (``B = 2F``) of the config's estimator on its trained steps: knot
+    layout, window, routed fraction, exact first/last intervals, the correction and interval subsampling."""
+    steps = cfg.sample.sde_steps(cfg.sample.num_steps)[0]     # a sliding SDE window has the same size throughout
+    return estimator_limit(cfg.estimator, int(steps.numel()))
 
 
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:

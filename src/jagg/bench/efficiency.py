@@ -52,9 +52,9 @@ import yaml
 from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import adam_efficiency, error_noise_stats, extrapolate, flat_grad, predicted_efficiency
 from ..checks import check_unique_names, number_arg
-from ..estimator import policy_gradient
+from ..estimator import CorrectionState, policy_gradient
 from ..estimator_config import EstimatorConfig
-from ..knots import layout_intervals, plan_update
+from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals, plan_update
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
@@ -64,9 +64,40 @@ BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
 
 
+BUDGET_RATES = "by_interval"         # correction_rates=by_interval: rates from the per-interval error (budget_rates)
+
+
+def spec_items(rest: str) -> list[str]:
+    """The ``KEY=VALUE`` items of an estimator spec, split at the commas outside brackets (``correction_rates=[0.4,
+    0.1],window=5`` is two items)."""
+    items, depth, cur = [], 0, ""
+    for ch in rest:
+        if ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return items + [cur]
+
+
+def wants_budget_rates(spec: str) -> bool:
+    """Whether ``spec`` asks for ``correction_rates=by_interval`` (:func:`budget_rates_of`)."""
+    return any(item.partition("=")[0].strip().removeprefix("estimator.") == "correction_rates"
+               and item.partition("=")[2].strip() == BUDGET_RATES for item in spec_items(spec.partition(":")[2]))
+
+
+def plain_of(est: EstimatorConfig) -> EstimatorConfig:
+    """``est`` without its correction: the paper's plain JAGG (no picks, no rates, no control variate)."""
+    return dataclasses.replace(est, correction_p=0.0, correction_rates=None, control_variate=0.0)
+
+
 def parse_estimator(spec: str, base: EstimatorConfig, flag: str = "--estimator") -> tuple[str, EstimatorConfig | None]:
-    """``NAME`` (built in) or ``NAME:KEY=VALUE,...`` -> (name, config); ``subsample`` is resolved later (None); errors
-    name the option ``flag``."""
+    """``NAME`` (built in) or ``NAME:KEY=VALUE,...`` -> (name, config); ``subsample`` is resolved later (None), and so
+    is ``correction_rates=by_interval`` (left out here; :func:`wants_budget_rates`); errors name the option ``flag``."""
     name, _, rest = spec.partition(":")
     if not name:
         raise ValueError(f"{flag} {spec!r}: give a name, e.g. w8:window=8")
@@ -76,16 +107,19 @@ def parse_estimator(spec: str, base: EstimatorConfig, flag: str = "--estimator")
             raise ValueError(f"{flag} {spec!r}: unknown name; built in: {', '.join(BUILT_IN)}, or give "
                              "NAME:KEY=VALUE,... of estimator keys")
         if name == "exact":
-            return name, dataclasses.replace(base, mode="exact")
+            return name, base.exact()
         if name == "plain":
-            return name, dataclasses.replace(base, correction_p=0.0)
+            return name, plain_of(base)
         return name, (None if name == "subsample" else base)
     kv = {}
-    for item in rest.split(","):
+    for item in spec_items(rest):
         key, eq, value = item.partition("=")
         key = key.strip().removeprefix("estimator.")
         if not eq or not key:
             raise ValueError(f"{flag} {spec!r}: {item!r} is not KEY=VALUE")
+        if key == "correction_rates" and value.strip() == BUDGET_RATES:
+            kv[key] = None
+            continue
         kv[key] = yaml.safe_load(value)
     return name, configuration.from_dict(EstimatorConfig, {**base.to_dict(), **kv}, "estimator")
 
@@ -100,15 +134,11 @@ def parse_estimators(specs: list[str], base: EstimatorConfig) -> dict[str, Estim
 def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) -> float:
     """Rows with grad per sample of ``cfg`` on ``traj``, the mean over ``draws`` plans (no network call)."""
     gen = torch.Generator().manual_seed(0)
-    n = 1 if cfg.correction_p == 0 or cfg.mode != "jagg" else draws
-    if cfg.mode == "jagg" and cfg.knots == "adaptive":      # adaptive needs the loss signals; shared has as many rows
+    n = draws if cfg.random else 1
+    if cfg.knots == "adaptive":                  # adaptive needs the loss signals; shared has as many rows
         cfg = dataclasses.replace(cfg, knots="shared")
     rows = [sum(len(b.rows) for b in plan_update(traj, cfg, prompt_groups, generator=gen).bundles) for _ in range(n)]
     return statistics.fmean(rows) / traj.batch_size
-
-
-def is_random(cfg: EstimatorConfig) -> bool:
-    return (cfg.mode == "jagg" and cfg.correction_p > 0) or (cfg.mode == "subsample" and cfg.subsample_frac < 1)
 
 
 def draw_batch(sampler: ShapesSampler, cfg: ShapesTrainConfig):
@@ -154,11 +184,65 @@ def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float) ->
             "adam_time_efficiency": adam_efficiency(time_ratio, error_to_noise)}
 
 
-def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None) -> list[dict]:
+def control_states(ests: dict, params) -> dict[str, CorrectionState]:
+    """A :class:`jagg.CorrectionState` of ``params`` for each estimator with a control variate."""
+    return {name: CorrectionState(params) for name, est in ests.items()
+            if est is not None and est.mode == "jagg" and est.control_variate > 0}
+
+
+def warm_up(cfg: ShapesTrainConfig, ests: dict, batches: int) -> dict[str, dict]:
+    """The control variates' running means after ``batches`` batches of their own (a sampler of seed ``seed + 2``,
+    one update of each estimator with one per batch): :meth:`~jagg.CorrectionState.state_dict` by estimator name."""
+    sampler = ShapesSampler(dataclasses.replace(cfg, seed=cfg.seed + 2))
+    states = control_states(ests, sampler.params)
+    for b in range(batches if states else 0):
+        traj, tokens, adv, prompt_groups, _ = draw_batch(sampler, cfg)
+        vf = sampler.velocity(tokens)
+        for name, state in states.items():
+            sampler.zero_grad()
+            with torch.enable_grad():
+                policy_gradient(vf, traj, adv, ests[name], prompt_groups=prompt_groups, correction_state=state,
+                                generator=torch.Generator().manual_seed(cfg.seed * 7919 + b))
+    return {name: state.state_dict() for name, state in states.items()}
+
+
+def budget_rates_of(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, batches: int,
+                    pilots: dict | None = None) -> EstimatorConfig:
+    """``est`` with ``correction_rates`` from :func:`jagg.knots.budget_rates`: ``D_j`` = plain JAGG's error against the
+    noise in each interval (:func:`interval_errors`, on ``batches`` batches of their own: seed ``seed + 1``; kept in
+    ``pilots`` for the next estimator of the same plain JAGG), ``r_j`` = the rows one correction runs (the inner steps;
+    1 for ``correction="step"``), at the rows of ``est``'s uniform ``correction_p`` over the intervals it corrects."""
+    pilot = dataclasses.replace(cfg, seed=cfg.seed + 1)
+    pilots = {} if pilots is None else pilots
+    key = repr(dataclasses.replace(plain_of(est), correction="interval", interval_frac=1.0))
+    if key not in pilots:
+        pilots[key] = interval_errors(pilot, name, plain_of(est), batches, 1)
+    parts = pilots[key]
+    inner = [r["inner_steps"] for r in parts]
+    eligible = eligible_intervals([list(range(n + 2)) for n in inner], True, est)      # the intervals JAGG may take
+    scope = interval_rates(eligible, dataclasses.replace(est, correction_p=1.0))         # 1 where corrected
+    rows = [(1.0 if est.correction == "step" else float(n)) * scope[j] for j, n in enumerate(inner)]
+    errors = [r["error_to_noise"] * scope[j] for j, r in enumerate(parts)]
+    rates = budget_rates(errors, rows, est.correction_p * sum(rows))
+    return dataclasses.replace(est, correction_rates=[round(r, 4) for r in rates])
+
+
+def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
+            warmup: int = 0) -> list[dict]:
     """One record per estimator (module docstring)."""
     check_sizes(batches, draws, target_batch)
     ests = parse_estimators(specs, cfg.estimator)
+    pilots: dict = {}
+    for spec in specs:
+        if wants_budget_rates(spec):
+            name = spec.partition(":")[0]
+            ests[name] = budget_rates_of(cfg, name, ests[name], batches, pilots)
+            print(f"{name}: correction_rates {ests[name].correction_rates} (budget_rates on {batches} batches of "
+                  f"seed {cfg.seed + 1})")
     sampler = ShapesSampler(cfg)
+    states = control_states(ests, sampler.params)
+    for name, saved in warm_up(cfg, ests, warmup).items():
+        states[name].load_state_dict(saved)
     grads = {name: [] for name in ests}        # name -> per batch [draws, P]
     train_s = {name: [] for name in ests}
     rows = {name: [] for name in ests}
@@ -170,16 +254,18 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
         if ests.get("subsample", 0) is None:       # subsample at the config's rows, fixed from the first batch
             K = traj.train_steps.numel()
             frac = min(1.0, expected_rows(traj, cfg.estimator, prompt_groups) / K)
-            ests["subsample"] = dataclasses.replace(cfg.estimator, mode="subsample", subsample_frac=frac)
+            ests["subsample"] = dataclasses.replace(cfg.estimator, mode="subsample", subsample_frac=frac,
+                                                    interval_frac=1.0)
         vf = sampler.velocity(tokens)
         for e_i, (name, est) in enumerate(ests.items()):
             out = []
-            for d in range(draws if is_random(est) else 1):
+            for d in range(draws if est.random else 1):
                 gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + b * 1009 + d * 31 + e_i)
                 sampler.zero_grad()
                 c0 = time.process_time()
                 with torch.enable_grad():
-                    st = policy_gradient(vf, traj, adv, est, prompt_groups=prompt_groups, generator=gen)
+                    st = policy_gradient(vf, traj, adv, est, prompt_groups=prompt_groups, generator=gen,
+                                         correction_state=states.get(name))
                 train_s[name].append(time.process_time() - c0)
                 rows[name].append(st.backward_items / traj.batch_size)
                 out.append(flat_grad(sampler.params).double())
@@ -196,7 +282,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
         r = statistics.fmean(rows[name])
         t = statistics.median(train_s[name])
         time_ratio = (t_roll + t_exact) / (t_roll + t)
-        rec = {"estimator": name, "mode": est.mode, "batches": batches, "draws": draws if is_random(est) else 1,
+        rec = {"estimator": name, "mode": est.mode, "batches": batches, "draws": draws if est.random else 1,
                "samples_per_batch": n_samples, "target_batch": target, "rows_per_sample": r,
                "rows_ratio": r_exact / r, "train_s": t, "rollout_s": t_roll, "iter_ratio": time_ratio,
                **st, "bias_z": bias_z(st["bias_to_noise"], st["bias_to_noise_se"]),
@@ -218,14 +304,20 @@ def by_interval_estimator(spec: str, base: EstimatorConfig) -> tuple[str, Estima
 
 
 def by_interval(cfg: ShapesTrainConfig, spec: str, batches: int, draws: int) -> list[dict]:
+    """``--by-interval SPEC``: :func:`interval_errors` of the JAGG estimator ``spec`` (:func:`by_interval_estimator`)."""
+    return interval_errors(cfg, *by_interval_estimator(spec, cfg.estimator), batches, draws)
+
+
+def interval_errors(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, batches: int, draws: int) -> list[dict]:
     """Where one estimator's error lives: for each interval of its layout (steps ``a..b``), the error of the gradient
     restricted to that interval's loss terms (``only_steps``) against the whole update's noise ``V_b``, and its
     repeating part, on the same batches as :func:`measure` (same seed). Layouts with data-dependent knots
-    (``adaptive``) use the first batch's intervals."""
+    (``adaptive``) use the first batch's intervals; a control variate runs with its means empty (no update measured
+    here)."""
     check_sizes(batches, draws)
-    name, est = by_interval_estimator(spec, cfg.estimator)
-    exact = dataclasses.replace(est, mode="exact")
+    exact = est.exact()
     sampler = ShapesSampler(cfg)
+    state = control_states({name: est}, sampler.params).get(name)
     intervals, totals, parts = None, [], {}
     for b in range(batches):
         traj, tokens, adv, prompt_groups, _ = draw_batch(sampler, cfg)
@@ -237,13 +329,14 @@ def by_interval(cfg: ShapesTrainConfig, spec: str, batches: int, draws: int) -> 
             sampler.zero_grad()
             with torch.enable_grad():
                 policy_gradient(vf, traj, adv, c, prompt_groups=prompt_groups, only_steps=steps,
-                                generator=torch.Generator().manual_seed(seed))
+                                generator=torch.Generator().manual_seed(seed),
+                                correction_state=state if c is est else None)
             return flat_grad(sampler.params).double()
 
         totals.append(grad(exact, None, 0))
         for j, iv in enumerate(intervals):
             g_ex = grad(exact, iv, 0)
-            seeds = [cfg.seed * 1_000_003 + b * 1009 + d * 31 for d in range(draws if is_random(est) else 1)]
+            seeds = [cfg.seed * 1_000_003 + b * 1009 + d * 31 for d in range(draws if est.random else 1)]
             parts.setdefault(j, []).append((g_ex, torch.stack([grad(est, iv, sd) for sd in seeds])))
     exact_total = torch.stack(totals)                                      # [batches, P]
     noise = float(((exact_total - exact_total.mean(0)) ** 2).sum()) / (batches - 1)
@@ -254,7 +347,7 @@ def by_interval(cfg: ShapesTrainConfig, spec: str, batches: int, draws: int) -> 
         g_ex = torch.stack([p[0] for p in parts[j]])
         st = error_noise_stats(g_ex, [p[1] for p in parts[j]])
         scale = st["noise"] / noise if noise > 0 else math.nan               # ratios against the whole update's V_b
-        records.append({"estimator": name, "interval": j, "steps": f"{iv[0]}-{iv[-1]}",
+        records.append({"estimator": name, "interval": j, "steps": f"{iv[0]}-{iv[-1]}", "inner_steps": len(iv) - 2,
                         "sigmas": f"{sigmas[iv[0]]:.2f}-{sigmas[iv[-1]]:.2f}", "sde_type": sig.sde_type,
                         "error_to_noise": st["error_to_noise"] * scale, "bias_to_noise": st["bias_to_noise"] * scale,
                         "bias_to_noise_se": st["bias_to_noise_se"] * scale, "same_batch_cosine":
@@ -285,7 +378,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.by_interval is not None:                      # every argument is checked before the first batch
         check_sizes(batches, draws, args.target_batch)
         by_interval_estimator(args.by_interval, cfg.estimator)
-    records = measure(cfg, specs, batches, draws, args.target_batch)
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
+    records = measure(cfg, specs, batches, draws, args.target_batch, args.warmup)
     r0 = records[0]
     print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples, up to {draws} draws per estimator; V_b = "
           f"{r0['noise']:.3e} (|g| = {r0['grad_norm']:.3e}), signal |E g|^2 / V_b = {r0['signal_to_noise']:.4f} +- "
@@ -325,6 +420,9 @@ def add_parser(sub) -> None:
     p.add_argument("--by-interval", metavar="NAME[:KEY=VALUE,...]",
                    help="also break this JAGG estimator's error down by the intervals of its layout (where does it "
                         "live, and does it repeat there?), on the same batches")
+    p.add_argument("--warmup", type=int, default=4, help="batches of their own (seed + 2) that build an estimator's "
+                   "control-variate means before the measured batches, which then go on updating them; nothing "
+                   "without a control_variate estimator [default: 4]")
     p.add_argument("--json", help="also write the records to this JSON file")
     p.add_argument("--quick", action="store_true", help=f"a smoke-sized run: 3 batches, 2 draws, {' '.join(QUICK_SETS)}")
     p.set_defaults(func=_run)

@@ -179,7 +179,8 @@ def gradient(model: nn.Module, ro: Rollout, est: EstimatorConfig, guidance: floa
 def _est(base: EstimatorConfig, **kw) -> EstimatorConfig:
     """The configured estimator (micro-batch, clip range, KL) with JAGG everywhere and no unbiased correction (a
     same-batch comparison of a random estimate says little) unless ``kw`` says otherwise."""
-    d = dict(base.to_dict(), jagg_frac=1.0, exact_first_intervals=0, exact_last_intervals=0, correction_p=0.0)
+    d = dict(base.to_dict(), jagg_frac=1.0, exact_first_intervals=0, exact_last_intervals=0, correction_p=0.0,
+             correction_rates=None, control_variate=0.0, interval_frac=1.0)
     return EstimatorConfig.from_dict({**d, **kw})
 
 

@@ -33,7 +33,6 @@ estimator can drive training somewhere the reward does not want (docs/RESULTS.md
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import statistics
 
@@ -42,7 +41,7 @@ import torch
 
 from ..advantages import group_advantages
 from ..audit import flat_grad
-from ..estimator import policy_gradient
+from ..estimator import CorrectionState, policy_gradient
 from ..rewards.registry import get_reward
 from ..shapes import from_tensor
 from ..trainers.shapes import ShapesSampler
@@ -108,8 +107,11 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
     check_no_repeats(list(rewards), "--rewards")
     check_no_repeats(list(estimators), "--estimators")
     fns = {name: get_reward(name) for name in rewards}
-    ests = {"config": cfg.estimator, "exact": dataclasses.replace(cfg.estimator, mode="exact")}
+    ests = {"config": cfg.estimator, "exact": cfg.estimator.exact()}
     sampler = ShapesSampler(cfg)
+    # a control variate's means, per reward, build up over the batches as in a run
+    states = {name: CorrectionState(sampler.params) for name in rewards} if cfg.estimator.control_variate > 0 and \
+        cfg.estimator.mode == "jagg" else {}
     grads = {(name, e): [] for name in rewards for e in estimators}
     spread = {name: [] for name in rewards}
     stds = {name: [] for name in rewards}
@@ -134,7 +136,8 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
                 sampler.zero_grad()
                 with torch.enable_grad():
                     policy_gradient(sampler.velocity(tokens), traj, adv, ests[e], prompt_groups=prompts,
-                                    generator=pick_generator(cfg.seed, b))
+                                    generator=pick_generator(cfg.seed, b),
+                                    correction_state=states.get(name) if e == "config" else None)
                 grads[(name, e)].append(flat_grad(sampler.params))
     n = statistics.fmean(trained)
     out = []

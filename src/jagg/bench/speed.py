@@ -2,10 +2,12 @@
 
 For each model and each (knot layout, window, intermediate), :func:`jagg.policy_gradient` runs alternately in
 ``exact`` and ``jagg`` mode (exact, jagg, exact, jagg, ... after a warm-up of every mode), ``repeats`` times
-each, on one stored trajectory. Reported per pair: the median seconds of each call (the training phase:
-forward passes, loss head and backward), their ratio (the speed-up), the cost-model limit of docs/design.md §3 with
-``B = 2F`` and the limit computed from this model's measured forward/backward times of one micro-batch,
-forward/backward row counts, and peak memory.
+each, on one stored trajectory; the same for every layout of window > 2 with interval subsampling
+(``--interval-fracs``) and with the corrections (``--corrections``, ``KIND:P``), each labelled in ``variant``, and
+for random timestep subsampling (``--subsample``). Reported per pair: the median seconds of each call (the training
+phase: forward passes, loss head and backward), their ratio (the speed-up), the cost-model limit of docs/design.md §3
+with ``B = 2F`` (expected rows for the random ones) and the limit computed from this model's measured
+forward/backward times of one micro-batch, forward/backward row counts, and peak memory.
 
 Models:
 - ``tiny_dit``: the embedded TinyDiT (``builtin:tiny_dit``, or a random one if the asset is missing) through
@@ -25,11 +27,12 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import number_arg
-from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
+from ..estimator_config import CORRECTIONS, INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
 from ..trajectory import Trajectory, VelocityFn, sample_trajectories
-from .common import PeakMemory, cost_limit, json_if_asked, median, resolve_device, set_threads, table, timed
+from .common import (PeakMemory, estimator_limit, json_if_asked, median, resolve_device, set_threads, table,
+                     timed)
 
 MODELS = ("tiny_dit", "sd3")
 
@@ -62,6 +65,8 @@ class SpeedConfig:
     knots: list[str] = field(default_factory=lambda: list(KNOTS))
     intermediates: list[str] = field(default_factory=lambda: list(INTERMEDIATES))
     subsample: list[float] = field(default_factory=lambda: [0.5])     # mode="subsample" fractions timed too
+    interval_fracs: list[float] = field(default_factory=lambda: [0.5])  # interval subsampling, each layout W > 2
+    corrections: list[str] = field(default_factory=lambda: ["step:0.25"])  # KIND:P corrections, each layout W > 2
     batch: int = 4                 # trajectories B
     steps: int = 16                # sampling steps T, all trained
     micro_batch: int = 8           # rows per network call, the same in every mode
@@ -84,6 +89,10 @@ class SpeedConfig:
             raise ValueError(f"--knots must be some of {KNOTS}; got {self.knots}")
         if not all(isinstance(f, (int, float)) and 0 < f <= 1 for f in self.subsample):
             raise ValueError(f"--subsample fractions must be in (0, 1]; got {self.subsample}")
+        if not all(isinstance(f, (int, float)) and 0 < f <= 1 for f in self.interval_fracs):
+            raise ValueError(f"--interval-fracs must be in (0, 1]; got {self.interval_fracs}")
+        for spec in self.corrections:
+            correction_of(spec)
         bad = [i for i in self.intermediates if i not in INTERMEDIATES]
         if bad or not self.intermediates:
             raise ValueError(f"--intermediates must be some of {INTERMEDIATES}; got {self.intermediates}")
@@ -97,6 +106,18 @@ class SpeedConfig:
                              f"got {self.micro_batch}")
         if max(self.windows) > self.steps:
             raise ValueError(f"--steps ({self.steps}) must be >= the largest window ({max(self.windows)})")
+
+
+def correction_of(spec: str) -> dict:
+    """``KIND:P`` (``interval:0.25``, ``step:0.5``) -> the estimator keys ``correction`` and ``correction_p``."""
+    kind, _, p = spec.partition(":")
+    try:
+        keys = {"correction": kind, "correction_p": float(p)}
+        EstimatorConfig(**keys)                                       # the config's own checks
+    except ValueError as e:
+        raise ValueError(f"--corrections {spec!r}: give KIND:P, KIND one of {CORRECTIONS}, P in [0, 1] ({e})") \
+            from None
+    return keys
 
 
 QUICK = dict(batch=2, steps=8, micro_batch=4, repeats=2,
@@ -240,14 +261,24 @@ def peak_memory(s: Subject, est: EstimatorConfig, device: torch.device) -> tuple
 def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[dict]:
     """All (window, intermediate) pairs of one model; one record per pair."""
     exact = EstimatorConfig(mode="exact", micro_batch=cfg.micro_batch)
-    jaggs = {(kn, w, i): EstimatorConfig(mode="jagg", window=w, knots=kn, intermediate=i, micro_batch=cfg.micro_batch,
-                                         correction_p=0.0)          # the layouts themselves, against the cost model
-             for kn in cfg.knots for w in cfg.windows for i in cfg.intermediates}
+    layouts = [(kn, w, i) for kn in cfg.knots for w in cfg.windows for i in cfg.intermediates]
+    plain = dict(mode="jagg", micro_batch=cfg.micro_batch, correction_p=0.0)
+    jaggs = {(kn, w, i, ""): EstimatorConfig(**plain, window=w, knots=kn, intermediate=i)   # the layouts themselves
+             for kn, w, i in layouts}
+    for kn, w, i in layouts:                      # interval subsampling and the corrections, on every layout W > 2
+        if w <= 2:
+            continue
+        for f in cfg.interval_fracs:
+            jaggs[(kn, w, i, f"interval_frac={f}")] = EstimatorConfig(**plain, window=w, knots=kn, intermediate=i,
+                                                                       interval_frac=f)
+        for spec in cfg.corrections:
+            jaggs[(kn, w, i, spec)] = EstimatorConfig(**{**plain, **correction_of(spec)}, window=w, knots=kn,
+                                                      intermediate=i)
     # warm-up: every mode once
     _, st_exact = gradient_call(s, exact, device)
     for kn in cfg.knots:
         for i in cfg.intermediates:
-            gradient_call(s, jaggs[(kn, max(cfg.windows), i)], device)
+            gradient_call(s, jaggs[(kn, max(cfg.windows), i, "")], device)
     costs = measure_costs(s, cfg.micro_batch, max(cfg.repeats, 3), device)
     fg, fn, bw = costs["f_grad_s"], costs["f_nograd_s"], costs["backward_s"]
     print(f"{s.name}: {s.params / 1e6:.2f}M parameters; one micro-batch of {cfg.micro_batch} rows: forward with "
@@ -257,9 +288,10 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
 
     K = int(s.traj.train_steps.numel())
     for f in cfg.subsample:                                 # random timestep subsampling: limit K / m, no inner rows
-        jaggs[("subsample", f, "-")] = EstimatorConfig(mode="subsample", subsample_frac=f, micro_batch=cfg.micro_batch)
+        jaggs[("subsample", f, "-", "")] = EstimatorConfig(mode="subsample", subsample_frac=f,
+                                                           micro_batch=cfg.micro_batch)
     records = []
-    for (kn, w, inter), est in jaggs.items():
+    for (kn, w, inter, variant), est in jaggs.items():
         t_exact, t_jagg = [], []
         st_jagg = None
         for _ in range(cfg.repeats):                       # interleaved: exact, jagg, exact, jagg, ...
@@ -271,15 +303,12 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
         # the network's share: rows through the network at the measured per-micro-batch costs
         net = lambda st: (st.forward_grad_items * (fg + bw) + st.forward_nograd_items * fn) / cfg.micro_batch
         ex, jg = median(t_exact), median(t_jagg)
-        if kn == "subsample":
-            lim = lim_meas = K / max(1, min(K, round(w * K)))    # rows K -> m, every row with grad
-        else:
-            lim, lim_meas = cost_limit(w, inter, steps=K, knots=kn), cost_limit(w, inter, fg, fn, bw, steps=K, knots=kn)
+        lim, lim_meas = estimator_limit(est, K), estimator_limit(est, K, fg, fn, bw)   # expected rows where random
         rec = {
             "model": s.name, "model_params": s.params, "device": str(device), "threads": torch.get_num_threads(),
             "batch": cfg.batch, "steps": cfg.steps, "trained_steps": K,
             "micro_batch": cfg.micro_batch, "guidance_scale": cfg.guidance_scale, "repeats": cfg.repeats,
-            "mode": est.mode, "knots": kn, "intermediate": inter, "window": w,
+            "mode": est.mode, "knots": kn, "intermediate": inter, "window": w, "variant": variant,
             "exact_s": ex, "jagg_s": jg, "speedup": ex / jg,
             "limit": lim, "limit_measured": lim_meas, "efficiency": (ex / jg) / lim_meas,
             "network_exact_s": net(st_exact), "network_jagg_s": net(st_jagg),
@@ -295,13 +324,15 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
             "peak_mem_exact_mb": mem_exact, "peak_mem_jagg_mb": mem_jagg, "mem_kind": mem_kind,
         }
         records.append(rec)
-        print(f"  {kn:<9} {'f' if kn == 'subsample' else 'W'}={w} {inter:<6} exact {ex:.3f}s  jagg {jg:.3f}s  speed-up {ex / jg:.2f}x  "
-              f"(limit {rec['limit']:.2f}, measured-cost limit {lim_meas:.2f})", flush=True)
+        print(f"  {kn:<9} {'f' if kn == 'subsample' else 'W'}={w} {inter:<6} {variant:<17} exact {ex:.3f}s  jagg "
+              f"{jg:.3f}s  speed-up {ex / jg:.2f}x  (limit {rec['limit']:.2f}, measured-cost limit {lim_meas:.2f})",
+              flush=True)
     return records
 
 
 COLUMNS = [
     ("model", "model", ""), ("knots", "knots", ""), ("window", "W", ""), ("intermediate", "interm.", ""),
+    ("variant", "variant", ""),
     ("exact_s", "exact s", ".3f"), ("jagg_s", "jagg s", ".3f"), ("speedup", "speed-up", ".2f"),
     ("limit", "limit B=2F", ".2f"), ("limit_measured", "limit meas.", ".2f"), ("efficiency", "eff.", ".2f"),
     ("overhead_exact", "ovh ex", ".2f"), ("overhead_jagg", "ovh jg", ".2f"),
@@ -333,7 +364,8 @@ def _run(args: argparse.Namespace) -> int:
     sd3 = base.sd3
     sd3 = SD3Spec(**{**asdict(sd3), **{k: v for k, v in (("layers", args.sd3_layers), ("heads", args.sd3_heads),
                                                           ("latent_size", args.sd3_latent)) if v is not None}})
-    over = {k: getattr(args, k) for k in ("models", "windows", "knots", "intermediates", "subsample", "batch", "steps",
+    over = {k: getattr(args, k) for k in ("models", "windows", "knots", "intermediates", "subsample", "interval_fracs",
+                                          "corrections", "batch", "steps",
                                           "micro_batch",
                                           "repeats", "guidance_scale", "seed", "device", "threads",
                                           "tiny_checkpoint") if getattr(args, k) is not None}
@@ -354,7 +386,8 @@ def add_parser(sub) -> None:
         description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Cost model per interval of W trained steps (F forward, B backward): exact W(F+B); JAGG fresh "
                "2F_grad + (W-2)F_nograd + 2B -> 3W/(W+4) with B=2F; interp 2(F+B) -> W/2. Shared and adaptive "
-               "knots: 1 + ceil((K-1)/(W-1)) rows per sample instead of K. With guidance, "
+               "knots: 1 + ceil((K-1)/(W-1)) rows per sample instead of K. Interval subsampling (m of n intervals) "
+               "and the corrections: their expected rows (docs/design.md §3.7). With guidance, "
                "F_grad includes the no-grad unconditional branch.")
     d = SpeedConfig()
     p.add_argument("--quick", action="store_true",
@@ -368,6 +401,12 @@ def add_parser(sub) -> None:
     p.add_argument("--subsample", nargs="*", type=number_arg(float, 0, strict=True), metavar="FRAC",
                    help=f"also time mode=subsample at these fractions of the trained steps (limit K / round(f K)); "
                         f"none: skip [default: {' '.join(map(str, d.subsample))}]")
+    p.add_argument("--interval-fracs", nargs="*", type=float, metavar="FRAC",
+                   help="also time interval subsampling (interval_frac) at these fractions, on every layout and window "
+                        f"> 2; none: skip [default: {' '.join(map(str, d.interval_fracs))}]")
+    p.add_argument("--corrections", nargs="*", metavar="KIND:P",
+                   help="also time these corrections (correction KIND, correction_p P: interval:0.25, step:0.25) on "
+                        f"every layout and window > 2; none: skip [default: {' '.join(d.corrections)}]")
     p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES,
                    help=f"inner-step velocities [default: {' '.join(d.intermediates)}]")
     p.add_argument("--batch", type=number_arg(int, 1), help=f"trajectories B [default: {d.batch}]")

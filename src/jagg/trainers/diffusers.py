@@ -141,7 +141,8 @@ class DiffusersTrainer(GRPOTrainer):
                 "model": {n: p.detach().cpu().clone() for n, p in self.named_params.items()},
                 "optimizer": self.opt.state_dict(), "iteration": self.iteration, "wall": self.wall,
                 "skipped_updates": self.skipped_updates, "config": configuration.to_dict(self.cfg),
-                "run_id": self.run_id, "world_size": self.world, "rng": rngs}
+                "run_id": self.run_id, "world_size": self.world, "rng": rngs,
+                "correction_state": self.correction_state_dict()}
 
     def load_state(self, state: dict) -> list[str]:
         """Restore ``state``; returns one line per config key that changed and may (``RESUMABLE_REAL`` and the
@@ -161,6 +162,7 @@ class DiffusersTrainer(GRPOTrainer):
         self.opt.load_state_dict(state["optimizer"])
         self.iteration, self.wall = state["iteration"], state["wall"]
         self.skipped_updates = state["skipped_updates"]
+        self.load_correction_state(state.get("correction_state"))
         rngs = state["rng"]
         if len(rngs) == self.world:
             self.set_rng_state(rngs[self.rank])
@@ -251,7 +253,8 @@ class DiffusersTrainer(GRPOTrainer):
         if n:
             st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
                                  ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
-                                 prompt_groups=mb.prompt_groups, generator=self.pick_gen)
+                                 prompt_groups=mb.prompt_groups, generator=self.pick_gen,
+                                 correction_state=self.correction_state)
             local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
         if self.world > 1:
             for p in self.params:                              # same buckets on every rank, even with no samples

@@ -111,8 +111,8 @@ class ShapesGRPO(GRPO):
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.ema = [p.detach().clone() for p in self.model.parameters()] if o.ema_decay > 0 else None
-        # the unbiased correction's picks draw from an RNG of their own, so that runs of one seed with different
-        # estimators sample the same prompts and noise streams
+        # the estimator's random choices (the correction's picks, interval draws) draw from an RNG of their own, so
+        # that runs of one seed with different estimators sample the same prompts and noise streams
         self.pick_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
 
     def draw_batch(self) -> Draw:
@@ -138,7 +138,7 @@ class ShapesGRPO(GRPO):
         c = self.cfg
         return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, c.estimator,
                                ref_velocities=mb.ref_velocities, prompt_groups=mb.prompt_groups,
-                               generator=self.pick_gen).to_dict()
+                               generator=self.pick_gen, correction_state=self.correction_state).to_dict()
 
     def after_step(self) -> None:
         if self.ema is not None:
@@ -172,7 +172,7 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
             "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
             "iteration": self.iteration, "wall": self.wall, "cpu": self.cpu, "skipped_updates": self.skipped_updates,
             "config": to_dict(self.cfg), "run_id": self.run_id,
-            "rng": self.rng_state(),
+            "rng": self.rng_state(), "correction_state": self.correction_state_dict(),
         }
 
     def load_state(self, state: dict) -> list[str]:
@@ -185,6 +185,7 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state["cpu"]
         self.skipped_updates = state["skipped_updates"]
         self.set_rng_state(state["rng"])
+        self.load_correction_state(state.get("correction_state"))
         return changed
 
     def save(self) -> Path:
