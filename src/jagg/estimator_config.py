@@ -12,7 +12,8 @@ INTERMEDIATES = ("interp", "fresh")
 SCORES = ("chord", "cosine", "cosine_min", "velocity_cosine")
 KNOTS = ("groups", "shared", "adaptive")
 ALPHAS = ("sigma", "index")
-NUMBERS = ("jagg_frac", "correction_p", "clip_range", "kl_beta", "subsample_frac")   # finite, checked first
+NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac")   # finite, checked first
+AUTO = "auto"                  # correction_p: the trainers choose the rate from their efficiency meter
 
 
 @dataclass
@@ -51,11 +52,15 @@ class EstimatorConfig:
                                        "steps (the noisiest) exact."})
     exact_last_intervals: int = field(default=0, metadata={"help": "Always run the last N intervals with inner steps "
                                       "(the cleanest) exact."})
-    correction_p: float = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a JAGG "
-                                "unit (prompt group with prompt_groups, else sample, x interval) also runs its inner steps "
-                                "exactly and adds (exact - interpolated) / p, so the expected gradient is exact. Costs "
-                                "p x the inner rows and adds variance (1/p - 1)|e|^2. 0 = plain JAGG (the paper), biased "
-                                "where the Jacobian is not linear (what that did to training: docs/RESULTS.md)."})
+    correction_p: float | str = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a "
+                                      "JAGG unit (prompt group with prompt_groups, else sample, x interval) also runs "
+                                      "its inner steps exactly and adds (exact - interpolated) / p, so the expected "
+                                      "gradient is exact. Costs p x the inner rows and adds variance (1/p - 1)|e|^2. 0 = "
+                                      "plain JAGG (the paper), biased where the Jacobian is not linear (what that did to "
+                                      "training: docs/RESULTS.md). 'auto' (trainers only, with audit_every > 0): the "
+                                      "rate the efficiency meter predicts most efficient, chosen after every audit, 0 "
+                                      "where plain JAGG's error does not repeat; 0.25 until the first audit "
+                                      "(docs/design.md §3.8)."})
     correction_intervals: int = field(default=0, metadata={"help": "Correct only the first N JAGG-eligible intervals "
                                       "of the trajectory (the noisiest); 0 = all."})
     subsample_frac: float = field(default=0.5, metadata={"help": "mode='subsample': each sample trains a fresh random "
@@ -92,13 +97,22 @@ class EstimatorConfig:
         if not 0.0 < float(self.subsample_frac) <= 1.0:
             raise ValueError(f"subsample_frac must be in (0, 1] (the fraction of trained steps each sample trains in "
                              f"mode='subsample'); got {self.subsample_frac}")
-        if not 0.0 <= float(self.correction_p) <= 1.0:
-            raise ValueError(f"correction_p must be in [0, 1] (0 = plain JAGG); got {self.correction_p}")
+        if self.correction_p != AUTO and (first_non_finite({"correction_p": self.correction_p}) is not None
+                                          or not 0.0 <= self.correction_p <= 1.0):
+            raise ValueError(f"correction_p must be a number in [0, 1] (0 = plain JAGG) or {AUTO!r}; got "
+                             f"{self.correction_p!r}")
         for name in ("correction_intervals", "audit_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {getattr(self, name)!r}")
         if not isinstance(self.audit_samples, int) or self.audit_samples < 2:
             raise ValueError(f"audit_samples must be an integer >= 2; got {self.audit_samples!r}")
+        if self.correction_p == AUTO and self.mode == "jagg":
+            if self.audit_every == 0:
+                raise ValueError(f"correction_p={AUTO!r} needs audit_every > 0: the rate is chosen from the audit's "
+                                 "efficiency meter (or give a rate in [0, 1])")
+            if self.correction_intervals:
+                raise ValueError(f"correction_p={AUTO!r} needs correction_intervals=0: the meter measures the error "
+                                 "of every interval the correction can pick (or give a rate in [0, 1])")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}; got {self.score!r}")
         for name in ("exact_first_intervals", "exact_last_intervals"):

@@ -141,7 +141,7 @@ class DiffusersTrainer(GRPOTrainer):
                 "model": {n: p.detach().cpu().clone() for n, p in self.named_params.items()},
                 "optimizer": self.opt.state_dict(), "iteration": self.iteration, "wall": self.wall,
                 "skipped_updates": self.skipped_updates, "config": configuration.to_dict(self.cfg),
-                "run_id": self.run_id, "world_size": self.world, "rng": rngs}
+                "run_id": self.run_id, "world_size": self.world, "rng": rngs, **self.meter_state()}
 
     def load_state(self, state: dict) -> list[str]:
         """Restore ``state``; returns one line per config key that changed and may (``RESUMABLE_REAL`` and the
@@ -161,6 +161,7 @@ class DiffusersTrainer(GRPOTrainer):
         self.opt.load_state_dict(state["optimizer"])
         self.iteration, self.wall = state["iteration"], state["wall"]
         self.skipped_updates = state["skipped_updates"]
+        self.load_meter_state(state)
         rngs = state["rng"]
         if len(rngs) == self.world:
             self.set_rng_state(rngs[self.rank])
@@ -248,7 +249,7 @@ class DiffusersTrainer(GRPOTrainer):
         counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "intervals", "intervals_jagg")
         local = [0.0] * (len(names) + len(counts))
         if n:
-            st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
+            st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                  ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
                                  prompt_groups=mb.prompt_groups, generator=self.pick_gen)
             local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]

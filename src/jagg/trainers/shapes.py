@@ -133,8 +133,7 @@ class ShapesGRPO(GRPO):
         return [mb for mb in perm.tensor_split(self.cfg.grpo.updates_per_epoch) if mb.numel()]
 
     def gradient(self, mb: Minibatch) -> dict:
-        c = self.cfg
-        return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, c.estimator,
+        return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                ref_velocities=mb.ref_velocities, prompt_groups=mb.prompt_groups,
                                generator=self.pick_gen).to_dict()
 
@@ -170,7 +169,7 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
             "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
             "iteration": self.iteration, "wall": self.wall, "cpu": self.cpu, "skipped_updates": self.skipped_updates,
             "config": to_dict(self.cfg), "run_id": self.run_id,
-            "rng": self.rng_state(),
+            "rng": self.rng_state(), **self.meter_state(),
         }
 
     def load_state(self, state: dict) -> list[str]:
@@ -183,6 +182,7 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state["cpu"]
         self.skipped_updates = state["skipped_updates"]
         self.set_rng_state(state["rng"])
+        self.load_meter_state(state)
         return changed
 
     def save(self) -> Path:
