@@ -261,7 +261,8 @@ def _rows(traj: Trajectory, config: EstimatorConfig, prompt_groups, seed: int) -
 @dataclass
 class _SubBatch:
     """One sub-batch of the audit (a ``split`` id's samples): its trajectory, advantages, prompt groups, reference
-    velocities, the seed of its picks, and its share ``n / B`` of the audit batch."""
+    velocities, the seed of its picks, its share ``n / B`` of the audit batch and its samples' positions ``[n]`` in
+    it (None: the whole batch)."""
 
     traj: Trajectory
     advantages: Tensor
@@ -269,6 +270,14 @@ class _SubBatch:
     ref_velocities: Tensor | None
     seed: int
     share: float
+    index: Tensor | None = None
+
+    def velocity(self, velocity_fn: VelocityFn) -> VelocityFn:
+        """The audit batch's velocity callable for this sub-batch: its sample ``i`` is the batch's ``index[i]``."""
+        if self.index is None:
+            return velocity_fn
+        index = self.index
+        return lambda x, sigma, sample_index: velocity_fn(x, sigma, index.to(sample_index.device)[sample_index])
 
 
 def _sub_batches(traj: Trajectory, advantages, prompt_groups, ref_velocities, split, seed: int) -> list[_SubBatch]:
@@ -288,7 +297,7 @@ def _sub_batches(traj: Trajectory, advantages, prompt_groups, ref_velocities, sp
             continue
         ref = None if ref_velocities is None else ref_velocities[idx.to(ref_velocities.device)]
         out.append(_SubBatch(traj.select(idx.to(traj.latents.device)), advantages[idx.to(advantages.device)], members,
-                             ref, seed + j, idx.numel() / B))
+                             ref, seed + j, idx.numel() / B, idx))
     return out
 
 
@@ -306,7 +315,7 @@ def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: l
             for key, cfg in (("exact", exact), ("est", config)):
                 for p in params:
                     p.grad = None
-                policy_gradient(velocity_fn, sub.traj, sub.advantages, cfg, ref_velocities=sub.ref_velocities,
+                policy_gradient(sub.velocity(velocity_fn), sub.traj, sub.advantages, cfg, ref_velocities=sub.ref_velocities,
                                 prompt_groups=sub.prompt_groups, generator=torch.Generator().manual_seed(sub.seed),
                                 only_steps=steps)
                 g = flat_grad(params)

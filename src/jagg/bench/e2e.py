@@ -33,16 +33,18 @@ KEYS = ("sample_s", "reward_s", "train_s", "iter_s")
 QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompt groups of the config's size, 2 iterations
 
 
-def routed_limit(cfg: ShapesTrainConfig) -> float:
+def routed_limit(cfg: ShapesTrainConfig, correction_p: float | None = None) -> float:
     """:func:`~jagg.bench.common.cost_limit` (``B = 2F``) of the config's estimator: its trained steps, knot layout,
-    window, routed fraction, exact first/last intervals, correction probability and corrected intervals."""
+    window, routed fraction, exact first/last intervals, correction rate (``correction_p``, default the config's: give
+    the one a run of ``auto`` ended on) and corrected intervals."""
     e, c = cfg.estimator, cfg.sample
     if e.mode == "exact":
         return 1.0
     steps = select_train_steps(c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)[0]
     return cost_limit(e.window, e.intermediate, steps=int(steps.numel()), jagg_frac=e.jagg_frac,
                       exact_first=e.exact_first_intervals, exact_last=e.exact_last_intervals, knots=e.knots,
-                      correction_p=e.correction_p, correction_intervals=e.correction_intervals)
+                      correction_p=e.correction_p if correction_p is None else correction_p,
+                      correction_intervals=e.correction_intervals)
 
 
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:
@@ -71,7 +73,7 @@ def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations
     ex = med.get("exact")
     for v in variants:
         m = med[v]
-        lim = routed_limit(trainers[v].cfg)
+        lim = routed_limit(trainers[v].cfg, trainers[v].estimator.correction_p)
         rec = {"variant": v, "iterations": iterations, "limit": lim, **m,
                "backward_items": statistics.fmean(backward[v])}
         if ex is not None:

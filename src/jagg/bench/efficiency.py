@@ -72,7 +72,7 @@ from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
 from .common import default_config_path, json_if_asked, set_threads, table
 from .projection import DEFAULT as DEFAULT_COST
-from .projection import PRESETS, CostStructure, resolve
+from .projection import PRESETS, CostStructure, job_structure, resolve
 
 BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
@@ -170,15 +170,6 @@ def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float, te
             "adam_tensor_time_efficiency": time_ratio * tensor_factor}
 
 
-def job_cost(cfg: ShapesTrainConfig, train_steps: int) -> CostStructure:
-    """The cost structure of the job itself, what ``--cost KEY=VALUE,...`` starts from: its sampling and trained
-    steps, its guidance (2 branches per forward above a scale of 1, the unconditional one without grad in training, as
-    :class:`jagg.shapes.velocity.GuidedVelocity` runs it) and the cost model's B/F of 2."""
-    cfg_rollout = 2 if cfg.sample.guidance_scale > 1 else 1
-    return CostStructure("custom", B_F=2.0, cfg_rollout=cfg_rollout, cfg_train=1, rollout_steps=cfg.sample.num_steps,
-                         train_steps=train_steps)
-
-
 @dataclass
 class Batch:
     """One batch as :func:`draw_batch` drew it, kept so that every estimator, the ones ``auto`` resolves last
@@ -224,7 +215,7 @@ def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds
 def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
             cost: CostStructure | None = None) -> list[dict]:
     """One record per estimator (module docstring); ``cost``: the structure of the projected columns (None: the
-    job's own, :func:`job_cost`)."""
+    job's own, :func:`jagg.bench.projection.job_structure`)."""
     check_sizes(batches, draws, target_batch)
     ests = dict(parse_estimator(s, cfg.estimator) for s in ["exact", *[s for s in specs if s != "exact"]])
     ests = {name: est if est is None else rate_of(est) for name, est in ests.items()}     # None: subsample
@@ -273,7 +264,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
                 run(b, name, ests[name], e_i)
     n_samples = statistics.fmean(b.traj.batch_size for b in kept)
     target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
-    cost = cost or job_cost(cfg, int(kept[0].traj.train_steps.numel()))
+    cost = cost or job_structure(cfg.sample)
     nograd_exact = statistics.fmean(c[2] for c in costs["exact"])
     records = []
     for name, est in ests.items():
@@ -407,11 +398,7 @@ def _run(args: argparse.Namespace) -> int:
     names = [s.partition(":")[0] for s in ["exact", *specs]]
     if args.by_tensor is not None and args.by_tensor not in names:          # every argument is checked before the
         raise ValueError(f"--by-tensor {args.by_tensor!r}: not one of the estimators {names}")   # first batch
-    from ..trajectory import select_train_steps
-
-    c = cfg.sample
-    steps = select_train_steps(c.num_steps, c.timestep_fraction, tuple(c.sde_window) if c.sde_window else None)[0]
-    cost, cost_line = resolve(args.cost, job_cost(cfg, int(steps.numel())), args.gpu_bench_json)
+    cost, cost_line = resolve(args.cost, job_structure(cfg.sample), args.gpu_bench_json)
     if args.by_interval:
         check_sizes(batches, draws, args.target_batch)
         by_interval_estimator(args.by_interval, cfg.estimator)
