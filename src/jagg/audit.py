@@ -8,6 +8,7 @@ on a few samples and log ``audit/*``; ``jagg bench fidelity`` reports the same n
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import statistics
@@ -490,8 +491,9 @@ class AuditMeter:
       audited prompt groups do not measure one).
 
     With ``correction_p: auto`` the audit passes plain JAGG's gradients and :meth:`update` gets ``rows_inner``; the
-    meter then also chooses the rate (:func:`choose_correction_p`, the correction's error energy ``D = mean |e_j|^2 /
-    G``) and predicts everything for the estimator at that rate: ``E|e|^2 = (1/p - 1) D`` for ``p > 0``.
+    meter then also chooses the rate (:func:`choose_correction_p` on the training phase's rows, so that a run's rates
+    do not depend on its timings; the correction's error energy ``D = mean |e_j|^2 / G``) and predicts everything for
+    the estimator at that rate: ``E|e|^2 = (1/p - 1) D`` for ``p > 0``.
 
     Args:
         sizes: the number of coordinates of each parameter tensor, in the order of the gradients' ``P`` coordinates
@@ -517,13 +519,13 @@ class AuditMeter:
 
     def state_dict(self) -> dict:
         """Everything the meter has measured (for a checkpoint: :meth:`from_state` continues from it exactly)."""
-        return {key: getattr(self, key) for key in self.STATE}
+        return {key: copy.deepcopy(getattr(self, key)) for key in self.STATE}
 
     @classmethod
     def from_state(cls, state: dict) -> "AuditMeter":
         meter = cls()
         for key in cls.STATE:
-            setattr(meter, key, state[key])
+            setattr(meter, key, copy.deepcopy(state[key]))
         return meter
 
     def _sketch(self, v: Tensor) -> Tensor:
@@ -557,7 +559,8 @@ class AuditMeter:
         ``predicted_adam_tensor_time_efficiency``) and ``audits``.
 
         ``correction_p: auto`` passes plain JAGG as ``estimate``, ``rows_inner`` (the inner rows the correction adds at
-        ``p = 1``) and ``current_p`` (the rate of the iteration ``train_share`` was measured in); then the result also
+        ``p = 1``) and ``current_p`` (the rate of the iteration ``train_share`` was measured in, for the time
+        prediction); then the result also
         holds the chosen ``correction_p`` (NaN: keep the current one), ``plain_error_to_noise`` and
         ``correction_error_to_noise`` (``D / V_b``), and the other terms describe the estimator at the chosen rate."""
         m = exact.shape[0]
@@ -606,10 +609,8 @@ class AuditMeter:
             D = mean_sq / G
             r0, r1 = self.rows[1], self.rows[2]
             rows_prev = r0 + current_p * r1
-            other = (1 - train_share) / train_share * rows_prev if train_share else 0.0   # the rest, in rows
-            known = self.audits >= AUTO_MIN_AUDITS
-            p = choose_correction_p(r0 + other, r1, rows_exact + other, D, noise, err,
-                                    out["bias_to_noise"] if known else math.nan,
+            known = self.audits >= AUTO_MIN_AUDITS          # rows, not seconds: a run's choices do not hang on timing
+            p = choose_correction_p(r0, r1, rows_exact, D, noise, err, out["bias_to_noise"] if known else math.nan,
                                     out["bias_to_noise_se"] if known else math.nan)
             out.update({"correction_p": p, "plain_error_to_noise": err / noise if noise > 0 else math.nan,
                         "correction_error_to_noise": D / noise if noise > 0 else math.nan})

@@ -181,16 +181,14 @@ class Batch:
     prompt_groups: Tensor
 
 
-def resolve_auto(plain: dict, rows: dict, t_roll: float, t_exact: float) -> dict:
-    """The rate ``correction_p: auto`` picks from these batches (:func:`jagg.audit.choose_correction_p`, as the
-    trainers' meter does from its audits): ``plain`` is :func:`error_noise_stats` of the estimator at
-    ``correction_p=0``, ``rows`` its rows per sample (``plain``, at ``full`` correction, ``exact``), and the rollout's
-    CPU seconds ``t_roll`` count as rows at exact's training-phase rate ``t_exact``. The correction's error energy is
-    plain JAGG's squared error (each batch is one update; its intervals' errors taken as orthogonal)."""
-    other = t_roll * rows["exact"] / t_exact if t_exact > 0 else 0.0
-    inner = rows["full"] - rows["plain"]
-    p = choose_correction_p(rows["plain"] + other, inner, rows["exact"] + other, plain["error_sq"], plain["noise"],
-                            plain["error_sq"], plain["bias_to_noise"], plain["bias_to_noise_se"])
+def resolve_auto(plain: dict, rows: dict) -> dict:
+    """The rate ``correction_p: auto`` picks from these batches, as the trainers' meter does from its audits
+    (:func:`jagg.audit.choose_correction_p` on training-phase rows): ``plain`` is :func:`error_noise_stats` of the
+    estimator at ``correction_p=0``, ``rows`` its rows per sample (``plain``, at ``full`` correction, ``exact``). The
+    correction's error energy is plain JAGG's squared error (each batch is one update; its intervals' errors taken as
+    orthogonal)."""
+    p = choose_correction_p(rows["plain"], rows["full"] - rows["plain"], rows["exact"], plain["error_sq"],
+                            plain["noise"], plain["error_sq"], plain["bias_to_noise"], plain["bias_to_noise_se"])
     return {"correction_p": p, "auto_plain_error_to_noise": plain["error_to_noise"],
             "auto_plain_bias_z": bias_z(plain["bias_to_noise"], plain["bias_to_noise_se"])}
 
@@ -257,7 +255,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
             rows = {"plain": expected_rows(first.traj, plain, first.prompt_groups), "exact": r_exact,
                     "full": expected_rows(first.traj, dataclasses.replace(est, correction_p=1.0), first.prompt_groups)}
             stats = error_noise_stats(exact, [_gradients(sampler, batch, plain, [0])[0] for batch in kept])
-            resolved[name] = resolve_auto(stats, rows, statistics.median(rollout_s), t_exact)
+            resolved[name] = resolve_auto(stats, rows)
             p = resolved[name]["correction_p"]
             ests[name] = rate_of(est, AUTO_START_P if math.isnan(p) else p)
             for b in range(batches):
