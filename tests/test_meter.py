@@ -196,10 +196,9 @@ def test_the_meter_chooses_the_rate_from_its_audits():
 
 
 def test_auto_is_a_setting_of_the_trainers_not_of_the_library_call():
-    cfg = EstimatorConfig(correction_p="auto", audit_every=1)
+    cfg = EstimatorConfig(correction_p="auto")
     assert cfg.correction_p == "auto"
-    for kw, msg in ((dict(correction_p="auto"), "needs audit_every > 0"),
-                    (dict(correction_p="auto", audit_every=1, correction_intervals=1), "correction_intervals=0"),
+    for kw, msg in ((dict(correction_p="auto", correction_intervals=1), "correction_intervals=0"),
                     (dict(correction_p="sometimes"), "or 'auto'"), (dict(correction_p=float("nan")), "or 'auto'")):
         with pytest.raises(ValueError, match=msg):
             EstimatorConfig(**kw)
@@ -213,6 +212,8 @@ def test_auto_is_a_setting_of_the_trainers_not_of_the_library_call():
 
     loaded = configuration.load(ShapesTrainConfig, None, ["estimator.correction_p=auto", "estimator.audit_every=2"])
     assert loaded.estimator.correction_p == "auto"
+    with pytest.raises(ValueError, match="estimator.correction_p 'auto' needs estimator.audit_every > 0"):
+        configuration.load(ShapesTrainConfig, None, ["estimator.correction_p=auto"])   # the trainers' meter chooses
     assert configuration.load(ShapesTrainConfig, None, ["estimator.correction_p=0.5"]).estimator.correction_p == 0.5
 
 

@@ -106,13 +106,9 @@ class EstimatorConfig:
                 raise ValueError(f"{name} must be an integer >= 0; got {getattr(self, name)!r}")
         if not isinstance(self.audit_samples, int) or self.audit_samples < 2:
             raise ValueError(f"audit_samples must be an integer >= 2; got {self.audit_samples!r}")
-        if self.correction_p == AUTO and self.mode == "jagg":
-            if self.audit_every == 0:
-                raise ValueError(f"correction_p={AUTO!r} needs audit_every > 0: the rate is chosen from the audit's "
-                                 "efficiency meter (or give a rate in [0, 1])")
-            if self.correction_intervals:
-                raise ValueError(f"correction_p={AUTO!r} needs correction_intervals=0: the meter measures the error "
-                                 "of every interval the correction can pick (or give a rate in [0, 1])")
+        if self.correction_p == AUTO and self.mode == "jagg" and self.correction_intervals:
+            raise ValueError(f"correction_p={AUTO!r} needs correction_intervals=0: the meter measures the error of "
+                             "every interval the correction can pick (or give a rate in [0, 1])")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}; got {self.score!r}")
         for name in ("exact_first_intervals", "exact_last_intervals"):

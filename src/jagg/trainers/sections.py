@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..checks import Keys, check_group_size, check_positive, check_sde_steps, check_sde_type
-from ..estimator_config import EstimatorConfig
+from ..estimator_config import AUTO, EstimatorConfig
 from ..rewards.registry import check_spec
 
 SAMPLE_KEYS = Keys("sample.")                 # how the checks name the sample: section's keys
@@ -152,3 +152,7 @@ class TrainerSections:
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0; got {self.threads}")
         check_updates_divide_batch(self.sample.batch_size, self.grpo.updates_per_epoch)
+        e = self.estimator
+        if e.correction_p == AUTO and e.mode == "jagg" and e.audit_every == 0:
+            raise ValueError(f"estimator.correction_p {AUTO!r} needs estimator.audit_every > 0: the rate is chosen "
+                             "from the audit's efficiency meter (or give a rate in [0, 1])")
