@@ -99,7 +99,7 @@ class EstimatorConfig:
                              f"mode='subsample'); got {self.subsample_frac}")
         if self.correction_p != AUTO and (first_non_finite({"correction_p": self.correction_p}) is not None
                                           or not 0.0 <= self.correction_p <= 1.0):
-            raise ValueError(f"correction_p must be a number in [0, 1] (0 = plain JAGG) or {AUTO!r}; got "
+            raise ValueError(f"correction_p must be a finite number in [0, 1] (0 = plain JAGG) or {AUTO!r}; got "
                              f"{self.correction_p!r}")
         for name in ("correction_intervals", "audit_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
