@@ -109,12 +109,6 @@ def adam_tensor_factor(error_to_noise: Sequence[float], weights: Sequence[float]
     return float((w[use] / np.sqrt(1.0 + np.clip(r[use], 0.0, None))).sum())
 
 
-def adam_tensor_efficiency(work_ratio: float, error_to_noise: Sequence[float], weights: Sequence[float]) -> float:
-    """``work_ratio`` times :func:`adam_tensor_factor`: :func:`adam_efficiency` with Adam's per-coordinate
-    normalisation taken per parameter tensor (docs/design.md §3.8)."""
-    return work_ratio * adam_tensor_factor(error_to_noise, weights)
-
-
 def _error_noise(exact: Tensor, mean_err: Tensor, err_sq: Tensor) -> dict:
     n = exact.shape[0]
     noise = float(((exact - exact.mean(0)) ** 2).sum(1).sum()) / (n - 1)          # V_b: trace of the covariance
@@ -486,8 +480,8 @@ class AuditMeter:
       (``(1 - f) + f rows_exact / rows``);
     - ``predicted_adam_efficiency`` and ``predicted_adam_time_efficiency``: the same with :func:`adam_efficiency`, the
       model for the trainers' AdamW (for an unbiased estimator; read ``bias_z`` first), and
-      ``predicted_adam_tensor_efficiency``, ``predicted_adam_tensor_time_efficiency`` with
-      :func:`adam_tensor_efficiency`, each tensor weighted by its noise (:func:`tensor_weights` without a signal: a few
+      ``predicted_adam_tensor_efficiency``, ``predicted_adam_tensor_time_efficiency``: the work ratios times
+      :func:`adam_tensor_factor`, each tensor weighted by its noise (:func:`tensor_weights` without a signal: a few
       audited prompt groups do not measure one).
 
     With ``correction_p: auto`` the audit passes plain JAGG's gradients and :meth:`update` gets ``rows_inner``; the
@@ -544,8 +538,8 @@ class AuditMeter:
         n = len(items)
         return (float(tot @ tot) - float((S * S).sum())) / (n * (n - 1))
 
-    def _per_tensor(self, v: Tensor) -> list[float]:
-        """``v`` ``[m, P]`` -> per tensor, the squared norms ``[m, T]`` as lists."""
+    def _per_tensor(self, v: Tensor) -> list[list[float]]:
+        """``v`` ``[m, P]`` -> per tensor, its rows' squared norms there (``T`` lists of ``m``)."""
         sizes = self.sizes or [v.shape[1]]
         return [[float(x) for x in (part ** 2).sum(1)] for part in v.split(sizes, dim=1)]
 
@@ -560,9 +554,9 @@ class AuditMeter:
 
         ``correction_p: auto`` passes plain JAGG as ``estimate``, ``rows_inner`` (the inner rows the correction adds at
         ``p = 1``) and ``current_p`` (the rate of the iteration ``train_share`` was measured in, for the time
-        prediction); then the result also
-        holds the chosen ``correction_p`` (NaN: keep the current one), ``plain_error_to_noise`` and
-        ``correction_error_to_noise`` (``D / V_b``), and the other terms describe the estimator at the chosen rate."""
+        prediction); then the result also holds the chosen ``correction_p`` (NaN: keep the current one),
+        ``plain_error_to_noise`` and ``correction_error_to_noise`` (``D / V_b``), and the other terms describe the
+        estimator at the chosen rate."""
         m = exact.shape[0]
         self.audits += 1
         self.rows[0] += rows_exact
