@@ -58,9 +58,9 @@ class EstimatorConfig:
                                       "gradient is exact. Costs p x the inner rows and adds variance (1/p - 1)|e|^2. 0 = "
                                       "plain JAGG (the paper), biased where the Jacobian is not linear (what that did to "
                                       "training: docs/RESULTS.md). 'auto' (trainers only, with audit_every > 0): the "
-                                      "rate the efficiency meter predicts most efficient, chosen after every audit, 0 "
-                                      "where plain JAGG's error does not repeat; 0.25 until the first audit "
-                                      "(docs/design.md §3.8)."})
+                                      "rate the efficiency meter predicts most efficient, chosen after every audit "
+                                      "from plain JAGG's measured error, 0 only where its repeating error is measured "
+                                      "and small; 0.25 until the first audit (docs/design.md §3.8)."})
     correction_intervals: int = field(default=0, metadata={"help": "Correct only the first N JAGG-eligible intervals "
                                       "of the trajectory (the noisiest); 0 = all."})
     subsample_frac: float = field(default=0.5, metadata={"help": "mode='subsample': each sample trains a fresh random "
@@ -73,7 +73,8 @@ class EstimatorConfig:
                            "uses 0.04 on GenEval); > 0 needs reference velocities."})
     audit_every: int = field(default=0, metadata={"help": "Trainers only: every N iterations, compute the exact "
                              "gradient of a few samples next to this estimator's and log their cosine, in total and per "
-                             "third of the trained steps (audit/* in metrics and TensorBoard). 0 = off."})
+                             "third of the trained steps, and the efficiency meter's running estimates (audit/* in "
+                             "metrics and TensorBoard; correction_p 'auto' reads them). 0 = off."})
     audit_samples: int = field(default=4, metadata={"help": "Trainers only: samples (whole prompt groups, at least "
                                "two) the audit uses."})
 
