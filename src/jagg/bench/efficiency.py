@@ -70,6 +70,7 @@ from ..knots import layout_intervals, plan_update
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
+from ..trajectory import Trajectory
 from .common import default_config_path, json_if_asked, set_threads, table
 from .projection import DEFAULT as DEFAULT_COST
 from .projection import PRESETS, CostStructure, job_structure, resolve
@@ -175,7 +176,7 @@ class Batch:
     """One batch as :func:`draw_batch` drew it, kept so that every estimator, the ones ``auto`` resolves last
     included, runs on the same batches."""
 
-    traj: object
+    traj: Trajectory
     tokens: Tensor
     adv: Tensor
     prompt_groups: Tensor
@@ -191,6 +192,17 @@ def resolve_auto(plain: dict, rows: dict) -> dict:
                             plain["noise"], plain["error_sq"], plain["bias_to_noise"], plain["bias_to_noise_se"])
     return {"correction_p": p, "auto_plain_error_to_noise": plain["error_to_noise"],
             "auto_plain_bias_z": bias_z(plain["bias_to_noise"], plain["bias_to_noise_se"])}
+
+
+def _auto_rate(sampler: ShapesSampler, kept: list[Batch], est: EstimatorConfig, exact: Tensor, rows_exact: float) -> dict:
+    """:func:`resolve_auto` for ``est`` (``correction_p: auto``) on the batches ``kept``: plain JAGG's gradients
+    against ``exact`` (``[n, P]``), and its rows per sample, plain and at full correction, planned on the first batch
+    against exact's ``rows_exact``."""
+    plain = dataclasses.replace(est, correction_p=0.0)
+    first = kept[0]
+    rows = {"plain": expected_rows(first.traj, plain, first.prompt_groups), "exact": rows_exact,
+            "full": expected_rows(first.traj, dataclasses.replace(est, correction_p=1.0), first.prompt_groups)}
+    return resolve_auto(error_noise_stats(exact, [_gradients(sampler, batch, plain, [0])[0] for batch in kept]), rows)
 
 
 def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds: list[int]) -> tuple[Tensor, list]:
@@ -250,12 +262,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
     resolved = {}
     for e_i, (name, est) in enumerate(ests.items()):            # correction_p auto: from plain JAGG on these batches
         if name in auto:
-            plain = dataclasses.replace(est, correction_p=0.0)
-            first = kept[0]
-            rows = {"plain": expected_rows(first.traj, plain, first.prompt_groups), "exact": r_exact,
-                    "full": expected_rows(first.traj, dataclasses.replace(est, correction_p=1.0), first.prompt_groups)}
-            stats = error_noise_stats(exact, [_gradients(sampler, batch, plain, [0])[0] for batch in kept])
-            resolved[name] = resolve_auto(stats, rows)
+            resolved[name] = _auto_rate(sampler, kept, est, exact, r_exact)
             p = resolved[name]["correction_p"]
             ests[name] = rate_of(est, AUTO_START_P if math.isnan(p) else p)
             for b in range(batches):
