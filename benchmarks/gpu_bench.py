@@ -12,7 +12,10 @@ sampled with the model itself, then :func:`jagg.policy_gradient` computes the gr
 mode and in ``jagg`` mode for every window and intermediate, all with the same ``--micro-batch``. Every
 configuration runs once to warm up, then ``--repeats`` times in alternating (rotated) order; the table reports the
 median seconds, the speed-up over exact, docs/design.md §3's cost-model limit (``B = 2F``: fresh ``3W/(W+4)``, interp
-``W/2``; CFG's unconditional rows are not in it) and the peak GPU memory of the call.
+``W/2``; CFG's unconditional rows are not in it) and the peak GPU memory of the call. Before the calls, per model and
+resolution, one network branch's forward (with and without grad) and backward are timed on a micro-batch of rows: the
+JSON's ``costs`` records, whose ``b_over_f`` (backward / forward) ``jagg bench efficiency`` and ``jagg bench quality``
+put into their projected cost structure with ``--gpu-bench-json``.
 
     python benchmarks/gpu_bench.py                       # one H200: < 5 minutes (a time budget guards it)
     python benchmarks/gpu_bench.py --models qwen_image --resolutions 512,1024    # Qwen-Image (20B) alone
@@ -39,6 +42,7 @@ import torch
 
 import jagg
 from jagg.bench.common import cost_limit
+from jagg.bench.speed import Subject, measure_costs
 from jagg.integrations import LoraSettings, PromptEmbeddings, VelocityConfig, add_lora, velocity_adapter
 
 # -- the published transformer configs (diffusers config.json of the model repos) ------------------------------
@@ -192,7 +196,19 @@ def time_call(model, v, traj, adv, c: tuple, cfg: BenchConfig, dev: torch.device
     return dt, dict(stats=stats, peak_gb=torch.cuda.max_memory_allocated(dev) / 2**30 if cuda else float("nan"))
 
 
-def bench_model(name: str, cfg: BenchConfig, dev: torch.device, dtype: torch.dtype, t_start: float, rows: list):
+def network_costs(name: str, res: int, model, cond, traj, adv, cfg: BenchConfig, dev: torch.device) -> dict:
+    """Seconds of one network branch's forward with and without grad and of its backward, on a micro-batch of the
+    trajectory's rows (:func:`jagg.bench.speed.measure_costs`), and ``b_over_f`` = backward / forward with grad: the
+    B/F that ``jagg bench efficiency --gpu-bench-json`` puts into its cost structure. One branch: SD3.5 without CFG
+    (Flow-GRPO runs both branches as one batch, each with its own backward)."""
+    one = velocity_adapter(model, cond.select([0] * cfg.samples), None,
+                           dataclasses.replace(GUIDANCE[name], cfg_scale=1.0), FAMILY[name])
+    costs = measure_costs(Subject(name, model, one, traj, adv), cfg.micro_batch, cfg.repeats, dev)
+    return dict(model=name, resolution=res, **costs, b_over_f=costs["backward_s"] / costs["f_grad_s"])
+
+
+def bench_model(name: str, cfg: BenchConfig, dev: torch.device, dtype: torch.dtype, t_start: float, rows: list,
+                costs: list):
     model, spec = build_transformer(name, cfg, dev, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -226,6 +242,13 @@ def bench_model(name: str, cfg: BenchConfig, dev: torch.device, dtype: torch.dty
                      for m, w, i in run_configs(cfg)]
             continue
         adv = torch.linspace(-1, 1, cfg.samples, device=dev) if cfg.samples > 1 else torch.ones(1, device=dev)
+        try:
+            costs.append(network_costs(name, res, model, cond, traj, adv, cfg, dev))
+        except torch.cuda.OutOfMemoryError:
+            costs.append(dict(model=name, resolution=res, status="OOM"))
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
         configs = run_configs(cfg)
         times: dict = {c: [] for c in configs}
         info: dict = {}
@@ -361,13 +384,14 @@ def _run(cfg: BenchConfig, dev: torch.device, out: str) -> dict:
         torch.backends.cudnn.allow_tf32 = True
     t_start = time.perf_counter()
     rows: list[dict] = []
+    costs: list[dict] = []
     for name in cfg.models:
         if time.perf_counter() - t_start > cfg.time_budget:
             rows += [dict(model=name, resolution=res, mode=m, window=w, intermediate=i, status="skipped (time budget)")
                      for res in cfg.resolutions for m, w, i in run_configs(cfg)]
             continue
         try:
-            bench_model(name, cfg, dev, dtype, t_start, rows)
+            bench_model(name, cfg, dev, dtype, t_start, rows, costs)
         except torch.cuda.OutOfMemoryError:
             rows += [dict(model=name, resolution=res, mode="-", window=0, intermediate="-", status="OOM (model)")
                      for res in cfg.resolutions]
@@ -375,12 +399,17 @@ def _run(cfg: BenchConfig, dev: torch.device, out: str) -> dict:
             torch.cuda.empty_cache()
     import diffusers
 
-    result = dict(config=asdict(cfg), rows=rows, wall_seconds=time.perf_counter() - t_start,
+    result = dict(config=asdict(cfg), rows=rows, costs=costs, wall_seconds=time.perf_counter() - t_start,
                   env=dict(device=(torch.cuda.get_device_name(dev) if dev.type == "cuda"
                                    else platform.processor() or "cpu"),
                            torch=torch.__version__, diffusers=diffusers.__version__,
                            python=platform.python_version(), threads=torch.get_num_threads()))
     print(table(rows))
+    for c in costs:
+        if "b_over_f" in c:
+            print(f"{c['model']} at {c['resolution']}: forward {c['f_grad_s'] * 1e3:.1f} ms with grad, "
+                  f"{c['f_nograd_s'] * 1e3:.1f} ms without, backward {c['backward_s'] * 1e3:.1f} ms: B/F "
+                  f"{c['b_over_f']:.2f} (one branch, {cfg.micro_batch} rows)")
     print(f"total {result['wall_seconds']:.1f} s; speedup = exact seconds / seconds (same micro-batch); limit = cost "
           "model with B = 2F; bwd = rows back-propagated, fwd0 = no-grad rows (fresh)")
     Path(out).parent.mkdir(parents=True, exist_ok=True)

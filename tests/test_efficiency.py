@@ -80,11 +80,12 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
             "estimator.micro_batch=8", "threads=1", "sample.sde_window=null", "estimator.window=4",
             "grpo.drop_zero_spread=false", "reward.name=reward_plugins:brightness"]
     args = ["bench", "efficiency", "--batches", "3", "--draws", "2", "--estimator", "config", "--estimator", "plain",
-            "--estimator", "subsample", "--estimator", "w8:window=8,correction_p=0", "--target-batch", "32",
-            "--json", str(out)]
+            "--estimator", "subsample", "--estimator", "w8:window=8,correction_p=0", "--estimator",
+            "auto:correction_p=auto", "--target-batch", "32", "--by-tensor", "plain", "--json", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
-    recs = {r["estimator"]: r for r in json.loads(out.read_text())}
-    assert list(recs) == ["exact", "config", "plain", "subsample", "w8"]
+    records = json.loads(out.read_text())
+    recs = {r["estimator"]: r for r in records if "kind" not in r}
+    assert list(recs) == ["exact", "config", "plain", "subsample", "w8", "auto"]
     ex = recs["exact"]
     assert ex["rows_per_sample"] == 8 and ex["error_to_noise"] == 0 and ex["efficiency"] == 1
     assert ex["iter_ratio"] == 1 and ex["samples_per_batch"] == 8 and ex["target_batch"] == 32
@@ -104,8 +105,38 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
         assert r["adam_time_efficiency"] == pytest.approx(r["iter_ratio"] / math.sqrt(1 + e2n))
         assert r["bias_z"] == pytest.approx(r["bias_to_noise"] / r["bias_to_noise_se"]) if r["bias_to_noise"] else True
     assert recs["plain"]["error_to_noise"] > 0 and recs["plain"]["same_batch_cosine"] < 1
-    assert "Adam time eff." in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "Adam time eff." in out_text
     assert recs["exact"]["bias_z"] == 0 and recs["exact"]["adam_efficiency"] == 1
+    # Adam per tensor, beside the global model; the projected columns of the default cost structure
+    from jagg.bench.projection import DEFAULT, PRESETS
+
+    cost = PRESETS[DEFAULT]
+    for r in recs.values():
+        assert r["adam_tensor_time_efficiency"] == pytest.approx(r["iter_ratio"] * r["adam_tensor_factor"])
+        assert r["adam_tensor_efficiency_at_target"] == pytest.approx(r["rows_ratio"] * r["adam_tensor_factor_at_target"])
+        assert sum(t["numel"] for t in r["tensors"]) == sum(t["numel"] for t in recs["exact"]["tensors"])
+        assert sum(t["weight"] for t in r["tensors"]) == pytest.approx(1.0)
+        assert r["projected_iter_ratio"] == pytest.approx(cost.iteration_ratio(1 / r["rows_ratio"]))
+        assert r["projected_adam_time_efficiency"] == pytest.approx(r["projected_iter_ratio"] / math.sqrt(1 + max(
+            r["error_to_noise"], 0)))
+        assert r["cost_structure"].startswith(f"{DEFAULT}: B/F")
+    assert recs["w8"]["projected_iter_ratio"] > recs["plain"]["projected_iter_ratio"] > 1
+    assert "projected, not measured" in out_text and "flow_grpo_sd35: B/F 1" in out_text
+    # correction_p auto: the rate the meter's rule picks from plain JAGG on these batches, then measured at it
+    auto = recs["auto"]
+    assert auto["correction_p"] == 0 or 0.05 <= auto["correction_p"] <= 1
+    assert auto["estimator_config"]["correction_p"] == auto["correction_p"]
+    assert auto["auto_plain_error_to_noise"] == pytest.approx(recs["plain"]["error_to_noise"])
+    assert auto["rows_per_sample"] == pytest.approx(4 + 4 * auto["correction_p"], abs=1.5)
+    assert "correction_p auto ->" in out_text
+    # --by-tensor: the tensors carrying most of plain JAGG's error
+    parts = [r for r in records if r.get("kind") == "tensor"]
+    assert parts and all(p["estimator"] == "plain" for p in parts) and "by parameter tensor" in out_text
+    shares = [p["error_share"] for p in parts]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+    assert main(["bench", "efficiency", "--by-tensor", "nope", "--estimator", "plain"]) == 2     # before any batch
+    assert "--by-tensor 'nope': not one of the estimators" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("spec, match", [("nope", "unknown name"), ("x:window", "not KEY=VALUE"),

@@ -48,6 +48,15 @@ def test_scaled_down_run_writes_table_and_json(bench, tmp_path, capsys):
             assert by[k + ("jagg", 8, "fresh")]["cost_limit"] == pytest.approx(2.0)
             assert by[k + ("jagg", 8, "interp")]["cost_limit"] == pytest.approx(4.0)
     assert data["config"]["scaled_down"] is True and data["env"]["torch"] == torch.__version__
+    # one branch's forward and backward per model and resolution: the B/F that --gpu-bench-json reads
+    costs = {(c["model"], c["resolution"]): c for c in data["costs"]}
+    assert set(costs) == {(m, r) for m in ("sd35m", "flux", "qwen_image") for r in (512, 1024)}
+    for c in costs.values():
+        assert c["f_grad_s"] > 0 and c["backward_s"] > 0 and c["b_over_f"] == pytest.approx(c["backward_s"] / c["f_grad_s"])
+    from jagg.bench.projection import gpu_bench_b_over_f
+
+    assert gpu_bench_b_over_f(out, "sd35m", 512)[0] == costs[("sd35m", 512)]["b_over_f"]
+    assert "B/F" in text
 
 
 def test_bf16_path_and_time_budget(bench, tmp_path):

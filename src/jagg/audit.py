@@ -8,6 +8,7 @@ on a few samples and log ``audit/*``; ``jagg bench fidelity`` reports the same n
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import statistics
@@ -29,9 +30,9 @@ FLAG_BELOW = 0.8     # a step range whose same-batch cosine falls below this fla
 
 def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
     """A warning when a biased estimator (JAGG without the unbiased correction) has a step range whose cosine to
-    exact is below :data:`FLAG_BELOW`, else None. (With the correction on, ``correction_p > 0`` or a rate of
-    ``correction_rates``, the estimate is unbiased: a low same-batch cosine is then noise, which averages out over
-    updates.)"""
+    exact is below :data:`FLAG_BELOW`, else None. (With the correction on, ``correction_p > 0``, a rate of
+    ``correction_rates`` or ``'auto'``, the estimate is unbiased: a low same-batch cosine is then noise, which averages
+    out over updates.)"""
     if config.mode != "jagg" or config.corrects:
         return None
     low = {k[4:]: v for k, v in result.items() if k.startswith("cos_") and not math.isnan(v) and v < FLAG_BELOW}
@@ -62,6 +63,53 @@ def adam_efficiency(work_ratio: float, error_to_noise: float) -> float:
     return math.nan if math.isnan(error_to_noise) else work_ratio / math.sqrt(1.0 + max(error_to_noise, 0.0))
 
 
+# Adam's per-tensor model (docs/design.md §3.8): below this z the signal counts as unmeasured and each tensor is
+# weighted as if its coordinates had the same signal-to-noise ratio
+SIGNAL_Z = 2.0
+
+
+def tensor_weights(noise: Sequence[float], numel: Sequence[int], signal: Sequence[float] | None = None) -> np.ndarray:
+    """Each parameter tensor's share of Adam's progress along the signal, ``sum_{j in t} s_j^2 / sqrt(V_j)`` over its
+    coordinates (``s_j`` the signal, ``V_j`` the noise, which sets Adam's second moment in a noise-dominated update),
+    from per-tensor totals with the noise spread evenly inside a tensor (``V_j = V_t / n_t``).
+
+    Args:
+        noise: ``[T]`` each tensor's noise ``V_t`` (its coordinates' variances summed).
+        numel: ``[T]`` each tensor's number of coordinates ``n_t``.
+        signal: ``[T]`` each tensor's squared signal ``|E g_t|^2`` where it is measured (estimates below 0 count as
+            0), or None: then every coordinate is taken to have the same signal-to-noise ratio (``s_j^2`` in proportion
+            to ``V_j``).
+
+    Returns:
+        ``[T]`` weights summing to 1: ``|E g_t|^2 sqrt(n_t / V_t)`` with a signal, ``sqrt(n_t V_t)`` without (0 for
+        a tensor without noise). All zero when no tensor has a weight.
+    """
+    V = np.asarray(noise, dtype=np.float64)
+    n = np.asarray(numel, dtype=np.float64)
+    live = V > 0
+    w = np.zeros_like(V)
+    if signal is None:
+        w[live] = np.sqrt(n[live] * V[live])
+    else:
+        S = np.clip(np.asarray(signal, dtype=np.float64), 0.0, None)
+        w[live] = S[live] * np.sqrt(n[live] / V[live])
+    total = float(w.sum())
+    return w / total if total > 0 else w
+
+
+def adam_tensor_factor(error_to_noise: Sequence[float], weights: Sequence[float]) -> float:
+    """``sum_t w_t / sqrt(1 + E_t / V_t)``: Adam's progress per update against exact's for an unbiased estimator whose
+    error ``E_t`` sits in each tensor ``t`` in its own proportion to that tensor's noise ``V_t`` (``error_to_noise``
+    ``[T]``; NaN where a tensor has no noise), with the tensors weighted by :func:`tensor_weights`. With the same
+    ratio in every tensor it is the global model's ``1 / sqrt(1 + E|e|^2 / V_b)``. NaN when no tensor has a weight."""
+    r = np.asarray(error_to_noise, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    use = w > 0
+    if not use.any() or np.isnan(r[use]).any():
+        return math.nan
+    return float((w[use] / np.sqrt(1.0 + np.clip(r[use], 0.0, None))).sum())
+
+
 def _error_noise(exact: Tensor, mean_err: Tensor, err_sq: Tensor) -> dict:
     n = exact.shape[0]
     noise = float(((exact - exact.mean(0)) ** 2).sum(1).sum()) / (n - 1)          # V_b: trace of the covariance
@@ -76,12 +124,34 @@ def _error_noise(exact: Tensor, mean_err: Tensor, err_sq: Tensor) -> dict:
             "signal_to_noise": signal / noise if noise > 0 else math.nan}
 
 
-def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor]) -> dict:
+def _tensor_stats(exact: Tensor, errs: list[Tensor], mean_err: Tensor, sizes: Sequence[int],
+                  signal_measured: bool) -> dict:
+    """Per parameter tensor (``sizes``: their numbers of coordinates, in the flat order), the terms of
+    :func:`_error_noise` and Adam's per-tensor model (:func:`tensor_weights`, :func:`adam_tensor_factor`)."""
+    if sum(sizes) != exact.shape[1]:
+        raise ValueError(f"the tensor sizes sum to {sum(sizes)}, not to the gradient's {exact.shape[1]} coordinates")
+    tensors, start = [], 0
+    for size in sizes:
+        cut = slice(start, start + size)
+        start += size
+        err_sq = torch.tensor([float((e[:, cut] ** 2).sum(1).mean()) for e in errs], dtype=torch.float64)
+        tensors.append({"numel": int(size), **_error_noise(exact[:, cut], mean_err[:, cut], err_sq)})
+    noise = [t["noise"] for t in tensors]
+    weights = tensor_weights(noise, sizes, [t["signal_sq"] for t in tensors] if signal_measured else None)
+    for t, w in zip(tensors, weights):
+        t["weight"] = float(w)
+    return {"tensors": tensors, "tensor_weighting": "signal" if signal_measured else "noise",
+            "adam_tensor_factor": adam_tensor_factor([t["error_to_noise"] for t in tensors], weights)}
+
+
+def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequence[int] | None = None) -> dict:
     """An estimator's error against the batch-to-batch noise of the exact gradient, from ``n >= 3`` batches.
 
     Args:
         exact: ``[n, P]`` the exact gradient of each batch.
         estimates: ``n`` tensors ``[d_i, P]``: ``d_i >= 1`` draws of the estimator on batch ``i``.
+        sizes: the number of coordinates of each parameter tensor, in the order of the ``P`` coordinates (summing to
+            ``P``), for Adam's per-tensor model; None: the whole vector is one tensor.
 
     Returns (float64 arithmetic; ``_se``: jackknife standard errors over the batches):
         ``noise`` ``V_b`` (trace of the exact gradients' covariance across batches), ``error_sq`` ``E|e|^2`` (mean
@@ -91,7 +161,11 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor]) -> dict:
         ``error_to_noise``, ``bias_to_noise``, ``signal_to_noise`` (each with ``_se``), ``grad_norm`` (mean
         ``|g|``), ``rel_err`` (``sqrt(E|e|^2) / grad_norm``), ``same_batch_cosine`` (mean cosine to exact),
         ``bias_to_signal`` (``|b|^2 / |E g|^2``: a bias is harmless only when this is small) and ``bias_signal_cos``
-        (``<b, E g> / (|b| |E g|)`` from ``mean_{i != j} <e_i, g_j>``; NaN unless both squared norms are > 0).
+        (``<b, E g> / (|b| |E g|)`` from ``mean_{i != j} <e_i, g_j>``; NaN unless both squared norms are > 0); and
+        Adam's per-tensor model: ``tensors`` (per tensor ``numel``, ``noise``, ``error_sq``, ``bias_sq``,
+        ``signal_sq``, their ratios and its ``weight``), ``tensor_weighting`` (``signal`` when ``signal_to_noise`` is
+        :data:`SIGNAL_Z` standard errors above 0, else ``noise``) and ``adam_tensor_factor``
+        (:func:`adam_tensor_factor`).
     """
     n = exact.shape[0]
     if n < 3 or len(estimates) != n:
@@ -118,18 +192,30 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor]) -> dict:
     cos = [float(torch.nn.functional.cosine_similarity(e.double(), g[None], dim=1).mean())
            for e, g in zip(estimates, exact)]
     out["same_batch_cosine"] = statistics.fmean(cos)
+    se = out["signal_to_noise_se"]
+    measured = se > 0 and out["signal_to_noise"] > SIGNAL_Z * se
+    out.update(_tensor_stats(exact, errs, mean_err, list(sizes) if sizes is not None else [exact.shape[1]], measured))
     return out
 
 
 def extrapolate(stats: dict, batch: float, target: float) -> dict:
     """:func:`error_noise_stats`' ratios at ``target`` samples per update instead of the measured ``batch``: the
-    noise and the unbiased part of the error fall as ``1 / B``, the bias (``bias_sq``, floored at 0) stays."""
+    noise and the unbiased part of the error fall as ``1 / B``, the bias (``bias_sq``, floored at 0) stays; per tensor
+    alike, for ``adam_tensor_factor`` (the weights do not change with the batch)."""
     scale = batch / target
-    noise = stats["noise"] * scale
-    bias = max(stats["bias_sq"], 0.0)
-    err = bias + max(stats["error_sq"] - bias, 0.0) * scale
-    return {"error_to_noise": err / noise if noise > 0 else math.nan,
-            "bias_to_noise": stats["bias_sq"] / noise if noise > 0 else math.nan}
+
+    def ratios(st: dict) -> tuple[float, float]:
+        noise = st["noise"] * scale
+        bias = max(st["bias_sq"], 0.0)
+        err = bias + max(st["error_sq"] - bias, 0.0) * scale
+        return (err / noise, st["bias_sq"] / noise) if noise > 0 else (math.nan, math.nan)
+
+    e2n, b2n = ratios(stats)
+    out = {"error_to_noise": e2n, "bias_to_noise": b2n}
+    if "tensors" in stats:
+        out["adam_tensor_factor"] = adam_tensor_factor([ratios(t)[0] for t in stats["tensors"]],
+                                                       [t["weight"] for t in stats["tensors"]])
+    return out
 
 
 def step_ranges(train_steps: Sequence[int], parts: int = 3) -> list[list[int]]:
@@ -171,7 +257,8 @@ def _rows(traj: Trajectory, config: EstimatorConfig, prompt_groups, seed: int) -
 @dataclass
 class _SubBatch:
     """One sub-batch of the audit (a ``split`` id's samples): its trajectory, advantages, prompt groups, reference
-    velocities, the seed of its picks, and its share ``n / B`` of the audit batch."""
+    velocities, the seed of its picks, its share ``n / B`` of the audit batch and its samples' positions ``[n]`` in
+    it (None: the whole batch)."""
 
     traj: Trajectory
     advantages: Tensor
@@ -179,6 +266,14 @@ class _SubBatch:
     ref_velocities: Tensor | None
     seed: int
     share: float
+    index: Tensor | None = None
+
+    def velocity(self, velocity_fn: VelocityFn) -> VelocityFn:
+        """The audit batch's velocity callable for this sub-batch: its sample ``i`` is the batch's ``index[i]``."""
+        if self.index is None:
+            return velocity_fn
+        index = self.index
+        return lambda x, sigma, sample_index: velocity_fn(x, sigma, index.to(sample_index.device)[sample_index])
 
 
 def _sub_batches(traj: Trajectory, advantages, prompt_groups, ref_velocities, split, seed: int) -> list[_SubBatch]:
@@ -198,7 +293,7 @@ def _sub_batches(traj: Trajectory, advantages, prompt_groups, ref_velocities, sp
             continue
         ref = None if ref_velocities is None else ref_velocities[idx.to(ref_velocities.device)]
         out.append(_SubBatch(traj.select(idx.to(traj.latents.device)), advantages[idx.to(advantages.device)], members,
-                             ref, seed + j, idx.numel() / B))
+                             ref, seed + j, idx.numel() / B, idx))
     return out
 
 
@@ -216,7 +311,7 @@ def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: l
             for key, cfg in (("exact", exact), ("est", config)):
                 for p in params:
                     p.grad = None
-                policy_gradient(velocity_fn, sub.traj, sub.advantages, cfg, ref_velocities=sub.ref_velocities,
+                policy_gradient(sub.velocity(velocity_fn), sub.traj, sub.advantages, cfg, ref_velocities=sub.ref_velocities,
                                 prompt_groups=sub.prompt_groups, generator=torch.Generator().manual_seed(sub.seed),
                                 only_steps=steps, correction_state=correction_state if key == "est" else None)
                 g = flat_grad(params)
@@ -251,8 +346,11 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
     exact = config.exact()
     try:
         out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names, correction_state)
+        full = (dataclasses.replace(config, correction_p=1.0, correction_rates=None, correction="interval",
+                                    control_variate=0.0) if config.mode == "jagg" else config)
         rows = {key: sum(_rows(s.traj, cfg, s.prompt_groups, s.seed) for s in subs)
-                for key, cfg in (("exact", exact), ("est", config))}
+                for key, cfg in (("exact", exact), ("est", config), ("full", full),
+                                 ("plain", dataclasses.replace(full, correction_p=0.0)))}
     finally:
         for p, g in zip(params, saved):
             p.grad = g
@@ -261,6 +359,7 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
     out["cos"] = cosine(gj, ge)
     out["rel_err"] = rel_err(gj, ge)
     out["rows_exact"], out["rows_estimator"] = rows["exact"], rows["est"]
+    out["rows_inner"] = rows["full"] - rows["plain"]
     out["rows"] = rows["exact"] + rows["est"]
     out["seconds"] = time.perf_counter() - t0
     return out, torch.stack(part_grads["exact"]), torch.stack(part_grads["est"])
@@ -295,11 +394,77 @@ def audit_gradient(
         ``{"cos": total cosine, "rel_err": ||g - g_exact|| / ||g_exact||, "cos_<range>": per range (``noisy``,
         ``middle``, ``clean`` for 3 parts, else ``range0`` ...), "rows_exact", "rows_estimator": rows with grad of
         one update of each on the audit's samples, "rows": rows the audit ran through the network with grad (the
-        two together), "seconds": its wall-clock}``. A cosine is NaN where a gradient is zero (e.g. all advantages
-        0).
+        two together), "rows_inner": the inner rows the unbiased correction would add at ``correction_p = 1`` (0
+        outside ``mode='jagg'``), "seconds": its wall-clock}``. A cosine is NaN where a gradient is zero (e.g. all
+        advantages 0).
     """
     return audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities, prompt_groups, generator,
                        parts, correction_state=correction_state)[0]
+
+
+# ----------------------------------------------------------------------------- correction_p: auto
+
+AUTO_START_P = 0.25      # the rate of correction_p 'auto' before the meter has measured anything (the default rate)
+AUTO_P_MIN = 0.05        # the lowest rate 'auto' picks above 0: below it each pick's weight 1/p grows past 20
+AUTO_BIAS_Z = 2.0        # plain JAGG only while its repeating error stays below this many standard errors, ...
+AUTO_BIAS_BOUND = 1e-4   # ... its upper bound (2 SE above) below this fraction of the update's noise (a third of the
+                         # smallest repeating error that cost learning in docs/RESULTS.md §6.4), ...
+AUTO_MIN_AUDITS = 4      # ... after at least this many audits
+
+
+def optimal_correction_p(base_cost: float, inner_cost: float, error_energy: float, noise: float,
+                         p_min: float = AUTO_P_MIN) -> float:
+    """The rate at which unbiased JAGG learns most per unit of cost under SGD's variance model (docs/design.md §3.8):
+    ``p* = sqrt(c0 D / (c1 (V_b - D)))``, clipped to ``[p_min, 1]``; 1 where ``D >= V_b``.
+
+    With ``c0 = base_cost`` the cost of an update whose picks are empty (plain JAGG's rows, plus, for a time
+    efficiency, the rest of the iteration in the same units), ``c1 = inner_cost`` what the picks add at ``p = 1`` (the
+    inner rows of every unit), ``D = error_energy`` the units' error energy (``sum_u |exact_u - interpolated_u|^2``
+    of one update) and ``V_b = noise`` the update's noise, the efficiency ``1 / ((c0 + p c1) (1 + (1/p - 1) D / V_b))``
+    is highest at ``p*``. (Adam's model puts it lower; SGD's is the cautious choice: a rate too low costs more under
+    SGD's model than one too high costs under Adam's.) NaN when an input is not a finite number >= 0 or nothing can be
+    corrected (``c1 = 0``)."""
+    values = (base_cost, inner_cost, error_energy, noise)
+    if any(not math.isfinite(v) or v < 0 for v in values) or inner_cost == 0 or noise == 0:
+        return math.nan
+    if error_energy >= noise:
+        return 1.0
+    return min(1.0, max(p_min, math.sqrt(base_cost * error_energy / (inner_cost * (noise - error_energy)))))
+
+
+def corrected_efficiency(p: float, base_cost: float, inner_cost: float, exact_cost: float, error_energy: float,
+                         noise: float, plain_error: float) -> float:
+    """SGD's predicted efficiency against exact of JAGG corrected at rate ``p`` (costs and energies as
+    :func:`optimal_correction_p`; ``exact_cost`` in the same units): ``(c_exact / (c0 + p c1)) / (1 + E / V_b)`` with
+    ``E = (1/p - 1) D`` for ``p > 0`` and ``E = plain_error`` (plain JAGG's squared error, its bias included) at 0."""
+    error = (1.0 / p - 1.0) * error_energy if p > 0 else plain_error
+    return predicted_efficiency(exact_cost / (base_cost + p * inner_cost), error / noise if noise > 0 else math.nan)
+
+
+def choose_correction_p(base_cost: float, inner_cost: float, exact_cost: float, error_energy: float, noise: float,
+                        plain_error: float, bias_to_noise: float, bias_se: float) -> float:
+    """The rate ``correction_p: auto`` runs: :func:`optimal_correction_p`, or 0 (plain JAGG) where plain JAGG's
+    repeating error is measured and small, and plain JAGG is predicted at least as efficient (costs and energies as
+    :func:`optimal_correction_p`, the prediction :func:`corrected_efficiency`).
+
+    "Measured and small": ``bias_to_noise`` (plain JAGG's ``|b|^2 / V_b``) below :data:`AUTO_BIAS_Z` standard errors
+    ``bias_se`` and its upper bound ``bias_to_noise + 2 bias_se`` at most :data:`AUTO_BIAS_BOUND`; pass NaN while it is
+    not known. A repeating error below detection is not shown to be harmless, and no efficiency models one (docs/
+    design.md §3.8). NaN when the numbers do not decide (keep the rate in use); 0 when nothing can be corrected."""
+    if inner_cost == 0 and math.isfinite(inner_cost):
+        return 0.0                                            # nothing to correct: plain JAGG is the estimator
+    p = optimal_correction_p(base_cost, inner_cost, error_energy, noise)
+    if math.isnan(p):
+        return p
+    small = (math.isfinite(bias_to_noise) and math.isfinite(bias_se) and bias_to_noise < AUTO_BIAS_Z * bias_se
+             and bias_to_noise + 2 * bias_se <= AUTO_BIAS_BOUND)
+    args = (base_cost, inner_cost, exact_cost, error_energy, noise, plain_error)
+    if small and corrected_efficiency(0.0, *args) >= corrected_efficiency(p, *args):
+        return 0.0
+    return p
+
+
+# ----------------------------------------------------------------------------- the meter of a training run
 
 
 class AuditMeter:
@@ -309,25 +474,59 @@ class AuditMeter:
     Each audit gives ``m >= 2`` prompt groups' exact gradients ``g_j`` and errors ``e_j`` (estimate - exact, each a
     mean over its prompt group). Then, with ``G`` prompt groups per optimizer update:
 
-    - noise of one update: ``V_b = var_j(g_j) / G`` (the prompt groups' spread, averaged over audits);
+    - noise of one update: ``V_b = var_j(g_j) / G`` (the prompt groups' spread, averaged over audits), and per
+      parameter tensor ``V_t`` the same over its coordinates;
     - bias: ``|b|^2 = mean_{j != j'} <e_j, e_j'>`` over every pair of prompt groups in every audit kept (count sketches of
-      ``sketch_dim`` buckets stand in for the full vectors, so memory does not grow with the model; unbiased);
-    - error of one update: ``E|e|^2 = |b|^2 + (mean |e_j|^2 - |b|^2) / G``;
+      ``sketch_dim`` buckets stand in for the full vectors, so memory does not grow with the model; unbiased), and
+      ``bias_z``: ``|b|^2`` in jackknife standard errors over the audits;
+    - error of one update: ``E|e|^2 = |b|^2 + (mean |e_j|^2 - |b|^2) / G``, shared out over the tensors as their
+      ``mean |e_j,t|^2``;
     - ``predicted_efficiency = (rows_exact / rows) / (1 + E|e|^2 / V_b)``, and ``predicted_time_efficiency`` with the
       iteration-time ratio estimated from the share of the iteration the training phase takes
       (``(1 - f) + f rows_exact / rows``);
     - ``predicted_adam_efficiency`` and ``predicted_adam_time_efficiency``: the same with :func:`adam_efficiency`, the
-      model for the trainers' AdamW (for an unbiased estimator; read ``bias_to_noise`` first).
+      model for the trainers' AdamW (for an unbiased estimator; read ``bias_z`` first), and
+      ``predicted_adam_tensor_efficiency``, ``predicted_adam_tensor_time_efficiency``: the work ratios times
+      :func:`adam_tensor_factor`, each tensor weighted by its noise (:func:`tensor_weights` without a signal: a few
+      audited prompt groups do not measure one).
+
+    With ``correction_p: auto`` the audit passes plain JAGG's gradients and :meth:`update` gets ``rows_inner``; the
+    meter then also chooses the rate (:func:`choose_correction_p` on the training phase's rows, so that a run's rates
+    do not depend on its timings; the correction's error energy ``D = mean |e_j|^2 / G``) and predicts everything for
+    the estimator at that rate: ``E|e|^2 = (1/p - 1) D`` for ``p > 0``.
+
+    Args:
+        sizes: the number of coordinates of each parameter tensor, in the order of the gradients' ``P`` coordinates
+            (None: one tensor).
+        sketch_dim, keep, seed: the count sketches' buckets, how many prompt groups' sketches are kept (the newest),
+            and the seed of their hashing.
     """
 
-    def __init__(self, sketch_dim: int = 4096, keep: int = 256, seed: int = 0):
+    def __init__(self, sizes: Sequence[int] | None = None, sketch_dim: int = 4096, keep: int = 256, seed: int = 0):
+        self.sizes = None if sizes is None else [int(n) for n in sizes]
         self.k, self.keep, self.seed = sketch_dim, keep, seed
         self.index = self.sign = None
         self.sketches: list[tuple[int, Tensor]] = []          # (audit number, sketch of e_j)
         self.noise: list[float] = []                          # per audit: var_j(g_j)
         self.err_sq: list[float] = []                         # per prompt group: |e_j|^2
-        self.rows = [0, 0]                                     # exact, estimator
+        self.tensor_noise: list[list[float]] = []             # per audit: var_j(g_j,t) per tensor
+        self.tensor_err_sq: list[list[float]] = []            # per prompt group: |e_j,t|^2 per tensor
+        self.rows = [0, 0, 0]                                  # exact, estimator, the correction's inner rows (auto)
         self.audits = 0
+
+    STATE = ("sizes", "k", "keep", "seed", "sketches", "noise", "err_sq", "tensor_noise", "tensor_err_sq", "rows",
+             "audits")
+
+    def state_dict(self) -> dict:
+        """Everything the meter has measured (for a checkpoint: :meth:`from_state` continues from it exactly)."""
+        return {key: copy.deepcopy(getattr(self, key)) for key in self.STATE}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "AuditMeter":
+        meter = cls()
+        for key in cls.STATE:
+            setattr(meter, key, copy.deepcopy(state[key]))
+        return meter
 
     def _sketch(self, v: Tensor) -> Tensor:
         if self.index is None:
@@ -345,47 +544,98 @@ class AuditMeter:
         n = len(items)
         return (float(tot @ tot) - float((S * S).sum())) / (n * (n - 1))
 
+    def _per_tensor(self, v: Tensor) -> list[list[float]]:
+        """``v`` ``[m, P]`` -> per tensor, its rows' squared norms there (``T`` lists of ``m``)."""
+        sizes = self.sizes or [v.shape[1]]
+        return [[float(x) for x in (part ** 2).sum(1)] for part in v.split(sizes, dim=1)]
+
     def update(self, exact: Tensor, estimate: Tensor, rows_exact: int, rows_estimator: int, prompt_groups_per_update: float,
-               train_share: float | None = None) -> dict:
+               train_share: float | None = None, rows_inner: int | None = None, current_p: float = 0.0) -> dict:
         """Add one audit (``exact``, ``estimate``: ``[m, P]`` per-prompt-group gradients) and return the running estimates:
-        ``error_to_noise``, ``bias_to_noise`` (with ``bias_to_noise_se``, jackknife over audits),
-        ``predicted_efficiency``, ``predicted_time_efficiency`` (NaN when ``train_share`` is None), the same two for
-        Adam (``predicted_adam_efficiency``, ``predicted_adam_time_efficiency``) and ``audits``."""
+        ``error_to_noise``, ``bias_to_noise`` (with ``bias_to_noise_se``, jackknife over audits, and ``bias_z``),
+        ``rows_ratio`` (exact's rows over the estimator's), ``predicted_efficiency``, ``predicted_time_efficiency``
+        (NaN when ``train_share`` is None), the same two for Adam (``predicted_adam_efficiency``,
+        ``predicted_adam_time_efficiency``) and for Adam per tensor (``predicted_adam_tensor_efficiency``,
+        ``predicted_adam_tensor_time_efficiency``) and ``audits``.
+
+        ``correction_p: auto`` passes plain JAGG as ``estimate``, ``rows_inner`` (the inner rows the correction adds at
+        ``p = 1``) and ``current_p`` (the rate of the iteration ``train_share`` was measured in, for the time
+        prediction); then the result also holds the chosen ``correction_p`` (NaN: keep the current one),
+        ``plain_error_to_noise`` and ``correction_error_to_noise`` (``D / V_b``), and the other terms describe the
+        estimator at the chosen rate."""
         m = exact.shape[0]
         self.audits += 1
         self.rows[0] += rows_exact
         self.rows[1] += rows_estimator
+        self.rows[2] += rows_inner or 0
         if m >= 2:
             ex = exact.double()
+            err = estimate.double() - ex
             self.noise.append(float(((ex - ex.mean(0)) ** 2).sum()) / (m - 1))
-            for e in estimate.double() - ex:
+            self.tensor_noise.append([x / (m - 1) for x in np.sum(self._per_tensor(ex - ex.mean(0)), 1)])
+            for e, per in zip(err, np.transpose(self._per_tensor(err))):
                 self.err_sq.append(float(e @ e))
+                self.tensor_err_sq.append([float(x) for x in per])
                 self.sketches.append((self.audits, self._sketch(e)))
             self.sketches = self.sketches[-self.keep:]
-        out = {"audits": self.audits, "error_to_noise": math.nan, "bias_to_noise": math.nan,
-               "bias_to_noise_se": math.nan, "predicted_efficiency": math.nan, "predicted_time_efficiency": math.nan,
-               "predicted_adam_efficiency": math.nan, "predicted_adam_time_efficiency": math.nan}
+        auto = rows_inner is not None
+        keys = ("error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio", "predicted_efficiency",
+                "predicted_time_efficiency", "predicted_adam_efficiency", "predicted_adam_time_efficiency",
+                "predicted_adam_tensor_efficiency", "predicted_adam_tensor_time_efficiency")
+        out = {"audits": self.audits, **dict.fromkeys(keys, math.nan)}
+        if auto:
+            out.update({"correction_p": math.nan, "plain_error_to_noise": math.nan,
+                        "correction_error_to_noise": math.nan})
         if not self.noise:
             return out
         G = max(prompt_groups_per_update, 1.0)
         noise = statistics.fmean(self.noise) / G
         bias = self._bias()
         b0 = 0.0 if math.isnan(bias) else max(bias, 0.0)
-        err = b0 + max(statistics.fmean(self.err_sq) - b0, 0.0) / G
-        rho = self.rows[0] / max(self.rows[1], 1)
-        out["error_to_noise"] = err / noise if noise > 0 else math.nan
+        mean_sq = statistics.fmean(self.err_sq)
+        err = b0 + max(mean_sq - b0, 0.0) / G
         out["bias_to_noise"] = bias / noise if noise > 0 else math.nan
         audits = sorted({a for a, _ in self.sketches})
         if len(audits) >= 3 and noise > 0:
             loo = np.array([self._bias(skip=a) / noise for a in audits])
             n = len(audits)
-            out["bias_to_noise_se"] = math.sqrt((n - 1) / n * float(((loo - loo.mean()) ** 2).sum()))
+            out["bias_to_noise_se"] = se = math.sqrt((n - 1) / n * float(((loo - loo.mean()) ** 2).sum()))
+            out["bias_z"] = out["bias_to_noise"] / se if se > 0 else math.nan
+        tensor_noise = np.mean(self.tensor_noise, 0) / G                               # [T]
+        tensor_sq = np.mean(self.tensor_err_sq, 0)                                      # [T]: mean |e_j,t|^2
+        rows_exact, rows = self.rows[0], self.rows[1]
+        rows_prev = rows                                    # the rows of the iteration train_share was measured in
+        if auto:
+            D = mean_sq / G
+            r0, r1 = self.rows[1], self.rows[2]
+            rows_prev = r0 + current_p * r1
+            known = self.audits >= AUTO_MIN_AUDITS          # rows, not seconds: a run's choices do not hang on timing
+            p = choose_correction_p(r0, r1, rows_exact, D, noise, err, out["bias_to_noise"] if known else math.nan,
+                                    out["bias_to_noise_se"] if known else math.nan)
+            out.update({"correction_p": p, "plain_error_to_noise": err / noise if noise > 0 else math.nan,
+                        "correction_error_to_noise": D / noise if noise > 0 else math.nan})
+            p = current_p if math.isnan(p) else p
+            if p > 0:                                      # the estimator the chosen rate runs: unbiased
+                err, tensor_err = (1 / p - 1) * D, (1 / p - 1) * tensor_sq / G
+            rows = r0 + p * r1
+        if not auto or p == 0:
+            tensor_err = err * tensor_sq / mean_sq if mean_sq > 0 else np.zeros_like(tensor_sq)
+        rho = rows_exact / max(rows, 1)
+        out["rows_ratio"] = rho
+        out["error_to_noise"] = err / noise if noise > 0 else math.nan
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tensor_ratio = np.where(tensor_noise > 0, tensor_err / tensor_noise, np.nan)
+        weights = tensor_weights(tensor_noise, self.sizes or [exact.shape[1]])
+        factor = adam_tensor_factor(tensor_ratio, weights)
         out["predicted_efficiency"] = predicted_efficiency(rho, out["error_to_noise"])
         out["predicted_adam_efficiency"] = adam_efficiency(rho, out["error_to_noise"])
+        out["predicted_adam_tensor_efficiency"] = rho * factor
         if train_share is not None:
-            time_ratio = (1 - train_share) + train_share * rho
+            time_ratio = ((1 - train_share) * rows_prev + train_share * rows_exact) / (
+                (1 - train_share) * rows_prev + train_share * rows)
             out["predicted_time_efficiency"] = predicted_efficiency(time_ratio, out["error_to_noise"])
             out["predicted_adam_time_efficiency"] = adam_efficiency(time_ratio, out["error_to_noise"])
+            out["predicted_adam_tensor_time_efficiency"] = time_ratio * factor
         return out
 
 

@@ -13,8 +13,8 @@ SCORES = ("chord", "cosine", "cosine_min", "velocity_cosine")
 KNOTS = ("groups", "shared", "adaptive")
 ALPHAS = ("sigma", "index")
 CORRECTIONS = ("interval", "step")
-NUMBERS = ("jagg_frac", "correction_p", "clip_range", "kl_beta", "subsample_frac", "interval_frac",
-           "control_variate")                                                        # finite, checked first
+NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac", "interval_frac", "control_variate")  # finite, first
+AUTO = "auto"                  # correction_p: the trainers choose the rate from their efficiency meter
 
 
 @dataclass
@@ -53,11 +53,15 @@ class EstimatorConfig:
                                        "steps (the noisiest) exact."})
     exact_last_intervals: int = field(default=0, metadata={"help": "Always run the last N intervals with inner steps "
                                       "(the cleanest) exact."})
-    correction_p: float = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a JAGG "
-                                "unit (prompt group with prompt_groups, else sample, x interval) also runs its inner steps "
-                                "exactly and adds (exact - interpolated) / p, so the expected gradient is exact. Costs "
-                                "p x the inner rows and adds variance (1/p - 1)|e|^2. 0 = plain JAGG (the paper), biased "
-                                "where the Jacobian is not linear (what that did to training: docs/RESULTS.md)."})
+    correction_p: float | str = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a "
+                                      "JAGG unit (prompt group with prompt_groups, else sample, x interval) also runs "
+                                      "its inner steps exactly and adds (exact - interpolated) / p, so the expected "
+                                      "gradient is exact. Costs p x the inner rows and adds variance (1/p - 1)|e|^2. 0 = "
+                                      "plain JAGG (the paper), biased where the Jacobian is not linear (what that did to "
+                                      "training: docs/RESULTS.md). 'auto' (trainers only, with audit_every > 0): the "
+                                      "rate the efficiency meter predicts most efficient, chosen after every audit "
+                                      "from plain JAGG's measured error, 0 only where its repeating error is measured "
+                                      "and small; 0.25 until the first audit (docs/design.md §3.8)."})
     correction_intervals: int = field(default=0, metadata={"help": "Correct only the first N JAGG-eligible intervals "
                                       "of the trajectory (the noisiest); 0 = all."})
     correction: str = field(default="interval", metadata={"help": f"What a picked unit runs exactly, one of "
@@ -102,7 +106,8 @@ class EstimatorConfig:
                            "uses 0.04 on GenEval); > 0 needs reference velocities."})
     audit_every: int = field(default=0, metadata={"help": "Trainers only: every N iterations, compute the exact "
                              "gradient of a few samples next to this estimator's and log their cosine, in total and per "
-                             "third of the trained steps (audit/* in metrics and TensorBoard). 0 = off."})
+                             "third of the trained steps, and the efficiency meter's running estimates (audit/* in "
+                             "metrics and TensorBoard; correction_p 'auto' reads them). 0 = off."})
     audit_samples: int = field(default=4, metadata={"help": "Trainers only: samples (whole prompt groups, at least "
                                "two) the audit uses."})
 
@@ -126,8 +131,14 @@ class EstimatorConfig:
         if not 0.0 < float(self.subsample_frac) <= 1.0:
             raise ValueError(f"subsample_frac must be in (0, 1] (the fraction of trained steps each sample trains in "
                              f"mode='subsample'); got {self.subsample_frac}")
-        if not 0.0 <= float(self.correction_p) <= 1.0:
-            raise ValueError(f"correction_p must be in [0, 1] (0 = plain JAGG); got {self.correction_p}")
+        if self.correction_p != AUTO and (first_non_finite({"correction_p": self.correction_p}) is not None
+                                          or not 0.0 <= self.correction_p <= 1.0):
+            raise ValueError(f"correction_p must be a finite number in [0, 1] (0 = plain JAGG) or {AUTO!r}; got "
+                             f"{self.correction_p!r}")
+        if self.correction_p == AUTO and (self.correction_rates is not None or self.correction != "interval"
+                                          or self.control_variate):
+            raise ValueError(f"correction_p={AUTO!r} chooses one rate for the interval correction: it needs "
+                             "correction_rates=None, correction='interval' and control_variate=0")
         if self.correction not in CORRECTIONS:
             raise ValueError(f"correction must be one of {CORRECTIONS}; got {self.correction!r}")
         if self.correction_rates is not None:
@@ -149,6 +160,9 @@ class EstimatorConfig:
                 raise ValueError(f"{name} must be an integer >= 0; got {getattr(self, name)!r}")
         if not isinstance(self.audit_samples, int) or self.audit_samples < 2:
             raise ValueError(f"audit_samples must be an integer >= 2; got {self.audit_samples!r}")
+        if self.correction_p == AUTO and self.mode == "jagg" and self.correction_intervals:
+            raise ValueError(f"correction_p={AUTO!r} needs correction_intervals=0: the meter measures the error of "
+                             "every interval the correction can pick (or give a rate in [0, 1])")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}; got {self.score!r}")
         for name in ("exact_first_intervals", "exact_last_intervals"):
@@ -167,12 +181,16 @@ class EstimatorConfig:
     @property
     def rates(self) -> list[float]:
         """The correction's probabilities: ``correction_rates``, or ``[correction_p]`` for every interval."""
+        if self.correction_p == AUTO:
+            raise ValueError(f"correction_p={AUTO!r} has no rate until a trainer's efficiency meter chooses one; "
+                             "give policy_gradient a rate in [0, 1]")
         return list(self.correction_rates) if self.correction_rates is not None else [float(self.correction_p)]
 
     @property
     def corrects(self) -> bool:
-        """Whether unbiased JAGG's correction runs: mode ``jagg`` with a rate > 0."""
-        return self.mode == "jagg" and any(r > 0 for r in self.rates)
+        """Whether unbiased JAGG's correction runs: mode ``jagg`` with a rate > 0 (or ``'auto'``, which the trainers
+        resolve to a rate)."""
+        return self.mode == "jagg" and (self.correction_p == AUTO or any(r > 0 for r in self.rates))
 
     @property
     def random(self) -> bool:

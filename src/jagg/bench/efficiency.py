@@ -27,6 +27,14 @@ deterministic estimator). Per estimator:
 - ``efficiency``, ``time_efficiency``, ``adam_efficiency`` and ``adam_time_efficiency`` as above (times: medians
   of the training phase per batch in CPU seconds of this process, measured side by side, plus the rollout's median:
   sampling and reward; with ``threads=1`` CPU seconds do not count waiting for a core another process holds);
+- ``adam_tensor_efficiency`` and ``adam_tensor_time_efficiency``: Adam's model per parameter tensor, each tensor's
+  own ``E_t / V_t`` weighted by its share of Adam's progress (:func:`jagg.audit.tensor_weights`: by the signal where
+  it is measured, ``tensor_weighting``), beside the global ratio; ``--by-tensor NAME`` lists the tensors that carry
+  most of an estimator's error;
+- ``projected_iter_ratio`` and ``projected_time_efficiency``, ``projected_adam_time_efficiency``,
+  ``projected_adam_tensor_time_efficiency``: the per-update efficiencies times the iteration ratio of a named cost
+  structure (``--cost``, :mod:`jagg.bench.projection`; ``--gpu-bench-json``: B/F measured on a GPU), labelled
+  projected, with the structure printed;
 - the same extrapolated to ``--target-batch`` samples per update (default: the config's, samples per optimizer
   update): ``V_b`` and the unbiased part of the error fall as ``1 / B``, a bias does not.
 
@@ -34,7 +42,10 @@ Estimators: ``exact`` (the reference, always), ``config`` (the config's estimato
 ``correction_p=0``, the paper's JAGG), ``subsample`` (random timestep subsampling at the config's rows per sample,
 DanceGRPO's timestep_fraction: the baseline a user would pick instead), or ``NAME:KEY=VALUE,...`` (estimator keys on
 top of the config's, e.g. ``w8:window=8,correction_p=0.1``; every name once, a defined one not a built-in name).
-Standard errors are jackknife over batches.
+Standard errors are jackknife over batches. An estimator with ``correction_p: auto`` gets the rate the trainers' meter
+would choose from these batches (:func:`resolve_auto`, from plain JAGG's error, bias and rows: ``correction_p`` in its
+record) and is then measured at that rate on the same batches, after the others (its time is measured apart from
+theirs).
 """
 
 from __future__ import annotations
@@ -44,21 +55,27 @@ import dataclasses
 import math
 import statistics
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import yaml
+from torch import Tensor
 
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..audit import adam_efficiency, error_noise_stats, extrapolate, flat_grad, predicted_efficiency
+from ..audit import (AUTO_START_P, adam_efficiency, choose_correction_p, error_noise_stats, extrapolate, flat_grad,
+                     predicted_efficiency)
 from ..checks import check_unique_names, number_arg
 from ..estimator import CorrectionState, policy_gradient
-from ..estimator_config import EstimatorConfig
+from ..estimator_config import AUTO, EstimatorConfig
 from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals, plan_update
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
-from .common import default_config_path, json_if_asked, table
+from ..trajectory import Trajectory
+from .common import default_config_path, json_if_asked, set_threads, table
+from .projection import DEFAULT as DEFAULT_COST
+from .projection import PRESETS, CostStructure, job_structure, resolve
 
 BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
@@ -141,6 +158,14 @@ def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) ->
     return statistics.fmean(rows) / traj.batch_size
 
 
+def rate_of(est: EstimatorConfig, rate: float | None = None) -> EstimatorConfig:
+    """``est`` with ``correction_p: auto`` replaced by ``rate``, and by :data:`jagg.audit.AUTO_START_P` outside
+    ``mode='jagg'`` (where no rate matters); unchanged otherwise (an ``auto`` left is resolved from the batches)."""
+    if est.correction_p != AUTO or (rate is None and est.mode == "jagg"):
+        return est
+    return dataclasses.replace(est, correction_p=AUTO_START_P if rate is None else rate)
+
+
 def draw_batch(sampler: ShapesSampler, cfg: ShapesTrainConfig):
     """One training batch as the trainer draws it: ``(traj, tokens, advantages, prompt_groups, rollout CPU
     seconds)``, prompt groups without reward spread dropped when ``grpo.drop_zero_spread``."""
@@ -176,12 +201,15 @@ def bias_z(bias_to_noise: float, se: float) -> float:
     return bias_to_noise / se if se > 0 else math.nan
 
 
-def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float) -> dict:
-    """The four efficiencies (module docstring) of an estimator with these work ratios against exact and this error."""
+def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float, tensor_factor: float) -> dict:
+    """The six efficiencies (module docstring) of an estimator with these work ratios against exact, this error and
+    this per-update factor of Adam's per-tensor model (:func:`jagg.audit.adam_tensor_factor`)."""
     return {"efficiency": predicted_efficiency(rows_ratio, error_to_noise),
             "time_efficiency": predicted_efficiency(time_ratio, error_to_noise),
             "adam_efficiency": adam_efficiency(rows_ratio, error_to_noise),
-            "adam_time_efficiency": adam_efficiency(time_ratio, error_to_noise)}
+            "adam_time_efficiency": adam_efficiency(time_ratio, error_to_noise),
+            "adam_tensor_efficiency": rows_ratio * tensor_factor,
+            "adam_tensor_time_efficiency": time_ratio * tensor_factor}
 
 
 def control_states(ests: dict, params) -> dict[str, CorrectionState]:
@@ -227,11 +255,66 @@ def budget_rates_of(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, bat
     return dataclasses.replace(est, correction_rates=[round(r, 4) for r in rates])
 
 
+@dataclass
+class Batch:
+    """One batch as :func:`draw_batch` drew it, kept so that every estimator, the ones ``auto`` resolves last
+    included, runs on the same batches."""
+
+    traj: Trajectory
+    tokens: Tensor
+    adv: Tensor
+    prompt_groups: Tensor
+
+
+def resolve_auto(plain: dict, rows: dict) -> dict:
+    """The rate ``correction_p: auto`` picks from these batches, as the trainers' meter does from its audits
+    (:func:`jagg.audit.choose_correction_p` on training-phase rows): ``plain`` is :func:`error_noise_stats` of the
+    estimator at ``correction_p=0``, ``rows`` its rows per sample (``plain``, at ``full`` correction, ``exact``). The
+    correction's error energy is plain JAGG's squared error (each batch is one update; its intervals' errors taken as
+    orthogonal)."""
+    p = choose_correction_p(rows["plain"], rows["full"] - rows["plain"], rows["exact"], plain["error_sq"],
+                            plain["noise"], plain["error_sq"], plain["bias_to_noise"], plain["bias_to_noise_se"])
+    return {"correction_p": p, "auto_plain_error_to_noise": plain["error_to_noise"],
+            "auto_plain_bias_z": bias_z(plain["bias_to_noise"], plain["bias_to_noise_se"])}
+
+
+def _auto_rate(sampler: ShapesSampler, kept: list[Batch], est: EstimatorConfig, exact: Tensor, rows_exact: float) -> dict:
+    """:func:`resolve_auto` for ``est`` (``correction_p: auto``) on the batches ``kept``: plain JAGG's gradients
+    against ``exact`` (``[n, P]``), and its rows per sample, plain and at full correction, planned on the first batch
+    against exact's ``rows_exact``."""
+    plain = dataclasses.replace(est, correction_p=0.0)
+    first = kept[0]
+    rows = {"plain": expected_rows(first.traj, plain, first.prompt_groups), "exact": rows_exact,
+            "full": expected_rows(first.traj, dataclasses.replace(est, correction_p=1.0), first.prompt_groups)}
+    return resolve_auto(error_noise_stats(exact, [_gradients(sampler, batch, plain, [0])[0] for batch in kept]), rows)
+
+
+def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds: list[int],
+               state: CorrectionState | None = None) -> tuple[Tensor, list]:
+    """``[len(seeds), P]`` gradients of ``est`` on ``batch`` (one per pick seed) and per draw ``(CPU seconds, rows
+    with grad, no-grad rows)`` per sample; ``state``: its control variate's means, updated by each draw."""
+    vf = sampler.velocity(batch.tokens)
+    out, costs = [], []
+    for seed in seeds:
+        sampler.zero_grad()
+        c0 = time.process_time()
+        with torch.enable_grad():
+            st = policy_gradient(vf, batch.traj, batch.adv, est, prompt_groups=batch.prompt_groups,
+                                 generator=torch.Generator().manual_seed(seed), correction_state=state)
+        B = batch.traj.batch_size
+        costs.append((time.process_time() - c0, st.backward_items / B, st.forward_nograd_items / B))
+        out.append(flat_grad(sampler.params).double())
+    return torch.stack(out), costs
+
+
 def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
-            warmup: int = 0) -> list[dict]:
-    """One record per estimator (module docstring)."""
+            warmup: int = 0, cost: CostStructure | None = None) -> list[dict]:
+    """One record per estimator (module docstring); ``warmup``: batches that build the control variates' means first
+    (:func:`warm_up`); ``cost``: the structure of the projected columns (None: the
+    job's own, :func:`jagg.bench.projection.job_structure`)."""
     check_sizes(batches, draws, target_batch)
     ests = parse_estimators(specs, cfg.estimator)
+    ests = {name: est if est is None else rate_of(est) for name, est in ests.items()}     # None: subsample
     pilots: dict = {}
     for spec in specs:
         if wants_budget_rates(spec):
@@ -243,64 +326,101 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
     states = control_states(ests, sampler.params)
     for name, saved in warm_up(cfg, ests, warmup).items():
         states[name].load_state_dict(saved)
+    sizes = [p.numel() for p in sampler.params]
+    tensor_names = [n for n, p in sampler.model.named_parameters() if p.requires_grad]     # sampler.params' order
     grads = {name: [] for name in ests}        # name -> per batch [draws, P]
-    train_s = {name: [] for name in ests}
-    rows = {name: [] for name in ests}
-    rollout_s, samples = [], []
-    for b in range(batches):
+    costs = {name: [] for name in ests}        # name -> per draw (CPU seconds, rows, no-grad rows) per sample
+    rollout_s, kept = [], []
+
+    def run(b: int, name: str, est: EstimatorConfig, e_i: int) -> None:
+        seeds = [cfg.seed * 1_000_003 + b * 1009 + d * 31 + e_i for d in range(draws if est.random else 1)]
+        g, c = _gradients(sampler, kept[b], est, seeds, states.get(name))
+        grads[name].append(g)
+        costs[name] += c
+
+    for _ in range(batches):
         traj, tokens, adv, prompt_groups, seconds = draw_batch(sampler, cfg)
         rollout_s.append(seconds)
-        samples.append(traj.batch_size)
-        if ests.get("subsample", 0) is None:       # subsample at the config's rows, fixed from the first batch
-            K = traj.train_steps.numel()
-            frac = min(1.0, expected_rows(traj, cfg.estimator, prompt_groups) / K)
-            ests["subsample"] = dataclasses.replace(cfg.estimator, mode="subsample", subsample_frac=frac,
-                                                    interval_frac=1.0)
-        vf = sampler.velocity(tokens)
+        kept.append(Batch(traj, tokens, adv, prompt_groups))
+    if ests.get("subsample", 0) is None:           # subsample at the config's rows, fixed from the first batch
+        first, base = kept[0], rate_of(cfg.estimator, AUTO_START_P)
+        frac = min(1.0, expected_rows(first.traj, base, first.prompt_groups) / first.traj.train_steps.numel())
+        ests["subsample"] = dataclasses.replace(base, mode="subsample", subsample_frac=frac, interval_frac=1.0)
+    auto = {name for name, est in ests.items() if est.correction_p == AUTO}
+    for b in range(batches):                       # side by side: every estimator on a batch, then the next batch
         for e_i, (name, est) in enumerate(ests.items()):
-            out = []
-            for d in range(draws if est.random else 1):
-                gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + b * 1009 + d * 31 + e_i)
-                sampler.zero_grad()
-                c0 = time.process_time()
-                with torch.enable_grad():
-                    st = policy_gradient(vf, traj, adv, est, prompt_groups=prompt_groups, generator=gen,
-                                         correction_state=states.get(name))
-                train_s[name].append(time.process_time() - c0)
-                rows[name].append(st.backward_items / traj.batch_size)
-                out.append(flat_grad(sampler.params).double())
-            grads[name].append(torch.stack(out))
-    n_samples = statistics.fmean(samples)
-    target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
+            if name not in auto:
+                run(b, name, est, e_i)
     exact = torch.stack([g[0] for g in grads["exact"]])                      # [batches, P]
     t_roll = statistics.median(rollout_s)
-    t_exact = statistics.median(train_s["exact"])
-    r_exact = statistics.fmean(rows["exact"])
+    t_exact = statistics.median(c[0] for c in costs["exact"])
+    r_exact = statistics.fmean(c[1] for c in costs["exact"])
+    resolved = {}
+    for e_i, (name, est) in enumerate(ests.items()):            # correction_p auto: from plain JAGG on these batches
+        if name in auto:
+            resolved[name] = _auto_rate(sampler, kept, est, exact, r_exact)
+            p = resolved[name]["correction_p"]
+            ests[name] = rate_of(est, AUTO_START_P if math.isnan(p) else p)
+            for b in range(batches):
+                run(b, name, ests[name], e_i)
+    n_samples = statistics.fmean(b.traj.batch_size for b in kept)
+    target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
+    cost = cost or job_structure(cfg.sample)
+    nograd_exact = statistics.fmean(c[2] for c in costs["exact"])
     records = []
     for name, est in ests.items():
-        st = error_noise_stats(exact, grads[name])
-        r = statistics.fmean(rows[name])
-        t = statistics.median(train_s[name])
+        st = error_noise_stats(exact, grads[name], sizes)
+        r = statistics.fmean(c[1] for c in costs[name])
+        t = statistics.median(c[0] for c in costs[name])
+        nograd = statistics.fmean(c[2] for c in costs[name]) - nograd_exact
         time_ratio = (t_roll + t_exact) / (t_roll + t)
+        tensors = [{"tensor": n, **t} for n, t in zip(tensor_names, st.pop("tensors"))]
         rec = {"estimator": name, "mode": est.mode, "batches": batches, "draws": draws if est.random else 1,
                "samples_per_batch": n_samples, "target_batch": target, "rows_per_sample": r,
-               "rows_ratio": r_exact / r, "train_s": t, "rollout_s": t_roll, "iter_ratio": time_ratio,
-               **st, "bias_z": bias_z(st["bias_to_noise"], st["bias_to_noise_se"]),
-               **efficiencies(r_exact / r, time_ratio, st["error_to_noise"]), "estimator_config": est.to_dict()}
-        at = extrapolate(st, n_samples, target)
+               "nograd_per_sample": nograd, "rows_ratio": r_exact / r, "train_s": t, "rollout_s": t_roll,
+               "iter_ratio": time_ratio, **st, "bias_z": bias_z(st["bias_to_noise"], st["bias_to_noise_se"]),
+               **efficiencies(r_exact / r, time_ratio, st["error_to_noise"], st["adam_tensor_factor"]),
+               **projected_efficiencies(cost.iteration_ratio(r / r_exact, nograd / r_exact), st["error_to_noise"],
+                                        st["adam_tensor_factor"]),
+               **resolved.get(name, {}), "estimator_config": est.to_dict(), "tensors": tensors}
+        at = extrapolate({**st, "tensors": tensors}, n_samples, target)
         rec.update({f"{k}_at_target": v for k, v in at.items()})
-        at_eff = efficiencies(r_exact / r, time_ratio, at["error_to_noise"])
+        at_eff = efficiencies(r_exact / r, time_ratio, at["error_to_noise"], at["adam_tensor_factor"])
         rec.update({f"{k}_at_target": v for k, v in at_eff.items()})
         records.append(rec)
     return records
 
 
+def projected_efficiencies(iter_ratio: float, error_to_noise: float, tensor_factor: float) -> dict:
+    """``projected_iter_ratio`` (a :class:`~jagg.bench.projection.CostStructure`'s) and the per-update efficiencies
+    times it: ``projected_time_efficiency`` (SGD's model), ``projected_adam_time_efficiency``,
+    ``projected_adam_tensor_time_efficiency``."""
+    return {"projected_iter_ratio": iter_ratio,
+            "projected_time_efficiency": predicted_efficiency(iter_ratio, error_to_noise),
+            "projected_adam_time_efficiency": adam_efficiency(iter_ratio, error_to_noise),
+            "projected_adam_tensor_time_efficiency": iter_ratio * tensor_factor}
+
+
+def tensor_breakdown(record: dict, top: int = 10) -> list[dict]:
+    """The ``top`` parameter tensors of one estimator's record by their share of its squared error: each tensor's
+    ``error_share``, ``noise_share``, ``error_to_noise`` (``E_t / V_t``) and Adam ``weight``."""
+    tensors = record["tensors"]
+    err = sum(max(t["error_sq"], 0.0) for t in tensors)
+    noise = sum(t["noise"] for t in tensors)
+    rows = [{"estimator": record["estimator"], "tensor": t["tensor"], "numel": t["numel"],
+             "error_share": max(t["error_sq"], 0.0) / err if err > 0 else 0.0,
+             "noise_share": t["noise"] / noise if noise > 0 else 0.0, "error_to_noise": t["error_to_noise"],
+             "weight": t["weight"]} for t in tensors]
+    return sorted(rows, key=lambda r: -r["error_share"])[:top]
+
+
 def by_interval_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorConfig]:
-    """``--by-interval``'s estimator (:func:`parse_estimator`), which must be a JAGG one."""
+    """``--by-interval``'s estimator (:func:`parse_estimator`), which must be a JAGG one; ``correction_p: auto`` is
+    broken down at 0, plain JAGG's error, the one the correction removes."""
     name, est = parse_estimator(spec, base, "--by-interval")
     if est is None or est.mode != "jagg":
         raise ValueError(f"--by-interval {spec!r}: give a JAGG estimator (config, plain or NAME:KEY=VALUE,...)")
-    return name, est
+    return name, rate_of(est, 0.0)
 
 
 def by_interval(cfg: ShapesTrainConfig, spec: str, batches: int, draws: int) -> list[dict]:
@@ -365,22 +485,34 @@ COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".
            ("bias_to_noise_se", "± SE", ".4f"), ("bias_z", "bias z", ".1f"),
            ("bias_to_signal", "bias^2/signal^2", ".2f"), ("efficiency", "efficiency", ".2f"),
            ("iter_ratio", "iter ratio", ".2f"), ("time_efficiency", "time eff.", ".2f"),
-           ("adam_time_efficiency", "Adam time eff.", ".2f"),
+           ("adam_time_efficiency", "Adam time eff.", ".2f"), ("adam_tensor_time_efficiency", "per tensor", ".2f"),
            ("bias_to_noise_at_target", "bias^2/V_b @T", ".4f"), ("adam_time_efficiency_at_target", "Adam @T", ".2f")]
+PROJECTED_COLUMNS = [("estimator", "estimator", ""), ("rows_ratio", "rows ratio", ".2f"),
+                     ("projected_iter_ratio", "iter ratio", ".2f"), ("projected_time_efficiency", "time eff.", ".2f"),
+                     ("projected_adam_time_efficiency", "Adam time eff.", ".2f"),
+                     ("projected_adam_tensor_time_efficiency", "per tensor", ".2f")]
+TENSOR_COLUMNS = [("tensor", "tensor", ""), ("numel", "numel", ""), ("error_share", "share of E|e|^2", ".3f"),
+                  ("noise_share", "share of V_b", ".3f"), ("error_to_noise", "E_t/V_t", ".4f"),
+                  ("weight", "Adam weight", ".3f")]
 
 
 def _run(args: argparse.Namespace) -> int:
     sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
     cfg = configuration.load(ShapesTrainConfig, args.config, sets)
+    set_threads(cfg.threads)
     specs = args.estimator or ["config", "plain", "subsample"]
     batches = args.batches if args.batches is not None else (3 if args.quick else 6)
     draws = args.draws if args.draws is not None else (2 if args.quick else 4)
-    if args.by_interval is not None:                      # every argument is checked before the first batch
+    names = [s.partition(":")[0] for s in ["exact", *specs]]
+    if args.by_tensor is not None and args.by_tensor not in names:          # every argument is checked before the
+        raise ValueError(f"--by-tensor {args.by_tensor!r}: not one of the estimators {names}")   # first batch
+    cost, cost_line = resolve(args.cost, job_structure(cfg.sample), args.gpu_bench_json)
+    if args.by_interval is not None:
         check_sizes(batches, draws, args.target_batch)
         by_interval_estimator(args.by_interval, cfg.estimator)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
-    records = measure(cfg, specs, batches, draws, args.target_batch, args.warmup)
+    records = measure(cfg, specs, batches, draws, args.target_batch, args.warmup, cost)
     r0 = records[0]
     print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples, up to {draws} draws per estimator; V_b = "
           f"{r0['noise']:.3e} (|g| = {r0['grad_norm']:.3e}), signal |E g|^2 / V_b = {r0['signal_to_noise']:.4f} +- "
@@ -388,15 +520,32 @@ def _run(args: argparse.Namespace) -> int:
           f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)")
     print(table(records, COLUMNS))
     print("time eff.: plain SGD's variance model; Adam time eff.: the trainers' AdamW (the step normalised by the "
-          "noise), for an estimator whose repeating error is not significant (bias z < 2); both predict from this "
-          "checkpoint's gradients, paired seeds measure (docs/design.md §3.8)")
+          f"noise), per tensor: Adam per parameter tensor (weighted by {r0['tensor_weighting']}), for an estimator "
+          "whose repeating error is not significant (bias z < 2); all predict from this checkpoint's gradients, paired "
+          "seeds measure (docs/design.md §3.8)")
+    for r in records:
+        if "auto_plain_bias_z" in r:
+            print(f"{r['estimator']}: correction_p auto -> {r['correction_p']:.3f} (plain JAGG: E|e|^2/V_b "
+                  f"{r['auto_plain_error_to_noise']:.4f}, bias z {r['auto_plain_bias_z']:.1f})")
+    print(f"\nprojected, not measured: the per-update efficiency times the iteration ratio of {cost_line}")
+    print(table(records, PROJECTED_COLUMNS))
+    extra = []
+    for r in records:
+        r["cost_structure"] = cost_line
+    if args.by_tensor is not None:
+        rec = records[names.index(args.by_tensor)]
+        parts = tensor_breakdown(rec)
+        print(f"\nwhere {args.by_tensor}'s error lives, by parameter tensor (the 10 with the largest share of E|e|^2; "
+              f"{len(rec['tensors'])} tensors)")
+        print(table(parts, TENSOR_COLUMNS))
+        extra += [{**r, "kind": "tensor"} for r in parts]
     if args.by_interval is not None:
         parts = by_interval(cfg, args.by_interval, batches, draws)
         print(f"\nwhere {args.by_interval.split(':')[0]}'s error lives: each interval's terms alone, against the whole "
               "update's noise V_b")
         print(table(parts, INTERVAL_COLUMNS))
-        records = records + [{**r, "kind": "interval"} for r in parts]
-    json_if_asked(args.json, records)
+        extra += [{**r, "kind": "interval"} for r in parts]
+    json_if_asked(args.json, records + extra)
     return 0
 
 
@@ -423,6 +572,17 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=4, help="batches of their own (seed + 2) that build an estimator's "
                    "control-variate means before the measured batches, which then go on updating them; nothing "
                    "without a control_variate estimator [default: 4]")
+    p.add_argument("--by-tensor", nargs="?", const="config", metavar="NAME",
+                   help="also list where this estimator's error lives by parameter tensor (the 10 with the largest "
+                        "share), with Adam's per-tensor weights [NAME default: config]")
+    p.add_argument("--cost", default=DEFAULT_COST, metavar="PRESET[:KEY=VALUE,...] | KEY=VALUE,...",
+                   help="the cost structure of the projected time columns: a preset "
+                        f"({', '.join(PRESETS)}), a preset with changes, or KEY=VALUE,... of B_F, cfg_rollout, "
+                        "cfg_train, rollout_steps, train_steps, model, resolution on top of this job's own steps and "
+                        f"guidance with B_F 2 [default: {DEFAULT_COST}]")
+    p.add_argument("--gpu-bench-json", metavar="PATH",
+                   help="a results JSON of benchmarks/gpu_bench.py: its measured B/F for the cost structure's model "
+                        "and resolution replaces B_F")
     p.add_argument("--json", help="also write the records to this JSON file")
     p.add_argument("--quick", action="store_true", help=f"a smoke-sized run: 3 batches, 2 draws, {' '.join(QUICK_SETS)}")
     p.set_defaults(func=_run)

@@ -59,6 +59,8 @@ from ..training import config_loader as configuration
 from ..training.atomic import atomic_write
 from ..training.rundir import RunHints
 from .common import default_config_path, table, write_json
+from .projection import DEFAULT as DEFAULT_COST
+from .projection import PRESETS, CostStructure, job_structure, resolve
 
 BUILTIN = {
     "exact": ["estimator.mode=exact"],
@@ -75,6 +77,10 @@ CLOCKS = ("wall", "cpu", "iterations")
 TARGETS = ("train", "test")
 TRAIN_CURVE = ("iterations", "wall", "reward", "cpu")    # the columns of a run's train_curve (its result.json)
 TEST_CURVE = ("iterations", "wall", "reward")            # ... and of its test_curve, one row per evaluation
+# what a run's result keeps of its last audit record (estimator.audit_every > 0): the meter's final prediction
+METER = ("audits", "error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio",
+         "predicted_efficiency", "predicted_time_efficiency", "predicted_adam_efficiency",
+         "predicted_adam_time_efficiency", "predicted_adam_tensor_efficiency", "predicted_adam_tensor_time_efficiency")
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:
@@ -142,6 +148,7 @@ def summarize(records: list[dict], cfg: ShapesTrainConfig, variant: str, seed: i
     """One run's result from its metrics records."""
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
+    audits = [r for r in records if r.get("kind") == "audit"]
     per_iter = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
     med = lambda k: statistics.median(r[k] for r in train) if train else float("nan")
     updates = len(train) * per_iter
@@ -158,6 +165,8 @@ def summarize(records: list[dict], cfg: ShapesTrainConfig, variant: str, seed: i
         "wall_s": train[-1]["wall_s"] if train else 0.0,
         "rows_per_update": sum(r.get("backward_items", 0) for r in train) / max(updates, 1),
         "nograd_per_update": sum(r.get("forward_nograd_items", 0) for r in train) / max(updates, 1),
+        "meter": {k: audits[-1].get(k) for k in METER} if audits else None,
+        "correction_p": train[-1].get("correction_p") if train else None,           # the last rate (auto: chosen)
         "train_curve": [[r["iteration"], r["wall_s"], r["reward_mean"], r.get("cpu_s")] for r in train],   # TRAIN_CURVE
         "test_curve": [[r["iteration"], r["wall_s"], r["reward_mean"]] for r in evals],                    # TEST_CURVE
     }
@@ -407,11 +416,44 @@ def _per_update(pair: Pair, boots: list[np.ndarray], cpu_ratio: float) -> dict:
     return rec
 
 
+def _meter(runs: list[dict]) -> dict:
+    """The meter's final prediction (each run's last audit) as medians over the seeds: per update
+    (``meter_efficiency`` under SGD's model, ``meter_adam_efficiency``, ``meter_adam_tensor_efficiency``: the
+    predicted efficiencies over the rows ratio, to set beside ``measured_efficiency``), per CPU second
+    (``meter_adam_time_efficiency``, beside ``measured_time_efficiency``), ``meter_bias_z``, ``meter_audits``, and the
+    last correction rate (``correction_p``: the one ``auto`` chose). NaN without audits."""
+    def med(values) -> float:
+        values = [v for v in values if v is not None and math.isfinite(v)]
+        return statistics.median(values) if values else math.nan
+
+    meters = [r["meter"] for r in runs if r.get("meter")]
+    per_update = lambda key: med(m[key] / m["rows_ratio"] for m in meters
+                                 if m.get(key) is not None and m.get("rows_ratio"))
+    return {"meter_efficiency": per_update("predicted_efficiency"),
+            "meter_adam_efficiency": per_update("predicted_adam_efficiency"),
+            "meter_adam_tensor_efficiency": per_update("predicted_adam_tensor_efficiency"),
+            "meter_adam_time_efficiency": med(m.get("predicted_adam_time_efficiency") for m in meters),
+            "meter_bias_z": med(m.get("bias_z") for m in meters), "meter_audits": med(m.get("audits") for m in meters),
+            "correction_p": med(r.get("correction_p") for r in runs)}
+
+
+def _projected(rec: dict, exact: dict, cost: CostStructure) -> dict:
+    """The iteration ratio ``cost`` projects for the variant's rows and no-grad rows against exact's
+    (:meth:`~jagg.bench.projection.CostStructure.iteration_ratio`) and ``projected_time_efficiency`` (with its
+    interval) = ``measured_efficiency`` x that ratio."""
+    rows = exact["rows_per_update"]
+    ratio = cost.iteration_ratio(rec["rows_per_update"] / rows, (rec["nograd_per_update"] - exact["nograd_per_update"])
+                                 / rows) if rows else math.nan
+    return {"projected_iter_ratio": ratio,
+            **{f"projected_time_efficiency{k}": rec[f"measured_efficiency{k}"] * ratio for k in ("", "_lo", "_hi")}}
+
+
 def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str = "wall",
-            target: str = "train") -> list[dict]:
+            target: str = "train", cost: CostStructure | None = None) -> list[dict]:
     """Per variant: the paired statistics of the module docstring (bootstrap over seeds). ``clock``: ``wall``
     (wall-clock seconds), ``cpu`` (CPU seconds of the training process) or ``iterations`` for the time axis;
-    ``target``: ``train`` (exact's final training reward) or ``test`` (exact's final held-out reward)."""
+    ``target``: ``train`` (exact's final training reward) or ``test`` (exact's final held-out reward); ``cost``: the
+    cost structure of the projected columns (None: none)."""
     if clock not in CLOCKS:
         raise ValueError(f"--clock must be one of {CLOCKS}; got {clock!r}")
     if target not in TARGETS:
@@ -434,8 +476,11 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
         out.append({"kind": "variant", "variant": v, "seeds": S, "iterations": n, "smooth_iterations": w,
                     "updates": by[v][0]["updates"], **_time_to_target(pair, boots),
                     **_final_rewards(pair, boots, by[v]), **costs, "clock": clock,
-                    **_per_update(pair, boots, costs["iter_cpu_ratio"])})
+                    **_per_update(pair, boots, costs["iter_cpu_ratio"]), **_meter(by[v])})
     e = out[variants.index("exact")]
+    if cost is not None:
+        for r in out:
+            r.update(_projected(r, e, cost))
     for r in out:
         r["within_exact_interval"] = bool(e["final_test_lo"] <= r["final_test_mean"] <= e["final_test_hi"])
         r["drifted"] = r["train_end"] < r["train_start"]
@@ -499,16 +544,24 @@ VARIANT_COLUMNS = [
     ("diff_vs_exact", "- exact", "+.3f"), ("diff_lo", "lo", "+.3f"), ("diff_hi", "hi", "+.3f"),
     ("eval_se", "eval SE", ".3f"), ("train_start", "train start", ".3f"), ("train_end", "end", ".3f"),
     ("rows_per_update", "rows/upd", ".0f"), ("iter_ratio", "iter ratio", ".2f"), ("iter_ratio_ideal", "ideal", ".2f")]
+METER_COLUMNS = [
+    ("variant", "variant", ""), ("measured_efficiency", "per update", ".2f"), ("measured_efficiency_lo", "lo", ".2f"),
+    ("measured_efficiency_hi", "hi", ".2f"), ("meter_adam_efficiency", "meter: Adam", ".2f"),
+    ("meter_adam_tensor_efficiency", "per tensor", ".2f"), ("meter_efficiency", "SGD", ".2f"),
+    ("meter_bias_z", "bias z", ".1f"), ("correction_p", "correction_p", ".3f"),
+    ("measured_time_efficiency", "per CPU s", ".2f"), ("meter_adam_time_efficiency", "meter: Adam", ".2f"),
+    ("projected_iter_ratio", "projected: iter ratio", ".2f"), ("projected_time_efficiency", "time eff.", ".2f"),
+    ("projected_time_efficiency_lo", "lo", ".2f"), ("projected_time_efficiency_hi", "hi", ".2f")]
 RUN_COLUMNS = [("variant", "variant", ""), ("seed", "seed", ""), ("updates", "updates", ""),
                ("final_test_reward", "final test", ".3f"), ("iter_s", "iter s", ".2f"), ("wall_s", "wall s", ".0f"),
                ("rows_per_update", "rows/upd", ".0f")]
 
 
 def run_quality(q: QualityConfig, clock: str = "wall", train_only: str | None = None,
-                target: str = "train") -> list[dict]:
-    """Train (or skip, or resume) every run and compare. ``train_only``: train just that variant's runs and return
-    them without a comparison (to run two variants side by side in two processes, which then share whatever else
-    loads the machine; a last call without it compares)."""
+                target: str = "train", cost: CostStructure | None = None) -> list[dict]:
+    """Train (or skip, or resume) every run and compare (``cost``: as :func:`compare`). ``train_only``: train just
+    that variant's runs and return them without a comparison (to run two variants side by side in two processes,
+    which then share whatever else loads the machine; a last call without it compares)."""
     names = list(q.variants)
     for v in names:                                     # every variant's config loads before any run trains
         q.train_config(v, q.seeds[0])
@@ -517,7 +570,7 @@ def run_quality(q: QualityConfig, clock: str = "wall", train_only: str | None = 
             raise ValueError(f"--train-only {train_only!r} is not one of the variants {names}")
         return [run_one(q, train_only, s) for s in q.seeds]
     runs = [run_one(q, v, s) for s in q.seeds for v in names]        # seed-major, alternating variants
-    return runs + compare(runs, names, q.seeds, clock, target)
+    return runs + compare(runs, names, q.seeds, clock, target, cost)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -534,12 +587,14 @@ def _run(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else ("runs/bench_quality_quick" if args.quick else "runs/bench_quality")
     q = QualityConfig(config=args.config, sets=sets, variants=variants,
                       seeds=list(range(args.first_seed, args.first_seed + n_seeds)), out=out)
+    cost, cost_line = resolve(args.cost, job_structure(q.train_config("exact", q.seeds[0]).sample),
+                              args.gpu_bench_json)
     png = Path(out) / "quality.png" if args.plot is None else args.plot
     json_path = Path(out) / "quality.json" if args.json is None else args.json
     if args.train_only is None:                         # the comparison's files, checked before any run trains
         check_output_file(png, "--plot", args.overwrite, (".png",))
         check_output_file(json_path, "--json", args.overwrite)
-    records = run_quality(q, args.clock, args.train_only, args.target)
+    records = run_quality(q, args.clock, args.train_only, args.target, cost)
     runs = [r for r in records if r["kind"] == "run"]
     if args.train_only is not None:
         print(table(runs, RUN_COLUMNS))
@@ -551,6 +606,12 @@ def _run(args: argparse.Namespace) -> int:
     print(f"\nper variant, paired over seeds {q.seeds[0]}..{q.seeds[-1]} (95% bootstrap intervals; time-to-target and "
           "iteration ratios are exact / variant)")
     print(table(summary, VARIANT_COLUMNS))
+    print("\nthe efficiency at the held-out level both reach, measured, beside the meter's final prediction (the "
+          "runs' last audit, with estimator.audit_every; median over seeds) and, projected, not measured: the "
+          f"measured per-update efficiency times the iteration ratio of {cost_line}")
+    print(table(summary, METER_COLUMNS))
+    for r in summary:
+        r["cost_structure"] = cost_line
     plot(runs, Path(png), clock=args.clock)
     print(f"\nwrote {png}")
     write_json(json_path, records)
@@ -587,6 +648,14 @@ def add_parser(sub) -> None:
     p.add_argument("--train-only", metavar="NAME",
                    help="train only this variant's runs, no comparison: start one process per variant to run them "
                         "side by side (each under the same load), then the same command without it to compare")
+    p.add_argument("--cost", default=DEFAULT_COST, metavar="PRESET[:KEY=VALUE,...] | KEY=VALUE,...",
+                   help="the cost structure of the projected time efficiency: a preset "
+                        f"({', '.join(PRESETS)}), a preset with changes, or KEY=VALUE,... of B_F, cfg_rollout, "
+                        "cfg_train, rollout_steps, train_steps, model, resolution on top of this job's own steps and "
+                        f"guidance with B_F 2 [default: {DEFAULT_COST}]")
+    p.add_argument("--gpu-bench-json", metavar="PATH",
+                   help="a results JSON of benchmarks/gpu_bench.py: its measured B/F for the cost structure's model "
+                        "and resolution replaces B_F")
     p.add_argument("--out", help="bench output dir, one sub-dir per run [default: runs/bench_quality]")
     p.add_argument("--plot", help="PNG path [default: OUT/quality.png]; an existing file needs --overwrite")
     p.add_argument("--json", help="JSON path [default: OUT/quality.json]; an existing file needs --overwrite")

@@ -17,6 +17,8 @@ iteration's first update, and SIGINT/SIGTERM (finish the iteration, save, exit);
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import signal
 import time
 from abc import ABC, abstractmethod
@@ -31,8 +33,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..audit import AuditMeter, audit_flag, audit_parts, meter_flag
+from ..audit import AUTO_START_P, AuditMeter, audit_flag, audit_parts, meter_flag
 from ..estimator import CorrectionState, reference_velocities
+from ..estimator_config import AUTO, EstimatorConfig
 from ..training.distributed import gather, init_process_group_from_env
 from ..training.config_loader import to_dict
 from ..training.metrics import MetricsLogger
@@ -178,6 +181,8 @@ def update_summary(per_update: list[dict]) -> dict:
            for k in ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl", "grad_norm", "jagg_frac_routed")}
     rec.update({k: int(sum(s[k] for s in per_update))
                 for k in ("backward_items", "forward_grad_items", "forward_nograd_items", "skipped")})
+    if "correction_p" in per_update[0]:
+        rec["correction_p"] = float(np.mean([s["correction_p"] for s in per_update]))
     return rec
 
 
@@ -211,6 +216,15 @@ class GRPO(ABC):
         self.skipped_updates = self.consecutive_skips = self.consecutive_empty = 0
         self.empty_iteration = self._empty_warned = False    # whether the last iteration had nothing to learn from
         self.logger: MetricsLogger | None = None             # a GRPOTrainer's, on its main process
+        self.meter: AuditMeter | None = None                 # the efficiency meter, from the first audit on
+        self.correction_p = AUTO_START_P if cfg.estimator.correction_p == AUTO else cfg.estimator.correction_p
+
+    @property
+    def estimator(self) -> EstimatorConfig:
+        """The estimator of the next update: ``estimator`` of the config, with ``correction_p: auto`` resolved to the
+        rate the meter chose last (:attr:`correction_p`; :data:`jagg.audit.AUTO_START_P` before the first audit)."""
+        e = self.cfg.estimator
+        return dataclasses.replace(e, correction_p=self.correction_p) if e.correction_p == AUTO else e
 
     # ------------------------------------------------------------------ what each trainer provides
 
@@ -331,6 +345,10 @@ class GRPO(ABC):
         if self.main and n and self.audit_due():               # the main process audits its own samples
             audit_s, audit_cpu = self.audit(lambda sub: self.velocity(take(cond, sub)), traj, adv, ref_v,
                                             prompt_groups, self.params)
+        if self.world > 1 and c.estimator.correction_p == AUTO and self.audit_due():
+            rate = torch.tensor([self.correction_p], dtype=torch.float64, device=self.device)
+            dist.broadcast(rate, 0)                             # every process corrects at the main process's rate
+            self.correction_p = float(rate)
         per_update = []
         for _ in range(c.grpo.inner_epochs):
             for mb in self.minibatches(n):
@@ -351,6 +369,8 @@ class GRPO(ABC):
         stats = self.gradient(mb)
         if not stats:
             return {}
+        if self.cfg.estimator.mode == "jagg":
+            stats["correction_p"] = self.estimator.correction_p
         grads = [p for p in self.params if p.grad is not None]
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
@@ -383,11 +403,14 @@ class GRPO(ABC):
               params: Sequence[torch.nn.Parameter]) -> tuple[float, float]:
         """The estimator audit (:func:`jagg.audit.audit_parts`) on whole prompt groups (``prompt_groups`` ``[B]``) of the
         batch, at least ``estimator.audit_samples`` samples and two prompt groups where the batch has them, picked at
-        random with an RNG of its own, so a run is the same with and without it. ``make_velocity(indices)`` gives the
-        velocity callable of those samples. Feeds the run's :class:`jagg.audit.AuditMeter` (error against noise,
-        predicted efficiency), logs an ``audit`` record (with a logger: on the main process of a :class:`GRPOTrainer`),
-        prints each warning once per run, and
-        returns its ``(seconds, CPU seconds)`` so that the caller can leave them out of the iteration's time."""
+        random with an RNG of its own, so a run with a fixed ``correction_p`` is the same with and without it.
+        ``make_velocity(indices)`` gives the velocity callable of those samples. Feeds the run's
+        :class:`jagg.audit.AuditMeter` (:attr:`meter`: error against noise, bias, predicted efficiency), logs an
+        ``audit`` record (with a logger: on the main process of a :class:`GRPOTrainer`), prints each warning once per
+        run, and returns its ``(seconds, CPU seconds)`` so that the caller can leave them out of the iteration's time.
+        With ``correction_p: auto`` it audits plain JAGG (the estimator before its correction), the meter chooses the
+        rate (:func:`jagg.audit.choose_correction_p`) and :attr:`correction_p` takes it (a NaN choice keeps the rate
+        in use); no warning is printed then, as the rate answers a repeating error."""
         c = self.cfg
         c0 = time.process_time()
         gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.iteration)
@@ -400,16 +423,23 @@ class GRPO(ABC):
         sub = sorted(chosen)
         idx = torch.tensor(sub, device=traj.latents.device)
         g_sub = prompt_groups[torch.tensor(sub)]
-        a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], c.estimator, params,
+        auto = c.estimator.correction_p == AUTO
+        config = dataclasses.replace(c.estimator, correction_p=0.0) if auto else c.estimator   # auto: plain JAGG
+        a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], config, params,
                                     None if ref_v is None else ref_v[idx], g_sub, gen, split=g_sub,
                                     correction_state=self.correction_state)
-        if getattr(self, "_meter", None) is None:
-            self._meter = AuditMeter(seed=c.seed)
+        if self.meter is None:
+            self.meter = AuditMeter([p.numel() for p in params], seed=c.seed)
         per_update = c.sample.batch_size / c.grpo.updates_per_epoch / c.sample.group_size
         last = self.logger.records("train")[-1:] if self.logger is not None else []
         share = last[0]["train_s"] / last[0]["iter_s"] if last and last[0].get("iter_s") else None
-        a.update(self._meter.update(exact, est, a["rows_exact"], a["rows_estimator"], per_update, share))
-        flags = [f for f in (audit_flag(a, c.estimator), meter_flag(a)) if f]
+        a.update(self.meter.update(exact, est, a["rows_exact"], a["rows_estimator"], per_update, share,
+                                   a["rows_inner"] if auto else None, self.correction_p))
+        if auto:
+            if not math.isnan(a["correction_p"]):
+                self.correction_p = a["correction_p"]
+            a["correction_p"] = self.correction_p             # the rate of the updates from here on
+        flags = [] if auto else [f for f in (audit_flag(a, c.estimator), meter_flag(a)) if f]
         if self.logger is not None:
             self.logger.log({"kind": "audit", "iteration": self.iteration + 1, "samples": len(sub), **a,
                              "flagged": int(bool(flags))})
@@ -514,6 +544,16 @@ class GRPOTrainer(GRPO):
     @abstractmethod
     def load_state(self, state: dict) -> list[str]:
         """Restore a checkpoint; return one line per config key that changed and may (:func:`check_resumable`)."""
+
+    def meter_state(self) -> dict:
+        """What a checkpoint keeps of the efficiency meter: the rate of ``correction_p`` in use and the meter's
+        measurements (None before the first audit), so that a resumed run chooses as the run would have."""
+        return {"correction_p": self.correction_p, "meter": None if self.meter is None else self.meter.state_dict()}
+
+    def load_meter_state(self, state: dict) -> None:
+        """Restore :meth:`meter_state` (a checkpoint that has none: the rate and meter of a run's start)."""
+        self.correction_p = state.get("correction_p", self.correction_p)
+        self.meter = AuditMeter.from_state(state["meter"]) if state.get("meter") is not None else None
 
     @abstractmethod
     def rng_state(self) -> dict:

@@ -142,7 +142,7 @@ class DiffusersTrainer(GRPOTrainer):
                 "optimizer": self.opt.state_dict(), "iteration": self.iteration, "wall": self.wall,
                 "skipped_updates": self.skipped_updates, "config": configuration.to_dict(self.cfg),
                 "run_id": self.run_id, "world_size": self.world, "rng": rngs,
-                "correction_state": self.correction_state_dict()}
+                "correction_state": self.correction_state_dict(), **self.meter_state()}
 
     def load_state(self, state: dict) -> list[str]:
         """Restore ``state``; returns one line per config key that changed and may (``RESUMABLE_REAL`` and the
@@ -163,6 +163,7 @@ class DiffusersTrainer(GRPOTrainer):
         self.iteration, self.wall = state["iteration"], state["wall"]
         self.skipped_updates = state["skipped_updates"]
         self.load_correction_state(state.get("correction_state"))
+        self.load_meter_state(state)
         rngs = state["rng"]
         if len(rngs) == self.world:
             self.set_rng_state(rngs[self.rank])
@@ -251,7 +252,7 @@ class DiffusersTrainer(GRPOTrainer):
         counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "intervals", "intervals_jagg")
         local = [0.0] * (len(names) + len(counts))
         if n:
-            st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
+            st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                  ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
                                  prompt_groups=mb.prompt_groups, generator=self.pick_gen,
                                  correction_state=self.correction_state)

@@ -1,0 +1,184 @@
+"""Time on other hardware: the iteration ratio a named cost structure projects for an estimator's rows.
+
+Per-update efficiency does not depend on the machine; the iteration ratio does. On this CPU the TinyDiT's backward
+costs about half its forward, and sampling is a large share of an iteration, so CPU seconds undervalue a saved row;
+on a GPU a transformer's backward is about two forwards (full fine-tuning), and Flow-GRPO's CFG sends both branches
+through training. A projected time efficiency is therefore the per-update efficiency (measured, or the meter's)
+times the iteration ratio of a stated cost structure (docs/design.md §3.7, §3.8):
+
+    one forward of one branch = 1, a backward = B_F
+    rollout, per sample:            rollout_steps x cfg_rollout                      (no grad)
+    a training row:                 cfg_train x (1 + B_F) + (cfg_rollout - cfg_train)  (branches without grad: a forward)
+    a no-grad row (intermediate: fresh): cfg_rollout
+    exact, per sample:              rollout + train_steps x training row
+    an estimator, per sample:       rollout + train_steps x (rows / rows_exact x training row + nograd / rows_exact x cfg_rollout)
+
+The estimator's rows and no-grad rows are measured on the job (per sample, as fractions of exact's rows) and carried
+over to the structure's trained steps. Rewards and decoding are left out (0). :data:`PRESETS` names the structures of
+real jobs; ``--cost KEY=VALUE,...`` states another; ``--gpu-bench-json`` replaces ``B_F`` by the one
+``benchmarks/gpu_bench.py`` measured on a GPU for the structure's model and resolution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checks import check_positive
+from ..trajectory import select_train_steps
+
+
+@dataclass(frozen=True)
+class CostStructure:
+    """The cost of one GRPO iteration per sample, in forwards of one network branch (module docstring).
+
+    Attributes:
+        name: what the numbers describe (a preset's name, or "custom").
+        B_F: a backward's cost over a forward's (about 2 for full fine-tuning, about 1 with LoRA; gradient
+            checkpointing adds one forward).
+        cfg_rollout: network branches per guided forward (2 with classifier-free guidance, else 1).
+        cfg_train: the branches that go through training with grad (Flow-GRPO's SD3: both; a detached unconditional
+            branch: 1).
+        rollout_steps: sampling steps per trajectory.
+        train_steps: trained steps per trajectory (exact's rows per sample).
+        model, resolution: the ``benchmarks/gpu_bench.py`` model and image size whose measured B/F can replace
+            ``B_F`` (None: none stated).
+        about: where the numbers come from.
+    """
+
+    name: str
+    B_F: float
+    cfg_rollout: int
+    cfg_train: int
+    rollout_steps: int
+    train_steps: int
+    model: str | None = None
+    resolution: int | None = None
+    about: str = ""
+
+    def __post_init__(self):
+        check_positive(self.B_F, f"{self.name}: B_F", "a backward's cost over a forward's")
+        for key in ("cfg_rollout", "cfg_train", "rollout_steps", "train_steps"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.name}: {key} must be an integer >= 1; got {value!r}")
+        if self.cfg_train > self.cfg_rollout:
+            raise ValueError(f"{self.name}: cfg_train ({self.cfg_train}) cannot exceed cfg_rollout "
+                             f"({self.cfg_rollout}), the branches of a guided forward")
+        if self.train_steps > self.rollout_steps:
+            raise ValueError(f"{self.name}: train_steps ({self.train_steps}) cannot exceed rollout_steps "
+                             f"({self.rollout_steps})")
+
+    def describe(self) -> str:
+        """The parameters, as printed beside a projected number."""
+        return (f"{self.name}: B/F {self.B_F:g}, CFG branches {self.cfg_rollout} per forward ({self.cfg_train} with "
+                f"grad in training), {self.rollout_steps} rollout steps, {self.train_steps} trained"
+                + (f"; {self.about}" if self.about else ""))
+
+    def iteration_ratio(self, rows_fraction: float, nograd_fraction: float = 0.0) -> float:
+        """Exact's iteration cost over an estimator's that runs ``rows_fraction`` of exact's training rows with grad
+        and ``nograd_fraction`` of them as no-grad forwards (module docstring)."""
+        rollout = self.rollout_steps * self.cfg_rollout
+        row = self.cfg_train * (1.0 + self.B_F) + (self.cfg_rollout - self.cfg_train)
+        exact = rollout + self.train_steps * row
+        return exact / (rollout + self.train_steps * (rows_fraction * row + nograd_fraction * self.cfg_rollout))
+
+
+PRESETS = {
+    "flow_grpo_sd35": CostStructure(
+        "flow_grpo_sd35", B_F=1.0, cfg_rollout=2, cfg_train=2, rollout_steps=10, train_steps=9, model="sd35m",
+        resolution=512, about="Flow-GRPO's SD3.5-Medium as it trains (configs/sd35_medium.yaml): LoRA, CFG with "
+        "both branches with grad, 10 sampling steps, timestep_fraction 0.99"),
+    "flow_grpo_sd35_full": CostStructure(
+        "flow_grpo_sd35_full", B_F=2.0, cfg_rollout=2, cfg_train=2, rollout_steps=10, train_steps=9, model="sd35m",
+        resolution=512, about="the same with full fine-tuning"),
+    "jagg_authors_qwen_image": CostStructure(
+        "jagg_authors_qwen_image", B_F=3.0, cfg_rollout=1, cfg_train=1, rollout_steps=21, train_steps=20,
+        model="qwen_image", resolution=720, about="the JAGG authors' Qwen-Image (configs/qwen_image.yaml): full "
+        "fine-tuning with gradient checkpointing (one more forward), no guidance, 20 of 21 steps trained"),
+}
+DEFAULT = "flow_grpo_sd35"
+KEYS = ("B_F", "cfg_rollout", "cfg_train", "rollout_steps", "train_steps", "model", "resolution")
+
+
+def job_structure(sample) -> CostStructure:
+    """The cost structure of a shapes job (its ``sample:`` section), what ``--cost KEY=VALUE,...`` starts from: its
+    sampling and trained steps, its guidance (2 branches per forward above a scale of 1, the unconditional one without
+    grad in training, as :class:`jagg.shapes.velocity.GuidedVelocity` runs it) and the cost model's B/F of 2."""
+    window = tuple(sample.sde_window) if sample.sde_window else None
+    steps = select_train_steps(sample.num_steps, sample.timestep_fraction, window)[0]
+    return CostStructure("custom", B_F=2.0, cfg_rollout=2 if sample.guidance_scale > 1 else 1, cfg_train=1,
+                         rollout_steps=sample.num_steps, train_steps=int(steps.numel()))
+
+
+def parse_cost(spec: str, job: CostStructure) -> CostStructure:
+    """``PRESET``, ``PRESET:KEY=VALUE,...`` or ``KEY=VALUE,...`` (keys of :data:`KEYS`; unset ones are ``job``'s, the
+    job the numbers were measured on) -> its :class:`CostStructure`."""
+    name, colon, rest = spec.partition(":")
+    if not colon and "=" in name:
+        base, rest = dataclasses.replace(job, name="custom", about=""), name
+    elif name in PRESETS:
+        base = PRESETS[name]
+    else:
+        raise ValueError(f"--cost {spec!r}: unknown cost structure {name!r}; presets: {', '.join(PRESETS)}, or "
+                         f"KEY=VALUE,... of {', '.join(KEYS)}")
+    values = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in KEYS:
+            raise ValueError(f"--cost {spec!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(KEYS)}")
+        values[key] = _value(key, value.strip(), spec)
+    if not values:
+        return base
+    return dataclasses.replace(base, name=base.name if base.name == "custom" else f"{base.name} (changed)", **values)
+
+
+def _value(key: str, text: str, spec: str):
+    if key == "model":
+        return text
+    try:
+        return float(text) if key == "B_F" else int(text)
+    except ValueError:
+        raise ValueError(f"--cost {spec!r}: {key}={text!r} is not a{' number' if key == 'B_F' else 'n integer'}") from None
+
+
+def gpu_bench_b_over_f(path: str | Path, model: str | None, resolution: int | None) -> tuple[float, str]:
+    """The backward-over-forward ratio ``benchmarks/gpu_bench.py`` measured for ``model`` at ``resolution`` (its JSON's
+    ``costs`` records) and a line saying where it comes from. Errors name what the file holds instead."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--gpu-bench-json {str(path)!r} cannot be read as JSON: {e}") from None
+    costs = data.get("costs") if isinstance(data, dict) else None
+    if not costs:
+        raise ValueError(f"--gpu-bench-json {str(path)!r} holds no 'costs' records (written by benchmarks/gpu_bench.py "
+                         "since it measures B/F)")
+    if model is None:
+        raise ValueError("--gpu-bench-json needs a cost structure that names its model and resolution (a preset, or "
+                         "--cost ...,model=sd35m,resolution=512)")
+    hit = [c for c in costs if c.get("model") == model and c.get("resolution") == resolution and c.get("b_over_f")]
+    if not hit:
+        have = ", ".join(f"{c.get('model')} at {c.get('resolution')}" for c in costs)
+        raise ValueError(f"--gpu-bench-json {str(path)!r} has no B/F of {model} at {resolution} px (it has: {have}); "
+                         "run benchmarks/gpu_bench.py --models ... --resolutions ... for it, or --cost ...,resolution=")
+    cfg, env = data.get("config", {}), data.get("env", {})
+    tuning = "LoRA" if cfg.get("lora", True) else "full fine-tuning"
+    where = (f"B/F {hit[0]['b_over_f']:.2f} measured by benchmarks/gpu_bench.py ({model} at {resolution} px, {tuning}"
+             f"{', gradient checkpointing' if cfg.get('gradient_checkpointing') else ''}, {cfg.get('dtype', '?')}, "
+             f"{env.get('device', '?')})")
+    return float(hit[0]["b_over_f"]), where
+
+
+def resolve(spec: str, job: CostStructure, gpu_bench_json: str | None = None) -> tuple[CostStructure, str]:
+    """The cost structure of ``--cost`` (:func:`parse_cost`) with ``--gpu-bench-json``'s B/F when given, and its
+    description (:meth:`CostStructure.describe`, and where the B/F comes from)."""
+    cost = parse_cost(spec, job)
+    if gpu_bench_json is None:
+        return cost, cost.describe()
+    b_f, where = gpu_bench_b_over_f(gpu_bench_json, cost.model, cost.resolution)
+    cost = dataclasses.replace(cost, B_F=b_f)
+    return cost, f"{cost.describe()}; {where}"
