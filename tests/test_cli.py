@@ -174,7 +174,7 @@ def test_jagg_train_outside_the_repository_runs_the_main_job(tmp_path, tiny_ckpt
 
 def test_print_config_round_trips_and_trains_nothing(tmp_path, capsys):
     sets = ["seed=7", "estimator.window=2", "sample.sde_window=null", "sample.timestep_fraction=0.5",
-            "reward.weights={geneval: 1.0, jpeg_compressibility: 0.1}", "optim.lr=3e-5", "model.trainable=ada|final"]
+            "reward.name=null", "reward.weights={geneval: 1.0, jpeg_compressibility: 0.1}", "optim.lr=3e-5", "model.trainable=ada|final"]
     argv = ["train", *[a for s in sets for a in ("--set", s)], "--output-dir", str(tmp_path / "run"), "--print-config"]
     assert main(argv) == 0
     first = tmp_path / "first.yaml"
@@ -279,7 +279,7 @@ def test_train_help_shows_the_main_jobs_values_beside_the_dataclass_defaults(tmp
     assert lines["grpo.iterations"].endswith("[150; dataclass default: 100]")
     assert lines["sample.eta"].endswith("[1.0; dataclass default: 0.7]")
     assert lines["sample.guidance_scale"].endswith("[1.0; dataclass default: 3.0]")
-    assert lines["model.trainable"].endswith("['ada|final'; dataclass default: 'all']")
+    assert lines["model.trainable"].endswith("['^text'; dataclass default: 'all']")
     # the real-model keys (dataclass defaults), reward_server naming every RewardClient argument, token included
     assert all(f.name in lines["reward_server"] for f in dataclasses.fields(RewardClient))
     assert "token" in lines["reward_server"]
