@@ -118,5 +118,6 @@ def tiny_train_args(ckpt: str, out, iterations: int = 3, *extra: str) -> list[st
             "eval.images_per_prompt=1", "eval.num_steps=3", "eval.grid_size=4", "log.checkpoint_every=1",
             "log.progress=false", "estimator.micro_batch=4", "estimator.window=2", "grpo.drop_zero_spread=false",
             "optim.lr=0.01", "threads=1", "model.trainable=all", "reward.weights=null", "estimator.exact_last_intervals=0",
+            "grpo.updates_per_epoch=1", "optim.ema_decay=0",
             *extra]
     return ["train", "--output-dir", str(out)] + [a for s in sets for a in ("--set", s)]
