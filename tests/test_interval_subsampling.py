@@ -3,6 +3,7 @@ intervals, weighted ``n / m``. Bit for bit the estimator before it at ``interval
 estimator (exact's gradient in mode exact, plain JAGG's without the correction, exact's with it), for every layout;
 fewer rows; reproducible from the generator (float64 toys)."""
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -222,3 +223,26 @@ def test_interval_frac_is_validated(bad):
 def test_interval_frac_is_refused_with_subsample():
     with pytest.raises(ValueError, match="interval_frac < 1 needs mode"):
         EstimatorConfig(mode="subsample", interval_frac=0.5)
+
+
+def test_a_prompt_groups_samples_draw_the_same_intervals_so_their_terms_still_cancel():
+    """With prompt_groups, the samples of a prompt group train the same intervals. Two identical samples with
+    opposite advantages then cancel in every draw, as in the full estimator (GRPO's zero-sum advantages cancel the
+    error a prompt group's samples share; drawn per sample, JAGG's per-sample error, ~10x the group's in the main job,
+    did not cancel). Without prompt_groups each sample draws for itself."""
+    model, traj, _ = _case(B=2)
+    with torch.no_grad():
+        model.cond[1] = model.cond[0]
+    twins = traj.select(torch.tensor([0, 0]))
+    opposite = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    cfg = EstimatorConfig(mode="jagg", window=4, knots="groups", interval_frac=0.5, clip_range=1e6)   # no clipping
+    full, _ = run(model, twins, opposite, dataclasses.replace(cfg, interval_frac=1.0), prompt_groups=[0, 0])
+    one, _ = run(model, twins, torch.tensor([1.0, 0.0], dtype=torch.float64), cfg, prompt_groups=[0, 0],
+                 generator=torch.Generator().manual_seed(0))
+    assert one.norm() > 0 and full.norm() <= 1e-9 * one.norm()
+    for seed in range(6):
+        g, st = run(model, twins, opposite, cfg, prompt_groups=[0, 0], generator=torch.Generator().manual_seed(seed))
+        assert g.norm() <= 1e-9 * one.norm() and st.backward_items > 0
+    apart = [run(model, twins, opposite, cfg, generator=torch.Generator().manual_seed(seed))[0].norm()
+             for seed in range(6)]
+    assert max(apart) > 1e-3 * one.norm()

@@ -89,7 +89,7 @@ class EstimatorConfig:
                                    "once more, to measure its correction apart."})
     interval_frac: float = field(default=1.0, metadata={"help": "Interval subsampling (the JAGG authors' "
                                  "timestep_fraction of step groups): each sample trains a fresh random round(f n) (at "
-                                 "least 1) of the n intervals of the layout of window and knots, each drawn interval's "
+                                 "least 1, the same ones for a prompt group's samples with prompt_groups) of the n intervals of the layout of window and knots, each drawn interval's "
                                  "loss terms weighted n / that number, so the expected gradient is the estimator's over "
                                  "all intervals. Composes with routing, exact_first/last_intervals and the correction (a "
                                  "drawn interval is corrected with its usual probability; an undrawn one is neither "

@@ -24,8 +24,10 @@ docs/design.md §0):
   ``|I| / p`` times its own), so the expected gradient is the exact one; :func:`budget_rates` spreads a row budget
   over the intervals; with the control variate (``control_variate``) a picked interval's correction goes in bundles
   of its own (:class:`Control`; the running means live in :class:`jagg.estimator.CorrectionState`).
-- *interval subsampling* (``interval_frac``): each sample trains a random ``m`` of the ``n`` intervals (:func:`draw`),
-  every term of a drawn interval at weight ``n / m``; each term belongs to one interval (:func:`owners`).
+- *interval subsampling* (``interval_frac``): each unit trains a random ``m`` of the ``n`` intervals (:func:`draw`;
+  with ``prompt_groups`` a prompt group's samples draw alike, which keeps the cancellation of their zero-sum
+  advantages: drawn per sample, JAGG's per-sample error, ~10x the group's, did not cancel), every term of a drawn
+  interval at weight ``n / m``; each term belongs to one interval (:func:`owners`).
 - *bundle* (:class:`Bundle`): rows of one sample that go through the network together (never split across chunks),
   and the loss *terms* (:class:`Term`, one per (sample, trained step)) they cover.
 
@@ -476,7 +478,7 @@ def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence 
     rates = interval_rates(eligible, config)
     fixes = _corrected_steps(picked, units, intervals, rates, config.correction, generator)
     m = drawn_count(G, config.interval_frac)
-    drawn = draw(B, G, m, generator)
+    drawn = draw(int(units.max()) + 1 if B else 0, G, m, generator)[units]       # [B, G]: a unit's samples alike
     weight = 1.0 if m == G else G / m
     cv = config.control_variate > 0 and jagg
     shared = config.knots != "groups" and len(intervals) > 1 and intervals[0][-1] == intervals[1][0]
