@@ -114,7 +114,7 @@ def test_every_number_is_checked_in_the_dtype_it_is_used_in(tmp_path, tiny_ckpt,
                           ([f"sample.prompts_per_iter={10**19 + 7}"], "sample.prompts_per_iter"),
                           ([f"sample.eta=1{'0' * 400}"], "sample.eta"), (["seed=-1"], "seed"),
                           ([f"seed={SEED_MAX + 1}"], "seed"), (["eval.seed=-3"], "eval.seed"),
-                          (["reward.weights={jpeg_compressibility: 1.0e39}"], "reward.weights.jpeg_compressibility"),
+                          (["reward.name=null", "reward.weights={jpeg_compressibility: 1.0e39}"], "reward.weights.jpeg_compressibility"),
                           ([f"threads={2**40}"], "threads must be in [0, 1024]")):
         line = _refused(_train(tiny_ckpt, run, 1, *sets), capsys, culprit)
         assert len(line) < 400
@@ -140,7 +140,7 @@ def test_every_number_is_checked_in_the_dtype_it_is_used_in(tmp_path, tiny_ckpt,
 
 
 @pytest.mark.parametrize("sets,reason", [
-    (["reward.weights={jpeg_compressibility: 0.0, geneval: 0.0}"], "every reward weight is 0"),
+    (["reward.name=null", "reward.weights={jpeg_compressibility: 0.0, geneval: 0.0}"], "every reward weight is 0"),
     (["reward.name=reward_plugins:constant"], "no prompt group had any reward spread"),
     (["sample.sde_type=dance", "sample.eta=1e30"], "no prompt group had any reward spread"),     # NaN images
 ])
@@ -392,7 +392,7 @@ def test_every_path_runs_the_same_checks(tmp_path, tiny_ckpt, capsys, monkeypatc
     the same seeds; a bench's refusals name only its own flags; --by-interval and --json are checked before the
     computation; an empty --output-dir, --config or --out is refused, not replaced by a default."""
     for sets, culprit in ((["reward.weights={jpeg_compressibility: .nan}"], "reward.weights.jpeg_compressibility"),
-                          (["reward.weights={nosuch: 1.0}"], "unknown reward 'nosuch'"),
+                          (["reward.name=null", "reward.weights={nosuch: 1.0}"], "unknown reward 'nosuch'"),
                           (["reward.weights=null", "reward.name=nosuch"], "unknown reward 'nosuch'"),
                           (["reward.weights=null", "reward.name=no_such_module:f"], "no_such_module"),
                           (["reward.weights={}"], "reward.weights is empty"), (["reward.weights=null", "reward.name="],

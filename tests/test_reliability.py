@@ -104,6 +104,7 @@ def test_nonfinite_gradient_skips_update_and_aborts(tmp_path, tiny_ckpt, monkeyp
     sets = tiny_train_args(tiny_ckpt, tmp_path, 3)[4::2] + [f"log.output_dir={tmp_path}"]
     data = configuration.apply_overrides({}, sets)
     data["grpo"]["max_consecutive_skips"] = 0
+    data["grpo"]["updates_per_epoch"] = 2          # two updates per iteration, both skipped
     trainer = ShapesTrainer(configuration.from_dict(ShapesTrainConfig, data))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     records = [r for r in trainer.train() if r["kind"] == "train"]

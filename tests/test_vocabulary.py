@@ -3,6 +3,8 @@ not read as the new one; an old config key gets the usual unknown-key error, wit
 
 import importlib
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,10 +69,15 @@ def test_a_changed_reward_stops_a_resume_by_name():
 def test_reward_name_and_weights_together_are_refused_by_name():
     from jagg.trainers.shapes_config import main_job_path
 
-    main_job = str(main_job_path())                                                  # it sets reward.weights
+    main_job = str(main_job_path())                                                  # it sets reward.name
+    jpeg = str(Path(__file__).resolve().parents[1] / "configs" / "jpeg_compressibility.yaml")   # reward.weights
     with pytest.raises(ValueError, match="reward.name or reward.weights, not both.*reward.weights=null"):
-        configuration.load(ShapesTrainConfig, main_job, ["reward.name=geneval"])
-    cfg = configuration.load(ShapesTrainConfig, main_job, ["reward.weights=null", "reward.name=jpeg_compressibility"])
+        configuration.load(ShapesTrainConfig, jpeg, ["reward.name=geneval"])
+    with pytest.raises(ValueError, match="reward.name or reward.weights, not both.*reward.weights=null"):
+        configuration.load(ShapesTrainConfig, main_job, ["reward.weights={geneval: 1.0}"])
+    cfg = configuration.load(ShapesTrainConfig, main_job, ["reward.name=null", "reward.weights={geneval: 1.0}"])
+    assert cfg.reward.name is None and cfg.reward.weights == {"geneval": 1.0}
+    cfg = configuration.load(ShapesTrainConfig, jpeg, ["reward.weights=null", "reward.name=jpeg_compressibility"])
     assert cfg.reward.name == "jpeg_compressibility" and cfg.reward.weights is None
-    cfg = configuration.load(ShapesTrainConfig, main_job, ["reward.weights=null"])
+    cfg = configuration.load(ShapesTrainConfig, jpeg, ["reward.weights=null"])
     assert cfg.reward.name == "geneval"                                               # neither set: geneval

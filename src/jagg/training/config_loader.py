@@ -33,6 +33,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        numeric = [a for a in args if a in (int, float)]
+        if numeric and _is_number(value):           # a number is coerced as one: its range error stands (float | str
+            return _coerce(value, numeric[0], where)  # must not take an overflowing 1e39 as the string '1e39')
         errors = []
         for a in args:
             if a is type(None):
@@ -88,6 +91,19 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected a string, got {value!r}")
         return value
     return value
+
+
+def _is_number(value) -> bool:
+    """Whether ``value`` is a number, or a string YAML 1.1 leaves unparsed that reads as one (``1e39``, ``nan``)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    try:
+        float(value)
+        return isinstance(value, str)
+    except (TypeError, ValueError):
+        return False
 
 
 def from_dict(cls, data: dict, where: str = ""):
