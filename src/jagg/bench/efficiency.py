@@ -74,8 +74,7 @@ from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
 from ..trajectory import Trajectory
 from .common import default_config_path, json_if_asked, set_threads, table
-from .projection import DEFAULT as DEFAULT_COST
-from .projection import PRESETS, CostStructure, job_structure, resolve
+from .projection import CostStructure, add_cost_arguments, job_structure, resolve
 
 BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
@@ -575,14 +574,7 @@ def add_parser(sub) -> None:
     p.add_argument("--by-tensor", nargs="?", const="config", metavar="NAME",
                    help="also list where this estimator's error lives by parameter tensor (the 10 with the largest "
                         "share), with Adam's per-tensor weights [NAME default: config]")
-    p.add_argument("--cost", default=DEFAULT_COST, metavar="PRESET[:KEY=VALUE,...] | KEY=VALUE,...",
-                   help="the cost structure of the projected time columns: a preset "
-                        f"({', '.join(PRESETS)}), a preset with changes, or KEY=VALUE,... of B_F, cfg_rollout, "
-                        "cfg_train, rollout_steps, train_steps, model, resolution on top of this job's own steps and "
-                        f"guidance with B_F 2 [default: {DEFAULT_COST}]")
-    p.add_argument("--gpu-bench-json", metavar="PATH",
-                   help="a results JSON of benchmarks/gpu_bench.py: its measured B/F for the cost structure's model "
-                        "and resolution replaces B_F")
+    add_cost_arguments(p, "the projected time columns")
     p.add_argument("--json", help="also write the records to this JSON file")
     p.add_argument("--quick", action="store_true", help=f"a smoke-sized run: 3 batches, 2 draws, {' '.join(QUICK_SETS)}")
     p.set_defaults(func=_run)

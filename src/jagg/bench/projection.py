@@ -182,3 +182,14 @@ def resolve(spec: str, job: CostStructure, gpu_bench_json: str | None = None) ->
     b_f, where = gpu_bench_b_over_f(gpu_bench_json, cost.model, cost.resolution)
     cost = dataclasses.replace(cost, B_F=b_f)
     return cost, f"{cost.describe()}; {where}"
+
+
+def add_cost_arguments(parser, what: str) -> None:
+    """``--cost`` and ``--gpu-bench-json``, the cost structure of ``what`` (the projected columns), on ``parser``."""
+    parser.add_argument("--cost", default=DEFAULT, metavar="PRESET[:KEY=VALUE,...] | KEY=VALUE,...",
+                        help=f"the cost structure of {what}: a preset ({', '.join(PRESETS)}), a preset with changes, "
+                             "or KEY=VALUE,... of B_F, cfg_rollout, cfg_train, rollout_steps, train_steps, model, "
+                             f"resolution on top of this job's own steps and guidance with B_F 2 [default: {DEFAULT}]")
+    parser.add_argument("--gpu-bench-json", metavar="PATH",
+                        help="a results JSON of benchmarks/gpu_bench.py: its measured B/F for the cost structure's "
+                             "model and resolution replaces B_F")

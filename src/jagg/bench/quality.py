@@ -59,8 +59,7 @@ from ..training import config_loader as configuration
 from ..training.atomic import atomic_write
 from ..training.rundir import RunHints
 from .common import default_config_path, table, write_json
-from .projection import DEFAULT as DEFAULT_COST
-from .projection import PRESETS, CostStructure, job_structure, resolve
+from .projection import CostStructure, add_cost_arguments, job_structure, resolve
 
 BUILTIN = {
     "exact": ["estimator.mode=exact"],
@@ -648,14 +647,7 @@ def add_parser(sub) -> None:
     p.add_argument("--train-only", metavar="NAME",
                    help="train only this variant's runs, no comparison: start one process per variant to run them "
                         "side by side (each under the same load), then the same command without it to compare")
-    p.add_argument("--cost", default=DEFAULT_COST, metavar="PRESET[:KEY=VALUE,...] | KEY=VALUE,...",
-                   help="the cost structure of the projected time efficiency: a preset "
-                        f"({', '.join(PRESETS)}), a preset with changes, or KEY=VALUE,... of B_F, cfg_rollout, "
-                        "cfg_train, rollout_steps, train_steps, model, resolution on top of this job's own steps and "
-                        f"guidance with B_F 2 [default: {DEFAULT_COST}]")
-    p.add_argument("--gpu-bench-json", metavar="PATH",
-                   help="a results JSON of benchmarks/gpu_bench.py: its measured B/F for the cost structure's model "
-                        "and resolution replaces B_F")
+    add_cost_arguments(p, "the projected time efficiency")
     p.add_argument("--out", help="bench output dir, one sub-dir per run [default: runs/bench_quality]")
     p.add_argument("--plot", help="PNG path [default: OUT/quality.png]; an existing file needs --overwrite")
     p.add_argument("--json", help="JSON path [default: OUT/quality.json]; an existing file needs --overwrite")
