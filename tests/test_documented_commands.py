@@ -84,6 +84,7 @@ SKIP = [
     (r"benchmarks/gpu_bench\.py --scaled-down", "the same command runs in tests/test_gpu_bench.py"),
     (r"benchmarks/gpu_bench\.py(?!.*--scaled-down)", "full-size models on a GPU, or minutes of CPU (--small)"),
     (r"benchmarks/paired_eval\.py", "needs a trained checkpoint (runs/default/checkpoints/...)"),
+    (r"benchmarks/weight_changes\.py", "needs a trained checkpoint (its smoke run is tests/test_hacking_signs.py)"),
     (r"benchmarks/profile_training\.py", "profiles the main job's training phase: about a minute of CPU"),
     (r"-m jagg\.rewards\.server", "starts a reward server that runs until stopped (and loads model weights)"),
     (r"-m jagg\.integrations\.pipeline cache", "needs a diffusers model directory with its text encoders"),
