@@ -7,8 +7,11 @@ random timestep subsampling at the rows of unbiased W = 4. Every regime is one c
 :func:`jagg.bench.efficiency.measure` on the main job's checkpoint and batch (8 prompts x 4), with ``--set`` on top.
 Records go to ``--json`` (appended per regime, so an interrupted map resumes) and a markdown table is printed.
 
-    python benchmarks/regime_map.py --json runs/regime_map.json                  # the whole grid (~40 min, 1 core)
+    python benchmarks/regime_map.py --json runs/regime_map.json                  # the whole grid (see below)
     python benchmarks/regime_map.py --steps 20 --sde flow_grpo --json runs/rm.json    # a part of it
+
+The whole grid took ~40 min on one core before ``auto4`` joined it; with it, one 10-step regime took 16 CPU minutes
+on a loaded machine (2026-12-02), so plan on hours for the grid, or run a part.
 """
 
 from __future__ import annotations
