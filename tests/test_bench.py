@@ -44,6 +44,15 @@ def bench_ckpt(tmp_path_factory):
     return str(path)
 
 
+def efficiency_sets(ckpt: str) -> list[str]:
+    """``--set`` strings for a seconds-long `jagg bench efficiency` on ``ckpt`` (:func:`bench_ckpt`): unbiased JAGG with
+    step groups of 4 on 8 steps, 2 prompts x 4, a brightness reward with spread in every prompt group."""
+    return ["estimator.exact_last_intervals=0", "estimator.correction_p=0.25", "reward.weights=null",
+            f"model.checkpoint={ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4",
+            "estimator.micro_batch=8", "threads=1", "sample.sde_window=null", "estimator.window=4",
+            "grpo.drop_zero_spread=false", "reward.name=reward_plugins:brightness"]
+
+
 def test_cost_model_and_spearman():
     assert cost_limit(4, "interp") == 2.0 and cost_limit(8, "interp") == 4.0
     assert cost_limit(4, "fresh") == pytest.approx(12 / 8) and cost_limit(8, "fresh") == pytest.approx(24 / 12)

@@ -12,7 +12,7 @@ import torch
 import jagg
 from jagg import CorrectionState, EstimatorConfig
 from jagg.knots import budget_rates
-from test_bench import bench_ckpt  # noqa: F401  (the tiny random TinyDiT fixture)
+from test_bench import bench_ckpt, efficiency_sets  # noqa: F401  (the tiny random TinyDiT fixture)
 from test_interval_subsampling import assert_mean_is
 from toy import Nonlinear, perturb, run, sampled_traj
 
@@ -359,10 +359,7 @@ def test_bench_efficiency_measures_the_new_estimators(tmp_path, bench_ckpt, caps
     from jagg.cli import main
 
     out = tmp_path / "eff.json"
-    sets = ["estimator.exact_last_intervals=0", "estimator.correction_p=0.25", "reward.weights=null",
-            f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4",
-            "estimator.micro_batch=8", "threads=1", "sample.sde_window=null", "estimator.window=4",
-            "grpo.drop_zero_spread=false", "reward.name=reward_plugins:brightness"]
+    sets = efficiency_sets(bench_ckpt)
     args = ["bench", "efficiency", "--batches", "3", "--draws", "2", "--warmup", "1", "--estimator", "st:correction=step",
             "--estimator", "rates:correction_rates=by_interval", "--estimator", "cv:control_variate=0.5",
             "--estimator", "half:interval_frac=0.5", "--json", str(out)]

@@ -10,7 +10,7 @@ import torch
 
 from jagg.audit import error_noise_stats, extrapolate, predicted_efficiency
 from jagg.cli import main
-from test_bench import bench_ckpt  # noqa: F401  (the tiny random TinyDiT fixture)
+from test_bench import bench_ckpt, efficiency_sets  # noqa: F401  (the tiny random TinyDiT fixture)
 
 
 def _synthetic(n=40, draws=3, P=4000, noise=1.0, bias=0.0, err=0.5, seed=0):
@@ -75,10 +75,7 @@ def test_adam_pays_the_square_root_of_an_unbiased_error(error_to_noise):
 
 def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "eff.json"
-    sets = ["estimator.exact_last_intervals=0", "estimator.correction_p=0.25", "reward.weights=null",
-            f"model.checkpoint={bench_ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4",
-            "estimator.micro_batch=8", "threads=1", "sample.sde_window=null", "estimator.window=4",
-            "grpo.drop_zero_spread=false", "reward.name=reward_plugins:brightness"]
+    sets = efficiency_sets(bench_ckpt)
     args = ["bench", "efficiency", "--batches", "3", "--draws", "2", "--estimator", "config", "--estimator", "plain",
             "--estimator", "subsample", "--estimator", "w8:window=8,correction_p=0", "--estimator",
             "auto:correction_p=auto", "--target-batch", "32", "--by-tensor", "plain", "--json", str(out)]
