@@ -99,11 +99,13 @@ def _is_number(value) -> bool:
         return False
     if isinstance(value, (int, float)):
         return True
+    if not isinstance(value, str):
+        return False
     try:
         float(value)
-        return isinstance(value, str)
-    except (TypeError, ValueError):
+    except ValueError:
         return False
+    return True
 
 
 def from_dict(cls, data: dict, where: str = ""):
