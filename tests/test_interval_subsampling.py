@@ -30,8 +30,8 @@ def test_interval_frac_one_reproduces_every_layout_before_it(name):
     case = torch.load(GOLDEN)[name]
     model, ref, traj, adv = _golden_case()
     ref_v = jagg.reference_velocities(ref, traj) if case["config"].get("kl_beta") else None
-    cfg = EstimatorConfig(**case["config"], interval_frac=1.0, correction="interval", correction_rates=None,
-                          control_variate=0.0)
+    cfg = EstimatorConfig(**{"intermediate": "interp", **case["config"]}, interval_frac=1.0,  # the default of its day
+                          correction="interval", correction_rates=None, control_variate=0.0)
     g, st = run(model, traj, adv, cfg, ref_velocities=ref_v, prompt_groups=[0, 0, 1, 1, 2, 2],
                 generator=torch.Generator().manual_seed(3))
     assert_matches_golden(g, case["grad"])

@@ -25,12 +25,16 @@ in ``exact`` mode (and an estimate of it otherwise), and returns statistics. Eve
    and read once.
 
 Inner-step velocities are ``fresh`` (one no-grad forward of the chunk's inner rows) or ``interp``
-(``v_k_old + (1 - alpha_k)(v_a - v_a_old) + alpha_k (v_b - v_b_old)``, no forward).
+(``v_k_old + (1 - alpha_k)(v_a - v_a_old) + alpha_k (v_b - v_b_old)``, no forward). ``interp`` is exact only
+on-policy, at the parameters the trajectory was sampled with; ``intermediate="auto"`` (:func:`inner_velocities`) uses
+it there and ``fresh`` in off-policy updates, where the extrapolation's error would enter the inner steps' ratios and
+clip decisions (docs/design.md §3.3).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, ContextManager, Sequence
 
@@ -39,7 +43,7 @@ import torch
 from torch import Tensor
 
 from .checks import as_vector, is_finite_number
-from .estimator_config import AUTO, EstimatorConfig
+from .estimator_config import AUTO, AUTO_INTERMEDIATE, EstimatorConfig
 from .knots import Bundle, Plan, plan_update
 from .sde import StepLoss, compute_dtype, step_loss
 from .trajectory import Trajectory, VelocityFn, checked_velocity, velocity_shape_error
@@ -311,7 +315,8 @@ def _check_reference(ref_velocities: Tensor | None, traj: Trajectory, config: Es
 class UpdateInputs:
     """What every phase of one :func:`policy_gradient` call reads: the velocity callable, the trajectory, the
     advantages ``[B]``, the configuration, the reference velocities and ``term_weight``, the weight of one term
-    ``l_{i,k}`` in the loss ``L`` (``loss_scale / (B |K|)``); and ``dtype``, the update's compute dtype (the
+    ``l_{i,k}`` in the loss ``L`` (``loss_scale / (B |K|)``); ``inner``, how this update computes inner-step
+    velocities (``fresh`` or ``interp``: :func:`inner_velocities`); and ``dtype``, the update's compute dtype (the
     trajectory's, as sampling stores it: fp32, or fp64 when the trajectory is fp64), set once for every chunk."""
 
     velocity_fn: VelocityFn
@@ -320,6 +325,7 @@ class UpdateInputs:
     config: EstimatorConfig
     ref_velocities: Tensor | None
     term_weight: float
+    inner: str = "interp"
     dtype: torch.dtype = field(init=False)
 
     def __post_init__(self):
@@ -441,7 +447,7 @@ def term_velocities(v_rows: Tensor, inputs: UpdateInputs, ch: Chunk, fresh: list
     v[own] = v_rows[ch.term_source[own, 0].long()]
     if not ch.inner.numel():
         return v
-    if inputs.config.intermediate == "fresh":
+    if inputs.inner == "fresh":
         for part, vp in fresh:
             v[part] = vp.to(dtype)
         return v
@@ -513,6 +519,24 @@ def gradient_stats(update: Plan, counters: _Counters, chunks: int) -> GradientSt
 # ----------------------------------------------------------------------------- the call
 
 
+def inner_velocities(config: EstimatorConfig, on_policy: bool | None) -> str:
+    """How one update computes its inner steps' velocities: ``"fresh"`` or ``"interp"``. ``intermediate="auto"``
+    gives ``interp`` when ``on_policy`` is True (the parameters the trajectory was sampled with: ``interp`` is exact
+    there and costs no forward) and ``fresh`` otherwise (False, or None: not known). ``interp`` asked for in an update
+    known to be off-policy warns: its first-order extrapolation's error then enters the inner steps' ratios and clip
+    decisions (with Flow-GRPO's clip range 1e-4 it clips many terms exact would not)."""
+    if on_policy is not None and not isinstance(on_policy, bool):
+        raise TypeError(f"on_policy must be True, False or None; got {type(on_policy).__name__}")
+    if config.intermediate == AUTO_INTERMEDIATE:
+        return "interp" if on_policy else "fresh"
+    if config.intermediate == "interp" and on_policy is False and config.mode == "jagg":
+        warnings.warn("intermediate='interp' in an off-policy update (after an optimizer step on this rollout): the "
+                      "inner steps' velocities are extrapolated, and their error enters the ratios and clipping; use "
+                      "intermediate='auto' (interp on-policy, fresh off-policy) or 'fresh'", stacklevel=3)
+    return config.intermediate
+
+
+
 def policy_gradient(
     velocity_fn: VelocityFn,
     traj: Trajectory,
@@ -526,6 +550,7 @@ def policy_gradient(
     generator: torch.Generator | None = None,
     only_steps: Sequence[int] | None = None,
     correction_state: CorrectionState | None = None,
+    on_policy: bool | None = None,
 ) -> GradientStats:
     """Accumulate the Flow-GRPO policy gradient of one update into the parameters' ``.grad``.
 
@@ -556,6 +581,10 @@ def policy_gradient(
             Statistics then cover those steps only, and the ``correction_state`` is not updated.
         correction_state: the control variate's running means (:class:`CorrectionState` of the trainable
             parameters), needed when ``config.control_variate > 0``: read before the picks, updated after the call.
+        on_policy: whether the parameters are still those the trajectory was sampled with (True for the first
+            update after sampling; False after an optimizer step on this rollout; None: not known). It decides
+            ``intermediate="auto"`` (interp when True, else fresh: :func:`inner_velocities`); with ``"interp"``,
+            False warns.
 
     Returns:
         :class:`GradientStats`.
@@ -567,7 +596,7 @@ def policy_gradient(
     advantages = _as_advantages(advantages, B, traj.latents.device)
     _check_reference(ref_velocities, traj, config)
     inputs = UpdateInputs(velocity_fn, traj, advantages, config, ref_velocities,
-                          loss_scale / (B * traj.train_steps.numel()))
+                          loss_scale / (B * traj.train_steps.numel()), inner_velocities(config, on_policy))
     backward_context = backward_context or (lambda last: contextlib.nullcontext())
     backward_fn = backward_fn or (lambda loss: loss.backward())
 
@@ -595,7 +624,7 @@ def run_chunks(inputs: UpdateInputs, chunks: list[list[Bundle]], backward_contex
             control.enter(bundles[0].measure)
         ch = chunk_tensors(bundles, device)
         fresh = []
-        if ch.inner.numel() and inputs.config.intermediate == "fresh":
+        if ch.inner.numel() and inputs.inner == "fresh":
             fresh = fresh_velocities(inputs, ch)
             counters.calls += len(fresh)
             counters.forward_nograd += ch.inner.numel()

@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from .checks import check_probabilities, first_non_finite
 
 MODES = ("exact", "jagg", "subsample")
-INTERMEDIATES = ("interp", "fresh")
+INTERMEDIATES = ("interp", "fresh")     # what an update runs; the config also takes "auto" (interp on-policy, else fresh)
+INTERMEDIATE_CHOICES = (*INTERMEDIATES, AUTO_INTERMEDIATE := "auto")
 SCORES = ("chord", "cosine", "cosine_min", "velocity_cosine")
 KNOTS = ("groups", "shared", "adaptive")
 ALPHAS = ("sigma", "index")
@@ -37,9 +38,13 @@ class EstimatorConfig:
     alpha: str = field(default="sigma", metadata={"help": f"Interpolation coefficient of an inner step, one of "
                        f"{ALPHAS}: 'sigma' = (sigma_k - sigma_a) / (sigma_b - sigma_a) (the paper's t-weighting); "
                        "'index' = (k - a) / (b - a) (the authors' reference code)."})
-    intermediate: str = field(default="interp", metadata={"help": f"Velocities at an interval's inner steps, one of "
-                              f"{INTERMEDIATES}: 'fresh' = a no-grad forward each (the paper); 'interp' = no "
-                              "forward, first-order reuse of the rollout velocities (exact on-policy)."})
+    intermediate: str = field(default="auto", metadata={"help": f"Velocities at an interval's inner steps, one of "
+                              f"{INTERMEDIATE_CHOICES}: 'fresh' = a no-grad forward each (the paper); 'interp' = no "
+                              "forward, first-order reuse of the rollout velocities, exact only on-policy (the first "
+                              "update after sampling): after an optimizer step its error enters the inner steps' "
+                              "ratios and clip decisions; 'auto' = 'interp' in an on-policy update, 'fresh' in an "
+                              "off-policy one (policy_gradient(..., on_policy=True/False); the trainers pass it; "
+                              "unknown counts as off-policy)."})
     jagg_frac: float = field(default=1.0, metadata={"help": "Fraction in [0, 1] of the units (prompt group, or "
                              "sample, x interval) routed through JAGG, the most linear first by `score`; the rest run "
                              "exact. 0 = exact. Only intervals of >= 3 steps count (JAGG is exact and no cheaper on 1- "
@@ -119,8 +124,8 @@ class EstimatorConfig:
             raise ValueError(f"{bad} must be a finite number; got {getattr(self, bad)!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be an integer >= 1 (the trained steps of an interval); got {self.window!r}")
-        if self.intermediate not in INTERMEDIATES:
-            raise ValueError(f"intermediate must be one of {INTERMEDIATES}; got {self.intermediate!r}")
+        if self.intermediate not in INTERMEDIATE_CHOICES:
+            raise ValueError(f"intermediate must be one of {INTERMEDIATE_CHOICES}; got {self.intermediate!r}")
         if not 0.0 <= float(self.jagg_frac) <= 1.0:
             raise ValueError(f"jagg_frac must be in [0, 1] (0 = exact everywhere, 1 = JAGG everywhere); "
                              f"got {self.jagg_frac}")

@@ -29,7 +29,7 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
                backward: float = 2.0, steps: int | None = None, jagg_frac: float = 1.0,
                exact_first: int = 0, exact_last: int = 0, knots: str = "groups", correction_p: float = 0.0,
                correction_intervals: int = 0, correction: str = "interval", correction_rates=None,
-               control_variate: bool = False, interval_frac: float = 1.0) -> float:
+               control_variate: bool = False, interval_frac: float = 1.0, off_policy_share: float = 0.0) -> float:
     """Ideal speed-up of JAGG over exact: exact cost / JAGG cost of the trained steps, per sample (expected rows where
     the estimator draws).
 
@@ -47,10 +47,15 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
     step). Interval subsampling (``interval_frac``, ``m`` of the ``n`` intervals per sample) keeps each interval with
     probability ``m / n``; a knot shared by two intervals is a row when the interval that owns its term is drawn or
     the other one is drawn and routed. ``jagg_frac = 0`` with ``interval_frac`` is exact's interval subsampling,
-    limit ``n / m``. Pass measured times to get the limit of a given model.
+    limit ``n / m``. ``intermediate="auto"`` runs ``fresh`` in the share ``off_policy_share`` of updates (off-policy:
+    ``(U - 1) / U`` with ``U`` updates per rollout) and ``interp`` in the rest. Pass measured times to get the limit of a
+    given model.
     """
-    if intermediate not in ("fresh", "interp"):
-        raise ValueError(f"intermediate must be 'fresh' or 'interp'; got {intermediate!r}")
+    if intermediate not in ("fresh", "interp", "auto"):
+        raise ValueError(f"intermediate must be 'fresh', 'interp' or 'auto'; got {intermediate!r}")
+    if not 0.0 <= off_policy_share <= 1.0:
+        raise ValueError(f"off_policy_share must be in [0, 1]; got {off_policy_share!r}")
+    fresh_share = {"fresh": 1.0, "interp": 0.0, "auto": off_policy_share}[intermediate]
     K = window if steps is None else steps
     layout = "groups" if knots == "groups" else "shared"
     intervals = intervals_of(list(range(K)), layout, window) if window > 2 else [[k] for k in range(K)]
@@ -69,8 +74,7 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
         p = rates[j] if j in corrected else 0.0
         fixed = 1 if correction == "step" and inner else inner                 # rows one correction runs
         rows += keep * ((1.0 - routed[j]) * inner + routed[j] * p * (fixed + (2 if control_variate else 0)))
-        if intermediate == "fresh":
-            nograd += keep * routed[j] * (inner + (p * fixed if control_variate else 0.0))
+        nograd += fresh_share * keep * routed[j] * (inner + (p * fixed if control_variate else 0.0))
         if layout == "groups":
             rows += keep * min(len(iv), 2)                                      # its own knots
             continue
@@ -80,9 +84,11 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
     return K * (f_grad + backward) / (rows * (f_grad + backward) + nograd * f_nograd)
 
 
-def estimator_limit(est, steps: int, f_grad: float = 1.0, f_nograd: float = 1.0, backward: float = 2.0) -> float:
+def estimator_limit(est, steps: int, f_grad: float = 1.0, f_nograd: float = 1.0, backward: float = 2.0,
+                    off_policy_share: float = 0.0) -> float:
     """:func:`cost_limit` of an :class:`~jagg.EstimatorConfig` on ``steps`` trained steps: mode ``subsample`` ``K / m``;
-    mode ``exact`` 1, or ``n / m`` with ``interval_frac``; mode ``jagg`` its layout, routing, correction and draws."""
+    mode ``exact`` 1, or ``n / m`` with ``interval_frac``; mode ``jagg`` its layout, routing, correction and draws
+    (``off_policy_share``: the updates that ``intermediate="auto"`` runs ``fresh``)."""
     if est.mode == "subsample":
         return steps / drawn_count(steps, est.subsample_frac)
     if est.mode == "exact" and est.interval_frac >= 1:
@@ -92,7 +98,7 @@ def estimator_limit(est, steps: int, f_grad: float = 1.0, f_nograd: float = 1.0,
                       exact_last=est.exact_last_intervals, knots=est.knots, correction_p=est.correction_p,
                       correction_intervals=est.correction_intervals, correction=est.correction,
                       correction_rates=est.correction_rates, control_variate=est.control_variate > 0,
-                      interval_frac=est.interval_frac)
+                      interval_frac=est.interval_frac, off_policy_share=off_policy_share)
 
 
 # ----------------------------------------------------------------------------- devices, timing, memory

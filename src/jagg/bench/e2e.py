@@ -37,10 +37,12 @@ QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompt groups 
 def routed_limit(cfg: ShapesTrainConfig, correction_p: float | None = None) -> float:
     """:func:`~jagg.bench.common.estimator_limit` (``B = 2F``) of the config's estimator on its trained steps: knot
     layout, window, routed fraction, exact first/last intervals, the correction and interval subsampling; the
-    correction rate ``correction_p`` replaces the config's (give the one a run of ``auto`` ended on)."""
+    correction rate ``correction_p`` replaces the config's (give the one a run of ``auto`` ended on); with
+    ``intermediate: auto`` all but the first of a rollout's updates run ``fresh``."""
     est = cfg.estimator if correction_p is None else dataclasses.replace(cfg.estimator, correction_p=correction_p)
     steps = cfg.sample.sde_steps(cfg.sample.num_steps)[0]     # a sliding SDE window has the same size throughout
-    return estimator_limit(est, int(steps.numel()))
+    updates = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
+    return estimator_limit(est, int(steps.numel()), off_policy_share=(updates - 1) / updates)
 
 
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:

@@ -155,6 +155,7 @@ class Minibatch:
     ref_velocities: Tensor | None
     prompt_groups: Tensor                    # [n] prompt group of each sample
     size: int
+    on_policy: bool = False                  # the rollout's first update: the parameters it was sampled with
 
 
 @dataclass
@@ -349,14 +350,15 @@ class GRPO(ABC):
             rate = torch.tensor([self.correction_p], dtype=torch.float64, device=self.device)
             dist.broadcast(rate, 0)                             # every process corrects at the main process's rate
             self.correction_p = float(rate)
-        per_update = []
+        per_update, first = [], True
         for _ in range(c.grpo.inner_epochs):
             for mb in self.minibatches(n):
                 rows = mb.tolist()
                 dev = mb.to(self.device)
                 sub = traj if rows == list(range(n)) else traj.select(dev) if rows else None   # no copy of the whole
                 stats = self.update(Minibatch(sub, take(cond, mb), adv[dev], None if ref_v is None else ref_v[dev],
-                                              prompt_groups[mb.cpu()], len(rows)))
+                                              prompt_groups[mb.cpu()], len(rows), on_policy=first))
+                first = False
                 if stats:
                     per_update.append(stats)
         return per_update, audit_s, audit_cpu

@@ -255,7 +255,7 @@ class DiffusersTrainer(GRPOTrainer):
             st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                  ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
                                  prompt_groups=mb.prompt_groups, generator=self.pick_gen,
-                                 correction_state=self.correction_state)
+                                 correction_state=self.correction_state, on_policy=mb.on_policy)
             local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
         if self.world > 1:
             for p in self.params:                              # same buckets on every rank, even with no samples

@@ -137,7 +137,8 @@ class ShapesGRPO(GRPO):
     def gradient(self, mb: Minibatch) -> dict:
         return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                ref_velocities=mb.ref_velocities, prompt_groups=mb.prompt_groups,
-                               generator=self.pick_gen, correction_state=self.correction_state).to_dict()
+                               generator=self.pick_gen, correction_state=self.correction_state,
+                               on_policy=mb.on_policy).to_dict()
 
     def after_step(self) -> None:
         if self.ema is not None:

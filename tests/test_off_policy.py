@@ -1,0 +1,138 @@
+"""Off-policy updates (after an optimizer step on the rollout): ``interp`` extrapolates the inner steps' velocities
+and its error enters their ratios and clip decisions; ``intermediate="auto"`` runs ``fresh`` there, so the inner
+steps' ratios, clipping and approx-KL are exact's; on-policy it is ``interp`` bit for bit (float64)."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import jagg
+from jagg import EstimatorConfig
+from jagg.estimator import inner_velocities
+from toy import Nonlinear, perturb, run, sampled_traj
+
+INNER = [1, 2, 5, 6]           # step groups of 4 over trained steps 0-9: knots 0, 3, 4, 7, 8, 9
+
+
+def _case(scale: float = 0.05):
+    """A rollout of the toy model, then the model moved as an optimizer step would (off-policy)."""
+    torch.manual_seed(0)
+    model = Nonlinear(batch=6)
+    traj = sampled_traj(model, B=6, T=11)
+    perturb(model, scale)
+    return model, traj, torch.linspace(-1.5, 1.5, 6, dtype=torch.float64)
+
+
+def _inner_stats(model, traj, adv, cfg, **kw):
+    return run(model, traj, adv, cfg, only_steps=INNER, prompt_groups=[0, 0, 1, 1, 2, 2], **kw)[1]
+
+
+def _clip_range_for_half(model, traj, adv) -> float:
+    """A clip range at which about half of exact's inner terms are clipped: the median |log ratio|."""
+    with torch.no_grad():
+        lp = []
+        for k in INNER:
+            B = traj.batch_size
+            v = model(traj.latents[:, k], traj.sigmas[k].expand(B), torch.arange(B))
+            out = jagg.sde.step_loss(v, traj.latents[:, k], traj.latents[:, k + 1], traj.sigmas[k].expand(B),
+                                     traj.sigmas[k + 1].expand(B), float(traj.sigmas[1]), traj.eta,
+                                     traj.log_probs[:, k], adv, 1.0, reduction=traj.logprob_reduction)
+            lp.append((out.log_prob - traj.log_probs[:, k]).abs())
+    return float(torch.cat(lp).median())
+
+
+@pytest.mark.parametrize("intermediate", ["auto", "fresh"])
+def test_off_policy_inner_ratios_and_clipping_are_exacts(intermediate):
+    """Off-policy, the shipped setting's inner terms have exact's ratios, clip decisions and approx-KL (to rounding):
+    their velocities come from a fresh forward at the current parameters."""
+    model, traj, adv = _case()
+    eps = _clip_range_for_half(model, traj, adv)
+    exact = _inner_stats(model, traj, adv, EstimatorConfig(mode="exact", clip_range=eps))
+    assert 0.2 < exact.clip_frac < 0.8                       # the clip decisions are not all alike
+    cfg = EstimatorConfig(mode="jagg", window=4, intermediate=intermediate, correction_p=0.0, clip_range=eps)
+    est = _inner_stats(model, traj, adv, cfg, on_policy=False)
+    assert est.clip_frac == exact.clip_frac
+    assert est.ratio_mean == pytest.approx(exact.ratio_mean, rel=1e-12)
+    assert est.approx_kl == pytest.approx(exact.approx_kl, rel=1e-9)
+    assert est.forward_nograd_items == 6 * len(INNER)       # one no-grad row per inner term
+
+
+def test_interp_off_policy_ratios_are_not_exacts_and_warn():
+    """What the fix is for: ``interp`` after an optimizer step gives the inner terms other ratios and clip decisions
+    than exact (this test fails if interp were exact off-policy), and says so."""
+    model, traj, adv = _case()
+    eps = _clip_range_for_half(model, traj, adv)
+    exact = _inner_stats(model, traj, adv, EstimatorConfig(mode="exact", clip_range=eps))
+    cfg = EstimatorConfig(mode="jagg", window=4, intermediate="interp", correction_p=0.0, clip_range=eps)
+    with pytest.warns(UserWarning, match="off-policy"):
+        est = _inner_stats(model, traj, adv, cfg, on_policy=False)
+    assert abs(est.approx_kl - exact.approx_kl) > 0.05 * exact.approx_kl
+    assert est.forward_nograd_items == 0
+
+
+def test_auto_on_policy_is_interp_bit_for_bit():
+    """On-policy, ``auto`` is ``interp``: the same gradient and statistics bit for bit, and no forward of the inner
+    steps (interp is exact there)."""
+    torch.manual_seed(0)
+    model = Nonlinear(batch=6)
+    traj = sampled_traj(model, B=6, T=11)
+    adv = torch.linspace(-1.5, 1.5, 6, dtype=torch.float64)
+    base = EstimatorConfig(mode="jagg", window=4, correction_p=0.0)
+    g_i, st_i = run(model, traj, adv, dataclasses.replace(base, intermediate="interp"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                      # no off-policy warning on-policy
+        g_a, st_a = run(model, traj, adv, dataclasses.replace(base, intermediate="auto"), on_policy=True)
+    assert torch.equal(g_a, g_i)
+    assert st_a.to_dict() == st_i.to_dict() and st_a.forward_nograd_items == 0
+
+
+@pytest.mark.parametrize("on_policy", [False, None])
+def test_auto_off_policy_or_unknown_is_fresh_bit_for_bit(on_policy):
+    """Off-policy, or when the caller does not say, ``auto`` is ``fresh`` bit for bit."""
+    model, traj, adv = _case()
+    base = EstimatorConfig(mode="jagg", window=4, correction_p=0.0)
+    g_f, st_f = run(model, traj, adv, dataclasses.replace(base, intermediate="fresh"))
+    g_a, st_a = run(model, traj, adv, dataclasses.replace(base, intermediate="auto"), on_policy=on_policy)
+    assert torch.equal(g_a, g_f) and st_a.to_dict() == st_f.to_dict()
+
+
+def test_inner_velocities_rule_and_bad_on_policy():
+    auto, interp = EstimatorConfig(intermediate="auto"), EstimatorConfig(intermediate="interp")
+    assert [inner_velocities(auto, x) for x in (True, False, None)] == ["interp", "fresh", "fresh"]
+    assert inner_velocities(interp, True) == "interp" and inner_velocities(EstimatorConfig(intermediate="fresh"),
+                                                                           True) == "fresh"
+    with pytest.raises(TypeError, match="on_policy"):
+        inner_velocities(auto, 1)
+    with pytest.raises(ValueError, match="intermediate must be one of"):
+        EstimatorConfig(intermediate="fresher")
+
+
+def test_trainer_passes_on_policy_to_the_first_update_of_each_rollout(tmp_path, monkeypatch):
+    """The trainers call the estimator with ``on_policy=True`` on a rollout's first update only (every later update of
+    its epochs follows an optimizer step), so ``auto`` runs no inner forward there and ``fresh`` in the others."""
+    from jagg.trainers import shapes as shapes_mod
+    from jagg.trainers.shapes import ShapesGRPO
+    from jagg.trainers.shapes_config import ShapesTrainConfig
+    from jagg.training.config_loader import load
+
+    seen = []
+    real = shapes_mod.policy_gradient
+
+    def spy(*args, on_policy=None, **kw):
+        st = real(*args, on_policy=on_policy, **kw)
+        seen.append((on_policy, st.forward_nograd_items))
+        return st
+
+    monkeypatch.setattr(shapes_mod, "policy_gradient", spy)
+    cfg = load(ShapesTrainConfig, None, [
+        "sample.prompts_per_iter=2", "sample.group_size=2", "sample.num_steps=6", "sample.sde_window=[0,6]",
+        "estimator.mode=jagg", "estimator.window=3", "estimator.intermediate=auto", "estimator.correction_p=0",
+        "grpo.updates_per_epoch=2", "grpo.inner_epochs=2", "grpo.drop_zero_spread=false", "threads=1",
+        f"log.output_dir={tmp_path / 'run'}"])
+    trainer = ShapesGRPO(cfg)
+    for _ in range(2):
+        trainer.step()
+    assert [on for on, _ in seen] == [True, False, False, False] * 2
+    assert all((n == 0) == on for on, n in seen)              # interp on-policy, fresh forwards off-policy
