@@ -290,3 +290,27 @@ def test_quality_intervals_skip_undefined_resamples():
     lo, hi = _interval(np.array([1.0, np.nan, 2.0, 3.0, np.nan]))
     assert 1.0 <= lo < hi <= 3.0
     assert all(math.isnan(x) for x in _interval(np.array([np.nan, np.nan])))
+
+
+def test_bench_efficiency_off_policy_update(tmp_path, bench_ckpt, capsys):
+    """--update N measures every estimator where a rollout's (N+1)-th update starts: off-policy, ``auto`` (fresh inner
+    forwards) clips exactly what exact clips and ``stale`` runs no inner forward; on-policy (--update 0) ``auto`` is
+    ``interp``. (That ``interp`` clips more than exact off-policy: tests/test_off_policy.py.)"""
+    out = tmp_path / "eff.json"
+    sets = efficiency_sets(bench_ckpt) + ["estimator.correction_p=0", "optim.lr=1e-3"]
+    est = ["--estimator", "interp:intermediate=interp", "--estimator", "auto:intermediate=auto",
+           "--estimator", "stale:intermediate=stale"]
+    base = ["bench", "efficiency", "--batches", "3", "--draws", "1", *est, "--json", str(out)]
+    assert main(base + ["--update", "1"] + [a for s in sets for a in ("--set", s)]) == 0
+    recs = {r["estimator"]: r for r in json.loads(out.read_text())}
+    assert all(r["update"] == 1 for r in recs.values())
+    assert recs["auto"]["clip_frac"] == recs["exact"]["clip_frac"] > 0
+    assert recs["auto"]["nograd_per_sample"] == 4 and recs["stale"]["nograd_per_sample"] == 0
+    assert "off-policy: update 1 of each rollout" in capsys.readouterr().out
+    out.unlink()
+    assert main(base + ["--update", "0"] + [a for s in sets for a in ("--set", s)]) == 0
+    recs = {r["estimator"]: r for r in json.loads(out.read_text())}
+    assert recs["auto"]["error_to_noise"] == recs["interp"]["error_to_noise"] and recs["auto"]["nograd_per_sample"] == 0
+    with pytest.raises(SystemExit):
+        main(["bench", "efficiency", "--update", "-1"])
+    assert "argument --update" in capsys.readouterr().err

@@ -136,3 +136,70 @@ def test_trainer_passes_on_policy_to_the_first_update_of_each_rollout(tmp_path, 
         trainer.step()
     assert [on for on, _ in seen] == [True, False, False, False] * 2
     assert all((n == 0) == on for on, n in seen)              # interp on-policy, fresh forwards off-policy
+
+
+def _audited_run(monkeypatch, intermediate: str) -> list[dict]:
+    """Two iterations of a tiny shapes run with an audit every iteration and 2 updates per rollout: the audits' results
+    (the first before update 0, the second before update 1)."""
+    from jagg.trainers import base
+    from jagg.trainers.shapes import ShapesGRPO
+    from jagg.trainers.shapes_config import ShapesTrainConfig
+    from jagg.training.config_loader import load
+
+    seen = []
+    real = base.audit_parts
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        seen.append(dict(out[0], on_policy=kw["on_policy"]))
+        return out
+
+    monkeypatch.setattr(base, "audit_parts", spy)
+    cfg = load(ShapesTrainConfig, None, [
+        "sample.prompts_per_iter=4", "sample.group_size=2", "sample.num_steps=6", "sample.sde_window=[0,6]",
+        "estimator.mode=jagg", "estimator.window=3", f"estimator.intermediate={intermediate}",
+        "estimator.correction_p=0", "estimator.audit_every=1", "estimator.audit_samples=4", "estimator.clip_range=1e-4",
+        "optim.lr=1e-5", "grpo.updates_per_epoch=2", "grpo.drop_zero_spread=false", "threads=1"])
+    trainer = ShapesGRPO(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            trainer.step()
+    return seen
+
+
+def test_audits_cycle_through_the_updates_and_see_interps_off_policy_clipping(monkeypatch):
+    """The trainer's audits run before update 0, then update 1, ... of their rollouts, so the meter sees off-policy
+    updates: there ``interp`` clips terms exact does not (and :func:`jagg.audit.clip_flag` says so), ``auto`` clips as
+    exact does."""
+    from jagg.audit import clip_flag
+
+    for intermediate in ("interp", "auto"):
+        audits = _audited_run(monkeypatch, intermediate)
+        assert [a["on_policy"] for a in audits] == [True, False]
+        on, off = audits
+        assert on["clip_frac_est"] == pytest.approx(on["clip_frac_exact"], abs=1e-9)   # interp is exact on-policy
+        if intermediate == "auto":
+            assert off["clip_frac_est"] == pytest.approx(off["clip_frac_exact"], abs=1e-9)
+            assert clip_flag(off) is None
+        else:
+            assert off["clip_frac_est"] > 1.5 * off["clip_frac_exact"] + 0.01
+            assert "intermediate=auto" in clip_flag(dict(off, update=1))
+        monkeypatch.undo()
+
+
+def test_stale_takes_the_rollout_velocities_at_inner_steps():
+    """``stale`` runs no inner forward and gives the inner terms the rollout's own velocities: off-policy their ratio
+    is 1 and none is clipped (PPO's clipping acts at the knots only); on-policy it equals ``interp`` to rounding."""
+    model, traj, adv = _case()
+    cfg = EstimatorConfig(mode="jagg", window=4, intermediate="stale", correction_p=0.0, clip_range=1e-6)
+    st = _inner_stats(model, traj, adv, cfg, on_policy=False)
+    assert st.ratio_mean == 1.0 and st.clip_frac == 0.0 and st.approx_kl == 0.0 and st.forward_nograd_items == 0
+    knots = run(model, traj, adv, cfg, only_steps=[0, 3, 4, 7], on_policy=False)[1]
+    assert knots.clip_frac > 0                                # the knots' own rows still clip off-policy
+    torch.manual_seed(0)
+    model = Nonlinear(batch=6)
+    traj = sampled_traj(model, B=6, T=11)
+    g_s, _ = run(model, traj, adv, dataclasses.replace(cfg, clip_range=1e-4))
+    g_i, _ = run(model, traj, adv, dataclasses.replace(cfg, clip_range=1e-4, intermediate="interp"))
+    torch.testing.assert_close(g_s, g_i, rtol=1e-10, atol=1e-13)

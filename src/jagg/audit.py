@@ -44,6 +44,24 @@ def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
             "consider estimator.correction_p (e.g. 0.25: unbiased JAGG) or exact_first_intervals")
 
 
+CLIP_RATIO_FLAG = 1.5   # an estimator clipping more than this times exact's terms (plus CLIP_FLOOR) is flagged
+CLIP_FLOOR = 0.01
+
+
+def clip_flag(result: dict) -> str | None:
+    """A warning when the estimator clips clearly more (sample, step) terms than exact on the same samples and
+    parameters (more than :data:`CLIP_RATIO_FLAG` x exact's fraction + :data:`CLIP_FLOOR`), else None: its inner steps'
+    velocities are off, e.g. ``intermediate: interp`` in an off-policy update (``update`` > 0 of a rollout), and every
+    wrongly clipped term's gradient is lost."""
+    est, exact = result.get("clip_frac_est", math.nan), result.get("clip_frac_exact", math.nan)
+    if not est > CLIP_RATIO_FLAG * exact + CLIP_FLOOR:
+        return None
+    where = f" at update {result['update']} of the rollout" if "update" in result else ""
+    return (f"audit: the estimator clips {est:.3f} of its terms against exact's {exact:.3f}{where}: its inner steps' "
+            "ratios are off (off-policy, intermediate: interp extrapolates them); use estimator.intermediate=auto "
+            "(interp on-policy, fresh off-policy) or fresh")
+
+
 # ----------------------------------------------------------------------------- error against noise (efficiency)
 
 
@@ -298,31 +316,40 @@ def _sub_batches(traj: Trajectory, advantages, prompt_groups, ref_velocities, sp
 
 
 def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: list[_SubBatch],
-                     ranges: list[list[int]], names: list[str], correction_state=None) -> tuple[dict, dict]:
+                     ranges: list[list[int]], names: list[str], correction_state=None,
+                     on_policy: bool | None = None) -> tuple[dict, dict]:
     """Per step range, the exact and the configured gradients of every sub-batch (``policy_gradient(...,
-    only_steps=range)``): the ranges' cosines ``{"cos_<name>": ...}`` and each sub-batch's gradients summed over the
-    ranges ``{"exact": [m], "est": [m]}``."""
+    only_steps=range)``): the ranges' cosines ``{"cos_<name>": ...}``, the clip fractions of both over all their terms
+    (``clip_frac_exact``, ``clip_frac_est``), and each sub-batch's gradients summed over the ranges ``{"exact": [m],
+    "est": [m]}``."""
     exact = config.exact()
     out: dict = {}
     part_grads = {"exact": [0.0] * len(subs), "est": [0.0] * len(subs)}
+    clipped, terms = {"exact": 0.0, "est": 0.0}, 0
     for name, steps in zip(names, ranges):
         grads = {"exact": 0.0, "est": 0.0}
         for j, sub in enumerate(subs):
             for key, cfg in (("exact", exact), ("est", config)):
                 for p in params:
                     p.grad = None
-                policy_gradient(sub.velocity(velocity_fn), sub.traj, sub.advantages, cfg, ref_velocities=sub.ref_velocities,
-                                prompt_groups=sub.prompt_groups, generator=torch.Generator().manual_seed(sub.seed),
-                                only_steps=steps, correction_state=correction_state if key == "est" else None)
+                st = policy_gradient(sub.velocity(velocity_fn), sub.traj, sub.advantages, cfg,
+                                     ref_velocities=sub.ref_velocities, prompt_groups=sub.prompt_groups,
+                                     generator=torch.Generator().manual_seed(sub.seed), only_steps=steps,
+                                     correction_state=correction_state if key == "est" else None,
+                                     on_policy=on_policy)
+                clipped[key] += st.clip_frac * len(steps) * sub.traj.batch_size
                 g = flat_grad(params)
                 grads[key] = grads[key] + g * sub.share                    # the whole audit batch's gradient
                 part_grads[key][j] = part_grads[key][j] + g
+            terms += len(steps) * sub.traj.batch_size
         out[f"cos_{name}"] = cosine(grads["est"], grads["exact"])
+    out["clip_frac_exact"], out["clip_frac_est"] = clipped["exact"] / max(terms, 1), clipped["est"] / max(terms, 1)
     return out, part_grads
 
 
 def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=None, prompt_groups=None,
-                generator=None, parts: int = 3, split=None, correction_state=None) -> tuple[dict, Tensor, Tensor]:
+                generator=None, parts: int = 3, split=None, correction_state=None,
+                on_policy: bool | None = None) -> tuple[dict, Tensor, Tensor]:
     """:func:`audit_gradient`, also returning the exact and the estimator's gradients of each sub-batch of ``split``
     (``[n]`` ids, e.g. the prompt groups): ``(result, exact [m, P], estimate [m, P])``, float64, each sub-batch's
     gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient).
@@ -345,7 +372,8 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
     names = list(RANGE_NAMES) if len(ranges) == 3 else [f"range{i}" for i in range(len(ranges))]
     exact = config.exact()
     try:
-        out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names, correction_state)
+        out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names, correction_state,
+                                           on_policy)
         full = (dataclasses.replace(config, correction_p=1.0, correction_rates=None, correction="interval",
                                     control_variate=0.0) if config.mode == "jagg" else config)
         rows = {key: sum(_rows(s.traj, cfg, s.prompt_groups, s.seed) for s in subs)
@@ -376,6 +404,7 @@ def audit_gradient(
     generator: torch.Generator | None = None,
     parts: int = 3,
     correction_state=None,
+    on_policy: bool | None = None,
 ) -> dict:
     """The configured estimator's gradient next to the exact one on the same batch, per step range and in total.
 
@@ -389,17 +418,20 @@ def audit_gradient(
         generator: RNG of the correction's picks (one seed drawn from it serves every range).
         parts: number of step ranges (3: noisy, middle, clean thirds of the trained steps).
         correction_state: the :class:`jagg.CorrectionState` of an estimator with a control variate (read only).
+        on_policy: as for :func:`jagg.policy_gradient`: whether ``params`` are those ``traj`` was sampled with (it
+            decides ``intermediate="auto"``). Audit off-policy updates too: ``interp``'s error shows only there.
 
     Returns:
         ``{"cos": total cosine, "rel_err": ||g - g_exact|| / ||g_exact||, "cos_<range>": per range (``noisy``,
         ``middle``, ``clean`` for 3 parts, else ``range0`` ...), "rows_exact", "rows_estimator": rows with grad of
         one update of each on the audit's samples, "rows": rows the audit ran through the network with grad (the
         two together), "rows_inner": the inner rows the unbiased correction would add at ``correction_p = 1`` (0
-        outside ``mode='jagg'``), "seconds": its wall-clock}``. A cosine is NaN where a gradient is zero (e.g. all
+        outside ``mode='jagg'``), "clip_frac_exact", "clip_frac_est": the fraction of (sample, step) terms whose
+        ratio each clipped, "seconds": its wall-clock}``. A cosine is NaN where a gradient is zero (e.g. all
         advantages 0).
     """
     return audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities, prompt_groups, generator,
-                       parts, correction_state=correction_state)[0]
+                       parts, correction_state=correction_state, on_policy=on_policy)[0]
 
 
 # ----------------------------------------------------------------------------- correction_p: auto

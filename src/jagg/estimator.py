@@ -25,8 +25,8 @@ in ``exact`` mode (and an estimate of it otherwise), and returns statistics. Eve
    and read once.
 
 Inner-step velocities are ``fresh`` (one no-grad forward of the chunk's inner rows) or ``interp``
-(``v_k_old + (1 - alpha_k)(v_a - v_a_old) + alpha_k (v_b - v_b_old)``, no forward). ``interp`` is exact only
-on-policy, at the parameters the trajectory was sampled with; ``intermediate="auto"`` (:func:`inner_velocities`) uses
+(``v_k_old + (1 - alpha_k)(v_a - v_a_old) + alpha_k (v_b - v_b_old)``, no forward) or ``stale`` (``v_k_old``, no
+forward: ratio 1 at the inner steps). ``interp`` and ``stale`` are exact only on-policy, at the parameters the trajectory was sampled with; ``intermediate="auto"`` (:func:`inner_velocities`) uses
 it there and ``fresh`` in off-policy updates, where the extrapolation's error would enter the inner steps' ratios and
 clip decisions (docs/design.md §3.3).
 """
@@ -439,8 +439,9 @@ def fresh_velocities(inputs: UpdateInputs, ch: Chunk) -> list[tuple[Tensor, Tens
 
 def term_velocities(v_rows: Tensor, inputs: UpdateInputs, ch: Chunk, fresh: list[tuple[Tensor, Tensor]]) -> Tensor:
     """Phase 3: the velocity ``[E, *S]`` (detached, in the compute dtype of ``v_rows``) of every term at the current
-    parameters: a knot's own row output; an inner step's ``fresh`` forward, or its ``interp`` first-order update of
-    the rollout velocity ``v_k_old + (1 - alpha_k)(v_a - v_a_old) + alpha_k (v_b - v_b_old)``."""
+    parameters: a knot's own row output; an inner step's ``fresh`` forward, its ``interp`` first-order update of
+    the rollout velocity ``v_k_old + (1 - alpha_k)(v_a - v_a_old) + alpha_k (v_b - v_b_old)``, or its ``stale`` rollout
+    velocity ``v_k_old``."""
     dtype, S = v_rows.dtype, tuple(v_rows.shape[1:])
     own = ch.term_source[:, 1] < 0
     v = torch.empty((ch.terms, *S), dtype=dtype, device=v_rows.device)
@@ -450,6 +451,9 @@ def term_velocities(v_rows: Tensor, inputs: UpdateInputs, ch: Chunk, fresh: list
     if inputs.inner == "fresh":
         for part, vp in fresh:
             v[part] = vp.to(dtype)
+        return v
+    if inputs.inner == "stale":                              # the rollout's own velocities: ratio 1 at every inner step
+        v[ch.inner] = inputs.traj.velocities[ch.term_sample[ch.inner], ch.term_step[ch.inner]].to(dtype)
         return v
     row_a, row_b = ch.term_source[ch.inner, 0].long(), ch.term_source[ch.inner, 1].long()
     alpha = ch.term_source[ch.inner, 2].to(dtype).view(-1, *([1] * len(S)))

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from .checks import check_probabilities, first_non_finite
 
 MODES = ("exact", "jagg", "subsample")
-INTERMEDIATES = ("interp", "fresh")     # what an update runs; the config also takes "auto" (interp on-policy, else fresh)
+INTERMEDIATES = ("interp", "fresh", "stale")    # what an update runs; also "auto" (interp on-policy, else fresh)
 INTERMEDIATE_CHOICES = (*INTERMEDIATES, AUTO_INTERMEDIATE := "auto")
 SCORES = ("chord", "cosine", "cosine_min", "velocity_cosine")
 KNOTS = ("groups", "shared", "adaptive")
@@ -42,7 +42,9 @@ class EstimatorConfig:
                               f"{INTERMEDIATE_CHOICES}: 'fresh' = a no-grad forward each (the paper); 'interp' = no "
                               "forward, first-order reuse of the rollout velocities, exact only on-policy (the first "
                               "update after sampling): after an optimizer step its error enters the inner steps' "
-                              "ratios and clip decisions; 'auto' = 'interp' in an on-policy update, 'fresh' in an "
+                              "ratios and clip decisions; 'stale' = no forward, the rollout velocities themselves "
+                              "(ratio 1, never clipped, at the inner steps; exact on-policy; off-policy PPO's clipping "
+                              "then acts at the knots only); 'auto' = 'interp' in an on-policy update, 'fresh' in an "
                               "off-policy one (policy_gradient(..., on_policy=True/False); the trainers pass it; "
                               "unknown counts as off-policy)."})
     jagg_frac: float = field(default=1.0, metadata={"help": "Fraction in [0, 1] of the units (prompt group, or "

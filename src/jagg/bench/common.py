@@ -35,7 +35,7 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
 
     Exact: ``K (F_grad + B)``. JAGG: ``rows (F_grad + B) + nograd F_nograd``, where the rows are the knots plus the
     inner steps of the intervals that run exact, and ``nograd`` the inner steps of the routed intervals under
-    ``fresh``. With ``steps=None`` the limit is for one full interval of ``window`` steps: the defaults
+    ``fresh`` (none under ``interp`` and ``stale``). With ``steps=None`` the limit is for one full interval of ``window`` steps: the defaults
     (``B = 2F``, ``F_grad = F_nograd``) give docs/design.md's ``3W / (W + 4)`` (fresh) and ``W / 2`` (interp). With
     ``steps=K`` the ``K`` trained steps are laid out as the estimator lays them out: step groups of ``window`` (the last
     may be shorter), or shared knots every ``window - 1`` steps (``adaptive`` has as many knots; its intervals'
@@ -51,11 +51,11 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
     ``(U - 1) / U`` with ``U`` updates per rollout) and ``interp`` in the rest. Pass measured times to get the limit of a
     given model.
     """
-    if intermediate not in ("fresh", "interp", "auto"):
-        raise ValueError(f"intermediate must be 'fresh', 'interp' or 'auto'; got {intermediate!r}")
+    if intermediate not in ("fresh", "interp", "stale", "auto"):
+        raise ValueError(f"intermediate must be 'fresh', 'interp', 'stale' or 'auto'; got {intermediate!r}")
     if not 0.0 <= off_policy_share <= 1.0:
         raise ValueError(f"off_policy_share must be in [0, 1]; got {off_policy_share!r}")
-    fresh_share = {"fresh": 1.0, "interp": 0.0, "auto": off_policy_share}[intermediate]
+    fresh_share = {"fresh": 1.0, "interp": 0.0, "stale": 0.0, "auto": off_policy_share}[intermediate]
     K = window if steps is None else steps
     layout = "groups" if knots == "groups" else "shared"
     intervals = intervals_of(list(range(K)), layout, window) if window > 2 else [[k] for k in range(K)]

@@ -63,8 +63,8 @@ import yaml
 from torch import Tensor
 
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..audit import (AUTO_START_P, adam_efficiency, choose_correction_p, error_noise_stats, extrapolate, flat_grad,
-                     predicted_efficiency)
+from ..audit import (AUTO_START_P, adam_efficiency, choose_correction_p, clip_flag, error_noise_stats, extrapolate,
+                     flat_grad, predicted_efficiency)
 from ..checks import check_unique_names, number_arg
 from ..estimator import CorrectionState, policy_gradient
 from ..estimator_config import AUTO, EstimatorConfig
@@ -277,7 +277,8 @@ def resolve_auto(plain: dict, rows: dict) -> dict:
             "auto_plain_bias_z": bias_z(plain["bias_to_noise"], plain["bias_to_noise_se"])}
 
 
-def _auto_rate(sampler: ShapesSampler, kept: list[Batch], est: EstimatorConfig, exact: Tensor, rows_exact: float) -> dict:
+def _auto_rate(sampler: ShapesSampler, kept: list[Batch], est: EstimatorConfig, exact: Tensor, rows_exact: float,
+               on_policy: bool = True) -> dict:
     """:func:`resolve_auto` for ``est`` (``correction_p: auto``) on the batches ``kept``: plain JAGG's gradients
     against ``exact`` (``[n, P]``), and its rows per sample, plain and at full correction, planned on the first batch
     against exact's ``rows_exact``."""
@@ -285,13 +286,15 @@ def _auto_rate(sampler: ShapesSampler, kept: list[Batch], est: EstimatorConfig, 
     first = kept[0]
     rows = {"plain": expected_rows(first.traj, plain, first.prompt_groups), "exact": rows_exact,
             "full": expected_rows(first.traj, dataclasses.replace(est, correction_p=1.0), first.prompt_groups)}
-    return resolve_auto(error_noise_stats(exact, [_gradients(sampler, batch, plain, [0])[0] for batch in kept]), rows)
+    return resolve_auto(error_noise_stats(exact, [_gradients(sampler, batch, plain, [0], on_policy=on_policy)[0]
+                                                  for batch in kept]), rows)
 
 
 def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds: list[int],
-               state: CorrectionState | None = None) -> tuple[Tensor, list]:
+               state: CorrectionState | None = None, on_policy: bool = True) -> tuple[Tensor, list]:
     """``[len(seeds), P]`` gradients of ``est`` on ``batch`` (one per pick seed) and per draw ``(CPU seconds, rows
-    with grad, no-grad rows)`` per sample; ``state``: its control variate's means, updated by each draw."""
+    with grad, no-grad rows)`` per sample and its clip fraction; ``state``: its control variate's means, updated by
+    each draw; ``on_policy``: whether the parameters are the batch's sampling ones (:func:`moved_parameters`)."""
     vf = sampler.velocity(batch.tokens)
     out, costs = [], []
     for seed in seeds:
@@ -299,18 +302,48 @@ def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds
         c0 = time.process_time()
         with torch.enable_grad():
             st = policy_gradient(vf, batch.traj, batch.adv, est, prompt_groups=batch.prompt_groups,
-                                 generator=torch.Generator().manual_seed(seed), correction_state=state)
+                                 generator=torch.Generator().manual_seed(seed), correction_state=state,
+                                 on_policy=on_policy)
         B = batch.traj.batch_size
-        costs.append((time.process_time() - c0, st.backward_items / B, st.forward_nograd_items / B))
+        costs.append((time.process_time() - c0, st.backward_items / B, st.forward_nograd_items / B, st.clip_frac))
         out.append(flat_grad(sampler.params).double())
     return torch.stack(out), costs
 
 
+def moved_parameters(sampler: ShapesSampler, cfg: ShapesTrainConfig, preceding: list[Batch]) -> list[Tensor]:
+    """The trainable parameters after one AdamW step (``cfg.optim``, a fresh optimizer) on the exact gradient of each
+    batch of ``preceding`` in turn, clipped as the trainer clips it: where the ``len(preceding) + 1``-th optimizer
+    update of a rollout starts, the updates before it made on other samples of the same policy's rollouts (the
+    trainer's on the other minibatches of its rollout). The sampler's parameters are left as they were."""
+    saved = [p.detach().clone() for p in sampler.params]
+    o = cfg.optim
+    opt = torch.optim.AdamW(sampler.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    for batch in preceding:
+        sampler.zero_grad()
+        with torch.enable_grad():
+            policy_gradient(sampler.velocity(batch.tokens), batch.traj, batch.adv, cfg.estimator.exact(),
+                            prompt_groups=batch.prompt_groups)
+        if o.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(sampler.params, o.max_grad_norm)
+        opt.step()
+    moved = [p.detach().clone() for p in sampler.params]
+    _load(sampler, saved)
+    return moved
+
+
+def _load(sampler: ShapesSampler, values: list[Tensor]) -> None:
+    with torch.no_grad():
+        for p, v in zip(sampler.params, values):
+            p.copy_(v)
+
+
 def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
-            warmup: int = 0, cost: CostStructure | None = None) -> list[dict]:
+            warmup: int = 0, cost: CostStructure | None = None, update: int = 0) -> list[dict]:
     """One record per estimator (module docstring); ``warmup``: batches that build the control variates' means first
     (:func:`warm_up`); ``cost``: the structure of the projected columns (None: the
-    job's own, :func:`jagg.bench.projection.job_structure`)."""
+    job's own, :func:`jagg.bench.projection.job_structure`); ``update``: measure each batch as its rollout's
+    ``update + 1``-th optimizer update, at the parameters :func:`moved_parameters` reaches with ``update`` batches
+    drawn after the measured ones (0: on-policy, at the sampling parameters)."""
     check_sizes(batches, draws, target_batch)
     ests = parse_estimators(specs, cfg.estimator)
     ests = {name: est if est is None else rate_of(est) for name, est in ests.items()}     # None: subsample
@@ -333,7 +366,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
 
     def run(b: int, name: str, est: EstimatorConfig, e_i: int) -> None:
         seeds = [cfg.seed * 1_000_003 + b * 1009 + d * 31 + e_i for d in range(draws if est.random else 1)]
-        g, c = _gradients(sampler, kept[b], est, seeds, states.get(name))
+        g, c = _gradients(sampler, kept[b], est, seeds, states.get(name), on_policy=not update)
         grads[name].append(g)
         costs[name] += c
 
@@ -341,6 +374,9 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
         traj, tokens, adv, prompt_groups, seconds = draw_batch(sampler, cfg)
         rollout_s.append(seconds)
         kept.append(Batch(traj, tokens, adv, prompt_groups))
+    base = [p.detach().clone() for p in sampler.params]
+    if update:                                     # off-policy: every batch measured where update `update` starts
+        _load(sampler, moved_parameters(sampler, cfg, [Batch(*draw_batch(sampler, cfg)[:4]) for _ in range(update)]))
     if ests.get("subsample", 0) is None:           # subsample at the config's rows, fixed from the first batch
         first, base = kept[0], rate_of(cfg.estimator, AUTO_START_P)
         frac = min(1.0, expected_rows(first.traj, base, first.prompt_groups) / first.traj.train_steps.numel())
@@ -357,15 +393,17 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
     resolved = {}
     for e_i, (name, est) in enumerate(ests.items()):            # correction_p auto: from plain JAGG on these batches
         if name in auto:
-            resolved[name] = _auto_rate(sampler, kept, est, exact, r_exact)
+            resolved[name] = _auto_rate(sampler, kept, est, exact, r_exact, on_policy=not update)
             p = resolved[name]["correction_p"]
             ests[name] = rate_of(est, AUTO_START_P if math.isnan(p) else p)
             for b in range(batches):
                 run(b, name, ests[name], e_i)
+    _load(sampler, base)
     n_samples = statistics.fmean(b.traj.batch_size for b in kept)
     target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
     cost = cost or job_structure(cfg.sample)
     nograd_exact = statistics.fmean(c[2] for c in costs["exact"])
+    clip_exact = statistics.fmean(c[3] for c in costs["exact"])
     records = []
     for name, est in ests.items():
         st = error_noise_stats(exact, grads[name], sizes)
@@ -377,7 +415,8 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
         rec = {"estimator": name, "mode": est.mode, "batches": batches, "draws": draws if est.random else 1,
                "samples_per_batch": n_samples, "target_batch": target, "rows_per_sample": r,
                "nograd_per_sample": nograd, "rows_ratio": r_exact / r, "train_s": t, "rollout_s": t_roll,
-               "iter_ratio": time_ratio, **st, "bias_z": bias_z(st["bias_to_noise"], st["bias_to_noise_se"]),
+               "iter_ratio": time_ratio, "update": update, "clip_frac": statistics.fmean(c[3] for c in costs[name]),
+               "clip_frac_exact": clip_exact, **st, "bias_z": bias_z(st["bias_to_noise"], st["bias_to_noise_se"]),
                **efficiencies(r_exact / r, time_ratio, st["error_to_noise"], st["adam_tensor_factor"]),
                **projected_efficiencies(cost.iteration_ratio(r / r_exact, nograd / r_exact), st["error_to_noise"],
                                         st["adam_tensor_factor"]),
@@ -481,7 +520,7 @@ INTERVAL_COLUMNS = [("interval", "interval", ""), ("steps", "steps", ""), ("sigm
 
 COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".2f"),
            ("error_to_noise", "E|e|^2/V_b", ".4f"), ("bias_to_noise", "bias^2/V_b", ".4f"),
-           ("bias_to_noise_se", "± SE", ".4f"), ("bias_z", "bias z", ".1f"),
+           ("bias_to_noise_se", "± SE", ".4f"), ("bias_z", "bias z", ".1f"), ("clip_frac", "clipped", ".3f"),
            ("bias_to_signal", "bias^2/signal^2", ".2f"), ("efficiency", "efficiency", ".2f"),
            ("iter_ratio", "iter ratio", ".2f"), ("time_efficiency", "time eff.", ".2f"),
            ("adam_time_efficiency", "Adam time eff.", ".2f"), ("adam_tensor_time_efficiency", "per tensor", ".2f"),
@@ -511,13 +550,18 @@ def _run(args: argparse.Namespace) -> int:
         by_interval_estimator(args.by_interval, cfg.estimator)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
-    records = measure(cfg, specs, batches, draws, args.target_batch, args.warmup, cost)
+    records = measure(cfg, specs, batches, draws, args.target_batch, args.warmup, cost, args.update)
     r0 = records[0]
     print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples, up to {draws} draws per estimator; V_b = "
           f"{r0['noise']:.3e} (|g| = {r0['grad_norm']:.3e}), signal |E g|^2 / V_b = {r0['signal_to_noise']:.4f} +- "
           f"{r0['signal_to_noise_se']:.4f}; @T = extrapolated to {r0['target_batch']} samples per "
-          f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)")
+          f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)"
+          + (f"; off-policy: update {args.update} of each rollout" if args.update else "; on-policy (update 0)"))
     print(table(records, COLUMNS))
+    for r in records:
+        flag = clip_flag({**r, "clip_frac_est": r["clip_frac"]})
+        if flag:
+            print(f"warning: {r['estimator']}: {flag.removeprefix('audit: ')}")
     print("time eff.: plain SGD's variance model; Adam time eff.: the trainers' AdamW (the step normalised by the "
           f"noise), per tensor: Adam per parameter tensor (weighted by {r0['tensor_weighting']}), for an estimator "
           "whose repeating error is not significant (bias z < 2); all predict from this checkpoint's gradients, paired "
@@ -571,6 +615,12 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=4, help="batches of their own (seed + 2) that build an estimator's "
                    "control-variate means before the measured batches, which then go on updating them; nothing "
                    "without a control_variate estimator [default: 4]")
+    p.add_argument("--update", type=number_arg(int, 0), default=0,
+                   help="measure every batch as the (N+1)-th optimizer update of its rollout: the parameters first take "
+                        "N AdamW steps (the config's optim) on the exact gradients of N other batches of the same "
+                        "policy, as the updates before it would; every estimator and exact are then compared there "
+                        "(off-policy for N > 0, where intermediate interp's extrapolation enters the inner steps' "
+                        "ratios) [default: 0, on-policy]")
     p.add_argument("--by-tensor", nargs="?", const="config", metavar="NAME",
                    help="also list where this estimator's error lives by parameter tensor (the 10 with the largest "
                         "share), with Adam's per-tensor weights [NAME default: config]")

@@ -58,7 +58,7 @@ class FidelityConfig:
     windows: list[int] = field(default_factory=lambda: [3, 4, 5, 8])
     knots: list[str] = field(default_factory=lambda: list(KNOTS))
     alphas: list[str] = field(default_factory=lambda: ["sigma"])
-    intermediates: list[str] = field(default_factory=lambda: list(INTERMEDIATES))
+    intermediates: list[str] = field(default_factory=lambda: ["interp", "fresh"])
     fracs: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0])
     advantages: str = "reward"     # "reward": the trainer's advantages; "random": N(0, 1) per sample, all kept
     routing: bool = True

@@ -63,7 +63,7 @@ class SpeedConfig:
     models: list[str] = field(default_factory=lambda: list(MODELS))
     windows: list[int] = field(default_factory=lambda: [2, 4, 8])
     knots: list[str] = field(default_factory=lambda: list(KNOTS))
-    intermediates: list[str] = field(default_factory=lambda: list(INTERMEDIATES))
+    intermediates: list[str] = field(default_factory=lambda: ["interp", "fresh"])
     subsample: list[float] = field(default_factory=lambda: [0.5])     # mode="subsample" fractions timed too
     interval_fracs: list[float] = field(default_factory=lambda: [0.5])  # interval subsampling, each layout W > 2
     corrections: list[str] = field(default_factory=lambda: ["step:0.25"])  # KIND:P corrections, each layout W > 2

@@ -33,7 +33,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..audit import AUTO_START_P, AuditMeter, audit_flag, audit_parts, meter_flag
+from ..audit import AUTO_START_P, AuditMeter, audit_flag, audit_parts, clip_flag, meter_flag
 from ..estimator import CorrectionState, reference_velocities
 from ..estimator_config import AUTO, EstimatorConfig
 from ..training.distributed import gather, init_process_group_from_env
@@ -343,25 +343,37 @@ class GRPO(ABC):
         ref_v, audit_s, audit_cpu = None, 0.0, 0.0
         if n and c.estimator.kl_beta > 0:
             ref_v = reference_velocities(self.reference(cond), traj, c.estimator.micro_batch)
-        if self.main and n and self.audit_due():               # the main process audits its own samples
-            audit_s, audit_cpu = self.audit(lambda sub: self.velocity(take(cond, sub)), traj, adv, ref_v,
-                                            prompt_groups, self.params)
-        if self.world > 1 and c.estimator.correction_p == AUTO and self.audit_due():
-            rate = torch.tensor([self.correction_p], dtype=torch.float64, device=self.device)
-            dist.broadcast(rate, 0)                             # every process corrects at the main process's rate
-            self.correction_p = float(rate)
-        per_update, first = [], True
+        audit_at = self.audit_position() if self.audit_due() else -1
+        per_update, u = [], 0
         for _ in range(c.grpo.inner_epochs):
             for mb in self.minibatches(n):
+                if u == audit_at:
+                    audit_s, audit_cpu = self._audit_update(cond, traj, adv, ref_v, prompt_groups, u)
                 rows = mb.tolist()
                 dev = mb.to(self.device)
                 sub = traj if rows == list(range(n)) else traj.select(dev) if rows else None   # no copy of the whole
                 stats = self.update(Minibatch(sub, take(cond, mb), adv[dev], None if ref_v is None else ref_v[dev],
-                                              prompt_groups[mb.cpu()], len(rows), on_policy=first))
-                first = False
+                                              prompt_groups[mb.cpu()], len(rows), on_policy=u == 0))
+                u += 1
                 if stats:
                     per_update.append(stats)
+        if audit_at >= u:                                   # fewer updates than its position: after the last one
+            audit_s, audit_cpu = self._audit_update(cond, traj, adv, ref_v, prompt_groups, u)
         return per_update, audit_s, audit_cpu
+
+    def _audit_update(self, cond, traj, adv, ref_v, prompt_groups, u: int) -> tuple[float, float]:
+        """The audit before update ``u`` of the rollout (the main process audits its own samples; ``correction_p:
+        auto`` then broadcasts the main process's rate); returns its ``(seconds, CPU seconds)`` (0 off the main
+        process)."""
+        out = (0.0, 0.0)
+        if self.main and traj.batch_size:
+            out = self.audit(lambda sub: self.velocity(take(cond, sub)), traj, adv, ref_v, prompt_groups, self.params,
+                             update=u)
+        if self.world > 1 and self.cfg.estimator.correction_p == AUTO:
+            rate = torch.tensor([self.correction_p], dtype=torch.float64, device=self.device)
+            dist.broadcast(rate, 0)                             # every process corrects at the main process's rate
+            self.correction_p = float(rate)
+        return out
 
     @torch.enable_grad()
     def update(self, mb: Minibatch) -> dict:
@@ -400,13 +412,21 @@ class GRPO(ABC):
         every = self.cfg.estimator.audit_every
         return bool(every) and (self.iteration + 1) % every == 0
 
+    def audit_position(self) -> int:
+        """Before which of its rollout's ``U = inner_epochs x updates_per_epoch`` updates the coming iteration's audit
+        runs: the ``j``-th audit of the run (from 0) before update ``j mod U``, so the audits cycle through the
+        on-policy first update and the off-policy ones after it (where ``interp``'s error shows)."""
+        g = self.cfg.grpo
+        return ((self.iteration + 1) // self.cfg.estimator.audit_every - 1) % (g.inner_epochs * g.updates_per_epoch)
+
     @torch.enable_grad()
     def audit(self, make_velocity: Callable[[list[int]], Callable], traj, adv, ref_v, prompt_groups,
-              params: Sequence[torch.nn.Parameter]) -> tuple[float, float]:
+              params: Sequence[torch.nn.Parameter], update: int = 0) -> tuple[float, float]:
         """The estimator audit (:func:`jagg.audit.audit_parts`) on whole prompt groups (``prompt_groups`` ``[B]``) of the
         batch, at least ``estimator.audit_samples`` samples and two prompt groups where the batch has them, picked at
         random with an RNG of its own, so a run with a fixed ``correction_p`` is the same with and without it.
-        ``make_velocity(indices)`` gives the velocity callable of those samples. Feeds the run's
+        ``make_velocity(indices)`` gives the velocity callable of those samples; ``update`` is the rollout's update it
+        runs before (0: on-policy; later ones off-policy, the parameters moved by the updates before it). Feeds the run's
         :class:`jagg.audit.AuditMeter` (:attr:`meter`: error against noise, bias, predicted efficiency), logs an
         ``audit`` record (with a logger: on the main process of a :class:`GRPOTrainer`), prints each warning once per
         run, and returns its ``(seconds, CPU seconds)`` so that the caller can leave them out of the iteration's time.
@@ -429,7 +449,8 @@ class GRPO(ABC):
         config = dataclasses.replace(c.estimator, correction_p=0.0) if auto else c.estimator   # auto: plain JAGG
         a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], config, params,
                                     None if ref_v is None else ref_v[idx], g_sub, gen, split=g_sub,
-                                    correction_state=self.correction_state)
+                                    correction_state=self.correction_state, on_policy=update == 0)
+        a["update"] = update
         if self.meter is None:
             self.meter = AuditMeter([p.numel() for p in params], seed=c.seed)
         per_update = c.sample.batch_size / c.grpo.updates_per_epoch / c.sample.group_size
@@ -441,7 +462,7 @@ class GRPO(ABC):
             if not math.isnan(a["correction_p"]):
                 self.correction_p = a["correction_p"]
             a["correction_p"] = self.correction_p             # the rate of the updates from here on
-        flags = [] if auto else [f for f in (audit_flag(a, c.estimator), meter_flag(a)) if f]
+        flags = [f for f in ([clip_flag(a)] if auto else [audit_flag(a, c.estimator), meter_flag(a), clip_flag(a)]) if f]
         if self.logger is not None:
             self.logger.log({"kind": "audit", "iteration": self.iteration + 1, "samples": len(sub), **a,
                              "flagged": int(bool(flags))})
