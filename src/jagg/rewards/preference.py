@@ -94,6 +94,23 @@ def _device(device) -> torch.device:
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}") from None
 
 
+def check_options(options: dict, required: tuple[str, ...], what: dict[str, str]) -> None:
+    """A preference reward's options checked without loading anything (``jagg train --print-config`` and every config
+    load): ``batch_size`` an integer >= 1, ``dtype`` and ``device`` known, and each of ``required`` given (``what``:
+    what each holds). A ValueError names the option."""
+    for name in required:
+        if not options.get(name):
+            raise ValueError(f"option {name}= is required: {what[name]} (e.g. {name}=/models/...); jagg never "
+                             "downloads weights")
+    if "batch_size" in options:
+        _positive_int("option batch_size", options["batch_size"])
+    dtype = options.get("dtype", "fp32")
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ValueError(f"option dtype must be one of {tuple(DTYPES)}; got {dtype!r}")
+    if "device" in options and isinstance(options["device"], str):
+        _device(options["device"])
+
+
 class ClipImages:
     """``CLIPImageProcessor``'s image preprocessing in torch, batched: float ``[N, 3, H, W]`` in [0, 1] -> pixel values
     ``[N, 3, S, S]``.
@@ -169,6 +186,13 @@ class ClipReward:
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` (or a torch dtype) of the model.
         image_mode: ``"crop"`` (CLIPImageProcessor) or ``"pad"`` (open_clip's ResizeMaxSize).
     """
+
+    REQUIRED = {"path": "a local model directory or file"}   # option -> what it holds: given or refused at load
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """The spec's options checked at config load, before anything loads (:func:`check_options`)."""
+        check_options(options, tuple(cls.REQUIRED), cls.REQUIRED)
 
     def __init__(self, load: Callable[[torch.device], tuple[nn.Module, object]], batch_size: int = 32, device="auto",
                  dtype="fp32", image_mode: str = "crop"):
@@ -397,8 +421,11 @@ class AestheticReward(ClipReward):
     ``path``: local ``openai/clip-vit-large-patch14``; ``head``: the MLP weights ``sac+logos+ava1-l14-linearMSE.pth``
     (keys ``layers.{0,2,4,6,7}.{weight,bias}``); ``processor``: default ``path``."""
 
+    REQUIRED = {"path": "the local openai/clip-vit-large-patch14 directory",
+                "head": "the aesthetic predictor's MLP weights, sac+logos+ava1-l14-linearMSE.pth"}
+
     def __init__(self, path=None, head=None, processor=None, batch_size: int = 32, device="auto", dtype="fp32"):
-        head_path = local_path(head, "aesthetic head", "the aesthetic predictor's MLP weights "
+        head_path = local_path(head, "aesthetic head (option head=)", "the aesthetic predictor's MLP weights "
                                "sac+logos+ava1-l14-linearMSE.pth", "camenduru/improved-aesthetic-predictor")
         repo = "openai/clip-vit-large-patch14"
         super().__init__(_clip_loader(path, processor, "aesthetic", repo, repo), batch_size, device, dtype)
