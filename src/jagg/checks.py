@@ -301,7 +301,8 @@ def check_sde_window_schedule(num_steps: int, timestep_fraction: float, sde_wind
     """Raise unless the SDE window's schedule fits: ``schedule`` one of :data:`SDE_WINDOW_SCHEDULES`; ``fixed`` without
     a size (``sde_window`` is then the SDE window of every iteration, :func:`check_sde_steps`); ``sliding`` without a
     ``timestep_fraction`` and with a window that fits in the steps it slides over, ``sde_window`` or else all
-    ``num_steps`` (:func:`check_sliding_window`)."""
+    ``num_steps`` (:func:`check_sliding_window`), and that moves: not filling those steps, its stride at most the steps
+    it can move (a config's count larger than what it counts never moves the window)."""
     if schedule not in SDE_WINDOW_SCHEDULES:
         raise ValueError(f"{keys['sde_window_schedule']} must be one of {SDE_WINDOW_SCHEDULES}; got {schedule!r}")
     if schedule == "fixed":
@@ -315,7 +316,17 @@ def check_sde_window_schedule(num_steps: int, timestep_fraction: float, sde_wind
     if size is None:
         raise ValueError(f"{keys['sde_window_schedule']}=sliding needs {keys['sde_window_size']}: the SDE steps of "
                          "one iteration (MixGRPO: 4)")
-    check_sliding_window(tuple(sde_window) if sde_window else (0, num_steps), size, stride, every, keys)
+    start, end = tuple(sde_window) if sde_window else (0, num_steps)
+    check_sliding_window((start, end), size, stride, every, keys)
+    room = end - start - size                        # the steps the window can move
+    if room == 0:
+        raise ValueError(f"{keys['sde_window_size']}={size} fills the {end - start} steps [{start}, {end}) it slides "
+                         f"over ({keys['sde_window']}): the window never moves; lower it, widen {keys['sde_window']}, "
+                         f"or use {keys['sde_window_schedule']}=fixed")
+    if stride > room:
+        raise ValueError(f"{keys['sde_window_stride']}={stride} is more than the {room} step{'s' * (room != 1)} a "
+                         f"window of {size} can move in [{start}, {end}) ({keys['sde_window']}): it would never move; "
+                         f"lower it to at most {room}")
 
 
 def check_group_size(group_size: int, keys: Keys = ARGUMENTS) -> None:
