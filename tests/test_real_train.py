@@ -248,7 +248,7 @@ def test_non_finite_updates_are_skipped_then_the_run_aborts(tmp_path, sd3_dir, c
     cfg = write_sd3_config(tmp_path, sd3_dir)
     out = tmp_path / "run"
     assert main(["train", "--config", str(cfg), "--output-dir", str(out), "--set", "optim.lr=1e30",
-                 "--set", "optim.max_grad_norm=0", "--set", "grpo.iterations=5", "--set", "grpo.max_consecutive_skips=2"]) == 1
+                 "--set", "optim.weight_decay=0", "--set", "optim.max_grad_norm=0", "--set", "grpo.iterations=5", "--set", "grpo.max_consecutive_skips=2"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]          # after diffusers' loading bars
     assert err.startswith("jagg train: aborted: 2 consecutive updates had a non-finite loss")
     rec = records(out)

@@ -183,6 +183,30 @@ def check_output_file(path: str | Path, flag: str, overwrite: bool = False, suff
     return p
 
 
+def read_json(path: str | Path, what: str):
+    """The JSON value of the file ``path``, a part of ``what`` (a model directory, an option); a file that is not valid
+    JSON is a ValueError naming it, with the line and column, never a bare decoder error."""
+    import json
+
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); repair the "
+                         "file or copy it again") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what}: {path} is not a UTF-8 JSON file (byte {e.start}: {e.reason})") from None
+
+
+def check_json_files(directory: str | Path, what: str, limit: int = 64 * 2**20) -> None:
+    """Every ``*.json`` file of ``directory`` and of its subdirectories one level down (a model directory's
+    ``model_index.json``, ``transformer/config.json``, a tokenizer's files), up to ``limit`` bytes each, read as JSON
+    (:func:`read_json`): a broken one is named before a library loads it with a bare decoder error."""
+    d = Path(directory)
+    for path in sorted([*d.glob("*.json"), *d.glob("*/*.json")]):
+        if path.is_file() and path.stat().st_size <= limit:
+            read_json(path, what)
+
+
 def check_positive(value, name: str, why: str = "") -> None:
     """Raise unless ``value`` is a finite number > 0; the message names it ``name`` and adds ``why`` in brackets."""
     if not is_finite_number(value) or value <= 0:

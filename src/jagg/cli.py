@@ -143,6 +143,10 @@ def _train(args) -> int:
     config = str(main_job_path()) if args.config is None else args.config
     real = has_pipeline_section(config)          # a real diffusers model: jagg.trainers.diffusers
     cfg = load_config(config, overrides) if real else configuration.load(ShapesTrainConfig, config, overrides)
+    if cfg.log.wandb:                                # third-party start-up, before anything is written or printed
+        from .training.wandb_run import check_start
+
+        check_start(cfg.log)
     if args.print_config:
         print(f"# resolved by jagg train --print-config from {config!r} and {len(overrides)} --set override(s)")
         print(configuration.dump(cfg), end="")

@@ -199,7 +199,7 @@ class QualityRun(ShapesTrainer):
 def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     """Train (or resume, or skip) one run and return its summary."""
     from ..training.config_loader import to_dict
-    from ..trainers.base import check_resumable
+    from ..trainers.base import RESUMABLE_CHANGES, check_resumable
 
     cfg = q.train_config(variant, seed)
     out = q.run_dir(variant, seed)
@@ -211,8 +211,8 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
             raise ValueError(f"{done} cannot be read ({' '.join(str(e).split())}); delete it (the run's checkpoints "
                              "stay, and the run is summarized again)") from None
         if result.get("iterations") == cfg.grpo.iterations and "train_curve" in result:
-            try:
-                check_resumable(result["config"], to_dict(cfg))
+            try:                                  # what a run records (eval.*) is part of its identity here
+                check_resumable(result["config"], to_dict(cfg), tuple(a for a in RESUMABLE_CHANGES if a != "eval."))
             except (KeyError, ValueError) as e:
                 raise ValueError(f"{done} was trained with another config ({e}); use another --out") from None
             print(f"quality: {variant} seed {seed}: already done ({done}), skipped", flush=True)
@@ -563,7 +563,10 @@ def run_quality(q: QualityConfig, clock: str = "wall", train_only: str | None = 
     which then share whatever else loads the machine; a last call without it compares)."""
     names = list(q.variants)
     for v in names:                                     # every variant's config loads before any run trains
-        q.train_config(v, q.seeds[0])
+        cfg = q.train_config(v, q.seeds[0])
+        if target == "test" and cfg.eval.every == 0:    # refused before any run trains, not after all of them
+            raise ValueError(f"--target test compares held-out rewards, but variant {v!r} evaluates only at its start "
+                             "and end (--eval-every 0, eval.every=0); give --eval-every N > 0")
     if train_only is not None:
         if train_only not in names:
             raise ValueError(f"--train-only {train_only!r} is not one of the variants {names}")

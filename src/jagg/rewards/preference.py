@@ -24,7 +24,6 @@ that does not hold what is expected, is a one-line ``FileNotFoundError`` / ``Val
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Callable, Sequence
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..checks import check_json_files, read_json
 from .images import to_unit_float
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -62,7 +62,8 @@ def _clip_dir(path, what: str, repo: str, need: str) -> Path:
     config = p / "config.json"
     if not p.is_dir() or not config.is_file():
         raise ValueError(f"{what}: {p} is not a transformers model directory (no config.json); expected {expected}")
-    model_type = json.loads(config.read_text()).get("model_type")
+    check_json_files(p, what)                         # a broken JSON file names itself, not a decoder position
+    model_type = read_json(config, what).get("model_type")
     if model_type != "clip":
         raise ValueError(f"{what}: {p} holds a {model_type!r} model, not CLIP (model_type 'clip'); expected {expected}")
     if need == "processor" and not any((p / f).is_file() for f in ("preprocessor_config.json",
