@@ -214,11 +214,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
             try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
+                if key in seen:
+                    raise DuplicateKeyError(key, seen[key], key_node.start_mark.line + 1)
+                seen[key] = key_node.start_mark.line + 1
             except TypeError:                             # an unhashable key: PyYAML's own error follows
                 continue
-            if first != key_node.start_mark.line + 1:
-                raise DuplicateKeyError(key, first, key_node.start_mark.line + 1)
         return super().construct_mapping(node, deep)
 
 
