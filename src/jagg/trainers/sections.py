@@ -108,7 +108,8 @@ def check_layout(e: EstimatorConfig, K: int, steps: str) -> None:
     have ``K`` trained steps (``steps`` says where ``K`` comes from): ``estimator.window`` more than ``K`` (one interval
     would hold every step), ``exact_first_intervals`` / ``exact_last_intervals`` more than the intervals JAGG may take,
     ``correction_rates`` not one rate per interval of the layout. Checked at load, before a run directory exists (at
-    the first update it would fail after run.json, metrics.jsonl and tensorboard/ were written)."""
+    the first update it would fail after run.json, metrics.jsonl and tensorboard/ were written). With 1 or 2 trained
+    steps every step runs exact, whatever the window: nothing to check."""
     from ..knots import intervals_of
 
     if e.mode != "jagg" or K <= 2:                      # 1 or 2 trained steps: every step exact, whatever the window
