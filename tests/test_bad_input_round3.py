@@ -382,6 +382,26 @@ def test_a_finished_bench_quality_run_is_not_reused_under_other_eval_settings(tm
             quality.run_one(q, "exact", 0)
 
 
+def test_an_unfinished_bench_quality_run_continues_only_under_the_same_eval_settings(tmp_path, tiny_ckpt, capsys,
+                                                                                      monkeypatch):
+    import reward_plugins
+
+    monkeypatch.setattr(reward_plugins, "CALLS", 0)
+    monkeypatch.setattr(reward_plugins, "SIGINT_AT", 4)         # exact's evaluation 0, iterations 1, 2: stopped at 2
+    out = tmp_path / "q"
+    sets = [f"model.checkpoint={tiny_ckpt}", "reward.weights=null", "reward.name=reward_plugins:sigint_at",
+            "eval.num_prompts=2", "eval.images_per_prompt=1", "eval.num_steps=2", "eval.grid_size=2",
+            "sample.num_steps=4", "sample.sde_window=null", "threads=1", "grpo.iterations=3",
+            "estimator.micro_batch=4", "sample.prompts_per_iter=2", "sample.group_size=2", "log.checkpoint_every=1"]
+    argv = ["bench", "quality", "--out", str(out), "--seeds", "1"] + [a for s in sets for a in ("--set", s)]
+    code, line, _ = _jagg([*argv, "--eval-every", "0"], capsys)
+    assert code == 130, line
+    _refused([*argv, "--eval-every", "1"], capsys, str(out / "exact" / "seed0"), "eval.every")
+    monkeypatch.setattr(reward_plugins, "SIGINT_AT", -1)
+    code, line, _ = _jagg([*argv, "--eval-every", "0"], capsys)                # the same settings continue it
+    assert code == 0, line
+
+
 # ---------------------------------------------------------------------------------------------- 10. values that break the run
 
 
