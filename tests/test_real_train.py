@@ -470,6 +470,7 @@ def test_a_sliding_sde_window_and_wandb_on_a_real_model(tmp_path, sd3_dir, captu
     import fake_wandb
 
     calls = fake_wandb.install(monkeypatch)
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)          # online mode (the default) needs a key: a logged-in user
     cfg = write_sd3_config(tmp_path, sd3_dir)
     out = tmp_path / "sliding"
     sets = ["sample.sde_window_schedule=sliding", "sample.sde_window_size=2", "sample.sde_window_every=1",

@@ -247,7 +247,7 @@ def as_scores(scores, n: int, who: str) -> np.ndarray:
     try:
         raw = np.asarray(scores)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{who} returned scores numpy cannot read as an array ({one_line(e)}); return {n} real "
+        raise ValueError(f"{who} returned scores numpy cannot read as an array ({_one_line(e)}); return {n} real "
                          "numbers, one per image") from None
     if raw.dtype.kind == "O":                      # mixed objects: each one must be a real number
         bad = next((v for v in raw.ravel() if not isinstance(v, numbers.Real)), None)
@@ -267,7 +267,7 @@ def as_scores(scores, n: int, who: str) -> np.ndarray:
     return raw.astype(np.float32)
 
 
-def one_line(e, limit: int = 200) -> str:
+def _one_line(e, limit: int = 200) -> str:
     text = " ".join(str(e).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
