@@ -49,8 +49,9 @@ def test_wandb_start_up_errors_are_one_line_before_anything_is_written(sets, env
     import fake_wandb
 
     fake_wandb.install(monkeypatch)
-    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_BASE_URL"):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_BASE_URL", "WANDB_ANONYMOUS"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))      # no settings file with a key
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     _both(["log.wandb=true", *sets], capsys, tmp_path, culprit)
@@ -63,8 +64,10 @@ def test_wandb_start_up_passes_offline_or_with_a_key(tmp_path, capsys, monkeypat
     from jagg.trainers.sections import LogConfig
 
     fake_wandb.install(monkeypatch)
-    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_ANONYMOUS"):
         monkeypatch.delenv(name, raising=False)
+    config_dir = tmp_path / "wandb_config"
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(config_dir))
     check_start(LogConfig(wandb=True, wandb_mode="offline"))
     check_start(LogConfig(wandb=True, wandb_mode="disabled"))
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -75,6 +78,12 @@ def test_wandb_start_up_passes_offline_or_with_a_key(tmp_path, capsys, monkeypat
     netrc.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc))
     check_start(LogConfig(wandb=True))                                          # `wandb login`'s entry
+    monkeypatch.delenv("NETRC")
+    with pytest.raises(ValueError, match="needs a W&B API key"):
+        check_start(LogConfig(wandb=True))
+    config_dir.mkdir()
+    (config_dir / "settings").write_text("[default]\napi_key = " + "k" * 40 + "\n")
+    check_start(LogConfig(wandb=True))                                          # wandb's settings file
 
 
 def test_a_wandb_init_failure_is_one_line_naming_log_wandb(monkeypatch):

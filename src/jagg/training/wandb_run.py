@@ -63,15 +63,24 @@ def check_start(log) -> None:
 
 
 def _has_api_key() -> bool:
-    """Whether wandb will find an API key: ``$WANDB_API_KEY``, or a netrc entry (``$NETRC`` or ``~/.netrc``) for the
-    host of ``$WANDB_BASE_URL`` (api.wandb.ai). An unreadable netrc counts as a key (wandb then says what is wrong)."""
+    """Whether wandb will find an API key (or may log anonymously, ``$WANDB_ANONYMOUS``): ``$WANDB_API_KEY``, an
+    ``api_key`` in wandb's settings file, or a netrc entry (``$NETRC``, ``~/.netrc`` or ``~/_netrc``) for the host of
+    ``$WANDB_BASE_URL`` (api.wandb.ai). An unreadable file counts as a key (wandb then says what is wrong)."""
     import netrc
     from urllib.parse import urlparse
 
-    if os.environ.get("WANDB_API_KEY"):
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_ANONYMOUS") in ("allow", "must"):
         return True
-    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
-    if not path.is_file():
+    settings = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb") / "settings"
+    try:                                             # wandb's global settings may hold a key too
+        if settings.is_file() and "api_key" in settings.read_text():
+            return True
+    except OSError:
+        return True
+    paths = [Path(os.environ["NETRC"]).expanduser()] if os.environ.get("NETRC") else [Path.home() / ".netrc",
+                                                                                      Path.home() / "_netrc"]
+    path = next((p for p in paths if p.is_file()), None)
+    if path is None:
         return False
     host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
     try:
