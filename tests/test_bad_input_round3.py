@@ -322,8 +322,10 @@ def test_a_long_prompt_is_a_short_error(tmp_path, tiny_ckpt, capsys):
         prompts.write_text(" ".join(["red"] * words) + "\n")
         line = _refused(["sample", "--checkpoint", tiny_ckpt, "--steps", "2", "--num-per-prompt", "1",
                          "--prompt-file", str(prompts), "--out", str(tmp_path / "g.png")], capsys,
-                        f"{words} words", "more than the 16")
+                        f"--prompt-file {prompts}: ", f"{words} words", "more than the 16")
         assert len(line) < 300 and "max_len" not in line and "raise" not in line
+    _refused(["sample", "--checkpoint", tiny_ckpt, "--prompt", "a mauve circle", "--out", str(tmp_path / "g.png")],
+             capsys, "--prompt: ", "'mauve'")
 
 
 # ---------------------------------------------------------------------------------------------- 8. JSON in a model directory

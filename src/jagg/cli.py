@@ -214,6 +214,7 @@ def _pretrain(args) -> int:
 
 def _sample(args) -> int:
     from .integrations.config import read_prompt_lines
+    from .shapes import tokenizer
     from .shapes.weights import load_model
     from .shapes.evaluation import generate
     from .training.metrics import IMAGE_SUFFIXES, save_grid
@@ -228,6 +229,11 @@ def _sample(args) -> int:
     check_sampling(args, len(prompts) * args.num_per_prompt, f"{len(prompts)} prompt(s) x --num-per-prompt "
                    f"{args.num_per_prompt}", "lower --num-per-prompt or give fewer prompts")
     model = load_model(args.checkpoint)
+    try:                                             # a prompt the model cannot read: named by the option it came from
+        tokenizer.encode(prompts, model.config.max_text_len)
+    except ValueError as e:
+        given = ([f"--prompt-file {args.prompt_file}"] if args.prompt_file else []) + (["--prompt"] if args.prompt else [])
+        raise ValueError(f"{' or '.join(given)}: {e}") from None
     batch = [p for p in prompts for _ in range(args.num_per_prompt)]
     images = generate(model, batch, args.steps, args.guidance_scale, args.seed, args.shift)
     save_grid(images, out, ncol=args.num_per_prompt, prompts=batch)
