@@ -133,7 +133,8 @@ def test_every_number_is_checked_in_the_dtype_it_is_used_in(tmp_path, tiny_ckpt,
         _refused(argv, capsys, culprit)
     assert _files(tmp_path) == before
     assert 1e38 < FLOAT32_MAX                                  # large values that do fit still load
-    assert configuration.load(ShapesTrainConfig, None, ["optim.lr=1e38", f"seed={SEED_MAX}"]).seed == SEED_MAX
+    assert configuration.load(ShapesTrainConfig, None, ["optim.lr=1e37", "optim.weight_decay=0",   # AdamW's first
+                                                        f"seed={SEED_MAX}"]).seed == SEED_MAX      # step: 1e38
 
 
 # ---------------------------------------------------------------------------------------------- 2. a run that trains nothing
@@ -150,13 +151,15 @@ def test_a_run_that_trains_nothing_says_why_and_stops(sets, reason, tmp_path, ti
     exit 1 and one line; 0 = never stop."""
     run = tmp_path / "run"
     code, line, out = _jagg(_train(tiny_ckpt, run, 5, *sets, "grpo.max_empty_iterations=2"), capsys)
-    assert code == 1 and line.startswith("jagg train: aborted: 2 iterations in a row trained no sample: ") and reason in line
-    assert out.count("no sample was trained") == 1 and reason in out and "grpo.max_empty_iterations" in out
+    assert code == 1 and line.startswith("jagg train: aborted: 2 iterations in a row had nothing to learn from: ")
+    assert reason in line
+    assert out.count("nothing to learn from: every advantage was 0 (the 4 samples trained with "
+                     "grpo.drop_zero_spread=false") == 1 and reason in out and "grpo.max_empty_iterations" in out
     assert [json.loads(l)["iteration"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert (run / "checkpoints" / "ckpt_000002.pt").is_file()                 # saved: nothing lost
     never = tmp_path / "never"
     code, _, out = _jagg(_train(tiny_ckpt, never, 3, *sets, "grpo.max_empty_iterations=0"), capsys)
-    assert code == 0 and out.count("no sample was trained") == 1
+    assert code == 0 and out.count("nothing to learn from") == 1
 
 
 # ---------------------------------------------------------------------------------------------- 3. duplicate names

@@ -114,7 +114,7 @@ def test_tokenizer_round_trip_and_padding():
 def test_tokenizer_errors():
     with pytest.raises(ValueError, match="'purple'.*'a purple circle'|'a purple circle'.*'purple'"):
         tokenizer.encode(["a red circle", "a purple circle"])
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(ValueError, match="has 10 words, more than the 4 the model reads"):
         tokenizer.encode(["a red circle to the left of a blue square"], max_len=4)
 
 

@@ -183,6 +183,30 @@ def check_output_file(path: str | Path, flag: str, overwrite: bool = False, suff
     return p
 
 
+def read_json(path: str | Path, what: str):
+    """The JSON value of the file ``path``, a part of ``what`` (a model directory, an option); a file that is not valid
+    JSON is a ValueError naming it, with the line and column, never a bare decoder error."""
+    import json
+
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); repair the "
+                         "file or copy it again") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what}: {path} is not a UTF-8 JSON file (byte {e.start}: {e.reason})") from None
+
+
+def check_json_files(directory: str | Path, what: str, limit: int = 64 * 2**20) -> None:
+    """Every ``*.json`` file of ``directory`` and of its subdirectories one level down (a model directory's
+    ``model_index.json``, ``transformer/config.json``, a tokenizer's files), up to ``limit`` bytes each, read as JSON
+    (:func:`read_json`): a broken one is named before a library loads it with a bare decoder error."""
+    d = Path(directory)
+    for path in sorted([*d.glob("*.json"), *d.glob("*/*.json")]):
+        if path.is_file() and path.stat().st_size <= limit:
+            read_json(path, what)
+
+
 def check_positive(value, name: str, why: str = "") -> None:
     """Raise unless ``value`` is a finite number > 0; the message names it ``name`` and adds ``why`` in brackets."""
     if not is_finite_number(value) or value <= 0:
@@ -301,7 +325,8 @@ def check_sde_window_schedule(num_steps: int, timestep_fraction: float, sde_wind
     """Raise unless the SDE window's schedule fits: ``schedule`` one of :data:`SDE_WINDOW_SCHEDULES`; ``fixed`` without
     a size (``sde_window`` is then the SDE window of every iteration, :func:`check_sde_steps`); ``sliding`` without a
     ``timestep_fraction`` and with a window that fits in the steps it slides over, ``sde_window`` or else all
-    ``num_steps`` (:func:`check_sliding_window`)."""
+    ``num_steps`` (:func:`check_sliding_window`), and that moves: not filling those steps, its stride at most the steps
+    it can move (a config's count larger than what it counts never moves the window)."""
     if schedule not in SDE_WINDOW_SCHEDULES:
         raise ValueError(f"{keys['sde_window_schedule']} must be one of {SDE_WINDOW_SCHEDULES}; got {schedule!r}")
     if schedule == "fixed":
@@ -315,7 +340,17 @@ def check_sde_window_schedule(num_steps: int, timestep_fraction: float, sde_wind
     if size is None:
         raise ValueError(f"{keys['sde_window_schedule']}=sliding needs {keys['sde_window_size']}: the SDE steps of "
                          "one iteration (MixGRPO: 4)")
-    check_sliding_window(tuple(sde_window) if sde_window else (0, num_steps), size, stride, every, keys)
+    start, end = tuple(sde_window) if sde_window else (0, num_steps)
+    check_sliding_window((start, end), size, stride, every, keys)
+    room = end - start - size                        # the steps the window can move
+    if room == 0:
+        raise ValueError(f"{keys['sde_window_size']}={size} fills the {end - start} steps [{start}, {end}) it slides "
+                         f"over ({keys['sde_window']}): the window never moves; lower it, widen {keys['sde_window']}, "
+                         f"or use {keys['sde_window_schedule']}=fixed")
+    if stride > room:
+        raise ValueError(f"{keys['sde_window_stride']}={stride} is more than the {room} step{'s' * (room != 1)} a "
+                         f"window of {size} can move in [{start}, {end}) ({keys['sde_window']}): it would never move; "
+                         f"lower it to at most {room}")
 
 
 def check_group_size(group_size: int, keys: Keys = ARGUMENTS) -> None:

@@ -143,6 +143,10 @@ def _train(args) -> int:
     config = str(main_job_path()) if args.config is None else args.config
     real = has_pipeline_section(config)          # a real diffusers model: jagg.trainers.diffusers
     cfg = load_config(config, overrides) if real else configuration.load(ShapesTrainConfig, config, overrides)
+    if cfg.log.wandb:                                # third-party start-up, before anything is written or printed
+        from .training.wandb_run import check_start
+
+        check_start(cfg.log)
     if args.print_config:
         print(f"# resolved by jagg train --print-config from {config!r} and {len(overrides)} --set override(s)")
         print(configuration.dump(cfg), end="")
@@ -210,6 +214,7 @@ def _pretrain(args) -> int:
 
 def _sample(args) -> int:
     from .integrations.config import read_prompt_lines
+    from .shapes import tokenizer
     from .shapes.weights import load_model
     from .shapes.evaluation import generate
     from .training.metrics import IMAGE_SUFFIXES, save_grid
@@ -221,7 +226,14 @@ def _sample(args) -> int:
         prompts += read_prompt_lines(args.prompt_file, "--prompt-file")
     if not prompts:
         raise ValueError("give at least one --prompt or a --prompt-file")
+    check_sampling(args, len(prompts) * args.num_per_prompt, f"{len(prompts)} prompt(s) x --num-per-prompt "
+                   f"{args.num_per_prompt}", "lower --num-per-prompt or give fewer prompts")
     model = load_model(args.checkpoint)
+    try:                                             # a prompt the model cannot read: named by the option it came from
+        tokenizer.encode(prompts, model.config.max_text_len)
+    except ValueError as e:
+        given = ([f"--prompt-file {args.prompt_file}"] if args.prompt_file else []) + (["--prompt"] if args.prompt else [])
+        raise ValueError(f"{' or '.join(given)}: {e}") from None
     batch = [p for p in prompts for _ in range(args.num_per_prompt)]
     images = generate(model, batch, args.steps, args.guidance_scale, args.seed, args.shift)
     save_grid(images, out, ncol=args.num_per_prompt, prompts=batch)
@@ -237,14 +249,41 @@ def _eval(args) -> int:
 
     if args.json is not None:
         check_output_file(args.json, "--json", args.overwrite)
+    prompts = eval_prompts(args.num_prompts, "--num-prompts")
+    check_sampling(args, prompts * args.images_per_prompt, f"{prompts} test prompts x --images-per-prompt "
+                   f"{args.images_per_prompt}", "lower --images-per-prompt or --num-prompts")
     reward = get_reward(args.reward)
     metrics, _, _ = evaluate(load_model(args.checkpoint), reward, args.num_prompts, args.images_per_prompt, args.steps,
                              args.guidance_scale, args.seed, args.shift)
+    metrics = {"num_prompts": prompts, "images_per_prompt": args.images_per_prompt, **metrics}   # what was evaluated
     text = json.dumps(metrics, indent=2)
     print(text)
     if args.json is not None:
         atomic_write_text(args.json, text + "\n")
     return 0
+
+
+def eval_prompts(num_prompts: int, flag: str) -> int:
+    """The test prompts an evaluation of ``num_prompts`` (0 = all) uses; more than the test split holds is refused,
+    naming ``flag``."""
+    from .shapes import test_prompts
+
+    available = len(test_prompts())
+    if num_prompts > available:
+        raise ValueError(f"{flag} {num_prompts} is more than the {available} prompts of the test split; lower it "
+                         "(0 = all of them)")
+    return num_prompts or available
+
+
+def check_sampling(args, images: int, what: str, fix: str) -> None:
+    """The sampling options of ``jagg sample``, ``eval`` and ``bench paired`` checked together before any model loads:
+    ``--shift`` keeps the ``--steps`` schedule's sigmas distinct, and ``images`` images (``what``) fit this machine's
+    memory (:mod:`jagg.training.sizes`; ``fix``: what to lower)."""
+    from .schedule import check_schedule
+    from .training.sizes import check_memory, images_bytes
+
+    check_schedule(args.steps, args.shift, "--shift", "--steps")
+    check_memory(images_bytes(images), f"{what}: {images} images", fix)
 
 
 def main_job_defaults(args, eval_seed: bool) -> None:
@@ -321,10 +360,13 @@ def sampling_arguments(q, checkpoint: bool = True) -> None:
                    help="noise seed, 0 to 2**32 - 1 [default: 0; eval and bench paired: the main job's eval.seed]")
 
 
+MAIN_JOB_REWARD = "geneval"      # the main job's reward.name; tests/test_bad_input_round3.py checks it against the file
+
+
 def evaluation_arguments(q) -> None:
     """The evaluation's options of ``jagg eval`` and ``jagg bench paired``: the reward and the images per prompt."""
-    q.add_argument("--reward", help="reward name or module:function [default: the main job's reward, "
-                   "jpeg_compressibility with geneval reported beside it]")
+    q.add_argument("--reward", help="reward name or module:function [default: the main job's reward "
+                   f"(reward: of jagg/shapes/main_job.yaml), {MAIN_JOB_REWARD}]")
     q.add_argument("--images-per-prompt", type=number_arg(int, 1),
                    help="images per test prompt [default: the main job's eval.images_per_prompt]")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import check_positive, is_finite_number
+from .checks import check_positive, check_sigmas, is_finite_number
 
 SHIFT_HINT = "SD3 uses 3.0, 1.0 means no shift"
 
@@ -32,6 +32,19 @@ def flow_sigmas(num_steps: int, shift: float = 1.0, dtype: torch.dtype = torch.f
         raise ValueError(f"num_steps must be an integer >= 1; got {num_steps!r}")
     t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return shift_sigmas(t, shift).to(dtype)
+
+
+def check_schedule(num_steps: int, shift: float, name: str = "shift", steps_name: str = "num_steps") -> None:
+    """Raise, naming ``name`` (the shift's key or option), unless the shifted schedule of ``num_steps`` steps keeps
+    ``num_steps + 1`` distinct, strictly decreasing float32 sigmas: a shift of 1e30 (or 1e-38) fits float32 but
+    squeezes every sigma onto 1 (or 0), and the rollout would fail in its first step."""
+    check_positive(shift, name, SHIFT_HINT)
+    try:
+        check_sigmas(flow_sigmas(num_steps, shift))
+    except ValueError:
+        raise ValueError(f"{name}={shift:g} squeezes the sigma schedule of {steps_name}={num_steps} onto "
+                         f"{'1' if shift > 1 else '0'}: its float32 sigmas are no longer distinct; use a shift nearer "
+                         f"1 ({SHIFT_HINT})") from None
 
 
 def stretch_to_terminal(sigmas: Tensor, terminal: float) -> Tensor:

@@ -147,6 +147,23 @@ def parse_estimators(specs: list[str], base: EstimatorConfig) -> dict[str, Estim
     return dict(parse_estimator(s, base) for s in ["exact", *[s for s in specs if s != "exact"]])
 
 
+def check_estimators(specs: list[str], cfg) -> None:
+    """Every ``--estimator`` spec parsed and its layout checked against the job's trained steps
+    (:func:`jagg.trainers.sections.check_layout`: ``correction_rates`` one per interval, ``window`` and
+    ``exact_*_intervals`` within what they count) before the first batch; an error names the spec."""
+    from ..trainers.sections import check_layout, steps_source, trained_steps
+
+    s = cfg.sample
+    K, steps = trained_steps(s, s.num_steps), steps_source(s, "sample.num_steps", s.num_steps)
+    for spec in specs:
+        try:
+            est = parse_estimator(spec, cfg.estimator)[1]
+            if est is not None:
+                check_layout(est, K, steps)
+        except ValueError as e:
+            raise ValueError(e if str(e).startswith("--estimator") else f"--estimator {spec!r}: {e}") from None
+
+
 def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) -> float:
     """Rows with grad per sample of ``cfg`` on ``traj``, the mean over ``draws`` plans (no network call)."""
     gen = torch.Generator().manual_seed(0)
@@ -545,6 +562,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.by_tensor is not None and args.by_tensor not in names:          # every argument is checked before the
         raise ValueError(f"--by-tensor {args.by_tensor!r}: not one of the estimators {names}")   # first batch
     cost, cost_line = resolve(args.cost, job_structure(cfg.sample), args.gpu_bench_json)
+    check_estimators(specs, cfg)
     if args.by_interval is not None:
         check_sizes(batches, draws, args.target_batch)
         by_interval_estimator(args.by_interval, cfg.estimator)

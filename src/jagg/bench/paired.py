@@ -72,6 +72,14 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     main_job_defaults(args, eval_seed=True)
+    from ..cli import check_sampling
+    from ..training.sizes import check_memory
+
+    prompts = len(test_prompts())
+    check_sampling(args, 2 * prompts * args.images_per_prompt, f"two checkpoints x {prompts} test prompts x "
+                   f"--images-per-prompt {args.images_per_prompt}", "lower --images-per-prompt")
+    check_memory(8.0 * args.bootstrap * prompts, f"--bootstrap {args.bootstrap}: the resamples' indices "
+                 f"({args.bootstrap} x {prompts} prompts, int64)", "lower --bootstrap (2000 is plenty for a 95% interval)")
     return args
 
 

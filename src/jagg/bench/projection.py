@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checks import check_positive
+from ..checks import check_positive, is_finite_number, shown
 from ..trajectory import select_train_steps
 
 
@@ -147,30 +147,53 @@ def _value(key: str, text: str, spec: str):
 
 def gpu_bench_b_over_f(path: str | Path, model: str | None, resolution: int | None) -> tuple[float, str]:
     """The backward-over-forward ratio ``benchmarks/gpu_bench.py`` measured for ``model`` at ``resolution`` (its JSON's
-    ``costs`` records) and a line saying where it comes from. Errors name what the file holds instead."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--gpu-bench-json {str(path)!r} cannot be read as JSON: {e}") from None
-    costs = data.get("costs") if isinstance(data, dict) else None
-    if not costs:
-        raise ValueError(f"--gpu-bench-json {str(path)!r} holds no 'costs' records (written by benchmarks/gpu_bench.py "
-                         "since it measures B/F)")
+    ``costs`` records) and a line saying where it comes from. Errors name the file and the key at fault
+    (:func:`read_gpu_bench`)."""
+    costs, cfg, env = read_gpu_bench(path)
+    where = f"--gpu-bench-json {str(path)!r}"
     if model is None:
         raise ValueError("--gpu-bench-json needs a cost structure that names its model and resolution (a preset, or "
                          "--cost ...,model=sd35m,resolution=512)")
-    hit = [c for c in costs if c.get("model") == model and c.get("resolution") == resolution and c.get("b_over_f")]
+    hit = [c for c in costs if c.get("model") == model and c.get("resolution") == resolution
+           and c.get("b_over_f") is not None]
     if not hit:
         have = ", ".join(f"{c.get('model')} at {c.get('resolution')}" for c in costs)
-        raise ValueError(f"--gpu-bench-json {str(path)!r} has no B/F of {model} at {resolution} px (it has: {have}); "
+        raise ValueError(f"{where} has no B/F of {model} at {resolution} px (it has: {have}); "
                          "run benchmarks/gpu_bench.py --models ... --resolutions ... for it, or --cost ...,resolution=")
-    cfg, env = data.get("config", {}), data.get("env", {})
+    b_f = hit[0]["b_over_f"]
+    if not is_finite_number(b_f) or b_f <= 0:
+        raise ValueError(f"{where}: costs[{costs.index(hit[0])}].b_over_f ({model} at {resolution} px) must be a "
+                         f"finite number > 0 (a backward's time over a forward's); got {shown(b_f)}")
     tuning = "LoRA" if cfg.get("lora", True) else "full fine-tuning"
-    where = (f"B/F {hit[0]['b_over_f']:.2f} measured by benchmarks/gpu_bench.py ({model} at {resolution} px, {tuning}"
-             f"{', gradient checkpointing' if cfg.get('gradient_checkpointing') else ''}, {cfg.get('dtype', '?')}, "
-             f"{env.get('device', '?')})")
-    return float(hit[0]["b_over_f"]), where
+    line = (f"B/F {float(b_f):.2f} measured by benchmarks/gpu_bench.py ({model} at {resolution} px, {tuning}"
+            f"{', gradient checkpointing' if cfg.get('gradient_checkpointing') else ''}, {cfg.get('dtype', '?')}, "
+            f"{env.get('device', '?')})")
+    return float(b_f), line
+
+
+def read_gpu_bench(path: str | Path) -> tuple[list[dict], dict, dict]:
+    """The ``costs`` records, ``config`` and ``env`` of a ``benchmarks/gpu_bench.py`` results JSON, checked: a JSON
+    object whose ``costs`` is a non-empty list of objects, and whose ``config`` and ``env`` (optional) are objects.
+    A ValueError names the file and the key that holds something else."""
+    where = f"--gpu-bench-json {str(path)!r}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where} cannot be read as JSON: {' '.join(str(e).split())[:200]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must hold a JSON object (as benchmarks/gpu_bench.py writes); got a "
+                         f"{type(data).__name__}")
+    costs = data.get("costs")
+    if not costs:
+        raise ValueError(f"{where} holds no 'costs' records (written by benchmarks/gpu_bench.py since it measures B/F)")
+    if not isinstance(costs, list) or not all(isinstance(c, dict) for c in costs):
+        bad = costs if not isinstance(costs, list) else next(c for c in costs if not isinstance(c, dict))
+        raise ValueError(f"{where}: 'costs' must be a list of records (objects with model, resolution, b_over_f); "
+                         f"holds {shown(bad)}")
+    for key in ("config", "env"):
+        if not isinstance(data.get(key, {}), dict):
+            raise ValueError(f"{where}: {key!r} must be an object (key: value); got {shown(data[key])}")
+    return costs, data.get("config", {}), data.get("env", {})
 
 
 def resolve(spec: str, job: CostStructure, gpu_bench_json: str | None = None) -> tuple[CostStructure, str]:

@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from ..checks import SEED_MAX, check_output_file, check_seed, check_unique_names, number_arg
+from ..trainers.base import RESUMABLE_CHANGES
 from ..trainers.shapes import ShapesTrainer
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
@@ -182,12 +183,25 @@ HINTS = RunHints(continue_run="rerun the same jagg bench quality command to cont
                  start_over="move that run directory away and rerun")
 
 
+# the config keys a bench run may change between two commands: the trainer's, less eval.* (what a run records)
+IDENTITY_MAY_CHANGE = tuple(a for a in RESUMABLE_CHANGES if a != "eval.")
+
+
 class QualityRun(ShapesTrainer):
     """One run of the bench: the shapes trainer in the bench's words (:data:`HINTS`), whose stop on SIGINT/SIGTERM
     (the iteration finished and saved) is the bench's interruption: a ``KeyboardInterrupt``, so that no result is
     written as if the run were complete, even when the signal came in its last iteration."""
 
     hints = HINTS
+
+    def load_state(self, state: dict) -> list[str]:
+        """A checkpoint of this bench continues only under the same ``eval.*`` keys too: they change what the run
+        records, so they are part of its identity here (a finished run's likewise: :func:`run_one`)."""
+        from ..training.config_loader import to_dict
+        from ..trainers.base import check_resumable
+
+        check_resumable(state["config"], to_dict(self.cfg), IDENTITY_MAY_CHANGE)
+        return super().load_state(state)
 
     def train(self) -> list[dict]:
         records = super().train()
@@ -211,8 +225,8 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
             raise ValueError(f"{done} cannot be read ({' '.join(str(e).split())}); delete it (the run's checkpoints "
                              "stay, and the run is summarized again)") from None
         if result.get("iterations") == cfg.grpo.iterations and "train_curve" in result:
-            try:
-                check_resumable(result["config"], to_dict(cfg))
+            try:                                  # what a run records (eval.*) is part of its identity here
+                check_resumable(result["config"], to_dict(cfg), IDENTITY_MAY_CHANGE)
             except (KeyError, ValueError) as e:
                 raise ValueError(f"{done} was trained with another config ({e}); use another --out") from None
             print(f"quality: {variant} seed {seed}: already done ({done}), skipped", flush=True)
@@ -563,7 +577,10 @@ def run_quality(q: QualityConfig, clock: str = "wall", train_only: str | None = 
     which then share whatever else loads the machine; a last call without it compares)."""
     names = list(q.variants)
     for v in names:                                     # every variant's config loads before any run trains
-        q.train_config(v, q.seeds[0])
+        cfg = q.train_config(v, q.seeds[0])
+        if target == "test" and cfg.eval.every == 0:    # refused before any run trains, not after all of them
+            raise ValueError(f"--target test compares held-out rewards, but variant {v!r} evaluates only at its start "
+                             "and end (--eval-every 0, eval.every=0); give --eval-every N > 0")
     if train_only is not None:
         if train_only not in names:
             raise ValueError(f"--train-only {train_only!r} is not one of the variants {names}")

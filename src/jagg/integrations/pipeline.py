@@ -23,7 +23,7 @@ from typing import Sequence
 
 from torch import nn
 
-from ..checks import check_output_file
+from ..checks import check_json_files, check_output_file
 from .config import DTYPES, PipelineConfig, load_pipeline_config, read_prompt_lines
 from .velocity import encode_prompts
 
@@ -54,6 +54,7 @@ def check_model_dir(path: str | Path, family: str) -> dict:
         raise FileNotFoundError(f"{p} has no transformer/ subfolder (transformer/config.json): it is not an SD3, "
                                 "FLUX or Qwen-Image diffusers directory (UNet models such as SD1.5/SDXL are not "
                                 "flow-matching DiTs)")
+    check_json_files(p, f"pipeline.path {p}")        # a broken config.json, named before diffusers reads it
     index = json.loads((p / "model_index.json").read_text())
     expected = PIPELINE_CLASSES[family]
     found = index.get("_class_name", "")

@@ -24,7 +24,6 @@ that does not hold what is expected, is a one-line ``FileNotFoundError`` / ``Val
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Callable, Sequence
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..checks import check_json_files, read_json
 from .images import to_unit_float
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -62,7 +62,8 @@ def _clip_dir(path, what: str, repo: str, need: str) -> Path:
     config = p / "config.json"
     if not p.is_dir() or not config.is_file():
         raise ValueError(f"{what}: {p} is not a transformers model directory (no config.json); expected {expected}")
-    model_type = json.loads(config.read_text()).get("model_type")
+    check_json_files(p, what)                         # a broken JSON file names itself, not a decoder position
+    model_type = read_json(config, what).get("model_type")
     if model_type != "clip":
         raise ValueError(f"{what}: {p} holds a {model_type!r} model, not CLIP (model_type 'clip'); expected {expected}")
     if need == "processor" and not any((p / f).is_file() for f in ("preprocessor_config.json",
@@ -92,6 +93,23 @@ def _device(device) -> torch.device:
         return torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {device!r}") from None
+
+
+def check_options(options: dict, required: tuple[str, ...], what: dict[str, str]) -> None:
+    """A preference reward's options checked without loading anything (``jagg train --print-config`` and every config
+    load): ``batch_size`` an integer >= 1, ``dtype`` and ``device`` known, and each of ``required`` given (``what``:
+    what each holds). A ValueError names the option."""
+    for name in required:
+        if not options.get(name):
+            raise ValueError(f"option {name}= is required: {what[name]} (e.g. {name}=/models/...); jagg never "
+                             "downloads weights")
+    if "batch_size" in options:
+        _positive_int("option batch_size", options["batch_size"])
+    dtype = options.get("dtype", "fp32")
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ValueError(f"option dtype must be one of {tuple(DTYPES)}; got {dtype!r}")
+    if "device" in options and isinstance(options["device"], str):
+        _device(options["device"])
 
 
 class ClipImages:
@@ -169,6 +187,13 @@ class ClipReward:
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` (or a torch dtype) of the model.
         image_mode: ``"crop"`` (CLIPImageProcessor) or ``"pad"`` (open_clip's ResizeMaxSize).
     """
+
+    REQUIRED = {"path": "a local model directory or file"}   # option -> what it holds: given or refused at load
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """The spec's options checked at config load, before anything loads (:func:`check_options`)."""
+        check_options(options, tuple(cls.REQUIRED), cls.REQUIRED)
 
     def __init__(self, load: Callable[[torch.device], tuple[nn.Module, object]], batch_size: int = 32, device="auto",
                  dtype="fp32", image_mode: str = "crop"):
@@ -397,8 +422,11 @@ class AestheticReward(ClipReward):
     ``path``: local ``openai/clip-vit-large-patch14``; ``head``: the MLP weights ``sac+logos+ava1-l14-linearMSE.pth``
     (keys ``layers.{0,2,4,6,7}.{weight,bias}``); ``processor``: default ``path``."""
 
+    REQUIRED = {"path": "the local openai/clip-vit-large-patch14 directory",
+                "head": "the aesthetic predictor's MLP weights, sac+logos+ava1-l14-linearMSE.pth"}
+
     def __init__(self, path=None, head=None, processor=None, batch_size: int = 32, device="auto", dtype="fp32"):
-        head_path = local_path(head, "aesthetic head", "the aesthetic predictor's MLP weights "
+        head_path = local_path(head, "aesthetic head (option head=)", "the aesthetic predictor's MLP weights "
                                "sac+logos+ava1-l14-linearMSE.pth", "camenduru/improved-aesthetic-predictor")
         repo = "openai/clip-vit-large-patch14"
         super().__init__(_clip_loader(path, processor, "aesthetic", repo, repo), batch_size, device, dtype)

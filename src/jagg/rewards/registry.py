@@ -26,14 +26,16 @@ from __future__ import annotations
 import importlib
 import inspect
 import io
+import itertools
 import math
+import numbers
 from typing import Callable
 
 import numpy as np
 import torch
 from PIL import Image
 
-from ..checks import check_float32
+from ..checks import FLOAT32_MAX, check_float32, shown
 from .images import to_uint8
 from .preference import AestheticReward, ClipScoreReward, HPSv2Reward, PickScoreReward
 
@@ -155,7 +157,12 @@ def check_spec(spec: str | dict) -> None:
         if not isinstance(one, str):
             raise ValueError(f"a reward name must be a string; got {one!r}")
         if registered_name(one):
-            _factory_call(*parse_spec(one), None)
+            factory, kwargs = _factory_call(*parse_spec(one), None)
+            if hasattr(factory, "check_options"):           # e.g. a preference model's paths and batch_size
+                try:
+                    factory.check_options(kwargs)
+                except ValueError as e:
+                    raise ValueError(f"reward {one!r}: {e}") from None
         elif ":" in one:
             _resolve(one)
         else:
@@ -209,10 +216,9 @@ class CheckedReward:
         except Exception as e:
             raise RewardError(f"reward {self.name!r} raised {type(e).__name__}: {e} (batch of {n}, first prompt "
                               f"{prompts[0] if prompts else None!r})") from e
-        scores, info = out if isinstance(out, tuple) else (out, {})
-        if isinstance(scores, torch.Tensor):
-            scores = scores.detach().float().cpu().numpy()
-        scores = np.asarray(scores, dtype=np.float32)
+        pair = isinstance(out, tuple) and len(out) == 2 and not isinstance(out[1], (numbers.Number, np.generic))
+        scores, info = out if pair else (out, {})
+        scores = as_scores(scores, n, f"reward {self.name!r}")
         if scores.shape != (n,):
             raise ValueError(f"reward {self.name!r} returned scores of shape {scores.shape} for a batch of {n}; "
                              f"it must return one score per image, shape ({n},)")
@@ -223,6 +229,47 @@ class CheckedReward:
         if not isinstance(info, dict):
             raise ValueError(f"reward {self.name!r} returned info of type {type(info).__name__}; return a dict")
         return scores, info
+
+
+def as_scores(scores, n: int, who: str) -> np.ndarray:
+    """A reward's returned scores as float32, coerced at the boundary or refused naming ``who``: a tensor, an array, a
+    list or tuple, or a finite iterable (a generator: its first ``n + 1`` items) of real numbers (bools count as 0 and
+    1); strings, complex numbers, ``None`` and other objects are a ValueError, never silently converted."""
+    if isinstance(scores, torch.Tensor):
+        if scores.is_complex():
+            raise ValueError(f"{who} returned complex scores ({scores.dtype}); return real numbers, one per image")
+        scores = scores.detach().to(torch.float64).cpu().numpy()
+    elif isinstance(scores, (str, bytes, dict)) or scores is None:
+        raise ValueError(f"{who} returned a {type(scores).__name__} as its scores; return {n} real numbers (a list, "
+                         "array or tensor), one per image")
+    elif not isinstance(scores, (np.ndarray, list, tuple, numbers.Number, np.generic)) and hasattr(scores, "__iter__"):
+        scores = list(itertools.islice(iter(scores), n + 1))     # a generator: at most one too many, to report it
+    try:
+        raw = np.asarray(scores)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{who} returned scores numpy cannot read as an array ({_one_line(e)}); return {n} real "
+                         "numbers, one per image") from None
+    if raw.dtype.kind == "O":                      # mixed objects: each one must be a real number
+        bad = next((v for v in raw.ravel() if not isinstance(v, numbers.Real)), None)
+        if bad is not None:
+            raise ValueError(f"{who} returned a score {shown(bad)} of type {type(bad).__name__}; scores must be real "
+                             "numbers")
+        raw = raw.astype(np.float64)
+    if raw.dtype.kind == "c":
+        raise ValueError(f"{who} returned complex scores ({raw.dtype}); return real numbers, one per image")
+    if raw.dtype.kind not in "biuf":
+        raise ValueError(f"{who} returned scores of type {raw.dtype} (e.g. {shown(raw.ravel()[0]) if raw.size else '[]'}"
+                         "); scores must be real numbers, not strings or objects")
+    big = np.flatnonzero(np.isfinite(raw.astype(np.float64)) & (np.abs(raw.astype(np.float64)) > FLOAT32_MAX))
+    if big.size:
+        raise ValueError(f"{who} returned {raw.ravel()[big[0]]!r} at batch index {big[0]}, beyond float32 (the "
+                         "dtype scores are used in); scale the reward down")
+    return raw.astype(np.float32)
+
+
+def _one_line(e, limit: int = 200) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class WeightedSum:

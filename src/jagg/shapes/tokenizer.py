@@ -25,7 +25,9 @@ def encode(prompts: list[str], max_len: int = 16) -> torch.Tensor:
     for n, text in enumerate(prompts):
         words = split_words(text)
         if len(words) > max_len:
-            raise ValueError(f"prompt {text!r} has {len(words)} words, more than max_len={max_len}; raise max_len")
+            head = " ".join(words[:8]) + (" ..." if len(words) > 8 else "")
+            raise ValueError(f"prompt {head!r} has {len(words)} words, more than the {max_len} the model reads (its "
+                             "max_text_len); shorten the prompt")
         for w in words:
             if w not in WORD_TO_ID:
                 raise ValueError(f"unknown word {w!r} in prompt {text!r}; the tokenizer knows only: {' '.join(VOCAB)}")

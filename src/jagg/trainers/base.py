@@ -40,7 +40,7 @@ from ..training.distributed import gather, init_process_group_from_env
 from ..training.config_loader import to_dict
 from ..training.metrics import MetricsLogger
 from ..training.rundir import TRAIN, RunHints, lock_run, open_run, outputs, read_run_file, write_run_file
-from ..training.wandb_run import WandbRun, require_wandb
+from ..training.wandb_run import WandbRun, check_start as check_wandb_start
 from ..trajectory import Trajectory, VelocityFn
 
 # config keys that may change between a checkpoint and its resumption (the aborts' limits change no gradient)
@@ -507,7 +507,7 @@ class GRPOTrainer(GRPO):
         self.out = Path(cfg.log.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
         if cfg.log.wandb:
-            require_wandb()                              # before anything is written: one line naming the extra
+            check_wandb_start(cfg.log)                   # before anything is written: one line naming the key
         barrier = dist.barrier if self.world > 1 else None
         # every process decides from the same files before the model is loaded (a run directory that cannot be used
         # fails in seconds); the main process moves an old run aside first (--overwrite) and writes run.json only
@@ -620,10 +620,15 @@ class GRPOTrainer(GRPO):
         if not self._empty_warned:
             self._empty_warned = True
             stops = f"; the run stops after {limit} such iterations in a row (grpo.max_empty_iterations)" if limit else ""
-            self._print(f"\nwarning, iteration {self.iteration}: no sample was trained: {why}{stops}")
+            if self.cfg.grpo.drop_zero_spread:
+                what = "no sample was trained"
+            else:                                        # trained, but with advantage 0: no gradient
+                what = (f"every advantage was 0 (the {self.cfg.sample.batch_size} samples trained with "
+                        "grpo.drop_zero_spread=false carried no signal)")
+            self._print(f"\nwarning, iteration {self.iteration}: nothing to learn from: {what}: {why}{stops}")
         if limit and self.consecutive_empty >= limit:
-            return TrainingAborted(f"{limit} iterations in a row trained no sample: {why}; fix the config and start a "
-                                   f"new run: {self.hints.other_dir}, or {self.hints.start_over}")
+            return TrainingAborted(f"{limit} iterations in a row had nothing to learn from: {why}; fix the config and "
+                                   f"start a new run: {self.hints.other_dir}, or {self.hints.start_over}")
         return None
 
     def stop_requested(self) -> bool:
@@ -708,7 +713,8 @@ class GRPOTrainer(GRPO):
         self.set_rng_state(self._rng_at_start)
         path = self.save()
         print(f"\nthe run failed in iteration {self.iteration + 1}; saved {path}: fix the cause and "
-              f"{self.hints.continue_run}")
+              f"{self.hints.continue_run}; a fix that changes a config key which a resumed run may not change (any "
+              f"but {', '.join(RESUMABLE_CHANGES)}) needs a new run: {self.hints.start_over}")
 
     def _handle_signal(self, signum, frame):
         self._stop = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..checks import (Keys, check_group_size, check_positive, check_sde_steps, check_sde_type,
+from ..checks import (FLOAT32_MAX, Keys, check_group_size, check_positive, check_sde_steps, check_sde_type,
                       check_sde_window_schedule, check_threads)
 from ..estimator_config import AUTO, EstimatorConfig
 from ..rewards.registry import check_spec
@@ -84,6 +84,54 @@ class SampleBatch:
         return select_train_steps(num_steps, self.timestep_fraction, self.sde_window_at(num_steps, iteration))
 
 
+def trained_steps(sample, num_steps: int) -> int:
+    """The trained steps ``K`` of one iteration's trajectories by the ``sample:`` section ``sample`` (the same in
+    every iteration: a sliding SDE window keeps its size)."""
+    return int(sample.sde_steps(num_steps, 0)[0].numel())
+
+
+def steps_source(sample, num_steps_key: str, num_steps: int) -> str:
+    """Where an iteration's trained steps come from, as the keys say it (``sample.num_steps=10, sample.sde_window=[0,
+    8]``), for the messages of :func:`check_layout`."""
+    parts = [f"{num_steps_key}={num_steps}"]
+    if sample.sde_window:
+        parts.append(f"sample.sde_window={list(sample.sde_window)}")
+    if sample.sde_window_schedule == "sliding":
+        parts.append(f"sample.sde_window_size={sample.sde_window_size}")
+    if sample.timestep_fraction != 1.0:
+        parts.append(f"sample.timestep_fraction={sample.timestep_fraction}")
+    return ", ".join(parts)
+
+
+def check_layout(e: EstimatorConfig, K: int, steps: str) -> None:
+    """Raise, naming the key, when a count of the estimator is larger than what it counts in a run whose trajectories
+    have ``K`` trained steps (``steps`` says where ``K`` comes from): ``estimator.window`` more than ``K`` (one interval
+    would hold every step), ``exact_first_intervals`` / ``exact_last_intervals`` more than the intervals JAGG may take,
+    ``correction_rates`` not one rate per interval of the layout. Checked at load, before a run directory exists (at
+    the first update it would fail after run.json, metrics.jsonl and tensorboard/ were written). With 1 or 2 trained
+    steps every step runs exact, whatever the window: nothing to check."""
+    from ..knots import intervals_of
+
+    if e.mode != "jagg" or K <= 2:                      # 1 or 2 trained steps: every step exact, whatever the window
+        return
+    if e.window > K:
+        raise ValueError(f"estimator.window={e.window} is more than the {K} trained steps of an iteration ({steps}): "
+                         f"one interval would hold every step; lower estimator.window to at most {K}")
+    if e.window <= 2:                                    # no layout: one exact interval per trained step
+        return
+    intervals = intervals_of(list(range(K)), "groups" if e.knots == "groups" else "shared", e.window)
+    inner = sum(len(iv) >= 3 for iv in intervals)
+    layout = f"estimator.window={e.window}, knots={e.knots} on the {K} trained steps of {steps}"
+    for name in ("exact_first_intervals", "exact_last_intervals"):
+        if getattr(e, name) > inner:
+            raise ValueError(f"estimator.{name}={getattr(e, name)} is more than the {inner} interval"
+                             f"{'s' * (inner != 1)} with inner steps ({layout}); lower it to at most {inner}")
+    if e.correction_rates is not None and len(e.correction_rates) != len(intervals):
+        raise ValueError(f"estimator.correction_rates has {len(e.correction_rates)} rate"
+                         f"{'s' * (len(e.correction_rates) != 1)}, but the layout has {len(intervals)} intervals "
+                         f"({layout}); give one rate per interval, in order")
+
+
 def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:
     """Raise unless one iteration's samples split evenly into ``grpo.updates_per_epoch`` updates."""
     if batch_size % updates_per_epoch:
@@ -108,6 +156,15 @@ class OptimConfig:
             raise ValueError("optim.weight_decay and optim.max_grad_norm must be >= 0")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"optim.ema_decay must be in [0, 1); got {self.ema_decay}")
+        first = self.lr / (1 - self.betas[0])             # AdamW's step size at its first update
+        if first > FLOAT32_MAX:
+            raise ValueError(f"optim.lr={self.lr:g}: AdamW's first step size, optim.lr / (1 - optim.betas[0]) = "
+                             f"{first:.3g}, overflows float32; lower optim.lr")
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(f"optim.weight_decay={self.weight_decay:g} with optim.lr={self.lr:g}: AdamW multiplies "
+                             f"every weight by 1 - lr x weight_decay = {1 - self.lr * self.weight_decay:.3g} at each "
+                             "step, which must stay above 0 (it would flip and blow up the weights); lower "
+                             "optim.weight_decay (or optim.lr)")
 
 
 @dataclass

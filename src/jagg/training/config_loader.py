@@ -171,7 +171,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(node, dict):
                 raise ValueError(f"--set {item!r}: {k!r} is not a section")
         try:
-            node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+            node[keys[-1]] = safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
             raise ValueError(f"--set {item!r}: the value {raw!r} is not valid YAML ({_yaml_problem(e)}); fix it "
                              "(a string holding YAML syntax such as ': ' needs quotes)") from None
@@ -205,6 +205,35 @@ def read_text(path: str | Path, what: str) -> str:
     return text
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last one and
+    drops the first without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise DuplicateKeyError(key, seen[key], key_node.start_mark.line + 1)
+                seen[key] = key_node.start_mark.line + 1
+            except TypeError:                             # an unhashable key: PyYAML's own error follows
+                continue
+        return super().construct_mapping(node, deep)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one YAML mapping (:class:`_UniqueKeyLoader`)."""
+
+    def __init__(self, key, first: int, again: int):
+        super().__init__(f"key {key!r} is given twice (line {first} and line {again}); give it once")
+
+
+def safe_load(text: str):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (:class:`DuplicateKeyError`)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def read_yaml(path: str | Path) -> dict:
     """The mapping in a YAML config file (``{}`` when empty). Raises ``FileNotFoundError`` for a missing file
     and ``ValueError`` naming the file (and the line and column of a syntax error) for anything unreadable."""
@@ -214,7 +243,7 @@ def read_yaml(path: str | Path) -> dict:
                                 "YAML file to --config (the real-model examples are in the repository's configs/)")
     text = read_text(p, "config file")
     try:
-        data = yaml.safe_load(text)
+        data = safe_load(text)
     except yaml.YAMLError as e:
         raise ValueError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(e)}") from None
     if data is not None and not isinstance(data, dict):

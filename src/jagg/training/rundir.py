@@ -123,6 +123,25 @@ def read_run_file(out: Path) -> dict | None:
     return data if isinstance(data, dict) and isinstance(data.get("run_id"), str) else None
 
 
+def run_file_error(out: Path, path: Path, run_id: str, hints: RunHints = TRAIN) -> str:
+    """Why ``--resume`` refuses a run directory whose ``run.json`` is missing or unreadable while its checkpoint
+    ``path`` names the run ``run_id``: the file holds the id every checkpoint must match (and the start time), so it
+    is never silently rewritten; what to do."""
+    file = out / RUN_FILE
+    if not file.exists():
+        what = "is missing"
+    else:
+        try:
+            text = file.read_text()
+            json.loads(text)
+            what = "holds no run id (a JSON object with a string 'run_id')"
+        except (OSError, ValueError) as e:
+            what = f"cannot be read ({one_line(getattr(e, 'strerror', None) or e, 120)})"
+    return (f"cannot resume: {file} {what}; it names the run every checkpoint must belong to, and is not rewritten "
+            f"on its own. Restore it, or, if {path.name} (run {run_id}) is this directory's own run, recreate it: "
+            f"echo '{{\"run_id\": \"{run_id}\"}}' > {file} and {hints.continue_run}; nothing was changed")
+
+
 def write_run_file(out: Path, run_id: str, hints: RunHints = TRAIN) -> None:
     """Create ``out`` if needed and write ``out/run.json`` atomically; filesystem errors become :class:`RunDirError`."""
     from .. import __version__
@@ -265,6 +284,8 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
     if found is not None:
         state, path = found
         theirs = state.get("run_id")
+        if own_id is None and theirs is not None:
+            raise RunDirError(run_file_error(out, path, theirs, hints))
         if own_id is not None and theirs is not None and theirs != own_id:
             raise RunDirError(f"cannot resume: {path} belongs to run {theirs}, but {out}/{RUN_FILE} names run "
                               f"{own_id}: the directory mixes two runs; move {path.name} out of {ckpt_dir} (or resume "
