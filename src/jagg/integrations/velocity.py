@@ -1,4 +1,5 @@
-"""Velocity adapters: a diffusers SD3 / FLUX / Qwen-Image transformer plus prompt embeddings -> a velocity callable.
+"""Velocity adapters: a diffusers SD3 / FLUX / Qwen-Image / Wan transformer plus prompt embeddings -> a velocity
+callable.
 
 Prompt embeddings are :class:`PromptEmbeddings` (one row per prompt; :func:`encode_prompts` makes them with the
 pipeline's text encoders, :meth:`PromptEmbeddings.save` / :meth:`~PromptEmbeddings.load` are the cache file).
@@ -15,6 +16,10 @@ The adapters own everything model specific, so the core (sampling, log-probs, es
   ``QwenImageTransformer2DModel`` take ``timestep = sigma`` (they multiply by 1000 inside; their pipelines pass
   ``t / 1000``) and, for guidance-distilled models (FLUX.1-dev), the guidance as an embedding (``guidance = 3.5``,
   also scaled inside).
+- **video** (Wan 2.1, ``WanTransformer3DModel``): the latents have a frame axis, ``[N, 16, F, H/8, W/8]`` with ``F =
+  (frames - 1) / 4 + 1`` latent frames, exactly as ``WanPipeline`` holds them (the network patchifies them itself,
+  so nothing is packed here); ``timestep = sigma * 1000`` as SD3; UMT5 text embeddings zero-padded to
+  ``max_sequence_length`` tokens, no pooled embedding and no text mask (``WanPipeline`` passes none); plain CFG.
 - **conditioning**: :class:`PromptEmbeddings` holds one row per trajectory of the batch (``sample_index`` picks the
   row); classifier-free guidance ``v = v_u + w (v_c - v_u)`` uses one negative row (or one per sample). Qwen-Image
   (``QwenImagePipeline``'s true CFG) rescales that combination to the norm of ``v_c`` per packed token (a 2x2 patch
@@ -60,11 +65,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 TRANSFORMER_FAMILIES = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux",
-                        "QwenImageTransformer2DModel": "qwen_image"}
+                        "QwenImageTransformer2DModel": "qwen_image", "WanTransformer3DModel": "wan"}
 
 
 def model_family(transformer: nn.Module) -> str:
-    """``"sd3"``, ``"flux"`` or ``"qwen_image"`` from the (unwrapped, possibly peft-wrapped) transformer's class or a
+    """``"sd3"``, ``"flux"``, ``"qwen_image"`` or ``"wan"`` from the (unwrapped, possibly peft-wrapped) transformer's class or a
     base class of it (FSDP2's ``fully_shard`` swaps the class for a subclass, ``FSDPSD3Transformer2DModel``)."""
     m = unwrap_model(transformer)
     base = getattr(getattr(m, "base_model", None), "model", m)        # peft PeftModel -> LoraModel -> model
@@ -91,7 +96,7 @@ class PromptEmbeddings:
 
     Attributes:
         prompt_embeds: ``[P, L, D]`` sequence embeddings (SD3: CLIP-L/G + T5, ``D = 4096``; FLUX: T5; Qwen-Image: the
-            last hidden state of Qwen2.5-VL, ``D = 3584``).
+            last hidden state of Qwen2.5-VL, ``D = 3584``; Wan: UMT5, ``D = 4096``, zero-padded to ``L`` tokens).
         pooled: ``[P, Dp]`` pooled embeddings (SD3: ``Dp = 2048``; FLUX: CLIP-L, ``Dp = 768``), or None (Qwen-Image
             has none).
         prompts: the ``P`` prompt strings (optional; needed by :meth:`lookup` and saved with the cache).
@@ -271,6 +276,9 @@ def encode_prompts(pipe, family: str, prompts: Sequence[str], max_sequence_lengt
                                                       max_sequence_length=max_sequence_length)
         elif family == "flux":
             embeds, pooled, _ = pipe.encode_prompt(chunk, None, device=device, max_sequence_length=max_sequence_length)
+        elif family == "wan":
+            embeds, _ = pipe.encode_prompt(chunk, do_classifier_free_guidance=False, device=device,
+                                           max_sequence_length=max_sequence_length)
         else:
             embeds, mask = pipe.encode_prompt(chunk, device=device, max_sequence_length=max_sequence_length)
         parts.append(PromptEmbeddings(embeds, pooled, chunk, mask).to("cpu"))
@@ -294,8 +302,9 @@ class TransformerVelocity:
     """
 
     family = ""
-    takes_pooled = True            # the network takes pooled text embeddings (SD3, FLUX; not Qwen-Image)
+    takes_pooled = True            # the network takes pooled text embeddings (SD3, FLUX; not Qwen-Image, Wan)
     takes_mask = False             # the network takes a text mask, so prompts may differ in length (Qwen-Image)
+    latent_dims = 4                # [N, C, H, W]; a video family's latents have a frame axis, [N, C, F, H, W]
 
     def __init__(self, transformer: nn.Module, cond: PromptEmbeddings, uncond: PromptEmbeddings | None = None,
                  config: VelocityConfig | None = None):
@@ -372,9 +381,11 @@ class TransformerVelocity:
             return self.forward(latents, sigma, text)
 
     def __call__(self, latents: Tensor, sigma: Tensor, sample_index: Tensor) -> Tensor:
-        """``latents [N, C, H, W]``, ``sigma [N]``, ``sample_index [N]`` long -> velocity ``[N, C, H, W]``."""
-        if latents.ndim != 4:
-            raise ValueError(f"latents must be [N, C, H, W]; got shape {tuple(latents.shape)}")
+        """``latents [N, C, H, W]`` (video: ``[N, C, F, H, W]``), ``sigma [N]``, ``sample_index [N]`` long -> velocity
+        of the latents' shape."""
+        if latents.ndim != self.latent_dims:
+            want = "[N, C, H, W]" if self.latent_dims == 4 else "[N, C, F, H, W] (a frame axis)"
+            raise ValueError(f"{self.family} latents must be {want}; got shape {tuple(latents.shape)}")
         n, dt, dev = latents.shape[0], self.input_dtype, latents.device
         if sigma.shape != (n,) or sample_index.shape != (n,):
             raise ValueError(f"sigma and sample_index must be [N] = [{n}]; got {tuple(sigma.shape)} and "
@@ -533,7 +544,21 @@ class QwenImageVelocity(PackedVelocity):
         return (patches(comb) * (norm(v_c) / norm(comb))).reshape(n, c, h, w)
 
 
-ADAPTERS = {"sd3": SD3Velocity, "flux": FluxVelocity, "qwen_image": QwenImageVelocity}
+class WanVelocity(TransformerVelocity):
+    """``WanTransformer3DModel`` (Wan 2.1 text-to-video), as ``WanPipeline`` calls it: latents ``[N, 16, F, H/8,
+    W/8]`` as they are (the network patchifies them, 1x2x2), ``timestep = sigma * 1000``, UMT5 embeddings without
+    pooled embedding or mask (zero-padded to ``max_sequence_length``), plain CFG."""
+
+    family = "wan"
+    takes_pooled = False
+    latent_dims = 5
+
+    def forward(self, latents, sigma, text):
+        return self.transformer(hidden_states=latents, timestep=sigma * 1000.0,
+                                encoder_hidden_states=text.prompt_embeds, return_dict=False)[0]
+
+
+ADAPTERS = {"sd3": SD3Velocity, "flux": FluxVelocity, "qwen_image": QwenImageVelocity, "wan": WanVelocity}
 
 
 def velocity_adapter(transformer: nn.Module, cond: PromptEmbeddings, uncond: PromptEmbeddings | None = None,
