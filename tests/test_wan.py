@@ -233,7 +233,8 @@ pipeline:
   lora: {{rank: 2}}
 reward: {{name: jpeg_compressibility}}
 sample: {{prompts_file: {tmp_path / "prompts.txt"}, prompts_per_iter: 2, group_size: 2, micro_batch: 4}}
-estimator: {{mode: {mode}, window: 4, intermediate: interp, micro_batch: 4, clip_range: 0.2, kl_beta: 0.01, correction_p: 0.0}}
+estimator: {{mode: {mode}, window: 4, intermediate: interp, micro_batch: 4, clip_range: 0.2, kl_beta: 0.01,
+            correction_p: 0.0}}
 optim: {{lr: 0.01}}
 grpo: {{iterations: 2, updates_per_epoch: 2, drop_zero_spread: false}}
 log: {{output_dir: {tmp_path / "default_run"}, checkpoint_every: 1, keep_last: 2, tensorboard: false, progress: false,

@@ -22,6 +22,11 @@ Wan 2.1     32    64     gaussian    ``to_q, to_k, to_v, to_out.0``: self- (``at
                                      of every ``WanTransformerBlock`` (``scripts/train_wan2_1.py`` lists the SD3 names
                                      without the ``attn.`` prefix; its ``add_*`` names exist only in the image-to-video
                                      model)
+FLUX.2      64    128    gaussian    not Flow-GRPO's (it has no FLUX.2 script): FLUX.1's choice carried over, the SD3
+                                     list plus the MLPs ``ff.linear_in, ff.linear_out, ff_context.linear_in,
+                                     ff_context.linear_out`` of the double-stream blocks and the fused
+                                     ``attn.to_qkv_mlp_proj`` of the single-stream blocks (their ``attn.to_out`` is
+                                     not matched: the name also ends a double-stream block's ``ModuleList``)
 ==========  ====  =====  ==========  ================================================================================
 
 (``attn.to_q`` matches ``transformer_blocks.i.attn.to_q`` but not SD3.5's second attention ``attn2``.)
@@ -37,7 +42,7 @@ import torch
 from ..checks import Keys, check_eta
 from ..training.config_loader import from_dict, read_text
 
-FAMILIES = ("sd3", "flux", "qwen_image", "wan")
+FAMILIES = ("sd3", "flux", "qwen_image", "wan", "flux2", "flux2_klein")
 VIDEO_FAMILIES = ("wan",)                   # latents [C, F, H/8, W/8] with a frame axis; decoded to videos
 UNCOND_FORWARDS = ("separate", "batched")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -47,8 +52,11 @@ FLUX_TARGET_MODULES = SD3_TARGET_MODULES + ("ff.net.0.proj", "ff.net.2", "ff_con
 QWEN_IMAGE_TARGET_MODULES = SD3_TARGET_MODULES + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
                                                   "txt_mlp.net.2")
 WAN_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
+FLUX2_TARGET_MODULES = SD3_TARGET_MODULES + ("ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+                                             "ff_context.linear_out", "attn.to_qkv_mlp_proj")
 FLOW_GRPO_LORA = {"sd3": (32, 64.0, SD3_TARGET_MODULES), "flux": (64, 128.0, FLUX_TARGET_MODULES),
-                  "qwen_image": (64, 128.0, QWEN_IMAGE_TARGET_MODULES), "wan": (32, 64.0, WAN_TARGET_MODULES)}
+                  "qwen_image": (64, 128.0, QWEN_IMAGE_TARGET_MODULES), "wan": (32, 64.0, WAN_TARGET_MODULES),
+                  "flux2": (64, 128.0, FLUX2_TARGET_MODULES), "flux2_klein": (64, 128.0, FLUX2_TARGET_MODULES)}
 QWEN_MAX_SEQUENCE_LENGTH = 1024           # QwenImagePipeline refuses longer prompts
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
@@ -59,8 +67,8 @@ def _help(text: str) -> dict:
 
 # the guidance keys that PipelineConfig passes on to VelocityConfig
 _HELP = {
-    "guidance_embed": "FLUX.1-dev's distilled guidance, fed to the network as an embedding (3.5); null for models "
-                      "without guidance embeddings (required by those with them).",
+    "guidance_embed": "FLUX.1-dev's distilled guidance, fed to the network as an embedding (3.5; FLUX.2 [dev]: "
+                      "4.0); null for models without guidance embeddings (required by those with them).",
     "detach_uncond": "Stop the gradient through CFG's unconditional branch in training. false (Flow-GRPO, train.cfg "
                      "= True): both branches go through the transformer with grad, as one batched forward. true: a "
                      "cheaper variant that changes the gradient (the conditional branch's only, times cfg_scale).",
@@ -158,7 +166,8 @@ class PipelineConfig:
     """A real text-to-image (or text-to-video) model to fine-tune (defaults: Flow-GRPO's SD3.5-Medium settings)."""
 
     family: str = field(default="sd3", metadata=_help(f"Model family, one of {FAMILIES} (SD3/SD3.5, FLUX.1, "
-                                                      "Qwen-Image or Wan 2.1 text-to-video)."))
+                                                      "Qwen-Image, Wan 2.1 text-to-video, FLUX.2 [dev] "
+                                                      "(Flux2Pipeline) or FLUX.2 [klein] (Flux2KleinPipeline))."))
     path: str = field(default="", metadata=_help("Local diffusers model directory (model_index.json + transformer/)."))
     dtype: str = field(default="bf16", metadata=_help("Transformer / text-encoder weights dtype: bf16, fp16 or fp32."))
     vae_dtype: str = field(default="fp32", metadata=_help("VAE dtype (Flow-GRPO decodes in fp32)."))
