@@ -153,6 +153,52 @@ def test_lora_targets_and_adapter_loads_into_wan_pipeline(tmp_path):
     assert (want - base).abs().max() > 1e-4
 
 
+def tiny_umt5():
+    """A word-level tokenizer (UMT5's is a sentencepiece model; WanPipeline only calls it) and a 1-layer UMT5 encoder
+    of width D."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    words = ["<pad>", "</s>", "<unk>", "a", "red", "cube", "blue", "ball", "on", "table"]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    torch.manual_seed(0)
+    return tok, UMT5EncoderModel(UMT5Config(vocab_size=len(words), d_model=D, d_kv=8, d_ff=32, num_layers=1,
+                                            num_heads=2)).eval()
+
+
+def test_umt5_prompt_embeddings_cache_and_a_policy_without_the_encoder(tmp_path, capsys):
+    """With its text encoder the policy embeds each prompt as WanPipeline.encode_prompt does (zero-padded to
+    max_sequence_length, no mask); the cache builder writes them with the negative prompt, and a policy loaded from
+    that cache, without the encoder, has the same embeddings."""
+    from jagg.integrations import load_model, pipeline
+
+    tok, te = tiny_umt5()
+    pipe = diffusers.WanPipeline(transformer=tiny_wan(), vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
+                                 text_encoder=te, tokenizer=tok)
+    pipe.save_pretrained(tmp_path / "wan")
+    prompts = ["a red cube", "a blue ball on a table"]
+    cfg = wan_config(tmp_path / "wan", max_sequence_length=8)
+    policy = load_model(cfg)
+    emb = policy.embeddings(prompts)
+    assert emb.prompt_embeds.shape == (2, 8, D) and emb.mask is None and emb.pooled is None
+    want, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=8, device="cpu")
+    torch.testing.assert_close(emb.prompt_embeds, want)
+    assert emb.prompt_embeds[0, 3:].abs().max() == 0                    # 3 tokens, then zeros (WanPipeline)
+    yaml_path = tmp_path / "wan.yaml"
+    yaml_path.write_text(f"pipeline: {{family: wan, path: {tmp_path / 'wan'}, dtype: fp32, device: cpu, "
+                         f"resolution: {HEIGHT}, num_frames: {FRAMES}, max_sequence_length: 8}}\n")
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    assert pipeline.main(["cache", "--config", str(yaml_path), "--prompts", str(tmp_path / "prompts.txt"),
+                          "--out", str(tmp_path / "cache.safetensors")]) == 0
+    assert "wrote 2 prompt embeddings" in capsys.readouterr().out
+    cached = load_model(PipelineConfig(**{**vars(cfg), "prompt_cache": str(tmp_path / "cache.safetensors")}))
+    assert not cached.can_encode
+    torch.testing.assert_close(cached.embeddings(prompts).prompt_embeds, emb.prompt_embeds)
+    torch.testing.assert_close(cached.negative().prompt_embeds, policy.negative().prompt_embeds)
+
+
 def test_config_frames_width_and_shift():
     """num_frames is 4k + 1 for Wan and 1 for the image families; the width defaults to the resolution; the model's
     own shift is its UniPC scheduler's flow_shift."""
