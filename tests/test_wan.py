@@ -203,6 +203,7 @@ def test_config_frames_width_and_shift():
     """num_frames is 4k + 1 for Wan and 1 for the image families; the width defaults to the resolution; the model's
     own shift is its UniPC scheduler's flow_shift."""
     assert wan_config().size == (HEIGHT, WIDTH) and wan_config(width=None).size == (HEIGHT, HEIGHT)
+    assert wan_config(num_frames=None).frames == 81 and PipelineConfig().frames == 1       # WanPipeline's default
     with pytest.raises(ValueError, match="num_frames must be 4k \\+ 1 for wan"):
         wan_config(num_frames=6)
     with pytest.raises(ValueError, match="num_frames is for video families"):

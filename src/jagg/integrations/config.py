@@ -177,8 +177,9 @@ class PipelineConfig:
                             "pipeline.width is set (multiple of 16)."))
     width: int | None = field(default=None, metadata=_help("Width in pixels (multiple of 16); null = resolution, "
                               "square (Flow-GRPO's Wan 2.1: 240 x 416)."))
-    num_frames: int = field(default=1, metadata=_help("Video frames (family wan: 4k + 1, the VAE compresses 4 frames "
-                            "into one latent frame; Flow-GRPO's Wan 2.1: 33); 1 for the image families."))
+    num_frames: int | None = field(default=None, metadata=_help("Video frames (family wan: 4k + 1, the VAE compresses "
+                                   "4 frames into one latent frame; Flow-GRPO's Wan 2.1: 33); null = WanPipeline's 81 "
+                                   "for wan, one image for the image families (which take only null or 1)."))
     num_steps: int = field(default=10, metadata=_help("Sampling steps of a training rollout (Flow-GRPO SD3: 10)."))
     eval_num_steps: int = field(default=40, metadata=_help("Steps of the evaluation sampler (Flow-GRPO SD3: 40)."))
     shift: float | None = field(default=None, metadata=_help("Static timestep shift (SD3's rule); null = the "
@@ -241,13 +242,22 @@ class PipelineConfig:
                              "reference is the base model with the adapters disabled")
 
     def _check_frames(self) -> None:
+        if self.num_frames is None:
+            return
         if self.family in VIDEO_FAMILIES:
-            if self.num_frames < 1 or (self.num_frames - 1) % 4:
+            if isinstance(self.num_frames, bool) or self.num_frames < 1 or (self.num_frames - 1) % 4:
                 raise ValueError(f"pipeline.num_frames must be 4k + 1 for {self.family} (1, 5, ..., 33, ..., 81: its "
                                  f"VAE compresses 4 frames into one latent frame); got {self.num_frames}")
         elif self.num_frames != 1:
             raise ValueError(f"pipeline.num_frames is for video families {VIDEO_FAMILIES}; family {self.family!r} "
-                             f"makes images: leave it at 1 (got {self.num_frames})")
+                             f"makes images: leave it null (got {self.num_frames})")
+
+    @property
+    def frames(self) -> int:
+        """Frames per sample: ``num_frames``, or its default (81 for a video family, else 1)."""
+        if self.num_frames is not None:
+            return self.num_frames
+        return 81 if self.family in VIDEO_FAMILIES else 1
 
     @property
     def size(self) -> tuple[int, int]:

@@ -373,7 +373,7 @@ class Policy:
         self._adapter = ADAPTERS[config.family]
         f = vae_scale_factor(vae) if vae is not None else 8
         h, w = (side // (f * self._adapter.latent_downsample) for side in config.size)
-        frames = ((config.num_frames - 1) // vae_temporal_factor(vae) + 1,) if self._adapter.latent_dims == 5 else ()
+        frames = ((config.frames - 1) // vae_temporal_factor(vae) + 1,) if self._adapter.latent_dims == 5 else ()
         self.latent_shape: tuple[int, ...] = (self._adapter.latent_channels(self.bare.config), *frames, h, w)
         self.scheduler_config = dict(scheduler_config or {})
         # an explicit pipeline.shift is a static shift; the model's own may end in a stretch (Qwen-Image: 0.02)
