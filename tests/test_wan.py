@@ -375,3 +375,16 @@ def test_shipped_wan_config_resolves(tmp_path, capsys):
     assert p["lora"]["rank"] == 32 and p["cfg_scale"] == 4.5 and resolved["reward"]["name"].startswith("pickscore:")
     assert main(["train", "--config", str(path), "--print-config"]) == 2
     assert "sample.prompts_file must be set" in capsys.readouterr().err
+
+
+def test_cost_preset():
+    """--cost flow_grpo_wan: Flow-GRPO's Wan 2.1 as configs/wan_t2v.yaml trains it (LoRA + gradient checkpointing: B/F
+    2; both CFG branches with grad; 19 of 20 steps trained); JAGG's 2 of 4 rows per group project to this ratio."""
+    from jagg.bench.projection import PRESETS
+
+    cost = PRESETS["flow_grpo_wan"]
+    assert (cost.B_F, cost.cfg_rollout, cost.cfg_train, cost.rollout_steps, cost.train_steps) == (2.0, 2, 2, 20, 19)
+    assert (cost.model, cost.resolution) == ("wan_1_3b", 240)
+    # exact: 20 x 2 rollout + 19 x 2 x 3 training = 154; half the rows: 40 + 57 = 97
+    assert cost.iteration_ratio(0.5) == pytest.approx(154 / 97)
+    assert "flow_grpo_wan: B/F 2" in cost.describe()
