@@ -184,9 +184,9 @@ class PipelineConfig:
     eval_num_steps: int = field(default=40, metadata=_help("Steps of the evaluation sampler (Flow-GRPO SD3: 40)."))
     shift: float | None = field(default=None, metadata=_help("Static timestep shift (SD3's rule); null = the "
                                 "model's own, as its scheduler config says: SD3 the scheduler's shift (3.0), Wan its "
-                                "flow_shift (3.0 for 480p), FLUX and "
-                                "Qwen-Image the resolution-dependent exp(mu), Qwen-Image then stretched to its "
-                                "shift_terminal (0.02)."))
+                                "flow_shift (3.0 for 480p), FLUX and Qwen-Image the resolution-dependent exp(mu), "
+                                "Qwen-Image then stretched to its shift_terminal (0.02), FLUX.2 exp(mu) of the image "
+                                "tokens and the number of steps."))
     eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO: SD3 0.7, FLUX 0.9)."))
     cfg_scale: float = field(default=4.5, metadata=_help("Classifier-free guidance weight in sampling and training "
                              "(Flow-GRPO SD3.5 and Wan 2.1: 4.5; FLUX.1-dev: 1, it is guidance-distilled)."))
