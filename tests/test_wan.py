@@ -344,19 +344,24 @@ def test_jagg_train_two_iterations_gif_samples_and_bitwise_resume(tmp_path, wan_
     assert [r["loss"] for r in records(stopped)] == [r["loss"] for r in rec]
 
 
-def test_exact_train_two_iterations_with_a_video_reward(tmp_path, wan_dir, captured):
+def test_exact_train_two_iterations_with_a_video_reward(tmp_path, wan_dir, captured, monkeypatch):
     """Exact mode trains every step of every video (4 x 4 rows per update set); a module:function reward gets the
-    decoded videos [N, 5, 64, 96, 3]."""
+    decoded videos [N, 5, 64, 96, 3]; with log.wandb the GIF grids go to wandb as videos."""
+    import fake_wandb
+
+    calls = fake_wandb.install(monkeypatch)
     cfg = write_config(tmp_path, wan_dir, mode="exact")
     out = tmp_path / "exact"
     assert main(["train", "--config", str(cfg), "--output-dir", str(out),
-                 "--set", "reward.name=test_wan:video_brightness", "--set", "log.sample_images=0"]) == 0
+                 "--set", "reward.name=test_wan:video_brightness", "--set", "log.wandb=true"]) == 0
     rec = records(out)
     assert [r["iteration"] for r in rec] == [1, 2]
     for r in rec:
         assert 0 < r["reward_mean"] < 1 and np.isfinite(r["loss"]) and r["grad_norm"] > 0
         assert r["backward_items"] == 4 * 4 and r["jagg_frac_routed"] == 0.0
-    assert not (out / "samples").exists() or not any((out / "samples").iterdir())
+    media = [c[1]["images/rollouts"] for c in calls if c[0] == "log" and "images/rollouts" in c[1]]
+    assert [(type(m).__name__, Path(m.path).name) for m in media] == [("Video", "iter_000001.gif"),
+                                                                       ("Video", "iter_000002.gif")]
 
 
 def test_shipped_wan_config_resolves(tmp_path, capsys):
