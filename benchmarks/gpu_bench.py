@@ -1,4 +1,5 @@
-"""Exact vs JAGG training-step time and peak memory on full-size SD3.5-Medium, FLUX.1-dev and Qwen-Image transformers.
+"""Exact vs JAGG training-step time and peak memory on full-size SD3.5-Medium, FLUX.1-dev, Qwen-Image and Wan 2.1 T2V
+1.3B transformers.
 
 Random weights built from the published transformer configs (nothing is downloaded), bf16, Flow-GRPO's LoRA
 (SD3.5: rank 32 on the attention projections; FLUX and Qwen-Image: rank 64 plus the MLPs; adapters in bf16 too, or
@@ -6,7 +7,9 @@ fp32 under bf16 autocast with ``--autocast``), Flow-GRPO's guidance (SD3.5: CFG 
 network with grad, one batched forward, as its ``train.cfg = True``; ``--detach-uncond`` measures jagg's cheaper
 variant, whose gradient differs: the unconditional branch a separate no-grad forward; FLUX.1-dev: embedded guidance
 3.5, no CFG); Qwen-Image as the JAGG authors train it (no CFG, a static shift of 3; configs/qwen_image.yaml), 64 text
-tokens.
+tokens; Wan 2.1 T2V 1.3B (``--models wan_1_3b``, not in the default list) as Flow-GRPO trains it (rank-32 LoRA on the
+attention projections, CFG 4.5 with both branches with grad, 512 UMT5 tokens) on 33-frame videos (9 latent frames)
+whose height is the resolution and whose width is 416/240 of it (Flow-GRPO: 240 x 416).
 For each model and resolution one rollout of ``--samples`` trajectories x ``--steps`` steps (all trained) is
 sampled with the model itself, then :func:`jagg.policy_gradient` computes the gradient of one update in ``exact``
 mode and in ``jagg`` mode for every window and intermediate, all with the same ``--micro-batch``. Every
@@ -19,6 +22,7 @@ put into their projected cost structure with ``--gpu-bench-json``.
 
     python benchmarks/gpu_bench.py                       # one H200: < 5 minutes (a time budget guards it)
     python benchmarks/gpu_bench.py --models qwen_image --resolutions 512,1024    # Qwen-Image (20B) alone
+    python benchmarks/gpu_bench.py --models wan_1_3b --resolutions 240,480       # Wan 2.1 1.3B, 33 frames
     python benchmarks/gpu_bench.py --scaled-down         # tiny configs on the CPU, seconds (used by the tests)
     python benchmarks/gpu_bench.py --small --models sd35m --resolutions 512 [--detach-uncond]   # CPU, ~1 min
 
@@ -57,11 +61,16 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
 # QwenImageTransformer2DModel's defaults, which are Qwen/Qwen-Image's transformer/config.json (20.4B parameters)
 QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
                   num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers' transformer/config.json (1.4B parameters)
+WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 # text tokens as Flow-GRPO encodes them (max_sequence_length 128): SD3 77 CLIP + 128 T5; FLUX 128 T5; Qwen-Image's
 # prompts keep their own length (a short prompt and QwenImagePipeline's template suffix: 64 Qwen2.5-VL tokens here)
 FULL = {"sd35m": dict(cls="SD3Transformer2DModel", config=SD35_MEDIUM, text_len=77 + 128, pooled=2048),
         "flux": dict(cls="FluxTransformer2DModel", config=FLUX_DEV, text_len=128, pooled=768),
-        "qwen_image": dict(cls="QwenImageTransformer2DModel", config=QWEN_IMAGE, text_len=64, pooled=None)}
+        "qwen_image": dict(cls="QwenImageTransformer2DModel", config=QWEN_IMAGE, text_len=64, pooled=None),
+        "wan_1_3b": dict(cls="WanTransformer3DModel", config=WAN_1_3B, text_len=512, pooled=None, frames=9)}
 TINY = {"sd35m": dict(cls="SD3Transformer2DModel", text_len=8, pooled=8, config=dict(
             sample_size=16, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=2,
             joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8, out_channels=16,
@@ -72,7 +81,10 @@ TINY = {"sd35m": dict(cls="SD3Transformer2DModel", text_len=8, pooled=8, config=
             axes_dims_rope=(2, 2, 4))),
         "qwen_image": dict(cls="QwenImageTransformer2DModel", text_len=8, pooled=None, config=dict(
             patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=8, num_attention_heads=2,
-            joint_attention_dim=16, axes_dims_rope=(2, 2, 4)))}
+            joint_attention_dim=16, axes_dims_rope=(2, 2, 4))),
+        "wan_1_3b": dict(cls="WanTransformer3DModel", text_len=8, pooled=None, frames=2, config=dict(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=16, out_channels=16,
+            text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32))}
 # --small: 4-block models of width 128 on 32x32 latents at 512 px: the network, not Python, dominates on a CPU
 SMALL = {"sd35m": dict(cls="SD3Transformer2DModel", text_len=16, pooled=32, config=dict(
              sample_size=32, patch_size=2, in_channels=16, num_layers=4, attention_head_dim=32, num_attention_heads=4,
@@ -84,12 +96,24 @@ SMALL = {"sd35m": dict(cls="SD3Transformer2DModel", text_len=16, pooled=32, conf
              axes_dims_rope=(8, 12, 12))),
          "qwen_image": dict(cls="QwenImageTransformer2DModel", text_len=16, pooled=None, config=dict(
              patch_size=2, in_channels=64, out_channels=16, num_layers=4, attention_head_dim=32,
-             num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(8, 12, 12)))}
-FAMILY = {"sd35m": "sd3", "flux": "flux", "qwen_image": "qwen_image"}
+             num_attention_heads=4, joint_attention_dim=64, axes_dims_rope=(8, 12, 12))),
+         "wan_1_3b": dict(cls="WanTransformer3DModel", text_len=16, pooled=None, frames=3, config=dict(
+             patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16, out_channels=16,
+             text_dim=64, freq_dim=64, ffn_dim=256, num_layers=4, rope_max_seq_len=256))}
+FAMILY = {"sd35m": "sd3", "flux": "flux", "qwen_image": "qwen_image", "wan_1_3b": "wan"}
 GUIDANCE = {"sd35m": VelocityConfig(cfg_scale=4.5), "flux": VelocityConfig(guidance_embed=3.5),
-            "qwen_image": VelocityConfig()}
+            "qwen_image": VelocityConfig(), "wan_1_3b": VelocityConfig(cfg_scale=4.5)}
 SHIFT = {"sd35m": lambda res: 3.0, "flux": lambda res: float(torch.exp(torch.tensor(
-    0.5 + 0.65 * ((res // 16) ** 2 - 256) / 3840))), "qwen_image": lambda res: 3.0}
+    0.5 + 0.65 * ((res // 16) ** 2 - 256) / 3840))), "qwen_image": lambda res: 3.0,
+    "wan_1_3b": lambda res: 3.0}                # Wan 2.1's flow_shift (3 for 480p and below)
+
+
+def latent_shape(spec: dict, lat: int) -> tuple[int, ...]:
+    """One sample's latents: ``(16, lat, lat)``; a video model's ``(16, frames, lat, width)`` with Flow-GRPO's 240 x
+    416 aspect (the width rounded to an even number of latents)."""
+    if "frames" not in spec:
+        return (16, lat, lat)
+    return (16, spec["frames"], lat, max(2, round(lat * 416 / 240 / 2) * 2))
 
 
 @dataclass
@@ -215,7 +239,8 @@ def bench_model(name: str, cfg: BenchConfig, dev: torch.device, dtype: torch.dty
     g = torch.Generator().manual_seed(cfg.seed)
 
     def text() -> PromptEmbeddings:                          # one random prompt (Qwen-Image has no pooled embedding)
-        return PromptEmbeddings(torch.randn(1, spec["text_len"], spec["config"]["joint_attention_dim"], generator=g),
+        width = spec["config"].get("joint_attention_dim", spec["config"].get("text_dim"))
+        return PromptEmbeddings(torch.randn(1, spec["text_len"], width, generator=g),
                                 None if spec["pooled"] is None else torch.randn(1, spec["pooled"], generator=g)
                                 ).to(dev, dtype)
 
@@ -232,7 +257,7 @@ def bench_model(name: str, cfg: BenchConfig, dev: torch.device, dtype: torch.dty
                      for m, w, i in run_configs(cfg)]
             continue
         try:
-            noise = torch.randn(cfg.samples, 16, lat, lat, generator=g).to(dev)
+            noise = torch.randn(cfg.samples, *latent_shape(spec, lat), generator=g).to(dev)
             sig = jagg.flow_sigmas(cfg.steps, shift=SHIFT[name](res))
             with torch.no_grad():
                 traj = jagg.sample_trajectories(v, noise, sig, 0.7, generator=torch.Generator(dev).manual_seed(1),
@@ -325,7 +350,8 @@ def _clean(x):
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="sd35m,flux,qwen_image", help="comma list of sd35m, flux, qwen_image")
+    ap.add_argument("--models", default="sd35m,flux,qwen_image", help="comma list of sd35m, flux, qwen_image, "
+                    "wan_1_3b (Wan 2.1 T2V 1.3B, 33 frames; e.g. --resolutions 240,480)")
     ap.add_argument("--resolutions", default=None, help="comma list of image sizes (default 512,1024; "
                     "scaled-down: 512,1024 mapped to 8x8 and 16x16 latents)")
     ap.add_argument("--windows", default="2,4,8")

@@ -1,4 +1,4 @@
-"""A stand-in ``wandb`` module that records what jagg asks of it (init, define_metric, log, Image, finish), so the
+"""A stand-in ``wandb`` module that records what jagg asks of it (init, define_metric, log, Image, Video, finish), so the
 wandb logging is tested whether or not the real package is installed."""
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ import types
 class Image:
     def __init__(self, path, caption=None):
         self.path, self.caption = path, caption
+
+
+class Video(Image):
+    pass
 
 
 class Run:
@@ -33,6 +37,7 @@ def install(monkeypatch) -> list:
     module = types.ModuleType("wandb")
     module.init = lambda **kwargs: Run(calls, kwargs)
     module.Image = Image
+    module.Video = Video
     monkeypatch.setitem(sys.modules, "wandb", module)
     return calls
 

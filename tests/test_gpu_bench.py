@@ -84,3 +84,14 @@ def test_full_size_configs_build(bench):
     assert 2.2e9 < counts["sd35m"] < 2.6e9          # SD3.5-Medium transformer
     assert 11.8e9 < counts["flux"] < 12.0e9         # FLUX.1-dev transformer
     assert 20.3e9 < counts["qwen_image"] < 20.5e9   # Qwen-Image transformer (20.4B)
+    assert 1.40e9 < counts["wan_1_3b"] < 1.44e9     # Wan 2.1 T2V "1.3B" transformer (1.42B)
+
+
+def test_wan_scaled_down_runs_on_video_latents(bench, tmp_path):
+    """--models wan_1_3b (not in the default list): Wan 2.1 with CFG on 2 latent frames at Flow-GRPO's aspect."""
+    r = bench.main(["--scaled-down", "--models", "wan_1_3b", "--resolutions", "512", "--windows", "4",
+                    "--intermediates", "interp", "--out", str(tmp_path / "wan.json")])
+    assert [(x["model"], x["mode"], x["status"], x["backward_items"]) for x in r["rows"]] == [
+        ("wan_1_3b", "exact", "ok", 8), ("wan_1_3b", "jagg", "ok", 4)]
+    assert bench.latent_shape(bench.FULL["wan_1_3b"], 240 // 8) == (16, 9, 30, 52)     # 33 frames at 240 x 416
+    assert r["costs"][0]["model"] == "wan_1_3b" and r["costs"][0]["b_over_f"] > 0

@@ -98,6 +98,11 @@ PRESETS = {
         "jagg_authors_qwen_image", B_F=3.0, cfg_rollout=1, cfg_train=1, rollout_steps=21, train_steps=20,
         model="qwen_image", resolution=720, about="the JAGG authors' Qwen-Image (configs/qwen_image.yaml): full "
         "fine-tuning with gradient checkpointing (one more forward), no guidance, 20 of 21 steps trained"),
+    "flow_grpo_wan": CostStructure(
+        "flow_grpo_wan", B_F=2.0, cfg_rollout=2, cfg_train=2, rollout_steps=20, train_steps=19, model="wan_1_3b",
+        resolution=240, about="Flow-GRPO's Wan 2.1 T2V 1.3B (configs/wan_t2v.yaml, scripts/train_wan2_1.py): LoRA "
+        "with gradient checkpointing (B/F 1 plus one forward), CFG 4.5 with both branches with grad, 20 sampling "
+        "steps, timestep_fraction 0.99, 33 frames at 240 x 416"),
 }
 DEFAULT = "flow_grpo_sd35"
 KEYS = ("B_F", "cfg_rollout", "cfg_train", "rollout_steps", "train_steps", "model", "resolution")

@@ -1,7 +1,8 @@
-"""Real models through diffusers: SD3/SD3.5, FLUX and Qwen-Image, LoRA (peft) or full fine-tuning, from a local path.
+"""Real models through diffusers: SD3/SD3.5, FLUX, Qwen-Image, Wan 2.1 (video) and FLUX.2, LoRA (peft) or full
+fine-tuning, from a local path.
 
 Modules: :mod:`~jagg.integrations.config` (the ``pipeline:`` section: model, LoRA, guidance),
-:mod:`~jagg.integrations.velocity` (prompt embeddings and the SD3 / FLUX / Qwen-Image velocity adapters),
+:mod:`~jagg.integrations.velocity` (prompt embeddings and the SD3 / FLUX / Qwen-Image / Wan / FLUX.2 velocity adapters),
 :mod:`~jagg.integrations.pipeline` (a local diffusers directory: checks, loading, the prompt-cache builder
 ``python -m jagg.integrations.pipeline cache``), :mod:`~jagg.integrations.policy` (the owner of the policy:
 trainable weights, KL reference, prompts, sampler, velocity, decoding, adapter files),
@@ -12,13 +13,14 @@ Needs the ``diffusers`` extra (``pip install 'jagg[diffusers]'``: diffusers, pef
 diffusers and peft are imported only when a function needs them.
 """
 
-from .config import (FLUX_TARGET_MODULES, QWEN_IMAGE_TARGET_MODULES, SD3_TARGET_MODULES, LoraSettings,
-                     PipelineConfig, VelocityConfig, load_pipeline_config)
+from .config import (FLUX2_TARGET_MODULES, FLUX_TARGET_MODULES, QWEN_IMAGE_TARGET_MODULES, SD3_TARGET_MODULES,
+                     WAN_TARGET_MODULES, LoraSettings, PipelineConfig, VelocityConfig, load_pipeline_config)
 from .pipeline import check_model_dir, load_pipeline
 from .policy import (Policy, RealModel, adapters_disabled, add_lora, decode_latents, frozen_copy, full_finetune,
                      load_lora, load_model, reference_velocity, save_lora)
-from .velocity import (FluxVelocity, PromptEmbeddings, QwenImageVelocity, SD3Velocity, TransformerVelocity,
-                       encode_prompts, model_family, pack_latents, unpack_latents, unwrap_model, velocity_adapter)
+from .velocity import (Flux2Velocity, FluxVelocity, PromptEmbeddings, QwenImageVelocity, SD3Velocity,
+                       TransformerVelocity, WanVelocity, encode_prompts, model_family, pack_latents, unpack_latents,
+                       unwrap_model, velocity_adapter)
 
 __all__ = [
     "FLUX_TARGET_MODULES", "FluxVelocity", "LoraSettings", "PipelineConfig", "Policy", "PromptEmbeddings",
@@ -26,5 +28,6 @@ __all__ = [
     "TransformerVelocity", "VelocityConfig", "adapters_disabled", "add_lora", "check_model_dir", "decode_latents",
     "encode_prompts", "frozen_copy", "full_finetune", "load_lora", "load_model", "load_pipeline",
     "load_pipeline_config", "model_family", "pack_latents", "reference_velocity", "save_lora", "unpack_latents",
-    "unwrap_model", "velocity_adapter",
+    "unwrap_model", "velocity_adapter", "WAN_TARGET_MODULES", "WanVelocity", "FLUX2_TARGET_MODULES",
+    "Flux2Velocity",
 ]

@@ -18,6 +18,15 @@ FLUX.1      64    128    gaussian    the SD3 list plus ``ff.net.0.proj, ff.net.2
 Qwen-Image  64    128    gaussian    the SD3 list (the joint attention of ``QwenImageTransformerBlock``: image
                                      ``to_q/k/v``, ``to_out.0``; text ``add_q/k/v_proj``, ``to_add_out``) plus
                                      ``img_mlp.net.0.proj, img_mlp.net.2, txt_mlp.net.0.proj, txt_mlp.net.2``
+Wan 2.1     32    64     gaussian    ``to_q, to_k, to_v, to_out.0``: self- (``attn1``) and cross-attention (``attn2``)
+                                     of every ``WanTransformerBlock`` (``scripts/train_wan2_1.py`` lists the SD3 names
+                                     without the ``attn.`` prefix; its ``add_*`` names exist only in the image-to-video
+                                     model)
+FLUX.2      64    128    gaussian    not Flow-GRPO's (it has no FLUX.2 script): FLUX.1's choice carried over, the SD3
+                                     list plus the MLPs ``ff.linear_in, ff.linear_out, ff_context.linear_in,
+                                     ff_context.linear_out`` of the double-stream blocks and the fused
+                                     ``attn.to_qkv_mlp_proj`` of the single-stream blocks (their ``attn.to_out`` is
+                                     not matched: the name also ends a double-stream block's ``ModuleList``)
 ==========  ====  =====  ==========  ================================================================================
 
 (``attn.to_q`` matches ``transformer_blocks.i.attn.to_q`` but not SD3.5's second attention ``attn2``.)
@@ -33,7 +42,8 @@ import torch
 from ..checks import Keys, check_eta
 from ..training.config_loader import from_dict, read_text
 
-FAMILIES = ("sd3", "flux", "qwen_image")
+FAMILIES = ("sd3", "flux", "qwen_image", "wan", "flux2", "flux2_klein")
+VIDEO_FAMILIES = ("wan",)                   # latents [C, F, H/8, W/8] with a frame axis; decoded to videos
 UNCOND_FORWARDS = ("separate", "batched")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SD3_TARGET_MODULES = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
@@ -41,8 +51,12 @@ SD3_TARGET_MODULES = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "
 FLUX_TARGET_MODULES = SD3_TARGET_MODULES + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
 QWEN_IMAGE_TARGET_MODULES = SD3_TARGET_MODULES + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
                                                   "txt_mlp.net.2")
+WAN_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
+FLUX2_TARGET_MODULES = SD3_TARGET_MODULES + ("ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+                                             "ff_context.linear_out", "attn.to_qkv_mlp_proj")
 FLOW_GRPO_LORA = {"sd3": (32, 64.0, SD3_TARGET_MODULES), "flux": (64, 128.0, FLUX_TARGET_MODULES),
-                  "qwen_image": (64, 128.0, QWEN_IMAGE_TARGET_MODULES)}
+                  "qwen_image": (64, 128.0, QWEN_IMAGE_TARGET_MODULES), "wan": (32, 64.0, WAN_TARGET_MODULES),
+                  "flux2": (64, 128.0, FLUX2_TARGET_MODULES), "flux2_klein": (64, 128.0, FLUX2_TARGET_MODULES)}
 QWEN_MAX_SEQUENCE_LENGTH = 1024           # QwenImagePipeline refuses longer prompts
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
@@ -53,8 +67,8 @@ def _help(text: str) -> dict:
 
 # the guidance keys that PipelineConfig passes on to VelocityConfig
 _HELP = {
-    "guidance_embed": "FLUX.1-dev's distilled guidance, fed to the network as an embedding (3.5); null for models "
-                      "without guidance embeddings (required by those with them).",
+    "guidance_embed": "FLUX.1-dev's distilled guidance, fed to the network as an embedding (3.5; FLUX.2 [dev]: "
+                      "4.0); null for models without guidance embeddings (required by those with them).",
     "detach_uncond": "Stop the gradient through CFG's unconditional branch in training. false (Flow-GRPO, train.cfg "
                      "= True): both branches go through the transformer with grad, as one batched forward. true: a "
                      "cheaper variant that changes the gradient (the conditional branch's only, times cfg_scale).",
@@ -107,8 +121,8 @@ class LoraSettings:
 
     enabled: bool = field(default=True, metadata=_help("Train LoRA adapters (true) or all transformer weights "
                           "(false: full fine-tuning; the KL reference is then a frozen copy)."))
-    rank: int | None = field(default=None, metadata=_help("LoRA rank r (Flow-GRPO: SD3 32, FLUX and Qwen-Image "
-                                                                 "64)."))
+    rank: int | None = field(default=None, metadata=_help("LoRA rank r (Flow-GRPO: SD3 and Wan 32, FLUX and "
+                                                                 "Qwen-Image 64)."))
     alpha: float | None = field(default=None, metadata=_help("LoRA alpha; scale = alpha / r (Flow-GRPO: 2 r)."))
     target_modules: list[str] | None = field(default=None, metadata=_help("Module-name suffixes that get adapters "
                                              "(default: Flow-GRPO's list for the family, see "
@@ -149,25 +163,33 @@ class LoraSettings:
 
 @dataclass
 class PipelineConfig:
-    """A real text-to-image model to fine-tune (defaults: Flow-GRPO's SD3.5-Medium settings)."""
+    """A real text-to-image (or text-to-video) model to fine-tune (defaults: Flow-GRPO's SD3.5-Medium settings)."""
 
-    family: str = field(default="sd3", metadata=_help(f"Model family, one of {FAMILIES} (SD3/SD3.5, FLUX.1 or "
-                                                      "Qwen-Image)."))
+    family: str = field(default="sd3", metadata=_help(f"Model family, one of {FAMILIES} (SD3/SD3.5, FLUX.1, "
+                                                      "Qwen-Image, Wan 2.1 text-to-video, FLUX.2 [dev] "
+                                                      "(Flux2Pipeline) or FLUX.2 [klein] (Flux2KleinPipeline))."))
     path: str = field(default="", metadata=_help("Local diffusers model directory (model_index.json + transformer/)."))
     dtype: str = field(default="bf16", metadata=_help("Transformer / text-encoder weights dtype: bf16, fp16 or fp32."))
     vae_dtype: str = field(default="fp32", metadata=_help("VAE dtype (Flow-GRPO decodes in fp32)."))
     device: str = field(default="auto", metadata=_help("'auto' (cuda if available, else cpu), 'cuda', 'cuda:1', "
                                                        "'cpu'."))
-    resolution: int = field(default=512, metadata=_help("Image height = width in pixels (multiple of 16)."))
+    resolution: int = field(default=512, metadata=_help("Image (or video) height in pixels, and its width unless "
+                            "pipeline.width is set (multiple of 16)."))
+    width: int | None = field(default=None, metadata=_help("Width in pixels (multiple of 16); null = resolution, "
+                              "square (Flow-GRPO's Wan 2.1: 240 x 416)."))
+    num_frames: int | None = field(default=None, metadata=_help("Video frames (family wan: 4k + 1, the VAE compresses "
+                                   "4 frames into one latent frame; Flow-GRPO's Wan 2.1: 33); null = WanPipeline's 81 "
+                                   "for wan, one image for the image families (which take only null or 1)."))
     num_steps: int = field(default=10, metadata=_help("Sampling steps of a training rollout (Flow-GRPO SD3: 10)."))
     eval_num_steps: int = field(default=40, metadata=_help("Steps of the evaluation sampler (Flow-GRPO SD3: 40)."))
     shift: float | None = field(default=None, metadata=_help("Static timestep shift (SD3's rule); null = the "
-                                "model's own, as its scheduler config says: SD3 the scheduler's shift (3.0), FLUX and "
-                                "Qwen-Image the resolution-dependent exp(mu), Qwen-Image then stretched to its "
-                                "shift_terminal (0.02)."))
+                                "model's own, as its scheduler config says: SD3 the scheduler's shift (3.0), Wan its "
+                                "flow_shift (3.0 for 480p), FLUX and Qwen-Image the resolution-dependent exp(mu), "
+                                "Qwen-Image then stretched to its shift_terminal (0.02), FLUX.2 exp(mu) of the image "
+                                "tokens and the number of steps."))
     eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO: SD3 0.7, FLUX 0.9)."))
     cfg_scale: float = field(default=4.5, metadata=_help("Classifier-free guidance weight in sampling and training "
-                             "(Flow-GRPO SD3.5: 4.5; FLUX.1-dev: 1, it is guidance-distilled)."))
+                             "(Flow-GRPO SD3.5 and Wan 2.1: 4.5; FLUX.1-dev: 1, it is guidance-distilled)."))
     guidance_embed: float | None = field(default=None, metadata=_help(_HELP["guidance_embed"]))
     negative_prompt: str = field(default="", metadata=_help("Negative prompt of classifier-free guidance "
                                  "(Flow-GRPO: '' for SD3, ' ' for Qwen-Image)."))
@@ -176,7 +198,8 @@ class PipelineConfig:
     autocast: str | None = field(default=None, metadata=_help(_HELP["autocast"]))
     max_sequence_length: int = field(default=128, metadata=_help("Text tokens per prompt: T5's for SD3 and FLUX "
                                      "(Flow-GRPO: 128), Qwen2.5-VL's for Qwen-Image (QwenImagePipeline: 512, at most "
-                                     f"{QWEN_MAX_SEQUENCE_LENGTH}), where shorter prompts keep their own length."))
+                                     f"{QWEN_MAX_SEQUENCE_LENGTH}), where shorter prompts keep their own length; "
+                                     "UMT5's for Wan (Flow-GRPO and WanPipeline: 512, zero-padded)."))
     prompt_cache: str | None = field(default=None, metadata=_help("Precomputed prompt-embedding cache (.safetensors "
                                      "or .pt); with it the text encoders are not loaded."))
     load_text_encoders: bool | None = field(default=None, metadata=_help("Load the text encoders (needed to embed "
@@ -195,9 +218,12 @@ class PipelineConfig:
         for name in ("dtype", "vae_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"pipeline.{name} must be one of {tuple(DTYPES)}; got {getattr(self, name)!r}")
-        if self.resolution < 16 or self.resolution % 16:
-            raise ValueError(f"pipeline.resolution must be a positive multiple of 16 (VAE /8, 2x2 packing); "
-                             f"got {self.resolution}")
+        for name in ("resolution", "width"):
+            value = getattr(self, name)
+            if value is not None and (value < 16 or value % 16):
+                raise ValueError(f"pipeline.{name} must be a positive multiple of 16 (VAE /8, 2x2 packing); "
+                                 f"got {value}")
+        self._check_frames()
         for name in ("num_steps", "eval_num_steps", "max_sequence_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"pipeline.{name} must be >= 1; got {getattr(self, name)}")
@@ -214,6 +240,29 @@ class PipelineConfig:
         if self.keep_reference and self.lora.enabled:
             raise ValueError("pipeline.keep_reference is for full fine-tuning (lora.enabled: false); with LoRA the "
                              "reference is the base model with the adapters disabled")
+
+    def _check_frames(self) -> None:
+        if self.num_frames is None:
+            return
+        if self.family in VIDEO_FAMILIES:
+            if isinstance(self.num_frames, bool) or self.num_frames < 1 or (self.num_frames - 1) % 4:
+                raise ValueError(f"pipeline.num_frames must be 4k + 1 for {self.family} (1, 5, ..., 33, ..., 81: its "
+                                 f"VAE compresses 4 frames into one latent frame); got {self.num_frames}")
+        elif self.num_frames != 1:
+            raise ValueError(f"pipeline.num_frames is for video families {VIDEO_FAMILIES}; family {self.family!r} "
+                             f"makes images: leave it null (got {self.num_frames})")
+
+    @property
+    def frames(self) -> int:
+        """Frames per sample: ``num_frames``, or its default (81 for a video family, else 1)."""
+        if self.num_frames is not None:
+            return self.num_frames
+        return 81 if self.family in VIDEO_FAMILIES else 1
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(height, width)`` in pixels."""
+        return self.resolution, self.width if self.width is not None else self.resolution
 
     def velocity_config(self) -> VelocityConfig:
         return VelocityConfig(cfg_scale=self.cfg_scale, guidance_embed=self.guidance_embed,

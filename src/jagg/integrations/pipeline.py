@@ -27,7 +27,8 @@ from ..checks import check_json_files, check_output_file
 from .config import DTYPES, PipelineConfig, load_pipeline_config, read_prompt_lines
 from .velocity import encode_prompts
 
-PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline"}
+PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline",
+                    "wan": "WanPipeline", "flux2": "Flux2Pipeline", "flux2_klein": "Flux2KleinPipeline"}
 TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
 
 
@@ -41,7 +42,8 @@ def check_model_dir(path: str | Path, family: str) -> dict:
     p = Path(path).expanduser() if path else None
     hint = ("download it once on a machine with internet, e.g. `huggingface-cli download "
             "stabilityai/stable-diffusion-3.5-medium --local-dir /models/sd3.5-medium` (FLUX: "
-            "black-forest-labs/FLUX.1-dev; Qwen-Image: Qwen/Qwen-Image), copy it here and set pipeline.path")
+            "black-forest-labs/FLUX.1-dev; Qwen-Image: Qwen/Qwen-Image; Wan 2.1: Wan-AI/Wan2.1-T2V-1.3B-Diffusers; "
+            "FLUX.2: black-forest-labs/FLUX.2-dev or FLUX.2-klein-base-4B), copy it here and set pipeline.path")
     if p is None or not p.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist; jagg never downloads weights: {hint}")
     if not p.is_dir():
@@ -52,8 +54,8 @@ def check_model_dir(path: str | Path, family: str) -> dict:
                                 f"at the directory that contains model_index.json; {hint}")
     if not (p / "transformer" / "config.json").is_file():
         raise FileNotFoundError(f"{p} has no transformer/ subfolder (transformer/config.json): it is not an SD3, "
-                                "FLUX or Qwen-Image diffusers directory (UNet models such as SD1.5/SDXL are not "
-                                "flow-matching DiTs)")
+                                "FLUX, Qwen-Image, Wan or FLUX.2 diffusers directory (UNet models such as SD1.5/SDXL "
+                                "are not flow-matching DiTs)")
     check_json_files(p, f"pipeline.path {p}")        # a broken config.json, named before diffusers reads it
     index = json.loads((p / "model_index.json").read_text())
     expected = PIPELINE_CLASSES[family]

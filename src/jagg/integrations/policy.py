@@ -1,10 +1,10 @@
-"""The policy of one SD3 / FLUX / Qwen-Image model, owned in one place: :class:`Policy`.
+"""The policy of one SD3 / FLUX / Qwen-Image / Wan / FLUX.2 model, owned in one place: :class:`Policy`.
 
     cfg = load_pipeline_config("configs/sd35_medium.yaml")        # the `pipeline:` section (+ `lora:` inside it)
     policy = load_model(cfg)                                       # SD3.5 / FLUX pipeline, LoRA added, on the GPU
     v = policy.velocity(prompts)                                   # jagg velocity callable, one row per sample
     traj = jagg.sample_trajectories(v, policy.noise(len(prompts)), policy.sigmas(), cfg.eta)
-    images = policy.decode(traj.latents[:, -1])                    # uint8 [B, H, W, 3] for the reward
+    images = policy.decode(traj.latents[:, -1])                    # uint8 [B, H, W, 3] (Wan: [B, F, H, W, 3])
     ref = policy.reference(v)                                      # adapters off (KL reference)
     policy.save_adapter("adapter/")                                # diffusers' load_lora_weights reads it
 
@@ -235,14 +235,33 @@ def dynamic_shift(image_seq_len: int, scheduler_config: dict | None = None) -> f
     return math.exp(mu) if kind == "exponential" else mu
 
 
-def default_shift(family: str, image_seq_len: int, scheduler_config: dict | None = None) -> float:
+def flux2_mu(image_seq_len: int, num_steps: int) -> float:
+    """FLUX.2's ``mu`` (``Flux2Pipeline``'s ``compute_empirical_mu``, from black-forest-labs/flux2): linear in the
+    image sequence length, interpolated between its fits for 10 and 200 steps up to 4300 tokens."""
+    a1, b1, a2, b2 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
+    m_200 = a2 * image_seq_len + b2
+    if image_seq_len > 4300:
+        return float(m_200)
+    m_10 = a1 * image_seq_len + b1
+    a = (m_200 - m_10) / 190.0
+    return float(a * num_steps + m_200 - 200.0 * a)
+
+
+def default_shift(family: str, image_seq_len: int, scheduler_config: dict | None = None,
+                  num_steps: int | None = None) -> float:
     """The model's own timestep shift, as its scheduler config says: with ``use_dynamic_shifting`` (FLUX.1-dev,
-    Qwen-Image; the default of the packed families when the config does not say) :func:`dynamic_shift` of the packed
-    image sequence length ``(H/16)(W/16)``, else the static ``shift`` (SD3: 3.0)."""
+    Qwen-Image, FLUX.2; the default of the packed families when the config does not say) :func:`dynamic_shift` of the
+    packed image sequence length ``(H/16)(W/16)`` (FLUX.2: ``exp`` of :func:`flux2_mu` of it and ``num_steps``, as
+    its pipelines pass ``mu``), else the static ``flow_shift`` (Wan 2.1's ``UniPCMultistepScheduler``: 3.0) or
+    ``shift`` (SD3: 3.0)."""
     c = dict(scheduler_config or {})
     if c.get("use_dynamic_shifting", issubclass(ADAPTERS[family], PackedVelocity)):
+        if family in ("flux2", "flux2_klein"):
+            if num_steps is None:
+                raise ValueError("FLUX.2's shift depends on the number of steps: pass num_steps")
+            return math.exp(flux2_mu(image_seq_len, num_steps))
         return dynamic_shift(image_seq_len, c)
-    return float(c.get("shift", 3.0))
+    return float(c.get("flow_shift", c.get("shift", 3.0)))
 
 
 def vae_scale_factor(vae: nn.Module) -> int:
@@ -259,28 +278,47 @@ def _is_video_vae(vae: nn.Module) -> bool:
     return getattr(vae.config, "temperal_downsample", None) is not None
 
 
+def vae_temporal_factor(vae: nn.Module | None) -> int:
+    """Frames per latent frame of a video VAE, ``2 ** sum(temperal_downsample)`` (Wan 2.1's ``AutoencoderKLWan``:
+    4, as ``WanPipeline.vae_scale_factor_temporal``); 4 without a VAE."""
+    if vae is None:
+        return 4
+    return 2 ** sum(bool(d) for d in vae.config.temperal_downsample)
+
+
+def _vae_space(vae: nn.Module, z: Tensor) -> Tensor:
+    """Sampler latents (fp32, on the VAE's device) -> the decoder's input, undoing each pipeline's normalisation:
+    ``AutoencoderKL`` (SD3, FLUX) ``z / scaling_factor + shift_factor``; the video VAEs (Qwen-Image's
+    ``AutoencoderKLQwenImage``, Wan's ``AutoencoderKLWan``) ``z * latents_std + latents_mean`` per channel, an image
+    as one frame ``[B, C, 1, h, w]``; FLUX.2's ``AutoencoderKLFlux2`` its batch norm's running statistics, then the
+    2x2 patches back to ``[B, C/4, 2h, 2w]`` (``Flux2Pipeline._unpatchify_latents``)."""
+    cfg = vae.config
+    if _is_video_vae(vae):
+        mean, std = (torch.tensor(v, dtype=torch.float32, device=z.device).view(1, -1, 1, 1, 1)
+                     for v in (cfg.latents_mean, cfg.latents_std))
+        return (z if z.ndim == 5 else z[:, :, None]) * std + mean
+    if isinstance(getattr(vae, "bn", None), nn.BatchNorm2d):
+        mean = vae.bn.running_mean.float().view(1, -1, 1, 1)
+        z = z * torch.sqrt(vae.bn.running_var.float().view(1, -1, 1, 1) + cfg.batch_norm_eps) + mean
+        b, c4, h, w = z.shape
+        return z.reshape(b, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c4 // 4, 2 * h, 2 * w)
+    return z / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
+
+
 @torch.no_grad()
 def decode_latents(vae: nn.Module, latents: Tensor, micro_batch: int = 8) -> np.ndarray:
-    """VAE latents ``[B, C, H/8, W/8]`` -> uint8 images ``[B, H, W, 3]``.
-
-    ``AutoencoderKL`` (SD3, FLUX): ``z / scaling_factor + shift_factor``. Qwen-Image's ``AutoencoderKLQwenImage``
-    (as ``QwenImagePipeline``): ``z * latents_std + latents_mean`` per channel, decoded as one frame ``[B, C, 1, h,
-    w]`` whose frame axis is dropped again."""
-    cfg = vae.config
+    """VAE latents ``[B, C, H/8, W/8]`` (FLUX.2: ``[B, 4C, H/16, W/16]``) -> uint8 images ``[B, H, W, 3]``; video
+    latents ``[B, C, F, H/8, W/8]`` -> uint8 videos ``[B, 4 (F - 1) + 1, H, W, 3]`` (:func:`_vae_space` says how
+    each VAE's latents are normalised)."""
     param = next(vae.parameters())
-    video = _is_video_vae(vae)
-    if video:
-        mean, std = (torch.tensor(v, dtype=torch.float32, device=param.device).view(1, -1, 1, 1)
-                     for v in (cfg.latents_mean, cfg.latents_std))
-    shift = getattr(cfg, "shift_factor", None) or 0.0
+    video, frames = _is_video_vae(vae), latents.ndim == 5
     out = []
     for s in range(0, latents.shape[0], micro_batch):
-        z = latents[s:s + micro_batch].to(device=param.device, dtype=torch.float32)
-        z = (z * std + mean)[:, :, None] if video else z / cfg.scaling_factor + shift
+        z = _vae_space(vae, latents[s:s + micro_batch].to(device=param.device, dtype=torch.float32))
         img = vae.decode(z.to(param.dtype), return_dict=False)[0].float()
-        img = img[:, :, 0] if video else img
+        img = img if frames or not video else img[:, :, 0]
         img = ((img / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        out.append(img.permute(0, 2, 3, 1).cpu().numpy())
+        out.append(img.movedim(1, -1).cpu().numpy())           # [b, H, W, 3] or, video, [b, F, H, W, 3]
     return np.concatenate(out)
 
 
@@ -290,15 +328,16 @@ def decode_latents(vae: nn.Module, latents: Tensor, micro_batch: int = 8) -> np.
 
 
 class Policy:
-    """The policy of one SD3 / FLUX / Qwen-Image model: trainable transformer, KL reference, prompts, sampler,
-    velocity, decoder.
+    """The policy of one SD3 / FLUX / Qwen-Image / Wan / FLUX.2 model: trainable transformer, KL reference, prompts,
+    sampler, velocity, decoder.
 
     Build it with :func:`load_model` (from a local diffusers directory) or directly from components.
 
     Args:
         config: the :class:`PipelineConfig` (family, dtype, device, sampler, guidance, ``lora:``).
         transformer: the diffusers ``SD3Transformer2DModel`` / ``FluxTransformer2DModel`` /
-            ``QwenImageTransformer2DModel`` (bare or wrapped); LoRA adapters are added to it (or all its weights made
+            ``QwenImageTransformer2DModel`` / ``WanTransformer3DModel`` / ``Flux2Transformer2DModel`` (bare or
+            wrapped); LoRA adapters are added to it (or all its weights made
             trainable) here.
         vae: the pipeline's VAE (for :meth:`decode`), or None.
         pipe: the diffusers pipeline, whose text encoders embed prompts missing from the cache, or None.
@@ -308,7 +347,8 @@ class Policy:
     Attributes: ``config``, ``pipe``, ``vae``, ``device``, ``transformer`` (the module the velocity callables call:
     replace it by its DDP / FSDP / accelerate wrapper after ``prepare``), ``bare`` (the unwrapped module, fixed at
     construction), ``named_params`` / ``params`` (the trainable weights), ``reference_model`` (the frozen copy of
-    a full fine-tune with ``keep_reference``, else None), ``latent_shape``, ``shift``, ``shift_terminal`` (the
+    a full fine-tune with ``keep_reference``, else None), ``latent_shape`` (``(C, H/8, W/8)``; video: ``(C, F,
+    H/8, W/8)`` with ``F = (num_frames - 1) / 4 + 1`` latent frames), ``shift``, ``shift_terminal`` (the
     scheduler's ``shift_terminal`` the sigmas are stretched to, when ``pipeline.shift`` is null; else None).
     """
 
@@ -332,12 +372,14 @@ class Policy:
             self.bare.enable_gradient_checkpointing()
         self._adapter = ADAPTERS[config.family]
         f = vae_scale_factor(vae) if vae is not None else 8
-        side = config.resolution // f
-        self.latent_shape: tuple[int, int, int] = (self._adapter.latent_channels(self.bare.config), side, side)
+        h, w = (side // (f * self._adapter.latent_downsample) for side in config.size)
+        frames = ((config.frames - 1) // vae_temporal_factor(vae) + 1,) if self._adapter.latent_dims == 5 else ()
+        self.latent_shape: tuple[int, ...] = (self._adapter.latent_channels(self.bare.config), *frames, h, w)
         self.scheduler_config = dict(scheduler_config or {})
         # an explicit pipeline.shift is a static shift; the model's own may end in a stretch (Qwen-Image: 0.02)
         self.shift = (config.shift if config.shift is not None
-                      else default_shift(config.family, (side // 2) ** 2, self.scheduler_config))
+                      else default_shift(config.family, self._adapter.image_tokens(h, w), self.scheduler_config,
+                                         config.num_steps))
         self.shift_terminal: float | None = None
         if config.shift is None and self.scheduler_config.get("shift_terminal"):
             self.shift_terminal = float(self.scheduler_config["shift_terminal"])
@@ -358,7 +400,7 @@ class Policy:
         return sigmas.float().to(self.device)
 
     def noise(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
-        """Initial noise ``[B, C, H/8, W/8]`` fp32 on the model's device."""
+        """Initial noise ``[B, *latent_shape]`` fp32 on the model's device."""
         return torch.randn(batch, *self.latent_shape, generator=generator).to(self.device)
 
     # -- prompts --------------------------------------------------------------------------------------------------
@@ -428,7 +470,8 @@ class Policy:
         return reference_velocity(velocity, self.reference_model)
 
     def decode(self, latents: Tensor) -> np.ndarray:
-        """Latents ``[B, C, H/8, W/8]`` -> uint8 images ``[B, H, W, 3]``."""
+        """Latents ``[B, *latent_shape]`` -> uint8 images ``[B, H, W, 3]`` (a video family: videos ``[B, F, H, W,
+        3]``, which the reward scores frame by frame, :mod:`jagg.rewards.registry`)."""
         if self.vae is None:
             raise RuntimeError("no VAE loaded: the model directory has no vae/ component")
         return decode_latents(self.vae, latents)

@@ -1,4 +1,5 @@
-"""Velocity adapters: a diffusers SD3 / FLUX / Qwen-Image transformer plus prompt embeddings -> a velocity callable.
+"""Velocity adapters: a diffusers SD3 / FLUX / Qwen-Image / Wan / FLUX.2 transformer plus prompt embeddings -> a
+velocity callable.
 
 Prompt embeddings are :class:`PromptEmbeddings` (one row per prompt; :func:`encode_prompts` makes them with the
 pipeline's text encoders, :meth:`PromptEmbeddings.save` / :meth:`~PromptEmbeddings.load` are the cache file).
@@ -15,6 +16,16 @@ The adapters own everything model specific, so the core (sampling, log-probs, es
   ``QwenImageTransformer2DModel`` take ``timestep = sigma`` (they multiply by 1000 inside; their pipelines pass
   ``t / 1000``) and, for guidance-distilled models (FLUX.1-dev), the guidance as an embedding (``guidance = 3.5``,
   also scaled inside).
+- **video** (Wan 2.1, ``WanTransformer3DModel``): the latents have a frame axis, ``[N, 16, F, H/8, W/8]`` with ``F =
+  (frames - 1) / 4 + 1`` latent frames, exactly as ``WanPipeline`` holds them (the network patchifies them itself,
+  so nothing is packed here); ``timestep = sigma * 1000`` as SD3; UMT5 text embeddings zero-padded to
+  ``max_sequence_length`` tokens, no pooled embedding and no text mask (``WanPipeline`` passes none); plain CFG.
+- **FLUX.2** (``Flux2Transformer2DModel``; ``Flux2Pipeline`` for [dev], ``Flux2KleinPipeline`` for [klein]): the
+  pipelines sample in the space of the VAE's 32 channels patchified 2x2 and batch-normalised, so jagg's latents are
+  ``[N, 128, H/16, W/16]``; the adapter flattens them to tokens ``[N, (H/16)(W/16), 128]`` (a permutation) with
+  position ids ``(t, h, w, l) = (0, row, col, 0)`` and text ids ``(0, 0, 0, token)``; ``timestep = sigma``; [dev]'s
+  distilled guidance as an embedding (4.0), [klein]'s plain CFG with the negative prompt ``""``. Mistral / Qwen3
+  embeddings, no pooled embedding, no mask.
 - **conditioning**: :class:`PromptEmbeddings` holds one row per trajectory of the batch (``sample_index`` picks the
   row); classifier-free guidance ``v = v_u + w (v_c - v_u)`` uses one negative row (or one per sample). Qwen-Image
   (``QwenImagePipeline``'s true CFG) rescales that combination to the norm of ``v_c`` per packed token (a 2x2 patch
@@ -60,12 +71,14 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 TRANSFORMER_FAMILIES = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux",
-                        "QwenImageTransformer2DModel": "qwen_image"}
+                        "QwenImageTransformer2DModel": "qwen_image", "WanTransformer3DModel": "wan",
+                        "Flux2Transformer2DModel": "flux2"}
 
 
 def model_family(transformer: nn.Module) -> str:
-    """``"sd3"``, ``"flux"`` or ``"qwen_image"`` from the (unwrapped, possibly peft-wrapped) transformer's class or a
-    base class of it (FSDP2's ``fully_shard`` swaps the class for a subclass, ``FSDPSD3Transformer2DModel``)."""
+    """``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"wan"`` or ``"flux2"`` from the (unwrapped, possibly peft-wrapped)
+    transformer's class or a base class of it (FSDP2's ``fully_shard`` swaps the class for a subclass,
+    ``FSDPSD3Transformer2DModel``)."""
     m = unwrap_model(transformer)
     base = getattr(getattr(m, "base_model", None), "model", m)        # peft PeftModel -> LoraModel -> model
     for c in type(base).__mro__:
@@ -91,7 +104,7 @@ class PromptEmbeddings:
 
     Attributes:
         prompt_embeds: ``[P, L, D]`` sequence embeddings (SD3: CLIP-L/G + T5, ``D = 4096``; FLUX: T5; Qwen-Image: the
-            last hidden state of Qwen2.5-VL, ``D = 3584``).
+            last hidden state of Qwen2.5-VL, ``D = 3584``; Wan: UMT5, ``D = 4096``, zero-padded to ``L`` tokens).
         pooled: ``[P, Dp]`` pooled embeddings (SD3: ``Dp = 2048``; FLUX: CLIP-L, ``Dp = 768``), or None (Qwen-Image
             has none).
         prompts: the ``P`` prompt strings (optional; needed by :meth:`lookup` and saved with the cache).
@@ -271,6 +284,11 @@ def encode_prompts(pipe, family: str, prompts: Sequence[str], max_sequence_lengt
                                                       max_sequence_length=max_sequence_length)
         elif family == "flux":
             embeds, pooled, _ = pipe.encode_prompt(chunk, None, device=device, max_sequence_length=max_sequence_length)
+        elif family in ("flux2", "flux2_klein"):
+            embeds, _ = pipe.encode_prompt(chunk, device=device, max_sequence_length=max_sequence_length)
+        elif family == "wan":
+            embeds, _ = pipe.encode_prompt(chunk, do_classifier_free_guidance=False, device=device,
+                                           max_sequence_length=max_sequence_length)
         else:
             embeds, mask = pipe.encode_prompt(chunk, device=device, max_sequence_length=max_sequence_length)
         parts.append(PromptEmbeddings(embeds, pooled, chunk, mask).to("cpu"))
@@ -294,8 +312,10 @@ class TransformerVelocity:
     """
 
     family = ""
-    takes_pooled = True            # the network takes pooled text embeddings (SD3, FLUX; not Qwen-Image)
+    takes_pooled = True            # the network takes pooled text embeddings (SD3, FLUX; not Qwen-Image, Wan)
     takes_mask = False             # the network takes a text mask, so prompts may differ in length (Qwen-Image)
+    latent_dims = 4                # [N, C, H, W]; a video family's latents have a frame axis, [N, C, F, H, W]
+    latent_downsample = 1          # latent pixels per VAE latent (FLUX.2: its latents are patchified 2x2)
 
     def __init__(self, transformer: nn.Module, cond: PromptEmbeddings, uncond: PromptEmbeddings | None = None,
                  config: VelocityConfig | None = None):
@@ -329,6 +349,11 @@ class TransformerVelocity:
     def latent_channels(cls, model_config) -> int:
         """Channels of the VAE latents ``[N, C, H/8, W/8]`` the network denoises (its config's ``in_channels``)."""
         return model_config.in_channels
+
+    @classmethod
+    def image_tokens(cls, height: int, width: int) -> int:
+        """Image tokens of latents ``height x width``, the sequence length a dynamic shift depends on: 2x2 patches."""
+        return (height // 2) * (width // 2)
 
     def forward(self, latents: Tensor, sigma: Tensor, text: PromptEmbeddings) -> Tensor:
         """One network call: ``latents [n, C, H, W]``, ``sigma [n]`` fp32, ``text`` one row per latent (already in
@@ -372,9 +397,11 @@ class TransformerVelocity:
             return self.forward(latents, sigma, text)
 
     def __call__(self, latents: Tensor, sigma: Tensor, sample_index: Tensor) -> Tensor:
-        """``latents [N, C, H, W]``, ``sigma [N]``, ``sample_index [N]`` long -> velocity ``[N, C, H, W]``."""
-        if latents.ndim != 4:
-            raise ValueError(f"latents must be [N, C, H, W]; got shape {tuple(latents.shape)}")
+        """``latents [N, C, H, W]`` (video: ``[N, C, F, H, W]``), ``sigma [N]``, ``sample_index [N]`` long -> velocity
+        of the latents' shape."""
+        if latents.ndim != self.latent_dims:
+            want = "[N, C, H, W]" if self.latent_dims == 4 else "[N, C, F, H, W] (a frame axis)"
+            raise ValueError(f"{self.family} latents must be {want}; got shape {tuple(latents.shape)}")
         n, dt, dev = latents.shape[0], self.input_dtype, latents.device
         if sigma.shape != (n,) or sample_index.shape != (n,):
             raise ValueError(f"sigma and sample_index must be [N] = [{n}]; got {tuple(sigma.shape)} and "
@@ -533,7 +560,72 @@ class QwenImageVelocity(PackedVelocity):
         return (patches(comb) * (norm(v_c) / norm(comb))).reshape(n, c, h, w)
 
 
-ADAPTERS = {"sd3": SD3Velocity, "flux": FluxVelocity, "qwen_image": QwenImageVelocity}
+class WanVelocity(TransformerVelocity):
+    """``WanTransformer3DModel`` (Wan 2.1 text-to-video), as ``WanPipeline`` calls it: latents ``[N, 16, F, H/8,
+    W/8]`` as they are (the network patchifies them, 1x2x2), ``timestep = sigma * 1000``, UMT5 embeddings without
+    pooled embedding or mask (zero-padded to ``max_sequence_length``), plain CFG."""
+
+    family = "wan"
+    takes_pooled = False
+    latent_dims = 5
+
+    def forward(self, latents, sigma, text):
+        return self.transformer(hidden_states=latents, timestep=sigma * 1000.0,
+                                encoder_hidden_states=text.prompt_embeds, return_dict=False)[0]
+
+
+def flux2_ids(length: int, height: int = 1, width: int = 1, text: bool = False, device=None) -> Tensor:
+    """FLUX.2's 4-axis position ids ``(t, h, w, l)``: of text tokens ``(0, 0, 0, i)`` for ``i < length``
+    (``Flux2Pipeline._prepare_text_ids``), of latent tokens ``(0, row, col, 0)`` row-major
+    (``Flux2Pipeline._prepare_latent_ids``)."""
+    zero = torch.zeros(1, dtype=torch.long)
+    if text:
+        ids = torch.cartesian_prod(zero, zero, zero, torch.arange(length))
+    else:
+        ids = torch.cartesian_prod(zero, torch.arange(height), torch.arange(width), zero)
+    return ids.to(device)
+
+
+class Flux2Velocity(PackedVelocity):
+    """``Flux2Transformer2DModel`` as ``Flux2Pipeline`` / ``Flux2KleinPipeline`` call it: latents ``[N, 128, H/16,
+    W/16]`` (32 VAE channels patchified 2x2, batch-normalised) flattened row-major to tokens, 4-axis position ids
+    (:func:`flux2_ids`), ``timestep = sigma``, [dev]'s guidance embedding or [klein]'s plain CFG; no pooled
+    embedding, no mask."""
+
+    family = "flux2"
+    takes_pooled = False
+    latent_downsample = 2
+
+    def __init__(self, transformer, cond, uncond=None, config=None):
+        super().__init__(transformer, cond, uncond, config)
+        self._ids: dict = {}
+
+    @classmethod
+    def latent_channels(cls, model_config) -> int:
+        return model_config.in_channels
+
+    @classmethod
+    def image_tokens(cls, height, width):
+        return height * width
+
+    def forward(self, latents, sigma, text):
+        n, c, h, w = latents.shape
+        key = (h, w, latents.device, text.prompt_embeds.shape[1])
+        if key not in self._ids:
+            self._ids = {key: (flux2_ids(0, h, w, device=latents.device),
+                               flux2_ids(text.prompt_embeds.shape[1], text=True, device=latents.device))}
+        img_ids, txt_ids = self._ids[key]
+        guidance = None
+        if self.guidance_embeds:
+            guidance = torch.full((n,), float(self.config.guidance_embed), device=latents.device, dtype=torch.float32)
+        out = self.transformer(hidden_states=latents.reshape(n, c, h * w).transpose(1, 2), timestep=sigma,
+                               guidance=guidance, encoder_hidden_states=text.prompt_embeds, img_ids=img_ids,
+                               txt_ids=txt_ids, return_dict=False)[0]
+        return out.transpose(1, 2).reshape(n, c, h, w)
+
+
+ADAPTERS = {"sd3": SD3Velocity, "flux": FluxVelocity, "qwen_image": QwenImageVelocity, "wan": WanVelocity,
+            "flux2": Flux2Velocity, "flux2_klein": Flux2Velocity}
 
 
 def velocity_adapter(transformer: nn.Module, cond: PromptEmbeddings, uncond: PromptEmbeddings | None = None,

@@ -19,6 +19,11 @@ with images uint8 [N, H, W, 3] or a float tensor [N, 3, H, W] in [-1, 1]. `get_r
   - a callable with that signature.
 `defaults` (the trainer's device and dtype) go to every factory that takes them, unless the spec sets them.
 The returned callable checks what every reward gives back: one finite score per image.
+
+Videos (a video family such as Wan decodes uint8 ``[N, F, H, W, 3]``): a registered reward and a reward server score
+images, so each video is scored frame by frame and its score is the mean over its F frames (:func:`frame_mean`; so
+is each info entry with one number per frame); a ``package.module:function`` (or a callable) gets the videos
+``[N, F, H, W, 3]`` themselves, to score them as it likes. In a weighted sum each component follows its own rule.
 """
 
 from __future__ import annotations
@@ -195,12 +200,44 @@ class RewardError(ValueError):
     """A reward function failed on a batch; the message names the reward and the batch."""
 
 
+def frame_mean(fn: RewardFn, videos, prompts: list[str], metadata: list[dict] | None = None) -> tuple[np.ndarray, dict]:
+    """Score uint8 videos ``[N, F, H, W, 3]`` (numpy or torch) with the image reward ``fn``: its ``N F`` frames in one
+    call (each with its video's prompt and metadata), the scores averaged over each video's F frames -> float32
+    ``[N]``; an info entry with one number per frame is averaged the same way, any other is passed on."""
+    v = videos.detach().cpu().numpy() if isinstance(videos, torch.Tensor) else np.asarray(videos)
+    n, f = v.shape[:2]
+    each = (lambda seq: None if seq is None else [x for x in seq for _ in range(f)])
+    out = fn(v.reshape(n * f, *v.shape[2:]), each(prompts), each(metadata))
+    scores, info = out if isinstance(out, tuple) else (out, {})
+    if isinstance(scores, torch.Tensor):
+        scores = scores.detach().float().cpu().numpy()
+    scores = np.asarray(scores, dtype=np.float32)
+    if scores.shape != (n * f,):
+        raise ValueError(f"returned scores of shape {scores.shape} for {n} videos of {f} frames; an image reward "
+                         f"scores every frame, shape ({n * f},)")
+
+    def per_video(value):
+        a = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+        if isinstance(a, (np.ndarray, list)) and np.ndim(a) >= 1 and len(a) == n * f:
+            a = np.asarray(a)
+            if np.issubdtype(a.dtype, np.number):
+                return a.reshape(n, f, *a.shape[1:]).mean(1)
+        return value
+    return scores.reshape(n, f).mean(1), {k: per_video(x) for k, x in (info or {}).items()}
+
+
+def is_video(images) -> bool:
+    """Whether ``images`` are videos ``[N, F, H, W, 3]`` (five axes) rather than images."""
+    return getattr(images, "ndim", None) == 5
+
+
 class CheckedReward:
     """Wraps a reward: normalises its output to (float32 [N], dict) and raises ValueError naming the reward
-    and the batch index on a wrong length, NaN or inf."""
+    and the batch index on a wrong length, NaN or inf. ``per_frame``: videos are scored frame by frame and averaged
+    (:func:`frame_mean`; an image reward); otherwise ``fn`` gets them as they are."""
 
-    def __init__(self, name: str, fn: RewardFn):
-        self.name, self.fn = name, fn
+    def __init__(self, name: str, fn: RewardFn, per_frame: bool = False):
+        self.name, self.fn, self.per_frame = name, fn, per_frame
 
     def __repr__(self) -> str:
         return f"CheckedReward({self.name!r})"
@@ -212,7 +249,10 @@ class CheckedReward:
         if metadata is not None and len(metadata) != n:
             raise ValueError(f"reward {self.name!r}: got {n} images but {len(metadata)} metadata entries")
         try:
-            out = self.fn(images, prompts, metadata)
+            if self.per_frame and is_video(images):
+                out = frame_mean(self.fn, images, prompts, metadata)
+            else:
+                out = self.fn(images, prompts, metadata)
         except Exception as e:
             raise RewardError(f"reward {self.name!r} raised {type(e).__name__}: {e} (batch of {n}, first prompt "
                               f"{prompts[0] if prompts else None!r})") from e
@@ -333,10 +373,13 @@ def get_reward(spec: str | dict[str, float] | RewardFn, defaults: dict | None = 
         return CheckedReward("+".join(f"{w:g}*{n}" for n, w in spec.items()), total)
     if isinstance(spec, str):
         if registered_name(spec):
-            return CheckedReward(spec, build_reward(*parse_spec(spec), defaults))
+            return CheckedReward(spec, build_reward(*parse_spec(spec), defaults), per_frame=True)
         if ":" in spec:
             return CheckedReward(spec, _import(spec))
         raise _unknown(spec)
     if callable(spec):
-        return CheckedReward(getattr(spec, "__name__", type(spec).__name__), spec)
+        from .client import RewardClient                  # a reward server scores images: videos frame by frame
+
+        return CheckedReward(getattr(spec, "__name__", type(spec).__name__), spec,
+                             per_frame=isinstance(spec, RewardClient))
     raise TypeError(f"reward spec must be a name, a dict of weights, 'module:function' or a callable, got {spec!r}")

@@ -24,7 +24,7 @@ files). One iteration:
 
 Outputs in ``log.output_dir`` (one run per directory, :mod:`jagg.training.rundir`; ``run.json`` holds the run id):
 ``metrics.jsonl`` (+ TensorBoard), ``reward_curve.png``, ``samples/iter_<n>.png``
-(a few rollout images at each checkpoint), ``checkpoints/ckpt_<n>.pt`` (trainable weights, optimizer, every RNG,
+(a few rollout images at each checkpoint; a video family's as an animated ``.gif`` grid), ``checkpoints/ckpt_<n>.pt`` (trainable weights, optimizer, every RNG,
 config; atomic, keep-last-N) and, with LoRA, ``checkpoints/adapter_<n>/pytorch_lora_weights.safetensors``, which
 ``StableDiffusion3Pipeline.load_lora_weights`` / ``FluxPipeline.load_lora_weights`` read.
 
@@ -189,7 +189,8 @@ class DiffusersTrainer(GRPOTrainer):
                               ignore_errors=True)
             if self._images is not None and self.cfg.log.sample_images:
                 n = min(self.cfg.log.sample_images, len(self._images))
-                grid = self.out / "samples" / f"iter_{self.iteration:06d}.png"
+                suffix = "gif" if self._images.ndim == 5 else "png"            # videos (Wan): an animated grid
+                grid = self.out / "samples" / f"iter_{self.iteration:06d}.{suffix}"
                 save_grid(self._images[:n], grid, ncol=min(n, 4), scale=1, prompts=self._prompts[:n])
                 self.logger.image("images/rollouts", grid, self.iteration)
             plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",

@@ -66,7 +66,7 @@ class DiffusersLogConfig(LogConfig):
     output_dir: str = field(default="runs/real", metadata=_help(
         "Run directory: metrics, sample images, checkpoints and LoRA adapters."))
     sample_images: int = field(default=8, metadata=_help(
-        "Rollout images saved as samples/iter_<n>.png at each checkpoint (0 = none)."))
+        "Rollout images saved as samples/iter_<n>.png at each checkpoint (videos: an animated .gif; 0 = none)."))
 
     def __post_init__(self):
         super().__post_init__()

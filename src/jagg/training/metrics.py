@@ -178,21 +178,26 @@ CAPTION_MIN_WIDTH = 192  # pixels per captioned cell: about 36 characters per li
 
 
 def save_grid(images: np.ndarray, path: Path, ncol: int = 8, scale: int = 4, prompts: list[str] | None = None,
-              rewards=None, notes: list[list[str]] | None = None) -> None:
-    """uint8 ``[N, H, W, 3]`` -> one PNG grid, each image nearest-upscaled ``scale`` times.
+              rewards=None, notes: list[list[str]] | None = None, fps: float = 8.0) -> None:
+    """uint8 ``[N, H, W, 3]`` -> one PNG grid, each image nearest-upscaled ``scale`` times; uint8 videos ``[N, F, H,
+    W, 3]`` -> an animated GIF grid (``path`` ends in ``.gif``; frame t shows frame t of every video, ``fps`` frames
+    per second, looping), written with PIL.
 
     With ``prompts`` and/or ``rewards`` (one per image), each image is captioned underneath with its prompt
     (wrapped) and a line ``reward 0.812``, the cells upscaled to at least ``CAPTION_MIN_WIDTH`` pixels wide so that
     the text is readable; the captions also go to a sidecar ``.txt``, one line ``<i>: <prompt> (reward <r>)`` each.
     ``notes`` (one list of lines per image) adds lines under those, in the picture and in the sidecar.
     """
-    from PIL import Image, ImageDraw, ImageFont
-
     images = np.asarray(images)
-    if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8 or not len(images):
-        raise ValueError(f"save_grid needs uint8 images [N, H, W, 3] with N >= 1; got {images.dtype} "
-                         f"{list(images.shape)}")
-    n, h, w, _ = images.shape
+    video = images.ndim == 5
+    if images.ndim not in (4, 5) or images.shape[-1] != 3 or images.dtype != np.uint8 or not images.size:
+        raise ValueError(f"save_grid needs uint8 images [N, H, W, 3] or videos [N, F, H, W, 3] with N >= 1; got "
+                         f"{images.dtype} {list(images.shape)}")
+    path = Path(path)
+    if video != (path.suffix.lower() == ".gif"):
+        raise ValueError(f"{path}: videos [N, F, H, W, 3] are written as .gif, images as one of "
+                         f"{', '.join(IMAGE_SUFFIXES)}; got {list(images.shape)} for {path.suffix or 'no extension'!r}")
+    n, w = images.shape[0], images.shape[-2]
     for name, seq in (("prompts", prompts), ("rewards", rewards), ("notes", notes)):
         if seq is not None and len(seq) != n:
             raise ValueError(f"save_grid: {len(seq)} {name} for {n} images; pass one per image")
@@ -204,9 +209,27 @@ def save_grid(images: np.ndarray, path: Path, ncol: int = 8, scale: int = 4, pro
     captioned = prompts is not None or rewards is not None or notes is not None
     if captioned:
         scale = max(scale, math.ceil(CAPTION_MIN_WIDTH / w))
+    extra = [list(map(str, n)) for n in notes] if notes is not None else [[] for _ in range(n)]
+    frames = [_grid(f, ncol, scale, texts, extra, captioned) for f in (images.swapaxes(0, 1) if video else [images])]
+    if video:
+        atomic_write(path, lambda f: frames[0].save(f, format="GIF", save_all=True, append_images=frames[1:],
+                                                    duration=round(1000 / fps), loop=0))
+    else:
+        atomic_write(path, lambda f: frames[0].save(f, format=image_format(path)))
+    if captioned:
+        rows = [f"{t[0]} ({t[1]})" if len(t) == 2 else (t[0] if t else "") for t in texts]   # "<prompt> (reward <r>)"
+        rows = ["; ".join(r for r in (row, *more) if r) for row, more in zip(rows, extra)]
+        atomic_write_text(path.with_suffix(".txt"), "".join(f"{i}: {row}\n" for i, row in enumerate(rows)))
+
+
+def _grid(images: np.ndarray, ncol: int, scale: int, texts: list[list[str]], extra: list[list[str]],
+          captioned: bool):
+    """The PIL grid picture of uint8 ``images [N, H, W, 3]`` with their caption lines (:func:`save_grid`)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    n, h, w, _ = images.shape
     ch, cw = h * scale, w * scale
     font = ImageFont.load_default()
-    extra = [list(map(str, n)) for n in notes] if notes is not None else [[] for _ in range(n)]
     lines = [[l for t in text + more for l in _wrap(t, font, cw)] for text, more in zip(texts, extra)]
     line_h = font.getbbox("Ag")[3] + 3
     cell_h = ch + max(len(l) for l in lines) * line_h + (2 if captioned else 0) + scale   # image, caption, gap
@@ -220,12 +243,7 @@ def save_grid(images: np.ndarray, path: Path, ncol: int = 8, scale: int = 4, pro
     for (x, y), cell_lines in zip(corners, lines):
         for k, line in enumerate(cell_lines):
             draw.text((x, y + ch + 2 + k * line_h), line, fill=(0, 0, 0), font=font)
-    path = Path(path)
-    atomic_write(path, lambda f: img.save(f, format=image_format(path)))
-    if captioned:
-        rows = [f"{t[0]} ({t[1]})" if len(t) == 2 else (t[0] if t else "") for t in texts]   # "<prompt> (reward <r>)"
-        rows = ["; ".join(r for r in (row, *more) if r) for row, more in zip(rows, extra)]
-        atomic_write_text(path.with_suffix(".txt"), "".join(f"{i}: {row}\n" for i, row in enumerate(rows)))
+    return img
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")   # what save_grid writes, by the name

@@ -125,8 +125,10 @@ class WandbRun:
         self.run.log({"iteration": iteration, **scalars})
 
     def image(self, key: str, path: Path, iteration: int) -> None:
-        """Log the PNG at ``path`` as the image ``key`` of ``iteration``."""
-        self.run.log({"iteration": iteration, key: self.wandb.Image(str(path), caption=f"iteration {iteration}")})
+        """Log the PNG at ``path`` as the image ``key`` of ``iteration`` (an animated GIF of videos as a
+        ``wandb.Video``)."""
+        media = self.wandb.Video if Path(path).suffix.lower() == ".gif" else self.wandb.Image
+        self.run.log({"iteration": iteration, key: media(str(path), caption=f"iteration {iteration}")})
 
     def finish(self) -> None:
         self.run.finish()
