@@ -43,8 +43,8 @@ Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy
     evaluations (``plateau_evals``; from iteration ``plateau_from_iteration`` on).
   - at an equal budget: ``budget`` = the smaller of the two runs' CPU seconds (seed means), ``budget_exact`` and
     ``budget_reward`` the two held-out rewards when it runs out (interpolated between evaluations), ``budget_diff``
-    their difference: what a user has when the budget ends. With ``--cost``, ``projected_budget_diff`` is the same in
-    the projected time of that cost structure (``projected_budget`` in exact's iterations).
+    their difference: what a user has when the budget ends. ``projected_budget_diff`` is the same in
+    the projected time of ``--cost``'s structure (``projected_budget`` in exact's iterations).
   - ``--eval-dense N:EVERY`` adds evaluations every EVERY iterations up to iteration N (``eval.dense_iterations``,
     ``eval.dense_every``), where the curve rises, so that each level is read from more points; each costs one
     evaluation (``eval_s`` per run is reported). The evaluation settings are part of a run's identity: a finished run
