@@ -247,6 +247,24 @@ def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
     assert main(["bench", "quality", "--variant", "nosuch"]) == 2
 
 
+def test_bench_quality_resumes_a_run_only_under_its_evaluation_schedule(tmp_path, bench_ckpt, capsys):
+    """An unfinished run (here: a finished one extended by --iterations) continues only with the evaluation
+    settings it was recorded with, so that its test curve has one schedule; with them it continues."""
+    out = tmp_path / "q"
+    sets = [*GENERIC, f"model.checkpoint={bench_ckpt}", "sample.num_steps=4", "sample.prompts_per_iter=2",
+            "sample.group_size=2", "eval.num_prompts=4", "eval.num_steps=3", "estimator.micro_batch=4",
+            "threads=1", "sample.sde_window=null", "log.checkpoint_every=1"]
+    args = ["bench", "quality", "--quick", "--out", str(out), "--seeds", "1", "--variant", "exact",
+            "--train-only", "exact"] + [a for s in sets for a in ("--set", s)]
+    assert main(args + ["--iterations", "2"]) == 0
+    capsys.readouterr()
+    assert main(args + ["--iterations", "3", "--eval-every", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "eval.every" in err and "the bench keeps a run's evaluation settings" in err
+    assert main(args + ["--iterations", "3"]) == 0
+    result = json.loads((out / "exact" / "seed0" / "result.json").read_text())
+    assert result["iterations"] == 3 and [p[0] for p in result["test_curve"]] == [0, 2, 3]
+
 def test_time_to_target_statistics():
     """smooth is a trailing mean; a curve that is the exact curve compressed in time by 2 reaches the target in
     half the time."""

@@ -33,8 +33,9 @@ DEFAULT_SETS = ["log.progress=false", "log.tensorboard=false", "log.checkpoint_e
 QUICK_SETS = ["grpo.iterations=4", "sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=2",
               "eval.num_prompts=8", "eval.images_per_prompt=1", "eval.grid_size=4", "log.checkpoint_every=0"]
 # config keys that may differ between a run on disk and the run asked for: the trainer's resumable changes less
-# the evaluation's schedule and sizes, which change what a run records (the warnings and the grids do not)
-RECORDS_SAME = tuple(k for k in RESUMABLE_CHANGES if k != "eval.") + (
+# the evaluation's schedule and sizes, which change what a run records (the warnings and the grids do not), and the
+# threads, which change its seconds
+RECORDS_SAME = tuple(k for k in RESUMABLE_CHANGES if k not in ("eval.", "threads")) + (
     "eval.warn_drop", "eval.warn_empty", "eval.warn_background", "eval.grid_size")
 # what a run's result keeps of its last audit record (estimator.audit_every > 0): the meter's final prediction
 METER = ("audits", "error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio",
@@ -165,7 +166,7 @@ class QualityRun(ShapesTrainer):
 
 def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     """Train (or resume, or skip) one run and return its summary: a finished run (its ``result.json``) of the same
-    iterations and config is reused, evaluation settings included (:data:`RECORDS_SAME`)."""
+    iterations and config is reused, evaluation settings and threads included (:data:`RECORDS_SAME`)."""
     cfg = q.train_config(variant, seed)
     out = q.run_dir(variant, seed)
     done = out / "result.json"
