@@ -143,3 +143,18 @@ def test_the_statistics_functions():
     assert math.isnan(st.at_budget(curve[None], t[None], 25.0))
     with pytest.raises(ValueError, match="at least one"):
         st.resamples(0)
+
+
+def test_a_runs_summary_keeps_its_evaluations_their_cost_and_the_meter_along_the_run():
+    from jagg.bench.quality_runs import summarize
+    from jagg.trainers.shapes_config import ShapesTrainConfig
+
+    cfg = ShapesTrainConfig()
+    train = [{"kind": "train", "iteration": i, "wall_s": i, "cpu_s": i, "reward_mean": 0.5, "sample_s": 0.5,
+              "reward_s": 0.1, "train_s": 0.4, "iter_s": 1.0, "iter_cpu_s": 1.0, "backward_items": 8} for i in (1, 2)]
+    evals = [{"kind": "eval", "iteration": i, "wall_s": i, "reward_mean": 0.5, "eval_s": 2.5} for i in (0, 2)]
+    audits = [{"kind": "audit", "iteration": i, "error_to_noise": 0.5 * i, "bias_to_noise": 0.1, "bias_z": 0.2 * i}
+              for i in (1, 2)]
+    r = summarize(train + evals + audits, cfg, "v", 0)
+    assert r["evaluations"] == 2 and r["eval_s"] == 5.0
+    assert r["meter_curve"] == [[1, 0.5, 0.1, 0.2], [2, 1.0, 0.1, 0.4]] and r["meter"]["bias_z"] == 0.4

@@ -41,6 +41,8 @@ RECORDS_SAME = tuple(k for k in RESUMABLE_CHANGES if k not in ("eval.", "threads
 METER = ("audits", "error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio",
          "predicted_efficiency", "predicted_time_efficiency", "predicted_adam_efficiency",
          "predicted_adam_time_efficiency", "predicted_adam_tensor_efficiency", "predicted_adam_tensor_time_efficiency")
+# ... and of every audit record, along the run (does the error or the bias grow as the policy sharpens?)
+METER_CURVE = ("iteration", "error_to_noise", "bias_to_noise", "bias_z")
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:
@@ -124,6 +126,7 @@ def summarize(records: list[dict], cfg: ShapesTrainConfig, variant: str, seed: i
         "rows_per_update": sum(r.get("backward_items", 0) for r in train) / max(updates, 1),
         "nograd_per_update": sum(r.get("forward_nograd_items", 0) for r in train) / max(updates, 1),
         "meter": {k: audits[-1].get(k) for k in METER} if audits else None,
+        "meter_curve": [[r.get(k) for k in METER_CURVE] for r in audits],                                  # along the run
         "correction_p": train[-1].get("correction_p") if train else None,           # the last rate (auto: chosen)
         "train_curve": [[r["iteration"], r["wall_s"], r["reward_mean"], r.get("cpu_s")] for r in train],   # TRAIN_CURVE
         "test_curve": [[r["iteration"], r["wall_s"], r["reward_mean"]] for r in evals],                    # TEST_CURVE
