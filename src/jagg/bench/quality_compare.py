@@ -16,7 +16,7 @@ import numpy as np
 
 from . import statistics as stats
 from .projection import CostStructure
-from .statistics import LEVELS, PLATEAU_EVALS, interval, resamples, smooth, time_to_target, time_to_test_target
+from .statistics import LEVELS, PLATEAU_EVALS, interval, resamples, time_to_target, time_to_test_target
 
 CLOCKS = ("wall", "cpu", "iterations")
 TARGETS = ("train", "test")
