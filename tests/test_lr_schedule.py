@@ -78,8 +78,7 @@ class StopAfter2(ShapesTrainer):
         return self.iteration == 2
 
 
-@pytest.mark.parametrize("schedule", ["cosine", "linear"])
-def test_resume_continues_the_schedule_bit_identically(tmp_path, tiny_ckpt, schedule):
+def test_resume_continues_the_schedule_bit_identically(tmp_path, tiny_ckpt, schedule="cosine"):
     extra = (f"optim.lr_schedule={schedule}", "optim.warmup_steps=2", "grpo.updates_per_epoch=2")
     straight, split = tmp_path / "straight", tmp_path / "split"
     ShapesTrainer.run(_config(straight, tiny_ckpt, 4, *extra))

@@ -81,7 +81,8 @@ def test_intervals_cover_the_value_when_seeds_differ():
     for s, k in speeds.items():
         runs.append(run("exact", s, lambda i, k=k: exact_curve(i * k)))
         runs.append(run("slow", s, lambda i, k=k: exact_curve(i * k * (0.5 if s % 2 else 0.7), top=0.69), 0.5, 4))
-    out = {r["variant"]: r for r in compare(runs, ["exact", "slow"], list(speeds), "cpu", "test")}["slow"]
+    out = {r["variant"]: r for r in compare(runs, ["exact", "slow"], list(speeds), "cpu", "test",
+                                                              bootstrap=300)}["slow"]
     for key in ("rate", "rate_50", "plateau_gap", "budget_diff"):
         assert out[f"{key}_lo"] <= out[key] <= out[f"{key}_hi"], key
     assert out["rate_lo"] < out["rate_hi"] and out["rate_hi"] < 1.0
@@ -96,7 +97,8 @@ def test_the_reward_at_an_equal_budget():
     runs = [run("exact", s, line, 1.0, 8, iterations=20) for s in (0, 1)] + \
         [run("cheap", s, line, 0.5, 4, iterations=20) for s in (0, 1)]
     cost = PRESETS["flow_grpo_sd35_full"]
-    out = {r["variant"]: r for r in compare(runs, ["exact", "cheap"], [0, 1], "cpu", "test", cost)}
+    out = {r["variant"]: r for r in compare(runs, ["exact", "cheap"], [0, 1], "cpu", "test", cost,
+                                                             bootstrap=300)}
     cheap = out["cheap"]
     assert cheap["budget"] == pytest.approx(10.0)
     assert (cheap["budget_exact"], cheap["budget_reward"]) == pytest.approx((0.6, 0.7))
@@ -126,7 +128,7 @@ def test_one_evaluation_gives_no_rate():
     runs = [run(v, s, exact_curve) for s in (0, 1) for v in ("exact", "b")]
     for r in runs:
         r["test_curve"] = r["test_curve"][:1]
-    out = {r["variant"]: r for r in compare(runs, ["exact", "b"], [0, 1], "cpu", "train")}["b"]
+    out = {r["variant"]: r for r in compare(runs, ["exact", "b"], [0, 1], "cpu", "train", bootstrap=300)}["b"]
     assert out["rate_status"] == "no evaluations" and math.isnan(out["rate"]) and math.isnan(out["plateau_gap"])
     assert "unreached (no evaluations)" in table(rate_rows([out]), RATE_COLUMNS)
 

@@ -485,10 +485,10 @@ def test_a_sliding_sde_window_and_wandb_on_a_real_model(tmp_path, sd3_dir, captu
 
 
 def test_the_lr_schedule_runs_in_the_diffusers_trainer(tmp_path, sd3_dir):
-    """optim.lr_schedule is the shared loop's: the diffusers trainer logs the scheduled lr (2 iterations x 2 updates,
-    warm-up 1, then linear: factors 1, 1, 2/3, 1/3; each record the mean of its iteration's two)."""
+    """optim.lr_schedule is the shared loop's: the diffusers trainer logs the scheduled lr (1 iteration x 2 updates,
+    linear: factors 1 and 1/2; the record: their mean)."""
     cfg = write_sd3_config(tmp_path, sd3_dir)
     out = tmp_path / "run"
     assert main(["train", "--config", str(cfg), "--output-dir", str(out), "--set", "optim.lr_schedule=linear",
-                 "--set", "optim.warmup_steps=1"]) == 0
-    assert [r["lr"] for r in records(out)] == pytest.approx([0.01, 0.005])
+                 "--set", "grpo.iterations=1"]) == 0
+    assert [r["lr"] for r in records(out)] == pytest.approx([0.0075])
