@@ -68,7 +68,7 @@ VARIANT_COLUMNS = [
 RATE_COLUMNS = [
     ("variant", "variant", ""), ("rate_gain", "smaller gain", "+.3f"), ("rate_25_ci", "rate 25%", ""),
     ("rate_50_ci", "rate 50%", ""), ("rate_75_ci", "rate 75%", ""), ("rate_ci", "rate (geo. mean)", ""),
-    ("plateau_gap_ci", "plateau gap", ""), ("budget", "CPU budget s", ".0f"), ("budget_exact", "exact", ".3f"),
+    ("plateau_gap_ci", "plateau gap", ""), ("budget", "CPU budget s", ".1f"), ("budget_exact", "exact", ".3f"),
     ("budget_reward", "variant", ".3f"), ("budget_diff_ci", "- exact", ""),
     ("projected_budget_diff_ci", "projected: - exact", "")]
 METER_COLUMNS = [
