@@ -217,14 +217,29 @@ def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
         assert r["ratio_lo"] <= r["time_to_target_ratio"] <= r["ratio_hi"] or r["not_reached_share"] > 0
         assert r["final_test_lo"] <= r["final_test_mean"] <= r["final_test_hi"] and r["eval_se"] > 0
         assert {"diff_vs_exact", "train_start", "train_end", "drifted", "within_exact_interval"} <= set(r)
+    for v in ("exact", "jagg_fresh", "unb"):                   # rate, plateau and equal budget, with intervals
+        r = var[v]
+        assert {"rate", "rate_lo", "rate_hi", "rate_25", "rate_50", "rate_75", "rate_status", "plateau_gap",
+                "plateau_gap_lo", "plateau_gap_hi", "plateau_evals", "budget", "budget_diff", "budget_diff_lo",
+                "efficiency_to_lower_final", "projected_rate", "projected_budget_diff"} <= set(r)
+        assert r["plateau_evals"] == 2 and r["evaluations"] == 3
+    assert var["exact"]["plateau_gap"] == 0 and var["exact"]["budget_diff"] == 0
+    assert all(r["evaluations"] == 3 and r["eval_s"] > 0 for r in runs)
+    printed = capsys.readouterr().out
+    for column in ("rate 25%", "rate 50%", "rate 75%", "rate (geo. mean)", "plateau gap", "CPU budget s",
+                   "to lower final", "held-out evaluations: 3 per run"):
+        assert column in printed, column
     assert (out / "quality.png").stat().st_size > 0
-    capsys.readouterr()
     assert main(args) == 2                                      # the comparison's files are not replaced ...
     assert "--overwrite" in capsys.readouterr().err
     assert main(args + ["--overwrite"]) == 0                    # ... unless asked; finished runs are skipped
     assert capsys.readouterr().out.count("already done") == 6
     assert main(args + ["--overwrite", "--set", "optim.lr=0.5"]) == 2   # ... but not reused under another config
     assert "optim.lr" in capsys.readouterr().err
+    assert main(args + ["--overwrite", "--eval-dense", "2:1"]) == 2    # ... nor under another evaluation schedule
+    assert "eval.dense_every" in capsys.readouterr().err
+    assert main(args + ["--overwrite", "--eval-dense", "2"]) == 2
+    assert "--eval-dense '2': give N:EVERY" in capsys.readouterr().err
     assert main(args + ["--train-only", "jagg_fresh"]) == 0     # one variant's runs (already done: skipped)
     assert capsys.readouterr().out.count("already done") == 2
     assert main(args + ["--train-only", "nosuch"]) == 2
@@ -232,12 +247,30 @@ def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
     assert main(["bench", "quality", "--variant", "nosuch"]) == 2
 
 
+def test_bench_quality_resumes_a_run_only_under_its_evaluation_schedule(tmp_path, bench_ckpt, capsys):
+    """An unfinished run (here: a finished one extended by --iterations) continues only with the evaluation
+    settings it was recorded with, so that its test curve has one schedule; with them it continues."""
+    out = tmp_path / "q"
+    sets = [*GENERIC, f"model.checkpoint={bench_ckpt}", "sample.num_steps=4", "sample.prompts_per_iter=2",
+            "sample.group_size=2", "eval.num_prompts=4", "eval.num_steps=3", "estimator.micro_batch=4",
+            "threads=1", "sample.sde_window=null", "log.checkpoint_every=1"]
+    args = ["bench", "quality", "--quick", "--out", str(out), "--seeds", "1", "--variant", "exact",
+            "--train-only", "exact"] + [a for s in sets for a in ("--set", s)]
+    assert main(args + ["--iterations", "2"]) == 0
+    capsys.readouterr()
+    assert main(args + ["--iterations", "3", "--eval-every", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "eval.every" in err and "the bench keeps a run's evaluation settings" in err
+    assert main(args + ["--iterations", "3"]) == 0
+    result = json.loads((out / "exact" / "seed0" / "result.json").read_text())
+    assert result["iterations"] == 3 and [p[0] for p in result["test_curve"]] == [0, 2, 3]
+
 def test_time_to_target_statistics():
     """smooth is a trailing mean; a curve that is the exact curve compressed in time by 2 reaches the target in
     half the time."""
     import numpy as np
 
-    from jagg.bench.quality import smooth, time_to_target
+    from jagg.bench.statistics import smooth, time_to_target
 
     assert smooth(np.array([1.0, 3.0, 5.0, 7.0]), 2).tolist() == [1.0, 2.0, 4.0, 6.0]
     r = np.linspace(0, 1, 100)[None].repeat(3, 0)

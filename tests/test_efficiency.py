@@ -234,10 +234,10 @@ def test_quality_time_to_the_held_out_target():
     assert not out["slow"]["reached"] and out["slow"]["not_reached_share"] == 1.0
     # at the highest held-out reward both reach, the updates ratio is the speed of learning per update (0.5 for
     # "slow", which ends at 0.60, where exact is at iteration 10), times the CPU iteration ratio 2 / 1
-    assert out["slow"]["measured_efficiency"] == pytest.approx(0.5)
-    assert out["slow"]["measured_time_efficiency"] == pytest.approx(0.5 * 2.0)
-    assert out["fast"]["measured_efficiency"] == pytest.approx(2.0) and out["exact"]["measured_efficiency"] == 1
-    assert out["fast"]["measured_efficiency_lo"] == pytest.approx(2.0)          # every resample alike here
+    assert out["slow"]["efficiency_to_lower_final"] == pytest.approx(0.5)
+    assert out["slow"]["time_efficiency_to_lower_final"] == pytest.approx(0.5 * 2.0)
+    assert out["fast"]["efficiency_to_lower_final"] == pytest.approx(2.0) and out["exact"]["efficiency_to_lower_final"] == 1
+    assert out["fast"]["efficiency_to_lower_final_lo"] == pytest.approx(2.0)          # every resample alike here
     with pytest.raises(ValueError, match="--target"):
         compare(runs, ["exact", "fast"], [0, 1, 2], "cpu", "best")
 
@@ -285,7 +285,7 @@ def test_bench_efficiency_by_interval(tmp_path, bench_ckpt, capsys):
 def test_quality_intervals_skip_undefined_resamples():
     """A resample whose target every variant meets at the start has an undefined ratio (0 / 0): the interval comes
     from the others, and the share of undefined resamples is reported."""
-    from jagg.bench.quality import _interval
+    from jagg.bench.statistics import interval as _interval
 
     lo, hi = _interval(np.array([1.0, np.nan, 2.0, 3.0, np.nan]))
     assert 1.0 <= lo < hi <= 3.0

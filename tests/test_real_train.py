@@ -483,3 +483,13 @@ def test_a_sliding_sde_window_and_wandb_on_a_real_model(tmp_path, sd3_dir, captu
     assert [d["train/sde_window_start"] for d in logs if "train/sde_window_start" in d] == [0, 1]
     grids = [(d["iteration"], Path(d["images/rollouts"].path).name) for d in logs if "images/rollouts" in d]
     assert grids == [(1, "iter_000001.png"), (2, "iter_000002.png")]
+
+
+def test_the_lr_schedule_runs_in_the_diffusers_trainer(tmp_path, sd3_dir):
+    """optim.lr_schedule is the shared loop's: the diffusers trainer logs the scheduled lr (1 iteration x 2 updates,
+    linear: factors 1 and 1/2; the record: their mean)."""
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(cfg), "--output-dir", str(out), "--set", "optim.lr_schedule=linear",
+                 "--set", "grpo.iterations=1"]) == 0
+    assert [r["lr"] for r in records(out)] == pytest.approx([0.0075])

@@ -2,7 +2,7 @@
 
 Both checkpoints sample the same test prompts from the same seeded noise (ODE, as ``jagg eval``); per prompt the
 mean reward of its images is taken, and the difference after - before is reported with its standard error
-over prompts and a bootstrap 95% interval (resampling prompts), for all test prompts, the prompts built from
+over prompts and a bootstrap 95% interval (resampling prompts, :mod:`jagg.bench.statistics`), for all test prompts, the prompts built from
 colour+shape pairs seen in pretraining and those using a held-out pair. Pairing removes most of the
 evaluation noise that separate ``jagg eval`` runs would carry. The defaults are the main job's evaluation settings,
 and the sampling options are ``jagg eval``'s (they refuse the same values); ``--quick`` only fills the options not
@@ -25,6 +25,7 @@ from ..shapes.evaluation import generate
 from ..shapes.scene import uses_held_out
 from ..shapes.weights import load_model
 from .common import set_threads, write_json
+from .statistics import BOOTSTRAP, interval, resamples
 
 
 def per_prompt_rewards(checkpoint: str, prompts: list[str], images: int, args: argparse.Namespace,
@@ -44,15 +45,14 @@ def compare(args: argparse.Namespace) -> dict:
     reward = get_reward(args.reward)
     before, after = (per_prompt_rewards(c, prompts, args.images_per_prompt, args, reward)
                      for c in (args.before, args.after))
-    rng = np.random.default_rng(0)
     out = {}
     for name, mask in (("all", np.ones_like(held)), ("seen_pairs", ~held), ("held_out_pairs", held)):
         d = after[mask] - before[mask]
-        boot = d[rng.integers(0, len(d), (args.bootstrap, len(d)))].mean(1)
+        boot = d[resamples(len(d), args.bootstrap)].mean(1)       # the benchmarks' one bootstrap, over prompts
         out[name] = {"prompts": int(mask.sum()), "before": float(before[mask].mean()),
                      "after": float(after[mask].mean()), "diff": float(d.mean()),
                      "se": float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan"),
-                     "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]}
+                     "ci95": list(interval(boot))}
         r = out[name]
         print(f"{name:>15} ({r['prompts']} prompts): {r['before']:.3f} -> {r['after']:.3f}  "
               f"diff {r['diff']:+.3f} +- {r['se']:.3f}  95% [{r['ci95'][0]:+.3f}, {r['ci95'][1]:+.3f}]")
@@ -60,7 +60,6 @@ def compare(args: argparse.Namespace) -> dict:
 
 
 QUICK = {"images_per_prompt": 1, "steps": 2, "bootstrap": 50}       # --quick: a smoke-sized comparison
-BOOTSTRAP = 2000
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:

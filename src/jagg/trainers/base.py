@@ -5,8 +5,8 @@ One iteration (:meth:`GRPO.step`): the trainer's :meth:`~GRPO.rollout` samples t
 batch and :meth:`~GRPO.score` rewards it; the loop gathers the rewards, computes group-relative advantages per
 prompt group on the global batch, drops the prompt groups without reward spread, computes the KL reference velocities
 (:meth:`~GRPO.reference`), runs the estimator audit when due, and makes ``inner_epochs x updates_per_epoch`` optimizer
-updates, each from the trainer's :meth:`~GRPO.gradient` of a minibatch (:meth:`~GRPO.minibatches`), skipped when its
-loss or gradient norm is not finite. :class:`GRPO` holds no run directory, logger or checkpoint (``jagg bench e2e``
+updates, each from the trainer's :meth:`~GRPO.gradient` of a minibatch (:meth:`~GRPO.minibatches`), at the learning
+rate of ``optim.lr_schedule`` (:meth:`~GRPO.scheduled_lr`), skipped when its loss or gradient norm is not finite. :class:`GRPO` holds no run directory, logger or checkpoint (``jagg bench e2e``
 times its iterations as they are). Around it, :class:`GRPOTrainer` adds the run directory (new, resumed or moved
 aside, :mod:`jagg.training.rundir`), the metrics logger, checkpoints at ``log.checkpoint_every``, the aborts
 (:class:`TrainingAborted`) after ``grpo.max_consecutive_skips`` skipped updates and after ``grpo.max_empty_iterations``
@@ -42,10 +42,15 @@ from ..training.metrics import MetricsLogger
 from ..training.rundir import TRAIN, RunHints, lock_run, open_run, outputs, read_run_file, write_run_file
 from ..training.wandb_run import WandbRun, check_start as check_wandb_start
 from ..trajectory import Trajectory, VelocityFn
+from .lr_schedule import check_resumable_schedule, lr_factor, schedules_lr
 
 # config keys that may change between a checkpoint and its resumption (the aborts' limits change no gradient)
 RESUMABLE_CHANGES = ("grpo.iterations", "grpo.max_consecutive_skips", "grpo.max_empty_iterations", "log.", "eval.",
                      "threads")
+# config keys added after checkpoints (and bench results) were written with configs that lack them: a saved config
+# without one ran as its default, so it reads as that default (a key the current config lacks is not filled in)
+ADDED_KEYS = {"optim.lr_schedule": "constant", "optim.warmup_steps": 0, "eval.dense_iterations": 0,
+              "eval.dense_every": 0}
 
 
 class TrainingAborted(RuntimeError):
@@ -81,6 +86,9 @@ def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUM
     """Raise a ValueError naming the first config key whose change would break continuation; return one line per
     key that changed and may (``allowed``), e.g. ``"grpo.iterations: 30 in the checkpoint, 200 now"``."""
     a, b = _flatten(saved), _flatten(current)
+    for key, default in ADDED_KEYS.items():
+        if key in b:
+            a.setdefault(key, default)
     changed = []
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key):
@@ -184,6 +192,8 @@ def update_summary(per_update: list[dict]) -> dict:
                 for k in ("backward_items", "forward_grad_items", "forward_nograd_items", "skipped")})
     if "correction_p" in per_update[0]:
         rec["correction_p"] = float(np.mean([s["correction_p"] for s in per_update]))
+    if "lr" in per_update[0]:                             # the learning rate in use (optim.lr_schedule)
+        rec["lr"] = float(np.mean([s["lr"] for s in per_update]))
     return rec
 
 
@@ -345,6 +355,7 @@ class GRPO(ABC):
             ref_v = reference_velocities(self.reference(cond), traj, c.estimator.micro_batch)
         audit_at = self.audit_position() if self.audit_due() else -1
         per_update, u = [], 0
+        self._update_index = 0                                  # the update's place in the iteration (the lr schedule)
         for _ in range(c.grpo.inner_epochs):
             for mb in self.minibatches(n):
                 if u == audit_at:
@@ -388,9 +399,26 @@ class GRPO(ABC):
         grads = [p for p in self.params if p.grad is not None]
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        stats["lr"] = self.scheduled_lr()
         if self.guarded_step(stats):
             self.after_step()
         return stats
+
+    def scheduled_lr(self) -> float:
+        """Set the learning rate of the coming update by ``optim.lr_schedule`` and ``optim.warmup_steps``
+        (:mod:`jagg.trainers.lr_schedule`: each parameter group's ``initial_lr``, its learning rate at the start, times
+        the factor of this update's index in the run) and return the first group's. ``constant`` without warm-up
+        leaves the optimizer untouched."""
+        o, g = self.cfg.optim, self.cfg.grpo
+        if schedules_lr(o):
+            per_iter = g.inner_epochs * g.updates_per_epoch
+            k = self.iteration * per_iter + min(getattr(self, "_update_index", 0), per_iter - 1)
+            factor = lr_factor(o.lr_schedule, o.warmup_steps, k, g.iterations * per_iter)
+            for group in self.opt.param_groups:
+                group.setdefault("initial_lr", group["lr"])
+                group["lr"] = group["initial_lr"] * factor
+            self._update_index = getattr(self, "_update_index", 0) + 1
+        return float(self.opt.param_groups[0]["lr"])
 
     def guarded_step(self, stats: dict) -> bool:
         """Step unless ``stats["loss"]`` or ``stats["grad_norm"]`` is non-finite; sets ``stats["skipped"]``."""
@@ -521,6 +549,7 @@ class GRPOTrainer(GRPO):
         if start.resumed is not None:
             state, path = start.resumed
             changed = self.load_state(state)
+            check_resumable_schedule(state["config"], cfg)
             resumed_from = self.iteration
             self._print(f"resumed from {path} (iteration {self.iteration})")
             for line in changed:

@@ -14,6 +14,7 @@ from ..estimator_config import AUTO, EstimatorConfig
 from ..rewards.registry import check_spec
 from ..training.wandb_run import WANDB_MODES
 from ..trajectory import select_train_steps, sliding_sde_window
+from .lr_schedule import SCHEDULES
 
 SAMPLE_KEYS = Keys("sample.")                 # how the checks name the sample: section's keys
 
@@ -146,6 +147,13 @@ class OptimConfig:
     weight_decay: float = field(default=1e-4, metadata=_help("AdamW weight decay."))
     max_grad_norm: float = field(default=1.0, metadata=_help("Gradient-norm clipping (0 = off)."))
     ema_decay: float = field(default=0.0, metadata=_help("EMA of the weights used for evaluation (0 = off)."))
+    lr_schedule: str = field(default="constant", metadata=_help(
+        "Learning-rate schedule over the run's optimizer updates (grpo.iterations x inner_epochs x updates_per_epoch): "
+        "constant, cosine (to 0 at the end) or linear (to 0 at the end), after the warm-up; resumes bit-identically "
+        "(a decay keeps its grpo.iterations). Logged as lr."))
+    warmup_steps: int = field(default=0, metadata=_help(
+        "Optimizer updates of linear warm-up (update k < warmup_steps uses lr x (k + 1) / warmup_steps), counted in "
+        "updates, not iterations; 0 = none."))
 
     def __post_init__(self):
         if self.lr <= 0:
@@ -165,6 +173,11 @@ class OptimConfig:
                              f"every weight by 1 - lr x weight_decay = {1 - self.lr * self.weight_decay:.3g} at each "
                              "step, which must stay above 0 (it would flip and blow up the weights); lower "
                              "optim.weight_decay (or optim.lr)")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"optim.lr_schedule must be one of {', '.join(SCHEDULES)}; got {self.lr_schedule!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be an integer >= 0 (optimizer updates; 0 = none); got "
+                             f"{self.warmup_steps!r}")
 
 
 @dataclass
@@ -269,6 +282,11 @@ class TrainerSections:
     def __post_init__(self):
         check_threads(self.threads, "threads")
         check_updates_divide_batch(self.sample.batch_size, self.grpo.updates_per_epoch)
+        updates = self.grpo.iterations * self.grpo.inner_epochs * self.grpo.updates_per_epoch
+        if self.optim.warmup_steps >= updates:
+            raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be below the run's optimizer "
+                             f"updates (grpo.iterations x inner_epochs x updates_per_epoch = {updates}), or the "
+                             "learning rate never reaches optim.lr")
         e = self.estimator
         if e.correction_p == AUTO and e.mode == "jagg" and e.audit_every == 0:
             raise ValueError(f"estimator.correction_p {AUTO!r} needs estimator.audit_every > 0: the rate is chosen "

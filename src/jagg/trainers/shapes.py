@@ -265,9 +265,8 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
             print(f"iteration 0: test reward {first['reward_mean']:.3f}")
 
     def after_iteration(self, done: bool) -> dict | None:
-        every = self.cfg.eval.every
-        rec = self.evaluate() if every and (self.iteration % every == 0 or done) else None
-        if done and every:
+        rec = self.evaluate() if self.cfg.eval.due(self.iteration, done) else None
+        if done and self.cfg.eval.every:
             self.save_comparison()
         return rec
 

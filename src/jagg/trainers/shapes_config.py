@@ -116,6 +116,11 @@ class SampleConfig(SampleBatch):
 @dataclass
 class EvalConfig:
     every: int = field(default=25, metadata=_help("Evaluate every N iterations (and at the start and end); 0 = off."))
+    dense_iterations: int = field(default=0, metadata=_help(
+        "Also evaluate every dense_every iterations up to this iteration, where the reward curve rises (more points "
+        "to read it from, one evaluation's cost each); 0 = off."))
+    dense_every: int = field(default=0, metadata=_help(
+        "Iterations between the evaluations up to dense_iterations (with dense_iterations > 0); 0 = off."))
     num_prompts: int = field(default=0, metadata=_help("Test prompts evaluated (0 = all of the test split)."))
     images_per_prompt: int = field(default=2, metadata=_help("Images per test prompt (fixed seeds)."))
     num_steps: int = field(default=10, metadata=_help("ODE steps of the deterministic evaluation sampler."))
@@ -132,10 +137,21 @@ class EvalConfig:
         "Warn (once) when the background measure (background_rms: RMS distance of the background pixels from the "
         "flat background colour, 0-255 RGB) rises more than this above the starting model's; 0 = off."))
 
+    def due(self, iteration: int, done: bool = False) -> bool:
+        """Whether iteration ``iteration`` (counted from 1; ``done``: the last) ends with an evaluation."""
+        if not self.every:
+            return False
+        dense = self.dense_every and iteration <= self.dense_iterations and iteration % self.dense_every == 0
+        return bool(done or iteration % self.every == 0 or dense)
+
     def __post_init__(self):
-        for name in ("every", "num_prompts"):
+        for name in ("every", "num_prompts", "dense_iterations", "dense_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"eval.{name} must be >= 0; got {getattr(self, name)}")
+        if (self.dense_iterations > 0) != (self.dense_every > 0) or (self.dense_every and not self.every):
+            raise ValueError(f"eval.dense_iterations ({self.dense_iterations}) and eval.dense_every "
+                             f"({self.dense_every}) go together, both > 0 with eval.every > 0 (got {self.every}), or "
+                             "both 0")
         for name in ("images_per_prompt", "num_steps", "grid_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eval.{name} must be >= 1; got {getattr(self, name)}")

@@ -1,0 +1,198 @@
+"""The runs of ``jagg bench quality``: what each variant trains (:class:`QualityConfig`), one run trained, resumed
+or reused (:func:`run_one`), and its result (:func:`summarize`, ``OUT/<variant>/seed<k>/result.json``).
+
+A finished run is reused only when the config it was trained with is the one asked for, evaluation settings
+included (:data:`RECORDS_SAME`): a setting that changes what a run records is part of its identity, so a run
+evaluated on another schedule is never reused as if it had this one. An unfinished run resumes under the same rule.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..checks import check_seed, check_unique_names
+from ..trainers.base import RESUMABLE_CHANGES, check_resumable
+from ..trainers.shapes import ShapesTrainer
+from ..trainers.shapes_config import ShapesTrainConfig
+from ..training import config_loader as configuration
+from ..training.config_loader import to_dict
+from ..training.rundir import RunHints
+from .common import write_json
+
+BUILTIN = {
+    "exact": ["estimator.mode=exact"],
+    "config": [],
+    "jagg_fresh": ["estimator.mode=jagg", "estimator.intermediate=fresh"],
+    "jagg_interp": ["estimator.mode=jagg", "estimator.intermediate=interp"],
+}
+# bench defaults, before the user's --set (which win)
+DEFAULT_SETS = ["log.progress=false", "log.tensorboard=false", "log.checkpoint_every=50"]
+QUICK_SETS = ["grpo.iterations=4", "sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=2",
+              "eval.num_prompts=8", "eval.images_per_prompt=1", "eval.grid_size=4", "log.checkpoint_every=0"]
+# config keys that may differ between a run on disk and the run asked for: the trainer's resumable changes less
+# the evaluation's schedule and sizes, which change what a run records (the warnings and the grids do not), and the
+# threads, which change its seconds
+RECORDS_SAME = tuple(k for k in RESUMABLE_CHANGES if k not in ("eval.", "threads")) + (
+    "eval.warn_drop", "eval.warn_empty", "eval.warn_background", "eval.grid_size")
+# what a run's result keeps of its last audit record (estimator.audit_every > 0): the meter's final prediction
+METER = ("audits", "error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio",
+         "predicted_efficiency", "predicted_time_efficiency", "predicted_adam_efficiency",
+         "predicted_adam_time_efficiency", "predicted_adam_tensor_efficiency", "predicted_adam_tensor_time_efficiency")
+# ... and of every audit record, along the run (does the error or the bias grow as the policy sharpens?)
+METER_CURVE = ("iteration", "error_to_noise", "bias_to_noise", "bias_z")
+
+
+def parse_variant(spec: str) -> tuple[str, list[str]]:
+    """``NAME`` (built in) or ``NAME:KEY=VALUE,...`` -> ``(name, --set strings)``; estimator keys may be short."""
+    name, _, body = spec.partition(":")
+    if not name or any(c in name for c in "/ =,"):
+        raise ValueError(f"--variant {spec!r}: the name must be a word (no '/', ' ', '=' or ','), e.g. unbiased:"
+                         "correction_p=0.25")
+    if not body:
+        if name not in BUILTIN:
+            raise ValueError(f"--variant {spec!r}: unknown built-in variant; built in: {sorted(BUILTIN)}, or give "
+                             "NAME:KEY=VALUE,...")
+        return name, list(BUILTIN[name])
+    check_unique_names([spec], BUILTIN, "--variant")
+    sets = []
+    for kv in body.split(","):
+        key, eq, value = kv.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--variant {spec!r}: {kv!r} is not KEY=VALUE")
+        sets.append(f"{key if '.' in key else 'estimator.' + key}={value}")
+    return name, ["estimator.mode=jagg"] + sets
+
+
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """``--variant`` specs -> ``{name: --set strings}`` (:func:`parse_variant`); every name once
+    (:func:`jagg.checks.check_unique_names`)."""
+    check_unique_names(specs, BUILTIN, "--variant")
+    return dict(parse_variant(s) for s in specs)
+
+
+@dataclass
+class QualityConfig:
+    config: str | None = None                 # trainer YAML
+    sets: list[str] = field(default_factory=list)
+    variants: dict[str, list[str]] = field(default_factory=lambda: {"exact": BUILTIN["exact"],
+                                                                    "config": BUILTIN["config"]})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
+    out: str = "runs/bench_quality"
+
+    def __post_init__(self):
+        if not self.seeds:
+            raise ValueError("--seeds must be >= 1")
+        for seed in self.seeds:
+            check_seed(seed, "every seed (--first-seed .. --first-seed + --seeds - 1)")
+        if not str(self.out).strip():
+            raise ValueError("--out is empty; give the bench's output directory")
+        if "exact" not in self.variants:
+            self.variants = {"exact": BUILTIN["exact"], **self.variants}
+
+    def train_config(self, variant: str, seed: int) -> ShapesTrainConfig:
+        run = [f"seed={seed}", f"log.output_dir={self.run_dir(variant, seed)}"]
+        try:
+            return configuration.load(ShapesTrainConfig, self.config, DEFAULT_SETS + self.sets + self.variants[variant] + run)
+        except ValueError as e:
+            raise ValueError(f"variant {variant!r}: {e}") from None
+
+    def run_dir(self, variant: str, seed: int) -> Path:
+        return Path(self.out) / variant / f"seed{seed}"
+
+
+def summarize(records: list[dict], cfg: ShapesTrainConfig, variant: str, seed: int) -> dict:
+    """One run's result from its metrics records."""
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    audits = [r for r in records if r.get("kind") == "audit"]
+    per_iter = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
+    med = lambda k: statistics.median(r[k] for r in train) if train else float("nan")
+    updates = len(train) * per_iter
+    n_eval = cfg.eval.num_prompts or None
+    last = evals[-1] if evals else {}
+    return {
+        "kind": "run", "variant": variant, "seed": seed, "estimator": cfg.estimator.to_dict(),
+        "iterations": cfg.grpo.iterations, "updates": updates,
+        "final_test_reward": last.get("reward_mean"), "final_test_reward_std": last.get("reward_std"),
+        "eval_images": (n_eval or _num_test_prompts()) * cfg.eval.images_per_prompt,
+        "final_held_out_reward": last.get("held_out_reward"),
+        "evaluations": len(evals), "eval_s": sum(r.get("eval_s", 0.0) for r in evals),
+        "sample_s": med("sample_s"), "reward_s": med("reward_s"), "train_s": med("train_s"), "iter_s": med("iter_s"),
+        "iter_cpu_s": med("iter_cpu_s"),
+        "wall_s": train[-1]["wall_s"] if train else 0.0,
+        "rows_per_update": sum(r.get("backward_items", 0) for r in train) / max(updates, 1),
+        "nograd_per_update": sum(r.get("forward_nograd_items", 0) for r in train) / max(updates, 1),
+        "meter": {k: audits[-1].get(k) for k in METER} if audits else None,
+        "meter_curve": [[r.get(k) for k in METER_CURVE] for r in audits],                                  # along the run
+        "correction_p": train[-1].get("correction_p") if train else None,           # the last rate (auto: chosen)
+        "train_curve": [[r["iteration"], r["wall_s"], r["reward_mean"], r.get("cpu_s")] for r in train],   # TRAIN_CURVE
+        "test_curve": [[r["iteration"], r["wall_s"], r["reward_mean"]] for r in evals],                    # TEST_CURVE
+    }
+
+
+def _num_test_prompts() -> int:
+    from ..shapes import test_prompts
+
+    return len(test_prompts())
+
+
+# what the runs' refusals and notes tell the user to do: the bench has no --resume and keeps its runs in --out
+HINTS = RunHints(continue_run="rerun the same jagg bench quality command to continue", other_dir="use another --out",
+                 start_over="move that run directory away and rerun")
+
+
+class QualityRun(ShapesTrainer):
+    """One run of the bench: the shapes trainer in the bench's words (:data:`HINTS`), whose stop on SIGINT/SIGTERM
+    (the iteration finished and saved) is the bench's interruption: a ``KeyboardInterrupt``, so that no result is
+    written as if the run were complete, even when the signal came in its last iteration."""
+
+    hints = HINTS
+
+    def load_state(self, state: dict) -> list[str]:
+        """The trainer's restore, after the bench's own check: the evaluation settings must be the run's
+        (:data:`RECORDS_SAME`), so that one run's test curve has one schedule."""
+        try:
+            check_resumable(state["config"], to_dict(self.cfg), RECORDS_SAME)
+        except ValueError as e:
+            raise ValueError(f"{e} (the bench keeps a run's evaluation settings)") from None
+        return super().load_state(state)
+
+    def train(self) -> list[dict]:
+        records = super().train()
+        if self.stopped:
+            raise KeyboardInterrupt(f"{self.out} saved at iteration {self.iteration}; {HINTS.continue_run}")
+        return records
+
+
+def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
+    """Train (or resume, or skip) one run and return its summary: a finished run (its ``result.json``) of the same
+    iterations and config is reused, evaluation settings and threads included (:data:`RECORDS_SAME`)."""
+    cfg = q.train_config(variant, seed)
+    out = q.run_dir(variant, seed)
+    done = out / "result.json"
+    if done.is_file():
+        try:
+            result = json.loads(done.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{done} cannot be read ({' '.join(str(e).split())}); delete it (the run's checkpoints "
+                             "stay, and the run is summarized again)") from None
+        if result.get("iterations") == cfg.grpo.iterations and "train_curve" in result:
+            try:
+                check_resumable(result["config"], to_dict(cfg), RECORDS_SAME)
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"{done} was trained with another config ({e}); use another --out") from None
+            print(f"quality: {variant} seed {seed}: already done ({done}), skipped", flush=True)
+            return {**result, "variant": variant}          # its directory is this variant's (even if renamed)
+    print(f"quality: {variant} seed {seed}: training {cfg.grpo.iterations} iterations into {out}", flush=True)
+    try:
+        records = QualityRun.run(cfg, resume=True)
+    except ValueError as e:                   # any refusal of the run (its directory, its config): named by it
+        raise ValueError(f"run {out}: {e}") from None
+    result = {**summarize(records, cfg, variant, seed), "config": to_dict(cfg)}
+    write_json(done, result)
+    return result
+
+

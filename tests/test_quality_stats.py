@@ -1,0 +1,162 @@
+"""The rate and the plateau of `jagg bench quality`, on constructed curves (no training): the rising-phase efficiency,
+the plateau gap, the reward at an equal budget, their intervals, and the cases where a figure is undefined."""
+
+import math
+
+import numpy as np
+import pytest
+
+from jagg.bench import statistics as st
+from jagg.bench.projection import PRESETS
+from jagg.bench.quality_compare import compare
+from jagg.bench.quality_report import RATE_COLUMNS, rate_rows
+from jagg.bench.common import table
+
+EVALS = list(range(0, 61, 2))                  # evaluations every 2 iterations, 60 iterations
+
+
+def exact_curve(i, stretch=1.0, top=0.7):
+    """0.5 at the start, rising 0.01 per iteration (``stretch`` x slower), level from ``top`` on."""
+    return min(0.5 + 0.01 * i / stretch, top)
+
+
+def run(variant, seed, curve, per_iter=1.0, rows=8, offset=0.0, iterations=60):
+    """A bench-quality run whose held-out reward follows ``curve(iteration)`` (+ ``offset``, the seed's), each
+    iteration ``per_iter`` seconds (wall and CPU)."""
+    its = range(1, iterations + 1)
+    test = [[i, i * per_iter, curve(i) + offset] for i in EVALS if i <= iterations]
+    return {"kind": "run", "variant": variant, "seed": seed, "updates": iterations,
+            "train_curve": [[i, i * per_iter, curve(i) + offset, i * per_iter] for i in its],
+            "test_curve": test, "final_test_reward": test[-1][2], "final_test_reward_std": 0.1, "eval_images": 100,
+            "sample_s": 0.5, "reward_s": 0.0, "train_s": per_iter - 0.5, "iter_s": per_iter, "iter_cpu_s": per_iter,
+            "rows_per_update": rows, "nograd_per_update": 0, "wall_s": iterations * per_iter}
+
+
+def compared(curves, seeds=(0, 1, 2), offsets=None, **kw):
+    """``compare`` of variants ``{name: (curve, per_iter, rows)}`` (exact first), each seed shifted alike in every
+    variant by its offset (paired)."""
+    offsets = offsets or {s: 0.01 * s for s in seeds}
+    runs = [run(v, s, c, p, r, offsets[s]) for s in seeds for v, (c, p, r) in curves.items()]
+    return {r["variant"]: r for r in compare(runs, list(curves), list(seeds), "cpu", "test", bootstrap=300, **kw)}
+
+
+EXACT = (exact_curve, 1.0, 8)
+
+
+def test_identical_curves_give_a_rate_of_1_and_no_gap():
+    out = compared({"exact": EXACT, "same": EXACT})
+    for v in ("exact", "same"):
+        r = out[v]
+        assert r["rate_status"] == "ok" and r["rate_gain"] == pytest.approx(0.2)
+        assert [r["rate_25"], r["rate_50"], r["rate_75"], r["rate"]] == pytest.approx([1.0] * 4)
+        assert r["plateau_gap"] == pytest.approx(0.0, abs=1e-12) and r["plateau_evals"] == 3
+        assert r["plateau_from_iteration"] == 56
+        assert r["rate_lo"] == pytest.approx(1.0) and r["rate_hi"] == pytest.approx(1.0)   # paired: every resample
+
+
+def test_a_curve_stretched_2x_in_updates_gives_a_rate_of_one_half_and_no_gap():
+    out = compared({"exact": EXACT, "slow": (lambda i: exact_curve(i, 2.0), 1.0, 8)})["slow"]
+    assert [out["rate_25"], out["rate_50"], out["rate_75"], out["rate"]] == pytest.approx([0.5] * 4)
+    assert out["plateau_gap"] == pytest.approx(0.0, abs=1e-12)
+    for key in ("rate", "rate_25", "rate_50", "rate_75", "plateau_gap"):
+        assert out[f"{key}_lo"] <= out[key] + 1e-12 and out[key] <= out[f"{key}_hi"] + 1e-12
+
+
+def test_a_curve_that_levels_off_lower_gives_a_rate_of_1_and_the_gap():
+    out = compared({"exact": EXACT, "low": (lambda i: exact_curve(i, top=0.68), 1.0, 8)})
+    low = out["low"]
+    assert low["rate_gain"] == pytest.approx(0.18)                   # the smaller of the two gains
+    assert [low["rate_25"], low["rate_50"], low["rate_75"], low["rate"]] == pytest.approx([1.0] * 4)
+    assert low["plateau_gap"] == pytest.approx(-0.02)
+    # the old figure reads exact at the variant's own end level: it mixes the plateau in (18 / 18 here, but the
+    # variant's level is crossed at its plateau's start, not where it rises)
+    assert "efficiency_to_lower_final" in low and "measured_efficiency" not in low
+
+
+def test_intervals_cover_the_value_when_seeds_differ():
+    """Seeds with their own speeds (paired: a seed's variants share its speed): every figure has an interval around
+    it, wider than a point."""
+    speeds = {0: 0.8, 1: 1.0, 2: 1.3, 3: 0.9, 4: 1.1}
+    runs = []
+    for s, k in speeds.items():
+        runs.append(run("exact", s, lambda i, k=k: exact_curve(i * k)))
+        runs.append(run("slow", s, lambda i, k=k: exact_curve(i * k * (0.5 if s % 2 else 0.7), top=0.69), 0.5, 4))
+    out = {r["variant"]: r for r in compare(runs, ["exact", "slow"], list(speeds), "cpu", "test",
+                                                              bootstrap=300)}["slow"]
+    for key in ("rate", "rate_50", "plateau_gap", "budget_diff"):
+        assert out[f"{key}_lo"] <= out[key] <= out[f"{key}_hi"], key
+    assert out["rate_lo"] < out["rate_hi"] and out["rate_hi"] < 1.0
+    assert out["plateau_gap_lo"] < 0
+
+
+def test_the_reward_at_an_equal_budget():
+    """Curves alike per update; the variant's iteration costs half: when its 20 iterations' 10 CPU seconds run out,
+    exact is at iteration 10 (0.60), the variant at its end (0.70). Projected: the variant's iteration costs 1 / r of
+    exact's, so the budget is 20 / r of exact's iterations."""
+    line = lambda i: 0.5 + 0.01 * i
+    runs = [run("exact", s, line, 1.0, 8, iterations=20) for s in (0, 1)] + \
+        [run("cheap", s, line, 0.5, 4, iterations=20) for s in (0, 1)]
+    cost = PRESETS["flow_grpo_sd35_full"]
+    out = {r["variant"]: r for r in compare(runs, ["exact", "cheap"], [0, 1], "cpu", "test", cost,
+                                                             bootstrap=300)}
+    cheap = out["cheap"]
+    assert cheap["budget"] == pytest.approx(10.0)
+    assert (cheap["budget_exact"], cheap["budget_reward"]) == pytest.approx((0.6, 0.7))
+    assert cheap["budget_diff"] == pytest.approx(0.1) and cheap["budget_diff_lo"] <= cheap["budget_diff"] <= cheap["budget_diff_hi"]
+    r = cost.iteration_ratio(0.5)
+    assert cheap["projected_budget"] == pytest.approx(20 / r)
+    assert cheap["projected_budget_diff"] == pytest.approx(0.2 - 0.2 / r)
+    assert out["exact"]["budget_diff"] == 0 and out["exact"]["projected_budget_diff"] == 0
+    assert cheap["projected_rate"] == pytest.approx(r)                  # rate 1 per update x the iteration ratio
+
+
+def test_a_variant_that_never_rises_and_a_gain_of_0_read_unreached():
+    flat = (lambda i: 0.5, 1.0, 8)
+    out = compared({"exact": EXACT, "flat": flat})["flat"]
+    assert out["rate_status"] == st.NO_GAIN and math.isnan(out["rate"]) and math.isnan(out["rate_50"])
+    assert math.isnan(out["rate_lo"]) and out["rate_undefined_share"] == 1.0
+    assert out["plateau_gap"] == pytest.approx(-0.2)                    # the plateau is still read
+    both = compared({"exact": flat, "flat": flat})                      # no gain at all: no crash, every rate NaN
+    assert all(math.isnan(r["rate"]) and r["rate_status"] == st.NO_GAIN for r in both.values())
+    cells = rate_rows([out])[0]
+    assert cells["rate_ci"] == cells["rate_50_ci"] == "unreached (no gain)"
+    assert "unreached (no gain)" in table(rate_rows([out]), RATE_COLUMNS)
+    assert st.rate(np.zeros((2, 3)), np.ones((2, 3)), np.zeros((2, 3)), np.ones((2, 3))).status == st.NO_GAIN
+
+
+def test_one_evaluation_gives_no_rate():
+    runs = [run(v, s, exact_curve) for s in (0, 1) for v in ("exact", "b")]
+    for r in runs:
+        r["test_curve"] = r["test_curve"][:1]
+    out = {r["variant"]: r for r in compare(runs, ["exact", "b"], [0, 1], "cpu", "train", bootstrap=300)}["b"]
+    assert out["rate_status"] == "no evaluations" and math.isnan(out["rate"]) and math.isnan(out["plateau_gap"])
+    assert "unreached (no evaluations)" in table(rate_rows([out]), RATE_COLUMNS)
+
+
+def test_the_statistics_functions():
+    assert st.plateau_count(10, 3) == 3 and st.plateau_count(2, 3) == 1 and st.plateau_count(1, 3) == 0
+    assert st.resamples(1).tolist() == [[0]]
+    boots = st.resamples(4, 50, seed=0)
+    assert boots.shape == (50, 4) and boots.min() >= 0 and boots.max() <= 3
+    assert (boots == st.resamples(4, 50, seed=0)).all()                 # one seeded bootstrap
+    curve, t = np.array([0.5, 0.6, 0.7]), np.array([0.0, 10.0, 20.0])
+    assert st.crossing(curve, t, 0.65) == (pytest.approx(15.0), True) and st.crossing(curve, t, 0.9) == (20.0, False)
+    assert st.at_budget(curve[None], t[None], 5.0) == pytest.approx(0.55)
+    assert math.isnan(st.at_budget(curve[None], t[None], 25.0))
+    with pytest.raises(ValueError, match="at least one"):
+        st.resamples(0)
+
+
+def test_a_runs_summary_keeps_its_evaluations_their_cost_and_the_meter_along_the_run():
+    from jagg.bench.quality_runs import summarize
+    from jagg.trainers.shapes_config import ShapesTrainConfig
+
+    cfg = ShapesTrainConfig()
+    train = [{"kind": "train", "iteration": i, "wall_s": i, "cpu_s": i, "reward_mean": 0.5, "sample_s": 0.5,
+              "reward_s": 0.1, "train_s": 0.4, "iter_s": 1.0, "iter_cpu_s": 1.0, "backward_items": 8} for i in (1, 2)]
+    evals = [{"kind": "eval", "iteration": i, "wall_s": i, "reward_mean": 0.5, "eval_s": 2.5} for i in (0, 2)]
+    audits = [{"kind": "audit", "iteration": i, "error_to_noise": 0.5 * i, "bias_to_noise": 0.1, "bias_z": 0.2 * i}
+              for i in (1, 2)]
+    r = summarize(train + evals + audits, cfg, "v", 0)
+    assert r["evaluations"] == 2 and r["eval_s"] == 5.0
+    assert r["meter_curve"] == [[1, 0.5, 0.1, 0.2], [2, 1.0, 0.1, 0.4]] and r["meter"]["bias_z"] == 0.4
