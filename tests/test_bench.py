@@ -336,10 +336,17 @@ def test_bench_e2e_round_robin(tmp_path, bench_ckpt, capsys):
     assert recs["jagg_interp"]["limit"] == pytest.approx(2.0) and recs["jagg_fresh"]["limit"] == pytest.approx(1.5)
     half = configuration.load(ShapesTrainConfig, None, ["estimator.jagg_frac=0.5", "sample.num_steps=8",
                                                   "sample.sde_window=null", "estimator.window=4",
-                                                  "estimator.correction_p=0"])
+                                                  "estimator.correction_p=0", "estimator.intermediate=interp"])
     assert routed_limit(half) == pytest.approx(1 / (0.5 + 0.5 / 2))        # half the groups at the W/2 limit
-    unb = configuration.load(ShapesTrainConfig, None, ["sample.num_steps=8", "sample.sde_window=null"])
+    unb = configuration.load(ShapesTrainConfig, None, ["sample.num_steps=8", "sample.sde_window=null",
+                                                 "estimator.intermediate=interp"])
     assert routed_limit(unb) == pytest.approx(8 / (4 + 0.25 * 4))           # default: unbiased, p = 0.25
+    # intermediate auto: fresh inner forwards (one F each, a row costs F + 2F) in all but the first of U updates
+    for u in (1, 4):
+        auto = configuration.load(ShapesTrainConfig, None, ["sample.num_steps=8", "sample.sde_window=null",
+                                                      "estimator.correction_p=0", "estimator.intermediate=auto",
+                                                      f"grpo.updates_per_epoch={u}", "grpo.inner_epochs=1"])
+        assert routed_limit(auto) == pytest.approx(8 * 3 / (4 * 3 + 4 * (u - 1) / u))
     assert "ideal" in capsys.readouterr().out
 
 
