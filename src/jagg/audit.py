@@ -244,12 +244,9 @@ def rel_err(approx: Tensor, ref: Tensor) -> float:
 
 
 def _rows(traj: Trajectory, config: EstimatorConfig, prompt_groups, seed: int) -> int:
-    """Rows with grad of one update of ``config`` on ``traj`` with the audit's picks (``adaptive``: as ``shared``,
-    which has as many knots)."""
+    """Rows with grad of one update of ``config`` on ``traj`` with the audit's picks."""
     from .knots import plan_update
 
-    if config.knots == "adaptive":
-        config = dataclasses.replace(config, knots="shared")
     plan = plan_update(traj, config, prompt_groups, generator=torch.Generator().manual_seed(seed))
     return sum(len(b.rows) for b in plan.bundles)
 
@@ -298,7 +295,7 @@ def _sub_batches(traj: Trajectory, advantages, prompt_groups, ref_velocities, sp
 
 
 def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: list[_SubBatch],
-                     ranges: list[list[int]], names: list[str], correction_state=None) -> tuple[dict, dict]:
+                     ranges: list[list[int]], names: list[str]) -> tuple[dict, dict]:
     """Per step range, the exact and the configured gradients of every sub-batch (``policy_gradient(...,
     only_steps=range)``): the ranges' cosines ``{"cos_<name>": ...}`` and each sub-batch's gradients summed over the
     ranges ``{"exact": [m], "est": [m]}``."""
@@ -313,7 +310,7 @@ def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: l
                     p.grad = None
                 policy_gradient(sub.velocity(velocity_fn), sub.traj, sub.advantages, cfg, ref_velocities=sub.ref_velocities,
                                 prompt_groups=sub.prompt_groups, generator=torch.Generator().manual_seed(sub.seed),
-                                only_steps=steps, correction_state=correction_state if key == "est" else None)
+                                only_steps=steps)
                 g = flat_grad(params)
                 grads[key] = grads[key] + g * sub.share                    # the whole audit batch's gradient
                 part_grads[key][j] = part_grads[key][j] + g
@@ -322,12 +319,10 @@ def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: l
 
 
 def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=None, prompt_groups=None,
-                generator=None, parts: int = 3, split=None, correction_state=None) -> tuple[dict, Tensor, Tensor]:
+                generator=None, parts: int = 3, split=None) -> tuple[dict, Tensor, Tensor]:
     """:func:`audit_gradient`, also returning the exact and the estimator's gradients of each sub-batch of ``split``
     (``[n]`` ids, e.g. the prompt groups): ``(result, exact [m, P], estimate [m, P])``, float64, each sub-batch's
-    gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient).
-    ``correction_state``: the run's :class:`jagg.CorrectionState` when the estimator has a control variate (read, not
-    updated: every call is per step range)."""
+    gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient)."""
     check_call(velocity_fn, traj, config, generator=generator)
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"parts must be an integer >= 1 (3: noisy, middle and clean thirds); got {parts!r}")
@@ -345,9 +340,9 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
     names = list(RANGE_NAMES) if len(ranges) == 3 else [f"range{i}" for i in range(len(ranges))]
     exact = config.exact()
     try:
-        out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names, correction_state)
-        full = (dataclasses.replace(config, correction_p=1.0, correction_rates=None, correction="interval",
-                                    control_variate=0.0) if config.mode == "jagg" else config)
+        out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names)
+        full = (dataclasses.replace(config, correction_p=1.0, correction_rates=None) if config.mode == "jagg"
+                else config)
         rows = {key: sum(_rows(s.traj, cfg, s.prompt_groups, s.seed) for s in subs)
                 for key, cfg in (("exact", exact), ("est", config), ("full", full),
                                  ("plain", dataclasses.replace(full, correction_p=0.0)))}
@@ -375,7 +370,6 @@ def audit_gradient(
     prompt_groups: Tensor | Sequence | None = None,
     generator: torch.Generator | None = None,
     parts: int = 3,
-    correction_state=None,
 ) -> dict:
     """The configured estimator's gradient next to the exact one on the same batch, per step range and in total.
 
@@ -388,7 +382,6 @@ def audit_gradient(
         params: the trainable parameters whose gradients are compared.
         generator: RNG of the correction's picks (one seed drawn from it serves every range).
         parts: number of step ranges (3: noisy, middle, clean thirds of the trained steps).
-        correction_state: the :class:`jagg.CorrectionState` of an estimator with a control variate (read only).
 
     Returns:
         ``{"cos": total cosine, "rel_err": ||g - g_exact|| / ||g_exact||, "cos_<range>": per range (``noisy``,
@@ -399,7 +392,7 @@ def audit_gradient(
         advantages 0).
     """
     return audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities, prompt_groups, generator,
-                       parts, correction_state=correction_state)[0]
+                       parts)[0]
 
 
 # ----------------------------------------------------------------------------- correction_p: auto

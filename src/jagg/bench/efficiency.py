@@ -66,7 +66,7 @@ from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import (AUTO_START_P, adam_efficiency, choose_correction_p, error_noise_stats, extrapolate, flat_grad,
                      predicted_efficiency)
 from ..checks import check_unique_names, number_arg
-from ..estimator import CorrectionState, policy_gradient
+from ..estimator import policy_gradient
 from ..estimator_config import AUTO, EstimatorConfig
 from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals, plan_update
 from ..trainers.shapes import ShapesSampler
@@ -107,8 +107,8 @@ def wants_budget_rates(spec: str) -> bool:
 
 
 def plain_of(est: EstimatorConfig) -> EstimatorConfig:
-    """``est`` without its correction: the paper's plain JAGG (no picks, no rates, no control variate)."""
-    return dataclasses.replace(est, correction_p=0.0, correction_rates=None, control_variate=0.0)
+    """``est`` without its correction: the paper's plain JAGG (no picks, no rates)."""
+    return dataclasses.replace(est, correction_p=0.0, correction_rates=None)
 
 
 def parse_estimator(spec: str, base: EstimatorConfig, flag: str = "--estimator") -> tuple[str, EstimatorConfig | None]:
@@ -151,8 +151,6 @@ def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) ->
     """Rows with grad per sample of ``cfg`` on ``traj``, the mean over ``draws`` plans (no network call)."""
     gen = torch.Generator().manual_seed(0)
     n = draws if cfg.random else 1
-    if cfg.knots == "adaptive":                  # adaptive needs the loss signals; shared has as many rows
-        cfg = dataclasses.replace(cfg, knots="shared")
     rows = [sum(len(b.rows) for b in plan_update(traj, cfg, prompt_groups, generator=gen).bundles) for _ in range(n)]
     return statistics.fmean(rows) / traj.batch_size
 
@@ -211,44 +209,22 @@ def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float, te
             "adam_tensor_time_efficiency": time_ratio * tensor_factor}
 
 
-def control_states(ests: dict, params) -> dict[str, CorrectionState]:
-    """A :class:`jagg.CorrectionState` of ``params`` for each estimator with a control variate."""
-    return {name: CorrectionState(params) for name, est in ests.items()
-            if est is not None and est.mode == "jagg" and est.control_variate > 0}
-
-
-def warm_up(cfg: ShapesTrainConfig, ests: dict, batches: int) -> dict[str, dict]:
-    """The control variates' running means after ``batches`` batches of their own (a sampler of seed ``seed + 2``,
-    one update of each estimator with one per batch): :meth:`~jagg.CorrectionState.state_dict` by estimator name."""
-    sampler = ShapesSampler(dataclasses.replace(cfg, seed=cfg.seed + 2))
-    states = control_states(ests, sampler.params)
-    for b in range(batches if states else 0):
-        traj, tokens, adv, prompt_groups, _ = draw_batch(sampler, cfg)
-        vf = sampler.velocity(tokens)
-        for name, state in states.items():
-            sampler.zero_grad()
-            with torch.enable_grad():
-                policy_gradient(vf, traj, adv, ests[name], prompt_groups=prompt_groups, correction_state=state,
-                                generator=torch.Generator().manual_seed(cfg.seed * 7919 + b))
-    return {name: state.state_dict() for name, state in states.items()}
-
-
 def budget_rates_of(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, batches: int,
                     pilots: dict | None = None) -> EstimatorConfig:
     """``est`` with ``correction_rates`` from :func:`jagg.knots.budget_rates`: ``D_j`` = plain JAGG's error against the
     noise in each interval (:func:`interval_errors`, on ``batches`` batches of their own: seed ``seed + 1``; kept in
-    ``pilots`` for the next estimator of the same plain JAGG), ``r_j`` = the rows one correction runs (the inner steps;
-    1 for ``correction="step"``), at the rows of ``est``'s uniform ``correction_p`` over the intervals it corrects."""
+    ``pilots`` for the next estimator of the same plain JAGG), ``r_j`` = the rows one correction runs (the inner
+    steps), at the rows of ``est``'s uniform ``correction_p`` over the intervals it corrects."""
     pilot = dataclasses.replace(cfg, seed=cfg.seed + 1)
     pilots = {} if pilots is None else pilots
-    key = repr(dataclasses.replace(plain_of(est), correction="interval", interval_frac=1.0))
+    key = repr(dataclasses.replace(plain_of(est), interval_frac=1.0))
     if key not in pilots:
         pilots[key] = interval_errors(pilot, name, plain_of(est), batches, 1)
     parts = pilots[key]
     inner = [r["inner_steps"] for r in parts]
     eligible = eligible_intervals([list(range(n + 2)) for n in inner], True, est)      # the intervals JAGG may take
     scope = interval_rates(eligible, dataclasses.replace(est, correction_p=1.0))         # 1 where corrected
-    rows = [(1.0 if est.correction == "step" else float(n)) * scope[j] for j, n in enumerate(inner)]
+    rows = [float(n) * scope[j] for j, n in enumerate(inner)]
     errors = [r["error_to_noise"] * scope[j] for j, r in enumerate(parts)]
     rates = budget_rates(errors, rows, est.correction_p * sum(rows))
     return dataclasses.replace(est, correction_rates=[round(r, 4) for r in rates])
@@ -288,10 +264,9 @@ def _auto_rate(sampler: ShapesSampler, kept: list[Batch], est: EstimatorConfig, 
     return resolve_auto(error_noise_stats(exact, [_gradients(sampler, batch, plain, [0])[0] for batch in kept]), rows)
 
 
-def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds: list[int],
-               state: CorrectionState | None = None) -> tuple[Tensor, list]:
+def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds: list[int]) -> tuple[Tensor, list]:
     """``[len(seeds), P]`` gradients of ``est`` on ``batch`` (one per pick seed) and per draw ``(CPU seconds, rows
-    with grad, no-grad rows)`` per sample; ``state``: its control variate's means, updated by each draw."""
+    with grad, no-grad rows)`` per sample."""
     vf = sampler.velocity(batch.tokens)
     out, costs = [], []
     for seed in seeds:
@@ -299,7 +274,7 @@ def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds
         c0 = time.process_time()
         with torch.enable_grad():
             st = policy_gradient(vf, batch.traj, batch.adv, est, prompt_groups=batch.prompt_groups,
-                                 generator=torch.Generator().manual_seed(seed), correction_state=state)
+                                 generator=torch.Generator().manual_seed(seed))
         B = batch.traj.batch_size
         costs.append((time.process_time() - c0, st.backward_items / B, st.forward_nograd_items / B))
         out.append(flat_grad(sampler.params).double())
@@ -307,9 +282,8 @@ def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds
 
 
 def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
-            warmup: int = 0, cost: CostStructure | None = None) -> list[dict]:
-    """One record per estimator (module docstring); ``warmup``: batches that build the control variates' means first
-    (:func:`warm_up`); ``cost``: the structure of the projected columns (None: the
+            cost: CostStructure | None = None) -> list[dict]:
+    """One record per estimator (module docstring); ``cost``: the structure of the projected columns (None: the
     job's own, :func:`jagg.bench.projection.job_structure`)."""
     check_sizes(batches, draws, target_batch)
     ests = parse_estimators(specs, cfg.estimator)
@@ -322,9 +296,6 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
             print(f"{name}: correction_rates {ests[name].correction_rates} (budget_rates on {batches} batches of "
                   f"seed {cfg.seed + 1})")
     sampler = ShapesSampler(cfg)
-    states = control_states(ests, sampler.params)
-    for name, saved in warm_up(cfg, ests, warmup).items():
-        states[name].load_state_dict(saved)
     sizes = [p.numel() for p in sampler.params]
     tensor_names = [n for n, p in sampler.model.named_parameters() if p.requires_grad]     # sampler.params' order
     grads = {name: [] for name in ests}        # name -> per batch [draws, P]
@@ -333,7 +304,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
 
     def run(b: int, name: str, est: EstimatorConfig, e_i: int) -> None:
         seeds = [cfg.seed * 1_000_003 + b * 1009 + d * 31 + e_i for d in range(draws if est.random else 1)]
-        g, c = _gradients(sampler, kept[b], est, seeds, states.get(name))
+        g, c = _gradients(sampler, kept[b], est, seeds)
         grads[name].append(g)
         costs[name] += c
 
@@ -430,26 +401,21 @@ def by_interval(cfg: ShapesTrainConfig, spec: str, batches: int, draws: int) -> 
 def interval_errors(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, batches: int, draws: int) -> list[dict]:
     """Where one estimator's error lives: for each interval of its layout (steps ``a..b``), the error of the gradient
     restricted to that interval's loss terms (``only_steps``) against the whole update's noise ``V_b``, and its
-    repeating part, on the same batches as :func:`measure` (same seed). Layouts with data-dependent knots
-    (``adaptive``) use the first batch's intervals; a control variate runs with its means empty (no update measured
-    here)."""
+    repeating part, on the same batches as :func:`measure` (same seed)."""
     check_sizes(batches, draws)
     exact = est.exact()
     sampler = ShapesSampler(cfg)
-    state = control_states({name: est}, sampler.params).get(name)
     intervals, totals, parts = None, [], {}
     for b in range(batches):
         traj, tokens, adv, prompt_groups, _ = draw_batch(sampler, cfg)
         vf = sampler.velocity(tokens)
-        intervals = intervals or layout_intervals(traj, dataclasses.replace(est, knots="shared")
-                                                  if est.knots == "adaptive" else est)[0]
+        intervals = intervals or layout_intervals(traj, est)[0]
 
         def grad(c, steps, seed):
             sampler.zero_grad()
             with torch.enable_grad():
                 policy_gradient(vf, traj, adv, c, prompt_groups=prompt_groups, only_steps=steps,
-                                generator=torch.Generator().manual_seed(seed),
-                                correction_state=state if c is est else None)
+                                generator=torch.Generator().manual_seed(seed))
             return flat_grad(sampler.params).double()
 
         totals.append(grad(exact, None, 0))
@@ -509,9 +475,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.by_interval is not None:
         check_sizes(batches, draws, args.target_batch)
         by_interval_estimator(args.by_interval, cfg.estimator)
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
-    records = measure(cfg, specs, batches, draws, args.target_batch, args.warmup, cost)
+    records = measure(cfg, specs, batches, draws, args.target_batch, cost)
     r0 = records[0]
     print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples, up to {draws} draws per estimator; V_b = "
           f"{r0['noise']:.3e} (|g| = {r0['grad_norm']:.3e}), signal |E g|^2 / V_b = {r0['signal_to_noise']:.4f} +- "
@@ -568,9 +532,6 @@ def add_parser(sub) -> None:
     p.add_argument("--by-interval", metavar="NAME[:KEY=VALUE,...]",
                    help="also break this JAGG estimator's error down by the intervals of its layout (where does it "
                         "live, and does it repeat there?), on the same batches")
-    p.add_argument("--warmup", type=int, default=4, help="batches of their own (seed + 2) that build an estimator's "
-                   "control-variate means before the measured batches, which then go on updating them; nothing "
-                   "without a control_variate estimator [default: 4]")
     p.add_argument("--by-tensor", nargs="?", const="config", metavar="NAME",
                    help="also list where this estimator's error lives by parameter tensor (the 10 with the largest "
                         "share), with Adam's per-tensor weights [NAME default: config]")

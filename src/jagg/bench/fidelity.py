@@ -1,4 +1,4 @@
-"""``jagg bench fidelity``: how close the JAGG gradient is to the exact one, and which routing score knows.
+"""``jagg bench fidelity``: how close the JAGG gradient is to the exact one, and how well routing ranks it.
 
 For each checkpoint, one fresh rollout batch is drawn the way the trainer draws it (its prompts, noise,
 SDE sampler with guidance, the configured reward, group-relative advantages, zero-spread prompt groups dropped),
@@ -6,15 +6,15 @@ then every gradient below comes from :func:`jagg.policy_gradient`:
 
 1. Fidelity, on-policy (right after sampling) and off-policy (the trainer's second minibatch: after one
    AdamW update on the first half of the batch with the configured estimator): for every knot layout
-   (``--knots``: groups (step groups), shared, adaptive), window, alpha and intermediate mode, the rows it runs with grad, the
+   (``--knots``: groups (step groups), shared), window, alpha and intermediate mode, the rows it runs with grad, the
    cosine similarity and relative error ``||g_jagg - g_exact|| / ||g_exact||`` of the total gradient, and the
    cosine over the noisiest, the middle and the cleanest third of the trained steps, separately
    (:func:`jagg.audit_gradient`: the gradient of each third's loss terms, knots and routing those of the whole
    trajectory). The total is decided by the clean steps, whose signals are largest; layout is decided at the
    noisy ones. The Pareto table (rows against total cosine) marks the layouts no other beats on both.
 2. Routing study (on-policy, windows > 2): per (sample, interval) pair the true gradient cosine of JAGG vs
-   exact; for each score of ``jagg.estimator_config.SCORES`` its Spearman rank correlation with that cosine, and
-   the total-gradient cosine reached when only the top ``jagg_frac`` by that score go through JAGG, routing units
+   exact; the Spearman rank correlation of routing's linearity score (:func:`jagg.routing.linearity_scores`) with
+   that cosine, and the total-gradient cosine reached when only the top ``jagg_frac`` by it go through JAGG, routing units
    of whole prompt groups (the trainer's way) and of single samples (also with the first and last intervals
    kept exact).
 """
@@ -36,11 +36,11 @@ from ..training import config_loader as configuration
 from ..advantages import group_advantages, nonzero_spread_mask
 from ..shapes.weights import load_model
 from ..audit import audit_gradient
-from ..estimator_config import ALPHAS, INTERMEDIATES, KNOTS, SCORES, EstimatorConfig
+from ..estimator_config import ALPHAS, INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient, reference_velocities
 from ..shapes.velocity import GuidedVelocity
 from ..rewards.registry import get_reward
-from ..knots import interval_alphas, step_groups
+from ..knots import step_groups
 from ..routing import linearity_scores
 from ..schedule import flow_sigmas
 from ..trainers.shapes_config import ShapesTrainConfig
@@ -50,6 +50,7 @@ from ..audit import cosine, flat_grad, rel_err
 from .common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
 
 ADVANTAGES = ("reward", "random")
+SCORES = ("cosine",)            # routing's one linearity score (jagg.routing), the column name of the report
 
 
 @dataclass
@@ -180,7 +181,7 @@ def _est(base: EstimatorConfig, **kw) -> EstimatorConfig:
     """The configured estimator (micro-batch, clip range, KL) with JAGG everywhere and no unbiased correction (a
     same-batch comparison of a random estimate says little) unless ``kw`` says otherwise."""
     d = dict(base.to_dict(), jagg_frac=1.0, exact_first_intervals=0, exact_last_intervals=0, correction_p=0.0,
-             correction_rates=None, control_variate=0.0, interval_frac=1.0)
+             correction_rates=None, interval_frac=1.0)
     return EstimatorConfig.from_dict({**d, **kw})
 
 
@@ -268,8 +269,7 @@ def routing(model: nn.Module, ro: Rollout, cfg: FidelityConfig, ckpt: str) -> li
                 cos[i, j] = cosine(gj, ge)
         valid = torch.isfinite(cos)                         # NaN: a zero gradient (zero advantage)
         for score in (SCORES if bool(valid.any()) else ()):
-            alphas = [interval_alphas(traj.sigmas, iv) for iv in intervals]
-            sc = linearity_scores(traj.velocities, intervals, alphas, score).cpu().double()
+            sc = linearity_scores(traj.velocities, intervals).cpu().double()
             out.append({**head, "kind": "spearman", "window": W, "score": score,
                         "spearman": spearman(sc[valid].tolist(), cos[valid].tolist()),
                         "pairs": int(valid.sum()), "mean_pair_cosine": float(cos[valid].mean()),
@@ -278,7 +278,7 @@ def routing(model: nn.Module, ro: Rollout, cfg: FidelityConfig, ckpt: str) -> li
             for frac in cfg.fracs:
                 for unit in (("prompt_group", "sample") if frac < 1 else ("any",)):   # frac 1 routes everything
                     for score in (SCORES if frac < 1 else SCORES[:1]):
-                        e = _est(base, mode="jagg", window=W, jagg_frac=frac, score=score,
+                        e = _est(base, mode="jagg", window=W, jagg_frac=frac,
                                  exact_first_intervals=edge, exact_last_intervals=edge)
                         g, st = gradient(model, ro, e, w, route_groups=unit == "prompt_group")
                         out.append({**head, "kind": "routing", "window": W, "score": score if frac < 1 else "any",

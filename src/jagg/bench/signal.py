@@ -41,7 +41,7 @@ import torch
 
 from ..advantages import group_advantages
 from ..audit import flat_grad
-from ..estimator import CorrectionState, policy_gradient
+from ..estimator import policy_gradient
 from ..rewards.registry import get_reward
 from ..shapes import from_tensor
 from ..trainers.shapes import ShapesSampler
@@ -109,9 +109,6 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
     fns = {name: get_reward(name) for name in rewards}
     ests = {"config": cfg.estimator, "exact": cfg.estimator.exact()}
     sampler = ShapesSampler(cfg)
-    # a control variate's means, per reward, build up over the batches as in a run
-    states = {name: CorrectionState(sampler.params) for name in rewards} if cfg.estimator.control_variate > 0 and \
-        cfg.estimator.mode == "jagg" else {}
     grads = {(name, e): [] for name in rewards for e in estimators}
     spread = {name: [] for name in rewards}
     stds = {name: [] for name in rewards}
@@ -136,8 +133,7 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
                 sampler.zero_grad()
                 with torch.enable_grad():
                     policy_gradient(sampler.velocity(tokens), traj, adv, ests[e], prompt_groups=prompts,
-                                    generator=pick_generator(cfg.seed, b),
-                                    correction_state=states.get(name) if e == "config" else None)
+                                    generator=pick_generator(cfg.seed, b))
                 grads[(name, e)].append(flat_grad(sampler.params))
     n = statistics.fmean(trained)
     out = []

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import AUTO_START_P, AuditMeter, audit_flag, audit_parts, meter_flag
-from ..estimator import CorrectionState, reference_velocities
+from ..estimator import reference_velocities
 from ..estimator_config import AUTO, EstimatorConfig
 from ..training.distributed import gather, init_process_group_from_env
 from ..training.config_loader import to_dict
@@ -263,29 +263,6 @@ class GRPO(ABC):
     def after_step(self) -> None:
         """Called after each optimizer step that was taken (e.g. an EMA of the weights)."""
 
-    @property
-    def correction_state(self) -> CorrectionState | None:
-        """The run's control-variate means (:class:`jagg.CorrectionState` of ``self.params``) when the estimator has
-        one (``estimator.control_variate > 0`` in mode ``jagg``), else None: what :meth:`gradient` passes to
-        :func:`jagg.policy_gradient` and the checkpoint saves (``correction_state``). With several processes each keeps
-        its own (every one unbiased), the checkpoint the main process's."""
-        e = self.cfg.estimator
-        if e.mode != "jagg" or e.control_variate <= 0:
-            return None
-        if getattr(self, "_correction_state", None) is None:
-            self._correction_state = CorrectionState(self.params)
-        return self._correction_state
-
-    def correction_state_dict(self) -> dict | None:
-        """:attr:`correction_state` for a checkpoint (None without one)."""
-        state = self.correction_state
-        return None if state is None else state.state_dict()
-
-    def load_correction_state(self, saved: dict | None) -> None:
-        """Restore :meth:`correction_state_dict` (a checkpoint without one leaves the means empty)."""
-        if saved is not None and self.correction_state is not None:
-            self.correction_state.load_state_dict(saved)
-
     @abstractmethod
     def record(self, it: Iteration) -> dict:
         """The iteration's ``train`` record (of ``metrics.jsonl``, in a :class:`GRPOTrainer`)."""
@@ -426,8 +403,7 @@ class GRPO(ABC):
         auto = c.estimator.correction_p == AUTO
         config = dataclasses.replace(c.estimator, correction_p=0.0) if auto else c.estimator   # auto: plain JAGG
         a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], config, params,
-                                    None if ref_v is None else ref_v[idx], g_sub, gen, split=g_sub,
-                                    correction_state=self.correction_state)
+                                    None if ref_v is None else ref_v[idx], g_sub, gen, split=g_sub)
         if self.meter is None:
             self.meter = AuditMeter([p.numel() for p in params], seed=c.seed)
         per_update = c.sample.batch_size / c.grpo.updates_per_epoch / c.sample.group_size

@@ -141,8 +141,7 @@ class DiffusersTrainer(GRPOTrainer):
                 "model": {n: p.detach().cpu().clone() for n, p in self.named_params.items()},
                 "optimizer": self.opt.state_dict(), "iteration": self.iteration, "wall": self.wall,
                 "skipped_updates": self.skipped_updates, "config": configuration.to_dict(self.cfg),
-                "run_id": self.run_id, "world_size": self.world, "rng": rngs,
-                "correction_state": self.correction_state_dict(), **self.meter_state()}
+                "run_id": self.run_id, "world_size": self.world, "rng": rngs, **self.meter_state()}
 
     def load_state(self, state: dict) -> list[str]:
         """Restore ``state``; returns one line per config key that changed and may (``RESUMABLE_REAL`` and the
@@ -162,7 +161,6 @@ class DiffusersTrainer(GRPOTrainer):
         self.opt.load_state_dict(state["optimizer"])
         self.iteration, self.wall = state["iteration"], state["wall"]
         self.skipped_updates = state["skipped_updates"]
-        self.load_correction_state(state.get("correction_state"))
         self.load_meter_state(state)
         rngs = state["rng"]
         if len(rngs) == self.world:
@@ -254,8 +252,7 @@ class DiffusersTrainer(GRPOTrainer):
         if n:
             st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                  ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
-                                 prompt_groups=mb.prompt_groups, generator=self.pick_gen,
-                                 correction_state=self.correction_state)
+                                 prompt_groups=mb.prompt_groups, generator=self.pick_gen)
             local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
         if self.world > 1:
             for p in self.params:                              # same buckets on every rank, even with no samples

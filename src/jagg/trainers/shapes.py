@@ -137,7 +137,7 @@ class ShapesGRPO(GRPO):
     def gradient(self, mb: Minibatch) -> dict:
         return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                ref_velocities=mb.ref_velocities, prompt_groups=mb.prompt_groups,
-                               generator=self.pick_gen, correction_state=self.correction_state).to_dict()
+                               generator=self.pick_gen).to_dict()
 
     def after_step(self) -> None:
         if self.ema is not None:
@@ -171,7 +171,7 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
             "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
             "iteration": self.iteration, "wall": self.wall, "cpu": self.cpu, "skipped_updates": self.skipped_updates,
             "config": to_dict(self.cfg), "run_id": self.run_id,
-            "rng": self.rng_state(), "correction_state": self.correction_state_dict(), **self.meter_state(),
+            "rng": self.rng_state(), **self.meter_state(),
         }
 
     def load_state(self, state: dict) -> list[str]:
@@ -184,7 +184,6 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state["cpu"]
         self.skipped_updates = state["skipped_updates"]
         self.set_rng_state(state["rng"])
-        self.load_correction_state(state.get("correction_state"))
         self.load_meter_state(state)
         return changed
 
