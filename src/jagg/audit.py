@@ -41,7 +41,8 @@ def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
     where = ", ".join(f"{k} {v:.2f}" for k, v in low.items())
     return (f"audit: JAGG's gradient is far from exact in part of the trajectory (cosine {where}; below "
             f"{FLAG_BELOW}). Its error there is a bias that can repeat from batch to batch and drive the reward down; "
-            "consider estimator.correction_p (e.g. 0.25: unbiased JAGG) or exact_first_intervals")
+            "consider estimator.correction_p (e.g. 0.25: unbiased JAGG), or keep exact the intervals where the error "
+            "lives (exact_first_intervals / exact_last_intervals; jagg bench efficiency --by-interval finds them)")
 
 
 # ----------------------------------------------------------------------------- error against noise (efficiency)

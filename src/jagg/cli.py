@@ -142,11 +142,15 @@ def _train(args) -> int:
         overrides.append(f"log.output_dir={args.output_dir}")
     config = str(main_job_path()) if args.config is None else args.config
     real = has_pipeline_section(config)          # a real diffusers model: jagg.trainers.diffusers
-    cfg = load_config(config, overrides) if real else configuration.load(ShapesTrainConfig, config, overrides)
-    if args.print_config:
-        print(f"# resolved by jagg train --print-config from {config!r} and {len(overrides)} --set override(s)")
-        print(configuration.dump(cfg), end="")
+    load = ((lambda: load_config(config, overrides)) if real
+            else (lambda: configuration.load(ShapesTrainConfig, config, overrides)))
+    if args.print_config:                        # a required input left unset is marked, not refused
+        cfg, unset = configuration.load_for_print(load)
+        print(f"# resolved by jagg train --print-config from {config!r} and {len(overrides)} --set override(s)"
+              + (f"; {len(unset)} required input(s) unset, marked REQUIRED: set them to train" if unset else ""))
+        print(configuration.dump(cfg, unset), end="")
         return 0
+    cfg = load()
     if real:
         from .trainers.diffusers import DiffusersTrainer as Trainer
     else:
@@ -323,8 +327,8 @@ def sampling_arguments(q, checkpoint: bool = True) -> None:
 
 def evaluation_arguments(q) -> None:
     """The evaluation's options of ``jagg eval`` and ``jagg bench paired``: the reward and the images per prompt."""
-    q.add_argument("--reward", help="reward name or module:function [default: the main job's reward, "
-                   "jpeg_compressibility with geneval reported beside it]")
+    q.add_argument("--reward", help="reward name or module:function [default: the main job's reward.name, the "
+                   "GenEval-like geneval]")
     q.add_argument("--images-per-prompt", type=number_arg(int, 1),
                    help="images per test prompt [default: the main job's eval.images_per_prompt]")
 

@@ -42,7 +42,8 @@ class EstimatorConfig:
                              "increments with the interval's chord, from the stored velocities); the rest run exact. 0 = exact. Only intervals of >= 3 steps count (JAGG is exact and no cheaper on 1- "
                              "or 2-step intervals)."})
     exact_first_intervals: int = field(default=0, metadata={"help": "Always run the first N intervals with inner "
-                                       "steps (the noisiest) exact."})
+                                       "steps (the noisiest) exact. Where JAGG's error lives (often not there): jagg "
+                                       "bench efficiency --by-interval."})
     exact_last_intervals: int = field(default=0, metadata={"help": "Always run the last N intervals with inner steps "
                                       "(the cleanest) exact."})
     correction_p: float | str = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a "

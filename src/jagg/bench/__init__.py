@@ -27,10 +27,10 @@ def add_bench_parser(sub) -> None:
     from . import e2e, efficiency, fidelity, paired, quality, signal, speed
 
     b = sub.add_parser(
-        "bench", help="benchmarks: speed vs the cost model, gradient fidelity and routing, training quality, end to end, gradient signal",
+        "bench", help="benchmarks: speed, fidelity, quality, e2e, signal, efficiency, paired",
         description="Evidence for JAGG, each through jagg.policy_gradient (the trainer's function):\n"
                     "  speed     exact vs JAGG seconds per training phase, against the cost model\n"
-                    "  fidelity  cosine / relative error of the JAGG gradient vs exact; the routing-score study\n"
+                    "  fidelity  cosine / relative error of the JAGG gradient vs exact; the routing study\n"
                     "  quality   GRPO runs x paired seeds (default: exact and the config's estimator; --variant for\n"
                     "            others): reward vs updates and time\n"
                     "  e2e       whole GRPO iterations (sampling + reward + training) exact vs JAGG, round-robin\n"

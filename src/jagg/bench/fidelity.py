@@ -1,8 +1,10 @@
 """``jagg bench fidelity``: how close the JAGG gradient is to the exact one, and how well routing ranks it.
 
-For each checkpoint, one fresh rollout batch is drawn the way the trainer draws it (its prompts, noise,
-SDE sampler with guidance, the configured reward, group-relative advantages, zero-spread prompt groups dropped),
-then every gradient below comes from :func:`jagg.policy_gradient`:
+For each checkpoint, one fresh rollout batch is drawn with the trainer's settings (prompts of the built-in training
+split, not ``sample.prompts_file``; noise, SDE sampler with guidance, the configured reward, group-relative
+advantages, zero-spread prompt groups dropped) but its own random draws, and the gradients are those of every
+parameter of the checkpoint (``model.trainable`` is not applied); every gradient below comes from
+:func:`jagg.policy_gradient`:
 
 1. Fidelity, on-policy (right after sampling) and off-policy (the trainer's second minibatch: after one
    AdamW update on the first half of the batch with the configured estimator): for every knot layout
@@ -115,7 +117,7 @@ class Rollout:
 
 
 def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) -> Rollout:
-    """Sample, reward and compute advantages exactly as the shapes trainer's iteration does."""
+    """Sample, reward and compute advantages with the shapes trainer's settings (module docstring: what differs)."""
     c, t = cfg.train.sample, cfg.train
     rng = np.random.default_rng(cfg.seed)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)

@@ -50,11 +50,10 @@ class DiffusersSampleConfig(SampleBatch):
         "process's shard is a multiple of it."))
 
     def __post_init__(self):
-        if self.prompts_file is None:
-            raise ValueError("sample.prompts_file must be set: a text file with one training prompt per line "
-                             "(in the YAML's sample: section or --set sample.prompts_file=prompts.txt)")
-        self.prompts_file = str(self.prompts_file)
-        read_prompt_lines(self.prompts_file)                       # fail at load, not mid-run
+        if configuration.required(self.prompts_file, "sample.prompts_file", "a text file with one training prompt "
+                                  "per line (in the YAML's sample: section or --set sample.prompts_file=prompts.txt)"):
+            self.prompts_file = str(self.prompts_file)
+            read_prompt_lines(self.prompts_file)                   # fail at load, not mid-run
         self.check_batch(("prompts_per_iter", "group_size", "micro_batch"))
 
 
