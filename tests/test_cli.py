@@ -233,7 +233,8 @@ def test_save_grid_captions_prompt_and_reward(tmp_path, capsys, tiny_ckpt):
 
 def test_eval_defaults_are_the_main_jobs_evaluation():
     """`jagg eval --checkpoint runs/default` evaluates as the trainer did: same guidance, steps, images, seed."""
-    from jagg.cli import build_parser, main_job_defaults
+    from jagg.arguments import main_job_defaults
+    from jagg.cli import build_parser
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
     from jagg.training import config_loader
 

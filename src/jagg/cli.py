@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .arguments import evaluation_arguments, main_job_defaults, overwrite_argument, sampling_arguments
 from .checks import check_output_file, check_threads, number_arg
 from .training import config_loader as configuration
 from .shapes.pretrain import PretrainConfig
@@ -251,19 +252,6 @@ def _eval(args) -> int:
     return 0
 
 
-def main_job_defaults(args, eval_seed: bool) -> None:
-    """Fill the sampling options left unset (None) with the main job's evaluation settings (``jagg sample``,
-    ``jagg eval``, ``jagg bench paired``); the seed is the main job's ``eval.seed`` when ``eval_seed``, else 0."""
-    main = configuration.load(ShapesTrainConfig, str(main_job_path()), [])
-    defaults = {"steps": main.eval.num_steps, "guidance_scale": main.sample.guidance_scale, "shift": main.sample.shift,
-                "seed": main.eval.seed if eval_seed else 0,
-                "images_per_prompt": main.eval.images_per_prompt,
-                "reward": main.reward.spec}
-    for k, v in defaults.items():
-        if getattr(args, k, v) is None:
-            setattr(args, k, v)
-
-
 def _add_train(sub, argv: list[str] | None) -> None:
     """``jagg train``: the shapes trainer, or the diffusers trainer for a config with a ``pipeline:`` section."""
     t = sub.add_parser("train", help="GRPO training on the embedded shapes world, or on SD3/FLUX/Qwen-Image "
@@ -307,36 +295,6 @@ def _add_pretrain(sub) -> None:
     pt.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. train.steps=3000, model.dim=128")
     overwrite_argument(pt, "--out (and its .step<N> snapshots)")
     pt.set_defaults(func=_pretrain)
-
-
-def sampling_arguments(q, checkpoint: bool = True) -> None:
-    """The ODE sampler's options of ``jagg sample``, ``jagg eval`` and ``jagg bench paired`` (and ``--checkpoint``):
-    one definition, so that they refuse the same values; None is the main job's evaluation setting
-    (:func:`main_job_defaults`)."""
-    if checkpoint:
-        q.add_argument("--checkpoint", default="builtin:tiny_dit",
-                       help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
-    q.add_argument("--steps", type=number_arg(int, 1), help="ODE sampling steps [default: the main job's eval.num_steps]")
-    q.add_argument("--guidance-scale", type=number_arg(float),
-                   help="classifier-free guidance scale [default: the main job's sample.guidance_scale]")
-    q.add_argument("--shift", type=number_arg(float, 0, strict=True),
-                   help="SD3 timestep shift [default: the main job's sample.shift]")
-    q.add_argument("--seed", type=number_arg(int, seed=True),
-                   help="noise seed, 0 to 2**32 - 1 [default: 0; eval and bench paired: the main job's eval.seed]")
-
-
-def evaluation_arguments(q) -> None:
-    """The evaluation's options of ``jagg eval`` and ``jagg bench paired``: the reward and the images per prompt."""
-    q.add_argument("--reward", help="reward name or module:function [default: the main job's reward.name, the "
-                   "GenEval-like geneval]")
-    q.add_argument("--images-per-prompt", type=number_arg(int, 1),
-                   help="images per test prompt [default: the main job's eval.images_per_prompt]")
-
-
-def overwrite_argument(q, what: str) -> None:
-    """``--overwrite``: replace the command's existing output file(s) ``what``; without it they are refused."""
-    q.add_argument("--overwrite", action="store_true", help=f"replace {what} if it exists (without it an existing "
-                   "file is refused before any work)")
 
 
 def _add_sample_and_eval(sub) -> None:

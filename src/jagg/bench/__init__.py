@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
+from ..arguments import overwrite_argument
 from ..checks import check_output_file
 
 
@@ -50,6 +51,5 @@ def add_bench_parser(sub) -> None:
     paired.add_parser(bsub)
     for p in bsub.choices.values():
         if p.get_default("overwrite") is None:            # bench paired has its own (benchmarks/paired_eval.py)
-            p.add_argument("--overwrite", action="store_true", help="replace an existing --json file (quality: also "
-                           "its --plot; without it an existing file is refused before any work)")
+            overwrite_argument(p, "the --json file (quality: also its --plot)")
         p.set_defaults(func=_output_checked(p.get_default("func")))
