@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from jagg.bench.common import cost_limit, spearman
+from jagg.bench.common import spearman
+from jagg.bench.projection import cost_limit
 from jagg.cli import main
 
 
@@ -88,7 +89,7 @@ def test_cost_model_expects_the_rows_the_plans_run(est):
     """estimator_limit's expected rows (B = 2F) against the mean over 400 plans of what they run (rows with grad,
     no-grad inner rows), for interval subsampling and the corrections on 14 trained steps."""
     from jagg import EstimatorConfig
-    from jagg.bench.common import estimator_limit
+    from jagg.bench.projection import estimator_limit
     from jagg.knots import plan_update
     from toy import Nonlinear, sampled_traj
 
@@ -98,7 +99,7 @@ def test_cost_model_expects_the_rows_the_plans_run(est):
     gen, cost = torch.Generator().manual_seed(0), []
     for _ in range(400):
         plan = plan_update(traj, cfg, generator=gen)
-        rows = sum(len(b.rows) for b in plan.bundles)
+        rows = plan.rows
         nograd = sum(t.source[1] >= 0 for b in plan.bundles for t in b.terms) if cfg.intermediate == "fresh" else 0
         cost.append(3 * rows + nograd)
     assert 14 * 3 * 4 / (sum(cost) / len(cost)) == pytest.approx(estimator_limit(cfg, 14), rel=0.02)

@@ -127,9 +127,16 @@ def test_retired_estimator_keys_are_unknown(tmp_path, key, close):
 
 
 def test_estimator_specs_take_lists_and_budget_rates():
-    from jagg.bench.efficiency import parse_estimator, spec_items, wants_budget_rates
+    from jagg.bench.efficiency import parse_estimator, wants_budget_rates
+    from jagg.bench.quality import parse_variant
+    from jagg.checks import parse_spec
 
-    assert spec_items("correction_rates=[0.4,0.1],window=5") == ["correction_rates=[0.4,0.1]", "window=5"]
+    assert parse_spec("r:correction_rates=[0.4,0.1],window=5", "--estimator") == (
+        "r", {"correction_rates": "[0.4,0.1]", "window": "5"})
+    assert parse_variant("r:correction_rates=[0.4, 0.1],window=5")[1] == [
+        "estimator.mode=jagg", "estimator.correction_rates=[0.4, 0.1]", "estimator.window=5"]
+    with pytest.raises(ValueError, match="--variant 'r:window': 'window' is not KEY=VALUE"):
+        parse_variant("r:window")
     name, est = parse_estimator("r:correction_rates=[0.4, 0.1],window=5", EstimatorConfig())
     assert name == "r" and est.correction_rates == [0.4, 0.1] and est.window == 5
     assert wants_budget_rates("r:correction_rates=by_interval,window=5")

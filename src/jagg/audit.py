@@ -185,8 +185,7 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
     loo = [_error_noise(exact[keep], mean_err[keep], err_sq[keep])
            for keep in ([j for j in range(n) if j != i] for i in range(n))]
     for key in ("error_to_noise", "bias_to_noise", "signal_to_noise"):
-        vals = np.array([r[key] for r in loo])
-        out[f"{key}_se"] = math.sqrt((n - 1) / n * float(((vals - vals.mean()) ** 2).sum()))
+        out[f"{key}_se"] = jackknife_se([r[key] for r in loo])
     norms = exact.norm(dim=1)
     out["grad_norm"] = float(norms.mean())
     out["rel_err"] = math.sqrt(max(out["error_sq"], 0.0)) / out["grad_norm"] if out["grad_norm"] > 0 else math.nan
@@ -197,6 +196,14 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
     measured = se > 0 and out["signal_to_noise"] > SIGNAL_Z * se
     out.update(_tensor_stats(exact, errs, mean_err, list(sizes) if sizes is not None else [exact.shape[1]], measured))
     return out
+
+
+def jackknife_se(leave_one_out: Sequence[float]) -> float:
+    """The jackknife standard error of a statistic from its ``n`` leave-one-out values:
+    ``sqrt((n - 1) / n sum_i (x_i - mean)^2)``."""
+    vals = np.asarray(leave_one_out, dtype=np.float64)
+    n = vals.size
+    return math.sqrt((n - 1) / n * float(((vals - vals.mean()) ** 2).sum()))
 
 
 def extrapolate(stats: dict, batch: float, target: float) -> dict:
@@ -248,8 +255,7 @@ def _rows(traj: Trajectory, config: EstimatorConfig, prompt_groups, seed: int) -
     """Rows with grad of one update of ``config`` on ``traj`` with the audit's picks."""
     from .knots import plan_update
 
-    plan = plan_update(traj, config, prompt_groups, generator=torch.Generator().manual_seed(seed))
-    return sum(len(b.rows) for b in plan.bundles)
+    return plan_update(traj, config, prompt_groups, generator=torch.Generator().manual_seed(seed)).rows
 
 
 @dataclass
@@ -346,7 +352,7 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
                 else config)
         rows = {key: sum(_rows(s.traj, cfg, s.prompt_groups, s.seed) for s in subs)
                 for key, cfg in (("exact", exact), ("est", config), ("full", full),
-                                 ("plain", dataclasses.replace(full, correction_p=0.0)))}
+                                 ("plain", full.plain()))}
     finally:
         for p, g in zip(params, saved):
             p.grad = g
@@ -591,9 +597,7 @@ class AuditMeter:
         out["bias_to_noise"] = bias / noise if noise > 0 else math.nan
         audits = sorted({a for a, _ in self.sketches})
         if len(audits) >= 3 and noise > 0:
-            loo = np.array([self._bias(skip=a) / noise for a in audits])
-            n = len(audits)
-            out["bias_to_noise_se"] = se = math.sqrt((n - 1) / n * float(((loo - loo.mean()) ** 2).sum()))
+            out["bias_to_noise_se"] = se = jackknife_se([self._bias(skip=a) / noise for a in audits])
             out["bias_z"] = out["bias_to_noise"] / se if se > 0 else math.nan
         tensor_noise = np.mean(self.tensor_noise, 0) / G                               # [T]
         tensor_sq = np.mean(self.tensor_err_sq, 0)                                      # [T]: mean |e_j,t|^2

@@ -142,9 +142,10 @@ def _train(args) -> int:
     if args.output_dir is not None:                  # '' is refused by log.output_dir's check, not ignored
         overrides.append(f"log.output_dir={args.output_dir}")
     config = str(main_job_path()) if args.config is None else args.config
-    real = has_pipeline_section(config)          # a real diffusers model: jagg.trainers.diffusers
-    load = ((lambda: load_config(config, overrides)) if real
-            else (lambda: configuration.load(ShapesTrainConfig, config, overrides)))
+    data = configuration.read_yaml(config)       # read once
+    real = "pipeline" in data                    # a real diffusers model (has_pipeline_section): jagg.trainers.diffusers
+    load = lambda: configuration.load(DiffusersTrainConfig if real else ShapesTrainConfig, overrides=overrides,
+                                      data=data)
     if args.print_config:                        # a required input left unset is marked, not refused
         cfg, unset = configuration.load_for_print(load)
         print(f"# resolved by jagg train --print-config from {config!r} and {len(overrides)} --set override(s)"
@@ -214,7 +215,7 @@ def _pretrain(args) -> int:
 
 
 def _sample(args) -> int:
-    from .integrations.config import read_prompt_lines
+    from .training.config_loader import read_prompt_lines
     from .shapes.weights import load_model
     from .shapes.evaluation import generate
     from .training.metrics import IMAGE_SUFFIXES, save_grid
@@ -320,14 +321,22 @@ def _add_sample_and_eval(sub) -> None:
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The ``jagg`` parser. With ``argv`` given, the ``bench`` sub-commands are only built when ``argv`` asks for
-    them (or for the help)."""
+    """The ``jagg`` parser. With ``argv`` given, a command other than the one ``argv`` asks for (or the help) is only
+    named, not built (``bench`` imports every benchmark)."""
     p = _Parser(prog="jagg", description="GRPO fine-tuning of flow-matching models with JAGG.")
     sub = p.add_subparsers(dest="command", required=True)
+    wanted = lambda *names: argv is None or bool(set(argv[:1]) & {*names, "-h", "--help"})
     _add_train(sub, argv)
-    _add_pretrain(sub)
-    _add_sample_and_eval(sub)
-    if argv is not None and not set(argv[:1]) & {"bench", "-h", "--help"}:
+    if wanted("pretrain"):
+        _add_pretrain(sub)
+    else:
+        sub.add_parser("pretrain", add_help=False)
+    if wanted("sample", "eval"):
+        _add_sample_and_eval(sub)
+    else:
+        sub.add_parser("sample", add_help=False)
+        sub.add_parser("eval", add_help=False)
+    if not wanted("bench"):
         sub.add_parser("bench", help="benchmarks (jagg bench --help)", add_help=False)   # built when asked for
         return p
     try:

@@ -420,7 +420,7 @@ def policy_gradient(
     """
     check_call(velocity_fn, traj, config, loss_scale, generator)
     traj.validate()
-    B = traj.batch_size
+    B = traj.latents.shape[0]
     advantages = _as_advantages(advantages, B, traj.latents.device)
     _check_reference(ref_velocities, traj, config)
     inputs = UpdateInputs(velocity_fn, traj, advantages, config, ref_velocities,

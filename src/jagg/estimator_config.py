@@ -160,6 +160,11 @@ class EstimatorConfig:
         """The exact estimator of the same loss (mode ``exact``, every interval): what this one estimates."""
         return replace(self, mode="exact", interval_frac=1.0)
 
+    def plain(self) -> "EstimatorConfig":
+        """The same estimator without unbiased JAGG's correction (``correction_p`` 0, no ``correction_rates``): in mode
+        ``jagg`` the paper's plain JAGG, whose error the correction removes."""
+        return replace(self, correction_p=0.0, correction_rates=None)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -103,6 +103,11 @@ class Plan:
     knots: list[int]
     drawn: int = 0
 
+    @property
+    def rows(self) -> int:
+        """Rows through the network with grad (the knots, and the exact steps): what the cost model counts."""
+        return sum(len(b.rows) for b in self.bundles)
+
 
 # ----------------------------------------------------------------------------- the interval layout
 
@@ -272,13 +277,12 @@ def interval_rates(eligible: Tensor, config: EstimatorConfig) -> list[float]:
     return [float(rates[j]) if eligible[j] else 0.0 for j in range(G)]
 
 
-def pick_corrections(routed: Tensor, eligible: Tensor, units: Tensor, config: EstimatorConfig,
+def pick_corrections(routed: Tensor, rates: list[float], units: Tensor, config: EstimatorConfig,
                      generator: torch.Generator | None) -> Tensor:
     """Unbiased JAGG's picks ``[B, G]``: each routed unit (``units``: :func:`unit_rows`) is picked with the probability
-    of its interval (:func:`interval_rates`): one :func:`_pick` over every interval at ``correction_p``, or one per
-    interval, in order, at ``correction_rates[j]``."""
+    of its interval (``rates``: :func:`interval_rates`): one :func:`_pick` over every interval at ``correction_p``, or
+    one per interval, in order, at ``correction_rates[j]``."""
     B, G = routed.shape
-    rates = interval_rates(eligible, config)
     if not any(r > 0 for r in rates) or not bool(routed.any()):
         return torch.zeros(B, G, dtype=torch.bool)
     scope = torch.tensor([r > 0 for r in rates], dtype=torch.bool)
@@ -360,7 +364,7 @@ def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence 
         generator: RNG of the random choices, in this order: the correction's picks, the intervals each sample
             trains (``interval_frac < 1``) (``torch.rand`` / ``randperm`` on the CPU).
     """
-    B = traj.batch_size
+    B = traj.latents.shape[0]
     if config.mode == "subsample":
         return _subsample_plan(traj.train_steps.tolist(), B, config.subsample_frac, generator)
     intervals, positions, jagg = layout_intervals(traj, config)
@@ -373,8 +377,8 @@ def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence 
         scores = torch.zeros(B, G, dtype=torch.float32)
     routed = route(scores, config.jagg_frac, eligible, prompt_groups)                  # [B, G]
     units = unit_rows(prompt_groups, B)
-    picked = pick_corrections(routed, eligible, units, config, generator)
     rates = interval_rates(eligible, config)
+    picked = pick_corrections(routed, rates, units, config, generator)
     fixes = _corrected_steps(picked, intervals, rates)
     m = drawn_count(G, config.interval_frac)
     drawn = draw(int(units.max()) + 1 if B else 0, G, m, generator)[units]       # [B, G]: a unit's samples alike

@@ -57,18 +57,17 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import yaml
 from torch import Tensor
 
-from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import (AUTO_START_P, adam_efficiency, choose_correction_p, error_noise_stats, extrapolate, flat_grad,
                      predicted_efficiency)
-from ..checks import check_unique_names, number_arg
+from ..checks import check_unique_names, number_arg, parse_spec
 from ..estimator import policy_gradient
 from ..estimator_config import AUTO, EstimatorConfig
 from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals, plan_update
+from ..trainers.base import rollout_batch
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
@@ -83,32 +82,10 @@ QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
 BUDGET_RATES = "by_interval"         # correction_rates=by_interval: rates from the per-interval error (budget_rates)
 
 
-def spec_items(rest: str) -> list[str]:
-    """The ``KEY=VALUE`` items of an estimator spec, split at the commas outside brackets (``correction_rates=[0.4,
-    0.1],window=5`` is two items)."""
-    items, depth, cur = [], 0, ""
-    for ch in rest:
-        if ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        if ch == "," and depth == 0:
-            items.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    return items + [cur]
-
-
 def wants_budget_rates(spec: str) -> bool:
     """Whether ``spec`` asks for ``correction_rates=by_interval`` (:func:`budget_rates_of`)."""
-    return any(item.partition("=")[0].strip().removeprefix("estimator.") == "correction_rates"
-               and item.partition("=")[2].strip() == BUDGET_RATES for item in spec_items(spec.partition(":")[2]))
-
-
-def plain_of(est: EstimatorConfig) -> EstimatorConfig:
-    """``est`` without its correction: the paper's plain JAGG (no picks, no rates)."""
-    return dataclasses.replace(est, correction_p=0.0, correction_rates=None)
+    items = parse_spec(spec, "--estimator")[1]
+    return any(k.removeprefix("estimator.") == "correction_rates" and v == BUDGET_RATES for k, v in items.items())
 
 
 def parse_estimator(spec: str, base: EstimatorConfig, flag: str = "--estimator") -> tuple[str, EstimatorConfig | None]:
@@ -125,18 +102,12 @@ def parse_estimator(spec: str, base: EstimatorConfig, flag: str = "--estimator")
         if name == "exact":
             return name, base.exact()
         if name == "plain":
-            return name, plain_of(base)
+            return name, base.plain()
         return name, (None if name == "subsample" else base)
     kv = {}
-    for item in spec_items(rest):
-        key, eq, value = item.partition("=")
-        key = key.strip().removeprefix("estimator.")
-        if not eq or not key:
-            raise ValueError(f"{flag} {spec!r}: {item!r} is not KEY=VALUE")
-        if key == "correction_rates" and value.strip() == BUDGET_RATES:
-            kv[key] = None
-            continue
-        kv[key] = yaml.safe_load(value)
+    for key, value in parse_spec(spec, flag)[1].items():
+        key = key.removeprefix("estimator.")
+        kv[key] = None if key == "correction_rates" and value == BUDGET_RATES else yaml.safe_load(value)
     return name, configuration.from_dict(EstimatorConfig, {**base.to_dict(), **kv}, "estimator")
 
 
@@ -151,7 +122,7 @@ def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) ->
     """Rows with grad per sample of ``cfg`` on ``traj``, the mean over ``draws`` plans (no network call)."""
     gen = torch.Generator().manual_seed(0)
     n = draws if cfg.random else 1
-    rows = [sum(len(b.rows) for b in plan_update(traj, cfg, prompt_groups, generator=gen).bundles) for _ in range(n)]
+    rows = [plan_update(traj, cfg, prompt_groups, generator=gen).rows for _ in range(n)]
     return statistics.fmean(rows) / traj.batch_size
 
 
@@ -163,21 +134,14 @@ def rate_of(est: EstimatorConfig, rate: float | None = None) -> EstimatorConfig:
     return dataclasses.replace(est, correction_p=AUTO_START_P if rate is None else rate)
 
 
-def draw_batch(sampler: ShapesSampler, cfg: ShapesTrainConfig):
-    """One training batch as the trainer draws it: ``(traj, tokens, advantages, prompt_groups, rollout CPU
-    seconds)``, prompt groups without reward spread dropped when ``grpo.drop_zero_spread``."""
+def training_batch(sampler: ShapesSampler, cfg: ShapesTrainConfig):
+    """One training batch through the trainer's own pipeline (:func:`jagg.trainers.base.rollout_batch`): ``(traj,
+    tokens, advantages, prompt_groups, rollout CPU seconds)`` of the kept samples."""
     t0 = time.process_time()
-    rollout = sampler.sample()
-    scores, _ = sampler.score(rollout)
-    rewards = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
+    batch = rollout_batch(sampler.sample, sampler.score, cfg)
     seconds = time.process_time() - t0
-    prompts, tokens, traj = rollout.prompts, rollout.conditioning, rollout.traj
-    adv = group_advantages(rewards, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
-    keep = (nonzero_spread_mask(rewards, prompts) if cfg.grpo.drop_zero_spread
-            else torch.ones(len(prompts), dtype=torch.bool))
-    idx = torch.nonzero(keep).flatten()
-    prompt_groups = (torch.arange(len(prompts)) // cfg.sample.group_size)[idx]
-    return traj.select(idx), tokens[idx], adv[idx], prompt_groups, seconds
+    idx, ro = batch.keep_idx, batch.rollout
+    return ro.traj.select(idx), ro.conditioning[idx], batch.advantages[idx], batch.prompt_groups[idx], seconds
 
 
 def check_sizes(batches: int, draws: int, target_batch: int | None = None) -> None:
@@ -217,9 +181,9 @@ def budget_rates_of(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, bat
     steps), at the rows of ``est``'s uniform ``correction_p`` over the intervals it corrects."""
     pilot = dataclasses.replace(cfg, seed=cfg.seed + 1)
     pilots = {} if pilots is None else pilots
-    key = repr(dataclasses.replace(plain_of(est), interval_frac=1.0))
+    key = repr(dataclasses.replace(est.plain(), interval_frac=1.0))
     if key not in pilots:
-        pilots[key] = interval_errors(pilot, name, plain_of(est), batches, 1)
+        pilots[key] = interval_errors(pilot, name, est.plain(), batches, 1)
     parts = pilots[key]
     inner = [r["inner_steps"] for r in parts]
     eligible = eligible_intervals([list(range(n + 2)) for n in inner], True, est)      # the intervals JAGG may take
@@ -232,7 +196,7 @@ def budget_rates_of(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, bat
 
 @dataclass
 class Batch:
-    """One batch as :func:`draw_batch` drew it, kept so that every estimator, the ones ``auto`` resolves last
+    """One batch as :func:`training_batch` drew it, kept so that every estimator, the ones ``auto`` resolves last
     included, runs on the same batches."""
 
     traj: Trajectory
@@ -257,7 +221,7 @@ def _auto_rate(sampler: ShapesSampler, kept: list[Batch], est: EstimatorConfig, 
     """:func:`resolve_auto` for ``est`` (``correction_p: auto``) on the batches ``kept``: plain JAGG's gradients
     against ``exact`` (``[n, P]``), and its rows per sample, plain and at full correction, planned on the first batch
     against exact's ``rows_exact``."""
-    plain = dataclasses.replace(est, correction_p=0.0)
+    plain = est.plain()
     first = kept[0]
     rows = {"plain": expected_rows(first.traj, plain, first.prompt_groups), "exact": rows_exact,
             "full": expected_rows(first.traj, dataclasses.replace(est, correction_p=1.0), first.prompt_groups)}
@@ -309,7 +273,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
         costs[name] += c
 
     for _ in range(batches):
-        traj, tokens, adv, prompt_groups, seconds = draw_batch(sampler, cfg)
+        traj, tokens, adv, prompt_groups, seconds = training_batch(sampler, cfg)
         rollout_s.append(seconds)
         kept.append(Batch(traj, tokens, adv, prompt_groups))
     if ests.get("subsample", 0) is None:           # subsample at the config's rows, fixed from the first batch
@@ -407,7 +371,7 @@ def interval_errors(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, bat
     sampler = ShapesSampler(cfg)
     intervals, totals, parts = None, [], {}
     for b in range(batches):
-        traj, tokens, adv, prompt_groups, _ = draw_batch(sampler, cfg)
+        traj, tokens, adv, prompt_groups, _ = training_batch(sampler, cfg)
         vf = sampler.velocity(tokens)
         intervals = intervals or layout_intervals(traj, est)[0]
 

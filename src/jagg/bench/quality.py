@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checks import SEED_MAX, check_output_file, check_seed, check_unique_names, number_arg
+from ..checks import SEED_MAX, check_output_file, check_seed, check_unique_names, number_arg, parse_spec
 from ..trainers.shapes import ShapesTrainer
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
@@ -94,12 +94,8 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
                              "NAME:KEY=VALUE,...")
         return name, list(BUILTIN[name])
     check_unique_names([spec], BUILTIN, "--variant")
-    sets = []
-    for kv in body.split(","):
-        key, eq, value = kv.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--variant {spec!r}: {kv!r} is not KEY=VALUE")
-        sets.append(f"{key if '.' in key else 'estimator.' + key}={value}")
+    sets = [f"{key if '.' in key else 'estimator.' + key}={value}"
+            for key, value in parse_spec(spec, "--variant")[1].items()]
     return name, ["estimator.mode=jagg"] + sets
 
 

@@ -32,8 +32,8 @@ from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
 from ..trajectory import Trajectory, VelocityFn, sample_trajectories
-from .common import (PeakMemory, estimator_limit, json_if_asked, median, resolve_device, set_threads, table,
-                     timed)
+from .common import (PeakMemory, json_if_asked, median, resolve_device, set_threads, table, timed)
+from .projection import estimator_limit
 
 MODELS = ("tiny_dit", "sd3")
 

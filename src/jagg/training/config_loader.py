@@ -245,6 +245,15 @@ def read_text(path: str | Path, what: str) -> str:
     return text
 
 
+def read_prompt_lines(path: str, what: str = "sample.prompts_file") -> list[str]:
+    """The prompts of a text file, one per line (surrounding spaces and blank lines dropped); errors name ``what``
+    (:func:`read_text`)."""
+    prompts = [line.strip() for line in read_text(path, what).splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{what} {str(path)!r} holds no prompt; put one prompt per line")
+    return prompts
+
+
 def read_yaml(path: str | Path) -> dict:
     """The mapping in a YAML config file (``{}`` when empty). Raises ``FileNotFoundError`` for a missing file
     and ``ValueError`` naming the file (and the line and column of a syntax error) for anything unreadable."""
@@ -263,9 +272,11 @@ def read_yaml(path: str | Path) -> dict:
     return data or {}
 
 
-def load(cls, path: str | Path | None = None, overrides: list[str] | None = None):
-    """Load ``cls`` from a YAML file (or defaults when ``path`` is None) plus overrides."""
-    data = read_yaml(path) if path is not None else {}
+def load(cls, path: str | Path | None = None, overrides: list[str] | None = None, data: dict | None = None):
+    """Load ``cls`` from a YAML file (or defaults when ``path`` is None; or the mapping ``data`` already read from
+    one with :func:`read_yaml`) plus overrides."""
+    if data is None:
+        data = read_yaml(path) if path is not None else {}
     return from_dict(cls, apply_overrides(data, overrides or []))
 
 
