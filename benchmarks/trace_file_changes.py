@@ -9,7 +9,10 @@ file counts as one change (frames outside ``jagg``, e.g. torch and diffusers, ar
 (``--imports`` counts it too).
 Tracing stops at the first ``optimizer.step()``.
 
-    python benchmarks/trace_file_changes.py [--correction-p P] [--path] [--json out.json]
+    python benchmarks/trace_file_changes.py [--correction-p P] [--skip-checks] [--path] [--json out.json]
+
+``--skip-checks`` makes ``jagg/checks.py`` transparent too (its calls move nothing), as the held-out trace of #34
+counts: the shared checks aside.
 
 Prints the number of file changes, the number of distinct files visited, and the files most often entered;
 ``--path`` also prints every change (the JSON always holds them, as ``path``).
@@ -73,7 +76,7 @@ threads: 1
     return cfg
 
 
-def trace(config: Path, imports: bool = False) -> dict:
+def trace(config: Path, imports: bool = False, skip_checks: bool = False) -> dict:
     import jagg
     from jagg.cli import main
 
@@ -82,8 +85,11 @@ def trace(config: Path, imports: bool = False) -> dict:
     entered = collections.Counter()
     path: list[str] = []  # one "file:function" per change, the function that moved the current file
 
+    checks = str(Path(pkg) / "checks.py")
+
     def in_jagg(frame) -> bool:
-        return frame.f_code.co_filename.startswith(pkg)
+        f = frame.f_code.co_filename
+        return f.startswith(pkg) and not (skip_checks and f == checks)
 
     def importing(frame) -> bool:
         while frame is not None:
@@ -138,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", action="store_true",
                    help="also print every change: '->' FILE:FUNCTION for a call into another file, '<-' FILE:FUNCTION "
                         "for a return to the caller FUNCTION in FILE")
+    p.add_argument("--skip-checks", action="store_true",
+                   help="leave the calls into jagg/checks.py out (transparent, as torch is): the shared checks aside")
     p.add_argument("--correction-p", type=float, default=0.0,
                    help="estimator.correction_p of the traced run [default: 0, plain JAGG: the estimator the count "
                         "before the layout change (284) traced; the library default 0.25 adds the correction's calls]")
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        result = trace(write_config(tmp, tiny_sd3_dir(tmp / "sd3"), args.correction_p), args.imports)
+        result = trace(write_config(tmp, tiny_sd3_dir(tmp / "sd3"), args.correction_p), args.imports, args.skip_checks)
     print(f"source-file changes from `jagg train` to the first optimizer step: {result['file_changes']}")
     print(f"distinct files: {result['files_visited']}")
     for f, n in list(result["entered"].items())[:12]:

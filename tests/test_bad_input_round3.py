@@ -464,7 +464,7 @@ def test_a_duplicated_yaml_key_is_refused_naming_the_key_and_the_file(text, key,
 
 
 def test_the_reward_help_of_eval_and_bench_paired_names_the_main_job_s_reward(capsys):
-    from jagg.cli import MAIN_JOB_REWARD
+    from jagg.arguments import MAIN_JOB_REWARD
     from jagg.training import config_loader as configuration
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
 

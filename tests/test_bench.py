@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from jagg.bench.common import cost_limit, spearman
+from jagg.bench.common import spearman
+from jagg.bench.projection import cost_limit
 from jagg.cli import main
 
 
@@ -62,19 +63,15 @@ def test_cost_model_and_spearman():
     assert cost_limit(4, "interp", steps=8, jagg_frac=0.5) == pytest.approx(24 / (2 * (0.5 * 6 + 0.5 * 12)))
     assert cost_limit(4, "interp", steps=10, exact_first=1) == pytest.approx(30 / (12 + 6 + 6))
     assert cost_limit(4, "interp", steps=10, knots="shared") == pytest.approx(10 / 4)    # knots 0, 3, 6, 9
-    assert cost_limit(4, "interp", steps=10, knots="adaptive") == pytest.approx(10 / 4)
     assert cost_limit(4, "fresh", steps=10, knots="shared") == pytest.approx(30 / (12 + 6))
     assert cost_limit(4, "interp", steps=8, correction_p=0.25) == pytest.approx(8 / (4 + 0.25 * 4))
-    assert cost_limit(4, "interp", steps=8, correction_p=0.25, correction_intervals=1) == pytest.approx(8 / (4 + 0.25 * 2))
+    assert cost_limit(4, "interp", steps=8, correction_rates=[0.25, 0.0]) == pytest.approx(8 / (4 + 0.25 * 2))
     assert cost_limit(4, "interp", steps=10, exact_last=1) == pytest.approx(10 / 8)  # the last group JAGG could take
     # interval subsampling: m of n intervals kept; exact's is n / m; a knot shared with a drawn neighbour counts once
     assert cost_limit(5, "interp", steps=20, interval_frac=0.6) == pytest.approx(20 / 4)      # 2 of 4 step groups
     assert cost_limit(4, "interp", steps=10, jagg_frac=0.0, interval_frac=0.5) == pytest.approx(1.5)
     assert cost_limit(4, "interp", steps=10, knots="shared", interval_frac=0.67) == pytest.approx(10 / (10 / 3))
-    assert cost_limit(4, "interp", steps=8, correction="step", correction_p=0.5) == pytest.approx(8 / (4 + 0.5 * 2))
     assert cost_limit(4, "interp", steps=8, correction_rates=[0.5, 0.0]) == pytest.approx(8 / (4 + 0.5 * 2))
-    assert cost_limit(4, "interp", steps=8, correction_p=0.25, control_variate=True) == pytest.approx(
-        8 / (4 + 0.25 * 2 * (2 + 2)))
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 1, 2, 3], [5, 5, 6, 7]) == pytest.approx(1.0)       # ties get average ranks
@@ -83,16 +80,16 @@ def test_cost_model_and_spearman():
 @pytest.mark.parametrize("est", [
     dict(mode="jagg", window=4, knots="shared", interval_frac=0.5, correction_p=0.25),
     dict(mode="jagg", window=4, knots="shared", interval_frac=0.67, correction_p=0.0, intermediate="fresh"),
-    dict(mode="jagg", window=5, interval_frac=0.6, correction="step", correction_p=0.5, exact_last_intervals=1),
-    dict(mode="jagg", window=4, correction_rates=[0.5, 0.25, 1.0, 0.0], control_variate=0.5, intermediate="fresh"),
-    dict(mode="jagg", window=4, knots="shared", correction_p=0.5, control_variate=0.5, interval_frac=0.5),
+    dict(mode="jagg", window=5, interval_frac=0.6, correction_p=0.5, exact_last_intervals=1),
+    dict(mode="jagg", window=4, correction_rates=[0.5, 0.25, 1.0, 0.0], intermediate="fresh"),
+    dict(mode="jagg", window=4, knots="shared", correction_p=0.5, interval_frac=0.5),
     dict(mode="exact", window=4, knots="shared", interval_frac=0.4),
 ])
 def test_cost_model_expects_the_rows_the_plans_run(est):
     """estimator_limit's expected rows (B = 2F) against the mean over 400 plans of what they run (rows with grad,
-    no-grad inner rows), for interval subsampling, the corrections and the control variate on 14 trained steps."""
+    no-grad inner rows), for interval subsampling and the corrections on 14 trained steps."""
     from jagg import EstimatorConfig
-    from jagg.bench.common import estimator_limit
+    from jagg.bench.projection import estimator_limit
     from jagg.knots import plan_update
     from toy import Nonlinear, sampled_traj
 
@@ -102,7 +99,7 @@ def test_cost_model_expects_the_rows_the_plans_run(est):
     gen, cost = torch.Generator().manual_seed(0), []
     for _ in range(400):
         plan = plan_update(traj, cfg, generator=gen)
-        rows = sum(len(b.rows) for b in plan.bundles)
+        rows = plan.rows
         nograd = sum(t.source[1] >= 0 for b in plan.bundles for t in b.terms) if cfg.intermediate == "fresh" else 0
         cost.append(3 * rows + nograd)
     assert 14 * 3 * 4 / (sum(cost) / len(cost)) == pytest.approx(estimator_limit(cfg, 14), rel=0.02)
@@ -120,19 +117,19 @@ def test_bench_speed_smoke(tmp_path, bench_ckpt):
     for f, m in ((0.5, 4), (0.25, 2)):                          # round(f 8) of the 8 steps: limit 8 / m
         assert sub[f]["backward_items_jagg"] == B * m and sub[f]["limit"] == sub[f]["limit_measured"] == T / m
     recs = [r for r in recs if r["knots"] != "subsample"]
-    variants = [r for r in recs if r["variant"]]                # interval subsampling and the step correction, W > 2
+    variants = [r for r in recs if r["variant"]]                # interval subsampling and the correction, W > 2
     assert {(r["knots"], r["window"], r["intermediate"], r["variant"]) for r in variants} == {
-        (k, w, i, v) for k in ("groups", "shared", "adaptive") for w in (4, 8) for i in ("fresh", "interp")
-        for v in ("interval_frac=0.5", "step:0.25")}
+        (k, w, i, v) for k in ("groups", "shared") for w in (4, 8) for i in ("fresh", "interp")
+        for v in ("interval_frac=0.5", "correction_p=0.25")}
     by = {(r["knots"], r["window"], r["intermediate"], r["variant"]): r for r in variants}
     half = by[("groups", 4, "interp", "interval_frac=0.5")]     # one of the 2 step groups per sample: 2 of 8 rows
     assert half["backward_items_jagg"] == B * 2 and half["limit"] == pytest.approx(4.0)
-    step = by[("groups", 4, "interp", "step:0.25")]             # 4 units at 0.25: one corrected by one row
-    assert step["backward_items_jagg"] == B * 4 + 1 and step["limit"] == pytest.approx(8 / (4 + 0.25 * 2))
+    fix = by[("groups", 4, "interp", "correction_p=0.25")]      # 4 units at 0.25: one corrected, by its 2 inner rows
+    assert fix["backward_items_jagg"] == B * 4 + 2 and fix["limit"] == pytest.approx(8 / (4 + 0.25 * 4))
     recs = [r for r in recs if not r["variant"]]
     pairs = {(w, i) for w in (2, 4, 8) for i in ("fresh", "interp")}
     assert {(r["window"], r["intermediate"]) for r in recs} == pairs
-    assert len(recs) == 3 * len(pairs)                          # groups, shared, adaptive
+    assert len(recs) == 2 * len(pairs)                          # groups, shared
     for r in recs:
         if r["knots"] != "groups":                              # knots every W - 1 steps: 1 + ceil(7 / (W - 1))
             W = r["window"]
@@ -161,7 +158,7 @@ def test_bench_fidelity_smoke(tmp_path, bench_ckpt, capsys):
     assert "Pareto" in capsys.readouterr().out
     recs = json.loads(out.read_text())
     tot = {(r["policy"], r["knots"], r["window"], r["intermediate"]): r for r in recs if r["kind"] == "fidelity"}
-    assert set(tot) == {(p, k, w, i) for p in ("on", "off") for k in ("groups", "shared", "adaptive") for w in (2, 4)
+    assert set(tot) == {(p, k, w, i) for p in ("on", "off") for k in ("groups", "shared") for w in (2, 4)
                         for i in ("fresh", "interp")}
     for (policy, knots, W, inter), r in tot.items():
         assert -1 <= r["cosine"] <= 1 + 1e-9 and r["rel_err"] >= 0
@@ -171,11 +168,10 @@ def test_bench_fidelity_smoke(tmp_path, bench_ckpt, capsys):
             assert r["backward_items_jagg"] == r["backward_items_exact"] == r["samples"] * 7
     assert tot[("on", "groups", 4, "interp")]["backward_items_jagg"] == 4 * 4      # groups 0-3, 4-6: 2 + 2 rows
     assert tot[("on", "shared", 4, "interp")]["backward_items_jagg"] == 4 * 3      # knots 0, 3, 6
-    assert tot[("on", "adaptive", 4, "interp")]["backward_items_jagg"] == 4 * 3
     on4 = tot[("on", "groups", 4, "interp")]["cosine"]
     assert on4 == pytest.approx(tot[("on", "groups", 4, "fresh")]["cosine"], abs=1e-4)   # interp is exact on-policy
     sp = [r for r in recs if r["kind"] == "spearman"]
-    assert {r["score"] for r in sp} == {"chord", "cosine", "cosine_min", "velocity_cosine"}
+    assert {r["score"] for r in sp} == {"cosine"}
     assert all(r["pairs"] == 8 for r in sp)                     # 4 samples x 2 groups of > 2 steps
     full = [r for r in recs if r["kind"] == "routing" and r["jagg_frac"] == 1.0 and r["exact_first_intervals"] == 0]
     assert full and full[0]["cosine"] == pytest.approx(on4, abs=1e-6)  # routing everything = JAGG everywhere

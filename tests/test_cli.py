@@ -233,7 +233,8 @@ def test_save_grid_captions_prompt_and_reward(tmp_path, capsys, tiny_ckpt):
 
 def test_eval_defaults_are_the_main_jobs_evaluation():
     """`jagg eval --checkpoint runs/default` evaluates as the trainer did: same guidance, steps, images, seed."""
-    from jagg.cli import build_parser, main_job_defaults
+    from jagg.arguments import main_job_defaults
+    from jagg.cli import build_parser
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
     from jagg.training import config_loader
 
@@ -298,3 +299,23 @@ def test_train_help_shows_the_main_jobs_values_beside_the_dataclass_defaults(tmp
     assert lines["pipeline.path"].endswith("['/models/stable-diffusion-3.5-medium'; dataclass default: '']")
     lines = _help(["train", "--config", str(tmp_path / "missing.yaml"), "--help"], capsys)
     assert lines["optim.lr"].endswith("[default: 0.0003]")                     # unloadable: the defaults, said so
+
+
+def test_print_config_marks_unset_required_inputs_instead_of_refusing(tmp_path, capsys):
+    """configs/qwen_image.yaml leaves sample.prompts_file unset: --print-config prints the config with that key marked
+    REQUIRED (exit 0), training refuses it (exit 2), and the printed YAML loads back once the key is set."""
+    config = REPO / "configs" / "qwen_image.yaml"
+    assert main(["train", "--config", str(config), "--print-config"]) == 0
+    out = capsys.readouterr().out
+    marked = [line for line in out.splitlines() if "REQUIRED" in line and not line.startswith("#")]
+    assert len(marked) == 1 and marked[0].lstrip().startswith("prompts_file: null  # REQUIRED, unset:")
+    assert "1 required input(s) unset" in out.splitlines()[0]
+    assert main(["train", "--config", str(config), "--output-dir", str(tmp_path / "run")]) == 2
+    assert "sample.prompts_file must be set" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    (tmp_path / "prompts.txt").write_text("a red cube\n")
+    (tmp_path / "printed.yaml").write_text(out)
+    from jagg.trainers.diffusers_config import load_config
+
+    again = load_config(tmp_path / "printed.yaml", [f"sample.prompts_file={tmp_path / 'prompts.txt'}"])
+    assert again.sample.prompts_file == str(tmp_path / "prompts.txt")
+    assert main(["train", "--print-config"]) == 0 and "REQUIRED" not in capsys.readouterr().out   # nothing unset

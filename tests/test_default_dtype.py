@@ -73,13 +73,10 @@ CASES = {
     "alpha_index": dict(alpha="index"),
     "shared": dict(knots="shared"),
     "shared_corrected_micro3": dict(knots="shared", correction_p=0.5, micro_batch=3),
-    "adaptive": dict(knots="adaptive"),
-    "adaptive_fresh_plain": dict(knots="adaptive", intermediate="fresh", correction_p=0.0),
+    "shared_fresh_plain": dict(knots="shared", intermediate="fresh", correction_p=0.0),
     "route_half_cosine": dict(jagg_frac=0.5),
-    "route_half_chord_plain": dict(jagg_frac=0.5, score="chord", correction_p=0.0),
-    "route_velocity_cosine": dict(jagg_frac=0.5, score="velocity_cosine"),
-    "route_cosine_min": dict(jagg_frac=0.3, score="cosine_min"),
-    "correction_intervals": dict(correction_intervals=1, correction_p=0.5),
+    "route_third_plain": dict(jagg_frac=0.3, correction_p=0.0),
+    "correction_rates": dict(correction_rates=[0.5, 0.0, 1.0]),
     "correction_p1": dict(correction_p=1.0),
     "exact_first_last": dict(exact_first_intervals=1, exact_last_intervals=1, window=3),
     "kl": dict(kl_beta=0.2),
@@ -139,7 +136,8 @@ def test_sampling_and_advantages_under_a_float64_default(default_dtype, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("case", ["default", "plain_interp", "shared", "adaptive", "route_half_cosine", "exact"])
+@pytest.mark.parametrize("case", ["default", "plain_interp", "shared", "shared_fresh_plain", "route_half_cosine",
+                                  "exact"])
 def test_audit_gradient_under_a_float64_default(default_dtype, dtype, case):
     def audit():
         model, _, traj, adv = _setup(dtype)

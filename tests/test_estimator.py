@@ -236,20 +236,19 @@ def test_routing_fraction_zero_is_exact_and_one_routes_all():
     assert s1.intervals_jagg == s1.intervals == 12 and s1.backward_items == 2 * 12
 
 
-@pytest.mark.parametrize("score", ["chord", "cosine", "cosine_min", "velocity_cosine"])
-def test_routing_mid_fraction_picks_most_linear_groups(score):
+def test_routing_mid_fraction_picks_most_linear_groups():
     from jagg.knots import plan_update
-    from jagg.knots import interval_alphas, step_groups
+    from jagg.knots import step_groups
     from jagg.routing import linearity_scores
 
     torch.manual_seed(8)
     model = Nonlinear(batch=4)
     traj = sampled_traj(model, B=4, T=12)
-    cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=0.5, score=score)
+    cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=0.5)
     plan = plan_update(traj, cfg)
     assert plan.eligible == 12 and plan.routed == 6
     intervals = step_groups(list(range(12)), 4)
-    scores = linearity_scores(traj.velocities, intervals, [interval_alphas(traj.sigmas, iv) for iv in intervals], score)
+    scores = linearity_scores(traj.velocities, intervals)
     routed = {(b.sample, b.rows[0] // 4) for b in plan.bundles if b.jagg}
     thresh = torch.sort(scores.flatten(), descending=True).values[5]
     assert all(scores[i, g] >= thresh for i, g in routed)
@@ -258,8 +257,7 @@ def test_routing_mid_fraction_picks_most_linear_groups(score):
     assert st.backward_items == 6 * 2 + 6 * 4
 
 
-def test_chord_score_ranks_a_linear_group_above_a_curved_one():
-    from jagg.knots import interval_alphas
+def test_score_ranks_a_linear_group_above_a_curved_one():
     from jagg.routing import linearity_scores
 
     sig = jagg.flow_sigmas(8, dtype=torch.float64)
@@ -267,10 +265,8 @@ def test_chord_score_ranks_a_linear_group_above_a_curved_one():
     v[0, :4] = sig[:4, None] * torch.tensor([1.0, 2.0, 3.0])                 # linear in sigma
     v[0, 4:] = torch.stack([torch.tensor([1.0, 0, 0]), torch.tensor([0, 1.0, 0]),
                             torch.tensor([-1.0, 0, 0]), torch.tensor([0, -1.0, 0])])  # a curve
-    for score in ("chord", "cosine", "cosine_min"):
-        intervals = [[0, 1, 2, 3], [4, 5, 6, 7]]
-        s = linearity_scores(v, intervals, [interval_alphas(sig, iv) for iv in intervals], score)
-        assert s[0, 0] > s[0, 1], score
+    s = linearity_scores(v, [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1]])
+    assert s[0, 0] == pytest.approx(1.0) and s[0, 0] > s[0, 1] and s[0, 2] == torch.inf    # 2 steps: exact
 
 
 def test_exact_first_and_last_groups():
@@ -286,7 +282,7 @@ def test_exact_first_and_last_groups():
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(window=0), "window"), (dict(jagg_frac=1.5), "jagg_frac"), (dict(jagg_frac=-0.1), "jagg_frac"),
-    (dict(mode="fast"), "mode"), (dict(intermediate="lerp"), "intermediate"), (dict(score="x"), "score"),
+    (dict(mode="fast"), "mode"), (dict(intermediate="lerp"), "intermediate"),
     (dict(micro_batch=1), "micro_batch"), (dict(clip_range=0), "clip_range"), (dict(kl_beta=-1), "kl_beta"),
     (dict(clip_range=float("nan")), "clip_range must be a finite number"), (dict(kl_beta=float("inf")), "kl_beta"),
     (dict(jagg_frac="0.5"), "jagg_frac must be a finite number"), (dict(window=True), "window"),
@@ -377,21 +373,21 @@ def test_routing_whole_grpo_groups():
     """With prompt_groups, a prompt group's samples are routed together, by their mean score, and the gradient is
     the exact gradient of the unrouted groups plus the JAGG gradient of the routed ones."""
     from jagg.knots import plan_update
-    from jagg.knots import interval_alphas, route, step_groups
+    from jagg.knots import route, step_groups
     from jagg.routing import linearity_scores
 
     torch.manual_seed(9)
     model = Nonlinear(batch=6)
     traj = sampled_traj(model, B=6, T=8)
     members = torch.tensor([0, 0, 1, 1, 2, 2])                   # three GRPO groups of two samples
-    cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=0.5, score="chord")
+    cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, jagg_frac=0.5)
     plan = plan_update(traj, cfg, members)
     routed = {(b.sample, b.rows[0] // 4) for b in plan.bundles if b.jagg}
     assert plan.eligible == 12 and plan.routed == 6                           # round(0.5 * 6 units) = 3 units x 2 samples
     for i, g in routed:
         assert (i ^ 1, g) in routed                                # the partner sample is routed alike
     intervals = step_groups(list(range(8)), 4)
-    scores = linearity_scores(traj.velocities, intervals, [interval_alphas(traj.sigmas, iv) for iv in intervals], "chord")
+    scores = linearity_scores(traj.velocities, intervals)
     unit = scores.view(3, 2, 2).mean(1)                           # [GRPO group, step group]
     expect = {(2 * u + k, g) for u, g in torch.nonzero(route(unit, 0.5, torch.ones(2, dtype=torch.bool)))
               .tolist() for k in (0, 1)}

@@ -17,21 +17,23 @@ from test_knots import _golden_case, assert_matches_golden
 from toy import Nonlinear, perturb, run, sampled_traj
 
 GOLDEN = Path(__file__).parent / "data" / "layouts_golden.pt"
-LAYOUT_CASES = ["shared_w4_interp", "shared_w3_fresh_route", "adaptive_w4_interp", "groups_w4_corrected",
-                "shared_w4_corrected_mb2", "shared_w4_route_corrected", "groups_w5_fresh_kl_corrected", "subsample_0.4"]
+# the file's shared_w3_fresh_route, adaptive_w4_interp and shared_w4_route_corrected used retired options (the 'chord'
+# score, adaptive knots, correction_intervals)
+LAYOUT_CASES = ["shared_w4_interp", "groups_w4_corrected", "shared_w4_corrected_mb2", "groups_w5_fresh_kl_corrected",
+                "subsample_0.4"]
 TIGHT = dict(rtol=1e-10, atol=1e-13)
 
 
 @pytest.mark.parametrize("name", LAYOUT_CASES)
 def test_interval_frac_one_reproduces_every_layout_before_it(name):
-    """interval_frac=1 (and correction='interval', no rates, no control variate) gives every layout's gradient as the
-    estimator gave it before these options existed: shared and adaptive knots, routing, the correction with its picks,
+    """interval_frac=1 (and no rates) gives every layout's gradient as the estimator gave it before these options
+    existed: shared knots, the correction with its picks,
     chains split by micro_batch, subsampling (golden file written by tests/data/make_layouts_golden.py at f4a6ced)."""
     case = torch.load(GOLDEN)[name]
     model, ref, traj, adv = _golden_case()
     ref_v = jagg.reference_velocities(ref, traj) if case["config"].get("kl_beta") else None
     cfg = EstimatorConfig(**{"intermediate": "interp", **case["config"]}, interval_frac=1.0,  # the default of its day
-                          correction="interval", correction_rates=None, control_variate=0.0)
+                          correction_rates=None)
     g, st = run(model, traj, adv, cfg, ref_velocities=ref_v, prompt_groups=[0, 0, 1, 1, 2, 2],
                 generator=torch.Generator().manual_seed(3))
     assert_matches_golden(g, case["grad"])
@@ -72,14 +74,14 @@ def _all_draws(monkeypatch, B: int, n: int, m: int):
     return len(masks)
 
 
-@pytest.mark.parametrize("knots, n", [("groups", 3), ("shared", 4), ("adaptive", 4)])
+@pytest.mark.parametrize("knots, n", [("groups", 3), ("shared", 4)])
 @pytest.mark.parametrize("mode", ["exact", "jagg"])
 def test_the_mean_over_every_draw_is_the_full_estimator(monkeypatch, knots, n, mode):
     """Enumerating every draw of 2 of the n intervals per sample: the mean gradient is the full estimator's exactly
     (mode exact: the exact gradient; jagg: plain JAGG's full gradient, with routing too), so every term belongs to
     exactly one interval at weight n / m, shared knots included. A draw alone is not."""
     model, traj, adv = _case()
-    extra = dict(jagg_frac=0.5, score="chord") if mode == "jagg" and knots == "shared" else {}
+    extra = dict(jagg_frac=0.5) if mode == "jagg" and knots == "shared" else {}
     base = dict(mode=mode, window=4, knots=knots, correction_p=0.0, clip_range=0.05, **extra)
     full, _ = run(model, traj, adv, EstimatorConfig(**base))
     total = _all_draws(monkeypatch, 3, n, 2)
@@ -125,7 +127,7 @@ def assert_mean_is(grads: torch.Tensor, target: torch.Tensor, other: torch.Tenso
     assert abs(z_toward(grads, other, target)) > 10
 
 
-@pytest.mark.parametrize("knots", ["groups", "shared", "adaptive"])
+@pytest.mark.parametrize("knots", ["groups", "shared"])
 def test_draws_from_the_generator_average_to_the_full_estimator(knots):
     """With the generator's own draws (and the correction's picks, with prompt groups): the mean over 300 draws is
     within a few standard errors of the full estimator: exact's gradient with the correction at p = 0.5, plain
@@ -206,7 +208,7 @@ def test_routing_and_the_correction_count_drawn_intervals_only():
 
 def test_the_same_generator_gives_the_same_bits():
     model, traj, adv = _case(B=4)
-    for knots in ("groups", "shared", "adaptive"):
+    for knots in ("groups", "shared"):
         cfg = EstimatorConfig(mode="jagg", window=4, knots=knots, correction_p=0.5, interval_frac=0.5)
         a, _ = run(model, traj, adv, cfg, generator=torch.Generator().manual_seed(9))
         b, _ = run(model, traj, adv, cfg, generator=torch.Generator().manual_seed(9))

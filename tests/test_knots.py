@@ -1,4 +1,4 @@
-"""Knot layouts (groups, shared, adaptive), alpha by sigma or index, and unbiased JAGG: exactness facts (float64)."""
+"""Knot layouts (groups, shared), alpha by sigma or index, and unbiased JAGG: exactness facts (float64)."""
 
 import copy
 from pathlib import Path
@@ -8,7 +8,7 @@ import torch
 
 import jagg
 from jagg import EstimatorConfig
-from jagg.knots import adaptive_knots, interval_cost, num_shared_knots, plan_update, shared_knots
+from jagg.knots import plan_update, shared_knots
 from toy import AffineInSigma, LinearXSigma, Nonlinear, perturb, run, sampled_traj, traj_from_latents
 
 TIGHT = dict(rtol=1e-10, atol=1e-13)
@@ -24,7 +24,8 @@ def _golden_case():
     return model, ref, traj, torch.linspace(-1.5, 1.5, 6, dtype=torch.float64)
 
 
-GOLDEN_NAMES = ["w4_interp", "w3_fresh", "w4_route_half", "w5_first_exact", "exact"]
+# the file's w4_route_half routed by the retired 'chord' score; routing by the one score left is pinned in test_estimator
+GOLDEN_NAMES = ["w4_interp", "w3_fresh", "w5_first_exact", "exact"]
 # the golden file records each case's config as written at 3fb7ec0, where exact_first_intervals was still called so
 GOLDEN_KEYS = {"exact_first_groups": "exact_first_intervals"}
 
@@ -80,10 +81,10 @@ def test_shared_knot_positions_and_counts():
     assert shared_knots(5, 2) == [0, 1, 2, 3, 4]
     for K in range(1, 20):
         for W in range(3, 9):
-            assert num_shared_knots(K, W) == (1 if K == 1 else 1 + -(-(K - 1) // (W - 1)))
+            assert len(shared_knots(K, W)) == (1 if K == 1 else 1 + -(-(K - 1) // (W - 1)))
 
 
-@pytest.mark.parametrize("knots", ["groups", "shared", "adaptive"])
+@pytest.mark.parametrize("knots", ["groups", "shared"])
 @pytest.mark.parametrize("intermediate", ["interp", "fresh"])
 def test_knots_at_every_step_give_exact_bit_for_bit(knots, intermediate):
     """window 1 or 2 puts a knot at every trained step: the estimate is the exact gradient, bit for bit."""
@@ -133,43 +134,6 @@ def test_shared_knots_exact_when_latents_affine_between_knots(intermediate):
     assert not torch.allclose(gg, ge, rtol=1e-4, atol=1e-8)      # groups' knots (0,3,4,7,8,9) are other knots
 
 
-def test_adaptive_knots_find_the_affine_pieces():
-    """Latents affine in sigma between 0, 2, 7, 9 (not the uniform 0, 3, 6, 9): the adaptive placement finds those
-    knots from the rollout alone and is exact there; shared knots are not."""
-    model, traj = _linear_case([0, 2, 7, 9], seed=2)
-    adv = torch.tensor([1.5, -1.0, 0.3], dtype=torch.float64)
-    cfg = EstimatorConfig(correction_p=0.0, mode="jagg", window=4, knots="adaptive", intermediate="fresh", clip_range=0.3)
-    from jagg.estimator import UpdateInputs, _signal_norms
-
-    plan = plan_update(traj, cfg, signal_norms=_signal_norms(UpdateInputs(None, traj, torch.as_tensor(adv), cfg, None, 1.0)))
-    assert plan.knots == [0, 2, 7, 9]
-    ge, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.3))
-    ga, st = run(model, traj, adv, cfg)
-    assert torch.allclose(ga, ge, rtol=1e-10, atol=1e-12) and st.backward_items == 3 * 4
-    gs, _ = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", window=4, knots="shared", intermediate="fresh",
-                                                    clip_range=0.3))
-    assert not torch.allclose(gs, ge, rtol=1e-4, atol=1e-8)
-
-
-def test_adaptive_dp_is_optimal_on_small_problems():
-    """The dynamic programme returns the minimum over every placement (brute force on random costs)."""
-    import itertools
-
-    g = torch.Generator().manual_seed(0)
-    for K, M in ((6, 3), (7, 4), (8, 3)):
-        cost = torch.rand(K, K, generator=g, dtype=torch.float64).triu(2)
-        total = lambda pos: sum(float(cost[a, b]) for a, b in zip(pos[:-1], pos[1:]))
-        best = min(total((0, *mid, K - 1)) for mid in itertools.combinations(range(1, K - 1), M - 2))
-        assert total(adaptive_knots(cost, M)) == pytest.approx(best)
-
-
-def test_interval_cost_is_zero_on_linear_velocities():
-    sig = jagg.flow_sigmas(6, shift=3.0, dtype=torch.float64)[:6]
-    v = torch.randn(2, 1, 5, dtype=torch.float64) + sig.view(1, -1, 1) * torch.randn(2, 1, 5, dtype=torch.float64)
-    assert interval_cost(v, torch.ones(2, 6), sig).abs().max() < 1e-6          # (from inner products: rounding)
-    assert interval_cost(v, torch.ones(2, 6), sig, "index").max() > 1e-3     # shifted schedule: index alpha is off
-
-
 @pytest.mark.parametrize("knots", ["groups", "shared"])
 def test_affine_in_sigma_model_is_exact_for_every_layout(knots):
     """theta_0 + sigma theta_1: J is affine in sigma everywhere, so any knots give the exact gradient (fresh)."""
@@ -185,7 +149,7 @@ def test_affine_in_sigma_model_is_exact_for_every_layout(knots):
         assert torch.allclose(gj, ge, **TIGHT)
 
 
-@pytest.mark.parametrize("knots", ["shared", "adaptive"])
+@pytest.mark.parametrize("knots", ["shared"])
 def test_micro_batch_splits_chains_without_changing_the_gradient(knots):
     """A chain of shared knots longer than micro_batch is split into overlapping pieces: same gradient, a few more
     rows (the duplicated boundary knots)."""
@@ -212,7 +176,7 @@ def test_routing_with_shared_knots_decomposes():
     assert torch.equal(g0, ge) and s0.intervals_jagg == 0 and s0.intervals == 12
     _, s1 = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", knots="shared", jagg_frac=1.0))
     assert s1.intervals_jagg == 12 and s1.backward_items == 4 * 4
-    _, sh = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", knots="shared", jagg_frac=0.5, score="chord"))
+    _, sh = run(model, traj, adv, EstimatorConfig(correction_p=0.0, mode="jagg", knots="shared", jagg_frac=0.5))
     assert sh.intervals_jagg == 6 and sh.backward_items == 4 * 4 + 6 * 2
 
 
@@ -242,12 +206,13 @@ def test_unbiased_jagg_is_exact_in_expectation_and_p1_is_exact():
         assert rows == pytest.approx(sj.backward_items + 0.5 * inner, rel=0.1)
 
 
-def test_correction_intervals_limits_the_picks_to_the_noisiest():
+def test_correction_rates_limit_the_picks_to_the_noisiest():
+    """What the retired correction_intervals=1 did: correction_rates [1, 0, 0] corrects only the first interval."""
     torch.manual_seed(8)
     model = Nonlinear(batch=4)
     traj = sampled_traj(model, B=4, T=12)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
-    cfg = EstimatorConfig(mode="jagg", window=4, correction_p=1.0, correction_intervals=1)
+    cfg = EstimatorConfig(mode="jagg", window=4, correction_rates=[1.0, 0.0, 0.0])
     plan = plan_update(traj, cfg)
     corrected_steps = {t.step for b in plan.bundles for t in b.terms if not t.counted}
     assert corrected_steps == {1, 2} and plan.corrected == 4
@@ -281,7 +246,7 @@ def test_only_steps_ranges_sum_to_the_full_gradient():
 
 def test_config_rejects_bad_knot_options():
     for kw, msg in ((dict(knots="uniform"), "knots must be one of"), (dict(alpha="time"), "alpha must be one of"),
-                    (dict(correction_p=1.5), "correction_p"), (dict(correction_intervals=-1), "correction_intervals"),
+                    (dict(correction_p=1.5), "correction_p"), (dict(exact_first_intervals=-1), "exact_first_intervals"),
                     (dict(audit_every=-2), "audit_every"), (dict(audit_samples=1), "audit_samples")):
         with pytest.raises(ValueError, match=msg):
             EstimatorConfig(**kw)

@@ -198,7 +198,7 @@ def test_the_meter_chooses_the_rate_from_its_audits():
 def test_auto_is_a_setting_of_the_trainers_not_of_the_library_call():
     cfg = EstimatorConfig(correction_p="auto")
     assert cfg.correction_p == "auto"
-    for kw, msg in ((dict(correction_p="auto", correction_intervals=1), "correction_intervals=0"),
+    for kw, msg in ((dict(correction_p="auto", correction_rates=[0.5]), "correction_rates=None"),
                     (dict(correction_p="sometimes"), "or 'auto'"), (dict(correction_p=float("nan")), "or 'auto'")):
         with pytest.raises(ValueError, match=msg):
             EstimatorConfig(**kw)

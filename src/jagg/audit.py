@@ -41,7 +41,8 @@ def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
     where = ", ".join(f"{k} {v:.2f}" for k, v in low.items())
     return (f"audit: JAGG's gradient is far from exact in part of the trajectory (cosine {where}; below "
             f"{FLAG_BELOW}). Its error there is a bias that can repeat from batch to batch and drive the reward down; "
-            "consider estimator.correction_p (e.g. 0.25: unbiased JAGG) or exact_first_intervals")
+            "consider estimator.correction_p (e.g. 0.25: unbiased JAGG), or keep exact the intervals where the error "
+            "lives (exact_first_intervals / exact_last_intervals; jagg bench efficiency --by-interval finds them)")
 
 
 CLIP_RATIO_FLAG = 1.5   # an estimator clipping more than this times exact's terms (plus CLIP_FLOOR) is flagged
@@ -202,8 +203,7 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
     loo = [_error_noise(exact[keep], mean_err[keep], err_sq[keep])
            for keep in ([j for j in range(n) if j != i] for i in range(n))]
     for key in ("error_to_noise", "bias_to_noise", "signal_to_noise"):
-        vals = np.array([r[key] for r in loo])
-        out[f"{key}_se"] = math.sqrt((n - 1) / n * float(((vals - vals.mean()) ** 2).sum()))
+        out[f"{key}_se"] = jackknife_se([r[key] for r in loo])
     norms = exact.norm(dim=1)
     out["grad_norm"] = float(norms.mean())
     out["rel_err"] = math.sqrt(max(out["error_sq"], 0.0)) / out["grad_norm"] if out["grad_norm"] > 0 else math.nan
@@ -214,6 +214,14 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
     measured = se > 0 and out["signal_to_noise"] > SIGNAL_Z * se
     out.update(_tensor_stats(exact, errs, mean_err, list(sizes) if sizes is not None else [exact.shape[1]], measured))
     return out
+
+
+def jackknife_se(leave_one_out: Sequence[float]) -> float:
+    """The jackknife standard error of a statistic from its ``n`` leave-one-out values:
+    ``sqrt((n - 1) / n sum_i (x_i - mean)^2)``."""
+    vals = np.asarray(leave_one_out, dtype=np.float64)
+    n = vals.size
+    return math.sqrt((n - 1) / n * float(((vals - vals.mean()) ** 2).sum()))
 
 
 def extrapolate(stats: dict, batch: float, target: float) -> dict:
@@ -262,14 +270,10 @@ def rel_err(approx: Tensor, ref: Tensor) -> float:
 
 
 def _rows(traj: Trajectory, config: EstimatorConfig, prompt_groups, seed: int) -> int:
-    """Rows with grad of one update of ``config`` on ``traj`` with the audit's picks (``adaptive``: as ``shared``,
-    which has as many knots)."""
+    """Rows with grad of one update of ``config`` on ``traj`` with the audit's picks."""
     from .knots import plan_update
 
-    if config.knots == "adaptive":
-        config = dataclasses.replace(config, knots="shared")
-    plan = plan_update(traj, config, prompt_groups, generator=torch.Generator().manual_seed(seed))
-    return sum(len(b.rows) for b in plan.bundles)
+    return plan_update(traj, config, prompt_groups, generator=torch.Generator().manual_seed(seed)).rows
 
 
 @dataclass
@@ -316,8 +320,7 @@ def _sub_batches(traj: Trajectory, advantages, prompt_groups, ref_velocities, sp
 
 
 def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: list[_SubBatch],
-                     ranges: list[list[int]], names: list[str], correction_state=None,
-                     on_policy: bool | None = None) -> tuple[dict, dict]:
+                     ranges: list[list[int]], names: list[str], on_policy: bool | None = None) -> tuple[dict, dict]:
     """Per step range, the exact and the configured gradients of every sub-batch (``policy_gradient(...,
     only_steps=range)``): the ranges' cosines ``{"cos_<name>": ...}``, the clip fractions of both over all their terms
     (``clip_frac_exact``, ``clip_frac_est``), and each sub-batch's gradients summed over the ranges ``{"exact": [m],
@@ -335,7 +338,6 @@ def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: l
                 st = policy_gradient(sub.velocity(velocity_fn), sub.traj, sub.advantages, cfg,
                                      ref_velocities=sub.ref_velocities, prompt_groups=sub.prompt_groups,
                                      generator=torch.Generator().manual_seed(sub.seed), only_steps=steps,
-                                     correction_state=correction_state if key == "est" else None,
                                      on_policy=on_policy)
                 clipped[key] += st.clip_frac * len(steps) * sub.traj.batch_size
                 g = flat_grad(params)
@@ -348,13 +350,11 @@ def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: l
 
 
 def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=None, prompt_groups=None,
-                generator=None, parts: int = 3, split=None, correction_state=None,
+                generator=None, parts: int = 3, split=None,
                 on_policy: bool | None = None) -> tuple[dict, Tensor, Tensor]:
     """:func:`audit_gradient`, also returning the exact and the estimator's gradients of each sub-batch of ``split``
     (``[n]`` ids, e.g. the prompt groups): ``(result, exact [m, P], estimate [m, P])``, float64, each sub-batch's
-    gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient).
-    ``correction_state``: the run's :class:`jagg.CorrectionState` when the estimator has a control variate (read, not
-    updated: every call is per step range)."""
+    gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient)."""
     check_call(velocity_fn, traj, config, generator=generator)
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"parts must be an integer >= 1 (3: noisy, middle and clean thirds); got {parts!r}")
@@ -372,13 +372,12 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
     names = list(RANGE_NAMES) if len(ranges) == 3 else [f"range{i}" for i in range(len(ranges))]
     exact = config.exact()
     try:
-        out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names, correction_state,
-                                           on_policy)
-        full = (dataclasses.replace(config, correction_p=1.0, correction_rates=None, correction="interval",
-                                    control_variate=0.0) if config.mode == "jagg" else config)
+        out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names, on_policy)
+        full = (dataclasses.replace(config, correction_p=1.0, correction_rates=None) if config.mode == "jagg"
+                else config)
         rows = {key: sum(_rows(s.traj, cfg, s.prompt_groups, s.seed) for s in subs)
                 for key, cfg in (("exact", exact), ("est", config), ("full", full),
-                                 ("plain", dataclasses.replace(full, correction_p=0.0)))}
+                                 ("plain", full.plain()))}
     finally:
         for p, g in zip(params, saved):
             p.grad = g
@@ -403,7 +402,6 @@ def audit_gradient(
     prompt_groups: Tensor | Sequence | None = None,
     generator: torch.Generator | None = None,
     parts: int = 3,
-    correction_state=None,
     on_policy: bool | None = None,
 ) -> dict:
     """The configured estimator's gradient next to the exact one on the same batch, per step range and in total.
@@ -417,7 +415,6 @@ def audit_gradient(
         params: the trainable parameters whose gradients are compared.
         generator: RNG of the correction's picks (one seed drawn from it serves every range).
         parts: number of step ranges (3: noisy, middle, clean thirds of the trained steps).
-        correction_state: the :class:`jagg.CorrectionState` of an estimator with a control variate (read only).
         on_policy: as for :func:`jagg.policy_gradient`: whether ``params`` are those ``traj`` was sampled with (it
             decides ``intermediate="auto"``). Audit off-policy updates too: ``interp``'s error shows only there.
 
@@ -431,7 +428,7 @@ def audit_gradient(
         advantages 0).
     """
     return audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities, prompt_groups, generator,
-                       parts, correction_state=correction_state, on_policy=on_policy)[0]
+                       parts, on_policy=on_policy)[0]
 
 
 # ----------------------------------------------------------------------------- correction_p: auto
@@ -629,9 +626,7 @@ class AuditMeter:
         out["bias_to_noise"] = bias / noise if noise > 0 else math.nan
         audits = sorted({a for a, _ in self.sketches})
         if len(audits) >= 3 and noise > 0:
-            loo = np.array([self._bias(skip=a) / noise for a in audits])
-            n = len(audits)
-            out["bias_to_noise_se"] = se = math.sqrt((n - 1) / n * float(((loo - loo.mean()) ** 2).sum()))
+            out["bias_to_noise_se"] = se = jackknife_se([self._bias(skip=a) / noise for a in audits])
             out["bias_z"] = out["bias_to_noise"] / se if se > 0 else math.nan
         tensor_noise = np.mean(self.tensor_noise, 0) / G                               # [T]
         tensor_sq = np.mean(self.tensor_err_sq, 0)                                      # [T]: mean |e_j,t|^2

@@ -139,6 +139,28 @@ def number_arg(kind: type = float, low: float | None = None, strict: bool = Fals
     return parse
 
 
+def parse_spec(spec: str, flag: str) -> tuple[str, dict[str, str]]:
+    """``NAME`` or ``NAME:KEY=VALUE,...`` (``--estimator``, ``--variant``, ``--cost``) -> ``(name, {key: value})``,
+    the items split at the commas outside brackets (``r:correction_rates=[0.4,0.1],window=5`` is two items), keys and
+    values stripped, empty items skipped; an item that is not ``KEY=VALUE`` is an error naming ``flag``."""
+    name, _, rest = spec.partition(":")
+    items, depth, cur = [], 0, ""
+    for ch in rest + ",":
+        depth += (ch in "[{(") - (ch in "]})")
+        if ch == "," and depth <= 0:
+            items.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    out = {}
+    for item in filter(None, items):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{flag} {spec!r}: {item!r} is not KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return name, out
+
+
 def check_unique_names(names: list[str], reserved: tuple[str, ...] | dict, flag: str) -> None:
     """Raise unless the names given to ``flag`` (``--estimator``, ``--variant``: ``NAME`` or ``NAME:KEY=VALUE,...``)
     are unique and a defined one (``NAME:...``) does not take a ``reserved`` (built-in) name: one name, one row of

@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .arguments import (check_sampling, eval_prompts, evaluation_arguments, main_job_defaults, overwrite_argument,
+                        sampling_arguments)
 from .checks import check_output_file, check_threads, number_arg
 from .training import config_loader as configuration
 from .shapes.pretrain import PretrainConfig
@@ -134,6 +136,14 @@ class PretrainRunConfig:
         return configuration.from_dict(DiTConfig, {"vocab_size": tokenizer.vocab_size, **self.model}, "model")
 
 
+def _check_wandb(cfg) -> None:
+    """With ``log.wandb``, wandb's start-up checks (project, mode, API key) before anything is written or printed."""
+    if cfg.log.wandb:
+        from .training.wandb_run import check_start
+
+        check_start(cfg.log)
+
+
 def _train(args) -> int:
     """``jagg train``: the config (the main job by default; a ``pipeline:`` section: a real diffusers model), printed
     (``--print-config``) or trained by its trainer's ``run`` (:meth:`jagg.trainers.base.GRPOTrainer.run`)."""
@@ -141,16 +151,19 @@ def _train(args) -> int:
     if args.output_dir is not None:                  # '' is refused by log.output_dir's check, not ignored
         overrides.append(f"log.output_dir={args.output_dir}")
     config = str(main_job_path()) if args.config is None else args.config
-    real = has_pipeline_section(config)          # a real diffusers model: jagg.trainers.diffusers
-    cfg = load_config(config, overrides) if real else configuration.load(ShapesTrainConfig, config, overrides)
-    if cfg.log.wandb:                                # third-party start-up, before anything is written or printed
-        from .training.wandb_run import check_start
-
-        check_start(cfg.log)
-    if args.print_config:
-        print(f"# resolved by jagg train --print-config from {config!r} and {len(overrides)} --set override(s)")
-        print(configuration.dump(cfg), end="")
+    data = configuration.read_yaml(config)       # read once
+    real = "pipeline" in data                    # a real diffusers model (has_pipeline_section): jagg.trainers.diffusers
+    load = lambda: configuration.load(DiffusersTrainConfig if real else ShapesTrainConfig, overrides=overrides,
+                                      data=data)
+    if args.print_config:                        # a required input left unset is marked, not refused
+        cfg, unset = configuration.load_for_print(load)
+        _check_wandb(cfg)                        # what train would refuse at start-up is refused here too
+        print(f"# resolved by jagg train --print-config from {config!r} and {len(overrides)} --set override(s)"
+              + (f"; {len(unset)} required input(s) unset, marked REQUIRED: set them to train" if unset else ""))
+        print(configuration.dump(cfg, unset), end="")
         return 0
+    cfg = load()
+    _check_wandb(cfg)
     if real:
         from .trainers.diffusers import DiffusersTrainer as Trainer
     else:
@@ -213,7 +226,7 @@ def _pretrain(args) -> int:
 
 
 def _sample(args) -> int:
-    from .integrations.config import read_prompt_lines
+    from .training.config_loader import read_prompt_lines
     from .shapes import tokenizer
     from .shapes.weights import load_model
     from .shapes.evaluation import generate
@@ -263,42 +276,6 @@ def _eval(args) -> int:
     return 0
 
 
-def eval_prompts(num_prompts: int, flag: str) -> int:
-    """The test prompts an evaluation of ``num_prompts`` (0 = all) uses; more than the test split holds is refused,
-    naming ``flag``."""
-    from .shapes import test_prompts
-
-    available = len(test_prompts())
-    if num_prompts > available:
-        raise ValueError(f"{flag} {num_prompts} is more than the {available} prompts of the test split; lower it "
-                         "(0 = all of them)")
-    return num_prompts or available
-
-
-def check_sampling(args, images: int, what: str, fix: str) -> None:
-    """The sampling options of ``jagg sample``, ``eval`` and ``bench paired`` checked together before any model loads:
-    ``--shift`` keeps the ``--steps`` schedule's sigmas distinct, and ``images`` images (``what``) fit this machine's
-    memory (:mod:`jagg.training.sizes`; ``fix``: what to lower)."""
-    from .schedule import check_schedule
-    from .training.sizes import check_memory, images_bytes
-
-    check_schedule(args.steps, args.shift, "--shift", "--steps")
-    check_memory(images_bytes(images), f"{what}: {images} images", fix)
-
-
-def main_job_defaults(args, eval_seed: bool) -> None:
-    """Fill the sampling options left unset (None) with the main job's evaluation settings (``jagg sample``,
-    ``jagg eval``, ``jagg bench paired``); the seed is the main job's ``eval.seed`` when ``eval_seed``, else 0."""
-    main = configuration.load(ShapesTrainConfig, str(main_job_path()), [])
-    defaults = {"steps": main.eval.num_steps, "guidance_scale": main.sample.guidance_scale, "shift": main.sample.shift,
-                "seed": main.eval.seed if eval_seed else 0,
-                "images_per_prompt": main.eval.images_per_prompt,
-                "reward": main.reward.spec}
-    for k, v in defaults.items():
-        if getattr(args, k, v) is None:
-            setattr(args, k, v)
-
-
 def _add_train(sub, argv: list[str] | None) -> None:
     """``jagg train``: the shapes trainer, or the diffusers trainer for a config with a ``pipeline:`` section."""
     t = sub.add_parser("train", help="GRPO training on the embedded shapes world, or on SD3/FLUX/Qwen-Image "
@@ -344,39 +321,6 @@ def _add_pretrain(sub) -> None:
     pt.set_defaults(func=_pretrain)
 
 
-def sampling_arguments(q, checkpoint: bool = True) -> None:
-    """The ODE sampler's options of ``jagg sample``, ``jagg eval`` and ``jagg bench paired`` (and ``--checkpoint``):
-    one definition, so that they refuse the same values; None is the main job's evaluation setting
-    (:func:`main_job_defaults`)."""
-    if checkpoint:
-        q.add_argument("--checkpoint", default="builtin:tiny_dit",
-                       help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
-    q.add_argument("--steps", type=number_arg(int, 1), help="ODE sampling steps [default: the main job's eval.num_steps]")
-    q.add_argument("--guidance-scale", type=number_arg(float),
-                   help="classifier-free guidance scale [default: the main job's sample.guidance_scale]")
-    q.add_argument("--shift", type=number_arg(float, 0, strict=True),
-                   help="SD3 timestep shift [default: the main job's sample.shift]")
-    q.add_argument("--seed", type=number_arg(int, seed=True),
-                   help="noise seed, 0 to 2**32 - 1 [default: 0; eval and bench paired: the main job's eval.seed]")
-
-
-MAIN_JOB_REWARD = "geneval"      # the main job's reward.name; tests/test_bad_input_round3.py checks it against the file
-
-
-def evaluation_arguments(q) -> None:
-    """The evaluation's options of ``jagg eval`` and ``jagg bench paired``: the reward and the images per prompt."""
-    q.add_argument("--reward", help="reward name or module:function [default: the main job's reward "
-                   f"(reward: of jagg/shapes/main_job.yaml), {MAIN_JOB_REWARD}]")
-    q.add_argument("--images-per-prompt", type=number_arg(int, 1),
-                   help="images per test prompt [default: the main job's eval.images_per_prompt]")
-
-
-def overwrite_argument(q, what: str) -> None:
-    """``--overwrite``: replace the command's existing output file(s) ``what``; without it they are refused."""
-    q.add_argument("--overwrite", action="store_true", help=f"replace {what} if it exists (without it an existing "
-                   "file is refused before any work)")
-
-
 def _add_sample_and_eval(sub) -> None:
     """``jagg sample`` (prompts -> image grid) and ``jagg eval`` (the test-prompt reward) of a checkpoint."""
     s = sub.add_parser("sample", help="prompts -> image grid from a checkpoint")
@@ -400,14 +344,22 @@ def _add_sample_and_eval(sub) -> None:
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The ``jagg`` parser. With ``argv`` given, the ``bench`` sub-commands are only built when ``argv`` asks for
-    them (or for the help)."""
+    """The ``jagg`` parser. With ``argv`` given, a command other than the one ``argv`` asks for (or the help) is only
+    named, not built (``bench`` imports every benchmark)."""
     p = _Parser(prog="jagg", description="GRPO fine-tuning of flow-matching models with JAGG.")
     sub = p.add_subparsers(dest="command", required=True)
+    wanted = lambda *names: argv is None or bool(set(argv[:1]) & {*names, "-h", "--help"})
     _add_train(sub, argv)
-    _add_pretrain(sub)
-    _add_sample_and_eval(sub)
-    if argv is not None and not set(argv[:1]) & {"bench", "-h", "--help"}:
+    if wanted("pretrain"):
+        _add_pretrain(sub)
+    else:
+        sub.add_parser("pretrain", add_help=False)
+    if wanted("sample", "eval"):
+        _add_sample_and_eval(sub)
+    else:
+        sub.add_parser("sample", add_help=False)
+        sub.add_parser("eval", add_help=False)
+    if not wanted("bench"):
         sub.add_parser("bench", help="benchmarks (jagg bench --help)", add_help=False)   # built when asked for
         return p
     try:

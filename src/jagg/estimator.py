@@ -140,126 +140,7 @@ class _Counters:
     calls: int = 0
 
 
-class CorrectionState:
-    """The control variate's running means across updates (``EstimatorConfig.control_variate``; docs/design.md §3.5).
-
-    Per interval position ``j`` (the ``j``-th interval of the layout) it holds ``c_j``, a vector in parameter space
-    (one tensor per parameter of ``params``, at least fp32): the mean correction ``D`` of one sample's interval, in
-    units of one loss term's weight, and ``t_j``, the updates that measured it. :func:`policy_gradient` reads ``c_j``
-    before its picks: it adds ``c_j`` for every routed drawn interval and ``-c_j / p_j`` for every picked one straight
-    to the ``.grad`` of ``params`` (before its first backward, so DDP's all-reduce carries it), and a picked interval's
-    correction ``(Z / p_j) D`` on top; the expectation is unchanged for any ``c_j`` fixed before the draw. After the call
-    (not with ``only_steps``) it folds in the corrections it measured: ``c_j <- c_j + max(w, 1 / t_j) (measured -
-    c_j)`` with ``w = control_variate``. Memory: one copy of the parameters per interval position. Keep one per run
-    (the trainers do) and save :meth:`state_dict` with the checkpoint. Works on the parameters' own ``.grad`` (one
-    process, DDP, the trainers), not on engines that keep gradients elsewhere (DeepSpeed, FSDP's sharded ones).
-    """
-
-    def __init__(self, params):
-        self.params = list(params)
-        if not self.params or not all(isinstance(p, Tensor) and p.requires_grad for p in self.params):
-            raise ValueError("CorrectionState needs a non-empty sequence of the parameters with requires_grad that "
-                             "policy_gradient accumulates into")
-        self.means: dict[int, list[Tensor]] = {}
-        self.counts: dict[int, int] = {}
-
-    def mean(self, j: int) -> list[Tensor] | None:
-        """``c_j`` (one tensor per parameter), or None before interval ``j`` was first measured."""
-        return self.means.get(j)
-
-    def update(self, j: int, measured: list[Tensor], weight: float) -> None:
-        """Fold one update's mean measured correction of interval ``j`` into ``c_j``: ``c_j + max(weight, 1/t_j)
-        (measured - c_j)`` (the plain mean of the first ``1 / weight`` measurements, then an exponential average)."""
-        self.counts[j] = self.counts.get(j, 0) + 1
-        rate = max(float(weight), 1.0 / self.counts[j])
-        if j not in self.means:
-            self.means[j] = [torch.zeros_like(m) for m in measured]
-        for c, m in zip(self.means[j], measured):
-            c.add_(m.to(c.dtype) - c, alpha=rate)
-
-    def state_dict(self) -> dict:
-        """The running means and counts (CPU tensors), for a checkpoint."""
-        return {"means": {j: [t.detach().cpu().clone() for t in ts] for j, ts in self.means.items()},
-                "counts": dict(self.counts)}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; raise when its vectors do not fit ``params``."""
-        shapes = [tuple(p.shape) for p in self.params]
-        for j, ts in state["means"].items():
-            if [tuple(t.shape) for t in ts] != shapes:
-                raise ValueError(f"CorrectionState: the saved means of interval {j} do not fit these parameters "
-                                 f"({len(ts)} tensors for {len(shapes)} parameters, or other shapes)")
-        self.means = {int(j): [t.to(p.device, _mean_dtype(p), copy=True) for t, p in zip(ts, self.params)]
-                      for j, ts in state["means"].items()}
-        self.counts = {int(j): int(n) for j, n in state["counts"].items()}
-
-
-def _mean_dtype(p: Tensor) -> torch.dtype:
-    return torch.promote_types(p.dtype, torch.float32)
-
-
-class _ControlRun:
-    """The control variate inside one :func:`policy_gradient` call: adds the running means ``c_j`` to ``.grad``
-    (:meth:`add_means`), measures each interval's corrections as the ``.grad`` change over its measured chunks
-    (:meth:`enter`), and folds them into the :class:`CorrectionState` (:meth:`commit`)."""
-
-    def __init__(self, state: CorrectionState, update: Plan, term_weight: float, only_steps):
-        self.state, self.update, self.term_weight = state, update, term_weight
-        self.keep = None if only_steps is None else {int(k) for k in only_steps}
-        self.current, self.snapshot = -1, None
-        self.measured: dict[int, list[Tensor]] = {}
-
-    def add_means(self) -> None:
-        """``added x term weight x c_j`` into ``.grad`` for each interval with a mean (and its step kept)."""
-        for ctl in self.update.control:
-            c = self.state.mean(ctl.interval)
-            if c is None or (self.keep is not None and ctl.step not in self.keep):
-                continue
-            coef = ctl.added * self.term_weight
-            for p, ci in zip(self.state.params, c):
-                add = ci.to(p.device, p.dtype) * coef
-                p.grad = add if p.grad is None else p.grad.add_(add)
-
-    def _grads(self) -> list[Tensor | None]:
-        return [None if p.grad is None else p.grad.detach().to(_mean_dtype(p), copy=True) for p in self.state.params]
-
-    def enter(self, measure: int) -> None:
-        """Before a chunk that measures interval ``measure`` (-1: none): close the previous interval's measurement
-        (the ``.grad`` change since its first chunk) and open this one's."""
-        if self.keep is not None or measure == self.current:
-            return
-        if self.current >= 0:
-            now = self._grads()
-            self.measured[self.current] = [
-                torch.zeros(p.shape, dtype=_mean_dtype(p), device=p.device) if a is None else a if b is None else a - b
-                for p, a, b in zip(self.state.params, now, self.snapshot)]
-        self.snapshot = self._grads() if measure >= 0 else None
-        self.current = measure
-
-    def commit(self, weight: float) -> None:
-        """Fold the measured mean correction of one sample's interval into ``c_j`` (nothing with ``only_steps``)."""
-        for ctl in self.update.control:
-            delta = self.measured.get(ctl.interval)
-            if delta is None or ctl.measured == 0:
-                continue
-            norm = ctl.scale * self.term_weight * ctl.measured
-            self.state.update(ctl.interval, [d / norm for d in delta], weight)
-
-
 # ----------------------------------------------------------------------------- checks
-
-
-def check_correction_state(config: EstimatorConfig, state) -> None:
-    """A :class:`CorrectionState` is needed exactly when the control variate runs (mode ``jagg``,
-    ``control_variate > 0``)."""
-    if state is not None and not isinstance(state, CorrectionState):
-        raise TypeError(f"correction_state must be a jagg.CorrectionState or None; got {type(state).__name__}")
-    if config.mode == "jagg" and config.control_variate > 0 and state is None:
-        raise ValueError("config.control_variate > 0 needs correction_state=jagg.CorrectionState(params) (the "
-                         "trainable parameters; keep the same one across updates)")
-    if state is not None and config.control_variate <= 0:
-        raise ValueError("correction_state is used only with config.control_variate > 0; pass None, or set "
-                         "control_variate")
 
 
 def check_call(velocity_fn, traj, config, loss_scale: float = 1.0, generator=None) -> None:
@@ -349,30 +230,12 @@ class UpdateInputs:
                          None if ref is None else ref[sample, step], t.logprob_reduction, t.sde_type)
 
 
-def _signal_norms(inputs: UpdateInputs, chunk: int = 256) -> Tensor:
-    """``[B, K]`` norms of the upstream signals ``g_{i,k}`` at the rollout velocities (no network call)."""
-    traj = inputs.traj
-    B, steps = traj.batch_size, traj.train_steps
-    K = steps.numel()
-    samples, trained = torch.arange(B).repeat_interleave(K), steps.cpu().repeat(B)
-    out = torch.empty(B * K, dtype=torch.float64)
-    for s in range(0, B * K, chunk):
-        b, k = samples[s : s + chunk].to(traj.latents.device), trained[s : s + chunk].to(traj.latents.device)
-        v = traj.velocities[b, k].detach().clone().requires_grad_(True)
-        with torch.enable_grad():
-            (g,) = torch.autograd.grad(inputs.losses(v, b, k).loss.sum(), v)
-        out[s : s + chunk] = g.flatten(1).norm(dim=1).double().cpu()
-    return out.view(B, K)
-
-
 def plan(inputs: UpdateInputs, prompt_groups, generator: torch.Generator | None,
          only_steps: Sequence[int] | None) -> tuple[Plan, list[Bundle]]:
-    """Phase 1: the update's :class:`~jagg.knots.Plan` (``adaptive`` knots are placed with the upstream signals'
-    norms at the rollout velocities) and its bundles, restricted to the terms of ``only_steps`` when given."""
+    """Phase 1: the update's :class:`~jagg.knots.Plan` and its bundles, restricted to the terms of ``only_steps`` when
+    given."""
     traj, config = inputs.traj, inputs.config
-    laid = config.mode == "jagg" or (config.mode == "exact" and config.interval_frac < 1)
-    norms = _signal_norms(inputs) if laid and config.knots == "adaptive" else None
-    update = plan_update(traj, config, prompt_groups, norms, generator)
+    update = plan_update(traj, config, prompt_groups, generator)
     if only_steps is None:
         return update, update.bundles
     keep = {int(k) for k in only_steps}
@@ -386,12 +249,11 @@ def plan(inputs: UpdateInputs, prompt_groups, generator: torch.Generator | None,
 
 
 def pack(bundles: list[Bundle], micro_batch: int) -> list[list[Bundle]]:
-    """Phase 2: greedy packing into chunks of at most ``micro_batch`` rows (a bundle is never split); the bundles one
-    interval's correction measures (``Bundle.measure``, the control variate) share chunks with no other."""
+    """Phase 2: greedy packing into chunks of at most ``micro_batch`` rows (a bundle is never split)."""
     chunks, cur, rows = [], [], 0
     for b in bundles:
         n = len(b.rows)
-        if cur and (rows + n > micro_batch or b.measure != cur[-1].measure):
+        if cur and rows + n > micro_batch:
             chunks.append(cur)
             cur, rows = [], 0
         cur.append(b)
@@ -553,7 +415,6 @@ def policy_gradient(
     prompt_groups: Tensor | Sequence | None = None,
     generator: torch.Generator | None = None,
     only_steps: Sequence[int] | None = None,
-    correction_state: CorrectionState | None = None,
     on_policy: bool | None = None,
 ) -> GradientStats:
     """Accumulate the Flow-GRPO policy gradient of one update into the parameters' ``.grad``.
@@ -577,14 +438,11 @@ def policy_gradient(
             (``0 < jagg_frac < 1``) and unbiased JAGG's picks (``correction_p``) then decide per (prompt group,
             interval) unit (see :func:`jagg.knots.route`), which keeps the JAGG error a prompt group's samples share
             cancelling in their zero-sum advantages. The trainers pass it; without it, a unit is (sample, interval).
-        generator: RNG of the random choices: unbiased JAGG's picks, the corrected inner steps
-            (``correction="step"``), the intervals drawn (``interval_frac``) (default: torch's global RNG).
+        generator: RNG of the random choices: unbiased JAGG's picks and the intervals drawn (``interval_frac``)
+            (default: torch's global RNG).
         only_steps: accumulate only the loss terms of these trained steps (diagnostics: the gradient of a step
             range). Knots, routing, picks and draws are those of the whole trajectory, so the gradients of disjoint
-            ranges sum to the full one (an interval's control-variate mean ``c_j`` belongs to its first inner step).
-            Statistics then cover those steps only, and the ``correction_state`` is not updated.
-        correction_state: the control variate's running means (:class:`CorrectionState` of the trainable
-            parameters), needed when ``config.control_variate > 0``: read before the picks, updated after the call.
+            ranges sum to the full one. Statistics then cover those steps only.
         on_policy: whether the parameters are still those the trajectory was sampled with (True for the first
             update after sampling; False after an optimizer step on this rollout; None: not known). It decides
             ``intermediate="auto"`` (interp when True, else fresh: :func:`inner_velocities`); with ``"interp"``,
@@ -594,9 +452,8 @@ def policy_gradient(
         :class:`GradientStats`.
     """
     check_call(velocity_fn, traj, config, loss_scale, generator)
-    check_correction_state(config, correction_state)
     traj.validate()
-    B = traj.batch_size
+    B = traj.latents.shape[0]
     advantages = _as_advantages(advantages, B, traj.latents.device)
     _check_reference(ref_velocities, traj, config)
     inputs = UpdateInputs(velocity_fn, traj, advantages, config, ref_velocities,
@@ -606,26 +463,17 @@ def policy_gradient(
 
     update, bundles = plan(inputs, prompt_groups, generator, only_steps)
     chunks = pack(bundles, config.micro_batch)
-    control = (_ControlRun(correction_state, update, inputs.term_weight, only_steps)
-               if config.mode == "jagg" and correction_state is not None else None)
-    counters = run_chunks(inputs, chunks, backward_context, backward_fn, control)
-    if control is not None and only_steps is None:
-        control.commit(config.control_variate)
+    counters = run_chunks(inputs, chunks, backward_context, backward_fn)
     return gradient_stats(update, counters, len(chunks))
 
 
 def run_chunks(inputs: UpdateInputs, chunks: list[list[Bundle]], backward_context: Callable[[bool], ContextManager],
-               backward_fn: Callable[[Tensor], None], control: _ControlRun | None = None) -> _Counters:
+               backward_fn: Callable[[Tensor], None]) -> _Counters:
     """Phases 3 to 5 for each chunk in turn: its index tensors, the ``fresh`` inner velocities (before the chunk's
-    graph exists), the forward and backward inside ``backward_context(is_last)``, and its statistics' sums. With the
-    control variate, the running means go into ``.grad`` first and each interval's measured chunks are measured."""
+    graph exists), the forward and backward inside ``backward_context(is_last)``, and its statistics' sums."""
     device = inputs.traj.latents.device
     counters = _Counters(torch.zeros(6, dtype=torch.float64, device=device))
-    if control is not None:
-        control.add_means()
     for n, bundles in enumerate(chunks):
-        if control is not None:
-            control.enter(bundles[0].measure)
         ch = chunk_tensors(bundles, device)
         fresh = []
         if ch.inner.numel() and inputs.inner == "fresh":
@@ -635,8 +483,6 @@ def run_chunks(inputs: UpdateInputs, chunks: list[list[Bundle]], backward_contex
         with backward_context(n == len(chunks) - 1):       # DDP: no_sync must cover the forward too
             out = backward_chunk(inputs, ch, fresh, backward_fn, counters)
         counters.sums += chunk_sums(out, inputs.traj, ch)
-    if control is not None:
-        control.enter(-1)
     return counters
 
 

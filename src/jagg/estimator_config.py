@@ -10,11 +10,9 @@ from .checks import check_probabilities, first_non_finite
 MODES = ("exact", "jagg", "subsample")
 INTERMEDIATES = ("interp", "fresh", "stale")    # what an update runs; also "auto" (interp on-policy, else fresh)
 INTERMEDIATE_CHOICES = (*INTERMEDIATES, AUTO_INTERMEDIATE := "auto")
-SCORES = ("chord", "cosine", "cosine_min", "velocity_cosine")
-KNOTS = ("groups", "shared", "adaptive")
+KNOTS = ("groups", "shared")
 ALPHAS = ("sigma", "index")
-CORRECTIONS = ("interval", "step")
-NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac", "interval_frac", "control_variate")  # finite, first
+NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac", "interval_frac")  # finite, first
 AUTO = "auto"                  # correction_p: the trainers choose the rate from their efficiency meter
 
 
@@ -28,13 +26,12 @@ class EstimatorConfig:
                       "'subsample' trains a fresh random subset of each sample's steps, scaled up (DanceGRPO's "
                       "timestep_fraction: the baseline JAGG must beat at equal rows)."})
     window: int = field(default=4, metadata={"help": "W: the trained steps of one interval, its two knots included "
-                        "(knots='groups': disjoint step groups of W; 'shared' and 'adaptive': consecutive intervals "
-                        "share their end knot, a knot every W-1 steps). 1 (or 2) gives the exact gradient."})
+                        "(knots='groups': disjoint step groups of W; 'shared': consecutive intervals share their end "
+                        "knot, a knot every W-1 steps). 1 (or 2) gives the exact gradient."})
     knots: str = field(default="groups", metadata={"help": f"Where the rows with grad (knots) sit, one of {KNOTS}: "
                        "'groups' = the paper's step groups of W steps, 2 knot rows each; 'shared' = consecutive "
                        "intervals share a knot, knots every W-1 steps (1 + ceil((K-1)/(W-1)) rows per sample instead of "
-                       "2 ceil(K/W)); 'adaptive' = as many knots as 'shared', placed per batch where the interpolation "
-                       "error proxy (stored velocities' distance to the chord times the loss signal) is least."})
+                       "2 ceil(K/W))."})
     alpha: str = field(default="sigma", metadata={"help": f"Interpolation coefficient of an inner step, one of "
                        f"{ALPHAS}: 'sigma' = (sigma_k - sigma_a) / (sigma_b - sigma_a) (the paper's t-weighting); "
                        "'index' = (k - a) / (b - a) (the authors' reference code)."})
@@ -48,16 +45,12 @@ class EstimatorConfig:
                               "off-policy one (policy_gradient(..., on_policy=True/False); the trainers pass it; "
                               "unknown counts as off-policy)."})
     jagg_frac: float = field(default=1.0, metadata={"help": "Fraction in [0, 1] of the units (prompt group, or "
-                             "sample, x interval) routed through JAGG, the most linear first by `score`; the rest run "
-                             "exact. 0 = exact. Only intervals of >= 3 steps count (JAGG is exact and no cheaper on 1- "
+                             "sample, x interval) routed through JAGG, the most linear first (mean cosine of consecutive velocity "
+                             "increments with the interval's chord, from the stored velocities); the rest run exact. 0 = exact. Only intervals of >= 3 steps count (JAGG is exact and no cheaper on 1- "
                              "or 2-step intervals)."})
-    score: str = field(default="cosine", metadata={"help": f"Linearity score used by routing, one of {SCORES}: "
-                       "'chord' (minus the largest distance of the stored velocities to their interval's chord), "
-                       "'cosine' (mean cosine of consecutive velocity increments with the chord), 'cosine_min' (the "
-                       "least of those cosines), 'velocity_cosine' (the least cosine of consecutive velocities); how "
-                       "each ranks the true per-interval gradient cosine: `jagg bench fidelity`."})
     exact_first_intervals: int = field(default=0, metadata={"help": "Always run the first N intervals with inner "
-                                       "steps (the noisiest) exact."})
+                                       "steps (the noisiest) exact. Where JAGG's error lives (often not there): jagg "
+                                       "bench efficiency --by-interval."})
     exact_last_intervals: int = field(default=0, metadata={"help": "Always run the last N intervals with inner steps "
                                       "(the cleanest) exact."})
     correction_p: float | str = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a "
@@ -69,15 +62,6 @@ class EstimatorConfig:
                                       "rate the efficiency meter predicts most efficient, chosen after every audit "
                                       "from plain JAGG's measured error, 0 only where its repeating error is measured "
                                       "and small; 0.25 until the first audit (docs/design.md §3.8)."})
-    correction_intervals: int = field(default=0, metadata={"help": "Correct only the first N JAGG-eligible intervals "
-                                      "of the trajectory (the noisiest); 0 = all."})
-    correction: str = field(default="interval", metadata={"help": f"What a picked unit runs exactly, one of "
-                            f"{CORRECTIONS}: 'interval' = every inner step of the interval, adding (exact - "
-                            "interpolated) / p (p x the inner rows); 'step' = one uniformly random inner step k (the "
-                            "same for the unit's samples), adding (|I| / p) (exact - interpolated term of k), |I| the "
-                            "interval's inner steps (p rows per sample of the unit; less variance than 'interval' at "
-                            "equal rows when the inner steps' errors point the same way). p: correction_p, or "
-                            "correction_rates."})
     correction_rates: list[float] | None = field(default=None, metadata={"help": "Per-interval correction "
                                                  "probabilities p_j in [0, 1], one per interval of the layout in order "
                                                  "(e.g. [0.4, 0.1] for two step groups), used instead of correction_p; "
@@ -85,15 +69,6 @@ class EstimatorConfig:
                                                  "jagg.knots.budget_rates sets p_j proportional to sqrt(D_j / r_j) at a "
                                                  "row budget from each interval's error D_j (jagg bench efficiency "
                                                  "--by-interval) and inner rows r_j. null = correction_p everywhere."})
-    control_variate: float = field(default=0.0, metadata={"help": "Control variate of the correction, 0 = off. "
-                                   "w in (0, 1]: per interval position j a running estimate c_j of the correction's "
-                                   "mean, fixed before the picks, is added for every routed interval outside the "
-                                   "randomness, and a picked one adds (Z/p)(D - c_j) instead of (Z/p) D: still "
-                                   "unbiased, variance (1/p - 1)|D - c_j|^2. After each update c_j <- c_j + max(w, "
-                                   "1/t)(measured - c_j), t the updates that measured position j. Needs "
-                                   "policy_gradient(..., correction_state=jagg.CorrectionState(params)) (the trainers "
-                                   "keep one per run, in the checkpoint); a picked interval then runs its two knot rows "
-                                   "once more, to measure its correction apart."})
     interval_frac: float = field(default=1.0, metadata={"help": "Interval subsampling (the JAGG authors' "
                                  "timestep_fraction of step groups): each sample trains a fresh random round(f n) (at "
                                  "least 1, the same ones for a prompt group's samples with prompt_groups) of the n intervals of the layout of window and knots, each drawn interval's "
@@ -142,37 +117,20 @@ class EstimatorConfig:
                                           or not 0.0 <= self.correction_p <= 1.0):
             raise ValueError(f"correction_p must be a finite number in [0, 1] (0 = plain JAGG) or {AUTO!r}; got "
                              f"{self.correction_p!r}")
-        if self.correction_p == AUTO and (self.correction_rates is not None or self.correction != "interval"
-                                          or self.control_variate):
-            raise ValueError(f"correction_p={AUTO!r} chooses one rate for the interval correction: it needs "
-                             "correction_rates=None, correction='interval' and control_variate=0")
-        if self.correction not in CORRECTIONS:
-            raise ValueError(f"correction must be one of {CORRECTIONS}; got {self.correction!r}")
+        if self.correction_p == AUTO and self.correction_rates is not None:
+            raise ValueError(f"correction_p={AUTO!r} chooses one rate for every interval: it needs "
+                             "correction_rates=None")
         if self.correction_rates is not None:
             self.correction_rates = check_probabilities(self.correction_rates, "correction_rates")
-        if not 0.0 <= float(self.control_variate) <= 1.0:
-            raise ValueError(f"control_variate must be in [0, 1] (0 = off; the weight of each update's measured "
-                             f"correction in the running estimate); got {self.control_variate}")
-        if self.control_variate > 0 and not any(r > 0 for r in self.rates):
-            raise ValueError("control_variate > 0 needs a correction to subtract it from: correction_p > 0 or a "
-                             "correction_rates entry > 0")
         if not 0.0 < float(self.interval_frac) <= 1.0:
             raise ValueError(f"interval_frac must be in (0, 1] (the fraction of each sample's intervals it trains); "
                              f"got {self.interval_frac}")
         if self.mode == "subsample" and self.interval_frac < 1:
             raise ValueError("interval_frac < 1 needs mode 'exact' or 'jagg': mode 'subsample' draws single steps "
                              "itself (subsample_frac)")
-        for name in ("correction_intervals", "audit_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"{name} must be an integer >= 0; got {getattr(self, name)!r}")
         if not isinstance(self.audit_samples, int) or self.audit_samples < 2:
             raise ValueError(f"audit_samples must be an integer >= 2; got {self.audit_samples!r}")
-        if self.correction_p == AUTO and self.mode == "jagg" and self.correction_intervals:
-            raise ValueError(f"correction_p={AUTO!r} needs correction_intervals=0: the meter measures the error of "
-                             "every interval the correction can pick (or give a rate in [0, 1])")
-        if self.score not in SCORES:
-            raise ValueError(f"score must be one of {SCORES}; got {self.score!r}")
-        for name in ("exact_first_intervals", "exact_last_intervals"):
+        for name in ("exact_first_intervals", "exact_last_intervals", "audit_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {getattr(self, name)!r}")
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
@@ -208,6 +166,11 @@ class EstimatorConfig:
     def exact(self) -> "EstimatorConfig":
         """The exact estimator of the same loss (mode ``exact``, every interval): what this one estimates."""
         return replace(self, mode="exact", interval_frac=1.0)
+
+    def plain(self) -> "EstimatorConfig":
+        """The same estimator without unbiased JAGG's correction (``correction_p`` 0, no ``correction_rates``): in mode
+        ``jagg`` the paper's plain JAGG, whose error the correction removes."""
+        return replace(self, correction_p=0.0, correction_rates=None)
 
     def to_dict(self) -> dict:
         return asdict(self)

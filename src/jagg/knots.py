@@ -12,21 +12,17 @@ docs/design.md §0):
 - *window* ``W``: the trained steps of one interval, ends included (the last interval may be shorter).
 - *step groups* (``knots="groups"``, the paper): disjoint intervals of ``W`` consecutive steps, two knot rows each.
   ``shared``: consecutive intervals share their end knot, a knot every ``W - 1`` steps, ``1 + ceil((K - 1) / (W - 1))``
-  rows per sample instead of ``2 ceil(K / W)``. ``adaptive``: as many knots as ``shared``, placed per batch where
-  interpolation costs least, by dynamic programming over the proxy ``sum_i sum_{a<k<b} ||v_ik - chord_ik|| * ||g_ik||``
-  (stored velocities and the loss head's signals on them; no network call). ``mode="exact"``: every step a knot.
+  rows per sample instead of ``2 ceil(K / W)``. ``mode="exact"``: every step a knot.
 - *unit*: what routing and the correction decide on: (prompt group, interval) when the prompt group of each sample
   is given (``prompt_groups``), else (sample, interval) (:func:`unit_rows`).
 - *routing* (``jagg_frac``, :func:`route`): the most linear units (:mod:`jagg.routing` scores them) go through JAGG;
   a unit routed exact makes all its steps knots. *Unbiased JAGG* (``correction_p = p``, or ``correction_rates`` per
   interval): each routed unit is also *picked* with probability ``p`` (:func:`pick_corrections`): its inner steps then
-  also run exactly and add ``(exact - interpolated) / p`` (``correction="step"``: one random inner step ``k`` adds
-  ``|I| / p`` times its own), so the expected gradient is the exact one; :func:`budget_rates` spreads a row budget
-  over the intervals; with the control variate (``control_variate``) a picked interval's correction goes in bundles
-  of its own (:class:`Control`; the running means live in :class:`jagg.estimator.CorrectionState`).
+  also run exactly and add ``(exact - interpolated) / p``, so the expected gradient is the exact one;
+  :func:`budget_rates` spreads a row budget over the intervals.
 - *interval subsampling* (``interval_frac``): each unit trains a random ``m`` of the ``n`` intervals (:func:`draw`;
   with ``prompt_groups`` a prompt group's samples draw alike, which keeps the cancellation of their zero-sum
-  advantages: drawn per sample, JAGG's per-sample error, ~10x the group's, did not cancel), every term of a drawn
+  advantages: drawn per sample, JAGG's per-sample error, larger than the group's, did not cancel), every term of a drawn
   interval at weight ``n / m``; each term belongs to one interval (:func:`owners`).
 - *bundle* (:class:`Bundle`): rows of one sample that go through the network together (never split across chunks),
   and the loss *terms* (:class:`Term`, one per (sample, trained step)) they cover.
@@ -77,33 +73,11 @@ class Bundle:
     sample: int
     rows: list[int]                          # the knot steps, in order
     terms: list[Term] = field(default_factory=list)
-    measure: int = -1                        # control variate: the interval whose correction it carries, else -1
 
     @property
     def jagg(self) -> bool:
         """Whether a term of the bundle is interpolated (an interval routed to JAGG)."""
         return any(t.source[1] >= 0 for t in self.terms)
-
-
-@dataclass
-class Control:
-    """The control variate's part of a plan at one interval (``control_variate > 0``; docs/design.md §3.5).
-
-    Attributes:
-        interval: the interval's position in the layout (``j``).
-        step: its first inner step: the term that the added ``c_j`` belongs to (``only_steps``).
-        added: ``c_j``'s coefficient, in units of one term's weight: ``n/m`` x (routed drawn samples' intervals -
-            picked / ``p_j``), so that the update adds ``c_j`` per routed interval and ``-c_j / p_j`` per picked one.
-        measured: the picked samples' intervals whose correction bundles carry ``measure = j``.
-        scale: their correction's weight ``(n/m) / p_j``: the measured gradient over ``scale x term weight x
-            measured`` is the mean correction of one sample's interval.
-    """
-
-    interval: int
-    step: int
-    added: float
-    measured: int
-    scale: float
 
 
 @dataclass
@@ -120,7 +94,6 @@ class Plan:
         knots: the interval ends per sample before routing: positions into the trained steps (``[M]``).
         drawn: samples' intervals whose terms are trained: ``B`` x ``round(interval_frac n)`` of the ``n`` intervals
             (single steps where no layout applies: window <= 2, mode exact without interval_frac, mode subsample).
-        control: the control variate's part per interval (:class:`Control`; empty without it).
     """
 
     bundles: list[Bundle]
@@ -129,7 +102,11 @@ class Plan:
     corrected: int
     knots: list[int]
     drawn: int = 0
-    control: list[Control] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        """Rows through the network with grad (the knots, and the exact steps): what the cost model counts."""
+        return sum(len(b.rows) for b in self.bundles)
 
 
 # ----------------------------------------------------------------------------- the interval layout
@@ -166,82 +143,21 @@ def shared_knots(num_steps: int, window: int) -> list[int]:
     return sorted(set(pos))
 
 
-def num_shared_knots(num_steps: int, window: int) -> int:
-    """``1 + ceil((K - 1) / (W - 1))`` (``K`` for ``W <= 2``): the knots of ``shared`` and ``adaptive``."""
-    return len(shared_knots(num_steps, window))
-
-
-def interval_cost(velocities: Tensor, signal_norms: Tensor, sigmas: Tensor, alpha: str = "sigma") -> Tensor:
-    """``[K, K]`` cost of an interval between trained-step positions ``a < b``: the proxy of its interpolation error.
-
-    ``cost[a, b] = sum_i sum_{a<k<b} ||v_ik - ((1 - alpha_k) v_ia + alpha_k v_ib)|| * ||g_ik||``.
-
-    Args:
-        velocities: ``[B, K, D]`` rollout velocities at the trained steps.
-        signal_norms: ``[B, K]`` norms of the upstream signals ``g_ik`` (any non-negative weights).
-        sigmas: ``[K]`` sigmas of the trained steps.
-        alpha: ``"sigma"`` or ``"index"`` (see :func:`interval_alphas`).
-    """
-    B, K, _ = velocities.shape
-    v, w = velocities.double(), signal_norms.double().to(velocities.device)
-    G = v @ v.transpose(1, 2)                                    # [B, K, K] Gram matrix: one pass over D
-    d = G.diagonal(dim1=1, dim2=2)                               # [B, K] squared norms
-    cost = torch.zeros(K, K, dtype=torch.float64)
-    for a in range(K):
-        for b in range(a + 2, K):
-            al = interval_alphas(sigmas, list(range(a, b + 1)), alpha).to(v.device)[1:-1]    # [m]
-            ks = slice(a + 1, b)
-            # ||v_k - (1 - al) v_a - al v_b||^2 from inner products, [B, m]
-            r2 = (d[:, ks] + (1 - al) ** 2 * d[:, a, None] + al**2 * d[:, b, None] - 2 * (1 - al) * G[:, ks, a]
-                  - 2 * al * G[:, ks, b] + 2 * al * (1 - al) * G[:, a, b, None])
-            cost[a, b] = float((r2.clamp_min(0).sqrt() * w[:, ks]).sum())
-    return cost
-
-
-def adaptive_knots(cost: Tensor, num_knots: int) -> list[int]:
-    """The ``num_knots`` positions (first and last included) minimising the summed ``cost[a, b]`` of the intervals.
-
-    Dynamic programming over ``cost`` ``[K, K]`` (upper triangle; ``cost[a, a+1] = 0``). Ties break towards the
-    earliest positions. ``num_knots >= K`` returns every position.
-    """
-    K = cost.shape[0]
-    if num_knots >= K:
-        return list(range(K))
-    if num_knots < 2:
-        raise ValueError(f"num_knots must be >= 2 when there are {K} > 1 trained steps; got {num_knots}")
-    inf = math.inf
-    c = cost.tolist()
-    # best[m][j]: least cost of m + 1 knots from position 0 to j (j a knot)
-    best = [[inf] * K for _ in range(num_knots)]
-    back = [[-1] * K for _ in range(num_knots)]
-    best[0][0] = 0.0
-    for m in range(1, num_knots):
-        for j in range(1, K):
-            for i in range(j):
-                if best[m - 1][i] < inf and best[m - 1][i] + c[i][j] < best[m][j]:
-                    best[m][j], back[m][j] = best[m - 1][i] + c[i][j], i
-    pos, j = [K - 1], K - 1
-    for m in range(num_knots - 1, 0, -1):
-        j = back[m][j]
-        pos.append(j)
-    return pos[::-1]
-
-
-def intervals_of(steps: list[int], knots: str, window: int, positions: list[int] | None = None) -> list[list[int]]:
+def intervals_of(steps: list[int], knots: str, window: int) -> list[list[int]]:
     """The intervals (runs of trained steps between neighbouring knots, ends included) of one layout.
 
-    ``groups``: the step groups of ``window`` (not sharing ends); ``shared``/``adaptive``: consecutive ``positions``.
+    ``groups``: the step groups of ``window`` (not sharing ends); ``shared``: between consecutive
+    :func:`shared_knots`.
     """
     if knots == "groups":
         return step_groups(steps, window)
-    positions = shared_knots(len(steps), window) if positions is None else positions
+    positions = shared_knots(len(steps), window)
     if len(positions) == 1:
         return [[steps[0]]]
     return [steps[a : b + 1] for a, b in zip(positions[:-1], positions[1:])]
 
 
-def layout_intervals(traj, config: EstimatorConfig,
-                     signal_norms: Tensor | None = None) -> tuple[list[list[int]], list[int], bool]:
+def layout_intervals(traj, config: EstimatorConfig) -> tuple[list[list[int]], list[int], bool]:
     """``(intervals, knot positions, jagg)`` of one update: the layout ``config.knots`` asks for (``window > 2`` and more
     than two trained steps) when JAGG applies (``jagg``: mode ``jagg``) or when ``interval_frac < 1`` draws its
     intervals (in mode ``exact`` too), else one interval per trained step."""
@@ -250,22 +166,15 @@ def layout_intervals(traj, config: EstimatorConfig,
     laid = config.window > 2 and K > 2 and (config.mode == "jagg" or config.interval_frac < 1)
     scheme = config.knots if laid else "groups"
     window = config.window if laid else 1
-    positions = None
-    if scheme == "adaptive":
-        if signal_norms is None:
-            raise ValueError("knots='adaptive' needs signal_norms [B, K]")
-        cost = interval_cost(traj.velocities[:, steps].flatten(2), signal_norms, traj.sigmas[steps], config.alpha)
-        positions = adaptive_knots(cost, num_shared_knots(K, window))
-    intervals = intervals_of(steps, scheme, window, positions)
-    if scheme == "groups":
-        positions = sorted({steps.index(s) for iv in intervals for s in (iv[0], iv[-1])})
+    intervals = intervals_of(steps, scheme, window)
+    positions = sorted({steps.index(s) for iv in intervals for s in (iv[0], iv[-1])})
     return intervals, positions, laid and config.mode == "jagg"
 
 
 def owners(intervals: list[list[int]], shared: bool) -> dict[int, int]:
     """``{step: interval}``: the interval that owns each trained step's own loss term, so that every term belongs to
     exactly one interval (what interval subsampling draws). Disjoint intervals (step groups) own their steps. Intervals
-    sharing knots (``shared``, ``adaptive``) own ``(a, b]``: their inner steps and their end knot; the first one also
+    sharing knots (``shared``) own ``(a, b]``: their inner steps and their end knot; the first one also
     owns its start knot. A drawn interval still needs both knot rows when its start knot belongs to an undrawn
     neighbour."""
     out: dict[int, int] = {}
@@ -357,7 +266,7 @@ def _pick(candidates: Tensor, p: float, generator: torch.Generator | None) -> Te
 
 def interval_rates(eligible: Tensor, config: EstimatorConfig) -> list[float]:
     """``[G]`` the correction probability of each interval: ``correction_p`` (or ``correction_rates[j]``) for the
-    first ``correction_intervals`` eligible intervals (all when 0), 0 elsewhere."""
+    eligible intervals, 0 elsewhere."""
     G = eligible.numel()
     if not bool(eligible.any()):
         return [0.0] * G
@@ -365,18 +274,15 @@ def interval_rates(eligible: Tensor, config: EstimatorConfig) -> list[float]:
         raise ValueError(f"correction_rates has {len(config.correction_rates)} rates, one per interval of the layout, "
                          f"but this update's layout has {G} intervals")
     rates = config.correction_rates if config.correction_rates is not None else [float(config.correction_p)] * G
-    cols = torch.nonzero(eligible).flatten().tolist()
-    scope = set(cols[: config.correction_intervals] if config.correction_intervals else cols)
-    return [float(rates[j]) if j in scope else 0.0 for j in range(G)]
+    return [float(rates[j]) if eligible[j] else 0.0 for j in range(G)]
 
 
-def pick_corrections(routed: Tensor, eligible: Tensor, units: Tensor, config: EstimatorConfig,
+def pick_corrections(routed: Tensor, rates: list[float], units: Tensor, config: EstimatorConfig,
                      generator: torch.Generator | None) -> Tensor:
     """Unbiased JAGG's picks ``[B, G]``: each routed unit (``units``: :func:`unit_rows`) is picked with the probability
-    of its interval (:func:`interval_rates`): one :func:`_pick` over every interval at ``correction_p``, or one per
-    interval, in order, at ``correction_rates[j]``."""
+    of its interval (``rates``: :func:`interval_rates`): one :func:`_pick` over every interval at ``correction_p``, or
+    one per interval, in order, at ``correction_rates[j]``."""
     B, G = routed.shape
-    rates = interval_rates(eligible, config)
     if not any(r > 0 for r in rates) or not bool(routed.any()):
         return torch.zeros(B, G, dtype=torch.bool)
     scope = torch.tensor([r > 0 for r in rates], dtype=torch.bool)
@@ -414,7 +320,7 @@ def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) 
         errors: ``[G]`` ``D_j >= 0``, the error energy the correction of interval ``j`` removes, e.g. plain JAGG's
             ``error_to_noise`` of that interval (``jagg bench efficiency --by-interval``); negative estimates count as 0.
         rows: ``[G]`` ``r_j >= 0``, the rows one correction of interval ``j`` runs per sample (its inner steps for
-            ``correction='interval'``, 1 for ``'step'``).
+            correction).
         budget: the correction rows per sample to spend, ``>= 0`` (e.g. ``p sum_j r_j`` for a uniform rate ``p``).
     """
     if len(errors) != len(rows):
@@ -447,7 +353,7 @@ def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) 
 
 
 def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence | None = None,
-                signal_norms: Tensor | None = None, generator: torch.Generator | None = None) -> Plan:
+                generator: torch.Generator | None = None) -> Plan:
     """Lay out, route, pick, draw and bundle the rows of one update (see the module docstring).
 
     Args:
@@ -455,56 +361,42 @@ def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence 
         config: the estimator's configuration.
         prompt_groups: optional ``[B]`` prompt group of each sample: routing and the correction then decide per
             (prompt group, interval) unit (:func:`route`).
-        signal_norms: ``[B, K]`` norms of the upstream signals at the rollout velocities; needed by
-            ``knots="adaptive"``.
-        generator: RNG of the random choices, in this order: the correction's picks, the inner step of each picked
-            interval (``correction="step"``), the intervals each sample trains (``interval_frac < 1``)
-            (``torch.rand`` / ``randperm`` / ``randint`` on the CPU).
+        generator: RNG of the random choices, in this order: the correction's picks, the intervals each sample
+            trains (``interval_frac < 1``) (``torch.rand`` / ``randperm`` on the CPU).
     """
-    B = traj.batch_size
+    B = traj.latents.shape[0]
     if config.mode == "subsample":
         return _subsample_plan(traj.train_steps.tolist(), B, config.subsample_frac, generator)
-    intervals, positions, jagg = layout_intervals(traj, config, signal_norms)
+    intervals, positions, jagg = layout_intervals(traj, config)
     G = len(intervals)
     alphas = [interval_alphas(traj.sigmas, iv, config.alpha) for iv in intervals]      # once per interval
     eligible = eligible_intervals(intervals, jagg, config)
     if 0.0 < config.jagg_frac < 1.0:
-        scores = linearity_scores(traj.velocities, intervals, alphas, config.score).cpu()
+        scores = linearity_scores(traj.velocities, intervals).cpu()
     else:
         scores = torch.zeros(B, G, dtype=torch.float32)
     routed = route(scores, config.jagg_frac, eligible, prompt_groups)                  # [B, G]
     units = unit_rows(prompt_groups, B)
-    picked = pick_corrections(routed, eligible, units, config, generator)
     rates = interval_rates(eligible, config)
-    fixes = _corrected_steps(picked, units, intervals, rates, config.correction, generator)
+    picked = pick_corrections(routed, rates, units, config, generator)
+    fixes = _corrected_steps(picked, intervals, rates)
     m = drawn_count(G, config.interval_frac)
     drawn = draw(int(units.max()) + 1 if B else 0, G, m, generator)[units]       # [B, G]: a unit's samples alike
     weight = 1.0 if m == G else G / m
-    cv = config.control_variate > 0 and jagg
     shared = config.knots != "groups" and len(intervals) > 1 and intervals[0][-1] == intervals[1][0]
     layout = _Layout(intervals, [a.tolist() for a in alphas], routed & drawn,
-                     {u: f for u, f in fixes.items() if drawn[u]}, drawn, weight, cv)
+                     {u: f for u, f in fixes.items() if drawn[u]}, drawn, weight)
     bundles = (_shared_knot_bundles(B, traj.train_steps.tolist(), layout, config.micro_batch) if shared
                else _step_group_bundles(B, layout))
-    control = _controls(layout, rates) if cv else []
     return Plan(bundles, int((eligible[None] & drawn).sum()), int(layout.routed.sum()), len(layout.fixes), positions,
-                int(drawn.sum()), control)
+                int(drawn.sum()))
 
 
-def _corrected_steps(picked: Tensor, units: Tensor, intervals, rates: list[float], correction: str,
-                     generator: torch.Generator | None) -> dict[tuple[int, int], dict[int, float]]:
+def _corrected_steps(picked: Tensor, intervals, rates: list[float]) -> dict[tuple[int, int], dict[int, float]]:
     """``{(sample, interval): {inner step: f}}`` of the picked intervals (``rates``: :func:`interval_rates`): every
-    inner step at ``f = 1 / p_j`` (``correction="interval"``), or one uniformly random inner step at ``f = |I| / p_j``
-    (``"step"``), the same step for every sample of a unit (``units``: :func:`unit_rows`), drawn unit by unit,
-    interval-major, so that the error a prompt group's samples share keeps cancelling in their zero-sum advantages;
-    a corrected step's interpolated term is scaled by ``1 - f`` and its own row enters at ``f``."""
+    inner step at ``f = 1 / p_j``; a corrected step's interpolated term is scaled by ``1 - f`` and its own row enters
+    at ``f``."""
     pairs = [(int(i), int(j)) for i, j in torch.nonzero(picked).tolist()]
-    if correction == "step":
-        cells = sorted({(j, int(units[i])) for i, j in pairs})                  # (interval, unit), interval-major
-        sizes = torch.tensor([len(intervals[j]) - 2 for j, _ in cells], dtype=torch.float64)
-        draws = (torch.rand(len(cells), generator=generator, dtype=torch.float64) * sizes).long().tolist()
-        step = {cell: intervals[cell[0]][1 + c] for cell, c in zip(cells, draws)}
-        return {(i, j): {step[(j, int(units[i]))]: (len(intervals[j]) - 2) / rates[j]} for i, j in pairs}
     return {(i, j): {k: 1.0 / rates[j] for k in intervals[j][1:-1]} for i, j in pairs}
 
 
@@ -512,8 +404,7 @@ def _corrected_steps(picked: Tensor, units: Tensor, intervals, rates: list[float
 class _Layout:
     """What the bundle builders read: the intervals and their alphas; ``routed`` ``[B, G]`` (routed to JAGG and
     drawn); the corrections ``{(sample, interval): {inner step: f}}`` (:func:`_corrected_steps`, drawn only); ``drawn``
-    ``[B, G]`` and the weight ``n / m`` of a drawn interval's terms; ``cv``: the control variate is on (a picked
-    interval's correction goes in bundles of its own, measured apart)."""
+    ``[B, G]`` and the weight ``n / m`` of a drawn interval's terms."""
 
     intervals: list[list[int]]
     alphas: list[list[float]]
@@ -521,29 +412,27 @@ class _Layout:
     fixes: dict[tuple[int, int], dict[int, float]]
     drawn: Tensor
     weight: float
-    cv: bool
 
 
 def _step_group_bundles(B: int, lay: _Layout) -> list[Bundle]:
     """Bundles of disjoint intervals, interval-major as Flow-GRPO's step loop (and the estimator before knots): per
-    interval, its routed samples' knot pairs and the other drawn samples' exact steps; the picked inner steps last
-    (first, in bundles of their own, with the control variate)."""
+    interval, its routed samples' knot pairs and the other drawn samples' exact steps; the picked inner steps last."""
     bundles: list[Bundle] = []
     singles: list[Bundle] = []
     w = lay.weight
     for j, iv in enumerate(lay.intervals):
         for i in range(B):
             if lay.routed[i, j]:
-                bundles += _chain_bundles(i, [iv], [lay.alphas[j]], 2, {0: lay.fixes.get((i, j), {})}, w, True, lay.cv)
+                bundles += _chain_bundles(i, [iv], [lay.alphas[j]], 2, {0: lay.fixes.get((i, j), {})}, w, True)
         bundles += [_single(i, k, w) for k in iv for i in range(B) if lay.drawn[i, j] and not lay.routed[i, j]]
         singles += _correction_singles(B, j, iv, lay)
-    return (_measured_bundles(B, lay) + bundles) if lay.cv else bundles + singles
+    return bundles + singles
 
 
 def _shared_knot_bundles(B: int, steps: list[int], lay: _Layout, micro_batch: int) -> list[Bundle]:
     """Bundles of intervals sharing knots: per sample, each maximal run of routed (and drawn) intervals is one chain;
     the steps no chain covers run exact, step-major, when their owner (:func:`owners`) is drawn; the picked inner steps
-    last (first, in bundles of their own, with the control variate)."""
+    last."""
     bundles: list[Bundle] = []
     G = len(lay.intervals)
     for i in range(B):
@@ -557,7 +446,7 @@ def _shared_knot_bundles(B: int, steps: list[int], lay: _Layout, micro_batch: in
                 own_start = bool(lay.drawn[i, first - 1]) if first > 0 else True      # its start knot's owner
                 bundles += _chain_bundles(i, [lay.intervals[jj] for jj in run], [lay.alphas[jj] for jj in run],
                                           micro_batch, {r: lay.fixes.get((i, jj), {}) for r, jj in enumerate(run)},
-                                          lay.weight, own_start, lay.cv)
+                                          lay.weight, own_start)
                 run = []
     covered = [set() for _ in range(B)]
     for b in bundles:
@@ -565,8 +454,6 @@ def _shared_knot_bundles(B: int, steps: list[int], lay: _Layout, micro_batch: in
     owner = owners(lay.intervals, shared=True)
     singles = [_single(i, k, lay.weight) for k in steps for i in range(B)
                if k not in covered[i] and lay.drawn[i, owner[k]]]
-    if lay.cv:
-        return _measured_bundles(B, lay) + bundles + singles
     for j, iv in enumerate(lay.intervals):
         singles += _correction_singles(B, j, iv, lay)
     return bundles + singles
@@ -574,55 +461,18 @@ def _shared_knot_bundles(B: int, steps: list[int], lay: _Layout, micro_batch: in
 
 def _correction_singles(B: int, j: int, iv: list[int], lay: _Layout) -> list[Bundle]:
     """The own rows of interval ``j``'s corrected inner steps, each at ``f n / m`` (inner-step-major)."""
-    if lay.cv:
-        return []
     return [_single(i, k, lay.fixes[(i, j)][k] * lay.weight) for k in iv[1:-1] for i in range(B)
             if k in lay.fixes.get((i, j), {})]
 
 
-def _measured_bundles(B: int, lay: _Layout) -> list[Bundle]:
-    """With the control variate: each picked interval's correction on its own, ``f n / m`` (exact - interpolated) of its
-    corrected inner steps: its two knot rows carrying minus the interpolated terms, and the steps' own rows; tagged
-    with the interval (``measure``) and ordered by it, so the estimator can measure each interval's corrections."""
-    out: list[Bundle] = []
-    for j, iv in enumerate(lay.intervals):
-        alpha = dict(zip(iv, lay.alphas[j]))
-        for i in range(B):
-            fix = lay.fixes.get((i, j))
-            if not fix:
-                continue
-            knots = Bundle(i, [iv[0], iv[-1]], measure=j)
-            for k, f in fix.items():
-                s = f * lay.weight
-                knots.terms.append(Term(k, (0, 1, alpha[k]), [(0, -(1.0 - alpha[k]) * s), (1, -alpha[k] * s)],
-                                        counted=False))
-            out.append(knots)
-            out += [Bundle(i, [k], [Term(k, (0, -1, 0.0), [(0, f * lay.weight)])], measure=j) for k, f in fix.items()]
-    return out
-
-
-def _controls(lay: _Layout, rates: list[float]) -> list[Control]:
-    """The control variate's part of the plan (:class:`Control`) at each interval that is corrected (``p_j > 0``) and
-    has a routed drawn sample."""
-    out = []
-    for j, iv in enumerate(lay.intervals):
-        n = int(lay.routed[:, j].sum())
-        if not n or rates[j] <= 0:
-            continue
-        picked = sum(1 for (_, jj) in lay.fixes if jj == j)
-        out.append(Control(j, iv[1], lay.weight * (n - picked / rates[j]), picked, lay.weight / rates[j]))
-    return out
-
-
 def _chain_bundles(sample: int, chain: list[list[int]], alphas: list[list[float]], micro_batch: int,
-                   fixes: dict[int, dict[int, float]], weight: float, own_start: bool, cv: bool) -> list[Bundle]:
+                   fixes: dict[int, dict[int, float]], weight: float, own_start: bool) -> list[Bundle]:
     """Bundles of one run of JAGG intervals sharing knots (``chain``: intervals ``[a, ..., b]``, consecutive ones
     sharing an end; ``alphas``: their interpolation coefficients), every weight times ``weight`` (``n / m`` with
     interval subsampling). Split into pieces of at most ``micro_batch`` knots that overlap by one knot; a knot's own
     term is counted in the first piece holding it, the chain's start knot only when ``own_start`` (its owner is
     drawn, :func:`owners`). ``fixes[r]`` (``{inner step: f}``, :func:`_corrected_steps`) scales those inner steps'
-    interpolated weights of interval ``r`` by ``1 - f`` (by 1 with the control variate, ``cv``, whose correction
-    bundles carry it); their terms then do not count in the statistics."""
+    interpolated weights of interval ``r`` by ``1 - f``; their terms then do not count in the statistics."""
     bundles: list[Bundle] = []
     start = 0
     n = len(chain)                                          # intervals; knots = n + 1
@@ -635,7 +485,7 @@ def _chain_bundles(sample: int, chain: list[list[int]], alphas: list[list[float]
                 b.terms.append(Term(iv[0], (0, -1, 0.0), [(0, 1.0 * weight)]))
             fix = fixes.get(start + r, {})
             for k, al in zip(iv[1:-1], alphas[start + r][1:-1]):
-                s = 1.0 if cv or k not in fix else 1.0 - fix[k]
+                s = 1.0 if k not in fix else 1.0 - fix[k]
                 b.terms.append(Term(k, (r, r + 1, al), [(r, (1.0 - al) * s * weight), (r + 1, al * s * weight)],
                                     counted=k not in fix))
             b.terms.append(Term(iv[-1], (r + 1, -1, 0.0), [(r + 1, 1.0 * weight)]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
+from ..arguments import overwrite_argument
 from ..checks import check_output_file
 
 
@@ -27,10 +28,10 @@ def add_bench_parser(sub) -> None:
     from . import e2e, efficiency, fidelity, paired, quality, signal, speed
 
     b = sub.add_parser(
-        "bench", help="benchmarks: speed vs the cost model, gradient fidelity and routing, training quality, end to end, gradient signal",
+        "bench", help="benchmarks: speed, fidelity, quality, e2e, signal, efficiency, paired",
         description="Evidence for JAGG, each through jagg.policy_gradient (the trainer's function):\n"
                     "  speed     exact vs JAGG seconds per training phase, against the cost model\n"
-                    "  fidelity  cosine / relative error of the JAGG gradient vs exact; the routing-score study\n"
+                    "  fidelity  cosine / relative error of the JAGG gradient vs exact; the routing study\n"
                     "  quality   GRPO runs x paired seeds (default: exact and the config's estimator; --variant for\n"
                     "            others): reward vs updates and time\n"
                     "  e2e       whole GRPO iterations (sampling + reward + training) exact vs JAGG, round-robin\n"
@@ -50,6 +51,5 @@ def add_bench_parser(sub) -> None:
     paired.add_parser(bsub)
     for p in bsub.choices.values():
         if p.get_default("overwrite") is None:            # bench paired has its own (benchmarks/paired_eval.py)
-            p.add_argument("--overwrite", action="store_true", help="replace an existing --json file (quality: also "
-                           "its --plot; without it an existing file is refused before any work)")
+            overwrite_argument(p, "the --json file (quality: also its --plot)")
         p.set_defaults(func=_output_checked(p.get_default("func")))

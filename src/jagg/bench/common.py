@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: the cost model, timing, memory, rank statistics, tables and JSON (gradients are
+"""Shared pieces of the benchmarks: timing, memory, rank statistics, tables and JSON (gradients are
 compared with :func:`jagg.audit.flat_grad`, :func:`~jagg.audit.cosine` and :func:`~jagg.audit.rel_err`).
 
 Nothing here computes a gradient: every benchmark calls :func:`jagg.policy_gradient` itself.
@@ -19,87 +19,7 @@ import numpy as np
 import torch
 
 from ..checks import check_threads
-from ..knots import drawn_count, intervals_of
 from ..training.atomic import atomic_write_text
-
-# ----------------------------------------------------------------------------- the cost model (docs/design.md §3)
-
-
-def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: float = 1.0,
-               backward: float = 2.0, steps: int | None = None, jagg_frac: float = 1.0,
-               exact_first: int = 0, exact_last: int = 0, knots: str = "groups", correction_p: float = 0.0,
-               correction_intervals: int = 0, correction: str = "interval", correction_rates=None,
-               control_variate: bool = False, interval_frac: float = 1.0, off_policy_share: float = 0.0) -> float:
-    """Ideal speed-up of JAGG over exact: exact cost / JAGG cost of the trained steps, per sample (expected rows where
-    the estimator draws).
-
-    Exact: ``K (F_grad + B)``. JAGG: ``rows (F_grad + B) + nograd F_nograd``, where the rows are the knots plus the
-    inner steps of the intervals that run exact, and ``nograd`` the inner steps of the routed intervals under
-    ``fresh`` (none under ``interp`` and ``stale``). With ``steps=None`` the limit is for one full interval of ``window`` steps: the defaults
-    (``B = 2F``, ``F_grad = F_nograd``) give docs/design.md's ``3W / (W + 4)`` (fresh) and ``W / 2`` (interp). With
-    ``steps=K`` the ``K`` trained steps are laid out as the estimator lays them out: step groups of ``window`` (the last
-    may be shorter), or shared knots every ``window - 1`` steps (``adaptive`` has as many knots; its intervals'
-    sizes depend on the data, so ``shared``'s sizes stand in for them). Routing: the fraction ``jagg_frac`` of each
-    eligible interval (>= 3 steps, not among the first ``exact_first`` / last ``exact_last`` eligible ones) goes
-    through JAGG; unbiased JAGG adds, per routed interval, ``p_j`` (``correction_p``, or ``correction_rates[j]``) x its
-    inner rows (``correction="step"``: x 1 row), of the first ``correction_intervals`` routed intervals only when > 0,
-    and with the control variate ``p_j`` x its 2 knot rows again (and, under ``fresh``, one no-grad row per corrected
-    step). Interval subsampling (``interval_frac``, ``m`` of the ``n`` intervals per sample) keeps each interval with
-    probability ``m / n``; a knot shared by two intervals is a row when the interval that owns its term is drawn or
-    the other one is drawn and routed. ``jagg_frac = 0`` with ``interval_frac`` is exact's interval subsampling,
-    limit ``n / m``. ``intermediate="auto"`` runs ``fresh`` in the share ``off_policy_share`` of updates (off-policy:
-    ``(U - 1) / U`` with ``U`` updates per rollout) and ``interp`` in the rest. Pass measured times to get the limit of a
-    given model.
-    """
-    if intermediate not in ("fresh", "interp", "stale", "auto"):
-        raise ValueError(f"intermediate must be 'fresh', 'interp', 'stale' or 'auto'; got {intermediate!r}")
-    if not 0.0 <= off_policy_share <= 1.0:
-        raise ValueError(f"off_policy_share must be in [0, 1]; got {off_policy_share!r}")
-    fresh_share = {"fresh": 1.0, "interp": 0.0, "stale": 0.0, "auto": off_policy_share}[intermediate]
-    K = window if steps is None else steps
-    layout = "groups" if knots == "groups" else "shared"
-    intervals = intervals_of(list(range(K)), layout, window) if window > 2 else [[k] for k in range(K)]
-    n = len(intervals)
-    m = drawn_count(n, interval_frac)
-    keep = m / n                                                                 # P(an interval is drawn)
-    out_in = keep - (m * (m - 1) / (n * (n - 1)) if n > 1 else 0.0)              # P(one undrawn, a given other drawn)
-    eligible = [j for j, iv in enumerate(intervals) if len(iv) >= 3]
-    eligible = eligible[exact_first: len(eligible) - exact_last]
-    corrected = eligible[:correction_intervals] if correction_intervals else eligible
-    rates = list(correction_rates) if correction_rates is not None else [correction_p] * n
-    routed = [jagg_frac if j in eligible else 0.0 for j in range(n)]
-    rows, nograd = 0.0, 0.0
-    for j, iv in enumerate(intervals):
-        inner = max(len(iv) - 2, 0)
-        p = rates[j] if j in corrected else 0.0
-        fixed = 1 if correction == "step" and inner else inner                 # rows one correction runs
-        rows += keep * ((1.0 - routed[j]) * inner + routed[j] * p * (fixed + (2 if control_variate else 0)))
-        nograd += fresh_share * keep * routed[j] * (inner + (p * fixed if control_variate else 0.0))
-        if layout == "groups":
-            rows += keep * min(len(iv), 2)                                      # its own knots
-            continue
-        # knots shared: its end knot (and the first interval's start) is its own, a row when it is drawn; the end
-        # knot is also a row when only the next interval is drawn and that one is routed
-        rows += keep * (2 if j == 0 else 1) + (out_in * routed[j + 1] if j + 1 < n else 0.0)
-    return K * (f_grad + backward) / (rows * (f_grad + backward) + nograd * f_nograd)
-
-
-def estimator_limit(est, steps: int, f_grad: float = 1.0, f_nograd: float = 1.0, backward: float = 2.0,
-                    off_policy_share: float = 0.0) -> float:
-    """:func:`cost_limit` of an :class:`~jagg.EstimatorConfig` on ``steps`` trained steps: mode ``subsample`` ``K / m``;
-    mode ``exact`` 1, or ``n / m`` with ``interval_frac``; mode ``jagg`` its layout, routing, correction and draws
-    (``off_policy_share``: the updates that ``intermediate="auto"`` runs ``fresh``)."""
-    if est.mode == "subsample":
-        return steps / drawn_count(steps, est.subsample_frac)
-    if est.mode == "exact" and est.interval_frac >= 1:
-        return 1.0
-    return cost_limit(est.window, est.intermediate, f_grad, f_nograd, backward, steps=steps,
-                      jagg_frac=est.jagg_frac if est.mode == "jagg" else 0.0, exact_first=est.exact_first_intervals,
-                      exact_last=est.exact_last_intervals, knots=est.knots, correction_p=est.correction_p,
-                      correction_intervals=est.correction_intervals, correction=est.correction,
-                      correction_rates=est.correction_rates, control_variate=est.control_variate > 0,
-                      interval_frac=est.interval_frac, off_policy_share=off_policy_share)
-
 
 # ----------------------------------------------------------------------------- devices, timing, memory
 

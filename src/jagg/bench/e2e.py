@@ -23,7 +23,8 @@ import statistics
 from ..training import config_loader as configuration
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..checks import check_no_repeats, number_arg
-from .common import default_config_path, estimator_limit, json_if_asked, table
+from .common import default_config_path, json_if_asked, table
+from .projection import estimator_limit
 
 VARIANTS = {
     "exact": ["estimator.mode=exact"],
@@ -35,7 +36,7 @@ QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompt groups 
 
 
 def routed_limit(cfg: ShapesTrainConfig, correction_p: float | None = None) -> float:
-    """:func:`~jagg.bench.common.estimator_limit` (``B = 2F``) of the config's estimator on its trained steps: knot
+    """:func:`~jagg.bench.projection.estimator_limit` (``B = 2F``) of the config's estimator on its trained steps: knot
     layout, window, routed fraction, exact first/last intervals, the correction and interval subsampling; the
     correction rate ``correction_p`` replaces the config's (give the one a run of ``auto`` ended on); with
     ``intermediate: auto`` all but the first of a rollout's updates run ``fresh``."""

@@ -57,18 +57,17 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import yaml
 from torch import Tensor
 
-from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import (AUTO_START_P, adam_efficiency, choose_correction_p, clip_flag, error_noise_stats, extrapolate,
                      flat_grad, predicted_efficiency)
-from ..checks import check_unique_names, number_arg
-from ..estimator import CorrectionState, policy_gradient
+from ..checks import check_unique_names, number_arg, parse_spec
+from ..estimator import policy_gradient
 from ..estimator_config import AUTO, EstimatorConfig
 from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals, plan_update
+from ..trainers.base import rollout_batch
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
@@ -83,32 +82,10 @@ QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
 BUDGET_RATES = "by_interval"         # correction_rates=by_interval: rates from the per-interval error (budget_rates)
 
 
-def spec_items(rest: str) -> list[str]:
-    """The ``KEY=VALUE`` items of an estimator spec, split at the commas outside brackets (``correction_rates=[0.4,
-    0.1],window=5`` is two items)."""
-    items, depth, cur = [], 0, ""
-    for ch in rest:
-        if ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        if ch == "," and depth == 0:
-            items.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    return items + [cur]
-
-
 def wants_budget_rates(spec: str) -> bool:
     """Whether ``spec`` asks for ``correction_rates=by_interval`` (:func:`budget_rates_of`)."""
-    return any(item.partition("=")[0].strip().removeprefix("estimator.") == "correction_rates"
-               and item.partition("=")[2].strip() == BUDGET_RATES for item in spec_items(spec.partition(":")[2]))
-
-
-def plain_of(est: EstimatorConfig) -> EstimatorConfig:
-    """``est`` without its correction: the paper's plain JAGG (no picks, no rates, no control variate)."""
-    return dataclasses.replace(est, correction_p=0.0, correction_rates=None, control_variate=0.0)
+    items = parse_spec(spec, "--estimator")[1]
+    return any(k.removeprefix("estimator.") == "correction_rates" and v == BUDGET_RATES for k, v in items.items())
 
 
 def parse_estimator(spec: str, base: EstimatorConfig, flag: str = "--estimator") -> tuple[str, EstimatorConfig | None]:
@@ -125,18 +102,12 @@ def parse_estimator(spec: str, base: EstimatorConfig, flag: str = "--estimator")
         if name == "exact":
             return name, base.exact()
         if name == "plain":
-            return name, plain_of(base)
+            return name, base.plain()
         return name, (None if name == "subsample" else base)
     kv = {}
-    for item in spec_items(rest):
-        key, eq, value = item.partition("=")
-        key = key.strip().removeprefix("estimator.")
-        if not eq or not key:
-            raise ValueError(f"{flag} {spec!r}: {item!r} is not KEY=VALUE")
-        if key == "correction_rates" and value.strip() == BUDGET_RATES:
-            kv[key] = None
-            continue
-        kv[key] = yaml.safe_load(value)
+    for key, value in parse_spec(spec, flag)[1].items():
+        key = key.removeprefix("estimator.")
+        kv[key] = None if key == "correction_rates" and value == BUDGET_RATES else yaml.safe_load(value)
     return name, configuration.from_dict(EstimatorConfig, {**base.to_dict(), **kv}, "estimator")
 
 
@@ -168,9 +139,7 @@ def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) ->
     """Rows with grad per sample of ``cfg`` on ``traj``, the mean over ``draws`` plans (no network call)."""
     gen = torch.Generator().manual_seed(0)
     n = draws if cfg.random else 1
-    if cfg.knots == "adaptive":                  # adaptive needs the loss signals; shared has as many rows
-        cfg = dataclasses.replace(cfg, knots="shared")
-    rows = [sum(len(b.rows) for b in plan_update(traj, cfg, prompt_groups, generator=gen).bundles) for _ in range(n)]
+    rows = [plan_update(traj, cfg, prompt_groups, generator=gen).rows for _ in range(n)]
     return statistics.fmean(rows) / traj.batch_size
 
 
@@ -182,21 +151,14 @@ def rate_of(est: EstimatorConfig, rate: float | None = None) -> EstimatorConfig:
     return dataclasses.replace(est, correction_p=AUTO_START_P if rate is None else rate)
 
 
-def draw_batch(sampler: ShapesSampler, cfg: ShapesTrainConfig):
-    """One training batch as the trainer draws it: ``(traj, tokens, advantages, prompt_groups, rollout CPU
-    seconds)``, prompt groups without reward spread dropped when ``grpo.drop_zero_spread``."""
+def training_batch(sampler: ShapesSampler, cfg: ShapesTrainConfig):
+    """One training batch through the trainer's own pipeline (:func:`jagg.trainers.base.rollout_batch`): ``(traj,
+    tokens, advantages, prompt_groups, rollout CPU seconds)`` of the kept samples."""
     t0 = time.process_time()
-    rollout = sampler.sample()
-    scores, _ = sampler.score(rollout)
-    rewards = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
+    batch = rollout_batch(sampler.sample, sampler.score, cfg)
     seconds = time.process_time() - t0
-    prompts, tokens, traj = rollout.prompts, rollout.conditioning, rollout.traj
-    adv = group_advantages(rewards, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
-    keep = (nonzero_spread_mask(rewards, prompts) if cfg.grpo.drop_zero_spread
-            else torch.ones(len(prompts), dtype=torch.bool))
-    idx = torch.nonzero(keep).flatten()
-    prompt_groups = (torch.arange(len(prompts)) // cfg.sample.group_size)[idx]
-    return traj.select(idx), tokens[idx], adv[idx], prompt_groups, seconds
+    idx, ro = batch.keep_idx, batch.rollout
+    return ro.traj.select(idx), ro.conditioning[idx], batch.advantages[idx], batch.prompt_groups[idx], seconds
 
 
 def check_sizes(batches: int, draws: int, target_batch: int | None = None) -> None:
@@ -228,44 +190,22 @@ def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float, te
             "adam_tensor_time_efficiency": time_ratio * tensor_factor}
 
 
-def control_states(ests: dict, params) -> dict[str, CorrectionState]:
-    """A :class:`jagg.CorrectionState` of ``params`` for each estimator with a control variate."""
-    return {name: CorrectionState(params) for name, est in ests.items()
-            if est is not None and est.mode == "jagg" and est.control_variate > 0}
-
-
-def warm_up(cfg: ShapesTrainConfig, ests: dict, batches: int) -> dict[str, dict]:
-    """The control variates' running means after ``batches`` batches of their own (a sampler of seed ``seed + 2``,
-    one update of each estimator with one per batch): :meth:`~jagg.CorrectionState.state_dict` by estimator name."""
-    sampler = ShapesSampler(dataclasses.replace(cfg, seed=cfg.seed + 2))
-    states = control_states(ests, sampler.params)
-    for b in range(batches if states else 0):
-        traj, tokens, adv, prompt_groups, _ = draw_batch(sampler, cfg)
-        vf = sampler.velocity(tokens)
-        for name, state in states.items():
-            sampler.zero_grad()
-            with torch.enable_grad():
-                policy_gradient(vf, traj, adv, ests[name], prompt_groups=prompt_groups, correction_state=state,
-                                generator=torch.Generator().manual_seed(cfg.seed * 7919 + b))
-    return {name: state.state_dict() for name, state in states.items()}
-
-
 def budget_rates_of(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, batches: int,
                     pilots: dict | None = None) -> EstimatorConfig:
     """``est`` with ``correction_rates`` from :func:`jagg.knots.budget_rates`: ``D_j`` = plain JAGG's error against the
     noise in each interval (:func:`interval_errors`, on ``batches`` batches of their own: seed ``seed + 1``; kept in
-    ``pilots`` for the next estimator of the same plain JAGG), ``r_j`` = the rows one correction runs (the inner steps;
-    1 for ``correction="step"``), at the rows of ``est``'s uniform ``correction_p`` over the intervals it corrects."""
+    ``pilots`` for the next estimator of the same plain JAGG), ``r_j`` = the rows one correction runs (the inner
+    steps), at the rows of ``est``'s uniform ``correction_p`` over the intervals it corrects."""
     pilot = dataclasses.replace(cfg, seed=cfg.seed + 1)
     pilots = {} if pilots is None else pilots
-    key = repr(dataclasses.replace(plain_of(est), correction="interval", interval_frac=1.0))
+    key = repr(dataclasses.replace(est.plain(), interval_frac=1.0))
     if key not in pilots:
-        pilots[key] = interval_errors(pilot, name, plain_of(est), batches, 1)
+        pilots[key] = interval_errors(pilot, name, est.plain(), batches, 1)
     parts = pilots[key]
     inner = [r["inner_steps"] for r in parts]
     eligible = eligible_intervals([list(range(n + 2)) for n in inner], True, est)      # the intervals JAGG may take
     scope = interval_rates(eligible, dataclasses.replace(est, correction_p=1.0))         # 1 where corrected
-    rows = [(1.0 if est.correction == "step" else float(n)) * scope[j] for j, n in enumerate(inner)]
+    rows = [float(n) * scope[j] for j, n in enumerate(inner)]
     errors = [r["error_to_noise"] * scope[j] for j, r in enumerate(parts)]
     rates = budget_rates(errors, rows, est.correction_p * sum(rows))
     return dataclasses.replace(est, correction_rates=[round(r, 4) for r in rates])
@@ -273,7 +213,7 @@ def budget_rates_of(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, bat
 
 @dataclass
 class Batch:
-    """One batch as :func:`draw_batch` drew it, kept so that every estimator, the ones ``auto`` resolves last
+    """One batch as :func:`training_batch` drew it, kept so that every estimator, the ones ``auto`` resolves last
     included, runs on the same batches."""
 
     traj: Trajectory
@@ -299,7 +239,7 @@ def _auto_rate(sampler: ShapesSampler, kept: list[Batch], est: EstimatorConfig, 
     """:func:`resolve_auto` for ``est`` (``correction_p: auto``) on the batches ``kept``: plain JAGG's gradients
     against ``exact`` (``[n, P]``), and its rows per sample, plain and at full correction, planned on the first batch
     against exact's ``rows_exact``."""
-    plain = dataclasses.replace(est, correction_p=0.0)
+    plain = est.plain()
     first = kept[0]
     rows = {"plain": expected_rows(first.traj, plain, first.prompt_groups), "exact": rows_exact,
             "full": expected_rows(first.traj, dataclasses.replace(est, correction_p=1.0), first.prompt_groups)}
@@ -308,10 +248,10 @@ def _auto_rate(sampler: ShapesSampler, kept: list[Batch], est: EstimatorConfig, 
 
 
 def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds: list[int],
-               state: CorrectionState | None = None, on_policy: bool = True) -> tuple[Tensor, list]:
+               on_policy: bool = True) -> tuple[Tensor, list]:
     """``[len(seeds), P]`` gradients of ``est`` on ``batch`` (one per pick seed) and per draw ``(CPU seconds, rows
-    with grad, no-grad rows)`` per sample and its clip fraction; ``state``: its control variate's means, updated by
-    each draw; ``on_policy``: whether the parameters are the batch's sampling ones (:func:`moved_parameters`)."""
+    with grad, no-grad rows)`` per sample and its clip fraction; ``on_policy``: whether the parameters are the batch's
+    sampling ones (:func:`moved_parameters`)."""
     vf = sampler.velocity(batch.tokens)
     out, costs = [], []
     for seed in seeds:
@@ -319,8 +259,7 @@ def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds
         c0 = time.process_time()
         with torch.enable_grad():
             st = policy_gradient(vf, batch.traj, batch.adv, est, prompt_groups=batch.prompt_groups,
-                                 generator=torch.Generator().manual_seed(seed), correction_state=state,
-                                 on_policy=on_policy)
+                                 generator=torch.Generator().manual_seed(seed), on_policy=on_policy)
         B = batch.traj.batch_size
         costs.append((time.process_time() - c0, st.backward_items / B, st.forward_nograd_items / B, st.clip_frac))
         out.append(flat_grad(sampler.params).double())
@@ -355,9 +294,8 @@ def _load(sampler: ShapesSampler, values: list[Tensor]) -> None:
 
 
 def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
-            warmup: int = 0, cost: CostStructure | None = None, update: int = 0) -> list[dict]:
-    """One record per estimator (module docstring); ``warmup``: batches that build the control variates' means first
-    (:func:`warm_up`); ``cost``: the structure of the projected columns (None: the
+            cost: CostStructure | None = None, update: int = 0) -> list[dict]:
+    """One record per estimator (module docstring); ``cost``: the structure of the projected columns (None: the
     job's own, :func:`jagg.bench.projection.job_structure`); ``update``: measure each batch as its rollout's
     ``update + 1``-th optimizer update, at the parameters :func:`moved_parameters` reaches with ``update`` batches
     drawn after the measured ones (0: on-policy, at the sampling parameters)."""
@@ -372,9 +310,6 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
             print(f"{name}: correction_rates {ests[name].correction_rates} (budget_rates on {batches} batches of "
                   f"seed {cfg.seed + 1})")
     sampler = ShapesSampler(cfg)
-    states = control_states(ests, sampler.params)
-    for name, saved in warm_up(cfg, ests, warmup).items():
-        states[name].load_state_dict(saved)
     sizes = [p.numel() for p in sampler.params]
     tensor_names = [n for n, p in sampler.model.named_parameters() if p.requires_grad]     # sampler.params' order
     grads = {name: [] for name in ests}        # name -> per batch [draws, P]
@@ -383,17 +318,18 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
 
     def run(b: int, name: str, est: EstimatorConfig, e_i: int) -> None:
         seeds = [cfg.seed * 1_000_003 + b * 1009 + d * 31 + e_i for d in range(draws if est.random else 1)]
-        g, c = _gradients(sampler, kept[b], est, seeds, states.get(name), on_policy=not update)
+        g, c = _gradients(sampler, kept[b], est, seeds, on_policy=not update)
         grads[name].append(g)
         costs[name] += c
 
     for _ in range(batches):
-        traj, tokens, adv, prompt_groups, seconds = draw_batch(sampler, cfg)
+        traj, tokens, adv, prompt_groups, seconds = training_batch(sampler, cfg)
         rollout_s.append(seconds)
         kept.append(Batch(traj, tokens, adv, prompt_groups))
-    base = [p.detach().clone() for p in sampler.params]
+    sampling_params = [p.detach().clone() for p in sampler.params]
     if update:                                     # off-policy: every batch measured where update `update` starts
-        _load(sampler, moved_parameters(sampler, cfg, [Batch(*draw_batch(sampler, cfg)[:4]) for _ in range(update)]))
+        _load(sampler, moved_parameters(sampler, cfg, [Batch(*training_batch(sampler, cfg)[:4])
+                                                       for _ in range(update)]))
     if ests.get("subsample", 0) is None:           # subsample at the config's rows, fixed from the first batch
         first, base = kept[0], rate_of(cfg.estimator, AUTO_START_P)
         frac = min(1.0, expected_rows(first.traj, base, first.prompt_groups) / first.traj.train_steps.numel())
@@ -415,7 +351,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
             ests[name] = rate_of(est, AUTO_START_P if math.isnan(p) else p)
             for b in range(batches):
                 run(b, name, ests[name], e_i)
-    _load(sampler, base)
+    _load(sampler, sampling_params)
     n_samples = statistics.fmean(b.traj.batch_size for b in kept)
     target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
     cost = cost or job_structure(cfg.sample)
@@ -486,26 +422,21 @@ def by_interval(cfg: ShapesTrainConfig, spec: str, batches: int, draws: int) -> 
 def interval_errors(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, batches: int, draws: int) -> list[dict]:
     """Where one estimator's error lives: for each interval of its layout (steps ``a..b``), the error of the gradient
     restricted to that interval's loss terms (``only_steps``) against the whole update's noise ``V_b``, and its
-    repeating part, on the same batches as :func:`measure` (same seed). Layouts with data-dependent knots
-    (``adaptive``) use the first batch's intervals; a control variate runs with its means empty (no update measured
-    here)."""
+    repeating part, on the same batches as :func:`measure` (same seed)."""
     check_sizes(batches, draws)
     exact = est.exact()
     sampler = ShapesSampler(cfg)
-    state = control_states({name: est}, sampler.params).get(name)
     intervals, totals, parts = None, [], {}
     for b in range(batches):
-        traj, tokens, adv, prompt_groups, _ = draw_batch(sampler, cfg)
+        traj, tokens, adv, prompt_groups, _ = training_batch(sampler, cfg)
         vf = sampler.velocity(tokens)
-        intervals = intervals or layout_intervals(traj, dataclasses.replace(est, knots="shared")
-                                                  if est.knots == "adaptive" else est)[0]
+        intervals = intervals or layout_intervals(traj, est)[0]
 
         def grad(c, steps, seed):
             sampler.zero_grad()
             with torch.enable_grad():
                 policy_gradient(vf, traj, adv, c, prompt_groups=prompt_groups, only_steps=steps,
-                                generator=torch.Generator().manual_seed(seed),
-                                correction_state=state if c is est else None)
+                                generator=torch.Generator().manual_seed(seed))
             return flat_grad(sampler.params).double()
 
         totals.append(grad(exact, None, 0))
@@ -566,9 +497,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.by_interval is not None:
         check_sizes(batches, draws, args.target_batch)
         by_interval_estimator(args.by_interval, cfg.estimator)
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0; got {args.warmup}")
-    records = measure(cfg, specs, batches, draws, args.target_batch, args.warmup, cost, args.update)
+    records = measure(cfg, specs, batches, draws, args.target_batch, cost, args.update)
     r0 = records[0]
     print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples, up to {draws} draws per estimator; V_b = "
           f"{r0['noise']:.3e} (|g| = {r0['grad_norm']:.3e}), signal |E g|^2 / V_b = {r0['signal_to_noise']:.4f} +- "
@@ -630,9 +559,6 @@ def add_parser(sub) -> None:
     p.add_argument("--by-interval", metavar="NAME[:KEY=VALUE,...]",
                    help="also break this JAGG estimator's error down by the intervals of its layout (where does it "
                         "live, and does it repeat there?), on the same batches")
-    p.add_argument("--warmup", type=int, default=4, help="batches of their own (seed + 2) that build an estimator's "
-                   "control-variate means before the measured batches, which then go on updating them; nothing "
-                   "without a control_variate estimator [default: 4]")
     p.add_argument("--update", type=number_arg(int, 0), default=0,
                    help="measure every batch as the (N+1)-th optimizer update of its rollout: the parameters first take "
                         "N AdamW steps (the config's optim) on the exact gradients of N other batches of the same "

@@ -1,20 +1,21 @@
-"""``jagg bench fidelity``: how close the JAGG gradient is to the exact one, and which routing score knows.
+"""``jagg bench fidelity``: how close the JAGG gradient is to the exact one, and how well routing ranks it.
 
-For each checkpoint, one fresh rollout batch is drawn the way the trainer draws it (its prompts, noise,
-SDE sampler with guidance, the configured reward, group-relative advantages, zero-spread prompt groups dropped),
-then every gradient below comes from :func:`jagg.policy_gradient`:
+For each checkpoint, one fresh rollout batch is drawn through the trainer's pipeline
+(:func:`jagg.trainers.base.rollout_batch`: the config's prompts, noise, SDE sampler with guidance and reward,
+group-relative advantages, zero-spread prompt groups dropped), from RNGs of its own seed, and the gradients are those
+of the parameters ``model.trainable`` marks; every gradient below comes from :func:`jagg.policy_gradient`:
 
 1. Fidelity, on-policy (right after sampling) and off-policy (the trainer's second minibatch: after one
    AdamW update on the first half of the batch with the configured estimator): for every knot layout
-   (``--knots``: groups (step groups), shared, adaptive), window, alpha and intermediate mode, the rows it runs with grad, the
+   (``--knots``: groups (step groups), shared), window, alpha and intermediate mode, the rows it runs with grad, the
    cosine similarity and relative error ``||g_jagg - g_exact|| / ||g_exact||`` of the total gradient, and the
    cosine over the noisiest, the middle and the cleanest third of the trained steps, separately
    (:func:`jagg.audit_gradient`: the gradient of each third's loss terms, knots and routing those of the whole
    trajectory). The total is decided by the clean steps, whose signals are largest; layout is decided at the
    noisy ones. The Pareto table (rows against total cosine) marks the layouts no other beats on both.
 2. Routing study (on-policy, windows > 2): per (sample, interval) pair the true gradient cosine of JAGG vs
-   exact; for each score of ``jagg.estimator_config.SCORES`` its Spearman rank correlation with that cosine, and
-   the total-gradient cosine reached when only the top ``jagg_frac`` by that score go through JAGG, routing units
+   exact; the Spearman rank correlation of routing's linearity score (:func:`jagg.routing.linearity_scores`) with
+   that cosine, and the total-gradient cosine reached when only the top ``jagg_frac`` by it go through JAGG, routing units
    of whole prompt groups (the trainer's way) and of single samples (also with the first and last intervals
    kept exact).
 """
@@ -33,23 +34,25 @@ from torch import Tensor, nn
 
 from ..checks import number_arg
 from ..training import config_loader as configuration
-from ..advantages import group_advantages, nonzero_spread_mask
 from ..shapes.weights import load_model
 from ..audit import audit_gradient
-from ..estimator_config import ALPHAS, INTERMEDIATES, KNOTS, SCORES, EstimatorConfig
+from ..estimator_config import ALPHAS, INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient, reference_velocities
 from ..shapes.velocity import GuidedVelocity
 from ..rewards.registry import get_reward
-from ..knots import interval_alphas, step_groups
+from ..knots import step_groups
 from ..routing import linearity_scores
 from ..schedule import flow_sigmas
+from ..trainers.base import Rollout, draw_prompts_and_noise, rollout_batch
+from ..trainers.shapes import mark_trainable
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..trajectory import Trajectory, sample_trajectories
-from ..shapes import from_tensor, tokenizer, train_prompts
+from ..shapes import from_tensor, tokenizer
 from ..audit import cosine, flat_grad, rel_err
 from .common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
 
 ADVANTAGES = ("reward", "random")
+SCORES = ("cosine",)            # routing's one linearity score (jagg.routing), the column name of the report
 
 
 @dataclass
@@ -96,7 +99,7 @@ QUICK_FRACS = [0.5, 1.0]
 
 
 @dataclass
-class Rollout:
+class KeptBatch:
     """A batch as the trainer trains it: trajectories, prompt tokens, advantages, reference velocities."""
 
     traj: Trajectory
@@ -107,59 +110,52 @@ class Rollout:
     sampled: int            # samples drawn before dropping zero-spread prompt groups
     prompt_groups: Tensor   # [B] prompt group of each sample, for routing
 
-    def select(self, idx: Tensor) -> "Rollout":
-        return Rollout(self.traj.select(idx), self.tokens[idx], self.adv[idx],
+    def select(self, idx: Tensor) -> "KeptBatch":
+        return KeptBatch(self.traj.select(idx), self.tokens[idx], self.adv[idx],
                        None if self.ref_v is None else self.ref_v[idx], self.reward_mean, self.sampled,
                        self.prompt_groups[idx.cpu()])
 
 
-def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) -> Rollout:
-    """Sample, reward and compute advantages exactly as the shapes trainer's iteration does."""
+def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) -> KeptBatch:
+    """One batch through the trainer's pipeline (:func:`jagg.trainers.base.rollout_batch`): the config's prompts
+    (``sample.prompts_file`` or the training split), noise, SDE sampler with guidance and reward; advantages, the
+    zero-spread prompt groups dropped and prompt groups as in training (``--advantages random``: N(0, 1), all kept)."""
     c, t = cfg.train.sample, cfg.train
-    rng = np.random.default_rng(cfg.seed)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    pool = train_prompts()
-    if c.prompts_per_iter > len(pool):
-        raise ValueError(f"sample.prompts_per_iter={c.prompts_per_iter} exceeds the {len(pool)} training prompts")
-    idx = rng.choice(len(pool), size=c.prompts_per_iter, replace=False)
-    prompts = [pool[i] for i in idx for _ in range(c.group_size)]
-    tokens = tokenizer.encode(prompts, max_len=model.config.max_text_len).to(device)
     shape = (model.config.channels, model.config.image_size, model.config.image_size)
-    if c.shared_noise:
-        noise = torch.randn(c.prompts_per_iter, *shape, generator=gen, device=device)
-        noise = noise.repeat_interleave(c.group_size, 0)
-    else:
-        noise = torch.randn(c.batch_size, *shape, generator=gen, device=device)
-    train_steps, sde_mask = c.sde_steps(c.num_steps)            # a sliding SDE window: its first position
-    traj = sample_trajectories(GuidedVelocity(model, tokens, c.guidance_scale), noise,
-                               flow_sigmas(c.num_steps, c.shift), c.eta, train_steps, sde_mask,
-                               generator=gen, micro_batch=c.micro_batch, sde_type=c.sde_type)
-    scores, _ = get_reward(t.reward.spec)(from_tensor(traj.latents[:, -1].cpu()), prompts, None)
-    rewards = torch.as_tensor(scores, dtype=torch.float32)
+    draw = draw_prompts_and_noise(c, c.prompts(), shape, c.num_steps, np.random.default_rng(cfg.seed),
+                                  torch.Generator().manual_seed(cfg.seed))
+    tokens = tokenizer.encode(draw.prompts, max_len=model.config.max_text_len).to(device)
+
+    def sample() -> Rollout:
+        traj = sample_trajectories(GuidedVelocity(model, tokens, c.guidance_scale), draw.noise.to(device),
+                                   flow_sigmas(c.num_steps, c.shift), c.eta, draw.train_steps, draw.sde_mask,
+                                   generator=torch.Generator(device=device).manual_seed(cfg.seed),
+                                   micro_batch=c.micro_batch, sde_type=c.sde_type)
+        return Rollout(draw.prompts, slice(0, len(draw.prompts)), traj, tokens)
+
+    reward = get_reward(t.reward.spec)
+    batch = rollout_batch(sample, lambda ro: reward(from_tensor(ro.traj.latents[:, -1].cpu()), ro.prompts, None), t)
+    adv, keep = batch.advantages, batch.keep
     if cfg.advantages == "random":
-        adv = torch.randn(len(prompts), generator=torch.Generator().manual_seed(cfg.seed))
-        keep = torch.ones(len(prompts), dtype=torch.bool)
-    else:
-        adv = group_advantages(rewards, prompts, t.grpo.global_std, t.grpo.adv_clip_max)
-        keep = (nonzero_spread_mask(rewards, prompts) if t.grpo.drop_zero_spread
-                else torch.ones(len(prompts), dtype=torch.bool))
+        adv = torch.randn(len(draw.prompts), generator=torch.Generator().manual_seed(cfg.seed))
+        keep = torch.ones(len(draw.prompts), dtype=torch.bool)
     if not bool(keep.any()):
         raise ValueError("no prompt group of the rollout has a reward spread, so every advantage is 0 and there is "
                          "no gradient to compare; use a trained checkpoint, more prompts "
                          "(--set sample.prompts_per_iter=...), or --advantages random")
-    ref_v = None
+    traj, ref_v = batch.rollout.traj, None
     if t.estimator.kl_beta > 0:
         ref = copy.deepcopy(model).requires_grad_(False)
         ref_v = reference_velocities(GuidedVelocity(ref, tokens, c.guidance_scale), traj, t.estimator.micro_batch)
-    ro = Rollout(traj, tokens, adv.to(device), ref_v, float(rewards.mean()), len(prompts),
-                 torch.arange(len(prompts)) // c.group_size)
+    ro = KeptBatch(traj, tokens, adv.to(device), ref_v, float(batch.rewards.mean()), len(draw.prompts),
+                 batch.prompt_groups)
     return ro.select(torch.nonzero(keep).flatten().to(device))
 
 
 # ----------------------------------------------------------------------------- gradients
 
 
-def gradient(model: nn.Module, ro: Rollout, est: EstimatorConfig, guidance: float,
+def gradient(model: nn.Module, ro: KeptBatch, est: EstimatorConfig, guidance: float,
              steps: list[int] | None = None, route_groups: bool = True) -> tuple[Tensor, GradientStats]:
     """The flattened gradient ``policy_gradient`` accumulates (``.grad`` zeroed first), optionally with the
     trajectory's trained steps restricted to ``steps``; routing moves whole prompt groups unless ``route_groups``
@@ -179,12 +175,12 @@ def gradient(model: nn.Module, ro: Rollout, est: EstimatorConfig, guidance: floa
 def _est(base: EstimatorConfig, **kw) -> EstimatorConfig:
     """The configured estimator (micro-batch, clip range, KL) with JAGG everywhere and no unbiased correction (a
     same-batch comparison of a random estimate says little) unless ``kw`` says otherwise."""
-    d = dict(base.to_dict(), jagg_frac=1.0, exact_first_intervals=0, exact_last_intervals=0, correction_p=0.0,
-             correction_rates=None, control_variate=0.0, interval_frac=1.0)
+    d = dict(base.plain().to_dict(), jagg_frac=1.0, exact_first_intervals=0, exact_last_intervals=0,
+             interval_frac=1.0)
     return EstimatorConfig.from_dict({**d, **kw})
 
 
-def fidelity(model: nn.Module, ro: Rollout, cfg: FidelityConfig, policy: str, ckpt: str) -> list[dict]:
+def fidelity(model: nn.Module, ro: KeptBatch, cfg: FidelityConfig, policy: str, ckpt: str) -> list[dict]:
     """Rows, total and per-third cosine / relative error against exact, for every layout, window, alpha and mode."""
     base, w = cfg.train.estimator, cfg.train.sample.guidance_scale
     _, st_ex = gradient(model, ro, _est(base, mode="exact"), w)
@@ -223,7 +219,7 @@ def pareto(records: list[dict]) -> list[dict]:
     return front
 
 
-def off_policy_rollout(model: nn.Module, ro: Rollout, cfg: FidelityConfig) -> tuple[nn.Module, Rollout] | None:
+def off_policy_rollout(model: nn.Module, ro: KeptBatch, cfg: FidelityConfig) -> tuple[nn.Module, KeptBatch] | None:
     """The trainer's second minibatch: a copy of the model after one AdamW update on the first minibatch."""
     B = ro.traj.batch_size
     if B < 2:
@@ -245,7 +241,7 @@ def off_policy_rollout(model: nn.Module, ro: Rollout, cfg: FidelityConfig) -> tu
     return m, ro.select(second)
 
 
-def routing(model: nn.Module, ro: Rollout, cfg: FidelityConfig, ckpt: str) -> list[dict]:
+def routing(model: nn.Module, ro: KeptBatch, cfg: FidelityConfig, ckpt: str) -> list[dict]:
     """Spearman of each score with the true per-(sample, interval) cosine; total cosine per ``jagg_frac``."""
     base, w = cfg.train.estimator, cfg.train.sample.guidance_scale
     traj, B = ro.traj, ro.traj.batch_size
@@ -268,8 +264,7 @@ def routing(model: nn.Module, ro: Rollout, cfg: FidelityConfig, ckpt: str) -> li
                 cos[i, j] = cosine(gj, ge)
         valid = torch.isfinite(cos)                         # NaN: a zero gradient (zero advantage)
         for score in (SCORES if bool(valid.any()) else ()):
-            alphas = [interval_alphas(traj.sigmas, iv) for iv in intervals]
-            sc = linearity_scores(traj.velocities, intervals, alphas, score).cpu().double()
+            sc = linearity_scores(traj.velocities, intervals).cpu().double()
             out.append({**head, "kind": "spearman", "window": W, "score": score,
                         "spearman": spearman(sc[valid].tolist(), cos[valid].tolist()),
                         "pairs": int(valid.sum()), "mean_pair_cosine": float(cos[valid].mean()),
@@ -278,7 +273,7 @@ def routing(model: nn.Module, ro: Rollout, cfg: FidelityConfig, ckpt: str) -> li
             for frac in cfg.fracs:
                 for unit in (("prompt_group", "sample") if frac < 1 else ("any",)):   # frac 1 routes everything
                     for score in (SCORES if frac < 1 else SCORES[:1]):
-                        e = _est(base, mode="jagg", window=W, jagg_frac=frac, score=score,
+                        e = _est(base, mode="jagg", window=W, jagg_frac=frac,
                                  exact_first_intervals=edge, exact_last_intervals=edge)
                         g, st = gradient(model, ro, e, w, route_groups=unit == "prompt_group")
                         out.append({**head, "kind": "routing", "window": W, "score": score if frac < 1 else "any",
@@ -336,6 +331,7 @@ def run_fidelity(cfg: FidelityConfig) -> list[dict]:
     records = []
     for ckpt in cfg.checkpoints:
         model = load_model(ckpt).to(device).train()
+        mark_trainable(model, cfg.train.model.trainable)          # the gradients of the trained parameters only
         ro = draw_rollout(model, cfg, device)
         print(f"{ckpt}: rollout of {ro.sampled} samples, reward {ro.reward_mean:.3f}, {ro.traj.batch_size} kept "
               f"(advantages: {cfg.advantages}); trained steps {ro.traj.train_steps.tolist()}", flush=True)

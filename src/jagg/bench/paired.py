@@ -18,6 +18,8 @@ import argparse
 
 import numpy as np
 
+from ..arguments import (check_sampling, evaluation_arguments, main_job_defaults, overwrite_argument,
+                         sampling_arguments)
 from ..checks import check_output_file, number_arg
 from ..rewards import get_reward
 from ..shapes import test_prompts
@@ -64,14 +66,12 @@ QUICK = {"images_per_prompt": 1, "steps": 2, "bootstrap": 50}       # --quick: a
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the options not given: ``--quick``'s smoke sizes (never over an explicit value), then the main job's
-    evaluation settings (:func:`jagg.cli.main_job_defaults`); returns ``args``."""
-    from ..cli import main_job_defaults
+    evaluation settings (:func:`jagg.arguments.main_job_defaults`); returns ``args``."""
 
     for k, v in (QUICK if args.quick else {"bootstrap": BOOTSTRAP}).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     main_job_defaults(args, eval_seed=True)
-    from ..cli import check_sampling
     from ..training.sizes import check_memory
 
     prompts = len(test_prompts())
@@ -97,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The command's arguments (``jagg bench paired``; also the former ``benchmarks/paired_eval.py``): the sampling
-    and evaluation options are ``jagg eval``'s (:func:`jagg.cli.sampling_arguments`)."""
-    from ..cli import evaluation_arguments, sampling_arguments
+    and evaluation options are ``jagg eval``'s (:func:`jagg.arguments.sampling_arguments`)."""
 
     p.add_argument("before", help="checkpoint: builtin:tiny_dit, a .safetensors, a training .pt or a run dir")
     p.add_argument("after", help="checkpoint compared against `before`")
@@ -107,8 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=number_arg(int, 1), help=f"bootstrap resamples [default: {BOOTSTRAP}]")
     p.add_argument("--threads", type=number_arg(int, 0), default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--json", help="also write the results to this JSON file")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --json file (without it an existing "
-                   "file is refused before any work)")
+    overwrite_argument(p, "--json")
     p.add_argument("--quick", action="store_true", help="a smoke-sized comparison: 1 image per prompt, 2 ODE steps, "
                    "50 bootstrap resamples (the options not given; the ones given are kept)")
     p.set_defaults(func=run)

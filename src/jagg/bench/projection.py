@@ -1,4 +1,5 @@
-"""Time on other hardware: the iteration ratio a named cost structure projects for an estimator's rows.
+"""The cost model: the rows an estimator runs against exact's (:func:`cost_limit`, :func:`estimator_limit`, the
+training phase's limit), and time on other hardware, the iteration ratio a named cost structure projects for them.
 
 Per-update efficiency does not depend on the machine; the iteration ratio does. On this CPU the TinyDiT's backward
 costs about half its forward, and sampling is a large share of an iteration, so CPU seconds undervalue a saved row;
@@ -26,7 +27,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checks import check_positive, is_finite_number, shown
+from ..checks import check_positive, is_finite_number, parse_spec, shown
+from ..knots import drawn_count, intervals_of
 from ..trajectory import select_train_steps
 
 
@@ -130,12 +132,14 @@ def parse_cost(spec: str, job: CostStructure) -> CostStructure:
         raise ValueError(f"--cost {spec!r}: unknown cost structure {name!r}; presets: {', '.join(PRESETS)}, or "
                          f"KEY=VALUE,... of {', '.join(KEYS)}")
     values = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        key = key.strip()
-        if not eq or key not in KEYS:
-            raise ValueError(f"--cost {spec!r}: {item!r} is not KEY=VALUE with KEY one of {', '.join(KEYS)}")
-        values[key] = _value(key, value.strip(), spec)
+    try:
+        items = parse_spec(":" + rest, "--cost")[1]
+    except ValueError as e:                                 # name the spec as given
+        raise ValueError(f"--cost {spec!r}: {str(e).split(': ', 1)[1]} with KEY one of {', '.join(KEYS)}") from None
+    for key, value in items.items():
+        if key not in KEYS:
+            raise ValueError(f"--cost {spec!r}: {key!r} is not KEY=VALUE with KEY one of {', '.join(KEYS)}")
+        values[key] = _value(key, value, spec)
     if not values:
         return base
     return dataclasses.replace(base, name=base.name if base.name == "custom" else f"{base.name} (changed)", **values)
@@ -221,3 +225,74 @@ def add_cost_arguments(parser, what: str) -> None:
     parser.add_argument("--gpu-bench-json", metavar="PATH",
                         help="a results JSON of benchmarks/gpu_bench.py: its measured B/F for the cost structure's "
                              "model and resolution replaces B_F")
+
+
+# ----------------------------------------------------------------------------- the rows of an estimator (docs/design.md §3.7)
+
+
+def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: float = 1.0,
+               backward: float = 2.0, steps: int | None = None, jagg_frac: float = 1.0,
+               exact_first: int = 0, exact_last: int = 0, knots: str = "groups", correction_p: float = 0.0,
+               correction_rates=None, interval_frac: float = 1.0, off_policy_share: float = 0.0) -> float:
+    """Ideal speed-up of JAGG over exact: exact cost / JAGG cost of the trained steps, per sample (expected rows where
+    the estimator draws).
+
+    Exact: ``K (F_grad + B)``. JAGG: ``rows (F_grad + B) + nograd F_nograd``, where the rows are the knots plus the
+    inner steps of the intervals that run exact, and ``nograd`` the inner steps of the routed intervals under
+    ``fresh`` (none under ``interp`` and ``stale``; ``auto`` runs ``fresh`` in the share ``off_policy_share`` of the
+    updates: off-policy, ``(U - 1) / U`` with ``U`` updates per rollout). With ``steps=None`` the limit is for one full interval of ``window`` steps: the defaults
+    (``B = 2F``, ``F_grad = F_nograd``) give docs/design.md's ``3W / (W + 4)`` (fresh) and ``W / 2`` (interp). With
+    ``steps=K`` the ``K`` trained steps are laid out as the estimator lays them out: step groups of ``window`` (the last
+    may be shorter), or shared knots every ``window - 1`` steps. Routing: the fraction ``jagg_frac`` of each
+    eligible interval (>= 3 steps, not among the first ``exact_first`` / last ``exact_last`` eligible ones) goes
+    through JAGG; unbiased JAGG adds, per routed interval, ``p_j`` (``correction_p``, or ``correction_rates[j]``) x its
+    inner rows. Interval subsampling (``interval_frac``, ``m`` of the ``n`` intervals per sample) keeps each interval with
+    probability ``m / n``; a knot shared by two intervals is a row when the interval that owns its term is drawn or
+    the other one is drawn and routed. ``jagg_frac = 0`` with ``interval_frac`` is exact's interval subsampling,
+    limit ``n / m``. Pass measured times to get the limit of a given model.
+    """
+    if intermediate not in ("fresh", "interp", "stale", "auto"):
+        raise ValueError(f"intermediate must be 'fresh', 'interp', 'stale' or 'auto'; got {intermediate!r}")
+    if not 0.0 <= off_policy_share <= 1.0:
+        raise ValueError(f"off_policy_share must be in [0, 1]; got {off_policy_share!r}")
+    fresh_share = {"fresh": 1.0, "interp": 0.0, "stale": 0.0, "auto": off_policy_share}[intermediate]
+    K = window if steps is None else steps
+    layout = "groups" if knots == "groups" else "shared"
+    intervals = intervals_of(list(range(K)), layout, window) if window > 2 else [[k] for k in range(K)]
+    n = len(intervals)
+    m = drawn_count(n, interval_frac)
+    keep = m / n                                                                 # P(an interval is drawn)
+    out_in = keep - (m * (m - 1) / (n * (n - 1)) if n > 1 else 0.0)              # P(one undrawn, a given other drawn)
+    eligible = [j for j, iv in enumerate(intervals) if len(iv) >= 3]
+    eligible = eligible[exact_first: len(eligible) - exact_last]
+    rates = list(correction_rates) if correction_rates is not None else [correction_p] * n
+    routed = [jagg_frac if j in eligible else 0.0 for j in range(n)]
+    rows, nograd = 0.0, 0.0
+    for j, iv in enumerate(intervals):
+        inner = max(len(iv) - 2, 0)
+        p = rates[j] if j in eligible else 0.0
+        rows += keep * ((1.0 - routed[j]) * inner + routed[j] * p * inner)
+        nograd += fresh_share * keep * routed[j] * inner
+        if layout == "groups":
+            rows += keep * min(len(iv), 2)                                      # its own knots
+            continue
+        # knots shared: its end knot (and the first interval's start) is its own, a row when it is drawn; the end
+        # knot is also a row when only the next interval is drawn and that one is routed
+        rows += keep * (2 if j == 0 else 1) + (out_in * routed[j + 1] if j + 1 < n else 0.0)
+    return K * (f_grad + backward) / (rows * (f_grad + backward) + nograd * f_nograd)
+
+
+def estimator_limit(est, steps: int, f_grad: float = 1.0, f_nograd: float = 1.0, backward: float = 2.0,
+                    off_policy_share: float = 0.0) -> float:
+    """:func:`cost_limit` of an :class:`~jagg.EstimatorConfig` on ``steps`` trained steps: mode ``subsample`` ``K / m``;
+    mode ``exact`` 1, or ``n / m`` with ``interval_frac``; mode ``jagg`` its layout, routing, correction and draws
+    (``off_policy_share``: the updates that ``intermediate="auto"`` runs ``fresh``)."""
+    if est.mode == "subsample":
+        return steps / drawn_count(steps, est.subsample_frac)
+    if est.mode == "exact" and est.interval_frac >= 1:
+        return 1.0
+    return cost_limit(est.window, est.intermediate, f_grad, f_nograd, backward, steps=steps,
+                      jagg_frac=est.jagg_frac if est.mode == "jagg" else 0.0, exact_first=est.exact_first_intervals,
+                      exact_last=est.exact_last_intervals, knots=est.knots, correction_p=est.correction_p,
+                      correction_rates=est.correction_rates, interval_frac=est.interval_frac,
+                      off_policy_share=off_policy_share)

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checks import check_seed, check_unique_names
+from ..checks import check_seed, check_unique_names, parse_spec
 from ..trainers.base import RESUMABLE_CHANGES, check_resumable
 from ..trainers.shapes import ShapesTrainer
 from ..trainers.shapes_config import ShapesTrainConfig
@@ -57,12 +57,8 @@ def parse_variant(spec: str) -> tuple[str, list[str]]:
                              "NAME:KEY=VALUE,...")
         return name, list(BUILTIN[name])
     check_unique_names([spec], BUILTIN, "--variant")
-    sets = []
-    for kv in body.split(","):
-        key, eq, value = kv.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--variant {spec!r}: {kv!r} is not KEY=VALUE")
-        sets.append(f"{key if '.' in key else 'estimator.' + key}={value}")
+    sets = [f"{key if '.' in key else 'estimator.' + key}={value}"
+            for key, value in parse_spec(spec, "--variant")[1].items()]
     return name, ["estimator.mode=jagg"] + sets
 
 

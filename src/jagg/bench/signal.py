@@ -3,7 +3,9 @@
 GRPO only improves a reward when the gradient of one update points, more than by chance, where the next one
 does. This benchmark measures that directly, with the trainer's own sampler
 (:class:`jagg.trainers.shapes.ShapesSampler` of the same config; no run directory) and the trainer's own gradient
-(:func:`jagg.policy_gradient`, no optimizer step): it draws ``K`` independent batches, computes one gradient ``g_i``
+(:func:`jagg.policy_gradient`, no optimizer step), each reward's batch through the trainer's pipeline
+(:func:`jagg.trainers.base.rollout_batch`: advantages, zero-spread prompt groups dropped): it draws ``K`` independent
+batches, computes one gradient ``g_i``
 per batch over the trainable parameters, and reports per reward
 
     c = mean_{i != j} cos(g_i, g_j)
@@ -39,11 +41,11 @@ import statistics
 import numpy as np
 import torch
 
-from ..advantages import group_advantages
-from ..audit import flat_grad
-from ..estimator import CorrectionState, policy_gradient
+from ..audit import flat_grad, jackknife_se
+from ..estimator import policy_gradient
 from ..rewards.registry import get_reward
 from ..shapes import from_tensor
+from ..trainers.base import rollout_batch
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
@@ -76,9 +78,7 @@ def agreement(grads: torch.Tensor, other: torch.Tensor | None = None) -> tuple[f
         return float((sub.sum() - sub.diagonal().sum()) / (n * (n - 1)))
 
     c = c_of(list(range(k)))
-    loo = np.array([c_of([j for j in range(k) if j != i]) for i in range(k)])
-    se = math.sqrt((k - 1) / k * float(((loo - loo.mean()) ** 2).sum()))
-    return c, se
+    return c, jackknife_se([c_of([j for j in range(k) if j != i]) for i in range(k)])
 
 
 def samples_for_half(c: float, se: float, n: float) -> tuple[float, bool]:
@@ -109,9 +109,6 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
     fns = {name: get_reward(name) for name in rewards}
     ests = {"config": cfg.estimator, "exact": cfg.estimator.exact()}
     sampler = ShapesSampler(cfg)
-    # a control variate's means, per reward, build up over the batches as in a run
-    states = {name: CorrectionState(sampler.params) for name in rewards} if cfg.estimator.control_variate > 0 and \
-        cfg.estimator.mode == "jagg" else {}
     grads = {(name, e): [] for name in rewards for e in estimators}
     spread = {name: [] for name in rewards}
     stds = {name: [] for name in rewards}
@@ -121,23 +118,23 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
         if fixed_prompts:
             sampler.np_rng = np.random.default_rng(cfg.seed)
         rollout = sampler.sample()
-        prompts, tokens, traj = rollout.prompts, rollout.conditioning, rollout.traj
-        images = from_tensor(traj.latents[:, -1])
-        trained.append(len(prompts))
-        for name, fn in fns.items():
-            scores, _ = fn(images, prompts, None)
-            r = torch.as_tensor(np.asarray(scores), dtype=torch.float32)
+        images = from_tensor(rollout.traj.latents[:, -1])
+        trained.append(len(rollout.prompts))
+        for name, fn in fns.items():                        # the trainer's pipeline, once per reward
+            batch = rollout_batch(lambda: rollout, lambda ro: fn(images, ro.prompts, None), cfg)
+            r = batch.rewards
             by_prompt = r.view(-1, cfg.sample.group_size)    # [prompts_per_iter, group_size]: the prompt groups
             spread[name].append(float((by_prompt.std(1) > 0).float().mean()))
             stds[name].append(float(by_prompt.std(1).mean()))
             means[name].append(float(r.mean()))
-            adv = group_advantages(r, prompts, cfg.grpo.global_std, cfg.grpo.adv_clip_max)
+            idx = batch.keep_idx
             for e in estimators:
                 sampler.zero_grad()
-                with torch.enable_grad():
-                    policy_gradient(sampler.velocity(tokens), traj, adv, ests[e], prompt_groups=prompts,
-                                    generator=pick_generator(cfg.seed, b),
-                                    correction_state=states.get(name) if e == "config" else None)
+                if idx.numel():                              # else nothing trains: a zero gradient
+                    with torch.enable_grad():
+                        policy_gradient(sampler.velocity(rollout.conditioning[idx]), rollout.traj.select(idx),
+                                        batch.advantages[idx], ests[e], prompt_groups=batch.prompt_groups[idx],
+                                        generator=pick_generator(cfg.seed, b))
                 grads[(name, e)].append(flat_grad(sampler.params))
     n = statistics.fmean(trained)
     out = []

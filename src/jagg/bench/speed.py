@@ -3,7 +3,8 @@
 For each model and each (knot layout, window, intermediate), :func:`jagg.policy_gradient` runs alternately in
 ``exact`` and ``jagg`` mode (exact, jagg, exact, jagg, ... after a warm-up of every mode), ``repeats`` times
 each, on one stored trajectory; the same for every layout of window > 2 with interval subsampling
-(``--interval-fracs``) and with the corrections (``--corrections``, ``KIND:P``), each labelled in ``variant``, and
+(``--interval-fracs``) and with unbiased JAGG's correction (``--corrections``, rates ``P``), each labelled in
+``variant``, and
 for random timestep subsampling (``--subsample``). Reported per pair: the median seconds of each call (the training
 phase: forward passes, loss head and backward), their ratio (the speed-up), the cost-model limit of docs/design.md §3
 with ``B = 2F`` (expected rows for the random ones) and the limit computed from this model's measured
@@ -27,12 +28,12 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import number_arg
-from ..estimator_config import CORRECTIONS, INTERMEDIATES, KNOTS, EstimatorConfig
+from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
 from ..trajectory import Trajectory, VelocityFn, sample_trajectories
-from .common import (PeakMemory, estimator_limit, json_if_asked, median, resolve_device, set_threads, table,
-                     timed)
+from .common import (PeakMemory, json_if_asked, median, resolve_device, set_threads, table, timed)
+from .projection import estimator_limit
 
 MODELS = ("tiny_dit", "sd3")
 
@@ -66,7 +67,7 @@ class SpeedConfig:
     intermediates: list[str] = field(default_factory=lambda: ["interp", "fresh"])
     subsample: list[float] = field(default_factory=lambda: [0.5])     # mode="subsample" fractions timed too
     interval_fracs: list[float] = field(default_factory=lambda: [0.5])  # interval subsampling, each layout W > 2
-    corrections: list[str] = field(default_factory=lambda: ["step:0.25"])  # KIND:P corrections, each layout W > 2
+    corrections: list[float] = field(default_factory=lambda: [0.25])  # correction_p rates, each layout W > 2
     batch: int = 4                 # trajectories B
     steps: int = 16                # sampling steps T, all trained
     micro_batch: int = 8           # rows per network call, the same in every mode
@@ -91,8 +92,8 @@ class SpeedConfig:
             raise ValueError(f"--subsample fractions must be in (0, 1]; got {self.subsample}")
         if not all(isinstance(f, (int, float)) and 0 < f <= 1 for f in self.interval_fracs):
             raise ValueError(f"--interval-fracs must be in (0, 1]; got {self.interval_fracs}")
-        for spec in self.corrections:
-            correction_of(spec)
+        if not all(isinstance(p, (int, float)) and 0 < p <= 1 for p in self.corrections):
+            raise ValueError(f"--corrections rates must be in (0, 1]; got {self.corrections}")
         bad = [i for i in self.intermediates if i not in INTERMEDIATES]
         if bad or not self.intermediates:
             raise ValueError(f"--intermediates must be some of {INTERMEDIATES}; got {self.intermediates}")
@@ -106,18 +107,6 @@ class SpeedConfig:
                              f"got {self.micro_batch}")
         if max(self.windows) > self.steps:
             raise ValueError(f"--steps ({self.steps}) must be >= the largest window ({max(self.windows)})")
-
-
-def correction_of(spec: str) -> dict:
-    """``KIND:P`` (``interval:0.25``, ``step:0.5``) -> the estimator keys ``correction`` and ``correction_p``."""
-    kind, _, p = spec.partition(":")
-    try:
-        keys = {"correction": kind, "correction_p": float(p)}
-        EstimatorConfig(**keys)                                       # the config's own checks
-    except ValueError as e:
-        raise ValueError(f"--corrections {spec!r}: give KIND:P, KIND one of {CORRECTIONS}, P in [0, 1] ({e})") \
-            from None
-    return keys
 
 
 QUICK = dict(batch=2, steps=8, micro_batch=4, repeats=2,
@@ -271,9 +260,9 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
         for f in cfg.interval_fracs:
             jaggs[(kn, w, i, f"interval_frac={f}")] = EstimatorConfig(**plain, window=w, knots=kn, intermediate=i,
                                                                        interval_frac=f)
-        for spec in cfg.corrections:
-            jaggs[(kn, w, i, spec)] = EstimatorConfig(**{**plain, **correction_of(spec)}, window=w, knots=kn,
-                                                      intermediate=i)
+        for p in cfg.corrections:
+            jaggs[(kn, w, i, f"correction_p={p}")] = EstimatorConfig(**{**plain, "correction_p": p}, window=w,
+                                                                      knots=kn, intermediate=i)
     # warm-up: every mode once
     _, st_exact = gradient_call(s, exact, device)
     for kn in cfg.knots:
@@ -385,7 +374,7 @@ def add_parser(sub) -> None:
         "speed", help="time exact vs JAGG (knot layouts x windows x fresh/interp) against the cost model",
         description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Cost model per interval of W trained steps (F forward, B backward): exact W(F+B); JAGG fresh "
-               "2F_grad + (W-2)F_nograd + 2B -> 3W/(W+4) with B=2F; interp 2(F+B) -> W/2. Shared and adaptive "
+               "2F_grad + (W-2)F_nograd + 2B -> 3W/(W+4) with B=2F; interp 2(F+B) -> W/2. Shared "
                "knots: 1 + ceil((K-1)/(W-1)) rows per sample instead of K. Interval subsampling (m of n intervals) "
                "and the corrections: their expected rows (docs/design.md §3.7). With guidance, "
                "F_grad includes the no-grad unconditional branch.")
@@ -404,9 +393,9 @@ def add_parser(sub) -> None:
     p.add_argument("--interval-fracs", nargs="*", type=float, metavar="FRAC",
                    help="also time interval subsampling (interval_frac) at these fractions, on every layout and window "
                         f"> 2; none: skip [default: {' '.join(map(str, d.interval_fracs))}]")
-    p.add_argument("--corrections", nargs="*", metavar="KIND:P",
-                   help="also time these corrections (correction KIND, correction_p P: interval:0.25, step:0.25) on "
-                        f"every layout and window > 2; none: skip [default: {' '.join(d.corrections)}]")
+    p.add_argument("--corrections", nargs="*", type=float, metavar="P",
+                   help="also time unbiased JAGG's correction at these rates (correction_p) on every layout and "
+                        f"window > 2; none: skip [default: {' '.join(map(str, d.corrections))}]")
     p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES,
                    help=f"inner-step velocities [default: {' '.join(d.intermediates)}]")
     p.add_argument("--batch", type=number_arg(int, 1), help=f"trajectories B [default: {d.batch}]")

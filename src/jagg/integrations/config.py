@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ..checks import Keys, check_eta
-from ..training.config_loader import from_dict, read_text
+from ..training.config_loader import from_dict, read_yaml
 
 FAMILIES = ("sd3", "flux", "qwen_image", "wan", "flux2", "flux2_klein")
 VIDEO_FAMILIES = ("wan",)                   # latents [C, F, H/8, W/8] with a frame axis; decoded to videos
@@ -276,25 +276,11 @@ class PipelineConfig:
 
 
 def load_pipeline_config(path: str | Path, overrides: dict | None = None) -> PipelineConfig:
-    """The ``pipeline:`` section of a YAML config (other sections belong to the trainer) -> :class:`PipelineConfig`."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config {path} does not exist; give a YAML with a pipeline: section "
-                                "(e.g. configs/sd35_medium.yaml)")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict) or "pipeline" not in data:
+    """The ``pipeline:`` section of a YAML config (other sections belong to the trainer) -> :class:`PipelineConfig`;
+    the file is read as every config is (:func:`jagg.training.config_loader.read_yaml`)."""
+    data = read_yaml(path)
+    if "pipeline" not in data:
         raise ValueError(f"{path} has no 'pipeline:' section (see configs/sd35_medium.yaml)")
     section = dict(data["pipeline"] or {})
     section.update(overrides or {})
     return from_dict(PipelineConfig, section, "pipeline")
-
-
-def read_prompt_lines(path: str, what: str = "sample.prompts_file") -> list[str]:
-    """The prompts of a text file, one per line (surrounding spaces and blank lines dropped); errors name ``what``
-    (:func:`jagg.training.config_loader.read_text`)."""
-    prompts = [line.strip() for line in read_text(path, what).splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError(f"{what} {str(path)!r} holds no prompt; put one prompt per line")
-    return prompts

@@ -68,7 +68,7 @@ class RewardClient:
                                                       "answer or 5xx/429 (never after a 4xx)."})
     backoff: float = field(default=1.0, metadata={"help": "Seconds before the first retry; doubles each retry."})
     image_format: str = field(default="png", metadata={"help": f"Wire format of the images, one of {IMAGE_FORMATS} "
-                              "(png: lossless and ~3x smaller; npy: no encoding cost)."})
+                              "(png: lossless and smaller; npy: no encoding cost)."})
     concurrency: int = field(default=1, metadata={"help": "Requests in flight at once."})
     token: str | None = field(default=None, repr=False, metadata={"help": "Shared token of a server started with "
                               f"--token (sent as 'Authorization: Bearer <token>'); null: ${TOKEN_ENV} if set. Prefer "

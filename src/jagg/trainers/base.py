@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import AUTO_START_P, AuditMeter, audit_flag, audit_parts, clip_flag, meter_flag
-from ..estimator import CorrectionState, reference_velocities
+from ..estimator import reference_velocities
 from ..estimator_config import AUTO, EstimatorConfig
 from ..training.distributed import gather, init_process_group_from_env
 from ..training.config_loader import to_dict
@@ -109,7 +109,7 @@ def take(items, index) -> Any:
 
 @dataclass
 class Draw:
-    """An iteration's draw of the global batch (:func:`draw_batch`): the prompts, prompt group after prompt group;
+    """An iteration's draw of the global batch (:func:`draw_prompts_and_noise`): the prompts, prompt group after prompt group;
     the initial noise ``[N, *S]``; the trained steps ``[K]`` and the SDE mask ``[T]``."""
 
     prompts: list[str]
@@ -118,8 +118,8 @@ class Draw:
     sde_mask: Tensor
 
 
-def draw_batch(c, prompts: Sequence[str], latent_shape: tuple[int, ...], num_steps: int, np_rng: np.random.Generator,
-               gen: torch.Generator, iteration: int = 0) -> Draw:
+def draw_prompts_and_noise(c, prompts: Sequence[str], latent_shape: tuple[int, ...], num_steps: int,
+                           np_rng: np.random.Generator, gen: torch.Generator, iteration: int = 0) -> Draw:
     """The global batch of iteration ``iteration`` (counted from 0) by the ``sample:`` section ``c``:
     ``c.prompts_per_iter`` of ``prompts`` drawn with ``np_rng``, each repeated ``c.group_size`` times (its prompt
     group); the initial noise ``[N, *latent_shape]`` from ``gen`` (shared within a prompt group with
@@ -167,6 +167,57 @@ class Minibatch:
 
 
 @dataclass
+class Batch:
+    """One iteration's batch, ready to train (:func:`rollout_batch`).
+
+    Attributes:
+        rollout: what was sampled (:class:`Rollout`); scores, info: this process's rewards ``[n]`` and the reward's info.
+        rewards: the global batch's rewards ``[N]``.
+        advantages: this process's samples' group-relative advantages ``[n]`` (all of them, kept or not).
+        keep: ``[n]`` bool, the samples trained: those of prompt groups with a reward spread when
+            ``grpo.drop_zero_spread`` (else all).
+        spread: whether some prompt group of the global batch has a reward spread (else nothing to learn).
+        prompt_groups: ``[n]`` the prompt group of each of this process's samples.
+        times: ``sample_s`` and ``reward_s`` (seconds).
+    """
+
+    rollout: Rollout
+    scores: np.ndarray
+    info: dict
+    rewards: Tensor
+    advantages: Tensor
+    keep: Tensor
+    spread: bool
+    prompt_groups: Tensor
+    times: dict
+
+    @property
+    def keep_idx(self) -> Tensor:
+        """The kept samples' positions ``[k]`` among this process's."""
+        return torch.nonzero(self.keep).flatten()
+
+
+def rollout_batch(sample: Callable[[], Rollout], score: Callable[[Rollout], tuple], cfg,
+                  device: torch.device = torch.device("cpu")) -> Batch:
+    """The one rollout pipeline of the trainers and the benchmarks: ``sample()`` this process's share of the batch,
+    ``score`` it, gather the global batch's rewards, compute the group-relative advantages per prompt group
+    (``cfg.grpo``), mark the prompt groups without reward spread to drop (``grpo.drop_zero_spread``), and each sample's
+    prompt group (``cfg.sample.group_size``)."""
+    t0 = time.perf_counter()
+    rollout = sample()
+    t1 = time.perf_counter()
+    scores, info = score(rollout)
+    rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=device)).cpu()    # the global batch
+    prompts, g = rollout.prompts, cfg.grpo
+    adv = group_advantages(rewards, prompts, g.global_std, g.adv_clip_max)[rollout.local]
+    spread = nonzero_spread_mask(rewards, prompts)          # [N] samples of prompt groups with reward spread
+    keep = (spread if g.drop_zero_spread else torch.ones(len(prompts), dtype=torch.bool))[rollout.local]
+    prompt_groups = (torch.arange(len(prompts)) // cfg.sample.group_size)[rollout.local]
+    return Batch(rollout, scores, info, rewards, adv, keep, bool(spread.any()), prompt_groups,
+                 {"sample_s": t1 - t0, "reward_s": time.perf_counter() - t1})
+
+
+@dataclass
 class Iteration:
     """One iteration's outcome, for :meth:`GRPO.record`: the rollout, this process's scores and the reward's
     info, the global batch's rewards, this process's trained (kept) samples, the updates' statistics, the phases'
@@ -203,7 +254,7 @@ class GRPO(ABC):
 
     What a trainer provides (the abstract methods): :meth:`setup` (model, optimizer ``opt``, trainable ``params``,
     reward, prompts, RNGs), :meth:`rollout`, :meth:`score`, :meth:`velocity`, :meth:`reference`, :meth:`minibatches`,
-    :meth:`gradient` and :meth:`record`; optionally :meth:`draw_batch`, :meth:`after_step` (e.g. an EMA) and the
+    :meth:`gradient` and :meth:`record`; optionally :meth:`after_step` (e.g. an EMA) and the
     attribute :attr:`multiprocess` (several processes). ``cfg`` must have ``seed``, ``threads``, ``estimator``,
     ``optim``, ``grpo`` and ``sample`` (``group_size``, ``batch_size``), and for a :class:`GRPOTrainer` ``log``
     (:class:`jagg.trainers.sections.TrainerSections`).
@@ -213,11 +264,8 @@ class GRPO(ABC):
     multiprocess = False                                 # torchrun / accelerate: a process group from the environment
 
     def __init__(self, cfg):
-        self._begin(cfg)
-        self.setup()
-
-    def _begin(self, cfg) -> None:
-        """What comes before :meth:`setup`: the threads, the process group (:attr:`multiprocess`) and the counters."""
+        """The threads, the process group (:attr:`multiprocess`) and the counters; then :meth:`before_setup` (a
+        :class:`GRPOTrainer`: its run directory) and the trainer's :meth:`setup`."""
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -229,6 +277,12 @@ class GRPO(ABC):
         self.logger: MetricsLogger | None = None             # a GRPOTrainer's, on its main process
         self.meter: AuditMeter | None = None                 # the efficiency meter, from the first audit on
         self.correction_p = AUTO_START_P if cfg.estimator.correction_p == AUTO else cfg.estimator.correction_p
+        self.before_setup()
+        self.setup()
+
+    def before_setup(self) -> None:
+        """Called by the constructor before :meth:`setup` (nothing here; a :class:`GRPOTrainer` opens its run
+        directory)."""
 
     @property
     def estimator(self) -> EstimatorConfig:
@@ -243,7 +297,7 @@ class GRPO(ABC):
     def setup(self) -> None:
         """Build the model, ``self.opt``, ``self.params`` (the trainable parameters), the reward, and what
         :meth:`draw_batch` draws from (``self.prompts``, ``self.latent_shape``, ``self.num_steps``, the RNGs
-        ``self.np_rng`` and ``self.gen``, or an override of :meth:`draw_batch`); in a :class:`GRPOTrainer`, after the
+        ``self.np_rng`` and ``self.gen``); in a :class:`GRPOTrainer`, after the
         run directory is decided and before a checkpoint is restored."""
 
     @abstractmethod
@@ -274,29 +328,6 @@ class GRPO(ABC):
     def after_step(self) -> None:
         """Called after each optimizer step that was taken (e.g. an EMA of the weights)."""
 
-    @property
-    def correction_state(self) -> CorrectionState | None:
-        """The run's control-variate means (:class:`jagg.CorrectionState` of ``self.params``) when the estimator has
-        one (``estimator.control_variate > 0`` in mode ``jagg``), else None: what :meth:`gradient` passes to
-        :func:`jagg.policy_gradient` and the checkpoint saves (``correction_state``). With several processes each keeps
-        its own (every one unbiased), the checkpoint the main process's."""
-        e = self.cfg.estimator
-        if e.mode != "jagg" or e.control_variate <= 0:
-            return None
-        if getattr(self, "_correction_state", None) is None:
-            self._correction_state = CorrectionState(self.params)
-        return self._correction_state
-
-    def correction_state_dict(self) -> dict | None:
-        """:attr:`correction_state` for a checkpoint (None without one)."""
-        state = self.correction_state
-        return None if state is None else state.state_dict()
-
-    def load_correction_state(self, saved: dict | None) -> None:
-        """Restore :meth:`correction_state_dict` (a checkpoint without one leaves the means empty)."""
-        if saved is not None and self.correction_state is not None:
-            self.correction_state.load_state_dict(saved)
-
     @abstractmethod
     def record(self, it: Iteration) -> dict:
         """The iteration's ``train`` record (of ``metrics.jsonl``, in a :class:`GRPOTrainer`)."""
@@ -304,37 +335,32 @@ class GRPO(ABC):
     # ------------------------------------------------------------------ one iteration
 
     def draw_batch(self) -> Draw:
-        """The coming iteration's global batch (:func:`draw_batch`) from ``self.prompts`` with ``self.np_rng`` and
-        ``self.gen``, of latents ``self.latent_shape`` and ``self.num_steps`` sampling steps."""
-        return draw_batch(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng, self.gen,
-                          self.iteration)
+        """The coming iteration's global batch (:func:`draw_prompts_and_noise`) from ``self.prompts`` with
+        ``self.np_rng`` and ``self.gen``, of latents ``self.latent_shape`` and ``self.num_steps`` sampling steps."""
+        return draw_prompts_and_noise(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
+                                      self.gen, self.iteration)
 
     def step(self) -> dict:
-        """One GRPO iteration: sample, reward, advantages, updates. Returns the metrics record."""
+        """One GRPO iteration: sample, reward, advantages (:func:`rollout_batch`), updates. Returns the metrics
+        record."""
         c = self.cfg
         self._updating = False
         t0, c0 = time.perf_counter(), time.process_time()
         draw = self.draw_batch()
-        rollout = self.rollout(draw)
-        t1 = time.perf_counter()
-        scores, info = self.score(rollout)
-        rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=self.device)).cpu()  # the global batch
-        prompts = rollout.prompts
-        adv = group_advantages(rewards, prompts, c.grpo.global_std, c.grpo.adv_clip_max)[rollout.local]
-        spread = nonzero_spread_mask(rewards, prompts)          # [N] samples of prompt groups with reward spread
-        self.empty_iteration = not bool(spread.any())          # no advantage but 0: nothing to learn from
-        keep = (spread if c.grpo.drop_zero_spread else torch.ones(len(prompts), dtype=torch.bool))[rollout.local]
+        batch = rollout_batch(lambda: self.rollout(draw), self.score, c, self.device)
+        self.empty_iteration = not batch.spread                 # no advantage but 0: nothing to learn from
         t2 = time.perf_counter()
         self._updating = True
-        keep_idx = torch.nonzero(keep).flatten()
-        per_update, audit_s, audit_cpu = self.train_on(rollout, adv, keep_idx, bool(keep.all()))
+        keep_idx = batch.keep_idx
+        per_update, audit_s, audit_cpu = self.train_on(batch.rollout, batch.advantages, keep_idx, bool(batch.keep.all()))
         t3 = time.perf_counter() - audit_s                 # the audit is a diagnostic: not the iteration's cost
         cpu = time.process_time() - c0 - audit_cpu
         self.iteration += 1
         self.wall += t3 - t0
         self.cpu += cpu
-        times = {"sample_s": t1 - t0, "reward_s": t2 - t1, "train_s": t3 - t2, "iter_s": t3 - t0, "wall_s": self.wall}
-        rec = self.record(Iteration(rollout, scores, info, rewards, int(keep_idx.numel()), per_update, times, cpu))
+        times = {**batch.times, "train_s": t3 - t2, "iter_s": t3 - t0, "wall_s": self.wall}
+        rec = self.record(Iteration(batch.rollout, batch.scores, batch.info, batch.rewards, int(keep_idx.numel()),
+                                    per_update, times, cpu))
         if c.sample.sde_window_schedule == "sliding":
             rec["sde_window_start"] = int(draw.train_steps[0])
         return rec
@@ -474,10 +500,10 @@ class GRPO(ABC):
         idx = torch.tensor(sub, device=traj.latents.device)
         g_sub = prompt_groups[torch.tensor(sub)]
         auto = c.estimator.correction_p == AUTO
-        config = dataclasses.replace(c.estimator, correction_p=0.0) if auto else c.estimator   # auto: plain JAGG
+        config = c.estimator.plain() if auto else c.estimator                                # auto: plain JAGG
         a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], config, params,
                                     None if ref_v is None else ref_v[idx], g_sub, gen, split=g_sub,
-                                    correction_state=self.correction_state, on_policy=update == 0)
+                                    on_policy=update == 0)
         a["update"] = update
         if self.meter is None:
             self.meter = AuditMeter([p.numel() for p in params], seed=c.seed)
@@ -531,20 +557,9 @@ class GRPOTrainer(GRPO):
     hints: RunHints = TRAIN                              # the words of its refusals and notes
 
     def __init__(self, cfg, resume: bool = False, overwrite: bool = False, require_checkpoint: bool = False):
-        self._begin(cfg)
-        self.out = Path(cfg.log.output_dir)
-        self.ckpt_dir = self.out / "checkpoints"
-        if cfg.log.wandb:
-            check_wandb_start(cfg.log)                   # before anything is written: one line naming the key
-        barrier = dist.barrier if self.world > 1 else None
-        # every process decides from the same files before the model is loaded (a run directory that cannot be used
-        # fails in seconds); the main process moves an old run aside first (--overwrite) and writes run.json only
-        # after all have decided (the barrier before the logger)
-        start = open_run(self.out, resume=resume, require_checkpoint=require_checkpoint, overwrite=overwrite,
-                         main=self.main, barrier=barrier, log=self._print, hints=self.hints)
-        self.run_id = start.run_id
-        self._stop = self.stopped = False
-        self.setup()
+        self._opening = dict(resume=resume, require_checkpoint=require_checkpoint, overwrite=overwrite)
+        super().__init__(cfg)                            # GRPO's, with the run directory opened before setup()
+        start, barrier = self._start, dist.barrier if self.world > 1 else None
         resumed_from = None
         if start.resumed is not None:
             state, path = start.resumed
@@ -561,6 +576,20 @@ class GRPOTrainer(GRPO):
         if self.main:                                    # the main process logs (to wandb too: log.wandb)
             tracker = WandbRun(cfg.log, self.run_id, self.out, to_dict(cfg)) if cfg.log.wandb else None
             self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from, wandb=tracker)
+
+    def before_setup(self) -> None:
+        """The run directory, before the model is loaded: every process decides from the same files (a run directory
+        that cannot be used fails in seconds); the main process moves an old run aside first (--overwrite) and writes
+        run.json only after all have decided (the barrier before the logger)."""
+        cfg = self.cfg
+        self.out = Path(cfg.log.output_dir)
+        self.ckpt_dir = self.out / "checkpoints"
+        if cfg.log.wandb:
+            check_wandb_start(cfg.log)                   # before anything is written: one line naming the key
+        self._start = open_run(self.out, **self._opening, main=self.main,
+                               barrier=dist.barrier if self.world > 1 else None, log=self._print, hints=self.hints)
+        self.run_id = self._start.run_id
+        self._stop = self.stopped = False
 
     @classmethod
     def run(cls, cfg, resume: bool = False, overwrite: bool = False, require_checkpoint: bool = False) -> list[dict]:
@@ -597,13 +626,19 @@ class GRPOTrainer(GRPO):
     def load_state(self, state: dict) -> list[str]:
         """Restore a checkpoint; return one line per config key that changed and may (:func:`check_resumable`)."""
 
-    def meter_state(self) -> dict:
-        """What a checkpoint keeps of the efficiency meter: the rate of ``correction_p`` in use and the meter's
-        measurements (None before the first audit), so that a resumed run chooses as the run would have."""
-        return {"correction_p": self.correction_p, "meter": None if self.meter is None else self.meter.state_dict()}
+    def loop_state(self) -> dict:
+        """What every checkpoint keeps of the loop, in both trainers: the iterations done, their seconds and CPU
+        seconds (across resumes), the skipped updates, the rate of ``correction_p`` in use and the efficiency meter's
+        measurements (None before the first audit), so that a resumed run goes on as the run would have."""
+        return {"iteration": self.iteration, "wall": self.wall, "cpu": self.cpu,
+                "skipped_updates": self.skipped_updates, "correction_p": self.correction_p,
+                "meter": None if self.meter is None else self.meter.state_dict()}
 
-    def load_meter_state(self, state: dict) -> None:
-        """Restore :meth:`meter_state` (a checkpoint that has none: the rate and meter of a run's start)."""
+    def load_loop_state(self, state: dict) -> None:
+        """Restore :meth:`loop_state` (a checkpoint without ``cpu``, from a diffusers run before it was kept: 0; without
+        the meter's keys: the rate and meter of a run's start)."""
+        self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state.get("cpu", 0.0)
+        self.skipped_updates = state["skipped_updates"]
         self.correction_p = state.get("correction_p", self.correction_p)
         self.meter = AuditMeter.from_state(state["meter"]) if state.get("meter") is not None else None
 

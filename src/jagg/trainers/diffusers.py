@@ -48,7 +48,6 @@ import torch
 import torch.distributed as dist
 
 from ..estimator import policy_gradient
-from ..integrations.config import read_prompt_lines
 from ..integrations.policy import Policy, load_model
 from ..rewards.registry import get_reward
 from ..trajectory import sample_trajectories
@@ -91,7 +90,7 @@ class DiffusersTrainer(GRPOTrainer):
         cfg = self.cfg
         self.progress_label = f"GRPO {cfg.pipeline.family}"
         self.local = shard(cfg.sample.batch_size)              # this rank's slice; the batch must split evenly
-        self.prompts = read_prompt_lines(cfg.sample.prompts_file)
+        self.prompts = cfg.sample.prompt_lines                 # read (and checked) when the config was loaded
         # the checked reward callable (images, prompts, metadata) -> (scores [N], info): the server's or the local one,
         # a preference model on this process's device in the pipeline's dtype unless its spec says otherwise
         self.reward_fn = get_reward(cfg.reward_server if cfg.reward_server is not None else cfg.reward.spec,
@@ -139,10 +138,8 @@ class DiffusersTrainer(GRPOTrainer):
     def _state(self, rngs: list[dict]) -> dict:
         return {"trainer": TRAINER_TAG,
                 "model": {n: p.detach().cpu().clone() for n, p in self.named_params.items()},
-                "optimizer": self.opt.state_dict(), "iteration": self.iteration, "wall": self.wall,
-                "skipped_updates": self.skipped_updates, "config": configuration.to_dict(self.cfg),
-                "run_id": self.run_id, "world_size": self.world, "rng": rngs,
-                "correction_state": self.correction_state_dict(), **self.meter_state()}
+                "optimizer": self.opt.state_dict(), "config": configuration.to_dict(self.cfg),
+                "run_id": self.run_id, "world_size": self.world, "rng": rngs, **self.loop_state()}
 
     def load_state(self, state: dict) -> list[str]:
         """Restore ``state``; returns one line per config key that changed and may (``RESUMABLE_REAL`` and the
@@ -160,10 +157,7 @@ class DiffusersTrainer(GRPOTrainer):
             for n, p in self.named_params.items():
                 p.copy_(saved[n].to(p.device, p.dtype))
         self.opt.load_state_dict(state["optimizer"])
-        self.iteration, self.wall = state["iteration"], state["wall"]
-        self.skipped_updates = state["skipped_updates"]
-        self.load_correction_state(state.get("correction_state"))
-        self.load_meter_state(state)
+        self.load_loop_state(state)
         rngs = state["rng"]
         if len(rngs) == self.world:
             self.set_rng_state(rngs[self.rank])
@@ -255,8 +249,7 @@ class DiffusersTrainer(GRPOTrainer):
         if n:
             st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                  ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
-                                 prompt_groups=mb.prompt_groups, generator=self.pick_gen,
-                                 correction_state=self.correction_state, on_policy=mb.on_policy)
+                                 prompt_groups=mb.prompt_groups, generator=self.pick_gen, on_policy=mb.on_policy)
             local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
         if self.world > 1:
             for p in self.params:                              # same buckets on every rank, even with no samples

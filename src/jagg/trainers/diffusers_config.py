@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checks import Keys
-from ..integrations.config import PipelineConfig, read_prompt_lines
+from ..integrations.config import PipelineConfig
 from ..rewards.client import RewardClient
 from ..training import config_loader as configuration
 from .sections import (LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_layout, sde_window_field,
@@ -51,11 +51,12 @@ class DiffusersSampleConfig(SampleBatch):
         "process's shard is a multiple of it."))
 
     def __post_init__(self):
-        if self.prompts_file is None:
-            raise ValueError("sample.prompts_file must be set: a text file with one training prompt per line "
-                             "(in the YAML's sample: section or --set sample.prompts_file=prompts.txt)")
-        self.prompts_file = str(self.prompts_file)
-        read_prompt_lines(self.prompts_file)                       # fail at load, not mid-run
+        self.prompt_lines: list[str] = []                          # the file's prompts, read at load (not a key)
+        if self.prompts_file is not None or configuration.required(None, "sample.prompts_file", "a text file with "
+                                                                   "one training prompt per line (in the YAML's sample: "
+                                                                   "section or --set sample.prompts_file=prompts.txt)"):
+            self.prompts_file = str(self.prompts_file)
+            self.prompt_lines = configuration.read_prompt_lines(self.prompts_file)   # fail at load, not mid-run
         self.check_batch(("prompts_per_iter", "group_size", "micro_batch"))
 
 
@@ -144,14 +145,11 @@ def has_pipeline_section(config: str | Path | dict | None) -> bool:
     """True when ``config`` (a YAML file, or the mapping read from one) has a top-level ``pipeline:`` key: a config
     for the diffusers trainer, not the shapes trainer. An unreadable file is False (the shapes trainer's loading then
     names what is wrong with it)."""
-    import yaml
-
     if isinstance(config, dict):
         return "pipeline" in config
     if config is None or not Path(config).is_file():
         return False
     try:
-        data = yaml.safe_load(Path(config).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return "pipeline" in configuration.read_yaml(config)
+    except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and "pipeline" in data

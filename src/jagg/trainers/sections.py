@@ -143,7 +143,7 @@ def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:
 @dataclass
 class OptimConfig:
     lr: float = field(default=3e-4, metadata=_help("AdamW learning rate."))
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=_help("AdamW betas."))
+    betas: list[float] = field(default_factory=[0.9, 0.999].copy, metadata=_help("AdamW betas."))
     weight_decay: float = field(default=1e-4, metadata=_help("AdamW weight decay."))
     max_grad_norm: float = field(default=1.0, metadata=_help("Gradient-norm clipping (0 = off)."))
     ema_decay: float = field(default=0.0, metadata=_help("EMA of the weights used for evaluation (0 = off)."))

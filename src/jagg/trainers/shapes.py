@@ -33,8 +33,21 @@ from ..training.checkpoint import save_checkpoint
 from ..training.config_loader import to_dict
 from ..training.metrics import plot_reward_curve, save_grid
 from ..trajectory import sample_trajectories
-from .base import GRPO, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, draw_batch, update_summary
+from .base import (GRPO, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, draw_prompts_and_noise,
+                   update_summary)
 from .shapes_config import ShapesTrainConfig
+
+
+def mark_trainable(model: torch.nn.Module, trainable: str) -> list[torch.nn.Parameter]:
+    """Mark the parameters whose names ``trainable`` (``model.trainable``: ``all`` or a regular expression) matches
+    trainable, the rest frozen; returns the trainable ones (an error when none)."""
+    if trainable != "all":
+        for name, p in model.named_parameters():
+            p.requires_grad_(re.search(trainable, name) is not None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"model.trainable {trainable!r} matches no parameter name")
+    return params
 
 
 class ShapesSampler:
@@ -51,12 +64,7 @@ class ShapesSampler:
         self.model = load_model(cfg.model.checkpoint, use_ema=True)
         m = self.model.config
         self.latent_shape, self.num_steps = (m.channels, m.image_size, m.image_size), cfg.sample.num_steps
-        if cfg.model.trainable != "all":
-            for name, p in self.model.named_parameters():
-                p.requires_grad_(re.search(cfg.model.trainable, name) is not None)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        if not self.params:
-            raise ValueError(f"model.trainable {cfg.model.trainable!r} matches no parameter name")
+        self.params = mark_trainable(self.model, cfg.model.trainable)
         self.reward_fn = get_reward(cfg.reward.spec)
         self.prompts = cfg.sample.prompts()
         self.gen = torch.Generator().manual_seed(cfg.seed)
@@ -64,9 +72,9 @@ class ShapesSampler:
 
     def draw(self, iteration: int = 0) -> Draw:
         """The prompts, initial noise, trained steps and SDE mask of iteration ``iteration`` (counted from 0; it decides
-        a sliding SDE window: :func:`~jagg.trainers.base.draw_batch`)."""
-        return draw_batch(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng, self.gen,
-                          iteration)
+        a sliding SDE window: :func:`~jagg.trainers.base.draw_prompts_and_noise`)."""
+        return draw_prompts_and_noise(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
+                                      self.gen, iteration)
 
     def rollout(self, draw: Draw) -> Rollout:
         """The trajectories of ``draw`` (SDE noise from :attr:`gen`); the conditioning is the prompt tokens ``[B, L]``."""
@@ -104,8 +112,11 @@ class ShapesGRPO(GRPO):
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.sampler = ShapesSampler(cfg)
-        self.model, self.params = self.sampler.model, self.sampler.params
+        self.sampler = s = ShapesSampler(cfg)
+        self.model, self.params = s.model, s.params
+        # what GRPO.draw_batch draws from: the sampler's prompts and RNGs themselves (one stream, as ShapesSampler.draw)
+        self.prompts, self.latent_shape, self.num_steps, self.np_rng, self.gen = (s.prompts, s.latent_shape,
+                                                                                 s.num_steps, s.np_rng, s.gen)
         self.model_config = self.model.config.to_dict()
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if cfg.estimator.kl_beta > 0 else None
         o = cfg.optim
@@ -114,9 +125,6 @@ class ShapesGRPO(GRPO):
         # the estimator's random choices (the correction's picks, interval draws) draw from an RNG of their own, so
         # that runs of one seed with different estimators sample the same prompts and noise streams
         self.pick_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
-
-    def draw_batch(self) -> Draw:
-        return self.sampler.draw(self.iteration)
 
     def rollout(self, draw: Draw) -> Rollout:
         return self.sampler.rollout(draw)
@@ -137,8 +145,7 @@ class ShapesGRPO(GRPO):
     def gradient(self, mb: Minibatch) -> dict:
         return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                ref_velocities=mb.ref_velocities, prompt_groups=mb.prompt_groups,
-                               generator=self.pick_gen, correction_state=self.correction_state,
-                               on_policy=mb.on_policy).to_dict()
+                               generator=self.pick_gen, on_policy=mb.on_policy).to_dict()
 
     def after_step(self) -> None:
         if self.ema is not None:
@@ -170,9 +177,7 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
             "model": self.model.state_dict(), "model_config": self.model_config,
             "optimizer": self.opt.state_dict(),
             "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
-            "iteration": self.iteration, "wall": self.wall, "cpu": self.cpu, "skipped_updates": self.skipped_updates,
-            "config": to_dict(self.cfg), "run_id": self.run_id,
-            "rng": self.rng_state(), "correction_state": self.correction_state_dict(), **self.meter_state(),
+            "config": to_dict(self.cfg), "run_id": self.run_id, "rng": self.rng_state(), **self.loop_state(),
         }
 
     def load_state(self, state: dict) -> list[str]:
@@ -182,11 +187,8 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         if self.ema is not None:
             named = dict(self.model.named_parameters())
             self.ema = [state["ema"][k].clone() for k in named]
-        self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state["cpu"]
-        self.skipped_updates = state["skipped_updates"]
+        self.load_loop_state(state)
         self.set_rng_state(state["rng"])
-        self.load_correction_state(state.get("correction_state"))
-        self.load_meter_state(state)
         return changed
 
     def save(self) -> Path:

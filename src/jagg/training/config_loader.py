@@ -3,11 +3,14 @@
 Every key is checked once at load: unknown keys raise with the closest valid name suggested, values are
 coerced to the field's type and checked to fit the dtype they are used in (every float finite in float32, every
 integer in int64, every field named ``seed`` a seed: :mod:`jagg.checks`), and each dataclass validates itself in
-``__post_init__``. Text files a config names (prompt files) are read with :func:`read_text`.
+``__post_init__``. Text files a config names (prompt files) are read with :func:`read_text`. A required input
+(:func:`required`) that is unset is an error, except under :func:`load_for_print`, which loads the config anyway and
+reports what is unset, for ``jagg train --print-config`` to mark.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import math
@@ -152,9 +155,46 @@ class _Dumper(yaml.SafeDumper):
 _Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
 
 
-def dump(cfg) -> str:
-    """``cfg`` as YAML, keys in declaration order, that :func:`load` reads back to an equal config."""
-    return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+def dump(cfg, unset: dict[str, str] | None = None) -> str:
+    """``cfg`` as YAML, keys in declaration order, that :func:`load` reads back to an equal config; each key of
+    ``unset`` (``{dotted key: what to give}``, from :func:`load_for_print`) marked ``# REQUIRED, unset: ...``."""
+    text = yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+    if not unset:
+        return text
+    out, path = [], []
+    for line in text.splitlines():
+        body = line.lstrip(" ")
+        path = path[: (len(line) - len(body)) // 2] + [body.split(":", 1)[0]]
+        dotted = ".".join(path)
+        out.append(line + (f"  # REQUIRED, unset: {unset[dotted]}" if dotted in unset else ""))
+    return "\n".join(out) + "\n"
+
+
+_UNSET: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jagg_config_unset", default=None)
+
+
+def required(value, key: str, what: str) -> bool:
+    """Whether the required input ``key`` (dotted) is set. Unset (None) it is a ``ValueError`` saying what to give,
+    except while :func:`load_for_print` loads: then it is recorded and False comes back (the caller skips the checks
+    of its value)."""
+    if value is not None:
+        return True
+    unset = _UNSET.get()
+    if unset is None:
+        raise ValueError(f"{key} must be set: {what}")
+    unset[key] = what
+    return False
+
+
+def load_for_print(load_fn: typing.Callable[[], Any]) -> tuple[Any, dict[str, str]]:
+    """``(load_fn(), {dotted key: what to give})``: a config loaded with its unset required inputs (:func:`required`)
+    left unset and reported, not refused; every other check runs as usual."""
+    token = _UNSET.set({})
+    try:
+        cfg = load_fn()
+        return cfg, dict(_UNSET.get())
+    finally:
+        _UNSET.reset(token)
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -234,6 +274,15 @@ def safe_load(text: str):
     return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
+def read_prompt_lines(path: str, what: str = "sample.prompts_file") -> list[str]:
+    """The prompts of a text file, one per line (surrounding spaces and blank lines dropped); errors name ``what``
+    (:func:`read_text`)."""
+    prompts = [line.strip() for line in read_text(path, what).splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{what} {str(path)!r} holds no prompt; put one prompt per line")
+    return prompts
+
+
 def read_yaml(path: str | Path) -> dict:
     """The mapping in a YAML config file (``{}`` when empty). Raises ``FileNotFoundError`` for a missing file
     and ``ValueError`` naming the file (and the line and column of a syntax error) for anything unreadable."""
@@ -252,9 +301,11 @@ def read_yaml(path: str | Path) -> dict:
     return data or {}
 
 
-def load(cls, path: str | Path | None = None, overrides: list[str] | None = None):
-    """Load ``cls`` from a YAML file (or defaults when ``path`` is None) plus overrides."""
-    data = read_yaml(path) if path is not None else {}
+def load(cls, path: str | Path | None = None, overrides: list[str] | None = None, data: dict | None = None):
+    """Load ``cls`` from a YAML file (or defaults when ``path`` is None; or the mapping ``data`` already read from
+    one with :func:`read_yaml`) plus overrides."""
+    if data is None:
+        data = read_yaml(path) if path is not None else {}
     return from_dict(cls, apply_overrides(data, overrides or []))
 
 

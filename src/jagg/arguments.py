@@ -1,0 +1,79 @@
+"""The command line's shared arguments: the options several commands take alike (``jagg sample``, ``jagg eval``,
+``jagg bench paired``, every ``--overwrite``), one definition each, so that they refuse the same values. Both
+:mod:`jagg.cli` and :mod:`jagg.bench` import them from here (nothing imports :mod:`jagg.cli` but the entry point)."""
+
+from __future__ import annotations
+
+from .checks import number_arg
+
+
+def main_job_defaults(args, eval_seed: bool) -> None:
+    """Fill the sampling options left unset (None) with the main job's evaluation settings (``jagg sample``,
+    ``jagg eval``, ``jagg bench paired``); the seed is the main job's ``eval.seed`` when ``eval_seed``, else 0."""
+    from .trainers.shapes_config import ShapesTrainConfig, main_job_path
+    from .training import config_loader as configuration
+
+    main = configuration.load(ShapesTrainConfig, str(main_job_path()), [])
+    defaults = {"steps": main.eval.num_steps, "guidance_scale": main.sample.guidance_scale, "shift": main.sample.shift,
+                "seed": main.eval.seed if eval_seed else 0,
+                "images_per_prompt": main.eval.images_per_prompt,
+                "reward": main.reward.spec}
+    for k, v in defaults.items():
+        if getattr(args, k, v) is None:
+            setattr(args, k, v)
+
+
+def eval_prompts(num_prompts: int, flag: str) -> int:
+    """The test prompts an evaluation of ``num_prompts`` (0 = all) uses; more than the test split holds is refused,
+    naming ``flag``."""
+    from .shapes import test_prompts
+
+    available = len(test_prompts())
+    if num_prompts > available:
+        raise ValueError(f"{flag} {num_prompts} is more than the {available} prompts of the test split; lower it "
+                         "(0 = all of them)")
+    return num_prompts or available
+
+
+def check_sampling(args, images: int, what: str, fix: str) -> None:
+    """The sampling options of ``jagg sample``, ``eval`` and ``bench paired`` checked together before any model loads:
+    ``--shift`` keeps the ``--steps`` schedule's sigmas distinct, and ``images`` images (``what``) fit this machine's
+    memory (:mod:`jagg.training.sizes`; ``fix``: what to lower)."""
+    from .schedule import check_schedule
+    from .training.sizes import check_memory, images_bytes
+
+    check_schedule(args.steps, args.shift, "--shift", "--steps")
+    check_memory(images_bytes(images), f"{what}: {images} images", fix)
+
+
+def sampling_arguments(q, checkpoint: bool = True) -> None:
+    """The ODE sampler's options of ``jagg sample``, ``jagg eval`` and ``jagg bench paired`` (and ``--checkpoint``):
+    one definition, so that they refuse the same values; None is the main job's evaluation setting
+    (:func:`main_job_defaults`)."""
+    if checkpoint:
+        q.add_argument("--checkpoint", default="builtin:tiny_dit",
+                       help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
+    q.add_argument("--steps", type=number_arg(int, 1), help="ODE sampling steps [default: the main job's eval.num_steps]")
+    q.add_argument("--guidance-scale", type=number_arg(float),
+                   help="classifier-free guidance scale [default: the main job's sample.guidance_scale]")
+    q.add_argument("--shift", type=number_arg(float, 0, strict=True),
+                   help="SD3 timestep shift [default: the main job's sample.shift]")
+    q.add_argument("--seed", type=number_arg(int, seed=True),
+                   help="noise seed, 0 to 2**32 - 1 [default: 0; eval and bench paired: the main job's eval.seed]")
+
+
+MAIN_JOB_REWARD = "geneval"      # the main job's reward.name; tests/test_bad_input_round3.py checks it against the file
+
+
+def evaluation_arguments(q) -> None:
+    """The evaluation's options of ``jagg eval`` and ``jagg bench paired``: the reward and the images per prompt."""
+    q.add_argument("--reward", help="reward name or module:function [default: the main job's reward "
+                   f"(reward: of jagg/shapes/main_job.yaml), {MAIN_JOB_REWARD}]")
+    q.add_argument("--images-per-prompt", type=number_arg(int, 1),
+                   help="images per test prompt [default: the main job's eval.images_per_prompt]")
+
+
+def overwrite_argument(q, what: str) -> None:
+    """``--overwrite``: replace the command's existing output file(s) ``what``; without it they are refused."""
+    q.add_argument("--overwrite", action="store_true", help=f"replace {what} if it exists (without it an existing "
+                   "file is refused before any work)")
