@@ -128,7 +128,7 @@ def test_retired_estimator_keys_are_unknown(tmp_path, key, close):
 
 def test_estimator_specs_take_lists_and_budget_rates():
     from jagg.bench.efficiency import parse_estimator, wants_budget_rates
-    from jagg.bench.quality import parse_variant
+    from jagg.bench.quality_runs import parse_variant
     from jagg.checks import parse_spec
 
     assert parse_spec("r:correction_rates=[0.4,0.1],window=5", "--estimator") == (
