@@ -203,3 +203,46 @@ def test_stale_takes_the_rollout_velocities_at_inner_steps():
     g_s, _ = run(model, traj, adv, dataclasses.replace(cfg, clip_range=1e-4))
     g_i, _ = run(model, traj, adv, dataclasses.replace(cfg, clip_range=1e-4, intermediate="interp"))
     torch.testing.assert_close(g_s, g_i, rtol=1e-10, atol=1e-13)
+
+
+def _main_job_audits(monkeypatch, sets: list[str]) -> list[dict]:
+    """Four iterations of the shipped main job, smaller (4 prompts x 4, 4 updates per rollout as shipped; lr 1e-3 so
+    that four iterations move the policy enough to clip), with an audit every iteration: the audits run before updates
+    0, 1, 2 and 3 of their rollouts."""
+    from jagg.trainers import base
+    from jagg.trainers.shapes import ShapesGRPO
+    from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
+    from jagg.training.config_loader import load
+
+    seen = []
+    real = base.audit_parts
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(base, "audit_parts", spy)
+    cfg = load(ShapesTrainConfig, main_job_path(), ["sample.prompts_per_iter=4", "estimator.audit_every=1",
+                                                    "estimator.audit_samples=8", "threads=1", "optim.lr=1e-3", *sets])
+    assert cfg.grpo.updates_per_epoch == 4
+    trainer = ShapesGRPO(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(4):
+            trainer.step()
+    return seen
+
+
+def test_the_shipped_main_job_clips_as_exact_at_every_update(monkeypatch):
+    """The main job as shipped, audited before each update of an epoch: its clip fraction is exact's (within 1.5x,
+    the issue's bound; here equal to rounding), on-policy and off. With ``intermediate: interp``, as shipped before,
+    the off-policy updates clip far more (the second half of the test)."""
+    audits = _main_job_audits(monkeypatch, [])
+    assert len(audits) == 4
+    for a in audits:
+        assert a["clip_frac_est"] == pytest.approx(a["clip_frac_exact"], abs=1e-9)
+    assert max(a["clip_frac_exact"] for a in audits[1:]) > 0      # off-policy updates clip: the check has teeth
+    monkeypatch.undo()
+    old = _main_job_audits(monkeypatch, ["estimator.intermediate=interp"])
+    assert any(a["clip_frac_est"] > 1.5 * a["clip_frac_exact"] + 0.01 for a in old[1:])
