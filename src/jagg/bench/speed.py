@@ -4,8 +4,7 @@ For each model and each (knot layout, window, intermediate), :func:`jagg.policy_
 ``exact`` and ``jagg`` mode (exact, jagg, exact, jagg, ... after a warm-up of every mode), ``repeats`` times
 each, on one stored trajectory; the same for every layout of window > 2 with interval subsampling
 (``--interval-fracs``) and with unbiased JAGG's correction (``--corrections``, rates ``P``), each labelled in
-``variant``, and
-for random timestep subsampling (``--subsample``). Reported per pair: the median seconds of each call (the training
+``variant``, and for random timestep subsampling (``--subsample``). Reported per pair: the median seconds of each call (the training
 phase: forward passes, loss head and backward), their ratio (the speed-up), the cost-model limit of docs/design.md §3
 with ``B = 2F`` (expected rows for the random ones) and the limit computed from this model's measured
 forward/backward times of one micro-batch, forward/backward row counts, and peak memory.
