@@ -592,68 +592,88 @@ class AuditMeter:
         prediction); then the result also holds the chosen ``correction_p`` (NaN: keep the current one),
         ``plain_error_to_noise`` and ``correction_error_to_noise`` (``D / V_b``), and the other terms describe the
         estimator at the chosen rate."""
-        m = exact.shape[0]
         self.audits += 1
-        self.rows[0] += rows_exact
-        self.rows[1] += rows_estimator
-        self.rows[2] += rows_inner or 0
-        if m >= 2:
-            ex = exact.double()
-            err = estimate.double() - ex
-            self.noise.append(float(((ex - ex.mean(0)) ** 2).sum()) / (m - 1))
-            self.tensor_noise.append([x / (m - 1) for x in np.sum(self._per_tensor(ex - ex.mean(0)), 1)])
-            for e, per in zip(err, np.transpose(self._per_tensor(err))):
-                self.err_sq.append(float(e @ e))
-                self.tensor_err_sq.append([float(x) for x in per])
-                self.sketches.append((self.audits, self._sketch(e)))
-            self.sketches = self.sketches[-self.keep:]
+        for i, rows in enumerate((rows_exact, rows_estimator, rows_inner or 0)):
+            self.rows[i] += rows
+        self._record(exact, estimate)
         auto = rows_inner is not None
-        keys = ("error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio", "predicted_efficiency",
-                "predicted_time_efficiency", "predicted_adam_efficiency", "predicted_adam_time_efficiency",
-                "predicted_adam_tensor_efficiency", "predicted_adam_tensor_time_efficiency")
-        out = {"audits": self.audits, **dict.fromkeys(keys, math.nan)}
+        out = {"audits": self.audits, **dict.fromkeys(self.KEYS, math.nan)}
         if auto:
-            out.update({"correction_p": math.nan, "plain_error_to_noise": math.nan,
-                        "correction_error_to_noise": math.nan})
+            out.update(dict.fromkeys(("correction_p", "plain_error_to_noise", "correction_error_to_noise"), math.nan))
         if not self.noise:
             return out
         G = max(prompt_groups_per_update, 1.0)
+        noise, err, mean_sq = self._noise_and_error(out, G)
+        tensor_sq = np.mean(self.tensor_err_sq, 0)                                      # [T]: mean |e_j,t|^2
+        rows = rows_prev = self.rows[1]                     # rows_prev: of the iteration train_share was measured in
+        tensor_err = None
+        if auto:
+            err, rows, rows_prev, tensor_err = self._auto(out, G, noise, err, mean_sq, tensor_sq, current_p)
+        if tensor_err is None:
+            tensor_err = err * tensor_sq / mean_sq if mean_sq > 0 else np.zeros_like(tensor_sq)
+        self._predict(out, noise, err, rows, rows_prev, np.mean(self.tensor_noise, 0) / G, tensor_err, train_share,
+                      exact.shape[1])
+        return out
+
+    KEYS = ("error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio", "predicted_efficiency",
+            "predicted_time_efficiency", "predicted_adam_efficiency", "predicted_adam_time_efficiency",
+            "predicted_adam_tensor_efficiency", "predicted_adam_tensor_time_efficiency")
+
+    def _record(self, exact: Tensor, estimate: Tensor) -> None:
+        """Keep one audit's noise (``var_j(g_j)``, per tensor too) and its prompt groups' errors (squared norms, per
+        tensor, and sketches); nothing with fewer than two prompt groups."""
+        m = exact.shape[0]
+        if m < 2:
+            return
+        ex = exact.double()
+        err = estimate.double() - ex
+        self.noise.append(float(((ex - ex.mean(0)) ** 2).sum()) / (m - 1))
+        self.tensor_noise.append([x / (m - 1) for x in np.sum(self._per_tensor(ex - ex.mean(0)), 1)])
+        for e, per in zip(err, np.transpose(self._per_tensor(err))):
+            self.err_sq.append(float(e @ e))
+            self.tensor_err_sq.append([float(x) for x in per])
+            self.sketches.append((self.audits, self._sketch(e)))
+        self.sketches = self.sketches[-self.keep:]
+
+    def _noise_and_error(self, out: dict, G: float) -> tuple[float, float, float]:
+        """``(V_b, E|e|^2, mean |e_j|^2)`` of one update of ``G`` prompt groups; sets ``out``'s bias terms."""
         noise = statistics.fmean(self.noise) / G
         bias = self._bias()
         b0 = 0.0 if math.isnan(bias) else max(bias, 0.0)
         mean_sq = statistics.fmean(self.err_sq)
-        err = b0 + max(mean_sq - b0, 0.0) / G
         out["bias_to_noise"] = bias / noise if noise > 0 else math.nan
         audits = sorted({a for a, _ in self.sketches})
         if len(audits) >= 3 and noise > 0:
             out["bias_to_noise_se"] = se = jackknife_se([self._bias(skip=a) / noise for a in audits])
             out["bias_z"] = out["bias_to_noise"] / se if se > 0 else math.nan
-        tensor_noise = np.mean(self.tensor_noise, 0) / G                               # [T]
-        tensor_sq = np.mean(self.tensor_err_sq, 0)                                      # [T]: mean |e_j,t|^2
-        rows_exact, rows = self.rows[0], self.rows[1]
-        rows_prev = rows                                    # the rows of the iteration train_share was measured in
-        if auto:
-            D = mean_sq / G
-            r0, r1 = self.rows[1], self.rows[2]
-            rows_prev = r0 + current_p * r1
-            known = self.audits >= AUTO_MIN_AUDITS          # rows, not seconds: a run's choices do not hang on timing
-            p = choose_correction_p(r0, r1, rows_exact, D, noise, err, out["bias_to_noise"] if known else math.nan,
-                                    out["bias_to_noise_se"] if known else math.nan)
-            out.update({"correction_p": p, "plain_error_to_noise": err / noise if noise > 0 else math.nan,
-                        "correction_error_to_noise": D / noise if noise > 0 else math.nan})
-            p = current_p if math.isnan(p) else p
-            if p > 0:                                      # the estimator the chosen rate runs: unbiased
-                err, tensor_err = (1 / p - 1) * D, (1 / p - 1) * tensor_sq / G
-            rows = r0 + p * r1
-        if not auto or p == 0:
-            tensor_err = err * tensor_sq / mean_sq if mean_sq > 0 else np.zeros_like(tensor_sq)
+        return noise, b0 + max(mean_sq - b0, 0.0) / G, mean_sq
+
+    def _auto(self, out: dict, G: float, noise: float, err: float, mean_sq: float, tensor_sq, current_p: float):
+        """``correction_p: auto``: the rate chosen from plain JAGG's measured error (into ``out``), and the error, rows
+        (now and in the measured iteration) and per-tensor error of the estimator at that rate (None: plain's)."""
+        D = mean_sq / G
+        r0, r1 = self.rows[1], self.rows[2]
+        known = self.audits >= AUTO_MIN_AUDITS              # rows, not seconds: a run's choices do not hang on timing
+        p = choose_correction_p(r0, r1, self.rows[0], D, noise, err, out["bias_to_noise"] if known else math.nan,
+                                out["bias_to_noise_se"] if known else math.nan)
+        out.update({"correction_p": p, "plain_error_to_noise": err / noise if noise > 0 else math.nan,
+                    "correction_error_to_noise": D / noise if noise > 0 else math.nan})
+        p = current_p if math.isnan(p) else p
+        tensor_err = None
+        if p > 0:                                          # the estimator the chosen rate runs: unbiased
+            err, tensor_err = (1 / p - 1) * D, (1 / p - 1) * tensor_sq / G
+        return err, r0 + p * r1, r0 + current_p * r1, tensor_err
+
+    def _predict(self, out: dict, noise: float, err: float, rows: float, rows_prev: float, tensor_noise, tensor_err,
+                 train_share: float | None, coordinates: int) -> None:
+        """The efficiency predictions into ``out`` (:meth:`update`)."""
+        rows_exact = self.rows[0]
         rho = rows_exact / max(rows, 1)
         out["rows_ratio"] = rho
         out["error_to_noise"] = err / noise if noise > 0 else math.nan
         with np.errstate(divide="ignore", invalid="ignore"):
             tensor_ratio = np.where(tensor_noise > 0, tensor_err / tensor_noise, np.nan)
-        weights = tensor_weights(tensor_noise, self.sizes or [exact.shape[1]])
-        factor = adam_tensor_factor(tensor_ratio, weights)
+        factor = adam_tensor_factor(tensor_ratio, tensor_weights(tensor_noise, self.sizes or [coordinates]))
         out["predicted_efficiency"] = predicted_efficiency(rho, out["error_to_noise"])
         out["predicted_adam_efficiency"] = adam_efficiency(rho, out["error_to_noise"])
         out["predicted_adam_tensor_efficiency"] = rho * factor
@@ -663,7 +683,6 @@ class AuditMeter:
             out["predicted_time_efficiency"] = predicted_efficiency(time_ratio, out["error_to_noise"])
             out["predicted_adam_time_efficiency"] = adam_efficiency(time_ratio, out["error_to_noise"])
             out["predicted_adam_tensor_time_efficiency"] = time_ratio * factor
-        return out
 
 
 def meter_flag(result: dict, min_audits: int = 4) -> str | None:

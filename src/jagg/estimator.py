@@ -24,11 +24,12 @@ in ``exact`` mode (and an estimate of it otherwise), and returns statistics. Eve
 5. *stats* (:func:`chunk_sums`, :func:`gradient_stats`): loss, clip fraction, KL and counters, summed on the device
    and read once.
 
-Inner-step velocities are ``fresh`` (one no-grad forward of the chunk's inner rows) or ``interp``
+Inner-step velocities are ``fresh`` (one no-grad forward of the chunk's inner rows), ``interp``
 (``v_k_old + (1 - alpha_k)(v_a - v_a_old) + alpha_k (v_b - v_b_old)``, no forward) or ``stale`` (``v_k_old``, no
-forward: ratio 1 at the inner steps). ``interp`` and ``stale`` are exact only on-policy, at the parameters the trajectory was sampled with; ``intermediate="auto"`` (:func:`inner_velocities`) uses
-it there and ``fresh`` in off-policy updates, where the extrapolation's error would enter the inner steps' ratios and
-clip decisions (docs/design.md §3.3).
+forward: ratio 1 at the inner steps). ``interp`` and ``stale`` are exact only on-policy, at the parameters the
+trajectory was sampled with; ``intermediate="auto"`` (:func:`inner_velocities`) uses ``interp`` there and ``fresh``
+in off-policy updates, where the extrapolation's error would enter the inner steps' ratios and clip decisions
+(docs/design.md §3.3).
 """
 
 from __future__ import annotations
@@ -443,13 +444,10 @@ def policy_gradient(
         only_steps: accumulate only the loss terms of these trained steps (diagnostics: the gradient of a step
             range). Knots, routing, picks and draws are those of the whole trajectory, so the gradients of disjoint
             ranges sum to the full one. Statistics then cover those steps only.
-        on_policy: whether the parameters are still those the trajectory was sampled with (True for the first
-            update after sampling; False after an optimizer step on this rollout; None: not known). It decides
-            ``intermediate="auto"`` (interp when True, else fresh: :func:`inner_velocities`); with ``"interp"``,
-            False warns.
+        on_policy: whether the parameters are those the trajectory was sampled with (True: the first update after
+            sampling; False: after an optimizer step on it; None: not known): :func:`inner_velocities`.
 
-    Returns:
-        :class:`GradientStats`.
+    Returns: :class:`GradientStats`.
     """
     check_call(velocity_fn, traj, config, loss_scale, generator)
     traj.validate()
