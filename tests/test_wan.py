@@ -350,6 +350,7 @@ def test_exact_train_two_iterations_with_a_video_reward(tmp_path, wan_dir, captu
     import fake_wandb
 
     calls = fake_wandb.install(monkeypatch)
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)          # online mode (the default) needs a key: a logged-in user
     cfg = write_config(tmp_path, wan_dir, mode="exact")
     out = tmp_path / "exact"
     assert main(["train", "--config", str(cfg), "--output-dir", str(out),
