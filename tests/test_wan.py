@@ -379,8 +379,10 @@ def test_shipped_wan_config_resolves(tmp_path, capsys):
     p = resolved["pipeline"]
     assert (p["family"], p["resolution"], p["width"], p["num_frames"], p["num_steps"]) == ("wan", 240, 416, 33, 20)
     assert p["lora"]["rank"] == 32 and p["cfg_scale"] == 4.5 and resolved["reward"]["name"].startswith("pickscore:")
-    assert main(["train", "--config", str(path), "--print-config"]) == 2
-    assert "sample.prompts_file must be set" in capsys.readouterr().err
+    assert main(["train", "--config", str(path), "--print-config"]) == 0      # printed, the unset inputs marked
+    assert "REQUIRED" in capsys.readouterr().out
+    assert main(["train", "--config", str(path), "--output-dir", str(tmp_path / "run")]) == 2   # training refuses
+    assert "sample.prompts_file must be set" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
 def test_cost_preset():
