@@ -166,3 +166,19 @@ def test_bench_efficiency_measures_the_new_estimators(tmp_path, bench_ckpt, caps
     assert len(rates) == 2 and sum(rates) * 2 == pytest.approx(0.25 * 4, abs=1e-3)      # the uniform rate's rows
     assert "rates: correction_rates" in capsys.readouterr().out
     assert all(math.isfinite(r["error_to_noise"]) for r in recs.values())
+
+
+def test_runs_saved_with_retired_options_off_still_resume():
+    """A checkpoint (or bench result) written before the options were retired holds their keys: at the value that
+    meant "off" it ran as today's code runs it and resumes; any other value was an estimator that no longer exists."""
+    from jagg.trainers.base import check_resumable
+
+    now = {"estimator": {"mode": "jagg", "window": 4}}
+    saved = {"estimator": {"mode": "jagg", "window": 4, "control_variate": 0.0, "correction": "interval",
+                           "correction_intervals": 0, "score": "cosine"}}
+    assert check_resumable(saved, now) == []
+    for key, value in (("control_variate", 0.5), ("correction", "step"), ("correction_intervals", 2),
+                       ("score", "chord")):
+        bad = {"estimator": {**saved["estimator"], key: value}}
+        with pytest.raises(ValueError, match=f"estimator.{key}, an option since retired"):
+            check_resumable(bad, now)

@@ -51,6 +51,10 @@ RESUMABLE_CHANGES = ("grpo.iterations", "grpo.max_consecutive_skips", "grpo.max_
 # without one ran as its default, so it reads as that default (a key the current config lacks is not filled in)
 ADDED_KEYS = {"optim.lr_schedule": "constant", "optim.warmup_steps": 0, "eval.dense_iterations": 0,
               "eval.dense_every": 0}
+# retired estimator options, with the value that meant "off": a saved config holding that value ran as today's code
+# runs it, so the key is dropped; any other value was an estimator that no longer exists
+RETIRED_KEYS = {"estimator.control_variate": 0.0, "estimator.correction": "interval",
+                "estimator.correction_intervals": 0, "estimator.score": "cosine"}
 
 
 class TrainingAborted(RuntimeError):
@@ -89,6 +93,11 @@ def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUM
     for key, default in ADDED_KEYS.items():
         if key in b:
             a.setdefault(key, default)
+    for key, off in RETIRED_KEYS.items():
+        if key in a and key not in b:
+            if a.pop(key) != off:
+                raise ValueError(f"cannot resume: the checkpoint was trained with {key}, an option since retired "
+                                 "(docs/RESULTS.md keeps what it measured); start a new run in another directory")
     changed = []
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key):
