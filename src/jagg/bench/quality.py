@@ -127,7 +127,9 @@ def _eval_cost(runs: list[dict]) -> str:
     """One line: the held-out evaluations per run and what they cost beside the training (medians over runs)."""
     import statistics
 
-    evals = statistics.median(r.get("evaluations") or 0 for r in runs)
+    # a result written before "evaluations" was recorded counts its held-out curve's points
+    evals = statistics.median(r.get("evaluations", len(r.get("test_curve") or [])) for r in runs)
+
     secs = [r["eval_s"] for r in runs if r.get("eval_s") is not None]
     if not secs:
         return f"held-out evaluations: {evals:g} per run"
