@@ -138,9 +138,9 @@ def test_trainer_passes_on_policy_to_the_first_update_of_each_rollout(tmp_path, 
     assert all((n == 0) == on for on, n in seen)              # interp on-policy, fresh forwards off-policy
 
 
-def _audited_run(monkeypatch, intermediate: str) -> list[dict]:
-    """Two iterations of a tiny shapes run with an audit every iteration and 2 updates per rollout: the audits' results
-    (the first before update 0, the second before update 1)."""
+def _audits_of(monkeypatch, path, sets: list[str], iterations: int) -> list[dict]:
+    """The audit results (with the ``on_policy`` each was told) of ``iterations`` iterations of a shapes run of the
+    config ``path`` (None: the defaults) and ``sets``."""
     from jagg.trainers import base
     from jagg.trainers.shapes import ShapesGRPO
     from jagg.trainers.shapes_config import ShapesTrainConfig
@@ -155,17 +155,22 @@ def _audited_run(monkeypatch, intermediate: str) -> list[dict]:
         return out
 
     monkeypatch.setattr(base, "audit_parts", spy)
-    cfg = load(ShapesTrainConfig, None, [
+    trainer = ShapesGRPO(load(ShapesTrainConfig, path, sets))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(iterations):
+            trainer.step()
+    return seen
+
+
+def _audited_run(monkeypatch, intermediate: str) -> list[dict]:
+    """Two iterations of a tiny shapes run with an audit every iteration and 2 updates per rollout: the audits' results
+    (the first before update 0, the second before update 1)."""
+    return _audits_of(monkeypatch, None, [
         "sample.prompts_per_iter=4", "sample.group_size=2", "sample.num_steps=6", "sample.sde_window=[0,6]",
         "estimator.mode=jagg", "estimator.window=3", f"estimator.intermediate={intermediate}",
         "estimator.correction_p=0", "estimator.audit_every=1", "estimator.audit_samples=4", "estimator.clip_range=1e-4",
-        "optim.lr=1e-5", "grpo.updates_per_epoch=2", "grpo.drop_zero_spread=false", "threads=1"])
-    trainer = ShapesGRPO(cfg)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(2):
-            trainer.step()
-    return seen
+        "optim.lr=1e-5", "grpo.updates_per_epoch=2", "grpo.drop_zero_spread=false", "threads=1"], 2)
 
 
 def test_audits_cycle_through_the_updates_and_see_interps_off_policy_clipping(monkeypatch):
@@ -209,29 +214,11 @@ def _main_job_audits(monkeypatch, sets: list[str]) -> list[dict]:
     """Four iterations of the shipped main job, smaller (4 prompts x 4, 4 updates per rollout as shipped; lr 1e-3 so
     that four iterations move the policy enough to clip), with an audit every iteration: the audits run before updates
     0, 1, 2 and 3 of their rollouts."""
-    from jagg.trainers import base
-    from jagg.trainers.shapes import ShapesGRPO
-    from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
-    from jagg.training.config_loader import load
+    from jagg.trainers.shapes_config import main_job_path
 
-    seen = []
-    real = base.audit_parts
-
-    def spy(*args, **kw):
-        out = real(*args, **kw)
-        seen.append(out[0])
-        return out
-
-    monkeypatch.setattr(base, "audit_parts", spy)
-    cfg = load(ShapesTrainConfig, main_job_path(), ["sample.prompts_per_iter=4", "estimator.audit_every=1",
-                                                    "estimator.audit_samples=8", "threads=1", "optim.lr=1e-3", *sets])
-    assert cfg.grpo.updates_per_epoch == 4
-    trainer = ShapesGRPO(cfg)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(4):
-            trainer.step()
-    return seen
+    return _audits_of(monkeypatch, main_job_path(), ["sample.prompts_per_iter=4", "estimator.audit_every=1",
+                                                     "estimator.audit_samples=8", "threads=1", "optim.lr=1e-3",
+                                                     *sets], 4)
 
 
 def test_the_shipped_main_job_clips_as_exact_at_every_update(monkeypatch):
@@ -239,7 +226,7 @@ def test_the_shipped_main_job_clips_as_exact_at_every_update(monkeypatch):
     the issue's bound; here equal to rounding), on-policy and off. With ``intermediate: interp``, as shipped before,
     the off-policy updates clip far more (the second half of the test)."""
     audits = _main_job_audits(monkeypatch, [])
-    assert len(audits) == 4
+    assert [a["on_policy"] for a in audits] == [True, False, False, False]
     for a in audits:
         assert a["clip_frac_est"] == pytest.approx(a["clip_frac_exact"], abs=1e-9)
     assert max(a["clip_frac_exact"] for a in audits[1:]) > 0      # off-policy updates clip: the check has teeth
