@@ -88,8 +88,10 @@ class EstimatorConfig:
                            "uses 0.04 on GenEval); > 0 needs reference velocities."})
     audit_every: int = field(default=0, metadata={"help": "Trainers only: every N iterations, compute the exact "
                              "gradient of a few samples next to this estimator's and log their cosine, in total and per "
-                             "third of the trained steps, and the efficiency meter's running estimates (audit/* in "
-                             "metrics and TensorBoard; correction_p 'auto' reads them). 0 = off."})
+                             "third of the trained steps, both clip fractions, and the efficiency meter's running "
+                             "estimates (audit/* in metrics and TensorBoard; correction_p 'auto' reads them). The j-th "
+                             "audit runs before update j mod U of its rollout (U = inner_epochs x updates_per_epoch), "
+                             "so the off-policy updates are audited too. 0 = off."})
     audit_samples: int = field(default=4, metadata={"help": "Trainers only: samples (whole prompt groups, at least "
                                "two) the audit uses."})
 
