@@ -5,9 +5,10 @@ One iteration (:meth:`GRPO.step`): the trainer's :meth:`~GRPO.rollout` samples t
 batch and :meth:`~GRPO.score` rewards it; the loop gathers the rewards, computes group-relative advantages per
 prompt group on the global batch, drops the prompt groups without reward spread, computes the KL reference velocities
 (:meth:`~GRPO.reference`), runs the estimator audit when due, and makes ``inner_epochs x updates_per_epoch`` optimizer
-updates, each from the trainer's :meth:`~GRPO.gradient` of a minibatch (:meth:`~GRPO.minibatches`), at the learning
-rate of ``optim.lr_schedule`` (:meth:`~GRPO.scheduled_lr`), skipped when its loss or gradient norm is not finite. :class:`GRPO` holds no run directory, logger or checkpoint (``jagg bench e2e``
-times its iterations as they are). Around it, :class:`GRPOTrainer` adds the run directory (new, resumed or moved
+updates, each from the trainer's :meth:`~GRPO.gradient` of a minibatch (:meth:`~GRPO.minibatches`; the first one
+on-policy), at the learning rate of ``optim.lr_schedule`` (:meth:`~GRPO.scheduled_lr`), skipped when its loss or
+gradient norm is not finite. :class:`GRPO` holds no run directory, logger or checkpoint (``jagg bench e2e`` times
+its iterations as they are). Around it, :class:`GRPOTrainer` adds the run directory (new, resumed or moved
 aside, :mod:`jagg.training.rundir`), the metrics logger, checkpoints at ``log.checkpoint_every``, the aborts
 (:class:`TrainingAborted`) after ``grpo.max_consecutive_skips`` skipped updates and after ``grpo.max_empty_iterations``
 iterations that trained no sample (warned at the first, with the reason), the save after a failure before an
