@@ -198,7 +198,7 @@ class UpdateInputs:
     """What every phase of one :func:`policy_gradient` call reads: the velocity callable, the trajectory, the
     advantages ``[B]``, the configuration, the reference velocities and ``term_weight``, the weight of one term
     ``l_{i,k}`` in the loss ``L`` (``loss_scale / (B |K|)``); ``inner``, how this update computes inner-step
-    velocities (``fresh`` or ``interp``: :func:`inner_velocities`); and ``dtype``, the update's compute dtype (the
+    velocities (``fresh``, ``interp`` or ``stale``: :func:`inner_velocities`); and ``dtype``, the update's compute dtype (the
     trajectory's, as sampling stores it: fp32, or fp64 when the trajectory is fp64), set once for every chunk."""
 
     velocity_fn: VelocityFn
@@ -387,7 +387,7 @@ def gradient_stats(update: Plan, counters: _Counters, chunks: int) -> GradientSt
 
 
 def inner_velocities(config: EstimatorConfig, on_policy: bool | None) -> str:
-    """How one update computes its inner steps' velocities: ``"fresh"`` or ``"interp"``. ``intermediate="auto"``
+    """How one update computes its inner steps' velocities: ``"fresh"``, ``"interp"`` or ``"stale"``. ``"auto"``
     gives ``interp`` when ``on_policy`` is True (the parameters the trajectory was sampled with: ``interp`` is exact
     there and costs no forward) and ``fresh`` otherwise (False, or None: not known). ``interp`` asked for in an update
     known to be off-policy warns: its first-order extrapolation's error then enters the inner steps' ratios and clip
