@@ -65,6 +65,7 @@ class ShapesSampler:
         m = self.model.config
         self.latent_shape, self.num_steps = (m.channels, m.image_size, m.image_size), cfg.sample.num_steps
         self.params = mark_trainable(self.model, cfg.model.trainable)
+        self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]   # params' names, in order
         self.reward_fn = get_reward(cfg.reward.spec)
         self.prompts = cfg.sample.prompts()
         self.gen = torch.Generator().manual_seed(cfg.seed)
