@@ -70,3 +70,20 @@ def test_shapes_kl_refused_before_loading(capsys):
     """The shapes world's sampler carries no KL reference: refused with the key, before anything runs."""
     assert main(["bench", "efficiency", "--set", "estimator.kl_beta=0.1", "--batches", "3"]) != 0
     assert "estimator.kl_beta" in capsys.readouterr().err
+
+
+def test_signal_on_a_diffusers_config(tmp_path, sd3_dir, capsys):
+    """``jagg bench signal`` on the same config: the agreement of independent LoRA gradients, JAGG's and exact's and
+    their errors', with the config's reward (and the KL term), printed and written."""
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    out = tmp_path / "signal.json"
+    assert main(["bench", "signal", "--config", str(cfg), "--batches", "3", "--estimators", "config", "exact",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "cos(g_i, g_j)" in text and "'pipeline.lora'" in text
+    records = json.loads(out.read_text())
+    assert [r["estimator"] for r in records] == ["config", "exact", "config x exact", "error (config - exact)"]
+    assert all(r["reward"] == "jpeg_compressibility" and r["samples_per_batch"] == 4 for r in records)
+    assert all(math.isfinite(r["cosine"]) and math.isfinite(r["cosine_se"]) for r in records)
+    assert 0 < records[2]["same_batch_cosine"] <= 1 and records[0]["params"] == records[1]["params"] > 0
+    assert not (tmp_path / "default_run").exists()

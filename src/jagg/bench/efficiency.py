@@ -176,6 +176,14 @@ def make_sampler(cfg: TrainConfig) -> Sampler:
     return ShapesSampler(cfg)
 
 
+def check_kl(cfg: TrainConfig) -> None:
+    """Refuse ``estimator.kl_beta > 0`` on the shapes world (before any model loads): its sampler carries no KL
+    reference (a diffusers config's does: the adapters off, or the frozen copy)."""
+    if cfg.estimator.kl_beta > 0 and not isinstance(cfg, DiffusersTrainConfig):
+        raise ValueError("estimator.kl_beta > 0: the shapes world's sampler has no KL reference here; "
+                         "--set estimator.kl_beta=0")
+
+
 def num_steps_of(cfg: TrainConfig) -> tuple[int, str]:
     """The sampling steps of ``cfg`` and their key (``pipeline.num_steps`` in a diffusers config)."""
     if isinstance(cfg, DiffusersTrainConfig):
@@ -535,9 +543,7 @@ def _run(args: argparse.Namespace) -> int:
     names = [s.partition(":")[0] for s in ["exact", *specs]]
     if args.by_tensor is not None and args.by_tensor not in names:          # every argument is checked before the
         raise ValueError(f"--by-tensor {args.by_tensor!r}: not one of the estimators {names}")   # first batch
-    if cfg.estimator.kl_beta > 0 and not isinstance(cfg, DiffusersTrainConfig):
-        raise ValueError("estimator.kl_beta > 0: the shapes world's sampler has no KL reference here; "
-                         "--set estimator.kl_beta=0")
+    check_kl(cfg)
     cost, cost_line = resolve(args.cost, config_structure(cfg), args.gpu_bench_json)
     check_estimators(specs, cfg)
     if args.by_interval is not None:

@@ -109,7 +109,7 @@ class DiffusersSampler:
         # shared by all ranks: prompt choice and the initial noise of the global batch
         self.np_rng = np.random.default_rng(cfg.seed)
         self.gen = torch.Generator().manual_seed(_seed(cfg.seed, 1))
-        self.images: np.ndarray | None = None                  # the last scored rollout's decoded images
+        self.last_images: np.ndarray | None = None             # the last scored rollout's decoded images
         self.sampled = 0                                       # batches sample() drew
 
     def draw(self, iteration: int = 0) -> Draw:
@@ -144,10 +144,14 @@ class DiffusersSampler:
         self.sampled += 1
         return rollout
 
+    def decode(self, rollout: Rollout) -> np.ndarray:
+        """The rollout's final images (a video family's: videos), decoded by the VAE."""
+        return self.policy.decode(rollout.traj.latents[:, -1])
+
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
-        """The reward of the rollout's decoded final images (kept in :attr:`images`): ``(scores [n], info)``."""
-        self.images = self.policy.decode(rollout.traj.latents[:, -1])
-        return self.reward_fn(self.images, rollout.conditioning, None)
+        """The reward of the rollout's decoded final images (kept in :attr:`last_images`): ``(scores [n], info)``."""
+        self.last_images = self.decode(rollout)
+        return self.reward_fn(self.last_images, rollout.conditioning, None)
 
     def velocity(self, prompts):
         """The velocity callable of the samples whose prompts are given."""
@@ -284,7 +288,7 @@ class DiffusersTrainer(GRPOTrainer):
 
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         scores, info = self.sampler.score(rollout)
-        self._images, self._prompts = self.sampler.images, rollout.conditioning   # the samples saved at a checkpoint
+        self._images, self._prompts = self.sampler.last_images, rollout.conditioning   # the samples saved at a checkpoint
         return scores, info
 
     def velocity(self, prompts):

@@ -90,9 +90,13 @@ class ShapesSampler:
         """The batch of iteration ``iteration``, drawn and sampled (:meth:`draw`, :meth:`rollout`)."""
         return self.rollout(self.draw(iteration))
 
+    def decode(self, rollout: Rollout) -> np.ndarray:
+        """The rollout's final images, uint8 ``[B, H, W, 3]``."""
+        return from_tensor(rollout.traj.latents[:, -1])
+
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         """The reward of the rollout's final images: ``(scores [B], info)``."""
-        return self.reward_fn(from_tensor(rollout.traj.latents[:, -1]), rollout.prompts, None)
+        return self.reward_fn(self.decode(rollout), rollout.prompts, None)
 
     def velocity(self, tokens) -> GuidedVelocity:
         """The guided velocity callable of the samples whose prompt tokens ``[n, L]`` are given."""
