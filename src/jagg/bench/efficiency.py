@@ -66,10 +66,9 @@ from torch import Tensor
 from ..audit import (AUTO_START_P, adam_efficiency, choose_correction_p, clip_flag, error_noise_stats, extrapolate,
                      flat_grad, predicted_efficiency)
 from ..checks import check_unique_names, number_arg, parse_spec
-from ..estimator import policy_gradient
+from ..estimator import policy_gradient, reference_velocities
 from ..estimator_config import AUTO, EstimatorConfig
 from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals, plan_update
-from ..estimator import reference_velocities
 from ..trainers.base import rollout_batch, take
 from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
 from ..trainers.shapes import ShapesSampler

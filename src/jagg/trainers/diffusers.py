@@ -5,7 +5,8 @@ A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``c
 :class:`DiffusersTrainer` instead of the shapes trainer. The loop is :class:`jagg.trainers.base.GRPOTrainer`'s; this
 trainer fills its hooks and asks one object for everything model specific, the
 :class:`jagg.integrations.policy.Policy` (prompts, sampler, velocity callable, KL reference, decoding, adapter
-files). One iteration:
+files); the rollouts (model, trainable weights, prompts, reward, sampling) are :class:`DiffusersSampler`'s, which
+``jagg bench efficiency`` and ``jagg bench signal`` draw their batches with too. One iteration:
 
 1. pick ``prompts_per_iter`` prompts of ``sample.prompts_file`` and repeat each ``group_size`` times (the global
    batch of ``N`` trajectories); under torchrun / accelerate every rank takes its contiguous shard of it;
