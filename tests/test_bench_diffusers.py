@@ -87,3 +87,14 @@ def test_signal_on_a_diffusers_config(tmp_path, sd3_dir, capsys):
     assert all(math.isfinite(r["cosine"]) and math.isfinite(r["cosine_se"]) for r in records)
     assert 0 < records[2]["same_batch_cosine"] <= 1 and records[0]["params"] == records[1]["params"] > 0
     assert not (tmp_path / "default_run").exists()
+
+
+@pytest.mark.parametrize("extra, culprit", [(["--by-tensor", "nope"], "--by-tensor"),
+                                            (["--estimator", "w9:window=9"], "w9"),
+                                            (["--by-interval", "exact"], "--by-interval")])
+def test_arguments_are_checked_before_the_model_loads(tmp_path, capsys, extra, culprit):
+    """A diffusers config whose model directory does not exist: the bad argument is named, not the directory."""
+    cfg = write_sd3_config(tmp_path, tmp_path / "no_model_here")
+    assert main(["bench", "efficiency", "--config", str(cfg), *extra]) != 0
+    err = capsys.readouterr().err
+    assert culprit in err and "no_model_here" not in err
