@@ -357,6 +357,7 @@ def _user_files(args: list[str], scratch: Path) -> None:
 def _load(cmd: Command, args: list[str], ns: argparse.Namespace, scratch: Path, capsys) -> None:
     """The fast form: the configs a jagg command would load, loaded; nothing trains."""
     from jagg.cli import PretrainRunConfig
+    from jagg.trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
     from jagg.trainers.shapes_config import ShapesTrainConfig
     from jagg.training import config_loader as configuration
 
@@ -366,7 +367,8 @@ def _load(cmd: Command, args: list[str], ns: argparse.Namespace, scratch: Path, 
     elif ns.command == "pretrain":
         configuration.load(PretrainRunConfig, None, ns.set or [])
     elif ns.command == "bench" and hasattr(ns, "set") and getattr(ns, "config", None):
-        configuration.load(ShapesTrainConfig, ns.config, ns.set or [])
+        kind = DiffusersTrainConfig if has_pipeline_section(ns.config) else ShapesTrainConfig   # as bench efficiency
+        configuration.load(kind, ns.config, ns.set or [])
 
 
 def _skip_reason(cmd: Command) -> str | None:

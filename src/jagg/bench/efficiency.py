@@ -12,7 +12,9 @@ root, ``adam_efficiency = (rows_exact / rows) * sqrt(V_b / (V_b + E|e|^2))`` and
 (docs/design.md §3.8). Both models hold for an unbiased estimator only; read ``bias_to_noise`` (and ``bias_z``) first.
 
 This benchmark measures every term with the trainer's own sampler (:class:`jagg.trainers.shapes.ShapesSampler` of the
-config, the main job by default; no run directory) and :func:`jagg.policy_gradient`, no optimizer step. It draws ``--batches`` independent batches; on each it computes
+config, the main job by default; for a config with a ``pipeline:`` section, the user's diffusers model,
+:class:`jagg.trainers.diffusers.DiffusersSampler`: its LoRA or trainable weights, prompts file and reward, as ``jagg
+train`` builds them; no run directory) and :func:`jagg.policy_gradient`, no optimizer step. It draws ``--batches`` independent batches; on each it computes
 the exact gradient once and every other estimator ``--draws`` times (fresh random picks per draw; one draw for a
 deterministic estimator). Per estimator:
 
@@ -64,16 +66,17 @@ from torch import Tensor
 from ..audit import (AUTO_START_P, adam_efficiency, choose_correction_p, clip_flag, error_noise_stats, extrapolate,
                      flat_grad, predicted_efficiency)
 from ..checks import check_unique_names, number_arg, parse_spec
-from ..estimator import policy_gradient
+from ..estimator import policy_gradient, reference_velocities
 from ..estimator_config import AUTO, EstimatorConfig
 from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals, plan_update
-from ..trainers.base import rollout_batch
+from ..trainers.base import rollout_batch, take
+from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
 from ..trajectory import Trajectory
 from .common import default_config_path, json_if_asked, set_threads, table
-from .projection import CostStructure, add_cost_arguments, job_structure, resolve
+from .projection import CostStructure, add_cost_arguments, config_structure, resolve
 
 BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
@@ -124,8 +127,8 @@ def check_estimators(specs: list[str], cfg) -> None:
     ``exact_*_intervals`` within what they count) before the first batch; an error names the spec."""
     from ..trainers.sections import check_layout, steps_source, trained_steps
 
-    s = cfg.sample
-    K, steps = trained_steps(s, s.num_steps), steps_source(s, "sample.num_steps", s.num_steps)
+    s, n, key = cfg.sample, *num_steps_of(cfg)
+    K, steps = trained_steps(s, n), steps_source(s, key, n)
     for spec in specs:
         try:
             est = parse_estimator(spec, cfg.estimator)[1]
@@ -151,14 +154,59 @@ def rate_of(est: EstimatorConfig, rate: float | None = None) -> EstimatorConfig:
     return dataclasses.replace(est, correction_p=AUTO_START_P if rate is None else rate)
 
 
-def training_batch(sampler: ShapesSampler, cfg: ShapesTrainConfig):
+Sampler = ShapesSampler        # or jagg.trainers.diffusers.DiffusersSampler: the same interface
+TrainConfig = ShapesTrainConfig | DiffusersTrainConfig
+
+
+def load_config(path: str, sets: list[str]) -> TrainConfig:
+    """The trainer config of ``--config`` with ``--set``: a diffusers one when the YAML has a ``pipeline:`` section
+    (as ``jagg train`` decides), the shapes world's otherwise."""
+    kind = DiffusersTrainConfig if has_pipeline_section(path) else ShapesTrainConfig
+    return configuration.load(kind, path, sets)
+
+
+def make_sampler(cfg: TrainConfig) -> Sampler:
+    """The trainer's own sampler of ``cfg``: :class:`jagg.trainers.diffusers.DiffusersSampler` for a diffusers
+    config (the model, LoRA, prompts and reward of ``jagg train``), :class:`ShapesSampler` otherwise."""
+    if isinstance(cfg, DiffusersTrainConfig):
+        from ..trainers.diffusers import DiffusersSampler
+
+        return DiffusersSampler(cfg)
+    return ShapesSampler(cfg)
+
+
+def check_kl(cfg: TrainConfig) -> None:
+    """Refuse ``estimator.kl_beta > 0`` on the shapes world (before any model loads): its sampler carries no KL
+    reference (a diffusers config's does: the adapters off, or the frozen copy)."""
+    if cfg.estimator.kl_beta > 0 and not isinstance(cfg, DiffusersTrainConfig):
+        raise ValueError("estimator.kl_beta > 0: the shapes world's sampler has no KL reference here; "
+                         "--set estimator.kl_beta=0")
+
+
+def num_steps_of(cfg: TrainConfig) -> tuple[int, str]:
+    """The sampling steps of ``cfg`` and their key (``pipeline.num_steps`` in a diffusers config)."""
+    if isinstance(cfg, DiffusersTrainConfig):
+        return cfg.pipeline.num_steps, "pipeline.num_steps"
+    return cfg.sample.num_steps, "sample.num_steps"
+
+
+def training_batch(sampler: Sampler, cfg: TrainConfig):
     """One training batch through the trainer's own pipeline (:func:`jagg.trainers.base.rollout_batch`): ``(traj,
-    tokens, advantages, prompt_groups, rollout CPU seconds)`` of the kept samples."""
+    conditioning, advantages, prompt_groups, rollout CPU seconds)`` of the kept samples."""
     t0 = time.process_time()
     batch = rollout_batch(sampler.sample, sampler.score, cfg)
     seconds = time.process_time() - t0
     idx, ro = batch.keep_idx, batch.rollout
-    return ro.traj.select(idx), ro.conditioning[idx], batch.advantages[idx], batch.prompt_groups[idx], seconds
+    return ro.traj.select(idx), take(ro.conditioning, idx), batch.advantages[idx], batch.prompt_groups[idx], seconds
+
+
+def kept_batch(sampler: Sampler, cfg: TrainConfig) -> tuple[Batch, float]:
+    """One :func:`training_batch` as a :class:`Batch`, with the KL reference's velocities when
+    ``estimator.kl_beta > 0`` (as the trainers compute them once per rollout), and its rollout CPU seconds."""
+    traj, cond, adv, prompt_groups, seconds = training_batch(sampler, cfg)
+    e = cfg.estimator
+    ref_v = reference_velocities(sampler.reference(cond), traj, e.micro_batch) if e.kl_beta > 0 else None
+    return Batch(traj, cond, adv, prompt_groups, ref_v), seconds
 
 
 def check_sizes(batches: int, draws: int, target_batch: int | None = None) -> None:
@@ -190,7 +238,7 @@ def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float, te
             "adam_tensor_time_efficiency": time_ratio * tensor_factor}
 
 
-def budget_rates_of(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, batches: int,
+def budget_rates_of(cfg: TrainConfig, name: str, est: EstimatorConfig, batches: int,
                     pilots: dict | None = None) -> EstimatorConfig:
     """``est`` with ``correction_rates`` from :func:`jagg.knots.budget_rates`: ``D_j`` = plain JAGG's error against the
     noise in each interval (:func:`interval_errors`, on ``batches`` batches of their own: seed ``seed + 1``; kept in
@@ -220,6 +268,7 @@ class Batch:
     tokens: Tensor
     adv: Tensor
     prompt_groups: Tensor
+    ref_v: Tensor | None = None       # the KL reference's velocities [B, T, *S] when estimator.kl_beta > 0
 
 
 def resolve_auto(plain: dict, rows: dict) -> dict:
@@ -234,7 +283,7 @@ def resolve_auto(plain: dict, rows: dict) -> dict:
             "auto_plain_bias_z": bias_z(plain["bias_to_noise"], plain["bias_to_noise_se"])}
 
 
-def _auto_rate(sampler: ShapesSampler, kept: list[Batch], est: EstimatorConfig, exact: Tensor, rows_exact: float,
+def _auto_rate(sampler: Sampler, kept: list[Batch], est: EstimatorConfig, exact: Tensor, rows_exact: float,
                on_policy: bool = True) -> dict:
     """:func:`resolve_auto` for ``est`` (``correction_p: auto``) on the batches ``kept``: plain JAGG's gradients
     against ``exact`` (``[n, P]``), and its rows per sample, plain and at full correction, planned on the first batch
@@ -247,7 +296,7 @@ def _auto_rate(sampler: ShapesSampler, kept: list[Batch], est: EstimatorConfig, 
                                                   for batch in kept]), rows)
 
 
-def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds: list[int],
+def _gradients(sampler: Sampler, batch: Batch, est: EstimatorConfig, seeds: list[int],
                on_policy: bool = True) -> tuple[Tensor, list]:
     """``[len(seeds), P]`` gradients of ``est`` on ``batch`` (one per pick seed) and per draw ``(CPU seconds, rows
     with grad, no-grad rows)`` per sample and its clip fraction; ``on_policy``: whether the parameters are the batch's
@@ -258,15 +307,16 @@ def _gradients(sampler: ShapesSampler, batch: Batch, est: EstimatorConfig, seeds
         sampler.zero_grad()
         c0 = time.process_time()
         with torch.enable_grad():
-            st = policy_gradient(vf, batch.traj, batch.adv, est, prompt_groups=batch.prompt_groups,
-                                 generator=torch.Generator().manual_seed(seed), on_policy=on_policy)
+            st = policy_gradient(vf, batch.traj, batch.adv, est, ref_velocities=batch.ref_v,
+                                 prompt_groups=batch.prompt_groups, generator=torch.Generator().manual_seed(seed),
+                                 on_policy=on_policy)
         B = batch.traj.batch_size
         costs.append((time.process_time() - c0, st.backward_items / B, st.forward_nograd_items / B, st.clip_frac))
         out.append(flat_grad(sampler.params).double())
     return torch.stack(out), costs
 
 
-def moved_parameters(sampler: ShapesSampler, cfg: ShapesTrainConfig, preceding: list[Batch]) -> list[Tensor]:
+def moved_parameters(sampler: Sampler, cfg: TrainConfig, preceding: list[Batch]) -> list[Tensor]:
     """The trainable parameters after one AdamW step (``cfg.optim``, a fresh optimizer) on the exact gradient of each
     batch of ``preceding`` in turn, clipped as the trainer clips it: where the ``len(preceding) + 1``-th optimizer
     update of a rollout starts, the updates before it made on other samples of the same policy's rollouts (the
@@ -278,7 +328,7 @@ def moved_parameters(sampler: ShapesSampler, cfg: ShapesTrainConfig, preceding: 
         sampler.zero_grad()
         with torch.enable_grad():
             policy_gradient(sampler.velocity(batch.tokens), batch.traj, batch.adv, cfg.estimator.exact(),
-                            prompt_groups=batch.prompt_groups)
+                            ref_velocities=batch.ref_v, prompt_groups=batch.prompt_groups)
         if o.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(sampler.params, o.max_grad_norm)
         opt.step()
@@ -287,16 +337,16 @@ def moved_parameters(sampler: ShapesSampler, cfg: ShapesTrainConfig, preceding: 
     return moved
 
 
-def _load(sampler: ShapesSampler, values: list[Tensor]) -> None:
+def _load(sampler: Sampler, values: list[Tensor]) -> None:
     with torch.no_grad():
         for p, v in zip(sampler.params, values):
             p.copy_(v)
 
 
-def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
+def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
             cost: CostStructure | None = None, update: int = 0) -> list[dict]:
     """One record per estimator (module docstring); ``cost``: the structure of the projected columns (None: the
-    job's own, :func:`jagg.bench.projection.job_structure`); ``update``: measure each batch as its rollout's
+    job's own, :func:`jagg.bench.projection.config_structure`); ``update``: measure each batch as its rollout's
     ``update + 1``-th optimizer update, at the parameters :func:`moved_parameters` reaches with ``update`` batches
     drawn after the measured ones (0: on-policy, at the sampling parameters)."""
     check_sizes(batches, draws, target_batch)
@@ -309,9 +359,9 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
             ests[name] = budget_rates_of(cfg, name, ests[name], batches, pilots)
             print(f"{name}: correction_rates {ests[name].correction_rates} (budget_rates on {batches} batches of "
                   f"seed {cfg.seed + 1})")
-    sampler = ShapesSampler(cfg)
+    sampler = make_sampler(cfg)
     sizes = [p.numel() for p in sampler.params]
-    tensor_names = [n for n, p in sampler.model.named_parameters() if p.requires_grad]     # sampler.params' order
+    tensor_names = sampler.param_names                                                     # sampler.params' order
     grads = {name: [] for name in ests}        # name -> per batch [draws, P]
     costs = {name: [] for name in ests}        # name -> per draw (CPU seconds, rows, no-grad rows) per sample
     rollout_s, kept = [], []
@@ -323,13 +373,12 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
         costs[name] += c
 
     for _ in range(batches):
-        traj, tokens, adv, prompt_groups, seconds = training_batch(sampler, cfg)
+        batch, seconds = kept_batch(sampler, cfg)
         rollout_s.append(seconds)
-        kept.append(Batch(traj, tokens, adv, prompt_groups))
+        kept.append(batch)
     sampling_params = [p.detach().clone() for p in sampler.params]
     if update:                                     # off-policy: every batch measured where update `update` starts
-        _load(sampler, moved_parameters(sampler, cfg, [Batch(*training_batch(sampler, cfg)[:4])
-                                                       for _ in range(update)]))
+        _load(sampler, moved_parameters(sampler, cfg, [kept_batch(sampler, cfg)[0] for _ in range(update)]))
     if ests.get("subsample", 0) is None:           # subsample at the config's rows, fixed from the first batch
         first, base = kept[0], rate_of(cfg.estimator, AUTO_START_P)
         frac = min(1.0, expected_rows(first.traj, base, first.prompt_groups) / first.traj.train_steps.numel())
@@ -354,7 +403,7 @@ def measure(cfg: ShapesTrainConfig, specs: list[str], batches: int, draws: int, 
     _load(sampler, sampling_params)
     n_samples = statistics.fmean(b.traj.batch_size for b in kept)
     target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
-    cost = cost or job_structure(cfg.sample)
+    cost = cost or config_structure(cfg)
     nograd_exact = statistics.fmean(c[2] for c in costs["exact"])
     clip_exact = statistics.fmean(c[3] for c in costs["exact"])
     records = []
@@ -414,29 +463,30 @@ def by_interval_estimator(spec: str, base: EstimatorConfig) -> tuple[str, Estima
     return name, rate_of(est, 0.0)
 
 
-def by_interval(cfg: ShapesTrainConfig, spec: str, batches: int, draws: int) -> list[dict]:
+def by_interval(cfg: TrainConfig, spec: str, batches: int, draws: int) -> list[dict]:
     """``--by-interval SPEC``: :func:`interval_errors` of the JAGG estimator ``spec`` (:func:`by_interval_estimator`)."""
     return interval_errors(cfg, *by_interval_estimator(spec, cfg.estimator), batches, draws)
 
 
-def interval_errors(cfg: ShapesTrainConfig, name: str, est: EstimatorConfig, batches: int, draws: int) -> list[dict]:
+def interval_errors(cfg: TrainConfig, name: str, est: EstimatorConfig, batches: int, draws: int) -> list[dict]:
     """Where one estimator's error lives: for each interval of its layout (steps ``a..b``), the error of the gradient
     restricted to that interval's loss terms (``only_steps``) against the whole update's noise ``V_b``, and its
     repeating part, on the same batches as :func:`measure` (same seed)."""
     check_sizes(batches, draws)
     exact = est.exact()
-    sampler = ShapesSampler(cfg)
+    sampler = make_sampler(cfg)
     intervals, totals, parts = None, [], {}
     for b in range(batches):
-        traj, tokens, adv, prompt_groups, _ = training_batch(sampler, cfg)
-        vf = sampler.velocity(tokens)
+        batch = kept_batch(sampler, cfg)[0]
+        traj, adv, prompt_groups = batch.traj, batch.adv, batch.prompt_groups
+        vf = sampler.velocity(batch.tokens)
         intervals = intervals or layout_intervals(traj, est)[0]
 
         def grad(c, steps, seed):
             sampler.zero_grad()
             with torch.enable_grad():
-                policy_gradient(vf, traj, adv, c, prompt_groups=prompt_groups, only_steps=steps,
-                                generator=torch.Generator().manual_seed(seed))
+                policy_gradient(vf, traj, adv, c, ref_velocities=batch.ref_v, prompt_groups=prompt_groups,
+                                only_steps=steps, generator=torch.Generator().manual_seed(seed))
             return flat_grad(sampler.params).double()
 
         totals.append(grad(exact, None, 0))
@@ -484,7 +534,7 @@ TENSOR_COLUMNS = [("tensor", "tensor", ""), ("numel", "numel", ""), ("error_shar
 
 def _run(args: argparse.Namespace) -> int:
     sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
-    cfg = configuration.load(ShapesTrainConfig, args.config, sets)
+    cfg = load_config(args.config, sets)
     set_threads(cfg.threads)
     specs = args.estimator or ["config", "plain", "subsample"]
     batches = args.batches if args.batches is not None else (3 if args.quick else 6)
@@ -492,7 +542,8 @@ def _run(args: argparse.Namespace) -> int:
     names = [s.partition(":")[0] for s in ["exact", *specs]]
     if args.by_tensor is not None and args.by_tensor not in names:          # every argument is checked before the
         raise ValueError(f"--by-tensor {args.by_tensor!r}: not one of the estimators {names}")   # first batch
-    cost, cost_line = resolve(args.cost, job_structure(cfg.sample), args.gpu_bench_json)
+    check_kl(cfg)
+    cost, cost_line = resolve(args.cost, config_structure(cfg), args.gpu_bench_json)
     check_estimators(specs, cfg)
     if args.by_interval is not None:
         check_sizes(batches, draws, args.target_batch)
@@ -544,7 +595,8 @@ def add_parser(sub) -> None:
                        "and vs random timestep subsampling", description=__doc__.replace("``", ""),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=default_config_path(),
-                   help="trainer YAML [default: the main job, jagg/shapes/main_job.yaml]")
+                   help="trainer YAML; one with a pipeline: section measures that diffusers model (as jagg train "
+                        "loads it) [default: the main job, jagg/shapes/main_job.yaml]")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a trainer config key (repeatable), e.g. sample.eta=0.3")
     p.add_argument("--estimator", action="append", metavar="NAME[:KEY=VALUE,...]",

@@ -120,6 +120,20 @@ def job_structure(sample) -> CostStructure:
                          rollout_steps=sample.num_steps, train_steps=int(steps.numel()))
 
 
+def config_structure(cfg) -> CostStructure:
+    """The cost structure of a trainer config: a shapes job's (:func:`job_structure`), or a diffusers config's (a
+    ``pipeline:`` section): its sampling and trained steps, its guidance (both branches through training unless
+    ``pipeline.detach_uncond``) and the cost model's B/F of 2."""
+    p = getattr(cfg, "pipeline", None)
+    if p is None:
+        return job_structure(cfg.sample)
+    from ..trainers.sections import trained_steps
+
+    guided = 2 if p.cfg_scale > 1 else 1
+    return CostStructure("custom", B_F=2.0, cfg_rollout=guided, cfg_train=1 if p.detach_uncond else guided,
+                         rollout_steps=p.num_steps, train_steps=trained_steps(cfg.sample, p.num_steps))
+
+
 def parse_cost(spec: str, job: CostStructure) -> CostStructure:
     """``PRESET``, ``PRESET:KEY=VALUE,...`` or ``KEY=VALUE,...`` (keys of :data:`KEYS`; unset ones are ``job``'s, the
     job the numbers were measured on) -> its :class:`CostStructure`."""

@@ -2,7 +2,9 @@
 
 GRPO only improves a reward when the gradient of one update points, more than by chance, where the next one
 does. This benchmark measures that directly, with the trainer's own sampler
-(:class:`jagg.trainers.shapes.ShapesSampler` of the same config; no run directory) and the trainer's own gradient
+(:class:`jagg.trainers.shapes.ShapesSampler` of the same config, or for a config with a ``pipeline:`` section the
+diffusers trainer's :class:`jagg.trainers.diffusers.DiffusersSampler`: the user's model, LoRA, prompts and KL
+reference; no run directory) and the trainer's own gradient
 (:func:`jagg.policy_gradient`, no optimizer step), each reward's batch through the trainer's pipeline
 (:func:`jagg.trainers.base.rollout_batch`: advantages, zero-spread prompt groups dropped): it draws ``K`` independent
 batches, computes one gradient ``g_i``
@@ -42,13 +44,11 @@ import numpy as np
 import torch
 
 from ..audit import flat_grad, jackknife_se
-from ..estimator import policy_gradient
+from ..estimator import policy_gradient, reference_velocities
 from ..rewards.registry import get_reward
-from ..shapes import from_tensor
-from ..trainers.base import rollout_batch
-from ..trainers.shapes import ShapesSampler
-from ..trainers.shapes_config import ShapesTrainConfig
-from ..training import config_loader as configuration
+from ..trainers.base import rollout_batch, take
+from ..trainers.diffusers_config import DiffusersTrainConfig
+from .efficiency import TrainConfig, check_kl, load_config, make_sampler
 from ..checks import check_no_repeats, number_arg
 from .common import default_config_path, json_if_asked, table
 
@@ -92,7 +92,33 @@ def samples_for_half(c: float, se: float, n: float) -> tuple[float, bool]:
     return n * (1 - cc) / cc, bound
 
 
-def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prompts: bool = False,
+def reward_fns(cfg: TrainConfig, rewards: list[str]) -> dict:
+    """``{name: reward}`` of ``--rewards``: registry names or ``module:function``; a diffusers config's on its
+    pipeline's device and dtype, and its ``reward_server`` by the name ``reward_server``."""
+    if not isinstance(cfg, DiffusersTrainConfig):
+        return {name: get_reward(name) for name in rewards}
+    opts = {"device": cfg.pipeline.resolve_device(), "dtype": cfg.pipeline.dtype}
+    server = cfg.reward_server
+    return {name: get_reward(server if name == "reward_server" and server is not None else name, opts)
+            for name in rewards}
+
+
+def default_rewards(cfg: TrainConfig) -> list[str]:
+    """The config's reward: its ``reward.name``, the components of its ``reward.weights`` with a weight > 0, or
+    (a diffusers config with a ``reward_server``) ``reward_server``."""
+    if cfg.reward is None:
+        return ["reward_server"]
+    return [cfg.reward.name] if cfg.reward.name else [k for k, w in cfg.reward.weights.items() if w]
+
+
+def trainable_of(cfg: TrainConfig) -> str:
+    """What trains, as the records name it: ``model.trainable``, or a diffusers config's LoRA or all weights."""
+    if isinstance(cfg, DiffusersTrainConfig):
+        return "pipeline.lora" if cfg.pipeline.lora.enabled else "all"
+    return cfg.model.trainable
+
+
+def measure(cfg: TrainConfig, rewards: list[str], batches: int, fixed_prompts: bool = False,
             estimators: tuple[str, ...] = ("config",)) -> list[dict]:
     """Records per (reward, estimator): the agreement of ``batches`` independent gradient estimates (module
     docstring). ``estimators``: ``config`` (the config's estimator) and/or ``exact``; with both, one more record
@@ -106,9 +132,9 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
         raise ValueError("--rewards: give at least one reward")
     check_no_repeats(list(rewards), "--rewards")
     check_no_repeats(list(estimators), "--estimators")
-    fns = {name: get_reward(name) for name in rewards}
+    fns = reward_fns(cfg, rewards)
     ests = {"config": cfg.estimator, "exact": cfg.estimator.exact()}
-    sampler = ShapesSampler(cfg)
+    sampler = make_sampler(cfg)
     grads = {(name, e): [] for name in rewards for e in estimators}
     spread = {name: [] for name in rewards}
     stds = {name: [] for name in rewards}
@@ -118,7 +144,7 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
         if fixed_prompts:
             sampler.np_rng = np.random.default_rng(cfg.seed)
         rollout = sampler.sample()
-        images = from_tensor(rollout.traj.latents[:, -1])
+        images = sampler.decode(rollout)
         trained.append(len(rollout.prompts))
         for name, fn in fns.items():                        # the trainer's pipeline, once per reward
             batch = rollout_batch(lambda: rollout, lambda ro: fn(images, ro.prompts, None), cfg)
@@ -128,19 +154,23 @@ def measure(cfg: ShapesTrainConfig, rewards: list[str], batches: int, fixed_prom
             stds[name].append(float(by_prompt.std(1).mean()))
             means[name].append(float(r.mean()))
             idx = batch.keep_idx
+            cond, traj = take(rollout.conditioning, idx), rollout.traj.select(idx)
+            ref_v = None
+            if idx.numel() and cfg.estimator.kl_beta > 0:  # the KL reference, once per reward's kept samples
+                ref_v = reference_velocities(sampler.reference(cond), traj, cfg.estimator.micro_batch)
             for e in estimators:
                 sampler.zero_grad()
                 if idx.numel():                              # else nothing trains: a zero gradient
                     with torch.enable_grad():
-                        policy_gradient(sampler.velocity(rollout.conditioning[idx]), rollout.traj.select(idx),
-                                        batch.advantages[idx], ests[e], prompt_groups=batch.prompt_groups[idx],
+                        policy_gradient(sampler.velocity(cond), traj, batch.advantages[idx], ests[e],
+                                        ref_velocities=ref_v, prompt_groups=batch.prompt_groups[idx],
                                         generator=pick_generator(cfg.seed, b))
                 grads[(name, e)].append(flat_grad(sampler.params))
     n = statistics.fmean(trained)
     out = []
     for name in rewards:
         head = {"reward": name, "batches": batches, "samples_per_batch": n, "fixed_prompts": fixed_prompts,
-                "trainable": cfg.model.trainable, "reward_mean": statistics.fmean(means[name]),
+                "trainable": trainable_of(cfg), "reward_mean": statistics.fmean(means[name]),
                 "within_prompt_group_std": statistics.fmean(stds[name]),
                 "prompt_groups_with_spread": statistics.fmean(spread[name])}
         for e in estimators:
@@ -197,14 +227,15 @@ ESTIMATORS = ("config", "exact")
 
 def _run(args: argparse.Namespace) -> int:
     sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
-    cfg = configuration.load(ShapesTrainConfig, args.config, sets)
-    rewards = args.rewards or ([cfg.reward.name] if cfg.reward.name else [k for k, w in cfg.reward.weights.items() if w])
+    cfg = load_config(args.config, sets)
+    check_kl(cfg)
+    rewards = args.rewards or default_rewards(cfg)
     batches = args.batches if args.batches is not None else (3 if args.quick else 8)
     records = measure(cfg, rewards, batches, args.fixed_prompts, tuple(args.estimators))
     shown = [{**r, "need": "" if math.isnan(r["samples_for_cosine_0.5"]) else (">= " if r["lower_bound"] else "") + (
         "inf" if math.isinf(r["samples_for_cosine_0.5"]) else f"{r['samples_for_cosine_0.5']:.0f}")} for r in records]
     print(f"{batches} batches of {records[0]['samples_per_batch']:.0f} samples, gradients over "
-          f"{records[0]['params']} trainable parameters ({cfg.model.trainable!r})"
+          f"{records[0]['params']} trainable parameters ({trainable_of(cfg)!r})"
           f"{', the same prompts in every batch' if args.fixed_prompts else ''}")
     print(table(shown, COLUMNS))
     json_if_asked(args.json, records)
@@ -215,12 +246,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("signal", help="gradient agreement between independent batches: is there a signal to learn?",
                        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=default_config_path(),
-                   help="trainer YAML [default: the main job, jagg/shapes/main_job.yaml]")
+                   help="trainer YAML; one with a pipeline: section measures that diffusers model (as jagg train "
+                        "loads it) [default: the main job, jagg/shapes/main_job.yaml]")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a trainer config key (repeatable), e.g. model.trainable=all")
     p.add_argument("--rewards", nargs="+", metavar="REWARD",
-                   help="rewards to compare on the same trajectories: registry names or module:function "
-                        "[default: the config's reward.name, or the components of its reward.weights with a weight > 0]")
+                   help="rewards to compare on the same trajectories: registry names or module:function (a diffusers "
+                        "config's server: reward_server) [default: the config's reward.name, or the components of its "
+                        "reward.weights with a weight > 0, or its reward_server]")
     p.add_argument("--batches", type=number_arg(int, 3),
                    help="independent batches K (>= 3) [default: 8; 3 with --quick]")
     p.add_argument("--fixed-prompts", action="store_true", help="every batch uses the same prompts")

@@ -5,7 +5,8 @@ A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``c
 :class:`DiffusersTrainer` instead of the shapes trainer. The loop is :class:`jagg.trainers.base.GRPOTrainer`'s; this
 trainer fills its hooks and asks one object for everything model specific, the
 :class:`jagg.integrations.policy.Policy` (prompts, sampler, velocity callable, KL reference, decoding, adapter
-files). One iteration:
+files); the rollouts (model, trainable weights, prompts, reward, sampling) are :class:`DiffusersSampler`'s, which
+``jagg bench efficiency`` and ``jagg bench signal`` draw their batches with too. One iteration:
 
 1. pick ``prompts_per_iter`` prompts of ``sample.prompts_file`` and repeat each ``group_size`` times (the global
    batch of ``N`` trajectories); under torchrun / accelerate every rank takes its contiguous shard of it;
@@ -56,7 +57,7 @@ from ..training.checkpoint import prune_checkpoints, write_checkpoint
 from ..training.distributed import all_reduce_gradients, gather_objects, loss_scale, shard
 from ..training.metrics import plot_reward_curve, save_grid
 from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
-                   update_summary)
+                   draw_prompts_and_noise, update_summary)
 from .diffusers_config import DiffusersTrainConfig
 
 # config keys that may differ between a checkpoint and its resumption, besides the shapes trainer's
@@ -78,6 +79,95 @@ def sampling_pieces(local: slice, size: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(starts, starts[1:] + [local.stop])]
 
 
+class DiffusersSampler:
+    """The rollouts of a diffusers config: the trainer's and the benchmarks' (``jagg bench efficiency --config X.yaml``
+    with a ``pipeline:`` section), which never opens a run directory; the interface of
+    :class:`jagg.trainers.shapes.ShapesSampler`.
+
+    Builds, in this order: the reward (the server's or the local one, a preference model on the pipeline's device in
+    its dtype unless its spec says otherwise), the model of ``pipeline:`` with its trainable parameters
+    (:attr:`named_params`, :attr:`params`; LoRA initialised from ``seed``), the RNG of the prompts (:attr:`np_rng`)
+    and of the initial noise (:attr:`gen`). ``local``: this process's slice of the global batch (default: all of it,
+    one process). :meth:`sample` draws and samples a batch; the SDE noise of each sampling piece is seeded by (seed,
+    iteration, position), the iteration the trainer's, or the count of batches :meth:`sample` drew."""
+
+    def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None):
+        self.cfg = cfg
+        self.local = slice(0, cfg.sample.batch_size) if local is None else local
+        self.prompts = cfg.sample.prompt_lines                 # read (and checked) when the config was loaded
+        self.reward_fn = get_reward(cfg.reward_server if cfg.reward_server is not None else cfg.reward.spec,
+                                    {"device": cfg.pipeline.resolve_device(), "dtype": cfg.pipeline.dtype})
+        torch.manual_seed(cfg.seed)                            # the same LoRA initialisation on every rank
+        self.policy: Policy = load_model(cfg.pipeline)        # check_model_dir: clear errors for bad paths
+        self.device = self.policy.device
+        self.latent_shape, self.num_steps = self.policy.latent_shape, cfg.pipeline.num_steps
+        self.policy.require_prompts(self.prompts, cfg.sample.prompts_file)
+        self.named_params, self.params = self.policy.named_params, self.policy.params
+        if not self.params:
+            raise ValueError("the transformer has no trainable parameter (check pipeline.lora)")
+        self.param_names = list(self.named_params)             # the names of params, in its order
+        self.pieces = sampling_pieces(self.local, cfg.sample.micro_batch)
+        # shared by all ranks: prompt choice and the initial noise of the global batch
+        self.np_rng = np.random.default_rng(cfg.seed)
+        self.gen = torch.Generator().manual_seed(_seed(cfg.seed, 1))
+        self.last_images: np.ndarray | None = None             # the last scored rollout's decoded images
+        self.sampled = 0                                       # batches sample() drew
+
+    def draw(self, iteration: int = 0) -> Draw:
+        """The prompts, initial noise, trained steps and SDE mask of iteration ``iteration`` (it decides a sliding SDE
+        window: :func:`~jagg.trainers.base.draw_prompts_and_noise`)."""
+        return draw_prompts_and_noise(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
+                                      self.gen, iteration)
+
+    def rollout(self, draw: Draw, iteration: int) -> Rollout:
+        """This process's shard of ``draw``'s trajectories (the global batch's prompts, local trajectories), in pieces
+        whose SDE noise is seeded by (seed, ``iteration``, global position), not by rank; the conditioning is the
+        shard's prompts."""
+        c, p = self.cfg.sample, self.cfg.pipeline
+        prompts, noise = draw.prompts, draw.noise
+        sigmas = self.policy.sigmas()
+        parts = []
+        for piece in self.pieces:
+            gen = torch.Generator(device=self.device).manual_seed(_seed(self.cfg.seed, 2, iteration, piece.start))
+            parts.append(sample_trajectories(self.policy.velocity(prompts[piece]), noise[piece].to(self.device),
+                                             sigmas, p.eta, draw.train_steps, draw.sde_mask, generator=gen,
+                                             micro_batch=c.micro_batch, check_finite=False, sde_type=c.sde_type))
+        traj = parts[0]
+        if len(parts) > 1:
+            batched = ("latents", "log_probs", "velocities")
+            traj = dataclasses.replace(parts[0], **{f: torch.cat([getattr(t, f) for t in parts]) for f in batched})
+        return Rollout(prompts, self.local, traj, prompts[self.local])
+
+    def sample(self, iteration: int = 0) -> Rollout:
+        """A batch drawn at iteration ``iteration`` (:meth:`draw`) and sampled with the SDE noise of the count of
+        batches drawn so far (each call's own)."""
+        rollout = self.rollout(self.draw(iteration), self.sampled)
+        self.sampled += 1
+        return rollout
+
+    def decode(self, rollout: Rollout) -> np.ndarray:
+        """The rollout's final images (a video family's: videos), decoded by the VAE."""
+        return self.policy.decode(rollout.traj.latents[:, -1])
+
+    def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
+        """The reward of the rollout's decoded final images (kept in :attr:`last_images`): ``(scores [n], info)``."""
+        self.last_images = self.decode(rollout)
+        return self.reward_fn(self.last_images, rollout.conditioning, None)
+
+    def velocity(self, prompts):
+        """The velocity callable of the samples whose prompts are given."""
+        return self.policy.velocity(prompts)
+
+    def reference(self, prompts):
+        """The KL reference's velocity callable of those samples (the adapters off, or the frozen copy)."""
+        return self.policy.reference(self.policy.velocity(prompts))
+
+    def zero_grad(self) -> None:
+        """Clear the trainable parameters' ``.grad``."""
+        for p in self.params:
+            p.grad = None
+
+
 class DiffusersTrainer(GRPOTrainer):
     """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX/Qwen-Image model (:class:`~jagg.trainers.base.GRPOTrainer`:
     the run directory, ``resume``, ``overwrite``, ``require_checkpoint`` and the loop). Launch with torchrun /
@@ -89,30 +179,19 @@ class DiffusersTrainer(GRPOTrainer):
     def setup(self) -> None:
         cfg = self.cfg
         self.progress_label = f"GRPO {cfg.pipeline.family}"
-        self.local = shard(cfg.sample.batch_size)              # this rank's slice; the batch must split evenly
-        self.prompts = cfg.sample.prompt_lines                 # read (and checked) when the config was loaded
-        # the checked reward callable (images, prompts, metadata) -> (scores [N], info): the server's or the local one,
-        # a preference model on this process's device in the pipeline's dtype unless its spec says otherwise
-        self.reward_fn = get_reward(cfg.reward_server if cfg.reward_server is not None else cfg.reward.spec,
-                                    {"device": cfg.pipeline.resolve_device(), "dtype": cfg.pipeline.dtype})
-        torch.manual_seed(cfg.seed)                            # the same LoRA initialisation on every rank
-        self.policy: Policy = load_model(cfg.pipeline)        # check_model_dir: clear errors for bad paths
-        self.device = self.policy.device
-        self.latent_shape, self.num_steps = self.policy.latent_shape, cfg.pipeline.num_steps
-        self.policy.require_prompts(self.prompts, cfg.sample.prompts_file)
-        self.named_params, self.params = self.policy.named_params, self.policy.params
-        if not self.params:
-            raise ValueError("the transformer has no trainable parameter (check pipeline.lora)")
-        self.pieces = sampling_pieces(self.local, cfg.sample.micro_batch)
+        # this rank's slice (the batch must split evenly); the model, prompts, reward and rollout RNGs: the sampler's
+        self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size))
+        self.local, self.prompts, self.reward_fn, self.policy, self.device = (s.local, s.prompts, s.reward_fn,
+                                                                              s.policy, s.device)
+        self.latent_shape, self.num_steps, self.named_params, self.params = (s.latent_shape, s.num_steps,
+                                                                             s.named_params, s.params)
+        self.pieces, self.np_rng, self.gen = s.pieces, s.np_rng, s.gen
         if self.world > 1:                                     # replicas start identical
             for p in self.params:
                 dist.broadcast(p.data, 0)
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-        # shared by all ranks: prompt choice and the initial noise of the global batch; per sampling piece: the SDE
-        # noise (seeded by iteration and position, see rollout); per rank: the minibatch order
-        self.np_rng = np.random.default_rng(cfg.seed)
-        self.gen = torch.Generator().manual_seed(_seed(cfg.seed, 1))
+        # per rank: the minibatch order and unbiased JAGG's picks (the sampler's: prompts, noise, SDE noise)
         self.perm_gen = torch.Generator().manual_seed(_seed(cfg.seed, 3, self.rank))
         self.pick_gen = torch.Generator().manual_seed(_seed(cfg.seed, 4, self.rank))   # unbiased JAGG's picks
         self._images, self._prompts = None, None
@@ -204,33 +283,20 @@ class DiffusersTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ one iteration
     def rollout(self, draw: Draw) -> Rollout:
-        """Sample this rank's shard of the global batch (the global batch's prompts, local trajectories)."""
-        c, p = self.cfg.sample, self.cfg.pipeline
-        prompts, noise, train_steps, sde_mask = draw.prompts, draw.noise, draw.train_steps, draw.sde_mask
-        sigmas = self.policy.sigmas()
-        parts = []
-        for piece in self.pieces:                # SDE noise by (seed, iteration, global position), not by rank
-            gen = torch.Generator(device=self.device).manual_seed(_seed(self.cfg.seed, 2, self.iteration, piece.start))
-            parts.append(sample_trajectories(self.policy.velocity(prompts[piece]), noise[piece].to(self.device),
-                                             sigmas, p.eta, train_steps, sde_mask, generator=gen,
-                                             micro_batch=c.micro_batch, check_finite=False, sde_type=c.sde_type))
-        traj = parts[0]
-        if len(parts) > 1:
-            batched = ("latents", "log_probs", "velocities")
-            traj = dataclasses.replace(parts[0], **{f: torch.cat([getattr(t, f) for t in parts]) for f in batched})
-        return Rollout(prompts, self.local, traj, prompts[self.local])
+        """Sample this rank's shard of the global batch (:meth:`DiffusersSampler.rollout`, SDE noise of this
+        iteration)."""
+        return self.sampler.rollout(draw, self.iteration)
 
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
-        images = self.policy.decode(rollout.traj.latents[:, -1])
-        scores, info = self.reward_fn(images, rollout.conditioning, None)
-        self._images, self._prompts = images, rollout.conditioning          # the samples saved at a checkpoint
+        scores, info = self.sampler.score(rollout)
+        self._images, self._prompts = self.sampler.last_images, rollout.conditioning   # the samples saved at a checkpoint
         return scores, info
 
     def velocity(self, prompts):
-        return self.policy.velocity(prompts)
+        return self.sampler.velocity(prompts)
 
     def reference(self, prompts):
-        return self.policy.reference(self.policy.velocity(prompts))
+        return self.sampler.reference(prompts)
 
     def minibatches(self, n: int) -> list[torch.Tensor]:
         perm = torch.randperm(n, generator=self.perm_gen)

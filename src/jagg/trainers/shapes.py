@@ -65,6 +65,7 @@ class ShapesSampler:
         m = self.model.config
         self.latent_shape, self.num_steps = (m.channels, m.image_size, m.image_size), cfg.sample.num_steps
         self.params = mark_trainable(self.model, cfg.model.trainable)
+        self.param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]   # params' names, in order
         self.reward_fn = get_reward(cfg.reward.spec)
         self.prompts = cfg.sample.prompts()
         self.gen = torch.Generator().manual_seed(cfg.seed)
@@ -89,9 +90,13 @@ class ShapesSampler:
         """The batch of iteration ``iteration``, drawn and sampled (:meth:`draw`, :meth:`rollout`)."""
         return self.rollout(self.draw(iteration))
 
+    def decode(self, rollout: Rollout) -> np.ndarray:
+        """The rollout's final images, uint8 ``[B, H, W, 3]``."""
+        return from_tensor(rollout.traj.latents[:, -1])
+
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         """The reward of the rollout's final images: ``(scores [B], info)``."""
-        return self.reward_fn(from_tensor(rollout.traj.latents[:, -1]), rollout.prompts, None)
+        return self.reward_fn(self.decode(rollout), rollout.prompts, None)
 
     def velocity(self, tokens) -> GuidedVelocity:
         """The guided velocity callable of the samples whose prompt tokens ``[n, L]`` are given."""

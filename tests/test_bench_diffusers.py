@@ -1,0 +1,100 @@
+"""``jagg bench efficiency --config <yaml with pipeline:>``: the meter on the user's own diffusers model (a tiny random
+SD3 saved to disk, LoRA, the KL term, a local reward), with the sampler the diffusers trainer trains with."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+from test_real_train import sd3_dir, write_sd3_config  # noqa: E402,F401  (the fixture: a tiny SD3 directory)
+
+from jagg.cli import main  # noqa: E402
+from jagg.trainers import diffusers as real_train  # noqa: E402
+from jagg.trainers.diffusers_config import load_config  # noqa: E402
+
+
+def _bench(tmp_path, sd3_dir, *extra: str) -> tuple[list[dict], str]:
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    out = tmp_path / "eff.json"
+    assert main(["bench", "efficiency", "--config", str(cfg), "--batches", "3", "--draws", "1", "--estimator", "plain",
+                 "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text()), str(cfg)
+
+
+@pytest.mark.parametrize("update", [0, 1])
+def test_efficiency_on_a_diffusers_config(tmp_path, sd3_dir, capsys, update):
+    """On-policy and as a rollout's second update: a table, finite errors against the noise, exact's rows the trained
+    steps (4 of pipeline.num_steps=4), plain JAGG's fewer; the run directory is never opened."""
+    cost = ["--cost", "B_F=1"] if update else []                 # the config's own structure, B/F changed
+    records, _ = _bench(tmp_path, sd3_dir, "--update", str(update), *cost)
+    text = capsys.readouterr().out
+    assert "E|e|^2/V_b" in text and "projected, not measured" in text
+    assert ("off-policy: update 1" in text) == bool(update)
+    by = {r["estimator"]: r for r in records}
+    assert set(by) == {"exact", "plain"}
+    assert by["exact"]["rows_per_sample"] == 4 and by["exact"]["error_to_noise"] == 0
+    assert 0 < by["plain"]["rows_per_sample"] < 4
+    assert math.isfinite(by["plain"]["error_to_noise"]) and by["plain"]["error_to_noise"] > 0
+    assert by["plain"]["noise"] > 0 and by["plain"]["update"] == update
+    assert all(t["tensor"].find("lora_") >= 0 for t in by["plain"]["tensors"])       # the LoRA weights, by name
+    # the projected columns: a named preset by default; KEY=VALUE on top of the config's own structure (pipeline.
+    # num_steps=4, all 4 trained, cfg_scale 4.5 with both branches through training)
+    line = by["plain"]["cost_structure"]
+    assert (line.startswith("custom: B/F 1, CFG branches 2 per forward (2 with grad in training), 4 rollout steps, "
+                            "4 trained") if update else line.startswith("flow_grpo_sd35"))
+    assert not (tmp_path / "default_run").exists()
+
+
+def test_sampler_draws_as_the_trainer_does(tmp_path, sd3_dir):
+    """The bench's sampler is the trainer's: the same trainable weights (LoRA seeded by ``seed``) and, for iteration
+    0, the same prompts, noise and trajectories as the trainer's first rollout."""
+    cfg = load_config(write_sd3_config(tmp_path, sd3_dir), [f"log.output_dir={tmp_path / 'run'}"])
+    sampler = real_train.DiffusersSampler(cfg)
+    first = sampler.sample()
+    trainer = real_train.DiffusersTrainer(cfg)
+    assert sampler.param_names == list(trainer.named_params)
+    assert all(torch.equal(a, b) for a, b in zip(sampler.params, trainer.params))
+    ro = trainer.rollout(trainer.draw_batch())
+    assert ro.prompts == first.prompts and torch.equal(ro.traj.latents, first.traj.latents)
+    second = sampler.sample()                                   # the next batch: other SDE noise
+    assert not torch.equal(second.traj.latents, first.traj.latents)
+
+
+def test_shapes_kl_refused_before_loading(capsys):
+    """The shapes world's sampler carries no KL reference: refused with the key, before anything runs."""
+    assert main(["bench", "efficiency", "--set", "estimator.kl_beta=0.1", "--batches", "3"]) != 0
+    assert "estimator.kl_beta" in capsys.readouterr().err
+
+
+def test_signal_on_a_diffusers_config(tmp_path, sd3_dir, capsys):
+    """``jagg bench signal`` on the same config: the agreement of independent LoRA gradients, JAGG's and exact's and
+    their errors', with the config's reward (and the KL term), printed and written."""
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    out = tmp_path / "signal.json"
+    assert main(["bench", "signal", "--config", str(cfg), "--batches", "3", "--estimators", "config", "exact",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "cos(g_i, g_j)" in text and "'pipeline.lora'" in text
+    records = json.loads(out.read_text())
+    assert [r["estimator"] for r in records] == ["config", "exact", "config x exact", "error (config - exact)"]
+    assert all(r["reward"] == "jpeg_compressibility" and r["samples_per_batch"] == 4 for r in records)
+    assert all(math.isfinite(r["cosine"]) and math.isfinite(r["cosine_se"]) for r in records)
+    assert 0 < records[2]["same_batch_cosine"] <= 1 and records[0]["params"] == records[1]["params"] > 0
+    assert not (tmp_path / "default_run").exists()
+
+
+@pytest.mark.parametrize("extra, culprit", [(["--by-tensor", "nope"], "--by-tensor"),
+                                            (["--estimator", "w9:window=9"], "w9"),
+                                            (["--by-interval", "exact"], "--by-interval")])
+def test_arguments_are_checked_before_the_model_loads(tmp_path, capsys, extra, culprit):
+    """A diffusers config whose model directory does not exist: the bad argument is named, not the directory."""
+    cfg = write_sd3_config(tmp_path, tmp_path / "no_model_here")
+    assert main(["bench", "efficiency", "--config", str(cfg), *extra]) != 0
+    err = capsys.readouterr().err
+    assert culprit in err and "no_model_here" not in err
