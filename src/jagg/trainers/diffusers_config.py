@@ -19,8 +19,7 @@ from ..checks import Keys
 from ..integrations.config import PipelineConfig
 from ..rewards.client import RewardClient
 from ..training import config_loader as configuration
-from .sections import (LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_layout, sde_window_field,
-                       steps_source, trained_steps)
+from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_run, sde_window_field
 
 
 @dataclass
@@ -109,10 +108,8 @@ class DiffusersTrainConfig(TrainerSections):
         super().__post_init__()
         if self.optim.ema_decay > 0:
             raise ValueError("optim.ema_decay is not supported by the diffusers trainer; set it to 0")
-        self.sample.check_steps(self.pipeline.num_steps, self.pipeline.eta,
-                                Keys("sample.", eta="pipeline.eta", num_steps="pipeline.num_steps"))
-        n = self.pipeline.num_steps
-        check_layout(self.estimator, trained_steps(self.sample, n), steps_source(self.sample, "pipeline.num_steps", n))
+        check_run(self.sample, self.estimator, self.pipeline.num_steps, "pipeline.num_steps", self.pipeline.eta,
+                  Keys("sample.", eta="pipeline.eta", num_steps="pipeline.num_steps"))
         self.check_sizes()
         if self.estimator.kl_beta > 0 and not self.pipeline.lora.enabled and not self.pipeline.keep_reference:
             raise ValueError("estimator.kl_beta > 0 with full fine-tuning (pipeline.lora.enabled: false) needs a "
@@ -124,16 +121,15 @@ class DiffusersTrainConfig(TrainerSections):
         schedule without distinct sigmas, and a batch whose latents and images alone need more memory than this
         machine has (16 latent channels at 1/8 of ``pipeline.resolution``: :mod:`jagg.training.sizes`)."""
         from ..schedule import check_schedule
-        from ..training.sizes import check_memory, rollout_bytes
+        from ..training.sizes import check_rollout_memory
 
         p, s = self.pipeline, self.sample
         if p.shift is not None:
             check_schedule(p.num_steps, p.shift, "pipeline.shift", "pipeline.num_steps")
             check_schedule(p.eval_num_steps, p.shift, "pipeline.shift", "pipeline.eval_num_steps")
-        check_memory(rollout_bytes(s.batch_size, p.num_steps, 16 * (p.resolution // 8) ** 2, 3 * p.resolution ** 2),
-                     f"sample.prompts_per_iter={s.prompts_per_iter} x sample.group_size={s.group_size}: one "
-                     f"iteration's {s.batch_size} trajectories of pipeline.num_steps={p.num_steps} at "
-                     f"pipeline.resolution={p.resolution}", "lower sample.prompts_per_iter or sample.group_size")
+        check_rollout_memory(s.prompts_per_iter, s.group_size, p.num_steps, 16 * (p.resolution // 8) ** 2,
+                             3 * p.resolution ** 2, f"pipeline.num_steps={p.num_steps} at "
+                             f"pipeline.resolution={p.resolution}")
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> DiffusersTrainConfig:

@@ -104,6 +104,17 @@ def steps_source(sample, num_steps_key: str, num_steps: int) -> str:
     return ", ".join(parts)
 
 
+def check_run(sample, estimator: EstimatorConfig, num_steps: int, num_steps_key: str, eta: float | None = None,
+              keys: Keys = SAMPLE_KEYS) -> None:
+    """The checks of a run's steps that need more than one section, in one call: with ``eta``, the ``sample:``
+    section's SDE and trained steps among ``num_steps`` (:meth:`SampleBatch.check_steps`, ``keys`` naming the
+    settings); then the estimator's counts against the trained steps (:func:`check_layout`; ``num_steps_key`` names
+    where ``num_steps`` is set)."""
+    if eta is not None:
+        sample.check_steps(num_steps, eta, keys)
+    check_layout(estimator, trained_steps(sample, num_steps), steps_source(sample, num_steps_key, num_steps))
+
+
 def check_layout(e: EstimatorConfig, K: int, steps: str) -> None:
     """Raise, naming the key, when a count of the estimator is larger than what it counts in a run whose trajectories
     have ``K`` trained steps (``steps`` says where ``K`` comes from): ``estimator.window`` more than ``K`` (one interval

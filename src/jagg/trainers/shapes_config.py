@@ -15,8 +15,8 @@ from .. import shapes                      # noqa: F401  registers the 'geneval'
 from ..checks import check_eta, check_positive, is_finite_number
 from ..schedule import SHIFT_HINT, check_schedule
 from ..training import config_loader as configuration
-from .sections import (SAMPLE_KEYS, LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_layout,
-                       sde_window_field, steps_source, trained_steps)
+from .sections import (SAMPLE_KEYS, LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_run,
+                       sde_window_field)
 
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
 
@@ -177,7 +177,7 @@ class ShapesTrainConfig(TrainerSections):
     def __post_init__(self):
         super().__post_init__()
         s = self.sample
-        check_layout(self.estimator, trained_steps(s, s.num_steps), steps_source(s, "sample.num_steps", s.num_steps))
+        check_run(s, self.estimator, s.num_steps, "sample.num_steps")
         self.check_sizes()
 
     def check_sizes(self) -> None:
@@ -185,7 +185,7 @@ class ShapesTrainConfig(TrainerSections):
         evaluation schedule without distinct sigmas, more test prompts than the test split holds, and a batch or an
         evaluation whose arrays alone need more memory than this machine has (:mod:`jagg.training.sizes`)."""
         from ..shapes import test_prompts
-        from ..training.sizes import TINY_DIT_LATENT, check_memory, images_bytes, rollout_bytes
+        from ..training.sizes import TINY_DIT_LATENT, check_memory, check_rollout_memory, images_bytes
 
         s, e = self.sample, self.eval
         check_schedule(s.num_steps, s.shift, "sample.shift", "sample.num_steps")
@@ -194,10 +194,8 @@ class ShapesTrainConfig(TrainerSections):
         if e.num_prompts > available:
             raise ValueError(f"eval.num_prompts={e.num_prompts} is more than the {available} prompts of the test "
                              "split; lower it (0 = all of them)")
-        check_memory(rollout_bytes(s.batch_size, s.num_steps, TINY_DIT_LATENT, TINY_DIT_LATENT),
-                     f"sample.prompts_per_iter={s.prompts_per_iter} x sample.group_size={s.group_size}: one "
-                     f"iteration's {s.batch_size} trajectories of sample.num_steps={s.num_steps}",
-                     "lower sample.prompts_per_iter or sample.group_size")
+        check_rollout_memory(s.prompts_per_iter, s.group_size, s.num_steps, TINY_DIT_LATENT, TINY_DIT_LATENT,
+                             f"sample.num_steps={s.num_steps}")
         check_memory(images_bytes((e.num_prompts or available) * e.images_per_prompt),
                      f"eval.images_per_prompt={e.images_per_prompt}: an evaluation's "
                      f"{(e.num_prompts or available) * e.images_per_prompt} images", "lower eval.images_per_prompt")

@@ -47,6 +47,17 @@ def rollout_bytes(samples: int, num_steps: int, latent: int, pixels: int) -> flo
     return float(samples) * ((2 * num_steps + 1) * latent * FLOAT + pixels)
 
 
+def check_rollout_memory(prompts_per_iter: int, group_size: int, num_steps: int, latent: int, pixels: int,
+                         steps: str) -> None:
+    """Raise, naming ``sample.prompts_per_iter`` and ``sample.group_size``, when one iteration's rollout
+    (:func:`rollout_bytes`; ``steps`` says its steps, e.g. ``"sample.num_steps=10"``) needs more memory than this
+    machine has."""
+    batch = prompts_per_iter * group_size
+    check_memory(rollout_bytes(batch, num_steps, latent, pixels),
+                 f"sample.prompts_per_iter={prompts_per_iter} x sample.group_size={group_size}: one iteration's "
+                 f"{batch} trajectories of {steps}", "lower sample.prompts_per_iter or sample.group_size")
+
+
 def images_bytes(images: int, latent: int = TINY_DIT_LATENT, pixels: int = TINY_DIT_LATENT) -> float:
     """A lower bound of sampling ``images`` images at once: a float32 latent, its velocity and the uint8 image each."""
     return float(images) * (2 * latent * FLOAT + pixels)
