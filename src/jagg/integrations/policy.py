@@ -414,8 +414,7 @@ class Policy:
         """Cache the rows of ``emb`` under their prompt strings (e.g. a loaded prompt-embedding cache)."""
         if emb.prompts is None:
             raise ValueError("cached embeddings need their prompt strings (PromptEmbeddings.prompts)")
-        for i, p in enumerate(emb.prompts):
-            self._cache[p] = emb.row(i)
+        self._cache.update(zip(emb.prompts, emb.rows()))
 
     def embeddings(self, prompts: Sequence[str]) -> PromptEmbeddings:
         """``PromptEmbeddings`` of ``prompts`` (one row each): from the cache, the rest encoded with the pipeline's
@@ -427,7 +426,7 @@ class Policy:
                 raise KeyError(_not_cached(missing, ""))
             self.add_embeddings(encode_prompts(self.pipe, self.config.family, missing,
                                                self.config.max_sequence_length, batch_size=1))
-        return PromptEmbeddings.cat([self._cache[p] for p in prompts]).to(self.device, self._dtype)
+        return PromptEmbeddings.cat([self._cache[p] for p in prompts], self.device, self._dtype)
 
     def negative(self) -> PromptEmbeddings:
         """The negative prompt's embeddings (one row), computed once."""

@@ -187,10 +187,14 @@ class PromptEmbeddings:
                                                                    device=self.prompt_embeds.device)
         return torch.nn.functional.pad(mask, (0, length - n), value=False)
 
+    def rows(self) -> list["PromptEmbeddings"]:
+        """Every row alone and without its padding (:meth:`row`): the prompt-cache entries of these embeddings."""
+        return [self.row(i) for i in range(self.prompt_embeds.shape[0])]
+
     @staticmethod
-    def cat(parts: Sequence["PromptEmbeddings"]) -> "PromptEmbeddings":
-        """The rows of ``parts`` in order. Parts of different lengths are zero-padded to the longest, with a mask; the
-        result has no mask when every row is all tokens."""
+    def cat(parts: Sequence["PromptEmbeddings"], device=None, dtype: torch.dtype | None = None) -> "PromptEmbeddings":
+        """The rows of ``parts`` in order (on ``device`` in ``dtype`` when given: :meth:`to`). Parts of different
+        lengths are zero-padded to the longest, with a mask; the result has no mask when every row is all tokens."""
         if len({p.pooled is None for p in parts}) > 1:
             raise ValueError("cannot concatenate embeddings with and without pooled embeddings (mixed families?)")
         length = max(p.prompt_embeds.shape[1] for p in parts)
@@ -200,7 +204,8 @@ class PromptEmbeddings:
         mask = torch.cat([p.padded_mask(length) for p in parts]) if ragged else None
         pooled = None if parts[0].pooled is None else torch.cat([p.pooled for p in parts])
         prompts = None if any(p.prompts is None for p in parts) else [s for p in parts for s in p.prompts]
-        return PromptEmbeddings(embeds, pooled, prompts, mask)
+        out = PromptEmbeddings(embeds, pooled, prompts, mask)
+        return out if device is None and dtype is None else out.to(device, dtype)
 
     # -- the on-disk cache: {prompt -> embeddings} as .safetensors (prompts in the metadata) or .pt --------------
 
