@@ -430,8 +430,9 @@ class GRPO(ABC):
         stats = self.gradient(mb)
         if not stats:
             return {}
-        if self.cfg.estimator.mode == "jagg":
-            stats["correction_p"] = self.estimator.correction_p
+        estimator = self.estimator                            # one source: the config's, auto's rate resolved
+        if estimator.mode == "jagg":
+            stats["correction_p"] = estimator.correction_p
         grads = [p for p in self.params if p.grad is not None]
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
