@@ -10,7 +10,6 @@ exact, LoRA adapters that ``Flux2Pipeline.load_lora_weights`` reads, and a bit-i
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,8 @@ pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel  # noqa: E402
-from test_diffusers import assert_rel, grads  # noqa: E402
+from test_diffusers import assert_window_two_is_exact  # noqa: E402
+from test_real_train import records  # noqa: E402
 
 import jagg  # noqa: E402
 from jagg.cli import main  # noqa: E402
@@ -109,16 +109,7 @@ def test_on_policy_ratio_is_one_and_jagg_pairs_equal_exact():
     g = torch.Generator().manual_seed(0)
     traj = jagg.sample_trajectories(v, torch.randn(4, *LATENT, generator=g), jagg.flow_sigmas(6, shift=3.0), 0.7,
                                     generator=g)
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    out = []
-    for cfg in (jagg.EstimatorConfig(mode="exact", micro_batch=4),
-                jagg.EstimatorConfig(correction_p=0.0, mode="jagg", window=2, micro_batch=4)):
-        model.zero_grad(set_to_none=True)
-        stats = jagg.policy_gradient(v, traj, adv, cfg)
-        assert abs(stats.ratio_mean - 1.0) < 1e-5 and stats.approx_kl < 1e-10
-        out.append(grads(model))
-    assert out[0].norm() > 0
-    assert_rel(out[1], out[0])
+    assert_window_two_is_exact(model, v, traj)
     with pytest.raises(ValueError, match="guidance_embed"):
         velocity_adapter(model, cond, None, VelocityConfig())
 
@@ -152,10 +143,6 @@ log: {{checkpoint_every: 1, keep_last: 2, tensorboard: false, progress: false, s
 threads: 1
 """)
     return cfg
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
 
 
 def test_train_jagg_and_exact_adapter_and_bitwise_resume(tmp_path, flux2_dir, monkeypatch):

@@ -10,7 +10,6 @@ rewards score videos frame by frame; a ``module:function`` gets the videos. ``co
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,8 @@ pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel  # noqa: E402
-from test_diffusers import assert_rel, grads  # noqa: E402
+from test_diffusers import assert_window_two_is_exact  # noqa: E402
+from test_real_train import records  # noqa: E402
 
 import jagg  # noqa: E402
 from jagg.cli import main  # noqa: E402
@@ -114,16 +114,7 @@ def test_on_policy_ratio_is_one_and_jagg_pairs_equal_exact():
     traj = jagg.sample_trajectories(v, torch.randn(4, *LATENT, generator=g), jagg.flow_sigmas(6, shift=3.0), 0.7,
                                     generator=g)
     assert traj.latents.shape == (4, 7, *LATENT)
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    out = []
-    for cfg in (jagg.EstimatorConfig(mode="exact", micro_batch=4),
-                jagg.EstimatorConfig(correction_p=0.0, mode="jagg", window=2, micro_batch=4)):
-        model.zero_grad(set_to_none=True)
-        stats = jagg.policy_gradient(v, traj, adv, cfg)
-        assert abs(stats.ratio_mean - 1.0) < 1e-5 and stats.approx_kl < 1e-10 and stats.clip_frac == 0.0
-        out.append(grads(model))
-    assert out[0].norm() > 0
-    assert_rel(out[1], out[0])
+    assert_window_two_is_exact(model, v, traj)
 
 
 def test_lora_targets_and_adapter_loads_into_wan_pipeline(tmp_path):
@@ -289,10 +280,6 @@ log: {{output_dir: {tmp_path / "default_run"}, checkpoint_every: 1, keep_last: 2
 threads: 1
 """)
     return cfg
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
 
 
 @pytest.fixture
