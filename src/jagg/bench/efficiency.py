@@ -323,7 +323,7 @@ def moved_parameters(sampler: Sampler, cfg: TrainConfig, preceding: list[Batch])
     trainer's on the other minibatches of its rollout). The sampler's parameters are left as they were."""
     saved = [p.detach().clone() for p in sampler.params]
     o = cfg.optim
-    opt = torch.optim.AdamW(sampler.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    opt = o.optimizer(sampler.params)
     for batch in preceding:
         sampler.zero_grad()
         with torch.enable_grad():

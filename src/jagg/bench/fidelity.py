@@ -230,7 +230,7 @@ def off_policy_rollout(model: nn.Module, ro: KeptBatch, cfg: FidelityConfig) -> 
     first, second = perm.tensor_split(2)
     m = copy.deepcopy(model)
     o = t.optim
-    opt = torch.optim.AdamW(m.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    opt = o.optimizer(m.parameters())
     opt.zero_grad(set_to_none=True)
     mb = ro.select(first)
     policy_gradient(GuidedVelocity(m, mb.tokens, t.sample.guidance_scale), mb.traj, mb.adv, t.estimator,

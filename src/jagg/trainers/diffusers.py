@@ -190,7 +190,7 @@ class DiffusersTrainer(GRPOTrainer):
             for p in self.params:
                 dist.broadcast(p.data, 0)
         o = cfg.optim
-        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.opt = o.optimizer(self.params)
         # per rank: the minibatch order and unbiased JAGG's picks (the sampler's: prompts, noise, SDE noise)
         self.perm_gen = torch.Generator().manual_seed(_seed(cfg.seed, 3, self.rank))
         self.pick_gen = torch.Generator().manual_seed(_seed(cfg.seed, 4, self.rank))   # unbiased JAGG's picks

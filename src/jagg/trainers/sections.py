@@ -190,6 +190,12 @@ class OptimConfig:
             raise ValueError(f"optim.warmup_steps must be an integer >= 0 (optimizer updates; 0 = none); got "
                              f"{self.warmup_steps!r}")
 
+    def optimizer(self, params):
+        """The AdamW these settings describe, over ``params`` (the trainers', and the benchmarks' stand-ins for them)."""
+        import torch
+
+        return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), weight_decay=self.weight_decay)
+
 
 @dataclass
 class GRPOConfig:

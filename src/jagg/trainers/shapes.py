@@ -125,7 +125,7 @@ class ShapesGRPO(GRPO):
         self.model_config = self.model.config.to_dict()
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if cfg.estimator.kl_beta > 0 else None
         o = cfg.optim
-        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.opt = o.optimizer(self.params)
         self.ema = [p.detach().clone() for p in self.model.parameters()] if o.ema_decay > 0 else None
         # the estimator's random choices (the correction's picks, interval draws) draw from an RNG of their own, so
         # that runs of one seed with different estimators sample the same prompts and noise streams
