@@ -300,7 +300,7 @@ def _gradients(sampler: Sampler, batch: Batch, est: EstimatorConfig, seeds: list
                on_policy: bool = True) -> tuple[Tensor, list]:
     """``[len(seeds), P]`` gradients of ``est`` on ``batch`` (one per pick seed) and per draw ``(CPU seconds, rows
     with grad, no-grad rows)`` per sample and its clip fraction; ``on_policy``: whether the parameters are the batch's
-    sampling ones (:func:`moved_parameters`)."""
+    sampling ones (:func:`step_to_update`)."""
     vf = sampler.velocity(batch.tokens)
     out, costs = [], []
     for seed in seeds:
@@ -316,12 +316,11 @@ def _gradients(sampler: Sampler, batch: Batch, est: EstimatorConfig, seeds: list
     return torch.stack(out), costs
 
 
-def moved_parameters(sampler: Sampler, cfg: TrainConfig, preceding: list[Batch]) -> list[Tensor]:
-    """The trainable parameters after one AdamW step (``cfg.optim``, a fresh optimizer) on the exact gradient of each
-    batch of ``preceding`` in turn, clipped as the trainer clips it: where the ``len(preceding) + 1``-th optimizer
-    update of a rollout starts, the updates before it made on other samples of the same policy's rollouts (the
-    trainer's on the other minibatches of its rollout). The sampler's parameters are left as they were."""
-    saved = [p.detach().clone() for p in sampler.params]
+def step_to_update(sampler: Sampler, cfg: TrainConfig, preceding: list[Batch]) -> None:
+    """Move the sampler's trainable parameters by one AdamW step (``cfg.optim``, a fresh optimizer) on the exact
+    gradient of each batch of ``preceding`` in turn, clipped as the trainer clips it: to where the
+    ``len(preceding) + 1``-th optimizer update of a rollout starts, the updates before it made on other samples of the
+    same policy's rollouts (the trainer's on the other minibatches of its rollout). The caller restores them."""
     o = cfg.optim
     opt = o.optimizer(sampler.params)
     for batch in preceding:
@@ -332,9 +331,6 @@ def moved_parameters(sampler: Sampler, cfg: TrainConfig, preceding: list[Batch])
         if o.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(sampler.params, o.max_grad_norm)
         opt.step()
-    moved = [p.detach().clone() for p in sampler.params]
-    _load(sampler, saved)
-    return moved
 
 
 def _load(sampler: Sampler, values: list[Tensor]) -> None:
@@ -347,7 +343,7 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
             cost: CostStructure | None = None, update: int = 0) -> list[dict]:
     """One record per estimator (module docstring); ``cost``: the structure of the projected columns (None: the
     job's own, :func:`jagg.bench.projection.config_structure`); ``update``: measure each batch as its rollout's
-    ``update + 1``-th optimizer update, at the parameters :func:`moved_parameters` reaches with ``update`` batches
+    ``update + 1``-th optimizer update, at the parameters :func:`step_to_update` reaches with ``update`` batches
     drawn after the measured ones (0: on-policy, at the sampling parameters)."""
     check_sizes(batches, draws, target_batch)
     ests = parse_estimators(specs, cfg.estimator)
@@ -376,9 +372,9 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
         batch, seconds = kept_batch(sampler, cfg)
         rollout_s.append(seconds)
         kept.append(batch)
-    sampling_params = [p.detach().clone() for p in sampler.params]
+    sampling_params = [p.detach().clone() for p in sampler.params] if update else None
     if update:                                     # off-policy: every batch measured where update `update` starts
-        _load(sampler, moved_parameters(sampler, cfg, [kept_batch(sampler, cfg)[0] for _ in range(update)]))
+        step_to_update(sampler, cfg, [kept_batch(sampler, cfg)[0] for _ in range(update)])
     if ests.get("subsample", 0) is None:           # subsample at the config's rows, fixed from the first batch
         first, base = kept[0], rate_of(cfg.estimator, AUTO_START_P)
         frac = min(1.0, expected_rows(first.traj, base, first.prompt_groups) / first.traj.train_steps.numel())
@@ -400,7 +396,8 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
             ests[name] = rate_of(est, AUTO_START_P if math.isnan(p) else p)
             for b in range(batches):
                 run(b, name, ests[name], e_i)
-    _load(sampler, sampling_params)
+    if sampling_params is not None:
+        _load(sampler, sampling_params)
     n_samples = statistics.fmean(b.traj.batch_size for b in kept)
     target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
     cost = cost or config_structure(cfg)
