@@ -1,0 +1,114 @@
+"""Which mechanism sets JAGG's plateau gap: a noise floor or a biased fixed point (#32)?
+
+Reads the runs of one ``jagg bench quality`` output directory (``OUT/<variant>/seed<k>/result.json``) and compares
+variants in pairs, each against its own reference (the same seeds, paired), with the bench's own statistics
+(:func:`jagg.bench.quality_compare.compare`): the rising-phase rate, the plateau gap, the final held-out difference
+and the difference at an equal CPU budget, each with its 95% bootstrap interval over seeds. Then each pair's plateau
+gap minus the first pair's, bootstrapped with the same seed resamples (a paired contrast).
+
+The two mechanisms predict different contrasts against plain JAGG's gap at a constant learning rate:
+
+- **noise floor** (the stationary gap grows with the update's variance): the gap closes with a decaying learning
+  rate (decayed pair: contrast > 0) and with a batch enlarged to exact's total variance (enlarged pair: contrast > 0),
+  and the unbiased correction, which adds variance, does not close it (contrast <= 0);
+- **biased fixed point** (a repeating error ``b`` that does not vanish where exact's gradient does): the decay and the
+  larger batch leave the gap (contrasts ~ 0); the unbiased correction closes it (contrast > 0).
+
+Usage (the experiment of docs/RESULTS.md §9; the runs are trained by the commands there)::
+
+    python benchmarks/plateau_mechanism.py --out runs/q32_align --seeds 5 \
+        --pair plain:exact --pair plain_cos:exact_cos --pair plain_big:exact --pair unb:exact
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from jagg.bench.common import fmt, table, write_json
+from jagg.bench.quality_compare import compare, curves
+from jagg.bench.statistics import plateau_gap, resamples, interval
+
+BOOTSTRAP = 2000
+FIGURES = ("rate", "plateau_gap", "final_diff", "budget_diff")
+
+
+def load_runs(out: Path, variants: set[str], seeds: list[int]) -> dict[tuple[str, int], dict]:
+    """``{(variant, seed): result}`` of every finished run asked for; a missing one is an error naming it."""
+    runs, missing = {}, []
+    for v in sorted(variants):
+        for s in seeds:
+            path = out / v / f"seed{s}" / "result.json"
+            if path.is_file():
+                runs[(v, s)] = {**json.loads(path.read_text()), "variant": v, "seed": s}
+            else:
+                missing.append(str(path))
+    if missing:
+        raise SystemExit(f"unfinished runs (train them with jagg bench quality --train-only first): {missing}")
+    return runs
+
+
+def parse_pair(spec: str) -> tuple[str, str]:
+    variant, colon, reference = spec.partition(":")
+    if not colon or not variant or not reference or variant == reference:
+        raise SystemExit(f"--pair {spec!r}: give VARIANT:REFERENCE, two different variant names")
+    return variant, reference
+
+
+def pair_figures(runs: dict, variant: str, reference: str, seeds: list[int]) -> dict:
+    """The bench's comparison of ``variant`` against ``reference`` (relabelled as the bench's ``exact``)."""
+    rs = [{**runs[(reference, s)], "variant": "exact"} for s in seeds] + [runs[(variant, s)] for s in seeds]
+    rec = compare(rs, ["exact", variant], seeds, clock="cpu", target="test", bootstrap=BOOTSTRAP)[1]
+    final = {"final_diff": rec["diff_vs_exact"], "final_diff_lo": rec["diff_lo"], "final_diff_hi": rec["diff_hi"]}
+    return {"pair": f"{variant} - {reference}", **final,
+            **{k: rec.get(k) for k in rec if any(k.startswith(f) for f in FIGURES)}}
+
+
+def gaps(runs: dict, variant: str, reference: str, seeds: list[int], boots: np.ndarray) -> tuple[float, np.ndarray]:
+    """The plateau gap on every seed and on each bootstrap resample of the seeds (the same resamples for each pair)."""
+    n = min(len(runs[(v, s)]["train_curve"]) for v in (variant, reference) for s in seeds)
+    m = min(len(runs[(v, s)]["test_curve"]) for v in (variant, reference) for s in seeds)
+    ref, cur = (curves([runs[(v, s)] for s in seeds], n, m).test for v in (reference, variant))
+    return plateau_gap(ref, cur), np.array([plateau_gap(ref[idx], cur[idx]) for idx in boots])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the jagg bench quality output directory (--out) of the runs")
+    p.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1 [default: 5]")
+    p.add_argument("--pair", action="append", metavar="VARIANT:REFERENCE",
+                   help="a variant and its reference (repeatable); the first pair is the contrasts' baseline "
+                        "[default: plain:exact plain_cos:exact_cos plain_big:exact unb:exact]")
+    p.add_argument("--json", help="also write the records to this JSON file (must not exist)")
+    args = p.parse_args(argv)
+    if args.seeds < 2:
+        raise SystemExit("--seeds must be >= 2: the intervals are over seeds")
+    pairs = [parse_pair(s) for s in (args.pair or ["plain:exact", "plain_cos:exact_cos", "plain_big:exact",
+                                                    "unb:exact"])]
+    seeds = list(range(args.seeds))
+    runs = load_runs(Path(args.out), {v for pair in pairs for v in pair}, seeds)
+    boots = resamples(len(seeds), BOOTSTRAP)
+    base, base_boot = gaps(runs, *pairs[0], seeds, boots)
+    records = []
+    for variant, reference in pairs:
+        rec = pair_figures(runs, variant, reference, seeds)
+        gap, gap_boot = gaps(runs, variant, reference, seeds, boots)
+        lo, hi = interval(gap_boot - base_boot)
+        records.append({**rec, "gap_minus_baseline": gap - base, "gap_minus_baseline_lo": lo,
+                        "gap_minus_baseline_hi": hi})
+    show = lambda r, k: f"{fmt(r.get(k))} [{fmt(r.get(k + '_lo'))}, {fmt(r.get(k + '_hi'))}]"
+    rows = [{"pair": r["pair"], **{k: show(r, k) for k in FIGURES + ("gap_minus_baseline",)}} for r in records]
+    print(table(rows, [("pair", "pair", "s")] + [(k, k, "s") for k in FIGURES + ("gap_minus_baseline",)]))
+    if args.json:
+        if Path(args.json).exists():
+            raise SystemExit(f"--json {args.json} exists; give a new path")
+        write_json(args.json, records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
