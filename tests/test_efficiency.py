@@ -125,13 +125,12 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     shares = [p["error_share"] for p in parts]
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
     assert main(["bench", "efficiency", "--by-tensor", "nope", "--estimator", "plain"]) == 2     # before any batch
-    assert main(["bench", "efficiency", "--estimator", "auto:correction_p=auto"]) == 2           # retired (#32)
-    assert "estimator.correction_p: 'auto' was retired (#32" in capsys.readouterr().err
     assert "--by-tensor 'nope': not one of the estimators" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("spec, match", [("nope", "unknown name"), ("x:window", "not KEY=VALUE"),
-                                         ("x:window=0", "window"), (":window=3", "give a name")])
+                                         ("x:window=0", "window"), (":window=3", "give a name"),
+                                         ("a:correction_p=auto", "estimator.correction_p: 'auto' was retired")])
 def test_bench_efficiency_rejects_bad_estimators(spec, match):
     from jagg import EstimatorConfig
     from jagg.bench.efficiency import parse_estimator
