@@ -14,9 +14,9 @@ KNOTS = ("groups", "shared")
 ALPHAS = ("sigma", "index")
 NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac", "interval_frac")  # finite, first
 # correction_p's retired values (#32), with what to do instead; the config loader refuses them by key too
-RETIRED_CORRECTION_P = {"auto": "was retired (#32: the efficiency meter predicted it at 0.85-0.88 of the best fixed "
-                                "rate, docs/RESULTS.md §8.6); give a fixed rate in [0, 1] instead, e.g. 0 (plain "
-                                "JAGG) or 0.25, chosen with jagg bench efficiency"}
+RETIRED_CORRECTION_P = {"auto": "was retired (#32: the efficiency meter predicted it 12-15% below the best fixed rate "
+                                "in 2 of 3 regimes, docs/RESULTS.md §8.6); give a fixed rate in [0, 1] instead, e.g. "
+                                "0 (plain JAGG) or 0.25, chosen with jagg bench efficiency"}
 
 
 @dataclass
