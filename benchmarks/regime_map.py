@@ -1,8 +1,7 @@
 """Where JAGG pays: ``jagg bench efficiency`` over a grid of sampling regimes (docs/RESULTS.md, the regime map).
 
 Regimes: 10 steps (SDE and trained steps 0-7) and 20 steps (0-11), each SDE type at two noise levels. Estimators
-in each: plain JAGG (``correction_p`` 0) and unbiased JAGG (``correction_p`` 0.25) with groups of W = 3, 4 and 8,
-unbiased W = 4 at the rate ``correction_p: auto`` picks from the regime's batches (shown as ``auto4 (p ...)``), and
+in each: plain JAGG (``correction_p`` 0) and unbiased JAGG (``correction_p`` 0.25) with groups of W = 3, 4 and 8, and
 random timestep subsampling at the rows of unbiased W = 4. Every regime is one call of
 :func:`jagg.bench.efficiency.measure` on the main job's checkpoint and batch (8 prompts x 4), with ``--set`` on top.
 Records go to ``--json`` (appended per regime, so an interrupted map resumes) and a markdown table is printed.
@@ -10,8 +9,8 @@ Records go to ``--json`` (appended per regime, so an interrupted map resumes) an
     python benchmarks/regime_map.py --json runs/regime_map.json                  # the whole grid (see below)
     python benchmarks/regime_map.py --steps 20 --sde flow_grpo --json runs/rm.json    # a part of it
 
-The whole grid took ~40 min on one core before ``auto4`` joined it; with it, one 10-step regime took 16 CPU minutes
-on a loaded machine (2026-12-02), so plan on hours for the grid, or run a part.
+The whole grid took ~40 min on one core (an estimator of ``correction_p: auto``, since retired, made one 10-step
+regime take 16 CPU minutes on a loaded machine, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from jagg.training import config_loader as configuration
 WINDOWS = {10: [0, 8], 20: [0, 12]}
 NOISE = {"flow_grpo": (0.3, 1.0), "dance": (0.3, 0.7), "cps": (0.3, 0.7)}
 ESTIMATORS = [f"{kind}{w}:window={w},correction_p={p}" for w in (3, 4, 8) for kind, p in (("plain", 0), ("unb", 0.25))]
-ESTIMATORS.append("auto4:window=4,correction_p=auto")
 
 
 def regimes(steps: list[int], sdes: list[str]) -> list[dict]:
@@ -52,8 +50,7 @@ def markdown(records: list[dict]) -> str:
         if r["estimator"] == "exact":
             continue
         at = r["bias_to_noise"] * 1024 / r["samples_per_batch"]
-        name = r["estimator"] + (f" (p {r['correction_p']:.2f})" if "auto_plain_bias_z" in r else "")
-        rows.append(f"| {r['num_steps']} | {r['sde_type']} | {r['eta']} | {name} | {r['rows_per_sample']:.2f} "
+        rows.append(f"| {r['num_steps']} | {r['sde_type']} | {r['eta']} | {r['estimator']} | {r['rows_per_sample']:.2f} "
                     f"| {r['error_to_noise']:.3f} | {r['bias_to_noise']:.4f} ({r['bias_to_noise_se']:.4f}) | "
                     f"{r['efficiency']:.2f} | {r['time_efficiency']:.2f} | {at:.3f} |")
     return "\n".join([head, *rows])

@@ -77,12 +77,11 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "eff.json"
     sets = efficiency_sets(bench_ckpt)
     args = ["bench", "efficiency", "--batches", "3", "--draws", "2", "--estimator", "config", "--estimator", "plain",
-            "--estimator", "subsample", "--estimator", "w8:window=8,correction_p=0", "--estimator",
-            "auto:correction_p=auto", "--target-batch", "32", "--by-tensor", "plain", "--json", str(out)]
+            "--estimator", "subsample", "--estimator", "w8:window=8,correction_p=0", "--target-batch", "32", "--by-tensor", "plain", "--json", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
     records = json.loads(out.read_text())
     recs = {r["estimator"]: r for r in records if "kind" not in r}
-    assert list(recs) == ["exact", "config", "plain", "subsample", "w8", "auto"]
+    assert list(recs) == ["exact", "config", "plain", "subsample", "w8"]
     ex = recs["exact"]
     assert ex["rows_per_sample"] == 8 and ex["error_to_noise"] == 0 and ex["efficiency"] == 1
     assert ex["iter_ratio"] == 1 and ex["samples_per_batch"] == 8 and ex["target_batch"] == 32
@@ -120,13 +119,6 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
         assert r["cost_structure"].startswith(f"{DEFAULT}: B/F")
     assert recs["w8"]["projected_iter_ratio"] > recs["plain"]["projected_iter_ratio"] > 1
     assert "projected, not measured" in out_text and "flow_grpo_sd35: B/F 1" in out_text
-    # correction_p auto: the rate the meter's rule picks from plain JAGG on these batches, then measured at it
-    auto = recs["auto"]
-    assert auto["correction_p"] == 0 or 0.05 <= auto["correction_p"] <= 1
-    assert auto["estimator_config"]["correction_p"] == auto["correction_p"]
-    assert auto["auto_plain_error_to_noise"] == pytest.approx(recs["plain"]["error_to_noise"])
-    assert auto["rows_per_sample"] == pytest.approx(4 + 4 * auto["correction_p"], abs=1.5)
-    assert "correction_p auto ->" in out_text
     # --by-tensor: the tensors carrying most of plain JAGG's error
     parts = [r for r in records if r.get("kind") == "tensor"]
     assert parts and all(p["estimator"] == "plain" for p in parts) and "by parameter tensor" in out_text
@@ -137,7 +129,8 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
 
 
 @pytest.mark.parametrize("spec, match", [("nope", "unknown name"), ("x:window", "not KEY=VALUE"),
-                                         ("x:window=0", "window"), (":window=3", "give a name")])
+                                         ("x:window=0", "window"), (":window=3", "give a name"),
+                                         ("a:correction_p=auto", "estimator.correction_p: 'auto' was retired")])
 def test_bench_efficiency_rejects_bad_estimators(spec, match):
     from jagg import EstimatorConfig
     from jagg.bench.efficiency import parse_estimator

@@ -9,7 +9,6 @@ on a few samples and log ``audit/*``; ``jagg bench fidelity`` reports the same n
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import statistics
 import time
@@ -30,9 +29,9 @@ FLAG_BELOW = 0.8     # a step range whose same-batch cosine falls below this fla
 
 def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
     """A warning when a biased estimator (JAGG without the unbiased correction) has a step range whose cosine to
-    exact is below :data:`FLAG_BELOW`, else None. (With the correction on, ``correction_p > 0``, a rate of
-    ``correction_rates`` or ``'auto'``, the estimate is unbiased: a low same-batch cosine is then noise, which averages
-    out over updates.)"""
+    exact is below :data:`FLAG_BELOW`, else None. (With the correction on, ``correction_p > 0`` or a rate of
+    ``correction_rates``, the estimate is unbiased: a low same-batch cosine is then noise, which averages out over
+    updates.)"""
     if config.mode != "jagg" or config.corrects:
         return None
     low = {k[4:]: v for k, v in result.items() if k.startswith("cos_") and not math.isnan(v) and v < FLAG_BELOW}
@@ -373,11 +372,8 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
     exact = config.exact()
     try:
         out, part_grads = _range_gradients(velocity_fn, config, params, subs, ranges, names, on_policy)
-        full = (dataclasses.replace(config, correction_p=1.0, correction_rates=None) if config.mode == "jagg"
-                else config)
         rows = {key: sum(_rows(s.traj, cfg, s.prompt_groups, s.seed) for s in subs)
-                for key, cfg in (("exact", exact), ("est", config), ("full", full),
-                                 ("plain", full.plain()))}
+                for key, cfg in (("exact", exact), ("est", config))}
     finally:
         for p, g in zip(params, saved):
             p.grad = g
@@ -386,7 +382,6 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
     out["cos"] = cosine(gj, ge)
     out["rel_err"] = rel_err(gj, ge)
     out["rows_exact"], out["rows_estimator"] = rows["exact"], rows["est"]
-    out["rows_inner"] = rows["full"] - rows["plain"]
     out["rows"] = rows["exact"] + rows["est"]
     out["seconds"] = time.perf_counter() - t0
     return out, torch.stack(part_grads["exact"]), torch.stack(part_grads["est"])
@@ -422,75 +417,12 @@ def audit_gradient(
         ``{"cos": total cosine, "rel_err": ||g - g_exact|| / ||g_exact||, "cos_<range>": per range (``noisy``,
         ``middle``, ``clean`` for 3 parts, else ``range0`` ...), "rows_exact", "rows_estimator": rows with grad of
         one update of each on the audit's samples, "rows": rows the audit ran through the network with grad (the
-        two together), "rows_inner": the inner rows the unbiased correction would add at ``correction_p = 1`` (0
-        outside ``mode='jagg'``), "clip_frac_exact", "clip_frac_est": the fraction of (sample, step) terms whose
+        two together), "clip_frac_exact", "clip_frac_est": the fraction of (sample, step) terms whose
         ratio each clipped, "seconds": its wall-clock}``. A cosine is NaN where a gradient is zero (e.g. all
         advantages 0).
     """
     return audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities, prompt_groups, generator,
                        parts, on_policy=on_policy)[0]
-
-
-# ----------------------------------------------------------------------------- correction_p: auto
-
-AUTO_START_P = 0.25      # the rate of correction_p 'auto' before the meter has measured anything (the default rate)
-AUTO_P_MIN = 0.05        # the lowest rate 'auto' picks above 0: below it each pick's weight 1/p grows past 20
-AUTO_BIAS_Z = 2.0        # plain JAGG only while its repeating error stays below this many standard errors, ...
-AUTO_BIAS_BOUND = 1e-4   # ... its upper bound (2 SE above) below this fraction of the update's noise (a third of the
-                         # smallest repeating error that cost learning in docs/RESULTS.md §6.4), ...
-AUTO_MIN_AUDITS = 4      # ... after at least this many audits
-
-
-def optimal_correction_p(base_cost: float, inner_cost: float, error_energy: float, noise: float,
-                         p_min: float = AUTO_P_MIN) -> float:
-    """The rate at which unbiased JAGG learns most per unit of cost under SGD's variance model (docs/design.md §3.8):
-    ``p* = sqrt(c0 D / (c1 (V_b - D)))``, clipped to ``[p_min, 1]``; 1 where ``D >= V_b``.
-
-    With ``c0 = base_cost`` the cost of an update whose picks are empty (plain JAGG's rows, plus, for a time
-    efficiency, the rest of the iteration in the same units), ``c1 = inner_cost`` what the picks add at ``p = 1`` (the
-    inner rows of every unit), ``D = error_energy`` the units' error energy (``sum_u |exact_u - interpolated_u|^2``
-    of one update) and ``V_b = noise`` the update's noise, the efficiency ``1 / ((c0 + p c1) (1 + (1/p - 1) D / V_b))``
-    is highest at ``p*``. (Adam's model puts it lower; SGD's is the cautious choice: a rate too low costs more under
-    SGD's model than one too high costs under Adam's.) NaN when an input is not a finite number >= 0 or nothing can be
-    corrected (``c1 = 0``)."""
-    values = (base_cost, inner_cost, error_energy, noise)
-    if any(not math.isfinite(v) or v < 0 for v in values) or inner_cost == 0 or noise == 0:
-        return math.nan
-    if error_energy >= noise:
-        return 1.0
-    return min(1.0, max(p_min, math.sqrt(base_cost * error_energy / (inner_cost * (noise - error_energy)))))
-
-
-def corrected_efficiency(p: float, base_cost: float, inner_cost: float, exact_cost: float, error_energy: float,
-                         noise: float, plain_error: float) -> float:
-    """SGD's predicted efficiency against exact of JAGG corrected at rate ``p`` (costs and energies as
-    :func:`optimal_correction_p`; ``exact_cost`` in the same units): ``(c_exact / (c0 + p c1)) / (1 + E / V_b)`` with
-    ``E = (1/p - 1) D`` for ``p > 0`` and ``E = plain_error`` (plain JAGG's squared error, its bias included) at 0."""
-    error = (1.0 / p - 1.0) * error_energy if p > 0 else plain_error
-    return predicted_efficiency(exact_cost / (base_cost + p * inner_cost), error / noise if noise > 0 else math.nan)
-
-
-def choose_correction_p(base_cost: float, inner_cost: float, exact_cost: float, error_energy: float, noise: float,
-                        plain_error: float, bias_to_noise: float, bias_se: float) -> float:
-    """The rate ``correction_p: auto`` runs: :func:`optimal_correction_p`, or 0 (plain JAGG) where plain JAGG's
-    repeating error is measured and small, and plain JAGG is predicted at least as efficient (costs and energies as
-    :func:`optimal_correction_p`, the prediction :func:`corrected_efficiency`).
-
-    "Measured and small": ``bias_to_noise`` (plain JAGG's ``|b|^2 / V_b``) below :data:`AUTO_BIAS_Z` standard errors
-    ``bias_se`` and its upper bound ``bias_to_noise + 2 bias_se`` at most :data:`AUTO_BIAS_BOUND`; pass NaN while it is
-    not known. A repeating error below detection is not shown to be harmless, and no efficiency models one (docs/
-    design.md §3.8). NaN when the numbers do not decide (keep the rate in use); 0 when nothing can be corrected."""
-    if inner_cost == 0 and math.isfinite(inner_cost):
-        return 0.0                                            # nothing to correct: plain JAGG is the estimator
-    p = optimal_correction_p(base_cost, inner_cost, error_energy, noise)
-    if math.isnan(p):
-        return p
-    small = (math.isfinite(bias_to_noise) and math.isfinite(bias_se) and bias_to_noise < AUTO_BIAS_Z * bias_se
-             and bias_to_noise + 2 * bias_se <= AUTO_BIAS_BOUND)
-    args = (base_cost, inner_cost, exact_cost, error_energy, noise, plain_error)
-    if small and corrected_efficiency(0.0, *args) >= corrected_efficiency(p, *args):
-        return 0.0
-    return p
 
 
 # ----------------------------------------------------------------------------- the meter of a training run
@@ -519,11 +451,6 @@ class AuditMeter:
       :func:`adam_tensor_factor`, each tensor weighted by its noise (:func:`tensor_weights` without a signal: a few
       audited prompt groups do not measure one).
 
-    With ``correction_p: auto`` the audit passes plain JAGG's gradients and :meth:`update` gets ``rows_inner``; the
-    meter then also chooses the rate (:func:`choose_correction_p` on the training phase's rows, so that a run's rates
-    do not depend on its timings; the correction's error energy ``D = mean |e_j|^2 / G``) and predicts everything for
-    the estimator at that rate: ``E|e|^2 = (1/p - 1) D`` for ``p > 0``.
-
     Args:
         sizes: the number of coordinates of each parameter tensor, in the order of the gradients' ``P`` coordinates
             (None: one tensor).
@@ -540,7 +467,7 @@ class AuditMeter:
         self.err_sq: list[float] = []                         # per prompt group: |e_j|^2
         self.tensor_noise: list[list[float]] = []             # per audit: var_j(g_j,t) per tensor
         self.tensor_err_sq: list[list[float]] = []            # per prompt group: |e_j,t|^2 per tensor
-        self.rows = [0, 0, 0]                                  # exact, estimator, the correction's inner rows (auto)
+        self.rows = [0, 0]                                     # exact, estimator (an older state may hold a third)
         self.audits = 0
 
     STATE = ("sizes", "k", "keep", "seed", "sketches", "noise", "err_sq", "tensor_noise", "tensor_err_sq", "rows",
@@ -579,39 +506,25 @@ class AuditMeter:
         return [[float(x) for x in (part ** 2).sum(1)] for part in v.split(sizes, dim=1)]
 
     def update(self, exact: Tensor, estimate: Tensor, rows_exact: int, rows_estimator: int, prompt_groups_per_update: float,
-               train_share: float | None = None, rows_inner: int | None = None, current_p: float = 0.0) -> dict:
+               train_share: float | None = None) -> dict:
         """Add one audit (``exact``, ``estimate``: ``[m, P]`` per-prompt-group gradients) and return the running estimates:
         ``error_to_noise``, ``bias_to_noise`` (with ``bias_to_noise_se``, jackknife over audits, and ``bias_z``),
         ``rows_ratio`` (exact's rows over the estimator's), ``predicted_efficiency``, ``predicted_time_efficiency``
         (NaN when ``train_share`` is None), the same two for Adam (``predicted_adam_efficiency``,
         ``predicted_adam_time_efficiency``) and for Adam per tensor (``predicted_adam_tensor_efficiency``,
-        ``predicted_adam_tensor_time_efficiency``) and ``audits``.
-
-        ``correction_p: auto`` passes plain JAGG as ``estimate``, ``rows_inner`` (the inner rows the correction adds at
-        ``p = 1``) and ``current_p`` (the rate of the iteration ``train_share`` was measured in, for the time
-        prediction); then the result also holds the chosen ``correction_p`` (NaN: keep the current one),
-        ``plain_error_to_noise`` and ``correction_error_to_noise`` (``D / V_b``), and the other terms describe the
-        estimator at the chosen rate."""
+        ``predicted_adam_tensor_time_efficiency``) and ``audits``."""
         self.audits += 1
-        for i, rows in enumerate((rows_exact, rows_estimator, rows_inner or 0)):
-            self.rows[i] += rows
+        self.rows[0] += rows_exact
+        self.rows[1] += rows_estimator
         self._record(exact, estimate)
-        auto = rows_inner is not None
         out = {"audits": self.audits, **dict.fromkeys(self.KEYS, math.nan)}
-        if auto:
-            out.update(dict.fromkeys(("correction_p", "plain_error_to_noise", "correction_error_to_noise"), math.nan))
         if not self.noise:
             return out
         G = max(prompt_groups_per_update, 1.0)
         noise, err, mean_sq = self._noise_and_error(out, G)
         tensor_sq = np.mean(self.tensor_err_sq, 0)                                      # [T]: mean |e_j,t|^2
-        rows = rows_prev = self.rows[1]                     # rows_prev: of the iteration train_share was measured in
-        tensor_err = None
-        if auto:
-            err, rows, rows_prev, tensor_err = self._auto(out, G, noise, err, mean_sq, tensor_sq, current_p)
-        if tensor_err is None:
-            tensor_err = err * tensor_sq / mean_sq if mean_sq > 0 else np.zeros_like(tensor_sq)
-        self._predict(out, noise, err, rows, rows_prev, np.mean(self.tensor_noise, 0) / G, tensor_err, train_share,
+        tensor_err = err * tensor_sq / mean_sq if mean_sq > 0 else np.zeros_like(tensor_sq)
+        self._predict(out, noise, err, self.rows[1], np.mean(self.tensor_noise, 0) / G, tensor_err, train_share,
                       exact.shape[1])
         return out
 
@@ -648,23 +561,7 @@ class AuditMeter:
             out["bias_z"] = out["bias_to_noise"] / se if se > 0 else math.nan
         return noise, b0 + max(mean_sq - b0, 0.0) / G, mean_sq
 
-    def _auto(self, out: dict, G: float, noise: float, err: float, mean_sq: float, tensor_sq, current_p: float):
-        """``correction_p: auto``: the rate chosen from plain JAGG's measured error (into ``out``), and the error, rows
-        (now and in the measured iteration) and per-tensor error of the estimator at that rate (None: plain's)."""
-        D = mean_sq / G
-        r0, r1 = self.rows[1], self.rows[2]
-        known = self.audits >= AUTO_MIN_AUDITS              # rows, not seconds: a run's choices do not hang on timing
-        p = choose_correction_p(r0, r1, self.rows[0], D, noise, err, out["bias_to_noise"] if known else math.nan,
-                                out["bias_to_noise_se"] if known else math.nan)
-        out.update({"correction_p": p, "plain_error_to_noise": err / noise if noise > 0 else math.nan,
-                    "correction_error_to_noise": D / noise if noise > 0 else math.nan})
-        p = current_p if math.isnan(p) else p
-        tensor_err = None
-        if p > 0:                                          # the estimator the chosen rate runs: unbiased
-            err, tensor_err = (1 / p - 1) * D, (1 / p - 1) * tensor_sq / G
-        return err, r0 + p * r1, r0 + current_p * r1, tensor_err
-
-    def _predict(self, out: dict, noise: float, err: float, rows: float, rows_prev: float, tensor_noise, tensor_err,
+    def _predict(self, out: dict, noise: float, err: float, rows: float, tensor_noise, tensor_err,
                  train_share: float | None, coordinates: int) -> None:
         """The efficiency predictions into ``out`` (:meth:`update`)."""
         rows_exact = self.rows[0]
@@ -678,8 +575,8 @@ class AuditMeter:
         out["predicted_adam_efficiency"] = adam_efficiency(rho, out["error_to_noise"])
         out["predicted_adam_tensor_efficiency"] = rho * factor
         if train_share is not None:
-            time_ratio = ((1 - train_share) * rows_prev + train_share * rows_exact) / (
-                (1 - train_share) * rows_prev + train_share * rows)
+            time_ratio = ((1 - train_share) * rows + train_share * rows_exact) / (
+                (1 - train_share) * rows + train_share * rows)
             out["predicted_time_efficiency"] = predicted_efficiency(time_ratio, out["error_to_noise"])
             out["predicted_adam_time_efficiency"] = adam_efficiency(time_ratio, out["error_to_noise"])
             out["predicted_adam_tensor_time_efficiency"] = time_ratio * factor

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from .checks import as_vector, is_finite_number
-from .estimator_config import AUTO, AUTO_INTERMEDIATE, EstimatorConfig
+from .estimator_config import AUTO_INTERMEDIATE, EstimatorConfig
 from .knots import Bundle, Plan, plan_update
 from .sde import StepLoss, compute_dtype, step_loss
 from .trajectory import Trajectory, VelocityFn, checked_velocity, velocity_shape_error
@@ -154,10 +154,6 @@ def check_call(velocity_fn, traj, config, loss_scale: float = 1.0, generator=Non
     if not isinstance(config, EstimatorConfig):
         raise TypeError(f"config must be a jagg.EstimatorConfig (EstimatorConfig.from_dict(d) for a dict); "
                         f"got {type(config).__name__}")
-    if config.correction_p == AUTO:
-        raise ValueError(f"config.correction_p={AUTO!r} is chosen by the trainers' efficiency meter, update by "
-                         "update; a call of its own needs a rate: pass correction_p in [0, 1] (0.25: unbiased JAGG, "
-                         "0: plain JAGG), or train with jagg train / the trainers (estimator.audit_every > 0)")
     if not is_finite_number(loss_scale):
         raise ValueError(f"loss_scale must be a finite number; got {loss_scale!r}")
     if generator is not None and not isinstance(generator, torch.Generator):

@@ -13,7 +13,10 @@ INTERMEDIATE_CHOICES = (*INTERMEDIATES, AUTO_INTERMEDIATE := "auto")
 KNOTS = ("groups", "shared")
 ALPHAS = ("sigma", "index")
 NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac", "interval_frac")  # finite, first
-AUTO = "auto"                  # correction_p: the trainers choose the rate from their efficiency meter
+# correction_p's retired values (#32), with what to do instead; the config loader refuses them by key too
+RETIRED_CORRECTION_P = {"auto": "was retired (#32: the efficiency meter predicted it 12-15% below the best fixed rate "
+                                "in 2 of 3 regimes, docs/RESULTS.md §8.6); give a fixed rate in [0, 1] instead, e.g. "
+                                "0 (plain JAGG) or 0.25, chosen with jagg bench efficiency"}
 
 
 @dataclass
@@ -53,15 +56,13 @@ class EstimatorConfig:
                                        "bench efficiency --by-interval."})
     exact_last_intervals: int = field(default=0, metadata={"help": "Always run the last N intervals with inner steps "
                                       "(the cleanest) exact."})
-    correction_p: float | str = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a "
+    correction_p: float = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a "
                                       "JAGG unit (prompt group with prompt_groups, else sample, x interval) also runs "
                                       "its inner steps exactly and adds (exact - interpolated) / p, so the expected "
                                       "gradient is exact. Costs p x the inner rows and adds variance (1/p - 1)|e|^2. 0 = "
                                       "plain JAGG (the paper), biased where the Jacobian is not linear (what that did to "
-                                      "training: docs/RESULTS.md). 'auto' (trainers only, with audit_every > 0): the "
-                                      "rate the efficiency meter predicts most efficient, chosen after every audit "
-                                      "from plain JAGG's measured error, 0 only where its repeating error is measured "
-                                      "and small; 0.25 until the first audit (docs/design.md §3.8)."})
+                                      "training: docs/RESULTS.md). Choose it with jagg bench efficiency ('auto' was "
+                                      "retired: docs/RESULTS.md §8.6).", "retired": RETIRED_CORRECTION_P})
     correction_rates: list[float] | None = field(default=None, metadata={"help": "Per-interval correction "
                                                  "probabilities p_j in [0, 1], one per interval of the layout in order "
                                                  "(e.g. [0.4, 0.1] for two step groups), used instead of correction_p; "
@@ -89,7 +90,7 @@ class EstimatorConfig:
     audit_every: int = field(default=0, metadata={"help": "Trainers only: every N iterations, compute the exact "
                              "gradient of a few samples next to this estimator's and log their cosine, in total and per "
                              "third of the trained steps, both clip fractions, and the efficiency meter's running "
-                             "estimates (audit/* in metrics and TensorBoard; correction_p 'auto' reads them). The j-th "
+                             "estimates (audit/* in metrics and TensorBoard). The j-th "
                              "audit runs before update j mod U of its rollout (U = inner_epochs x updates_per_epoch), "
                              "so the off-policy updates are audited too. 0 = off."})
     audit_samples: int = field(default=4, metadata={"help": "Trainers only: samples (whole prompt groups, at least "
@@ -115,13 +116,11 @@ class EstimatorConfig:
         if not 0.0 < float(self.subsample_frac) <= 1.0:
             raise ValueError(f"subsample_frac must be in (0, 1] (the fraction of trained steps each sample trains in "
                              f"mode='subsample'); got {self.subsample_frac}")
-        if self.correction_p != AUTO and (first_non_finite({"correction_p": self.correction_p}) is not None
-                                          or not 0.0 <= self.correction_p <= 1.0):
-            raise ValueError(f"correction_p must be a finite number in [0, 1] (0 = plain JAGG) or {AUTO!r}; got "
+        if isinstance(self.correction_p, str) and self.correction_p in RETIRED_CORRECTION_P:
+            raise ValueError(f"correction_p {self.correction_p!r} {RETIRED_CORRECTION_P[self.correction_p]}")
+        if first_non_finite({"correction_p": self.correction_p}) is not None or not 0.0 <= self.correction_p <= 1.0:
+            raise ValueError(f"correction_p must be a finite number in [0, 1] (0 = plain JAGG); got "
                              f"{self.correction_p!r}")
-        if self.correction_p == AUTO and self.correction_rates is not None:
-            raise ValueError(f"correction_p={AUTO!r} chooses one rate for every interval: it needs "
-                             "correction_rates=None")
         if self.correction_rates is not None:
             self.correction_rates = check_probabilities(self.correction_rates, "correction_rates")
         if not 0.0 < float(self.interval_frac) <= 1.0:
@@ -148,16 +147,12 @@ class EstimatorConfig:
     @property
     def rates(self) -> list[float]:
         """The correction's probabilities: ``correction_rates``, or ``[correction_p]`` for every interval."""
-        if self.correction_p == AUTO:
-            raise ValueError(f"correction_p={AUTO!r} has no rate until a trainer's efficiency meter chooses one; "
-                             "give policy_gradient a rate in [0, 1]")
         return list(self.correction_rates) if self.correction_rates is not None else [float(self.correction_p)]
 
     @property
     def corrects(self) -> bool:
-        """Whether unbiased JAGG's correction runs: mode ``jagg`` with a rate > 0 (or ``'auto'``, which the trainers
-        resolve to a rate)."""
-        return self.mode == "jagg" and (self.correction_p == AUTO or any(r > 0 for r in self.rates))
+        """Whether unbiased JAGG's correction runs: mode ``jagg`` with a rate > 0."""
+        return self.mode == "jagg" and any(r > 0 for r in self.rates)
 
     @property
     def random(self) -> bool:

@@ -17,7 +17,6 @@ rewards stayed as they are and training shrank by exactly the cost model.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 
 from ..training import config_loader as configuration
@@ -35,15 +34,13 @@ KEYS = ("sample_s", "reward_s", "train_s", "iter_s")
 QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompt groups of the config's size, 2 iterations
 
 
-def routed_limit(cfg: ShapesTrainConfig, correction_p: float | None = None) -> float:
+def routed_limit(cfg: ShapesTrainConfig) -> float:
     """:func:`~jagg.bench.projection.estimator_limit` (``B = 2F``) of the config's estimator on its trained steps: knot
-    layout, window, routed fraction, exact first/last intervals, the correction and interval subsampling; the
-    correction rate ``correction_p`` replaces the config's (give the one a run of ``auto`` ended on); with
+    layout, window, routed fraction, exact first/last intervals, the correction and interval subsampling; with
     ``intermediate: auto`` all but the first of a rollout's updates run ``fresh``."""
-    est = cfg.estimator if correction_p is None else dataclasses.replace(cfg.estimator, correction_p=correction_p)
     steps = cfg.sample.sde_steps(cfg.sample.num_steps)[0]     # a sliding SDE window has the same size throughout
     updates = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
-    return estimator_limit(est, int(steps.numel()), off_policy_share=(updates - 1) / updates)
+    return estimator_limit(cfg.estimator, int(steps.numel()), off_policy_share=(updates - 1) / updates)
 
 
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:
@@ -73,7 +70,7 @@ def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations
     ex = med.get("exact")
     for v in variants:
         m = med[v]
-        lim = routed_limit(trainers[v].cfg, trainers[v].estimator.correction_p)
+        lim = routed_limit(trainers[v].cfg)
         rec = {"variant": v, "iterations": iterations, "limit": lim, **m,
                "backward_items": statistics.fmean(backward[v])}
         if ex is not None:

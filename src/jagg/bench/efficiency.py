@@ -44,10 +44,7 @@ Estimators: ``exact`` (the reference, always), ``config`` (the config's estimato
 ``correction_p=0``, the paper's JAGG), ``subsample`` (random timestep subsampling at the config's rows per sample,
 DanceGRPO's timestep_fraction: the baseline a user would pick instead), or ``NAME:KEY=VALUE,...`` (estimator keys on
 top of the config's, e.g. ``w8:window=8,correction_p=0.1``; every name once, a defined one not a built-in name).
-Standard errors are jackknife over batches. An estimator with ``correction_p: auto`` gets the rate the trainers' meter
-would choose from these batches (:func:`resolve_auto`, from plain JAGG's error, bias and rows: ``correction_p`` in its
-record) and is then measured at that rate on the same batches, after the others (its time is measured apart from
-theirs).
+Standard errors are jackknife over batches.
 """
 
 from __future__ import annotations
@@ -63,11 +60,10 @@ import torch
 import yaml
 from torch import Tensor
 
-from ..audit import (AUTO_START_P, adam_efficiency, choose_correction_p, clip_flag, error_noise_stats, extrapolate,
-                     flat_grad, predicted_efficiency)
+from ..audit import adam_efficiency, clip_flag, error_noise_stats, extrapolate, flat_grad, predicted_efficiency
 from ..checks import check_unique_names, number_arg, parse_spec
 from ..estimator import policy_gradient, reference_velocities
-from ..estimator_config import AUTO, EstimatorConfig
+from ..estimator_config import EstimatorConfig
 from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals, plan_update
 from ..trainers.base import rollout_batch, take
 from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
@@ -144,14 +140,6 @@ def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) ->
     n = draws if cfg.random else 1
     rows = [plan_update(traj, cfg, prompt_groups, generator=gen).rows for _ in range(n)]
     return statistics.fmean(rows) / traj.batch_size
-
-
-def rate_of(est: EstimatorConfig, rate: float | None = None) -> EstimatorConfig:
-    """``est`` with ``correction_p: auto`` replaced by ``rate``, and by :data:`jagg.audit.AUTO_START_P` outside
-    ``mode='jagg'`` (where no rate matters); unchanged otherwise (an ``auto`` left is resolved from the batches)."""
-    if est.correction_p != AUTO or (rate is None and est.mode == "jagg"):
-        return est
-    return dataclasses.replace(est, correction_p=AUTO_START_P if rate is None else rate)
 
 
 Sampler = ShapesSampler        # or jagg.trainers.diffusers.DiffusersSampler: the same interface
@@ -261,39 +249,13 @@ def budget_rates_of(cfg: TrainConfig, name: str, est: EstimatorConfig, batches: 
 
 @dataclass
 class Batch:
-    """One batch as :func:`training_batch` drew it, kept so that every estimator, the ones ``auto`` resolves last
-    included, runs on the same batches."""
+    """One batch as :func:`training_batch` drew it, kept so that every estimator runs on the same batches."""
 
     traj: Trajectory
     tokens: Tensor
     adv: Tensor
     prompt_groups: Tensor
     ref_v: Tensor | None = None       # the KL reference's velocities [B, T, *S] when estimator.kl_beta > 0
-
-
-def resolve_auto(plain: dict, rows: dict) -> dict:
-    """The rate ``correction_p: auto`` picks from these batches, as the trainers' meter does from its audits
-    (:func:`jagg.audit.choose_correction_p` on training-phase rows): ``plain`` is :func:`error_noise_stats` of the
-    estimator at ``correction_p=0``, ``rows`` its rows per sample (``plain``, at ``full`` correction, ``exact``). The
-    correction's error energy is plain JAGG's squared error (each batch is one update; its intervals' errors taken as
-    orthogonal)."""
-    p = choose_correction_p(rows["plain"], rows["full"] - rows["plain"], rows["exact"], plain["error_sq"],
-                            plain["noise"], plain["error_sq"], plain["bias_to_noise"], plain["bias_to_noise_se"])
-    return {"correction_p": p, "auto_plain_error_to_noise": plain["error_to_noise"],
-            "auto_plain_bias_z": bias_z(plain["bias_to_noise"], plain["bias_to_noise_se"])}
-
-
-def _auto_rate(sampler: Sampler, kept: list[Batch], est: EstimatorConfig, exact: Tensor, rows_exact: float,
-               on_policy: bool = True) -> dict:
-    """:func:`resolve_auto` for ``est`` (``correction_p: auto``) on the batches ``kept``: plain JAGG's gradients
-    against ``exact`` (``[n, P]``), and its rows per sample, plain and at full correction, planned on the first batch
-    against exact's ``rows_exact``."""
-    plain = est.plain()
-    first = kept[0]
-    rows = {"plain": expected_rows(first.traj, plain, first.prompt_groups), "exact": rows_exact,
-            "full": expected_rows(first.traj, dataclasses.replace(est, correction_p=1.0), first.prompt_groups)}
-    return resolve_auto(error_noise_stats(exact, [_gradients(sampler, batch, plain, [0], on_policy=on_policy)[0]
-                                                  for batch in kept]), rows)
 
 
 def _gradients(sampler: Sampler, batch: Batch, est: EstimatorConfig, seeds: list[int],
@@ -347,7 +309,6 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
     drawn after the measured ones (0: on-policy, at the sampling parameters)."""
     check_sizes(batches, draws, target_batch)
     ests = parse_estimators(specs, cfg.estimator)
-    ests = {name: est if est is None else rate_of(est) for name, est in ests.items()}     # None: subsample
     pilots: dict = {}
     for spec in specs:
         if wants_budget_rates(spec):
@@ -376,26 +337,16 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
     if update:                                     # off-policy: every batch measured where update `update` starts
         step_to_update(sampler, cfg, [kept_batch(sampler, cfg)[0] for _ in range(update)])
     if ests.get("subsample", 0) is None:           # subsample at the config's rows, fixed from the first batch
-        first, base = kept[0], rate_of(cfg.estimator, AUTO_START_P)
+        first, base = kept[0], cfg.estimator
         frac = min(1.0, expected_rows(first.traj, base, first.prompt_groups) / first.traj.train_steps.numel())
         ests["subsample"] = dataclasses.replace(base, mode="subsample", subsample_frac=frac, interval_frac=1.0)
-    auto = {name for name, est in ests.items() if est.correction_p == AUTO}
     for b in range(batches):                       # side by side: every estimator on a batch, then the next batch
         for e_i, (name, est) in enumerate(ests.items()):
-            if name not in auto:
-                run(b, name, est, e_i)
+            run(b, name, est, e_i)
     exact = torch.stack([g[0] for g in grads["exact"]])                      # [batches, P]
     t_roll = statistics.median(rollout_s)
     t_exact = statistics.median(c[0] for c in costs["exact"])
     r_exact = statistics.fmean(c[1] for c in costs["exact"])
-    resolved = {}
-    for e_i, (name, est) in enumerate(ests.items()):            # correction_p auto: from plain JAGG on these batches
-        if name in auto:
-            resolved[name] = _auto_rate(sampler, kept, est, exact, r_exact, on_policy=not update)
-            p = resolved[name]["correction_p"]
-            ests[name] = rate_of(est, AUTO_START_P if math.isnan(p) else p)
-            for b in range(batches):
-                run(b, name, ests[name], e_i)
     if sampling_params is not None:
         _load(sampler, sampling_params)
     n_samples = statistics.fmean(b.traj.batch_size for b in kept)
@@ -419,7 +370,7 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
                **efficiencies(r_exact / r, time_ratio, st["error_to_noise"], st["adam_tensor_factor"]),
                **projected_efficiencies(cost.iteration_ratio(r / r_exact, nograd / r_exact), st["error_to_noise"],
                                         st["adam_tensor_factor"]),
-               **resolved.get(name, {}), "estimator_config": est.to_dict(), "tensors": tensors}
+               "estimator_config": est.to_dict(), "tensors": tensors}
         at = extrapolate({**st, "tensors": tensors}, n_samples, target)
         rec.update({f"{k}_at_target": v for k, v in at.items()})
         at_eff = efficiencies(r_exact / r, time_ratio, at["error_to_noise"], at["adam_tensor_factor"])
@@ -452,12 +403,11 @@ def tensor_breakdown(record: dict, top: int = 10) -> list[dict]:
 
 
 def by_interval_estimator(spec: str, base: EstimatorConfig) -> tuple[str, EstimatorConfig]:
-    """``--by-interval``'s estimator (:func:`parse_estimator`), which must be a JAGG one; ``correction_p: auto`` is
-    broken down at 0, plain JAGG's error, the one the correction removes."""
+    """``--by-interval``'s estimator (:func:`parse_estimator`), which must be a JAGG one."""
     name, est = parse_estimator(spec, base, "--by-interval")
     if est is None or est.mode != "jagg":
         raise ValueError(f"--by-interval {spec!r}: give a JAGG estimator (config, plain or NAME:KEY=VALUE,...)")
-    return name, rate_of(est, 0.0)
+    return name, est
 
 
 def by_interval(cfg: TrainConfig, spec: str, batches: int, draws: int) -> list[dict]:
@@ -561,10 +511,6 @@ def _run(args: argparse.Namespace) -> int:
           f"noise), per tensor: Adam per parameter tensor (weighted by {r0['tensor_weighting']}), for an estimator "
           "whose repeating error is not significant (bias z < 2); all predict from this checkpoint's gradients, paired "
           "seeds measure (docs/design.md §3.8)")
-    for r in records:
-        if "auto_plain_bias_z" in r:
-            print(f"{r['estimator']}: correction_p auto -> {r['correction_p']:.3f} (plain JAGG: E|e|^2/V_b "
-                  f"{r['auto_plain_error_to_noise']:.4f}, bias z {r['auto_plain_bias_z']:.1f})")
     print(f"\nprojected, not measured: the per-update efficiency times the iteration ratio of {cost_line}")
     print(table(records, PROJECTED_COLUMNS))
     extra = []

@@ -239,8 +239,7 @@ def _meter(runs: list[dict]) -> dict:
     """The meter's final prediction (each run's last audit) as medians over the seeds: per update
     (``meter_efficiency`` under SGD's model, ``meter_adam_efficiency``, ``meter_adam_tensor_efficiency``: the
     predicted efficiencies over the rows ratio, to set beside the measured ones), per CPU second
-    (``meter_adam_time_efficiency``), ``meter_bias_z``, ``meter_audits``, and the last correction rate
-    (``correction_p``: the one ``auto`` chose). NaN without audits."""
+    (``meter_adam_time_efficiency``), ``meter_bias_z`` and ``meter_audits``. NaN without audits."""
     def med(values) -> float:
         values = [v for v in values if v is not None and math.isfinite(v)]
         return statistics.median(values) if values else math.nan
@@ -252,8 +251,7 @@ def _meter(runs: list[dict]) -> dict:
             "meter_adam_efficiency": per_update("predicted_adam_efficiency"),
             "meter_adam_tensor_efficiency": per_update("predicted_adam_tensor_efficiency"),
             "meter_adam_time_efficiency": med(m.get("predicted_adam_time_efficiency") for m in meters),
-            "meter_bias_z": med(m.get("bias_z") for m in meters), "meter_audits": med(m.get("audits") for m in meters),
-            "correction_p": med(r.get("correction_p") for r in runs)}
+            "meter_bias_z": med(m.get("bias_z") for m in meters), "meter_audits": med(m.get("audits") for m in meters)}
 
 
 def _projected(rec: dict, exact: dict, cost: CostStructure) -> dict:

@@ -75,7 +75,7 @@ METER_COLUMNS = [
     ("variant", "variant", ""), ("rate", "rate", ".2f"), ("efficiency_to_lower_final", "to lower final", ".2f"),
     ("efficiency_to_lower_final_lo", "lo", ".2f"), ("efficiency_to_lower_final_hi", "hi", ".2f"),
     ("meter_adam_efficiency", "meter: Adam", ".2f"), ("meter_adam_tensor_efficiency", "per tensor", ".2f"),
-    ("meter_efficiency", "SGD", ".2f"), ("meter_bias_z", "bias z", ".1f"), ("correction_p", "correction_p", ".3f"),
+    ("meter_efficiency", "SGD", ".2f"), ("meter_bias_z", "bias z", ".1f"),
     ("time_efficiency_to_lower_final", "per CPU s", ".2f"), ("meter_adam_time_efficiency", "meter: Adam", ".2f"),
     ("projected_iter_ratio", "projected: iter ratio", ".2f"), ("projected_rate", "rate", ".2f"),
     ("projected_time_efficiency", "to lower final", ".2f"), ("projected_time_efficiency_lo", "lo", ".2f"),

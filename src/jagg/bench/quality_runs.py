@@ -123,7 +123,6 @@ def summarize(records: list[dict], cfg: ShapesTrainConfig, variant: str, seed: i
         "nograd_per_update": sum(r.get("forward_nograd_items", 0) for r in train) / max(updates, 1),
         "meter": {k: audits[-1].get(k) for k in METER} if audits else None,
         "meter_curve": [[r.get(k) for k in METER_CURVE] for r in audits],                                  # along the run
-        "correction_p": train[-1].get("correction_p") if train else None,           # the last rate (auto: chosen)
         "train_curve": [[r["iteration"], r["wall_s"], r["reward_mean"], r.get("cpu_s")] for r in train],   # TRAIN_CURVE
         "test_curve": [[r["iteration"], r["wall_s"], r["reward_mean"]] for r in evals],                    # TEST_CURVE
     }

@@ -18,8 +18,6 @@ iteration's first update, and SIGINT/SIGTERM (finish the iteration, save, exit);
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import signal
 import time
 from abc import ABC, abstractmethod
@@ -34,9 +32,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..audit import AUTO_START_P, AuditMeter, audit_flag, audit_parts, clip_flag, meter_flag
+from ..audit import AuditMeter, audit_flag, audit_parts, clip_flag, meter_flag
 from ..estimator import reference_velocities
-from ..estimator_config import AUTO, EstimatorConfig
+from ..estimator_config import RETIRED_CORRECTION_P, EstimatorConfig
 from ..training.distributed import gather, init_process_group_from_env
 from ..training.config_loader import to_dict
 from ..training.metrics import MetricsLogger
@@ -56,6 +54,8 @@ ADDED_KEYS = {"optim.lr_schedule": "constant", "optim.warmup_steps": 0, "eval.de
 # runs it, so the key is dropped; any other value was an estimator that no longer exists
 RETIRED_KEYS = {"estimator.control_variate": 0.0, "estimator.correction": "interval",
                 "estimator.correction_intervals": 0, "estimator.score": "cosine"}
+# retired values of kept options, each with what to use instead: a checkpoint trained with one cannot be continued
+RETIRED_VALUES = {"estimator.correction_p": RETIRED_CORRECTION_P}
 
 
 class TrainingAborted(RuntimeError):
@@ -99,6 +99,10 @@ def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUM
             if a.pop(key) != off:
                 raise ValueError(f"cannot resume: the checkpoint was trained with {key}, an option since retired "
                                  "(docs/RESULTS.md keeps what it measured); start a new run in another directory")
+    for key, retired in RETIRED_VALUES.items():
+        if isinstance(a.get(key), str) and a[key] in retired:
+            raise ValueError(f"cannot resume: the checkpoint was trained with {key} {a[key]!r}, which "
+                             f"{retired[a[key]]}, and start a new run in another directory")
     changed = []
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key):
@@ -251,8 +255,6 @@ def update_summary(per_update: list[dict]) -> dict:
            for k in ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl", "grad_norm", "jagg_frac_routed")}
     rec.update({k: int(sum(s[k] for s in per_update))
                 for k in ("backward_items", "forward_grad_items", "forward_nograd_items", "skipped")})
-    if "correction_p" in per_update[0]:
-        rec["correction_p"] = float(np.mean([s["correction_p"] for s in per_update]))
     if "lr" in per_update[0]:                             # the learning rate in use (optim.lr_schedule)
         rec["lr"] = float(np.mean([s["lr"] for s in per_update]))
     return rec
@@ -286,20 +288,12 @@ class GRPO(ABC):
         self.empty_iteration = self._empty_warned = False    # whether the last iteration had nothing to learn from
         self.logger: MetricsLogger | None = None             # a GRPOTrainer's, on its main process
         self.meter: AuditMeter | None = None                 # the efficiency meter, from the first audit on
-        self.correction_p = AUTO_START_P if cfg.estimator.correction_p == AUTO else cfg.estimator.correction_p
         self.before_setup()
         self.setup()
 
     def before_setup(self) -> None:
         """Called by the constructor before :meth:`setup` (nothing here; a :class:`GRPOTrainer` opens its run
         directory)."""
-
-    @property
-    def estimator(self) -> EstimatorConfig:
-        """The estimator of the next update: ``estimator`` of the config, with ``correction_p: auto`` resolved to the
-        rate the meter chose last (:attr:`correction_p`; :data:`jagg.audit.AUTO_START_P` before the first audit)."""
-        e = self.cfg.estimator
-        return dataclasses.replace(e, correction_p=self.correction_p) if e.correction_p == AUTO else e
 
     # ------------------------------------------------------------------ what each trainer provides
 
@@ -409,17 +403,12 @@ class GRPO(ABC):
         return per_update, audit_s, audit_cpu
 
     def _audit_update(self, cond, traj, adv, ref_v, prompt_groups, u: int) -> tuple[float, float]:
-        """The audit before update ``u`` of the rollout (the main process audits its own samples; ``correction_p:
-        auto`` then broadcasts the main process's rate); returns its ``(seconds, CPU seconds)`` (0 off the main
-        process)."""
+        """The audit before update ``u`` of the rollout (the main process audits its own samples); returns its
+        ``(seconds, CPU seconds)`` (0 off the main process)."""
         out = (0.0, 0.0)
         if self.main and traj.batch_size:
             out = self.audit(lambda sub: self.velocity(take(cond, sub)), traj, adv, ref_v, prompt_groups, self.params,
                              update=u)
-        if self.world > 1 and self.cfg.estimator.correction_p == AUTO:
-            rate = torch.tensor([self.correction_p], dtype=torch.float64, device=self.device)
-            dist.broadcast(rate, 0)                             # every process corrects at the main process's rate
-            self.correction_p = float(rate)
         return out
 
     @torch.enable_grad()
@@ -430,9 +419,6 @@ class GRPO(ABC):
         stats = self.gradient(mb)
         if not stats:
             return {}
-        estimator = self.estimator                            # one source: the config's, auto's rate resolved
-        if estimator.mode == "jagg":
-            stats["correction_p"] = estimator.correction_p
         grads = [p for p in self.params if p.grad is not None]
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
@@ -494,10 +480,7 @@ class GRPO(ABC):
         runs before (0: on-policy; later ones off-policy, the parameters moved by the updates before it). Feeds the run's
         :class:`jagg.audit.AuditMeter` (:attr:`meter`: error against noise, bias, predicted efficiency), logs an
         ``audit`` record (with a logger: on the main process of a :class:`GRPOTrainer`), prints each warning once per
-        run, and returns its ``(seconds, CPU seconds)`` so that the caller can leave them out of the iteration's time.
-        With ``correction_p: auto`` it audits plain JAGG (the estimator before its correction), the meter chooses the
-        rate (:func:`jagg.audit.choose_correction_p`) and :attr:`correction_p` takes it (a NaN choice keeps the rate
-        in use); no warning is printed then, as the rate answers a repeating error."""
+        run, and returns its ``(seconds, CPU seconds)`` so that the caller can leave them out of the iteration's time."""
         c = self.cfg
         c0 = time.process_time()
         gen = torch.Generator().manual_seed(c.seed * 1_000_003 + self.iteration)
@@ -510,9 +493,7 @@ class GRPO(ABC):
         sub = sorted(chosen)
         idx = torch.tensor(sub, device=traj.latents.device)
         g_sub = prompt_groups[torch.tensor(sub)]
-        auto = c.estimator.correction_p == AUTO
-        config = c.estimator.plain() if auto else c.estimator                                # auto: plain JAGG
-        a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], config, params,
+        a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], c.estimator, params,
                                     None if ref_v is None else ref_v[idx], g_sub, gen, split=g_sub,
                                     on_policy=update == 0)
         a["update"] = update
@@ -521,13 +502,8 @@ class GRPO(ABC):
         per_update = c.sample.batch_size / c.grpo.updates_per_epoch / c.sample.group_size
         last = self.logger.records("train")[-1:] if self.logger is not None else []
         share = last[0]["train_s"] / last[0]["iter_s"] if last and last[0].get("iter_s") else None
-        a.update(self.meter.update(exact, est, a["rows_exact"], a["rows_estimator"], per_update, share,
-                                   a["rows_inner"] if auto else None, self.correction_p))
-        if auto:
-            if not math.isnan(a["correction_p"]):
-                self.correction_p = a["correction_p"]
-            a["correction_p"] = self.correction_p             # the rate of the updates from here on
-        flags = [f for f in ([clip_flag(a)] if auto else [audit_flag(a, c.estimator), meter_flag(a), clip_flag(a)]) if f]
+        a.update(self.meter.update(exact, est, a["rows_exact"], a["rows_estimator"], per_update, share))
+        flags = [f for f in (audit_flag(a, c.estimator), meter_flag(a), clip_flag(a)) if f]
         if self.logger is not None:
             self.logger.log({"kind": "audit", "iteration": self.iteration + 1, "samples": len(sub), **a,
                              "flagged": int(bool(flags))})
@@ -639,18 +615,18 @@ class GRPOTrainer(GRPO):
 
     def loop_state(self) -> dict:
         """What every checkpoint keeps of the loop, in both trainers: the iterations done, their seconds and CPU
-        seconds (across resumes), the skipped updates, the rate of ``correction_p`` in use and the efficiency meter's
-        measurements (None before the first audit), so that a resumed run goes on as the run would have."""
+        seconds (across resumes), the skipped updates and the efficiency meter's measurements (None before the first
+        audit), so that a resumed run goes on as the run would have."""
         return {"iteration": self.iteration, "wall": self.wall, "cpu": self.cpu,
-                "skipped_updates": self.skipped_updates, "correction_p": self.correction_p,
+                "skipped_updates": self.skipped_updates,
                 "meter": None if self.meter is None else self.meter.state_dict()}
 
     def load_loop_state(self, state: dict) -> None:
         """Restore :meth:`loop_state` (a checkpoint without ``cpu``, from a diffusers run before it was kept: 0; without
-        the meter's keys: the rate and meter of a run's start)."""
+        the meter: the meter of a run's start; an older checkpoint's ``correction_p``, the rate of the retired
+        ``correction_p: auto``, is not read)."""
         self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state.get("cpu", 0.0)
         self.skipped_updates = state["skipped_updates"]
-        self.correction_p = state.get("correction_p", self.correction_p)
         self.meter = AuditMeter.from_state(state["meter"]) if state.get("meter") is not None else None
 
     @abstractmethod

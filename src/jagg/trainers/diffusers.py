@@ -313,7 +313,7 @@ class DiffusersTrainer(GRPOTrainer):
         counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "intervals", "intervals_jagg")
         local = [0.0] * (len(names) + len(counts))
         if n:
-            st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
+            st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
                                  ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
                                  prompt_groups=mb.prompt_groups, generator=self.pick_gen, on_policy=mb.on_policy)
             local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..checks import (FLOAT32_MAX, Keys, check_group_size, check_positive, check_sde_steps, check_sde_type,
                       check_sde_window_schedule, check_threads)
-from ..estimator_config import AUTO, EstimatorConfig
+from ..estimator_config import EstimatorConfig
 from ..rewards.registry import check_spec
 from ..training.wandb_run import WANDB_MODES
 from ..trajectory import select_train_steps, sliding_sde_window
@@ -304,7 +304,3 @@ class TrainerSections:
             raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be below the run's optimizer "
                              f"updates (grpo.iterations x inner_epochs x updates_per_epoch = {updates}), or the "
                              "learning rate never reaches optim.lr")
-        e = self.estimator
-        if e.correction_p == AUTO and e.mode == "jagg" and e.audit_every == 0:
-            raise ValueError(f"estimator.correction_p {AUTO!r} needs estimator.audit_every > 0: the rate is chosen "
-                             "from the audit's efficiency meter (or give a rate in [0, 1])")

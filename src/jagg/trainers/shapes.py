@@ -148,7 +148,7 @@ class ShapesGRPO(GRPO):
         return [mb for mb in perm.tensor_split(self.cfg.grpo.updates_per_epoch) if mb.numel()]
 
     def gradient(self, mb: Minibatch) -> dict:
-        return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
+        return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
                                ref_velocities=mb.ref_velocities, prompt_groups=mb.prompt_groups,
                                generator=self.pick_gen, on_policy=mb.on_policy).to_dict()
 

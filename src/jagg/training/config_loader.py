@@ -123,6 +123,9 @@ def from_dict(cls, data: dict, where: str = ""):
         if key not in fields:
             raise ValueError(f"unknown config key {path!r}{_suggest(key, list(fields))} "
                              f"(valid keys here: {', '.join(fields)})")
+        retired = fields[key].metadata.get("retired", {})   # a value since retired: what to use instead
+        if isinstance(value, str) and value in retired:
+            raise ValueError(f"{path}: {value!r} {retired[value]}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value or {}, path)
