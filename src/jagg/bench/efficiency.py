@@ -72,7 +72,7 @@ from ..trainers.shapes_config import ShapesTrainConfig
 from ..training import config_loader as configuration
 from ..trajectory import Trajectory
 from .common import default_config_path, json_if_asked, set_threads, table
-from .projection import CostStructure, add_cost_arguments, config_structure, resolve
+from .projection import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
 
 BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
@@ -295,7 +295,9 @@ def step_to_update(sampler: Sampler, cfg: TrainConfig, preceding: list[Batch]) -
         opt.step()
 
 
-def _load(sampler: Sampler, values: list[Tensor]) -> None:
+def restore_params(sampler: Sampler, values: list[Tensor]) -> None:
+    """Copy ``values`` (saved with ``[p.detach().clone() for p in sampler.params]``) back into the sampler's
+    trainable parameters, after :func:`step_to_update` or another in-place step."""
     with torch.no_grad():
         for p, v in zip(sampler.params, values):
             p.copy_(v)
@@ -348,7 +350,7 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
     t_exact = statistics.median(c[0] for c in costs["exact"])
     r_exact = statistics.fmean(c[1] for c in costs["exact"])
     if sampling_params is not None:
-        _load(sampler, sampling_params)
+        restore_params(sampler, sampling_params)
     n_samples = statistics.fmean(b.traj.batch_size for b in kept)
     target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
     cost = cost or config_structure(cfg)
@@ -490,7 +492,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.by_tensor is not None and args.by_tensor not in names:          # every argument is checked before the
         raise ValueError(f"--by-tensor {args.by_tensor!r}: not one of the estimators {names}")   # first batch
     check_kl(cfg)
-    cost, cost_line = resolve(args.cost, config_structure(cfg), args.gpu_bench_json)
+    cost, cost_line = resolve(args.cost, config_structure(cfg), args.gpu_bench_json, default_cost(cfg))
     check_estimators(specs, cfg)
     if args.by_interval is not None:
         check_sizes(batches, draws, args.target_batch)

@@ -3,10 +3,16 @@
 For each checkpoint, one fresh rollout batch is drawn through the trainer's pipeline
 (:func:`jagg.trainers.base.rollout_batch`: the config's prompts, noise, SDE sampler with guidance and reward,
 group-relative advantages, zero-spread prompt groups dropped), from RNGs of its own seed, and the gradients are those
-of the parameters ``model.trainable`` marks; every gradient below comes from :func:`jagg.policy_gradient`:
+of the parameters ``model.trainable`` marks. A config with a ``pipeline:`` section measures the user's diffusers
+model instead (``--checkpoint`` does not apply): the batch is drawn by the diffusers trainer's own sampler
+(:class:`jagg.trainers.diffusers.DiffusersSampler`, as ``jagg bench efficiency`` draws it: the model on
+``pipeline.device``, its LoRA or trainable weights, ``sample.prompts_file``, the reward; ``--seed`` given replaces the
+config's ``seed``) and the gradients are those of its trainable weights. Every gradient below comes from
+:func:`jagg.policy_gradient`:
 
 1. Fidelity, on-policy (right after sampling) and off-policy (the trainer's second minibatch: after one
-   AdamW update on the first half of the batch with the configured estimator): for every knot layout
+   AdamW update on the first half of the batch with the configured estimator, the weights restored after): for
+   every knot layout
    (``--knots``: groups (step groups), shared), window, alpha and intermediate mode, the rows it runs with grad, the
    cosine similarity and relative error ``||g_jagg - g_exact|| / ||g_exact||`` of the total gradient, and the
    cosine over the noisiest, the middle and the cleanest third of the trained steps, separately
@@ -27,13 +33,14 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..checks import number_arg
-from ..training import config_loader as configuration
 from ..shapes.weights import load_model
 from ..audit import audit_gradient
 from ..estimator_config import ALPHAS, INTERMEDIATES, KNOTS, EstimatorConfig
@@ -43,13 +50,15 @@ from ..rewards.registry import get_reward
 from ..knots import step_groups
 from ..routing import linearity_scores
 from ..schedule import flow_sigmas
-from ..trainers.base import Rollout, draw_prompts_and_noise, rollout_batch
+from ..trainers.base import Batch, Rollout, draw_prompts_and_noise, rollout_batch, take
+from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
 from ..trainers.shapes import mark_trainable
 from ..trainers.shapes_config import ShapesTrainConfig
-from ..trajectory import Trajectory, sample_trajectories
+from ..trajectory import Trajectory, VelocityFn, sample_trajectories
 from ..shapes import from_tensor, tokenizer
 from ..audit import cosine, flat_grad, rel_err
 from .common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
+from .efficiency import Sampler, TrainConfig, load_config, make_sampler, restore_params
 
 ADVANTAGES = ("reward", "random")
 SCORES = ("cosine",)            # routing's one linearity score (jagg.routing), the column name of the report
@@ -69,7 +78,8 @@ class FidelityConfig:
     seed: int = 0
     device: str = "cpu"
     threads: int = 0
-    train: ShapesTrainConfig = field(default_factory=ShapesTrainConfig)   # sampling, reward, estimator and optimizer settings
+    # sampling, reward, estimator and optimizer settings; a DiffusersTrainConfig: its model too (checkpoints unused)
+    train: TrainConfig = field(default_factory=ShapesTrainConfig)
 
     def __post_init__(self):
         if not self.checkpoints:
@@ -103,7 +113,7 @@ class KeptBatch:
     """A batch as the trainer trains it: trajectories, prompt tokens, advantages, reference velocities."""
 
     traj: Trajectory
-    tokens: Tensor          # [B, L]
+    tokens: Tensor | list   # [B, L] prompt tokens; a diffusers sampler's conditioning: the prompts
     adv: Tensor             # [B]
     ref_v: Tensor | None    # [B, T, *S] when estimator.kl_beta > 0
     reward_mean: float
@@ -111,7 +121,7 @@ class KeptBatch:
     prompt_groups: Tensor   # [B] prompt group of each sample, for routing
 
     def select(self, idx: Tensor) -> "KeptBatch":
-        return KeptBatch(self.traj.select(idx), self.tokens[idx], self.adv[idx],
+        return KeptBatch(self.traj.select(idx), take(self.tokens, idx), self.adv[idx],
                        None if self.ref_v is None else self.ref_v[idx], self.reward_mean, self.sampled,
                        self.prompt_groups[idx.cpu()])
 
@@ -135,40 +145,74 @@ def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) ->
 
     reward = get_reward(t.reward.spec)
     batch = rollout_batch(sample, lambda ro: reward(from_tensor(ro.traj.latents[:, -1].cpu()), ro.prompts, None), t)
+    reference = lambda cond: GuidedVelocity(copy.deepcopy(model).requires_grad_(False), cond, c.guidance_scale)
+    return kept(batch, cfg, reference, device)
+
+
+def sampler_rollout(sampler: Sampler, cfg: FidelityConfig) -> KeptBatch:
+    """One batch of the trainer's own sampler (a diffusers config's :class:`~jagg.trainers.diffusers.DiffusersSampler`:
+    its prompts, noise, SDE and reward, as ``jagg bench efficiency`` draws it), kept as :func:`draw_rollout` keeps
+    it (the KL reference: the sampler's)."""
+    return kept(rollout_batch(sampler.sample, sampler.score, cfg.train), cfg, sampler.reference, sampler.device)
+
+
+def kept(batch: Batch, cfg: FidelityConfig, reference: Callable[[object], VelocityFn],
+         device: torch.device) -> KeptBatch:
+    """The samples of ``batch`` that train, with their advantages (``--advantages random``: N(0, 1), all kept) and,
+    when ``estimator.kl_beta > 0``, the velocities of ``reference(conditioning)``, the KL reference's callable."""
+    n, t, cond = len(batch.rollout.prompts), cfg.train, batch.rollout.conditioning
     adv, keep = batch.advantages, batch.keep
     if cfg.advantages == "random":
-        adv = torch.randn(len(draw.prompts), generator=torch.Generator().manual_seed(cfg.seed))
-        keep = torch.ones(len(draw.prompts), dtype=torch.bool)
+        adv = torch.randn(n, generator=torch.Generator().manual_seed(cfg.seed))
+        keep = torch.ones(n, dtype=torch.bool)
     if not bool(keep.any()):
         raise ValueError("no prompt group of the rollout has a reward spread, so every advantage is 0 and there is "
                          "no gradient to compare; use a trained checkpoint, more prompts "
                          "(--set sample.prompts_per_iter=...), or --advantages random")
     traj, ref_v = batch.rollout.traj, None
     if t.estimator.kl_beta > 0:
-        ref = copy.deepcopy(model).requires_grad_(False)
-        ref_v = reference_velocities(GuidedVelocity(ref, tokens, c.guidance_scale), traj, t.estimator.micro_batch)
-    ro = KeptBatch(traj, tokens, adv.to(device), ref_v, float(batch.rewards.mean()), len(draw.prompts),
-                 batch.prompt_groups)
+        ref_v = reference_velocities(reference(cond), traj, t.estimator.micro_batch)
+    ro = KeptBatch(traj, cond, adv.to(device), ref_v, float(batch.rewards.mean()), n, batch.prompt_groups)
     return ro.select(torch.nonzero(keep).flatten().to(device))
 
 
 # ----------------------------------------------------------------------------- gradients
 
 
-def gradient(model: nn.Module, ro: KeptBatch, est: EstimatorConfig, guidance: float,
-             steps: list[int] | None = None, route_groups: bool = True) -> tuple[Tensor, GradientStats]:
-    """The flattened gradient ``policy_gradient`` accumulates (``.grad`` zeroed first), optionally with the
-    trajectory's trained steps restricted to ``steps``; routing moves whole prompt groups unless ``route_groups``
-    is False (then single samples)."""
+class CheckpointModel:
+    """A shapes checkpoint as the gradients below use a model: the interface of the trainers' samplers
+    (:class:`jagg.trainers.shapes.ShapesSampler`, :class:`jagg.trainers.diffusers.DiffusersSampler`) that they need,
+    :meth:`velocity` (with the config's guidance), :attr:`params` (the trainable ones) and :meth:`zero_grad`."""
+
+    def __init__(self, model: nn.Module, guidance: float):
+        self.model, self.guidance = model, guidance
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.flat_params = list(model.parameters())      # what a flattened gradient spans (zeros where frozen)
+
+    def velocity(self, tokens: Tensor) -> VelocityFn:
+        return GuidedVelocity(self.model, tokens, self.guidance)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+
+Subject = CheckpointModel | Sampler      # what a gradient is taken of: velocity(conditioning), params, zero_grad()
+
+
+def gradient(sub: Subject, ro: KeptBatch, est: EstimatorConfig, steps: list[int] | None = None,
+             route_groups: bool = True) -> tuple[Tensor, GradientStats]:
+    """The flattened gradient ``policy_gradient`` accumulates (``.grad`` zeroed first; every parameter of a
+    checkpoint, a sampler's trainable ones), optionally with the trajectory's trained steps restricted to ``steps``;
+    routing moves whole prompt groups unless ``route_groups`` is False (then single samples)."""
     traj = ro.traj
     if steps is not None:
         ts = torch.tensor(steps, dtype=torch.long, device=traj.latents.device)
         traj = dataclasses.replace(traj, train_steps=ts)
-    model.zero_grad(set_to_none=True)
-    stats = policy_gradient(GuidedVelocity(model, ro.tokens, guidance), traj, ro.adv, est, ref_velocities=ro.ref_v,
+    sub.zero_grad()
+    stats = policy_gradient(sub.velocity(ro.tokens), traj, ro.adv, est, ref_velocities=ro.ref_v,
                             prompt_groups=ro.prompt_groups if route_groups else None)
-    g = flat_grad(list(model.parameters()))
-    model.zero_grad(set_to_none=True)
+    g = flat_grad(getattr(sub, "flat_params", sub.params))
+    sub.zero_grad()
     return g, stats
 
 
@@ -180,12 +224,12 @@ def _est(base: EstimatorConfig, **kw) -> EstimatorConfig:
     return EstimatorConfig.from_dict({**d, **kw})
 
 
-def fidelity(model: nn.Module, ro: KeptBatch, cfg: FidelityConfig, policy: str, ckpt: str) -> list[dict]:
+def fidelity(sub: Subject, ro: KeptBatch, cfg: FidelityConfig, policy: str, ckpt: str) -> list[dict]:
     """Rows, total and per-third cosine / relative error against exact, for every layout, window, alpha and mode."""
-    base, w = cfg.train.estimator, cfg.train.sample.guidance_scale
-    _, st_ex = gradient(model, ro, _est(base, mode="exact"), w)
-    params = [p for p in model.parameters() if p.requires_grad]
-    vf = GuidedVelocity(model, ro.tokens, w)
+    base = cfg.train.estimator
+    _, st_ex = gradient(sub, ro, _est(base, mode="exact"))
+    params = sub.params
+    vf = sub.velocity(ro.tokens)
     head = {"kind": "fidelity", "checkpoint": ckpt, "policy": policy, "samples": ro.traj.batch_size,
             "steps": ro.traj.train_steps.tolist(), "backward_items_exact": st_ex.backward_items}
     out = []
@@ -194,7 +238,7 @@ def fidelity(model: nn.Module, ro: KeptBatch, cfg: FidelityConfig, policy: str, 
             for alpha in cfg.alphas:
                 for inter in cfg.intermediates:
                     est = _est(base, mode="jagg", window=W, knots=knots, alpha=alpha, intermediate=inter)
-                    _, st = gradient(model, ro, est, w)
+                    _, st = gradient(sub, ro, est)
                     a = audit_gradient(vf, ro.traj, ro.adv, est, params, ro.ref_v, ro.prompt_groups,
                                        torch.Generator().manual_seed(cfg.seed))
                     out.append({**head, "scope": "total", "knots": knots, "window": W, "alpha": alpha,
@@ -219,8 +263,9 @@ def pareto(records: list[dict]) -> list[dict]:
     return front
 
 
-def off_policy_rollout(model: nn.Module, ro: KeptBatch, cfg: FidelityConfig) -> tuple[nn.Module, KeptBatch] | None:
-    """The trainer's second minibatch: a copy of the model after one AdamW update on the first minibatch."""
+def off_policy_rollout(sub: Subject, ro: KeptBatch, cfg: FidelityConfig) -> KeptBatch | None:
+    """The trainer's second minibatch, with ``sub``'s trainable parameters moved in place by one AdamW update on the
+    first minibatch (the caller restores them: :func:`jagg.bench.efficiency.restore_params`)."""
     B = ro.traj.batch_size
     if B < 2:
         print("fidelity: skipping off-policy: fewer than 2 samples kept")
@@ -228,25 +273,24 @@ def off_policy_rollout(model: nn.Module, ro: KeptBatch, cfg: FidelityConfig) -> 
     t = cfg.train
     perm = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.seed + 1)).to(ro.traj.latents.device)
     first, second = perm.tensor_split(2)
-    m = copy.deepcopy(model)
     o = t.optim
-    opt = o.optimizer(m.parameters())
-    opt.zero_grad(set_to_none=True)
+    opt = o.optimizer(sub.params)
+    sub.zero_grad()
     mb = ro.select(first)
-    policy_gradient(GuidedVelocity(m, mb.tokens, t.sample.guidance_scale), mb.traj, mb.adv, t.estimator,
-                    ref_velocities=mb.ref_v)
+    policy_gradient(sub.velocity(mb.tokens), mb.traj, mb.adv, t.estimator, ref_velocities=mb.ref_v)
     if o.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_([p for p in m.parameters() if p.grad is not None], o.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_([p for p in sub.params if p.grad is not None], o.max_grad_norm)
     opt.step()
-    return m, ro.select(second)
+    sub.zero_grad()
+    return ro.select(second)
 
 
-def routing(model: nn.Module, ro: KeptBatch, cfg: FidelityConfig, ckpt: str) -> list[dict]:
+def routing(sub: Subject, ro: KeptBatch, cfg: FidelityConfig, ckpt: str) -> list[dict]:
     """Spearman of each score with the true per-(sample, interval) cosine; total cosine per ``jagg_frac``."""
-    base, w = cfg.train.estimator, cfg.train.sample.guidance_scale
+    base = cfg.train.estimator
     traj, B = ro.traj, ro.traj.batch_size
     steps = traj.train_steps.tolist()
-    g_ex, _ = gradient(model, ro, _est(base, mode="exact"), w)
+    g_ex, _ = gradient(sub, ro, _est(base, mode="exact"))
     head = {"checkpoint": ckpt, "intermediate": base.intermediate, "samples": B}
     out = []
     for W in [w_ for w_ in cfg.windows if w_ > 2]:
@@ -259,8 +303,8 @@ def routing(model: nn.Module, ro: KeptBatch, cfg: FidelityConfig, ckpt: str) -> 
         for i in range(B):                                  # the true per-(sample, interval) cosine
             one = ro.select(torch.tensor([i], device=traj.latents.device))
             for j in eligible:
-                ge, _ = gradient(model, one, _est(base, mode="exact"), w, intervals[j])
-                gj, _ = gradient(model, one, est, w, intervals[j])
+                ge, _ = gradient(sub, one, _est(base, mode="exact"), intervals[j])
+                gj, _ = gradient(sub, one, est, intervals[j])
                 cos[i, j] = cosine(gj, ge)
         valid = torch.isfinite(cos)                         # NaN: a zero gradient (zero advantage)
         for score in (SCORES if bool(valid.any()) else ()):
@@ -275,7 +319,7 @@ def routing(model: nn.Module, ro: KeptBatch, cfg: FidelityConfig, ckpt: str) -> 
                     for score in (SCORES if frac < 1 else SCORES[:1]):
                         e = _est(base, mode="jagg", window=W, jagg_frac=frac,
                                  exact_first_intervals=edge, exact_last_intervals=edge)
-                        g, st = gradient(model, ro, e, w, route_groups=unit == "prompt_group")
+                        g, st = gradient(sub, ro, e, route_groups=unit == "prompt_group")
                         out.append({**head, "kind": "routing", "window": W, "score": score if frac < 1 else "any",
                                     "route_unit": unit, "jagg_frac": frac, "exact_first_intervals": edge,
                                     "exact_last_intervals": edge, "cosine": cosine(g, g_ex), "rel_err": rel_err(g, g_ex),
@@ -324,42 +368,73 @@ def _print_report(records: list[dict]) -> None:
         print(table(list(rows.values()), cols + [(s, s, ".4f") for s in SCORES]))
 
 
-def run_fidelity(cfg: FidelityConfig) -> list[dict]:
-    set_threads(cfg.threads)
+def subjects(cfg: FidelityConfig):
+    """``(label, subject, rollout)`` of each model to measure, built as iterated: every ``--checkpoint`` of the shapes
+    world (``model.trainable`` marked, :func:`draw_rollout`), or a diffusers config's model through its trainer's
+    sampler (:func:`sampler_rollout`)."""
+    if isinstance(cfg.train, DiffusersTrainConfig):
+        p = cfg.train.pipeline
+        sampler = make_sampler(cfg.train)
+        yield f"{p.family}:{Path(p.path).name}", sampler, sampler_rollout(sampler, cfg)
+        return
     device = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    records = []
     for ckpt in cfg.checkpoints:
         model = load_model(ckpt).to(device).train()
         mark_trainable(model, cfg.train.model.trainable)          # the gradients of the trained parameters only
-        ro = draw_rollout(model, cfg, device)
+        yield ckpt, CheckpointModel(model, cfg.train.sample.guidance_scale), draw_rollout(model, cfg, device)
+
+
+def run_fidelity(cfg: FidelityConfig) -> list[dict]:
+    set_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    records = []
+    for ckpt, sub, ro in subjects(cfg):
         print(f"{ckpt}: rollout of {ro.sampled} samples, reward {ro.reward_mean:.3f}, {ro.traj.batch_size} kept "
               f"(advantages: {cfg.advantages}); trained steps {ro.traj.train_steps.tolist()}", flush=True)
-        records += fidelity(model, ro, cfg, "on", ckpt)
+        records += fidelity(sub, ro, cfg, "on", ckpt)
         if cfg.off_policy:
-            off = off_policy_rollout(model, ro, cfg)
+            saved = [p.detach().clone() for p in sub.params]
+            off = off_policy_rollout(sub, ro, cfg)
             if off is not None:
-                records += fidelity(off[0], off[1], cfg, "off", ckpt)
+                records += fidelity(sub, off, cfg, "off", ckpt)
+            restore_params(sub, saved)                             # routing: on-policy again
         if cfg.routing:
-            records += routing(model, ro, cfg, ckpt)
+            records += routing(sub, ro, cfg, ckpt)
     return records
 
 
 # ----------------------------------------------------------------------------- command line
 
 
-def _run(args: argparse.Namespace) -> int:
+def load_train_config(args: argparse.Namespace) -> TrainConfig:
+    """The trainer config of ``--config`` (:func:`jagg.bench.efficiency.load_config`: a diffusers one with a
+    ``pipeline:`` section) with ``--quick``'s and ``--set``'s keys; for a diffusers config ``--seed`` becomes its
+    ``seed``, and the options of the shapes world's checkpoints are refused, naming them."""
     sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
-    train = configuration.load(ShapesTrainConfig, args.config, sets)
+    diffusers = has_pipeline_section(args.config)
+    if diffusers:
+        for flag, value, instead in (("--checkpoint", args.checkpoint, "pipeline.path (and pipeline.lora)"),
+                                     ("--device", args.device, "pipeline.device")):
+            if value is not None:
+                raise ValueError(f"{flag}: a config with a pipeline: section measures its own model; set {instead} "
+                                 "instead (--set)")
+        if args.seed is not None:
+            sets.append(f"seed={args.seed}")
+    return load_config(args.config, sets)
+
+
+def _run(args: argparse.Namespace) -> int:
+    train = load_train_config(args)
     d = FidelityConfig()
+    seed = train.seed if isinstance(train, DiffusersTrainConfig) else (args.seed or 0)
     cfg = FidelityConfig(
         checkpoints=args.checkpoint or d.checkpoints, windows=args.windows or d.windows,
         knots=args.knots or d.knots, alphas=args.alphas or d.alphas,
         intermediates=args.intermediates or d.intermediates,
         fracs=args.fracs or (QUICK_FRACS if args.quick else d.fracs),
         advantages=args.advantages, routing=not args.no_routing, off_policy=not args.no_off_policy,
-        seed=args.seed, device=args.device, threads=args.threads if args.threads is not None else train.threads,
-        train=train)
+        seed=seed, device=args.device or d.device,
+        threads=args.threads if args.threads is not None else train.threads, train=train)
     records = run_fidelity(cfg)
     _print_report(records)
     json_if_asked(args.json, records)
@@ -372,11 +447,13 @@ def add_parser(sub) -> None:
                        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     d = FidelityConfig()
     p.add_argument("--checkpoint", action="append",
-                   help="a trained checkpoint (builtin:tiny_dit, .safetensors, training .pt or run dir); "
-                        "repeatable [default: builtin:tiny_dit]")
+                   help="a trained shapes-world checkpoint (builtin:tiny_dit, .safetensors, training .pt or run dir); "
+                        "repeatable; not with a diffusers config [default: builtin:tiny_dit]")
     p.add_argument("--config", default=default_config_path(),
                    help="trainer YAML whose sample/reward/grpo/estimator/optim settings define the rollout and "
-                        "the loss [default: the main job, jagg/shapes/main_job.yaml]")
+                        "the loss; one with a pipeline: section measures that diffusers model with the diffusers "
+                        "trainer's sampler (as jagg bench efficiency) [default: the main job, "
+                        "jagg/shapes/main_job.yaml]")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a trainer config key (repeatable), e.g. sample.prompts_per_iter=16")
     p.add_argument("--quick", action="store_true",
@@ -393,9 +470,9 @@ def add_parser(sub) -> None:
                         "N(0,1) per sample, for untrained checkpoints [default: reward]")
     p.add_argument("--no-routing", action="store_true", help="skip the routing study")
     p.add_argument("--no-off-policy", action="store_true", help="skip the off-policy (after one update) comparison")
-    p.add_argument("--seed", type=number_arg(int, seed=True), default=0,
-                   help="seed of prompts, noise and the minibatch split [default: 0]")
-    p.add_argument("--device", default="cpu", help="cpu or cuda [default: cpu]")
+    p.add_argument("--seed", type=number_arg(int, seed=True),
+                   help="seed of prompts, noise and the minibatch split [default: 0; a diffusers config: its seed]")
+    p.add_argument("--device", help="cpu or cuda; a diffusers config: pipeline.device instead [default: cpu]")
     p.add_argument("--threads", type=number_arg(int, 0), help="torch CPU threads [default: the config's threads]")
     p.add_argument("--json", help="write the records to this JSON file")
     p.set_defaults(func=_run)

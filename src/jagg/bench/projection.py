@@ -107,6 +107,7 @@ PRESETS = {
         "steps, timestep_fraction 0.99, 33 frames at 240 x 416"),
 }
 DEFAULT = "flow_grpo_sd35"
+FAMILY_PRESETS = {"wan": "flow_grpo_wan", "qwen_image": "jagg_authors_qwen_image"}   # others: SD3.5's
 KEYS = ("B_F", "cfg_rollout", "cfg_train", "rollout_steps", "train_steps", "model", "resolution")
 
 
@@ -132,6 +133,16 @@ def config_structure(cfg) -> CostStructure:
     guided = 2 if p.cfg_scale > 1 else 1
     return CostStructure("custom", B_F=2.0, cfg_rollout=guided, cfg_train=1 if p.detach_uncond else guided,
                          rollout_steps=p.num_steps, train_steps=trained_steps(cfg.sample, p.num_steps))
+
+
+def default_cost(cfg) -> str:
+    """``--cost``'s default preset for a trainer config: for a diffusers one (a ``pipeline:`` section) its family's
+    (:data:`FAMILY_PRESETS`: Wan ``flow_grpo_wan``, Qwen-Image ``jagg_authors_qwen_image``; any other
+    ``flow_grpo_sd35``, or ``flow_grpo_sd35_full`` with full fine-tuning), :data:`DEFAULT` for the shapes world."""
+    p = getattr(cfg, "pipeline", None)
+    if p is None:
+        return DEFAULT
+    return FAMILY_PRESETS.get(p.family, DEFAULT if p.lora.enabled else "flow_grpo_sd35_full")
 
 
 def parse_cost(spec: str, job: CostStructure) -> CostStructure:
@@ -219,10 +230,12 @@ def read_gpu_bench(path: str | Path) -> tuple[list[dict], dict, dict]:
     return costs, data.get("config", {}), data.get("env", {})
 
 
-def resolve(spec: str, job: CostStructure, gpu_bench_json: str | None = None) -> tuple[CostStructure, str]:
-    """The cost structure of ``--cost`` (:func:`parse_cost`) with ``--gpu-bench-json``'s B/F when given, and its
-    description (:meth:`CostStructure.describe`, and where the B/F comes from)."""
-    cost = parse_cost(spec, job)
+def resolve(spec: str | None, job: CostStructure, gpu_bench_json: str | None = None,
+            default: str = DEFAULT) -> tuple[CostStructure, str]:
+    """The cost structure of ``--cost`` (:func:`parse_cost`; None: ``default``, :func:`default_cost` of the config)
+    with ``--gpu-bench-json``'s B/F when given, and its description (:meth:`CostStructure.describe`, and where the B/F
+    comes from)."""
+    cost = parse_cost(default if spec is None else spec, job)
     if gpu_bench_json is None:
         return cost, cost.describe()
     b_f, where = gpu_bench_b_over_f(gpu_bench_json, cost.model, cost.resolution)
@@ -232,10 +245,13 @@ def resolve(spec: str, job: CostStructure, gpu_bench_json: str | None = None) ->
 
 def add_cost_arguments(parser, what: str) -> None:
     """``--cost`` and ``--gpu-bench-json``, the cost structure of ``what`` (the projected columns), on ``parser``."""
-    parser.add_argument("--cost", default=DEFAULT, metavar="PRESET[:KEY=VALUE,...] | KEY=VALUE,...",
+    parser.add_argument("--cost", metavar="PRESET[:KEY=VALUE,...] | KEY=VALUE,...",
                         help=f"the cost structure of {what}: a preset ({', '.join(PRESETS)}), a preset with changes, "
                              "or KEY=VALUE,... of B_F, cfg_rollout, cfg_train, rollout_steps, train_steps, model, "
-                             f"resolution on top of this job's own steps and guidance with B_F 2 [default: {DEFAULT}]")
+                             f"resolution on top of this job's own steps and guidance with B_F 2 [default: {DEFAULT}; "
+                             "a diffusers config: its family's, "
+                             + ", ".join(f"{f} {c}" for f, c in FAMILY_PRESETS.items())
+                             + f", {DEFAULT}_full with full fine-tuning]")
     parser.add_argument("--gpu-bench-json", metavar="PATH",
                         help="a results JSON of benchmarks/gpu_bench.py: its measured B/F for the cost structure's "
                              "model and resolution replaces B_F")

@@ -1,7 +1,10 @@
 """``jagg bench quality``: does a JAGG variant reach a given reward sooner than exact? Paired GRPO runs x seeds.
 
 Every variant trains with :class:`jagg.trainers.shapes.ShapesTrainer` from the same config (the main job plus ``--set``),
-for the same iterations and optimizer updates, once per seed. Seeds are paired across variants: a seed fixes the
+for the same iterations and optimizer updates, once per seed; a config with a ``pipeline:`` section trains the user's
+diffusers model with :class:`jagg.trainers.diffusers.DiffusersTrainer` instead (as ``jagg train`` would). That trainer
+has no held-out evaluation: the comparison is on the training reward (``--target train``); ``--target test``,
+``--eval-every`` and ``--eval-dense`` are refused, and the held-out figures below are empty (NaN). Seeds are paired across variants: a seed fixes the
 prompts and the noise streams (the unbiased correction's picks use an RNG of their own), so the variants of one seed
 differ only by their gradients. The runs alternate (seed 0 of every variant, then seed 1, ...), so a busy stretch of
 the machine hits every variant alike. Each run writes ``OUT/<variant>/seed<k>/`` (the trainer's outputs) and, once
@@ -65,10 +68,11 @@ from pathlib import Path
 
 from ..checks import SEED_MAX, check_output_file, number_arg
 from .common import default_config_path, table, write_json
-from .projection import CostStructure, add_cost_arguments, job_structure, resolve
+from ..trainers.diffusers_config import has_pipeline_section
+from .projection import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
 from .quality_compare import CLOCKS, TARGETS, compare
 from .quality_report import RUN_COLUMNS, plot, print_report
-from .quality_runs import QUICK_SETS, QualityConfig, parse_variants, run_one
+from .quality_runs import QUICK_SETS, QualityConfig, parse_variants, quick_sets, run_one
 from .statistics import PLATEAU_EVALS
 from .statistics import smooth, time_to_target, time_to_test_target  # noqa: F401  (their former home)
 
@@ -83,6 +87,9 @@ def run_quality(q: QualityConfig, clock: str = "wall", train_only: str | None = 
     names = list(q.variants)
     for v in names:                                     # every variant's config loads before any run trains
         cfg = q.train_config(v, q.seeds[0])
+        if target == "test" and getattr(cfg, "eval", None) is None:
+            raise ValueError("--target test compares held-out rewards, but a config with a pipeline: section trains "
+                             "with the diffusers trainer, which has no held-out evaluation; use --target train")
         if target == "test" and cfg.eval.every == 0:    # refused before any run trains, not after all of them
             raise ValueError(f"--target test compares held-out rewards, but variant {v!r} evaluates only at its start "
                              "and end (--eval-every 0, eval.every=0); give --eval-every N > 0")
@@ -108,8 +115,14 @@ def parse_eval_dense(spec: str) -> list[str]:
 
 
 def _config(args: argparse.Namespace) -> QualityConfig:
-    """The bench's :class:`QualityConfig` from the command line (``--quick``'s settings first, the user's win)."""
-    sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
+    """The bench's :class:`QualityConfig` from the command line (``--quick``'s settings first, the user's win); a
+    diffusers config's refuses the options of a held-out evaluation it does not have, naming them."""
+    diffusers = has_pipeline_section(args.config)
+    for flag, value in (("--eval-every", args.eval_every), ("--eval-dense", args.eval_dense)):
+        if diffusers and value is not None:
+            raise ValueError(f"{flag}: a config with a pipeline: section trains with the diffusers trainer, which has "
+                             "no held-out evaluation; leave it out")
+    sets = (quick_sets(diffusers) if args.quick else []) + list(args.set or [])
     if args.iterations is not None:
         sets.append(f"grpo.iterations={args.iterations}")
     if args.eval_every is not None:
@@ -140,8 +153,8 @@ def _eval_cost(runs: list[dict]) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     q = _config(args)
-    cost, cost_line = resolve(args.cost, job_structure(q.train_config("exact", q.seeds[0]).sample),
-                              args.gpu_bench_json)
+    cfg = q.train_config("exact", q.seeds[0])
+    cost, cost_line = resolve(args.cost, config_structure(cfg), args.gpu_bench_json, default_cost(cfg))
     png = Path(q.out) / "quality.png" if args.plot is None else args.plot
     json_path = Path(q.out) / "quality.json" if args.json is None else args.json
     if args.train_only is None:                         # the comparison's files, checked before any run trains
@@ -158,7 +171,8 @@ def _run(args: argparse.Namespace) -> int:
     print(_eval_cost(runs))
     for r in summary:
         r["cost_structure"] = cost_line
-    plot(runs, Path(png), clock=args.clock)
+    p = getattr(cfg, "pipeline", None)
+    plot(runs, Path(png), **({} if p is None else {"title": f"GRPO on {p.family}"}), clock=args.clock)
     print(f"\nwrote {png}")
     write_json(json_path, records)
     print(f"wrote {json_path}")
@@ -169,7 +183,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("quality", help="paired GRPO runs exact vs JAGG variants x seeds: time to reward, final reward",
                        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=default_config_path(),
-                   help="trainer YAML shared by every run [default: the main job]")
+                   help="trainer YAML shared by every run; one with a pipeline: section trains that diffusers model "
+                        "with the diffusers trainer (no held-out evaluation: --target train) [default: the main job]")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a trainer config key for every run (repeatable), e.g. grpo.iterations=200")
     p.add_argument("--variant", action="append", metavar="NAME[:KEY=VALUE,...]",
@@ -196,8 +211,8 @@ def add_parser(sub) -> None:
                         "`jagg bench e2e` for a load-independent time estimate) [default: wall]")
     p.add_argument("--target", choices=TARGETS, default="train",
                    help="what time-to-target waits for: exact's final training reward (smoothed curves) or its final "
-                        "held-out test reward (the seed-mean evaluations, interpolated between evaluations) "
-                        "[default: train]")
+                        "held-out test reward (the seed-mean evaluations, interpolated between evaluations; not for "
+                        "a diffusers config, whose trainer does not evaluate) [default: train]")
     p.add_argument("--train-only", metavar="NAME",
                    help="train only this variant's runs, no comparison: start one process per variant to run them "
                         "side by side (each under the same load), then the same command without it to compare")
@@ -207,5 +222,6 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", help="PNG path [default: OUT/quality.png]; an existing file needs --overwrite")
     p.add_argument("--json", help="JSON path [default: OUT/quality.json]; an existing file needs --overwrite")
     p.add_argument("--quick", action="store_true",
-                   help=f"a tiny smoke version, 2 seeds, into runs/bench_quality_quick: {' '.join(QUICK_SETS)}")
+                   help=f"a tiny smoke version, 2 seeds, into runs/bench_quality_quick: {' '.join(QUICK_SETS)} "
+                        "(a diffusers config: without the eval. keys)")
     p.set_defaults(func=_run)

@@ -1,5 +1,7 @@
 """The runs of ``jagg bench quality``: what each variant trains (:class:`QualityConfig`), one run trained, resumed
-or reused (:func:`run_one`), and its result (:func:`summarize`, ``OUT/<variant>/seed<k>/result.json``).
+or reused (:func:`run_one`), and its result (:func:`summarize`, ``OUT/<variant>/seed<k>/result.json``). A run
+trains with the trainer of its config, as ``jagg train`` picks it: the shapes world's (:class:`QualityRun`), or for a
+config with a ``pipeline:`` section the diffusers trainer (:class:`DiffusersQualityRun`, no held-out evaluation).
 
 A finished run is reused only when the config it was trained with is the one asked for, evaluation settings
 included (:data:`RECORDS_SAME`): a setting that changes what a run records is part of its identity, so a run
@@ -15,12 +17,12 @@ from pathlib import Path
 
 from ..checks import check_seed, check_unique_names, parse_spec
 from ..trainers.base import RESUMABLE_CHANGES, check_resumable
+from ..trainers.diffusers_config import DiffusersTrainConfig
 from ..trainers.shapes import ShapesTrainer
-from ..trainers.shapes_config import ShapesTrainConfig
-from ..training import config_loader as configuration
 from ..training.config_loader import to_dict
 from ..training.rundir import RunHints
 from .common import write_json
+from .efficiency import TrainConfig, load_config
 
 BUILTIN = {
     "exact": ["estimator.mode=exact"],
@@ -32,6 +34,12 @@ BUILTIN = {
 DEFAULT_SETS = ["log.progress=false", "log.tensorboard=false", "log.checkpoint_every=50"]
 QUICK_SETS = ["grpo.iterations=4", "sample.prompts_per_iter=4", "sample.group_size=4", "eval.every=2",
               "eval.num_prompts=8", "eval.images_per_prompt=1", "eval.grid_size=4", "log.checkpoint_every=0"]
+
+
+def quick_sets(diffusers: bool) -> list[str]:
+    """``--quick``'s keys: :data:`QUICK_SETS`, for a diffusers config (no ``eval:`` section) without the ``eval.``
+    ones."""
+    return [k for k in QUICK_SETS if not (diffusers and k.startswith("eval."))]
 # config keys that may differ between a run on disk and the run asked for: the trainer's resumable changes less
 # the evaluation's schedule and sizes, which change what a run records (the warnings and the grids do not), and the
 # threads, which change its seconds
@@ -88,10 +96,13 @@ class QualityConfig:
         if "exact" not in self.variants:
             self.variants = {"exact": BUILTIN["exact"], **self.variants}
 
-    def train_config(self, variant: str, seed: int) -> ShapesTrainConfig:
+    def train_config(self, variant: str, seed: int) -> TrainConfig:
+        """The config of one run: a diffusers one for a YAML with a ``pipeline:`` section, else the shapes world's
+        (:func:`jagg.bench.efficiency.load_config`)."""
         run = [f"seed={seed}", f"log.output_dir={self.run_dir(variant, seed)}"]
         try:
-            return configuration.load(ShapesTrainConfig, self.config, DEFAULT_SETS + self.sets + self.variants[variant] + run)
+            return load_config(self.config,
+                               DEFAULT_SETS + self.sets + self.variants[variant] + run)
         except ValueError as e:
             raise ValueError(f"variant {variant!r}: {e}") from None
 
@@ -99,21 +110,22 @@ class QualityConfig:
         return Path(self.out) / variant / f"seed{seed}"
 
 
-def summarize(records: list[dict], cfg: ShapesTrainConfig, variant: str, seed: int) -> dict:
-    """One run's result from its metrics records."""
+def summarize(records: list[dict], cfg: TrainConfig, variant: str, seed: int) -> dict:
+    """One run's result from its metrics records (a diffusers run's: no held-out evaluation, no test curve)."""
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     audits = [r for r in records if r.get("kind") == "audit"]
     per_iter = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
     med = lambda k: statistics.median(r[k] for r in train) if train else float("nan")
     updates = len(train) * per_iter
-    n_eval = cfg.eval.num_prompts or None
+    ev = getattr(cfg, "eval", None)
+    n_eval = ev.num_prompts or None if ev is not None else None
     last = evals[-1] if evals else {}
     return {
         "kind": "run", "variant": variant, "seed": seed, "estimator": cfg.estimator.to_dict(),
         "iterations": cfg.grpo.iterations, "updates": updates,
         "final_test_reward": last.get("reward_mean"), "final_test_reward_std": last.get("reward_std"),
-        "eval_images": (n_eval or _num_test_prompts()) * cfg.eval.images_per_prompt,
+        "eval_images": (n_eval or _num_test_prompts()) * ev.images_per_prompt if ev is not None else None,
         "final_held_out_reward": last.get("held_out_reward"),
         "evaluations": len(evals), "eval_s": sum(r.get("eval_s", 0.0) for r in evals),
         "sample_s": med("sample_s"), "reward_s": med("reward_s"), "train_s": med("train_s"), "iter_s": med("iter_s"),
@@ -139,10 +151,10 @@ HINTS = RunHints(continue_run="rerun the same jagg bench quality command to cont
                  start_over="move that run directory away and rerun")
 
 
-class QualityRun(ShapesTrainer):
-    """One run of the bench: the shapes trainer in the bench's words (:data:`HINTS`), whose stop on SIGINT/SIGTERM
-    (the iteration finished and saved) is the bench's interruption: a ``KeyboardInterrupt``, so that no result is
-    written as if the run were complete, even when the signal came in its last iteration."""
+class BenchRun:
+    """One run of the bench, mixed into a trainer: the trainer in the bench's words (:data:`HINTS`), whose stop on
+    SIGINT/SIGTERM (the iteration finished and saved) is the bench's interruption: a ``KeyboardInterrupt``, so that
+    no result is written as if the run were complete, even when the signal came in its last iteration."""
 
     hints = HINTS
 
@@ -160,6 +172,20 @@ class QualityRun(ShapesTrainer):
         if self.stopped:
             raise KeyboardInterrupt(f"{self.out} saved at iteration {self.iteration}; {HINTS.continue_run}")
         return records
+
+
+class QualityRun(BenchRun, ShapesTrainer):
+    """A run of a shapes-world config (:class:`BenchRun` of :class:`jagg.trainers.shapes.ShapesTrainer`)."""
+
+
+def trainer_of(cfg: TrainConfig) -> type:
+    """The bench's trainer of ``cfg``: :class:`QualityRun`, or for a diffusers config :class:`BenchRun` of
+    :class:`jagg.trainers.diffusers.DiffusersTrainer` (imported only then: it needs diffusers)."""
+    if not isinstance(cfg, DiffusersTrainConfig):
+        return QualityRun
+    from ..trainers.diffusers import DiffusersTrainer
+
+    return type("DiffusersQualityRun", (BenchRun, DiffusersTrainer), {"__doc__": "A run of a diffusers config."})
 
 
 def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
@@ -183,7 +209,7 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
             return {**result, "variant": variant}          # its directory is this variant's (even if renamed)
     print(f"quality: {variant} seed {seed}: training {cfg.grpo.iterations} iterations into {out}", flush=True)
     try:
-        records = QualityRun.run(cfg, resume=True)
+        records = trainer_of(cfg).run(cfg, resume=True)
     except ValueError as e:                   # any refusal of the run (its directory, its config): named by it
         raise ValueError(f"run {out}: {e}") from None
     result = {**summarize(records, cfg, variant, seed), "config": to_dict(cfg)}

@@ -14,7 +14,13 @@ Models:
   :class:`jagg.shapes.velocity.GuidedVelocity` with classifier-free guidance;
 - ``sd3``: a diffusers ``SD3Transformer2DModel`` from a small config with random weights, through the
   project's adapter ``jagg.integrations.velocity_adapter`` with the same guidance scheme (skipped with a
-  message when diffusers is not installed).
+  message when diffusers is not installed);
+- ``config`` (with ``--config``, added to the default models): the user's model at its real size, the trainer's
+  own sampler of that config (:func:`jagg.bench.efficiency.make_sampler`: for a ``pipeline:`` section the diffusers
+  pipeline's transformer with its LoRA or trainable weights, on ``pipeline.device``, its guidance as the trainer
+  trains it). Its trajectory is the first ``--batch`` samples of one of the trainer's rollouts: the config's
+  sampling steps and trained steps (``pipeline.num_steps``, ``sample.timestep_fraction``, ``sde_window``), not
+  ``--steps``; ``--micro-batch`` and ``--repeats`` as for the others.
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ from ..checks import number_arg
 from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
+from ..trainers.base import take
 from ..trajectory import Trajectory, VelocityFn, sample_trajectories
 from .common import (PeakMemory, json_if_asked, median, resolve_device, set_threads, table, timed)
 from .projection import estimator_limit
 
-MODELS = ("tiny_dit", "sd3")
+BUILT_IN_MODELS = ("tiny_dit", "sd3")
+MODELS = BUILT_IN_MODELS + ("config",)            # config: the model of --config
 
 
 @dataclass
@@ -60,7 +68,7 @@ class SD3Spec:
 
 @dataclass
 class SpeedConfig:
-    models: list[str] = field(default_factory=lambda: list(MODELS))
+    models: list[str] = field(default_factory=lambda: list(BUILT_IN_MODELS))
     windows: list[int] = field(default_factory=lambda: [2, 4, 8])
     knots: list[str] = field(default_factory=lambda: list(KNOTS))
     intermediates: list[str] = field(default_factory=lambda: ["interp", "fresh"])
@@ -79,11 +87,15 @@ class SpeedConfig:
     threads: int = 0
     tiny_checkpoint: str = "builtin:tiny_dit"
     sd3: SD3Spec = field(default_factory=SD3Spec)
+    config: str | None = None      # a trainer YAML: the model "config" (its trainer's sampler)
+    sets: list[str] = field(default_factory=list)     # its --set overrides
 
     def __post_init__(self):
         bad = [m for m in self.models if m not in MODELS]
         if bad or not self.models:
             raise ValueError(f"--models must be some of {MODELS}; got {self.models}")
+        if "config" in self.models and self.config is None:
+            raise ValueError("--models config times the model of --config; give --config PATH (a trainer YAML)")
         bad = [k for k in self.knots if k not in KNOTS]
         if bad or not self.knots:
             raise ValueError(f"--knots must be some of {KNOTS}; got {self.knots}")
@@ -124,6 +136,8 @@ class Subject:
     velocity: VelocityFn
     traj: Trajectory
     adv: Tensor
+    device: torch.device | None = None          # where the model runs, when not --device (a pipeline.device)
+    guidance: float | None = None               # its guidance scale, when not --guidance-scale
 
     @property
     def params(self) -> int:
@@ -178,9 +192,32 @@ def _sd3(cfg: SpeedConfig, device: torch.device, gen: torch.Generator):
     return name, model, velocity, (s.channels, s.latent_size, s.latent_size)
 
 
+def _from_config(cfg: SpeedConfig) -> Subject:
+    """The model of ``--config`` as its trainer builds it (:func:`jagg.bench.efficiency.make_sampler`) and the first
+    ``--batch`` samples of one of its rollouts, with random advantages."""
+    from .efficiency import load_config, make_sampler
+
+    train = load_config(cfg.config, cfg.sets)
+    sampler = make_sampler(train)
+    ro = sampler.sample()
+    device = ro.traj.latents.device
+    idx = torch.arange(min(cfg.batch, ro.traj.batch_size), device=device)
+    cond = take(ro.conditioning, idx)
+    network = getattr(sampler, "model", None) or sampler.policy.bare      # the shapes TinyDiT, or the transformer
+    p = getattr(train, "pipeline", None)
+    name = f"config({p.family},{p.resolution}px)" if p is not None else f"config({train.model.checkpoint})"
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    return Subject(name, network, sampler.velocity(cond), ro.traj.select(idx),
+                   torch.randn(len(idx), generator=gen, device=device), device,
+                   p.cfg_scale if p is not None else train.sample.guidance_scale)
+
+
 def build_subject(model_name: str, cfg: SpeedConfig, device: torch.device) -> Subject | None:
-    """Build the model and sample one on-policy trajectory batch (all steps trained) with it."""
+    """Build the model and sample one on-policy trajectory batch (all steps trained) with it; ``config``: the model
+    of ``--config`` and one of its trainer's rollouts (:func:`_from_config`)."""
     torch.manual_seed(cfg.seed)
+    if model_name == "config":
+        return _from_config(cfg)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     built = (_tiny_dit if model_name == "tiny_dit" else _sd3)(cfg, device, gen)
     if built is None:
@@ -294,8 +331,8 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
         lim, lim_meas = estimator_limit(est, K), estimator_limit(est, K, fg, fn, bw)   # expected rows where random
         rec = {
             "model": s.name, "model_params": s.params, "device": str(device), "threads": torch.get_num_threads(),
-            "batch": cfg.batch, "steps": cfg.steps, "trained_steps": K,
-            "micro_batch": cfg.micro_batch, "guidance_scale": cfg.guidance_scale, "repeats": cfg.repeats,
+            "batch": s.traj.batch_size, "steps": s.traj.num_steps, "trained_steps": K, "micro_batch": cfg.micro_batch,
+            "guidance_scale": cfg.guidance_scale if s.guidance is None else s.guidance, "repeats": cfg.repeats,
             "mode": est.mode, "knots": kn, "intermediate": inter, "window": w, "variant": variant,
             "exact_s": ex, "jagg_s": jg, "speedup": ex / jg,
             "limit": lim, "limit_measured": lim_meas, "efficiency": (ex / jg) / lim_meas,
@@ -338,7 +375,7 @@ def run_speed(cfg: SpeedConfig) -> list[dict]:
     for name in cfg.models:
         s = build_subject(name, cfg, device)
         if s is not None:
-            records += bench_subject(s, cfg, device)
+            records += bench_subject(s, cfg, s.device or device)
             del s
             gc.collect()
     return records
@@ -349,6 +386,8 @@ def run_speed(cfg: SpeedConfig) -> list[dict]:
 
 def _run(args: argparse.Namespace) -> int:
     base = SpeedConfig(**QUICK) if args.quick else SpeedConfig()
+    if args.config is not None and args.models is None:
+        args.models = [*base.models, "config"]                   # --config: one more model beside the built-in ones
     sd3 = base.sd3
     sd3 = SD3Spec(**{**asdict(sd3), **{k: v for k, v in (("layers", args.sd3_layers), ("heads", args.sd3_heads),
                                                           ("latent_size", args.sd3_latent)) if v is not None}})
@@ -356,7 +395,8 @@ def _run(args: argparse.Namespace) -> int:
                                           "corrections", "batch", "steps",
                                           "micro_batch",
                                           "repeats", "guidance_scale", "seed", "device", "threads",
-                                          "tiny_checkpoint") if getattr(args, k) is not None}
+                                          "tiny_checkpoint", "config") if getattr(args, k) is not None}
+    over["sets"] = list(args.set or [])
     cfg = SpeedConfig(**{**asdict(base), **over, "sd3": sd3})
     records = run_speed(cfg)
     if not records:
@@ -382,7 +422,15 @@ def add_parser(sub) -> None:
                    help="tiny settings that finish in about a minute on 2 cores: "
                         + ", ".join(f"{k}={v}" for k, v in QUICK.items() if k != "sd3")
                         + ", a 2-layer SD3 (hidden 256) on 16x16 latents")
-    p.add_argument("--models", nargs="+", choices=MODELS, help=f"models to time [default: {' '.join(d.models)}]")
+    p.add_argument("--models", nargs="+", choices=MODELS,
+                   help=f"models to time; config: the model of --config [default: {' '.join(d.models)}, and config "
+                        "with --config]")
+    p.add_argument("--config", metavar="PATH",
+                   help="a trainer YAML: also time its model at its real size as the trainer builds it (with a "
+                        "pipeline: section the diffusers transformer with its trainable weights, on pipeline.device) "
+                        "on one of its rollouts (its steps, not --steps)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a key of --config (repeatable), e.g. pipeline.path=/models/sd35")
     p.add_argument("--windows", nargs="+", type=number_arg(int, 2),
                    help=f"JAGG windows [default: {' '.join(map(str, d.windows))}]")
     p.add_argument("--knots", nargs="+", choices=KNOTS, help=f"knot layouts [default: {' '.join(d.knots)}]")

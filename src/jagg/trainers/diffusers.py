@@ -353,7 +353,8 @@ class DiffusersTrainer(GRPOTrainer):
         rewards = it.rewards
         rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std(unbiased=False)), "samples": len(it.rollout.prompts),
-               "trained_samples": int(self._sum([it.trained])[0]), "processes": self.world, **it.times}
+               "trained_samples": int(self._sum([it.trained])[0]), "processes": self.world, **it.times,
+               "iter_cpu_s": it.cpu, "cpu_s": self.cpu}                  # this process's CPU seconds
         # a weighted sum's components (info["scores/<name>"] of this process's samples), averaged over the processes
         parts = {k[len("scores/"):]: np.asarray(v, dtype=np.float64) for k, v in it.info.items()
                  if k.startswith("scores/")}
