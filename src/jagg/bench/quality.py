@@ -154,6 +154,7 @@ def _eval_cost(runs: list[dict]) -> str:
 def _run(args: argparse.Namespace) -> int:
     q = _config(args)
     cfg = q.train_config("exact", q.seeds[0])
+    p = getattr(cfg, "pipeline", None)                  # a diffusers config's model
     cost, cost_line = resolve(args.cost, config_structure(cfg), args.gpu_bench_json, default_cost(cfg))
     png = Path(q.out) / "quality.png" if args.plot is None else args.plot
     json_path = Path(q.out) / "quality.json" if args.json is None else args.json
@@ -168,10 +169,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     summary = [r for r in records if r["kind"] == "variant"]
     print_report(runs, summary, q.seeds, cost_line)
-    print(_eval_cost(runs))
+    print(_eval_cost(runs) if p is None else "held-out evaluations: none (the diffusers trainer does not evaluate on "
+          "held-out prompts): read time-to-target and the iteration ratios, on the training reward")
     for r in summary:
         r["cost_structure"] = cost_line
-    p = getattr(cfg, "pipeline", None)
     plot(runs, Path(png), **({} if p is None else {"title": f"GRPO on {p.family}"}), clock=args.clock)
     print(f"\nwrote {png}")
     write_json(json_path, records)

@@ -162,16 +162,22 @@ def _with_interval(key: str, value: float, resampled: list[float]) -> dict:
     return {key: value, f"{key}_lo": lo, f"{key}_hi": hi}
 
 
+def _nanmean(x: np.ndarray) -> float:
+    """The mean of the entries that are not NaN; NaN, without numpy's warning, when none is (runs without a
+    held-out evaluation: a diffusers config's)."""
+    return float(np.nanmean(x)) if bool(np.any(~np.isnan(x))) else math.nan
+
+
 def _final_rewards(pair: Pair, boots: np.ndarray, runs: list[dict]) -> dict:
     """The final held-out reward at equal updates, its paired difference to exact's and the evaluation's noise; the
     training reward at the start and at the end."""
     v, w = pair.variant, pair.w
     fin, diff = v.final, v.final - pair.exact.final
-    fin_lo, fin_hi = interval([float(np.nanmean(fin[idx])) for idx in boots])
-    diff_lo, diff_hi = interval([float(np.nanmean(diff[idx])) for idx in boots])
+    fin_lo, fin_hi = interval([_nanmean(fin[idx]) for idx in boots])
+    diff_lo, diff_hi = interval([_nanmean(diff[idx]) for idx in boots])
     sd = [r["final_test_reward_std"] for r in runs if r["final_test_reward_std"] is not None]
-    return {"final_test_mean": float(np.nanmean(fin)), "final_test_lo": fin_lo, "final_test_hi": fin_hi,
-            "diff_vs_exact": float(np.nanmean(diff)), "diff_lo": diff_lo, "diff_hi": diff_hi,
+    return {"final_test_mean": _nanmean(fin), "final_test_lo": fin_lo, "final_test_hi": fin_hi,
+            "diff_vs_exact": _nanmean(diff), "diff_lo": diff_lo, "diff_hi": diff_hi,
             "eval_se": statistics.fmean(sd) / np.sqrt(runs[0]["eval_images"]) if sd else None,
             "train_start": float(v.reward[:, :w].mean()), "train_end": float(v.reward[:, -w:].mean())}
 

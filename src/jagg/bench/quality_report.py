@@ -47,7 +47,8 @@ def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world", 
                        "cpu": "CPU seconds of training iterations (mean over seeds)",
                        "iterations": "iterations (= optimizer updates)"}[clock])
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:           # a diffusers config's runs: no held-out curve
+            ax.legend(fontsize=8)
     fig.suptitle(f"{title}: reward against {dict(wall='wall-clock time', cpu='CPU time').get(clock, 'updates')}, "
                  "exact vs JAGG")
     fig.tight_layout()
