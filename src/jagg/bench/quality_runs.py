@@ -40,6 +40,8 @@ def quick_sets(diffusers: bool) -> list[str]:
     """``--quick``'s keys: :data:`QUICK_SETS`, for a diffusers config (no ``eval:`` section) without the ``eval.``
     ones."""
     return [k for k in QUICK_SETS if not (diffusers and k.startswith("eval."))]
+
+
 # config keys that may differ between a run on disk and the run asked for: the trainer's resumable changes less
 # the evaluation's schedule and sizes, which change what a run records (the warnings and the grids do not), and the
 # threads, which change its seconds
@@ -101,8 +103,7 @@ class QualityConfig:
         (:func:`jagg.bench.efficiency.load_config`)."""
         run = [f"seed={seed}", f"log.output_dir={self.run_dir(variant, seed)}"]
         try:
-            return load_config(self.config,
-                               DEFAULT_SETS + self.sets + self.variants[variant] + run)
+            return load_config(self.config, DEFAULT_SETS + self.sets + self.variants[variant] + run)
         except ValueError as e:
             raise ValueError(f"variant {variant!r}: {e}") from None
 
