@@ -160,3 +160,16 @@ def test_a_runs_summary_keeps_its_evaluations_their_cost_and_the_meter_along_the
     r = summarize(train + evals + audits, cfg, "v", 0)
     assert r["evaluations"] == 2 and r["eval_s"] == 5.0
     assert r["meter_curve"] == [[1, 0.5, 0.1, 0.2], [2, 1.0, 0.1, 0.4]] and r["meter"]["bias_z"] == 0.4
+
+
+def test_late_rise_tells_a_levelled_curve_from_one_still_rising():
+    """#32: a plateau read where the curve still rises is no plateau; the late rise (the last 3 evaluations - the 3
+    before them) is 0 on a levelled curve and the curve's rise over 6 iterations on one still rising."""
+    out = compared({"exact": EXACT, "rising": (lambda i: exact_curve(i, stretch=10.0), 1.0, 8)})
+    assert out["exact"]["late_rise"] == pytest.approx(0.0, abs=1e-12)
+    assert out["exact"]["plateau_status"] == "levelled"
+    assert out["rising"]["late_rise"] == pytest.approx(0.006)           # 0.001 per iteration, 6 iterations apart
+    assert out["rising"]["late_rise_lo"] > 0 and out["rising"]["plateau_status"] == "rising"
+    rows = rate_rows(list(out.values()))
+    assert "rising" in table(rows, RATE_COLUMNS) and "late rise" in table(rows, RATE_COLUMNS)
+    assert math.isnan(st.late_rise(np.array([[0.5, 0.6, 0.7]]), 3))       # too few evaluations to tell

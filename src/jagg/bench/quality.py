@@ -43,7 +43,10 @@ Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy
     meter's per-update prediction). Where the smaller gain is not > 0 (a variant that never rises) they are
     undefined: NaN, printed "unreached (no gain)", ``rate_status`` says why.
   - ``plateau_gap``: the variant's plateau minus exact's, a plateau being the mean of the last ``--plateau-evals``
-    evaluations (``plateau_evals``; from iteration ``plateau_from_iteration`` on).
+    evaluations (``plateau_evals``; from iteration ``plateau_from_iteration`` on). ``late_rise``: the curve's
+    plateau minus the mean of as many evaluations before it; ``plateau_status`` ``rising`` where its interval lies
+    above 0 (not levelled off: while exact still rises, the gap is read before the plateau and is partly a rate),
+    ``levelled`` otherwise.
   - at an equal budget: ``budget`` = the smaller of the two runs' CPU seconds (seed means), ``budget_exact`` and
     ``budget_reward`` the two held-out rewards when it runs out (interpolated between evaluations), ``budget_diff``
     their difference: what a user has when the budget ends. ``projected_budget_diff`` is the same in

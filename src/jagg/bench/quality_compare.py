@@ -214,6 +214,7 @@ def _rate_and_plateau(pair: Pair, boots: np.ndarray) -> dict:
     k = stats.plateau_count(m, pair.k)
     if m < 2:
         return {"rate": math.nan, "rate_status": "no evaluations", "plateau_evals": 0, "plateau_gap": math.nan,
+                "late_rise": math.nan, "plateau_status": "unknown",
                 **{key: math.nan for key in LEVEL_KEYS}}
     every = np.arange(pair.exact.test.shape[0])
     full, resampled = pair.rate(every), [pair.rate(idx) for idx in boots]
@@ -221,10 +222,23 @@ def _rate_and_plateau(pair: Pair, boots: np.ndarray) -> dict:
            "plateau_from_iteration": float(pair.exact.test_clock["iterations"][:, -k].mean()),
            **_with_interval("rate", full.combined, [r.combined for r in resampled]),
            "rate_undefined_share": stats.undefined_share([r.combined for r in resampled]),
-           **_with_interval("plateau_gap", pair.gap(every), [pair.gap(idx) for idx in boots])}
+           **_with_interval("plateau_gap", pair.gap(every), [pair.gap(idx) for idx in boots]),
+           **_with_interval("late_rise", stats.late_rise(pair.variant.test, pair.k),
+                            [stats.late_rise(pair.variant.test[idx], pair.k) for idx in boots])}
+    rec["plateau_status"] = _levelled(rec)
     for j, key in enumerate(LEVEL_KEYS):
         rec.update(_with_interval(key, full.levels[j], [r.levels[j] for r in resampled]))
     return rec
+
+
+def _levelled(rec: dict) -> str:
+    """``rising`` where the curve's late rise (:func:`jagg.bench.statistics.late_rise`) has an interval above 0: it
+    had not levelled off where its plateau is read; ``levelled`` where the interval covers 0 or lies below;
+    ``unknown`` without one."""
+    lo = rec.get("late_rise_lo")
+    if lo is None or not math.isfinite(lo):
+        return "unknown"
+    return "rising" if lo > 0 else "levelled"
 
 
 def _budget(pair: Pair, boots: np.ndarray, scale: float | None = None, prefix: str = "budget") -> dict:

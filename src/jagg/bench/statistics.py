@@ -9,6 +9,8 @@
   both still rise).
 - :func:`plateau`: where a curve levels off, the mean of its last evaluations, and the **plateau gap** to the
   reference's.
+- :func:`late_rise`: whether a curve has levelled off where its plateau is read: the plateau minus the mean of the
+  evaluations just before it (a curve still rising there has no plateau yet, and a gap read then is part rate).
 - :func:`at_budget`: a curve's value when a budget (seconds) runs out, interpolated between its evaluations.
 
 Curves are ``[S, M]`` arrays: one row per seed, one column per evaluation; a clock ``[S, M]`` gives each evaluation's
@@ -99,6 +101,16 @@ def plateau(test: np.ndarray, k: int = PLATEAU_EVALS) -> float:
     :func:`plateau_count` evaluations (NaN with fewer than two evaluations)."""
     n = plateau_count(test.shape[1], k)
     return float(test[:, -n:].mean()) if n else float("nan")
+
+
+def late_rise(test: np.ndarray, k: int = PLATEAU_EVALS) -> float:
+    """How much the seed-mean held-out curve ``test`` ``[S, M]`` still rises where its plateau is read: the mean of
+    its last :func:`plateau_count` evaluations minus the mean of as many evaluations before them (never the start;
+    NaN without enough evaluations). About 0 on a levelled curve; > 0 on one still rising."""
+    n = plateau_count(test.shape[1], k)
+    if n == 0 or test.shape[1] - 1 < 2 * n:
+        return float("nan")
+    return float(test[:, -n:].mean() - test[:, -2 * n:-n].mean())
 
 
 @dataclass(frozen=True)
