@@ -50,6 +50,24 @@ def test_extrapolation_and_efficiency_formula():
     assert predicted_efficiency(1.0, 0.0) == 1.0 and math.isnan(predicted_efficiency(1.0, math.nan))
 
 
+def test_the_meter_gives_a_range_or_says_unknown():
+    """#32: the prediction spans the error's +- 2 SE, and is 'unknown' where the model does not hold (a significant
+    repeating error) or off-policy."""
+    from jagg.audit import adam_efficiency
+    from jagg.bench.efficiency import prediction
+
+    rec = {"error_to_noise": 0.5, "error_to_noise_se": 0.1, "iter_ratio": 1.2, "bias_z": 0.3, "update": 0}
+    out = prediction(rec)
+    assert out["adam_time_efficiency_lo"] == pytest.approx(1.2 / math.sqrt(1.7))
+    assert out["adam_time_efficiency_hi"] == pytest.approx(1.2 / math.sqrt(1.3))
+    assert out["prediction"] == "range" and out["prediction_range"] == "0.92-1.05"
+    wide = prediction({**rec, "error_to_noise_se": 0.5})                  # the lower end of the error clamps at 0
+    assert wide["adam_time_efficiency_hi"] == pytest.approx(adam_efficiency(1.2, 0.0))
+    assert prediction({**rec, "bias_z": 2.5})["prediction_range"] == "unknown"
+    assert prediction({**rec, "bias_z": 2.5})["prediction"].startswith("unknown: a significant repeating error")
+    assert prediction({**rec, "update": 1})["prediction"].startswith("unknown: off-policy")
+
+
 @pytest.mark.parametrize("error_to_noise", [1.0, 3.0])
 def test_adam_pays_the_square_root_of_an_unbiased_error(error_to_noise):
     """The model behind adam_efficiency: Adam on a noise-dominated gradient (signal s_j = 0.1 of the noise's std in

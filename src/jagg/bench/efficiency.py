@@ -33,6 +33,10 @@ deterministic estimator). Per estimator:
   own ``E_t / V_t`` weighted by its share of Adam's progress (:func:`jagg.audit.tensor_weights`: by the signal where
   it is measured, ``tensor_weighting``), beside the global ratio; ``--by-tensor NAME`` lists the tensors that carry
   most of an estimator's error;
+- ``prediction`` and ``adam_time_efficiency_lo``, ``_hi`` (printed ``± 2 SE``): Adam's time efficiency over the
+  error's range ``E|e|^2/V_b +- 2 SE`` (the error is heavy-tailed: one batch of a few can carry most of it), or
+  ``unknown`` where the model does not hold: a repeating error (``bias_z >= 2``) or an off-policy ``--update``
+  (:func:`prediction`);
 - ``projected_iter_ratio`` and ``projected_time_efficiency``, ``projected_adam_time_efficiency``,
   ``projected_adam_tensor_time_efficiency``: the per-update efficiencies times the iteration ratio of a named cost
   structure (``--cost``, :mod:`jagg.bench.projection`; ``--gpu-bench-json``: B/F measured on a GPU), labelled
@@ -377,8 +381,27 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
         rec.update({f"{k}_at_target": v for k, v in at.items()})
         at_eff = efficiencies(r_exact / r, time_ratio, at["error_to_noise"], at["adam_tensor_factor"])
         rec.update({f"{k}_at_target": v for k, v in at_eff.items()})
-        records.append(rec)
+        records.append({**rec, **prediction(rec)})
     return records
+
+
+def prediction(rec: dict) -> dict:
+    """The meter's answer for one estimator's record: Adam's time efficiency over the error's range
+    ``E|e|^2/V_b +- 2 SE`` (``adam_time_efficiency_lo``, ``_hi``: a few batches of a heavy-tailed error leave it wide),
+    and ``prediction``: ``unknown`` where the repeating error is significant (``bias_z >= 2``: the variance model
+    does not hold) or where the off-policy updates are measured (``update > 0``: there the paired seeds did not follow
+    the error, docs/RESULTS.md §8.2 and §9), else ``range``."""
+    e, se, ratio = rec["error_to_noise"], rec["error_to_noise_se"], rec["iter_ratio"]
+    lo, hi = adam_efficiency(ratio, e + 2 * se), adam_efficiency(ratio, max(e - 2 * se, 0.0))
+    z = rec["bias_z"]
+    if z is not None and math.isfinite(z) and z >= 2:
+        why = "unknown: a significant repeating error (bias z >= 2)"
+    elif rec["update"]:
+        why = "unknown: off-policy, where the paired seeds did not follow the error"
+    else:
+        why = "range"
+    return {"adam_time_efficiency_lo": lo, "adam_time_efficiency_hi": hi, "prediction": why,
+            "prediction_range": f"{lo:.2f}-{hi:.2f}" if why == "range" else "unknown"}
 
 
 def projected_efficiencies(iter_ratio: float, error_to_noise: float, tensor_factor: float) -> dict:
@@ -470,8 +493,8 @@ COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".
            ("bias_to_noise_se", "± SE", ".4f"), ("bias_z", "bias z", ".1f"), ("clip_frac", "clipped", ".3f"),
            ("bias_to_signal", "bias^2/signal^2", ".2f"), ("efficiency", "efficiency", ".2f"),
            ("iter_ratio", "iter ratio", ".2f"), ("time_efficiency", "time eff.", ".2f"),
-           ("adam_time_efficiency", "Adam time eff.", ".2f"), ("adam_tensor_time_efficiency", "per tensor", ".2f"),
-           ("bias_to_noise_at_target", "bias^2/V_b @T", ".4f"), ("adam_time_efficiency_at_target", "Adam @T", ".2f")]
+           ("adam_time_efficiency", "Adam time eff.", ".2f"), ("prediction_range", "± 2 SE", ""),
+           ("adam_tensor_time_efficiency", "per tensor", ".2f"), ("bias_to_noise_at_target", "bias^2/V_b @T", ".4f"), ("adam_time_efficiency_at_target", "Adam @T", ".2f")]
 PROJECTED_COLUMNS = [("estimator", "estimator", ""), ("rows_ratio", "rows ratio", ".2f"),
                      ("projected_iter_ratio", "iter ratio", ".2f"), ("projected_time_efficiency", "time eff.", ".2f"),
                      ("projected_adam_time_efficiency", "Adam time eff.", ".2f"),
@@ -512,7 +535,9 @@ def _run(args: argparse.Namespace) -> int:
     print("time eff.: plain SGD's variance model; Adam time eff.: the trainers' AdamW (the step normalised by the "
           f"noise), per tensor: Adam per parameter tensor (weighted by {r0['tensor_weighting']}), for an estimator "
           "whose repeating error is not significant (bias z < 2); all predict from this checkpoint's gradients, paired "
-          "seeds measure (docs/design.md §3.8)")
+          "seeds measure (docs/design.md §3.8); ± 2 SE: Adam time eff. over E|e|^2/V_b +- 2 jackknife SE, "
+          "'unknown' where the model does not hold (bias z >= 2) or off-policy (--update > 0: there the paired "
+          "seeds did not follow the error, docs/RESULTS.md §9)")
     print(f"\nprojected, not measured: the per-update efficiency times the iteration ratio of {cost_line}")
     print(table(records, PROJECTED_COLUMNS))
     extra = []
