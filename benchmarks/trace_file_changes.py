@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave the calls into jagg/checks.py out (transparent, as torch is): the shared checks aside")
     p.add_argument("--correction-p", type=float, default=0.0,
                    help="estimator.correction_p of the traced run [default: 0, plain JAGG: the estimator the count "
-                        "before the layout change (284) traced; the library default 0.25 adds the correction's calls]")
+                        "before the layout change (284) traced; 0.25 adds the correction's calls]")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:

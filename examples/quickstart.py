@@ -30,8 +30,8 @@ opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
 grads = {}
 for mode in ("exact", "jagg"):
     opt.zero_grad()
-    # correction_p=0.25 (the default): unbiased JAGG; 0.0 is the paper's plain JAGG
-    cfg = jagg.EstimatorConfig(mode=mode, window=4, intermediate="interp", micro_batch=8, correction_p=0.25)
+    # correction_p=0.0 (the default): the paper's plain JAGG; p > 0 is unbiased JAGG (docs/usage.md: when it pays)
+    cfg = jagg.EstimatorConfig(mode=mode, window=4, intermediate="interp", micro_batch=8, correction_p=0.0)
     stats = jagg.policy_gradient(velocity, traj, adv, cfg, prompt_groups=prompt_ids)  # for routing
     grads[mode] = torch.cat([p.grad.flatten() for p in net.parameters()])
     print(f"{mode:5s}: loss={stats.loss:+.4f}  backward items={stats.backward_items:4d}  "

@@ -335,8 +335,8 @@ def test_bench_e2e_round_robin(tmp_path, bench_ckpt, capsys):
                                                   "estimator.correction_p=0", "estimator.intermediate=interp"])
     assert routed_limit(half) == pytest.approx(1 / (0.5 + 0.5 / 2))        # half the groups at the W/2 limit
     unb = configuration.load(ShapesTrainConfig, None, ["sample.num_steps=8", "sample.sde_window=null",
-                                                 "estimator.intermediate=interp"])
-    assert routed_limit(unb) == pytest.approx(8 / (4 + 0.25 * 4))           # default: unbiased, p = 0.25
+                                                 "estimator.intermediate=interp", "estimator.correction_p=0.25"])
+    assert routed_limit(unb) == pytest.approx(8 / (4 + 0.25 * 4))           # unbiased, p = 0.25
     # intermediate auto: fresh inner forwards (one F each, a row costs F + 2F) in all but the first of U updates
     for u in (1, 4):
         auto = configuration.load(ShapesTrainConfig, None, ["sample.num_steps=8", "sample.sde_window=null",

@@ -66,21 +66,21 @@ def _grad(model):
 
 # every option combination that takes its own code path in planning or execution
 CASES = {
-    "default": dict(),                                                        # unbiased JAGG, groups of 4
+    "unbiased": dict(correction_p=0.25),                                      # unbiased JAGG, groups of 4
     "exact": dict(mode="exact"),
     "plain_interp": dict(correction_p=0.0),
     "plain_fresh": dict(correction_p=0.0, intermediate="fresh"),
-    "alpha_index": dict(alpha="index"),
-    "shared": dict(knots="shared"),
+    "alpha_index": dict(alpha="index", correction_p=0.25),
+    "shared": dict(knots="shared", correction_p=0.25),
     "shared_corrected_micro3": dict(knots="shared", correction_p=0.5, micro_batch=3),
     "shared_fresh_plain": dict(knots="shared", intermediate="fresh", correction_p=0.0),
-    "route_half_cosine": dict(jagg_frac=0.5),
+    "route_half_cosine": dict(jagg_frac=0.5, correction_p=0.25),
     "route_third_plain": dict(jagg_frac=0.3, correction_p=0.0),
     "correction_rates": dict(correction_rates=[0.5, 0.0, 1.0]),
     "correction_p1": dict(correction_p=1.0),
-    "exact_first_last": dict(exact_first_intervals=1, exact_last_intervals=1, window=3),
-    "kl": dict(kl_beta=0.2),
-    "window8": dict(window=8),
+    "exact_first_last": dict(exact_first_intervals=1, exact_last_intervals=1, window=3, correction_p=0.25),
+    "kl": dict(kl_beta=0.2, correction_p=0.25),
+    "window8": dict(window=8, correction_p=0.25),
     "subsample": dict(mode="subsample", subsample_frac=0.4),
 }
 
@@ -111,8 +111,9 @@ def test_policy_gradient_under_a_float64_default(default_dtype, case, dtype, gro
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_only_steps_under_a_float64_default(default_dtype, dtype):
     default_dtype(torch.float64)
-    full, _ = _policy_gradient(dtype, {}, GROUPS)
-    parts = [_policy_gradient(dtype, {}, GROUPS, only_steps=r)[0] for r in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10])]
+    unbiased = CASES["unbiased"]
+    full, _ = _policy_gradient(dtype, unbiased, GROUPS)
+    parts = [_policy_gradient(dtype, unbiased, GROUPS, only_steps=r)[0] for r in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10])]
     assert all(bool(torch.isfinite(p).all()) for p in parts)
     torch.testing.assert_close(sum(parts), full, rtol=1e-4 if dtype == torch.float32 else 1e-10, atol=1e-7)
 
@@ -136,7 +137,7 @@ def test_sampling_and_advantages_under_a_float64_default(default_dtype, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("case", ["default", "plain_interp", "shared", "shared_fresh_plain", "route_half_cosine",
+@pytest.mark.parametrize("case", ["unbiased", "plain_interp", "shared", "shared_fresh_plain", "route_half_cosine",
                                   "exact"])
 def test_audit_gradient_under_a_float64_default(default_dtype, dtype, case):
     def audit():

@@ -103,7 +103,7 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     ex = recs["exact"]
     assert ex["rows_per_sample"] == 8 and ex["error_to_noise"] == 0 and ex["efficiency"] == 1
     assert ex["iter_ratio"] == 1 and ex["samples_per_batch"] == 8 and ex["target_batch"] == 32
-    # W = 4 groups on 8 steps: 4 rows plain, 4 + 0.25 x 4 on average with the default correction
+    # W = 4 groups on 8 steps: 4 rows plain, 4 + 0.25 x 4 on average with the config's correction (efficiency_sets)
     assert recs["plain"]["rows_per_sample"] == 4 and recs["plain"]["draws"] == 1
     assert 4 <= recs["config"]["rows_per_sample"] <= 8 and recs["config"]["draws"] == 2
     assert recs["w8"]["rows_per_sample"] == 2 and recs["w8"]["estimator_config"]["window"] == 8

@@ -237,7 +237,8 @@ def test_a_prompt_groups_samples_draw_the_same_intervals_so_their_terms_still_ca
         model.cond[1] = model.cond[0]
     twins = traj.select(torch.tensor([0, 0]))
     opposite = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    cfg = EstimatorConfig(mode="jagg", window=4, knots="groups", interval_frac=0.5, clip_range=1e6)   # no clipping
+    cfg = EstimatorConfig(mode="jagg", window=4, knots="groups", interval_frac=0.5, clip_range=1e6,   # no clipping
+                          correction_p=0.25)                    # the correction's picks are a prompt group's too
     full, _ = run(model, twins, opposite, dataclasses.replace(cfg, interval_frac=1.0), prompt_groups=[0, 0])
     one, _ = run(model, twins, torch.tensor([1.0, 0.0], dtype=torch.float64), cfg, prompt_groups=[0, 0],
                  generator=torch.Generator().manual_seed(0))

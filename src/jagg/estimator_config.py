@@ -56,13 +56,16 @@ class EstimatorConfig:
                                        "bench efficiency --by-interval."})
     exact_last_intervals: int = field(default=0, metadata={"help": "Always run the last N intervals with inner steps "
                                       "(the cleanest) exact."})
-    correction_p: float = field(default=0.25, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a "
+    correction_p: float = field(default=0.0, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a "
                                       "JAGG unit (prompt group with prompt_groups, else sample, x interval) also runs "
                                       "its inner steps exactly and adds (exact - interpolated) / p, so the expected "
-                                      "gradient is exact. Costs p x the inner rows and adds variance (1/p - 1)|e|^2. 0 = "
-                                      "plain JAGG (the paper), biased where the Jacobian is not linear (what that did to "
-                                      "training: docs/RESULTS.md). Choose it with jagg bench efficiency ('auto' was "
-                                      "retired: docs/RESULTS.md §8.6).", "retired": RETIRED_CORRECTION_P})
+                                      "gradient is exact. Costs p x the inner rows and adds variance (1/p - 1)|e|^2. 0 "
+                                      "(the default) = plain JAGG (the paper), biased where the Jacobian is not linear. "
+                                      "On an on-policy job with a repeating error (the JPEG job, docs/RESULTS.md §6.4) "
+                                      "the correction paid; with several updates per rollout (the main job) p = 0.25 "
+                                      "cost ~0.06 of held-out reward (docs/RESULTS.md §9). Choose it with jagg bench "
+                                      "efficiency ('auto' was retired: docs/RESULTS.md §8.6).",
+                                      "retired": RETIRED_CORRECTION_P})
     correction_rates: list[float] | None = field(default=None, metadata={"help": "Per-interval correction "
                                                  "probabilities p_j in [0, 1], one per interval of the layout in order "
                                                  "(e.g. [0.4, 0.1] for two step groups), used instead of correction_p; "
