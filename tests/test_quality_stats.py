@@ -173,3 +173,19 @@ def test_late_rise_tells_a_levelled_curve_from_one_still_rising():
     rows = rate_rows(list(out.values()))
     assert "rising" in table(rows, RATE_COLUMNS) and "late rise" in table(rows, RATE_COLUMNS)
     assert math.isnan(st.late_rise(np.array([[0.5, 0.6, 0.7]]), 3))       # too few evaluations to tell
+
+
+def test_the_gap_splits_into_the_lag_a_rate_explains_and_a_plateau_of_its_own():
+    """#32: a curve that is exact's stretched 2x while exact still rises ends lower by exactly what the rate explains
+    (lag = gap, own plateau 0); a curve that rises as fast and levels off 0.02 lower has no lag and its own plateau
+    -0.02."""
+    rising = lambda i, stretch=1.0: exact_curve(i, stretch=10.0 * stretch)      # 0.001 per iteration, never level
+    out = compared({"exact": (rising, 1.0, 8), "slow": (lambda i: rising(i, 2.0), 1.0, 8)})["slow"]
+    assert out["rate"] == pytest.approx(0.5)
+    assert out["plateau_gap"] == pytest.approx(-0.029) and out["lag_gap"] == pytest.approx(-0.029)
+    assert out["plateau_excess"] == pytest.approx(0.0, abs=1e-12)
+    low = compared({"exact": EXACT, "low": (lambda i: exact_curve(i, top=0.68), 1.0, 8)})["low"]
+    assert low["lag_gap"] == pytest.approx(0.0, abs=1e-12) and low["plateau_excess"] == pytest.approx(-0.02)
+    curve, clock = np.array([[0.5, 0.6]]), np.array([[0.0, 10.0]])
+    assert math.isnan(st.lag_gap(curve, clock, math.nan))                      # an undefined rate explains nothing
+    assert st.lag_gap(curve, clock, 0.5) == pytest.approx(-0.05) and st.lag_gap(curve, clock, 1.5) == 0.0

@@ -46,7 +46,8 @@ Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy
     evaluations (``plateau_evals``; from iteration ``plateau_from_iteration`` on). ``late_rise``: the curve's
     plateau minus the mean of as many evaluations before it; ``plateau_status`` ``rising`` where its interval lies
     above 0 (not levelled off: while exact still rises, the gap is read before the plateau and is partly a rate),
-    ``levelled`` otherwise.
+    ``levelled`` otherwise. ``lag_gap``: the part of the gap the rate alone explains (exact's curve read at the rate
+    times its updates); ``plateau_excess``: the rest, a plateau of the variant's own.
   - at an equal budget: ``budget`` = the smaller of the two runs' CPU seconds (seed means), ``budget_exact`` and
     ``budget_reward`` the two held-out rewards when it runs out (interpolated between evaluations), ``budget_diff``
     their difference: what a user has when the budget ends. ``projected_budget_diff`` is the same in

@@ -214,7 +214,7 @@ def _rate_and_plateau(pair: Pair, boots: np.ndarray) -> dict:
     k = stats.plateau_count(m, pair.k)
     if m < 2:
         return {"rate": math.nan, "rate_status": "no evaluations", "plateau_evals": 0, "plateau_gap": math.nan,
-                "late_rise": math.nan, "plateau_status": "unknown",
+                "late_rise": math.nan, "plateau_status": "unknown", "lag_gap": math.nan, "plateau_excess": math.nan,
                 **{key: math.nan for key in LEVEL_KEYS}}
     every = np.arange(pair.exact.test.shape[0])
     full, resampled = pair.rate(every), [pair.rate(idx) for idx in boots]
@@ -226,9 +226,24 @@ def _rate_and_plateau(pair: Pair, boots: np.ndarray) -> dict:
            **_with_interval("late_rise", stats.late_rise(pair.variant.test, pair.k),
                             [stats.late_rise(pair.variant.test[idx], pair.k) for idx in boots])}
     rec["plateau_status"] = _levelled(rec)
+    rec.update(_lag(pair, boots, full.combined, [r.combined for r in resampled]))
     for j, key in enumerate(LEVEL_KEYS):
         rec.update(_with_interval(key, full.levels[j], [r.levels[j] for r in resampled]))
     return rec
+
+
+def _lag(pair: Pair, boots: np.ndarray, rate: float, resampled: list[float]) -> dict:
+    """The plateau gap the rate alone explains (``lag_gap``, :func:`jagg.bench.statistics.lag_gap`: exact's curve
+    read at the rate times its updates) and the rest (``plateau_excess`` = ``plateau_gap - lag_gap``: a plateau of
+    the variant's own), each with its interval (the same resamples)."""
+    ex = pair.exact
+    lag = lambda idx, r: stats.lag_gap(ex.test[idx], ex.test_clock["iterations"][idx], r, pair.k)
+    every = np.arange(ex.test.shape[0])
+    lags = [lag(idx, r) for idx, r in zip(boots, resampled)]
+    excess = [pair.gap(idx) - g for idx, g in zip(boots, lags)]
+    full = lag(every, rate)
+    return {**_with_interval("lag_gap", full, lags),
+            **_with_interval("plateau_excess", pair.gap(every) - full, excess)}
 
 
 def _levelled(rec: dict) -> str:

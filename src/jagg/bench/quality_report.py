@@ -69,7 +69,8 @@ VARIANT_COLUMNS = [
 RATE_COLUMNS = [
     ("variant", "variant", ""), ("rate_gain", "smaller gain", "+.3f"), ("rate_25_ci", "rate 25%", ""),
     ("rate_50_ci", "rate 50%", ""), ("rate_75_ci", "rate 75%", ""), ("rate_ci", "rate (geo. mean)", ""),
-    ("plateau_gap_ci", "plateau gap", ""), ("late_rise_ci", "late rise", ""), ("plateau_status", "plateau", ""),
+    ("plateau_gap_ci", "plateau gap", ""), ("lag_gap_ci", "of it: lag", ""), ("plateau_excess_ci", "own plateau", ""),
+    ("late_rise_ci", "late rise", ""), ("plateau_status", "plateau", ""),
     ("budget", "CPU budget s", ".1f"), ("budget_exact", "exact", ".3f"),
     ("budget_reward", "variant", ".3f"), ("budget_diff_ci", "- exact", ""),
     ("projected_budget_diff_ci", "projected: - exact", "")]
@@ -110,7 +111,7 @@ def rate_rows(summary: list[dict]) -> list[dict]:
         row = dict(r)
         for key in ("rate_25", "rate_50", "rate_75", "rate"):
             row[f"{key}_ci"] = with_interval(r, key, ".2f", why)
-        for key in ("plateau_gap", "late_rise", "budget_diff", "projected_budget_diff"):
+        for key in ("plateau_gap", "lag_gap", "plateau_excess", "late_rise", "budget_diff", "projected_budget_diff"):
             row[f"{key}_ci"] = with_interval(r, key, "+.3f", "n/a")
         rows.append(row)
     return rows
@@ -127,7 +128,8 @@ def print_report(runs: list[dict], summary: list[dict], seeds: list[int], cost_l
     k = summary[0].get("plateau_evals", 0) if summary else 0
     print("\nrate and plateau (held-out reward; value [95% interval]): rate at 25/50/75% = exact's updates to that "
           "share of the smaller of the two gains / the variant's, and their geometric mean; plateau gap = the "
-          f"variant's mean over its last {k} evaluations - exact's; late rise = a curve's last {k} evaluations - the {k} "
+          f"variant's mean over its last {k} evaluations - exact's, of it the lag = the gap the rate alone explains "
+          "(exact's curve read at the rate x its updates) and own plateau = the rest; late rise = a curve's last {k} evaluations - the {k} "
           "before them, plateau 'rising' where its interval is above 0 (not levelled off: a gap read against a rising "
           "exact is part rate, not plateau); at an equal budget = both held-out rewards when "
           "the smaller of the two CPU-second budgets runs out (projected: in the projected time of the cost "

@@ -11,6 +11,8 @@
   reference's.
 - :func:`late_rise`: whether a curve has levelled off where its plateau is read: the plateau minus the mean of the
   evaluations just before it (a curve still rising there has no plateau yet, and a gap read then is part rate).
+- :func:`lag_gap`: the plateau gap a rate alone explains (a slower curve still behind a reference that has not
+  levelled off); the rest of the gap is a plateau of its own.
 - :func:`at_budget`: a curve's value when a budget (seconds) runs out, interpolated between its evaluations.
 
 Curves are ``[S, M]`` arrays: one row per seed, one column per evaluation; a clock ``[S, M]`` gives each evaluation's
@@ -157,6 +159,19 @@ def rate(ref: np.ndarray, ref_clock: np.ndarray, cur: np.ndarray, cur_clock: np.
 def plateau_gap(ref: np.ndarray, cur: np.ndarray, k: int = PLATEAU_EVALS) -> float:
     """The curve's plateau minus the reference's (:func:`plateau`, the last ``k`` evaluations of each)."""
     return plateau(cur, k) - plateau(ref, k)
+
+
+def lag_gap(ref: np.ndarray, ref_clock: np.ndarray, rate_: float, k: int = PLATEAU_EVALS) -> float:
+    """The plateau gap a rate alone explains: the reference's seed-mean curve read at ``rate_`` times the updates of
+    its last :func:`plateau_count` evaluations, minus its plateau (the variant as the reference slowed by ``rate_``;
+    0 for a rate of 1 or a reference that levelled off before ``rate_`` x its plateau's updates; NaN for an undefined
+    rate). ``ref``, ``ref_clock``: ``[S, M]`` held-out rewards and the updates at each evaluation."""
+    n = plateau_count(ref.shape[1], k)
+    if n == 0 or not math.isfinite(rate_) or rate_ <= 0:
+        return float("nan")
+    t, curve = ref_clock.mean(0), ref.mean(0)
+    lagged = np.interp(min(rate_, 1.0) * t[-n:], t, curve)
+    return float(lagged.mean() - curve[-n:].mean())
 
 
 def at_budget(test: np.ndarray, clock: np.ndarray, budget: float) -> float:
