@@ -34,7 +34,7 @@ from jagg.bench.quality_compare import compare, curves
 from jagg.bench.statistics import plateau_gap, resamples, interval
 
 BOOTSTRAP = 2000
-FIGURES = ("rate", "plateau_gap", "final_diff", "budget_diff")
+FIGURES = ("rate", "plateau_gap", "lag_gap", "plateau_excess", "final_diff", "budget_diff")
 
 
 def load_runs(out: Path, variants: set[str], seeds: list[int]) -> dict[tuple[str, int], dict]:
