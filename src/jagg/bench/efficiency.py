@@ -35,8 +35,8 @@ deterministic estimator). Per estimator:
   most of an estimator's error;
 - ``prediction`` and ``adam_time_efficiency_lo``, ``_hi`` (printed ``± 2 SE``): Adam's time efficiency over the
   error's range ``E|e|^2/V_b +- 2 SE`` (the error is heavy-tailed: one batch of a few can carry most of it), or
-  ``unknown`` where the model does not hold: a repeating error (``bias_z >= 2``) or an off-policy ``--update``
-  (:func:`prediction`);
+  ``unknown`` where the model does not hold: a repeating error (``bias_z >= 2``) (:func:`prediction`); with several
+  updates per rollout, the mean over the ``--update`` positions predicts the job's per-update rate;
 - ``projected_iter_ratio`` and ``projected_time_efficiency``, ``projected_adam_time_efficiency``,
   ``projected_adam_tensor_time_efficiency``: the per-update efficiencies times the iteration ratio of a named cost
   structure (``--cost``, :mod:`jagg.bench.projection`; ``--gpu-bench-json``: B/F measured on a GPU), labelled
@@ -389,17 +389,13 @@ def prediction(rec: dict) -> dict:
     """The meter's answer for one estimator's record: Adam's time efficiency over the error's range
     ``E|e|^2/V_b +- 2 SE`` (``adam_time_efficiency_lo``, ``_hi``: a few batches of a heavy-tailed error leave it wide),
     and ``prediction``: ``unknown`` where the repeating error is significant (``bias_z >= 2``: the variance model
-    does not hold) or where the off-policy updates are measured (``update > 0``: there the paired seeds did not follow
-    the error, docs/RESULTS.md §8.2 and §9), else ``range``."""
+    does not hold), else ``range``. For a job of ``U`` updates per rollout the per-update rate is the mean of the
+    predictions at ``--update 0 .. U-1`` (docs/RESULTS.md §9.3)."""
     e, se, ratio = rec["error_to_noise"], rec["error_to_noise_se"], rec["iter_ratio"]
     lo, hi = adam_efficiency(ratio, e + 2 * se), adam_efficiency(ratio, max(e - 2 * se, 0.0))
     z = rec["bias_z"]
-    if z is not None and math.isfinite(z) and z >= 2:
-        why = "unknown: a significant repeating error (bias z >= 2)"
-    elif rec["update"]:
-        why = "unknown: off-policy, where the paired seeds did not follow the error"
-    else:
-        why = "range"
+    biased = z is not None and math.isfinite(z) and z >= 2
+    why = "unknown: a significant repeating error (bias z >= 2)" if biased else "range"
     return {"adam_time_efficiency_lo": lo, "adam_time_efficiency_hi": hi, "prediction": why,
             "prediction_range": f"{lo:.2f}-{hi:.2f}" if why == "range" else "unknown"}
 
@@ -536,8 +532,8 @@ def _run(args: argparse.Namespace) -> int:
           f"noise), per tensor: Adam per parameter tensor (weighted by {r0['tensor_weighting']}), for an estimator "
           "whose repeating error is not significant (bias z < 2); all predict from this checkpoint's gradients, paired "
           "seeds measure (docs/design.md §3.8); ± 2 SE: Adam time eff. over E|e|^2/V_b +- 2 jackknife SE, "
-          "'unknown' where the model does not hold (bias z >= 2) or off-policy (--update > 0: there the paired "
-          "seeds did not follow the error, docs/RESULTS.md §9)")
+          "'unknown' where the model does not hold (bias z >= 2); with U updates per rollout the job's per-update "
+          "rate is the mean over --update 0 .. U-1 (docs/RESULTS.md §9.3)")
     print(f"\nprojected, not measured: the per-update efficiency times the iteration ratio of {cost_line}")
     print(table(records, PROJECTED_COLUMNS))
     extra = []
