@@ -14,7 +14,12 @@ The two mechanisms predict different contrasts against plain JAGG's gap at a con
 - **biased fixed point** (a repeating error ``b`` that does not vanish where exact's gradient does): the decay and the
   larger batch leave the gap (contrasts ~ 0); the unbiased correction closes it (contrast > 0).
 
-Usage (the experiment of docs/RESULTS.md §9; the runs are trained by the commands there)::
+With ``--predict VARIANT=RATE[:LO:HI]`` it also sets a predicted per-update rate (the meter's, ``jagg bench
+efficiency``, with its range) against the measured one, and the plateau gap that rate predicts where the gap is a lag
+(§9.1: the variant's own plateau 0, the gap exact's curve read at the rate times its updates, :func:`lag_gap`), each
+marked inside or outside the measured 95% interval.
+
+Usage (the experiments of docs/RESULTS.md §9; the runs are trained by the commands there)::
 
     python benchmarks/plateau_mechanism.py --out runs/q32_align --seeds 5 \
         --pair plain:exact --pair plain_cos:exact_cos --pair plain_big:exact --pair unb:exact
@@ -31,7 +36,7 @@ import numpy as np
 
 from jagg.bench.common import fmt, table, write_json
 from jagg.bench.quality_compare import compare, curves
-from jagg.bench.statistics import plateau_gap, resamples, interval
+from jagg.bench.statistics import PLATEAU_EVALS, interval, lag_gap, plateau_gap, resamples
 
 BOOTSTRAP = 2000
 FIGURES = ("rate", "plateau_gap", "lag_gap", "plateau_excess", "final_diff", "budget_diff")
@@ -59,6 +64,35 @@ def parse_pair(spec: str) -> tuple[str, str]:
     return variant, reference
 
 
+def parse_prediction(spec: str) -> tuple[str, tuple[float, float, float]]:
+    """``VARIANT=RATE`` or ``VARIANT=RATE:LO:HI`` -> ``(variant, (rate, lo, hi))``, each a rate in (0, 10] with lo <=
+    rate <= hi."""
+    variant, eq, values = spec.partition("=")
+    try:
+        nums = [float(x) for x in values.split(":")]
+    except ValueError:
+        nums = []
+    if not eq or not variant or len(nums) not in (1, 3):
+        raise SystemExit(f"--predict {spec!r}: give VARIANT=RATE or VARIANT=RATE:LO:HI (numbers)")
+    rate, lo, hi = (nums[0], nums[0], nums[0]) if len(nums) == 1 else nums
+    if not all(0 < x <= 10 for x in (rate, lo, hi)) or not lo <= rate <= hi:
+        raise SystemExit(f"--predict {spec!r}: the rates must lie in (0, 10] with LO <= RATE <= HI")
+    return variant, (rate, lo, hi)
+
+
+def predicted(runs: dict, rec: dict, reference: str, seeds: list[int], rates: tuple[float, float, float]) -> dict:
+    """A predicted rate and the plateau gap it predicts (the reference's curve read at that rate times its updates)
+    beside the measured ones: each ``*_inside`` is whether the prediction lies in the measured 95% interval."""
+    m = min(len(runs[(reference, s)]["test_curve"]) for s in seeds)
+    ref = curves([runs[(reference, s)] for s in seeds], 1, m)
+    gap = [lag_gap(ref.test, ref.test_clock["iterations"], r, PLATEAU_EVALS) for r in rates]
+    inside = lambda x, key: bool(rec.get(key + "_lo") is not None and rec[key + "_lo"] <= x <= rec[key + "_hi"])
+    return {"predicted_rate": rates[0], "predicted_rate_lo": rates[1], "predicted_rate_hi": rates[2],
+            "rate_inside": inside(rates[0], "rate"), "predicted_gap": gap[0],
+            "predicted_gap_lo": min(gap[1:]), "predicted_gap_hi": max(gap[1:]),
+            "gap_inside": inside(gap[0], "plateau_gap")}
+
+
 def pair_figures(runs: dict, variant: str, reference: str, seeds: list[int]) -> dict:
     """The bench's comparison of ``variant`` against ``reference`` (relabelled as the bench's ``exact``)."""
     rs = [{**runs[(reference, s)], "variant": "exact"} for s in seeds] + [runs[(variant, s)] for s in seeds]
@@ -83,12 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pair", action="append", metavar="VARIANT:REFERENCE",
                    help="a variant and its reference (repeatable); the first pair is the contrasts' baseline "
                         "[default: plain:exact plain_cos:exact_cos plain_big:exact unb:exact]")
+    p.add_argument("--predict", action="append", default=[], metavar="VARIANT=RATE[:LO:HI]",
+                   help="a predicted per-update rate of a pair's variant (the meter's, with its range), set against "
+                        "the measured rate and, through the lag, the measured plateau gap (repeatable)")
     p.add_argument("--json", help="also write the records to this JSON file (must not exist)")
     args = p.parse_args(argv)
     if args.seeds < 2:
         raise SystemExit("--seeds must be >= 2: the intervals are over seeds")
     pairs = [parse_pair(s) for s in (args.pair or ["plain:exact", "plain_cos:exact_cos", "plain_big:exact",
                                                     "unb:exact"])]
+    predictions = dict(parse_prediction(s) for s in args.predict)
+    unknown = set(predictions) - {v for v, _ in pairs}
+    if unknown:
+        raise SystemExit(f"--predict names variants that no --pair compares: {sorted(unknown)}")
     seeds = list(range(args.seeds))
     runs = load_runs(Path(args.out), {v for pair in pairs for v in pair}, seeds)
     boots = resamples(len(seeds), BOOTSTRAP)
@@ -98,11 +139,23 @@ def main(argv: list[str] | None = None) -> int:
         rec = pair_figures(runs, variant, reference, seeds)
         gap, gap_boot = gaps(runs, variant, reference, seeds, boots)
         lo, hi = interval(gap_boot - base_boot)
-        records.append({**rec, "gap_minus_baseline": gap - base, "gap_minus_baseline_lo": lo,
-                        "gap_minus_baseline_hi": hi})
+        rec = {**rec, "gap_minus_baseline": gap - base, "gap_minus_baseline_lo": lo, "gap_minus_baseline_hi": hi}
+        if variant in predictions:
+            rec.update(predicted(runs, rec, reference, seeds, predictions[variant]))
+        records.append(rec)
     show = lambda r, k: f"{fmt(r.get(k))} [{fmt(r.get(k + '_lo'))}, {fmt(r.get(k + '_hi'))}]"
     rows = [{"pair": r["pair"], **{k: show(r, k) for k in FIGURES + ("gap_minus_baseline",)}} for r in records]
     print(table(rows, [("pair", "pair", "s")] + [(k, k, "s") for k in FIGURES + ("gap_minus_baseline",)]))
+    said = [r for r in records if "predicted_rate" in r]
+    if said:
+        mark = lambda ok: "inside" if ok else "OUTSIDE"
+        print("\nthe predictions against the measured 95% intervals (the gap predicted as the lag of the rate):")
+        print(table([{"pair": r["pair"],
+                      "rate": f"{fmt(r['predicted_rate'])} [{fmt(r['predicted_rate_lo'])}, "
+                              f"{fmt(r['predicted_rate_hi'])}]: {mark(r['rate_inside'])}",
+                      "gap": f"{fmt(r['predicted_gap'])} [{fmt(r['predicted_gap_lo'])}, "
+                             f"{fmt(r['predicted_gap_hi'])}]: {mark(r['gap_inside'])}"} for r in said],
+                    [("pair", "pair", "s"), ("rate", "predicted rate", "s"), ("gap", "predicted plateau gap", "s")]))
     if args.json:
         if Path(args.json).exists():
             raise SystemExit(f"--json {args.json} exists; give a new path")

@@ -86,6 +86,8 @@ SKIP = [
     (r"benchmarks/gpu_bench\.py(?!.*--scaled-down)", "full-size models on a GPU, or minutes of CPU (--small)"),
     (r"benchmarks/paired_eval\.py", "needs a trained checkpoint (runs/default/checkpoints/...)"),
     (r"benchmarks/weight_changes\.py", "needs a trained checkpoint (its smoke run is tests/test_hacking_signs.py)"),
+    (r"benchmarks/plateau_mechanism\.py(?!.*--help)", "needs finished jagg bench quality runs (minutes to an hour of "
+                                                       "CPU; its run on constructed runs is tests/test_plateau_mechanism.py)"),
     (r"benchmarks/profile_training\.py", "profiles the main job's training phase: about a minute of CPU"),
     (r"-m jagg\.rewards\.server", "starts a reward server that runs until stopped (and loads model weights)"),
     (r"-m jagg\.integrations\.pipeline cache", "needs a diffusers model directory with its text encoders"),

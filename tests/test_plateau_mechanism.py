@@ -1,0 +1,66 @@
+"""benchmarks/plateau_mechanism.py (RESULTS §9) on constructed bench-quality runs: each pair against its own
+reference, the paired contrast of the plateau gaps, a predicted rate set against the measured one, and its refusals."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from test_quality_stats import exact_curve, run
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plateau_mechanism.py"
+spec = importlib.util.spec_from_file_location("plateau_mechanism", SCRIPT)
+pm = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pm)
+
+RISING = lambda i, stretch=1.0: exact_curve(i, stretch=10.0 * stretch)        # 0.001 per iteration, never level
+CURVES = {"exact": RISING, "slow": lambda i: RISING(i, 2.0), "low": lambda i: exact_curve(i, top=0.68),
+          "flat": exact_curve}
+
+
+@pytest.fixture
+def out(tmp_path):
+    for variant, curve in CURVES.items():
+        for seed in range(3):
+            d = tmp_path / "out" / variant / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "result.json").write_text(json.dumps(run(variant, seed, curve, offset=0.01 * seed)))
+    return tmp_path / "out"
+
+
+def test_pairs_contrasts_and_a_prediction(out, tmp_path, capsys):
+    path = tmp_path / "rec.json"
+    assert pm.main(["--out", str(out), "--seeds", "3", "--pair", "slow:exact", "--pair", "low:flat",
+                    "--predict", "slow=0.5:0.4:0.6", "--predict", "low=0.25", "--json", str(path)]) == 0
+    slow, low = json.loads(path.read_text())
+    assert slow["pair"] == "slow - exact" and slow["rate"] == pytest.approx(0.5)
+    assert slow["plateau_gap"] == pytest.approx(-0.029) and slow["lag_gap"] == pytest.approx(-0.029)
+    assert slow["gap_minus_baseline"] == 0.0                        # the first pair is the contrasts' baseline
+    assert slow["predicted_rate"] == 0.5 and slow["rate_inside"] and slow["gap_inside"]
+    assert slow["predicted_gap"] == pytest.approx(-0.029)           # the lag of the predicted rate
+    assert slow["predicted_gap_lo"] < slow["predicted_gap"] < slow["predicted_gap_hi"]
+    # a curve that rises as fast and levels off 0.02 lower than its reference: its gap is no lag
+    assert low["rate"] == pytest.approx(1.0) and low["plateau_gap"] == pytest.approx(-0.02)
+    assert low["gap_minus_baseline"] == pytest.approx(-0.02 + 0.029)
+    assert low["gap_minus_baseline_lo"] == pytest.approx(low["gap_minus_baseline"])   # paired: no seed spread
+    assert not low["rate_inside"] and not low["gap_inside"]         # a rate of 0.25 predicts a lag it does not have
+    text = capsys.readouterr().out
+    assert "OUTSIDE" in text and "inside" in text and "slow - exact" in text
+    with pytest.raises(SystemExit, match="exists"):                 # a record is never overwritten
+        pm.main(["--out", str(out), "--seeds", "3", "--pair", "slow:exact", "--json", str(path)])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pair", "slow"], "VARIANT:REFERENCE"),
+    (["--pair", "slow:slow"], "two different"),
+    (["--pair", "slow:exact", "--predict", "slow=abc"], "VARIANT=RATE"),
+    (["--pair", "slow:exact", "--predict", "slow=0.5:0.6:0.7"], "LO <= RATE <= HI"),
+    (["--pair", "slow:exact", "--predict", "slow=-1"], r"\(0, 10\]"),
+    (["--pair", "slow:exact", "--predict", "low=0.5"], "no --pair compares"),
+    (["--pair", "slow:missing"], "unfinished runs"),
+    (["--pair", "slow:exact", "--seeds", "1"], "--seeds must be >= 2"),
+])
+def test_bad_input_is_refused_by_name(out, args, message):
+    with pytest.raises(SystemExit, match=message):
+        pm.main(["--out", str(out), *args] if "--seeds" in args else ["--out", str(out), "--seeds", "3", *args])
