@@ -14,7 +14,7 @@ The two mechanisms predict different contrasts against plain JAGG's gap at a con
 - **biased fixed point** (a repeating error ``b`` that does not vanish where exact's gradient does): the decay and the
   larger batch leave the gap (contrasts ~ 0); the unbiased correction closes it (contrast > 0).
 
-With ``--predict VARIANT=RATE[:LO:HI]`` it also sets a predicted per-update rate (the meter's, ``jagg bench
+With ``--predict VARIANT:REFERENCE=RATE[:LO:HI]`` it also sets a predicted per-update rate of that pair (the meter's, ``jagg bench
 efficiency``, with its range) against the measured one, and the plateau gap that rate predicts where the gap is a lag
 (§9.1: the variant's own plateau 0, the gap exact's curve read at the rate times its updates, :func:`lag_gap`), each
 marked inside or outside the measured 95% interval.
@@ -64,20 +64,20 @@ def parse_pair(spec: str) -> tuple[str, str]:
     return variant, reference
 
 
-def parse_prediction(spec: str) -> tuple[str, tuple[float, float, float]]:
-    """``VARIANT=RATE`` or ``VARIANT=RATE:LO:HI`` -> ``(variant, (rate, lo, hi))``, each a rate in (0, 10] with lo <=
-    rate <= hi."""
-    variant, eq, values = spec.partition("=")
+def parse_prediction(spec: str) -> tuple[tuple[str, str], tuple[float, float, float]]:
+    """``VARIANT:REFERENCE=RATE`` or ``VARIANT:REFERENCE=RATE:LO:HI`` -> ``((variant, reference), (rate, lo, hi))``,
+    each a rate in (0, 10] with lo <= rate <= hi."""
+    pair, eq, values = spec.partition("=")
     try:
         nums = [float(x) for x in values.split(":")]
     except ValueError:
         nums = []
-    if not eq or not variant or len(nums) not in (1, 3):
-        raise SystemExit(f"--predict {spec!r}: give VARIANT=RATE or VARIANT=RATE:LO:HI (numbers)")
+    if not eq or len(nums) not in (1, 3):
+        raise SystemExit(f"--predict {spec!r}: give VARIANT:REFERENCE=RATE or VARIANT:REFERENCE=RATE:LO:HI (numbers)")
     rate, lo, hi = (nums[0], nums[0], nums[0]) if len(nums) == 1 else nums
     if not all(0 < x <= 10 for x in (rate, lo, hi)) or not lo <= rate <= hi:
         raise SystemExit(f"--predict {spec!r}: the rates must lie in (0, 10] with LO <= RATE <= HI")
-    return variant, (rate, lo, hi)
+    return parse_pair(pair), (rate, lo, hi)
 
 
 def predicted(runs: dict, rec: dict, reference: str, seeds: list[int], rates: tuple[float, float, float]) -> dict:
@@ -117,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pair", action="append", metavar="VARIANT:REFERENCE",
                    help="a variant and its reference (repeatable); the first pair is the contrasts' baseline "
                         "[default: plain:exact plain_cos:exact_cos plain_big:exact unb:exact]")
-    p.add_argument("--predict", action="append", default=[], metavar="VARIANT=RATE[:LO:HI]",
-                   help="a predicted per-update rate of a pair's variant (the meter's, with its range), set against "
-                        "the measured rate and, through the lag, the measured plateau gap (repeatable)")
+    p.add_argument("--predict", action="append", default=[], metavar="VARIANT:REFERENCE=RATE[:LO:HI]",
+                   help="a predicted per-update rate of a pair's variant against its reference (the meter's, with its "
+                        "range), set against the measured rate and, through the lag, the measured plateau gap "
+                        "(repeatable)")
     p.add_argument("--json", help="also write the records to this JSON file (must not exist)")
     args = p.parse_args(argv)
     if args.seeds < 2:
@@ -127,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [parse_pair(s) for s in (args.pair or ["plain:exact", "plain_cos:exact_cos", "plain_big:exact",
                                                     "unb:exact"])]
     predictions = dict(parse_prediction(s) for s in args.predict)
-    unknown = set(predictions) - {v for v, _ in pairs}
+    unknown = set(predictions) - set(pairs)
     if unknown:
-        raise SystemExit(f"--predict names variants that no --pair compares: {sorted(unknown)}")
+        raise SystemExit(f"--predict names pairs that no --pair compares: {sorted(':'.join(u) for u in unknown)}")
     seeds = list(range(args.seeds))
     runs = load_runs(Path(args.out), {v for pair in pairs for v in pair}, seeds)
     boots = resamples(len(seeds), BOOTSTRAP)
@@ -140,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         gap, gap_boot = gaps(runs, variant, reference, seeds, boots)
         lo, hi = interval(gap_boot - base_boot)
         rec = {**rec, "gap_minus_baseline": gap - base, "gap_minus_baseline_lo": lo, "gap_minus_baseline_hi": hi}
-        if variant in predictions:
-            rec.update(predicted(runs, rec, reference, seeds, predictions[variant]))
+        if (variant, reference) in predictions:
+            rec.update(predicted(runs, rec, reference, seeds, predictions[(variant, reference)]))
         records.append(rec)
     show = lambda r, k: f"{fmt(r.get(k))} [{fmt(r.get(k + '_lo'))}, {fmt(r.get(k + '_hi'))}]"
     rows = [{"pair": r["pair"], **{k: show(r, k) for k in FIGURES + ("gap_minus_baseline",)}} for r in records]

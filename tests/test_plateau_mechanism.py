@@ -32,7 +32,7 @@ def out(tmp_path):
 def test_pairs_contrasts_and_a_prediction(out, tmp_path, capsys):
     path = tmp_path / "rec.json"
     assert pm.main(["--out", str(out), "--seeds", "3", "--pair", "slow:exact", "--pair", "low:flat",
-                    "--predict", "slow=0.5:0.4:0.6", "--predict", "low=0.25", "--json", str(path)]) == 0
+                    "--predict", "slow:exact=0.5:0.4:0.6", "--predict", "low:flat=0.25", "--json", str(path)]) == 0
     slow, low = json.loads(path.read_text())
     assert slow["pair"] == "slow - exact" and slow["rate"] == pytest.approx(0.5)
     assert slow["plateau_gap"] == pytest.approx(-0.029) and slow["lag_gap"] == pytest.approx(-0.029)
@@ -54,10 +54,11 @@ def test_pairs_contrasts_and_a_prediction(out, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--pair", "slow"], "VARIANT:REFERENCE"),
     (["--pair", "slow:slow"], "two different"),
-    (["--pair", "slow:exact", "--predict", "slow=abc"], "VARIANT=RATE"),
-    (["--pair", "slow:exact", "--predict", "slow=0.5:0.6:0.7"], "LO <= RATE <= HI"),
-    (["--pair", "slow:exact", "--predict", "slow=-1"], r"\(0, 10\]"),
-    (["--pair", "slow:exact", "--predict", "low=0.5"], "no --pair compares"),
+    (["--pair", "slow:exact", "--predict", "slow:exact=abc"], "VARIANT:REFERENCE=RATE"),
+    (["--pair", "slow:exact", "--predict", "slow=0.5"], "VARIANT:REFERENCE"),
+    (["--pair", "slow:exact", "--predict", "slow:exact=0.5:0.6:0.7"], "LO <= RATE <= HI"),
+    (["--pair", "slow:exact", "--predict", "slow:exact=-1"], r"\(0, 10\]"),
+    (["--pair", "slow:exact", "--predict", "slow:flat=0.5"], "no --pair compares"),
     (["--pair", "slow:missing"], "unfinished runs"),
     (["--pair", "slow:exact", "--seeds", "1"], "--seeds must be >= 2"),
 ])
