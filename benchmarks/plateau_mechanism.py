@@ -14,10 +14,10 @@ The two mechanisms predict different contrasts against plain JAGG's gap at a con
 - **biased fixed point** (a repeating error ``b`` that does not vanish where exact's gradient does): the decay and the
   larger batch leave the gap (contrasts ~ 0); the unbiased correction closes it (contrast > 0).
 
-With ``--predict VARIANT:REFERENCE=RATE[:LO:HI]`` it also sets a predicted per-update rate of that pair (the meter's, ``jagg bench
-efficiency``, with its range) against the measured one, and the plateau gap that rate predicts where the gap is a lag
-(§9.1: the variant's own plateau 0, the gap exact's curve read at the rate times its updates, :func:`lag_gap`), each
-marked inside or outside the measured 95% interval.
+With ``--predict VARIANT:REFERENCE=RATE[:LO:HI]`` it also sets a predicted per-update rate of that pair (the
+meter's, ``jagg bench efficiency``, with its range) against the measured one, and the plateau gap that rate predicts
+where the gap is a lag (§9.1: the variant's own plateau 0, the gap the reference's curve read at the rate times its
+updates, :func:`lag_gap`), each marked inside or outside the measured 95% interval.
 
 Usage (the experiments of docs/RESULTS.md §9; the runs are trained by the commands there)::
 
@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.seeds < 2:
         raise SystemExit("--seeds must be >= 2: the intervals are over seeds")
+    if args.json and Path(args.json).exists():
+        raise SystemExit(f"--json {args.json} exists; give a new path")
     pairs = [parse_pair(s) for s in (args.pair or ["plain:exact", "plain_cos:exact_cos", "plain_big:exact",
                                                     "unb:exact"])]
     predictions = dict(parse_prediction(s) for s in args.predict)
@@ -158,8 +160,6 @@ def main(argv: list[str] | None = None) -> int:
                              f"{fmt(r['predicted_gap_hi'])}]: {mark(r['gap_inside'])}"} for r in said],
                     [("pair", "pair", "s"), ("rate", "predicted rate", "s"), ("gap", "predicted plateau gap", "s")]))
     if args.json:
-        if Path(args.json).exists():
-            raise SystemExit(f"--json {args.json} exists; give a new path")
         write_json(args.json, records)
     return 0
 
