@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from jagg.bench.common import fmt, table, write_json
-from jagg.bench.quality_compare import compare, curves
+from jagg.bench.quality_compare import Curves, compare, curves
 from jagg.bench.statistics import PLATEAU_EVALS, interval, lag_gap, plateau_gap, resamples
 
 BOOTSTRAP = 2000
@@ -80,11 +80,9 @@ def parse_prediction(spec: str) -> tuple[tuple[str, str], tuple[float, float, fl
     return parse_pair(pair), (rate, lo, hi)
 
 
-def predicted(runs: dict, rec: dict, reference: str, seeds: list[int], rates: tuple[float, float, float]) -> dict:
-    """A predicted rate and the plateau gap it predicts (the reference's curve read at that rate times its updates)
-    beside the measured ones: each ``*_inside`` is whether the prediction lies in the measured 95% interval."""
-    m = min(len(runs[(reference, s)]["test_curve"]) for s in seeds)
-    ref = curves([runs[(reference, s)] for s in seeds], 1, m)
+def predicted(ref: Curves, rec: dict, rates: tuple[float, float, float]) -> dict:
+    """A predicted rate and the plateau gap it predicts (the reference's curve ``ref`` read at that rate times its
+    updates) beside the measured ones: each ``*_inside`` is whether the prediction lies in the measured 95% interval."""
     gap = [lag_gap(ref.test, ref.test_clock["iterations"], r, PLATEAU_EVALS) for r in rates]
     inside = lambda x, key: bool(rec.get(key + "_lo") is not None and rec[key + "_lo"] <= x <= rec[key + "_hi"])
     return {"predicted_rate": rates[0], "predicted_rate_lo": rates[1], "predicted_rate_hi": rates[2],
@@ -102,11 +100,16 @@ def pair_figures(runs: dict, variant: str, reference: str, seeds: list[int]) -> 
             **{k: rec.get(k) for k in rec if any(k.startswith(f) for f in FIGURES)}}
 
 
-def gaps(runs: dict, variant: str, reference: str, seeds: list[int], boots: np.ndarray) -> tuple[float, np.ndarray]:
-    """The plateau gap on every seed and on each bootstrap resample of the seeds (the same resamples for each pair)."""
+def pair_curves(runs: dict, variant: str, reference: str, seeds: list[int]) -> tuple[Curves, Curves]:
+    """The reference's and the variant's :class:`Curves`, cut to the iterations and evaluations both have."""
     n = min(len(runs[(v, s)]["train_curve"]) for v in (variant, reference) for s in seeds)
     m = min(len(runs[(v, s)]["test_curve"]) for v in (variant, reference) for s in seeds)
-    ref, cur = (curves([runs[(v, s)] for s in seeds], n, m).test for v in (reference, variant))
+    return tuple(curves([runs[(v, s)] for s in seeds], n, m) for v in (reference, variant))
+
+
+def gaps(ref: Curves, cur: Curves, boots: np.ndarray) -> tuple[float, np.ndarray]:
+    """The plateau gap on every seed and on each bootstrap resample of the seeds (the same resamples for each pair)."""
+    ref, cur = ref.test, cur.test
     return plateau_gap(ref, cur), np.array([plateau_gap(ref[idx], cur[idx]) for idx in boots])
 
 
@@ -136,15 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     seeds = list(range(args.seeds))
     runs = load_runs(Path(args.out), {v for pair in pairs for v in pair}, seeds)
     boots = resamples(len(seeds), BOOTSTRAP)
-    base, base_boot = gaps(runs, *pairs[0], seeds, boots)
+    base, base_boot = gaps(*pair_curves(runs, *pairs[0], seeds), boots)
     records = []
     for variant, reference in pairs:
         rec = pair_figures(runs, variant, reference, seeds)
-        gap, gap_boot = gaps(runs, variant, reference, seeds, boots)
+        ref, cur = pair_curves(runs, variant, reference, seeds)
+        gap, gap_boot = gaps(ref, cur, boots)
         lo, hi = interval(gap_boot - base_boot)
         rec = {**rec, "gap_minus_baseline": gap - base, "gap_minus_baseline_lo": lo, "gap_minus_baseline_hi": hi}
         if (variant, reference) in predictions:
-            rec.update(predicted(runs, rec, reference, seeds, predictions[(variant, reference)]))
+            rec.update(predicted(ref, rec, predictions[(variant, reference)]))
         records.append(rec)
     show = lambda r, k: f"{fmt(r.get(k))} [{fmt(r.get(k + '_lo'))}, {fmt(r.get(k + '_hi'))}]"
     rows = [{"pair": r["pair"], **{k: show(r, k) for k in FIGURES + ("gap_minus_baseline",)}} for r in records]
@@ -153,11 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     if said:
         mark = lambda ok: "inside" if ok else "OUTSIDE"
         print("\nthe predictions against the measured 95% intervals (the gap predicted as the lag of the rate):")
-        print(table([{"pair": r["pair"],
-                      "rate": f"{fmt(r['predicted_rate'])} [{fmt(r['predicted_rate_lo'])}, "
-                              f"{fmt(r['predicted_rate_hi'])}]: {mark(r['rate_inside'])}",
-                      "gap": f"{fmt(r['predicted_gap'])} [{fmt(r['predicted_gap_lo'])}, "
-                             f"{fmt(r['predicted_gap_hi'])}]: {mark(r['gap_inside'])}"} for r in said],
+        print(table([{"pair": r["pair"], "rate": f"{show(r, 'predicted_rate')}: {mark(r['rate_inside'])}",
+                      "gap": f"{show(r, 'predicted_gap')}: {mark(r['gap_inside'])}"} for r in said],
                     [("pair", "pair", "s"), ("rate", "predicted rate", "s"), ("gap", "predicted plateau gap", "s")]))
     if args.json:
         write_json(args.json, records)
