@@ -14,10 +14,11 @@ The two mechanisms predict different contrasts against plain JAGG's gap at a con
 - **biased fixed point** (a repeating error ``b`` that does not vanish where exact's gradient does): the decay and the
   larger batch leave the gap (contrasts ~ 0); the unbiased correction closes it (contrast > 0).
 
-With ``--predict VARIANT:REFERENCE=RATE[:LO:HI]`` it also sets a predicted per-update rate of that pair (the
-meter's, ``jagg bench efficiency``, with its range) against the measured one, and the plateau gap that rate predicts
-where the gap is a lag (§9.1: the variant's own plateau 0, the gap the reference's curve read at the rate times its
-updates, :func:`lag_gap`), each marked inside or outside the measured 95% interval.
+With ``--predict VARIANT:REFERENCE=LO:HI`` (or ``=RATE``, ``=RATE:LO:HI``, ``=unknown``) it also sets a predicted
+per-update rate of that pair (the meter's range, ``jagg bench efficiency``'s ``rate/update``) against the measured
+one, and the plateau gap that rate predicts where the gap is a lag (§9.1: the variant's own plateau 0, the gap the
+reference's curve read at the rate times its updates, :func:`lag_gap`), each marked inside or outside the measured
+95% interval (a point inside it, a range overlapping it; ``unknown``: no judgement).
 
 Usage (the experiments of docs/RESULTS.md §9; the runs are trained by the commands there)::
 
@@ -64,31 +65,44 @@ def parse_pair(spec: str) -> tuple[str, str]:
     return variant, reference
 
 
-def parse_prediction(spec: str) -> tuple[tuple[str, str], tuple[float, float, float]]:
-    """``VARIANT:REFERENCE=RATE`` or ``VARIANT:REFERENCE=RATE:LO:HI`` -> ``((variant, reference), (rate, lo, hi))``,
-    each a rate in (0, 10] with lo <= rate <= hi."""
+def parse_prediction(spec: str) -> tuple[tuple[str, str], tuple[float | None, float, float] | None]:
+    """``VARIANT:REFERENCE=RATE``, ``=LO:HI`` (a range, the meter's answer), ``=RATE:LO:HI`` or ``=unknown`` ->
+    ``((variant, reference), (rate, lo, hi))`` (rate None for a range; None for unknown), each a rate in (0, 10]
+    with lo <= rate <= hi."""
     pair, eq, values = spec.partition("=")
+    if eq and values == "unknown":
+        return parse_pair(pair), None
     try:
         nums = [float(x) for x in values.split(":")]
     except ValueError:
         nums = []
-    if not eq or len(nums) not in (1, 3):
-        raise SystemExit(f"--predict {spec!r}: give VARIANT:REFERENCE=RATE or VARIANT:REFERENCE=RATE:LO:HI (numbers)")
-    rate, lo, hi = (nums[0], nums[0], nums[0]) if len(nums) == 1 else nums
-    if not all(0 < x <= 10 for x in (rate, lo, hi)) or not lo <= rate <= hi:
+    if not eq or len(nums) not in (1, 2, 3):
+        raise SystemExit(f"--predict {spec!r}: give VARIANT:REFERENCE= RATE, LO:HI, RATE:LO:HI (numbers) or unknown")
+    rate, lo, hi = {1: (nums[0],) * 3, 2: (None, *nums), 3: tuple(nums)}[len(nums)]
+    if not all(0 < x <= 10 for x in nums) or not lo <= (lo if rate is None else rate) <= hi:
         raise SystemExit(f"--predict {spec!r}: the rates must lie in (0, 10] with LO <= RATE <= HI")
     return parse_pair(pair), (rate, lo, hi)
 
 
-def predicted(ref: Curves, rec: dict, rates: tuple[float, float, float]) -> dict:
+def predicted(ref: Curves, rec: dict, rates: tuple[float | None, float, float] | None) -> dict:
     """A predicted rate and the plateau gap it predicts (the reference's curve ``ref`` read at that rate times its
-    updates) beside the measured ones: each ``*_inside`` is whether the prediction lies in the measured 95% interval."""
-    gap = [lag_gap(ref.test, ref.test_clock["iterations"], r, PLATEAU_EVALS) for r in rates]
-    inside = lambda x, key: bool(rec.get(key + "_lo") is not None and rec[key + "_lo"] <= x <= rec[key + "_hi"])
+    updates) beside the measured ones: each ``*_inside`` is whether a predicted point lies in the measured 95%
+    interval, or a predicted range (no point) overlaps it; None for a prediction of ``unknown``."""
+    if rates is None:
+        return {"predicted_rate": "unknown", "rate_inside": None, "predicted_gap": "unknown", "gap_inside": None}
+    gap = [None if r is None else lag_gap(ref.test, ref.test_clock["iterations"], r, PLATEAU_EVALS) for r in rates]
+
+    def inside(point, lo, hi, key):
+        m_lo, m_hi = rec.get(key + "_lo"), rec.get(key + "_hi")
+        if m_lo is None or m_hi is None:
+            return False
+        return bool(m_lo <= point <= m_hi) if point is not None else bool(lo <= m_hi and m_lo <= hi)
+
+    g_lo, g_hi = min(gap[1:]), max(gap[1:])
     return {"predicted_rate": rates[0], "predicted_rate_lo": rates[1], "predicted_rate_hi": rates[2],
-            "rate_inside": inside(rates[0], "rate"), "predicted_gap": gap[0],
-            "predicted_gap_lo": min(gap[1:]), "predicted_gap_hi": max(gap[1:]),
-            "gap_inside": inside(gap[0], "plateau_gap")}
+            "rate_inside": inside(rates[0], rates[1], rates[2], "rate"), "predicted_gap": gap[0],
+            "predicted_gap_lo": g_lo, "predicted_gap_hi": g_hi,
+            "gap_inside": inside(gap[0], g_lo, g_hi, "plateau_gap")}
 
 
 def pair_figures(runs: dict, variant: str, reference: str, seeds: list[int]) -> dict:
@@ -120,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pair", action="append", metavar="VARIANT:REFERENCE",
                    help="a variant and its reference (repeatable); the first pair is the contrasts' baseline "
                         "[default: plain:exact plain_cos:exact_cos plain_big:exact unb:exact]")
-    p.add_argument("--predict", action="append", default=[], metavar="VARIANT:REFERENCE=RATE[:LO:HI]",
-                   help="a predicted per-update rate of a pair's variant against its reference (the meter's, with its "
-                        "range), set against the measured rate and, through the lag, the measured plateau gap "
-                        "(repeatable)")
+    p.add_argument("--predict", action="append", default=[], metavar="VARIANT:REFERENCE=LO:HI",
+                   help="a predicted per-update rate of a pair's variant against its reference: the meter's range "
+                        "LO:HI, a point RATE, RATE:LO:HI, or unknown; set against the measured rate and, through the "
+                        "lag, the measured plateau gap (repeatable)")
     p.add_argument("--json", help="also write the records to this JSON file (must not exist)")
     args = p.parse_args(argv)
     if args.seeds < 2:
@@ -155,10 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, [("pair", "pair", "s")] + [(k, k, "s") for k in FIGURES + ("gap_minus_baseline",)]))
     said = [r for r in records if "predicted_rate" in r]
     if said:
-        mark = lambda ok: "inside" if ok else "OUTSIDE"
-        print("\nthe predictions against the measured 95% intervals (the gap predicted as the lag of the rate):")
-        print(table([{"pair": r["pair"], "rate": f"{show(r, 'predicted_rate')}: {mark(r['rate_inside'])}",
-                      "gap": f"{show(r, 'predicted_gap')}: {mark(r['gap_inside'])}"} for r in said],
+        mark = lambda ok: "no judgement" if ok is None else "inside" if ok else "OUTSIDE"
+        said_as = lambda r, k: ("unknown" if r[k] == "unknown" else show(r, k) if r[k] is not None
+                                else f"[{fmt(r[k + '_lo'])}, {fmt(r[k + '_hi'])}]")
+        print("\nthe predictions against the measured 95% intervals (the gap predicted as the lag of the rate; a "
+              "range without a point is inside where it overlaps the interval):")
+        print(table([{"pair": r["pair"], "rate": f"{said_as(r, 'predicted_rate')}: {mark(r['rate_inside'])}",
+                      "gap": f"{said_as(r, 'predicted_gap')}: {mark(r['gap_inside'])}"} for r in said],
                     [("pair", "pair", "s"), ("rate", "predicted rate", "s"), ("gap", "predicted plateau gap", "s")]))
     if args.json:
         write_json(args.json, records)

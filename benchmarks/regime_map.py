@@ -1,16 +1,25 @@
-"""Where JAGG pays: ``jagg bench efficiency`` over a grid of sampling regimes (docs/RESULTS.md, the regime map).
+"""Where JAGG is nearly exact: ``jagg bench efficiency`` over a grid of sampling regimes (docs/RESULTS.md §6.1).
 
-Regimes: 10 steps (SDE and trained steps 0-7) and 20 steps (0-11), each SDE type at two noise levels. Estimators
-in each: plain JAGG (``correction_p`` 0) and unbiased JAGG (``correction_p`` 0.25) with groups of W = 3, 4 and 8, and
-random timestep subsampling at the rows of unbiased W = 4. Every regime is one call of
-:func:`jagg.bench.efficiency.measure` on the main job's checkpoint and batch (8 prompts x 4), with ``--set`` on top.
-Records go to ``--json`` (appended per regime, so an interrupted map resumes) and a markdown table is printed.
+A regime is a step count, an SDE type with its noise level, and a trained (SDE) window. In each, on the job's own
+checkpoint and batch (the main job, or ``--config``, with ``--set`` on top), :func:`jagg.bench.efficiency.measure`
+measures the estimators' error against the update's noise on-policy, with the meter's per-update rate range
+(:func:`jagg.bench.efficiency.prediction`), and the regime's **linearity score**: routing's score
+(:func:`jagg.routing.linearity_scores`, the paper's linearity test, what ``jagg_frac`` ranks by) of the shipped
+layout's intervals, averaged over the samples of ``--batches`` rollouts, with its lowest sample-interval mean. The
+score needs only a rollout, so a user can read it on their model without a backward pass.
 
-    python benchmarks/regime_map.py --json runs/regime_map.json                  # the whole grid (see below)
-    python benchmarks/regime_map.py --steps 20 --sde flow_grpo --json runs/rm.json    # a part of it
+Estimators (``--estimator``, as ``jagg bench efficiency``'s; default): plain JAGG, step groups of 4 (the main job's
+``config``), shared knots W = 4, unbiased JAGG (p 0.25) and random timestep subsampling at plain JAGG's rows.
 
-The whole grid took ~40 min on one core (an estimator of ``correction_p: auto``, since retired, made one 10-step
-regime take 16 CPU minutes on a loaded machine, 2026-12-02).
+Regimes (default, 17): 10 steps (trained 0-7) and 20 steps (trained 0-15), each with DanceGRPO's SDE at eta 0.3, 0.7
+and 1.0, Flow-GRPO's at 0.3 and 1.0 and CPS at 0.3 and 0.7; and the main job's SDE (dance, eta 1) at 10 steps with the
+trained window cut to steps 0-3 (the noisy end), 4-7 (the clean end) and 2-7.
+Records go to ``--json`` (JSON lines, appended per regime, so an interrupted map resumes; a regime already there is
+skipped) and a markdown table is printed; ``--summary`` prints the table of a finished map without measuring.
+
+    python benchmarks/regime_map.py --json runs/regime_map.json                      # the whole grid
+    python benchmarks/regime_map.py --steps 20 --json runs/regime_map.json           # a part of it (resumes)
+    python benchmarks/regime_map.py --json runs/regime_map.json --summary            # the table and the rule's fit
 """
 
 from __future__ import annotations
@@ -18,68 +27,144 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
-from jagg.bench.efficiency import measure
-from jagg.trainers.shapes_config import ShapesTrainConfig
-from jagg.training import config_loader as configuration
+import torch
 
-WINDOWS = {10: [0, 8], 20: [0, 12]}
-NOISE = {"flow_grpo": (0.3, 1.0), "dance": (0.3, 0.7), "cps": (0.3, 0.7)}
-ESTIMATORS = [f"{kind}{w}:window={w},correction_p={p}" for w in (3, 4, 8) for kind, p in (("plain", 0), ("unb", 0.25))]
+from jagg.bench.common import default_config_path
+from jagg.bench.efficiency import kept_batch, load_config, make_sampler, measure
+from jagg.knots import layout_intervals
+from jagg.routing import linearity_scores
+
+SDE_NOISE = {"dance": (0.3, 0.7, 1.0), "flow_grpo": (0.3, 1.0), "cps": (0.3, 0.7)}
+WINDOWS = {10: [0, 8], 20: [0, 16]}                       # the trained (SDE) steps of each step count
+CUT_WINDOWS = ([0, 4], [4, 8], [2, 8])                   # the main job's SDE at 10 steps, trained windows cut
+ESTIMATORS = ["config", "s4:knots=shared,window=4", "unb:correction_p=0.25", "subsample"]
 
 
-def regimes(steps: list[int], sdes: list[str]) -> list[dict]:
-    return [{"num_steps": n, "sde_type": t, "eta": eta} for n in steps for t in sdes for eta in NOISE[t]]
+def regimes(steps: list[int], sdes: list[str], cuts: bool) -> list[dict]:
+    """The grid: every step count x SDE x noise level at the full window, then (``cuts``) the main job's SDE at 10
+    steps with its trained window cut."""
+    grid = [{"num_steps": n, "sde_type": t, "eta": eta, "sde_window": WINDOWS[n]}
+            for n in steps for t in sdes for eta in SDE_NOISE[t]]
+    if cuts and 10 in steps:
+        grid += [{"num_steps": 10, "sde_type": "dance", "eta": 1.0, "sde_window": list(w)} for w in CUT_WINDOWS]
+    return grid
 
 
-def run_regime(r: dict, sets: list[str], batches: int, draws: int) -> list[dict]:
-    overrides = ["threads=1", f"sample.num_steps={r['num_steps']}",
-                 f"sample.sde_window={WINDOWS[r['num_steps']]}", f"sample.sde_type={r['sde_type']}",
-                 f"sample.eta={r['eta']}", "estimator.window=4", "estimator.correction_p=0.25", *sets]
-    cfg = configuration.load(ShapesTrainConfig, None, overrides)
-    recs = measure(cfg, [*ESTIMATORS, "subsample"], batches, draws, None)
-    return [{**r, **rec} for rec in recs]
+def key(r: dict) -> tuple:
+    return r["num_steps"], r["sde_type"], r["eta"], tuple(r["sde_window"])
+
+
+def overrides(r: dict) -> list[str]:
+    return [f"sample.num_steps={r['num_steps']}", f"sample.sde_type={r['sde_type']}", f"sample.eta={r['eta']}",
+            f"sample.sde_window={r['sde_window']}"]
+
+
+def linearity(cfg, batches: int) -> dict:
+    """Routing's linearity score of the config's layout over ``batches`` rollouts: the mean over samples and
+    intervals (those of one or two steps, exact under JAGG, left out) and the lowest per-(sample, interval) score."""
+    sampler = make_sampler(cfg)
+    scores = []
+    for _ in range(batches):
+        traj = kept_batch(sampler, cfg)[0].traj
+        s = linearity_scores(traj.velocities, layout_intervals(traj, cfg.estimator)[0])
+        scores.append(s[torch.isfinite(s)])
+    s = torch.cat(scores)
+    return {"linearity": float(s.mean()) if s.numel() else math.nan,
+            "linearity_min": float(s.min()) if s.numel() else math.nan}
+
+
+def run_regime(r: dict, config: str | None, sets: list[str], specs: list[str], batches: int, draws: int) -> list[dict]:
+    cfg = load_config(config or default_config_path(), ["threads=1", *overrides(r), *sets])
+    recs = measure(cfg, specs, batches, draws, None)
+    lin = linearity(cfg, batches)
+    return [{**r, **lin, **{k: v for k, v in rec.items() if k != "tensors"}} for rec in recs]
 
 
 def markdown(records: list[dict]) -> str:
-    head = ("| steps | SDE | eta | estimator | rows/sample | E\\|e\\|^2/V_b | bias^2/V_b (SE) | efficiency | "
-            "time eff. | bias^2/V_b at 1,024 |\n|---|---|---|---|---|---|---|---|---|---|")
-    rows = []
-    for r in records:
-        if r["estimator"] == "exact":
-            continue
-        at = r["bias_to_noise"] * 1024 / r["samples_per_batch"]
-        rows.append(f"| {r['num_steps']} | {r['sde_type']} | {r['eta']} | {r['estimator']} | {r['rows_per_sample']:.2f} "
-                    f"| {r['error_to_noise']:.3f} | {r['bias_to_noise']:.4f} ({r['bias_to_noise_se']:.4f}) | "
-                    f"{r['efficiency']:.2f} | {r['time_efficiency']:.2f} | {at:.3f} |")
+    head = ("| steps | trained | SDE, eta | linearity (min) | estimator | rows/sample | E\\|e\\|^2/V_b (± SE) | bias z | "
+            "rate/update |\n|---|---|---|---|---|---|---|---|---|")
+    rows = [f"| {r['num_steps']} | {r['sde_window'][0]}-{r['sde_window'][1] - 1} | {r['sde_type']}, {r['eta']} | "
+            f"{r['linearity']:.3f} ({r['linearity_min']:.2f}) | {r['estimator']} | {r['rows_per_sample']:.2f} | "
+            f"{r['error_to_noise']:.3f} (± {r['error_to_noise_se']:.3f}) | {r['bias_z'] or 0:.1f} | "
+            f"{r['prediction_range']} |" for r in records if r["estimator"] != "exact"]
     return "\n".join([head, *rows])
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return num / den if den > 0 else math.nan
+
+
+def summary(records: list[dict]) -> str:
+    """How each estimator's error ranks with the regime's linearity score over the map (Spearman; negative: more
+    linear, less error)."""
+    lines = []
+    for name in dict.fromkeys(r["estimator"] for r in records if r["estimator"] != "exact"):
+        rs = [r for r in records if r["estimator"] == name]
+        if len(rs) >= 3:
+            rho = spearman([r["linearity"] for r in rs], [r["error_to_noise"] for r in rs])
+            lines.append(f"{name}: Spearman(linearity, E|e|^2/V_b) = {rho:+.2f} over {len(rs)} regimes")
+    return "\n".join(lines)
+
+
+def load(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="trainer YAML [default: the main job]")
     p.add_argument("--steps", type=int, nargs="+", choices=sorted(WINDOWS), default=sorted(WINDOWS))
-    p.add_argument("--sde", nargs="+", choices=sorted(NOISE), default=list(NOISE))
-    p.add_argument("--batches", type=int, default=6)
-    p.add_argument("--draws", type=int, default=3)
+    p.add_argument("--sde", nargs="+", choices=sorted(SDE_NOISE), default=list(SDE_NOISE))
+    p.add_argument("--no-cuts", action="store_true", help="leave out the regimes with a cut trained window")
+    p.add_argument("--estimator", action="append", metavar="NAME[:KEY=VALUE,...]",
+                   help=f"an estimator, as jagg bench efficiency's (repeatable) [default: {' '.join(ESTIMATORS)}]")
+    p.add_argument("--batches", type=int, default=6, help="independent batches per regime (>= 3) [default: 6]")
+    p.add_argument("--draws", type=int, default=3, help="draws of a random estimator per batch [default: 3]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="trainer config override")
     p.add_argument("--json", required=True, help="records (JSON lines; regimes already there are skipped)")
+    p.add_argument("--summary", action="store_true", help="only print the table of the records in --json")
     args = p.parse_args(argv)
     path = Path(args.json)
-    done = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    key = lambda r: (r["num_steps"], r["sde_type"], r["eta"])
+    done = load(path)
+    if args.summary:
+        if not done:
+            raise SystemExit(f"--summary: no records in {path}")
+        print(markdown(done) + "\n\n" + summary(done))
+        return 0
+    if args.batches < 3 or args.draws < 1:
+        raise SystemExit(f"--batches must be >= 3 and --draws >= 1; got {args.batches} and {args.draws}")
     have = {key(r) for r in done}
-    for r in regimes(args.steps, args.sde):
+    for r in regimes(args.steps, args.sde, not args.no_cuts):
         if key(r) in have:
             continue
-        recs = run_regime(r, args.set, args.batches, args.draws)
+        recs = run_regime(r, args.config, args.set, args.estimator or ESTIMATORS, args.batches, args.draws)
         with path.open("a") as f:
             for rec in recs:
                 f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                     for k, v in rec.items()}) + "\n")
         done += recs
         print(markdown(recs), flush=True)
-    print("\n" + markdown(done))
+    print("\n" + markdown(done) + "\n\n" + summary(done))
     return 0
 
 

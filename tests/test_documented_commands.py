@@ -89,6 +89,8 @@ SKIP = [
     (r"benchmarks/plateau_mechanism\.py(?!.*--help)", "needs finished jagg bench quality runs (minutes to an hour of "
                                                        "CPU; its run on constructed runs is tests/test_plateau_mechanism.py)"),
     (r"benchmarks/profile_training\.py", "profiles the main job's training phase: about a minute of CPU"),
+    (r"benchmarks/regime_map\.py(?!.*--help)", "the meter over 17 regimes: about 30 minutes of CPU (its smoke-sized "
+                                               "map is tests/test_regime_map.py)"),
     (r"-m jagg\.rewards\.server", "starts a reward server that runs until stopped (and loads model weights)"),
     (r"-m jagg\.integrations\.pipeline cache", "needs a diffusers model directory with its text encoders"),
     (r"^(torchrun|accelerate launch|python -m torch\.distributed\.run)", "launches several processes: GPUs"),

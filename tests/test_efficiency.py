@@ -51,21 +51,29 @@ def test_extrapolation_and_efficiency_formula():
 
 
 def test_the_meter_gives_a_range_or_says_unknown():
-    """#32: the prediction spans the error's +- 2 SE, and is 'unknown' where the model does not hold (a significant
-    repeating error)."""
-    from jagg.audit import adam_efficiency
-    from jagg.bench.efficiency import prediction
+    """#32: the prediction spans SGD's model at the error's upper end (+ 2 SE) to Adam's at its lower end (- 2 SE),
+    per update and times the iteration ratio, and is 'unknown' where no model holds: a significant repeating error,
+    or a range wider than MAX_RANGE (an error the batches do not resolve)."""
+    from jagg.bench.efficiency import MAX_RANGE, prediction
 
     rec = {"error_to_noise": 0.5, "error_to_noise_se": 0.1, "iter_ratio": 1.2, "bias_z": 0.3, "update": 0}
     out = prediction(rec)
-    assert out["adam_time_efficiency_lo"] == pytest.approx(1.2 / math.sqrt(1.7))
-    assert out["adam_time_efficiency_hi"] == pytest.approx(1.2 / math.sqrt(1.3))
-    assert out["prediction"] == "range" and out["prediction_range"] == "0.92-1.05"
+    assert out["rate_lo"] == pytest.approx(1 / 1.7)                       # SGD at 0.5 + 2 x 0.1
+    assert out["rate_hi"] == pytest.approx(1 / math.sqrt(1.3))            # Adam at 0.5 - 2 x 0.1
+    assert out["time_rate_lo"] == pytest.approx(1.2 / 1.7) and out["time_rate_hi"] == pytest.approx(1.2 / math.sqrt(1.3))
+    assert out["prediction"] == "range" and out["prediction_range"] == "0.59-0.88"
+    exact = prediction({**rec, "error_to_noise": 0.0, "error_to_noise_se": 0.0})
+    assert (exact["rate_lo"], exact["rate_hi"], exact["prediction_range"]) == (1.0, 1.0, "1.00-1.00")
     wide = prediction({**rec, "error_to_noise_se": 0.5})                  # the lower end of the error clamps at 0
-    assert wide["adam_time_efficiency_hi"] == pytest.approx(adam_efficiency(1.2, 0.0))
+    assert wide["rate_hi"] == 1.0 and wide["rate_lo"] == pytest.approx(1 / 2.5)
+    assert wide["rate_hi"] - wide["rate_lo"] > MAX_RANGE and wide["prediction_range"] == "unknown"
+    assert wide["prediction"].startswith("unknown: the error is not resolved")
     assert prediction({**rec, "bias_z": 2.5})["prediction_range"] == "unknown"
     assert prediction({**rec, "bias_z": 2.5})["prediction"].startswith("unknown: a significant repeating error")
+    assert prediction({**rec, "bias_z": math.nan}) == out                 # an unknown SE of the bias: the range
     assert prediction({**rec, "update": 1}) == out                         # off-policy: the same model
+    big = prediction({**rec, "error_to_noise": 3.0, "error_to_noise_se": 0.0})   # the models' spread alone: 0.25
+    assert (big["rate_lo"], big["rate_hi"], big["prediction"]) == (0.25, 0.5, "range")
 
 
 @pytest.mark.parametrize("error_to_noise", [1.0, 3.0])

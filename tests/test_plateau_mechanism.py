@@ -51,10 +51,30 @@ def test_pairs_contrasts_and_a_prediction(out, tmp_path, capsys):
         pm.main(["--out", str(out), "--seeds", "3", "--pair", "slow:exact", "--json", str(path)])
 
 
+def test_a_range_is_judged_by_overlap_and_unknown_by_nothing(out, tmp_path, capsys):
+    """The meter's answer is a range (jagg bench efficiency's rate/update) or unknown: a range is inside where it
+    overlaps the measured interval, and its gap runs between the lags of its two ends; unknown is not judged."""
+    path = tmp_path / "rec.json"
+    assert pm.main(["--out", str(out), "--seeds", "3", "--pair", "slow:exact", "--pair", "low:flat",
+                    "--pair", "flat:exact", "--predict", "slow:exact=0.3:0.55", "--predict", "low:flat=0.2:0.4",
+                    "--predict", "flat:exact=unknown", "--json", str(path)]) == 0
+    slow, low, flat = json.loads(path.read_text())
+    assert slow["predicted_rate"] is None and (slow["predicted_rate_lo"], slow["predicted_rate_hi"]) == (0.3, 0.55)
+    assert slow["rate_inside"] and slow["gap_inside"]                # 0.5 measured lies in [0.3, 0.55]
+    assert slow["predicted_gap_lo"] < slow["plateau_gap"] < slow["predicted_gap_hi"]
+    assert not low["rate_inside"]                                    # 1.0 measured: no overlap
+    assert low["predicted_gap_hi"] == pytest.approx(0.0) and low["gap_inside"]   # flat has levelled by 0.4 x its end
+    assert flat["predicted_rate"] == "unknown" and flat["rate_inside"] is None and flat["gap_inside"] is None
+    text = capsys.readouterr().out
+    assert "[0.300, 0.550]: inside" in text and "unknown: no judgement" in text
+
+
 @pytest.mark.parametrize("args, message", [
     (["--pair", "slow"], "VARIANT:REFERENCE"),
     (["--pair", "slow:slow"], "two different"),
-    (["--pair", "slow:exact", "--predict", "slow:exact=abc"], "VARIANT:REFERENCE=RATE"),
+    (["--pair", "slow:exact", "--predict", "slow:exact=abc"], "RATE, LO:HI"),
+    (["--pair", "slow:exact", "--predict", "slow:exact=0.1:0.2:0.3:0.4"], "RATE, LO:HI"),
+    (["--pair", "slow:exact", "--predict", "slow:exact=0.6:0.5"], "LO <= RATE <= HI"),
     (["--pair", "slow:exact", "--predict", "slow=0.5"], "VARIANT:REFERENCE"),
     (["--pair", "slow:exact", "--predict", "slow:exact=0.5:0.6:0.7"], "LO <= RATE <= HI"),
     (["--pair", "slow:exact", "--predict", "slow:exact=-1"], r"\(0, 10\]"),

@@ -33,10 +33,13 @@ deterministic estimator). Per estimator:
   own ``E_t / V_t`` weighted by its share of Adam's progress (:func:`jagg.audit.tensor_weights`: by the signal where
   it is measured, ``tensor_weighting``), beside the global ratio; ``--by-tensor NAME`` lists the tensors that carry
   most of an estimator's error;
-- ``prediction`` and ``adam_time_efficiency_lo``, ``_hi`` (printed ``± 2 SE``): Adam's time efficiency over the
-  error's range ``E|e|^2/V_b +- 2 SE`` (the error is heavy-tailed: one batch of a few can carry most of it), or
-  ``unknown`` where the model does not hold: a repeating error (``bias_z >= 2``) (:func:`prediction`); with several
-  updates per rollout, the mean over the ``--update`` positions predicts the job's per-update rate;
+- ``prediction`` with ``rate_lo``, ``rate_hi`` (printed ``rate/update``; times the iteration ratio: ``time_rate_lo``,
+  ``time_rate_hi``): the meter's answer, the per-update rate of exact's between SGD's model at the error's upper end
+  ``E|e|^2/V_b + 2 SE`` and Adam's at its lower end ``- 2 SE`` (paired seeds fell between the two models), or
+  ``unknown`` where no model holds: a repeating error (``bias_z >= 2``), or an error these batches do not resolve
+  (the range wider than 0.5: heavy-tailed, one batch of a few can carry most of it; more ``--batches`` narrow it)
+  (:func:`prediction`); with several updates per rollout, the mean over the ``--update`` positions predicts the
+  job's per-update rate;
 - ``projected_iter_ratio`` and ``projected_time_efficiency``, ``projected_adam_time_efficiency``,
   ``projected_adam_tensor_time_efficiency``: the per-update efficiencies times the iteration ratio of a named cost
   structure (``--cost``, :mod:`jagg.bench.projection`; ``--gpu-bench-json``: B/F measured on a GPU), labelled
@@ -385,18 +388,36 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
     return records
 
 
+# the widest range of a per-update rate the meter still answers with (docs/design.md §3.8): a wider one cannot tell
+# an estimator that keeps most of exact's learning from one that loses most of it
+MAX_RANGE = 0.5
+
+
+def rate_range(error_to_noise: float, se: float) -> tuple[float, float]:
+    """The per-update rate (of exact's) an unbiased error ``E|e|^2/V_b = error_to_noise`` (jackknife SE ``se``) leaves:
+    from SGD's variance model at the error's upper end ``+ 2 SE`` to Adam's first-order model at its lower end
+    ``- 2 SE`` (clamped at 0). Paired seeds fell between the two models and on both of their sides (docs/RESULTS.md
+    §9.5), so neither alone is the prediction."""
+    return predicted_efficiency(1.0, error_to_noise + 2 * se), adam_efficiency(1.0, max(error_to_noise - 2 * se, 0.0))
+
+
 def prediction(rec: dict) -> dict:
-    """The meter's answer for one estimator's record: Adam's time efficiency over the error's range
-    ``E|e|^2/V_b +- 2 SE`` (``adam_time_efficiency_lo``, ``_hi``: a few batches of a heavy-tailed error leave it wide),
-    and ``prediction``: ``unknown`` where the repeating error is significant (``bias_z >= 2``: the variance model
-    does not hold), else ``range``. For a job of ``U`` updates per rollout the per-update rate is the mean of the
-    predictions at ``--update 0 .. U-1`` (docs/RESULTS.md §9.3)."""
-    e, se, ratio = rec["error_to_noise"], rec["error_to_noise_se"], rec["iter_ratio"]
-    lo, hi = adam_efficiency(ratio, e + 2 * se), adam_efficiency(ratio, max(e - 2 * se, 0.0))
-    z = rec["bias_z"]
-    biased = z is not None and math.isfinite(z) and z >= 2
-    why = "unknown: a significant repeating error (bias z >= 2)" if biased else "range"
-    return {"adam_time_efficiency_lo": lo, "adam_time_efficiency_hi": hi, "prediction": why,
+    """The meter's answer for one estimator's record: the per-update rate between SGD's model at the error's upper end
+    and Adam's at its lower end (:func:`rate_range`: ``rate_lo``, ``rate_hi``; times the iteration ratio
+    ``time_rate_lo``, ``time_rate_hi``) and ``prediction``: ``range``, or ``unknown`` where the models do not hold, a
+    significant repeating error (``bias_z >= 2``), or where the range is wider than :data:`MAX_RANGE` (a heavy-tailed
+    error that these batches do not resolve: more ``--batches`` narrow it). ``prediction_range`` prints it. For a job
+    of ``U`` updates per rollout the per-update rate is the mean of the ranges at ``--update 0 .. U-1``
+    (docs/RESULTS.md §9.5)."""
+    lo, hi = rate_range(rec["error_to_noise"], rec["error_to_noise_se"])
+    ratio, z = rec["iter_ratio"], rec["bias_z"]
+    if z is not None and math.isfinite(z) and z >= 2:
+        why = "unknown: a significant repeating error (bias z >= 2)"
+    elif not hi - lo <= MAX_RANGE:
+        why = f"unknown: the error is not resolved (the range is wider than {MAX_RANGE}: measure more --batches)"
+    else:
+        why = "range"
+    return {"rate_lo": lo, "rate_hi": hi, "time_rate_lo": ratio * lo, "time_rate_hi": ratio * hi, "prediction": why,
             "prediction_range": f"{lo:.2f}-{hi:.2f}" if why == "range" else "unknown"}
 
 
@@ -489,7 +510,7 @@ COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".
            ("bias_to_noise_se", "± SE", ".4f"), ("bias_z", "bias z", ".1f"), ("clip_frac", "clipped", ".3f"),
            ("bias_to_signal", "bias^2/signal^2", ".2f"), ("efficiency", "efficiency", ".2f"),
            ("iter_ratio", "iter ratio", ".2f"), ("time_efficiency", "time eff.", ".2f"),
-           ("adam_time_efficiency", "Adam time eff.", ".2f"), ("prediction_range", "± 2 SE", ""),
+           ("adam_time_efficiency", "Adam time eff.", ".2f"), ("prediction_range", "rate/update", ""),
            ("adam_tensor_time_efficiency", "per tensor", ".2f"), ("bias_to_noise_at_target", "bias^2/V_b @T", ".4f"), ("adam_time_efficiency_at_target", "Adam @T", ".2f")]
 PROJECTED_COLUMNS = [("estimator", "estimator", ""), ("rows_ratio", "rows ratio", ".2f"),
                      ("projected_iter_ratio", "iter ratio", ".2f"), ("projected_time_efficiency", "time eff.", ".2f"),
@@ -531,9 +552,10 @@ def _run(args: argparse.Namespace) -> int:
     print("time eff.: plain SGD's variance model; Adam time eff.: the trainers' AdamW (the step normalised by the "
           f"noise), per tensor: Adam per parameter tensor (weighted by {r0['tensor_weighting']}), for an estimator "
           "whose repeating error is not significant (bias z < 2); all predict from this checkpoint's gradients, paired "
-          "seeds measure (docs/design.md §3.8); ± 2 SE: Adam time eff. over E|e|^2/V_b +- 2 jackknife SE, "
-          "'unknown' where the model does not hold (bias z >= 2); with U updates per rollout the job's per-update "
-          "rate is the mean over --update 0 .. U-1 (docs/RESULTS.md §9.3)")
+          "seeds measure (docs/design.md §3.8); rate/update: the meter's prediction, the rate per update of exact's "
+          "between SGD's model at E|e|^2/V_b + 2 jackknife SE and Adam's at - 2 SE, 'unknown' where no model holds "
+          "(bias z >= 2) or the range is wider than 0.5 (measure more --batches); with U updates per rollout the "
+          "job's per-update rate is the mean over --update 0 .. U-1 (docs/RESULTS.md §9.5)")
     print(f"\nprojected, not measured: the per-update efficiency times the iteration ratio of {cost_line}")
     print(table(records, PROJECTED_COLUMNS))
     extra = []
