@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from pathlib import Path
 
 import torch
 
-from jagg.bench.common import default_config_path
+from jagg.bench.common import default_config_path, spearman
 from jagg.bench.efficiency import kept_batch, load_config, make_sampler, measure
 from jagg.knots import layout_intervals
 from jagg.routing import linearity_scores
@@ -91,27 +90,6 @@ def markdown(records: list[dict]) -> str:
             f"{r['error_to_noise']:.3f} (± {r['error_to_noise_se']:.3f}) | {r['bias_z'] or 0:.1f} | "
             f"{r['prediction_range']} |" for r in records if r["estimator"] != "exact"]
     return "\n".join([head, *rows])
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties)."""
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        out = [0.0] * len(v)
-        i = 0
-        while i < len(v):
-            j = i
-            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-    rx, ry = ranks(x), ranks(y)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return num / den if den > 0 else math.nan
 
 
 def summary(records: list[dict]) -> str:
