@@ -76,6 +76,34 @@ def test_the_meter_gives_a_range_or_says_unknown():
     assert (big["rate_lo"], big["rate_hi"], big["prediction"]) == (0.25, 0.5, "range")
 
 
+def test_job_prediction_is_the_mean_of_the_positions_ranges():
+    """#32: a job of U updates per rollout learns at the mean of its updates' rates: the job's range is the mean of
+    the positions' ranges (rate and times the iteration ratio), and 'unknown' where any position's is."""
+    from jagg.bench.efficiency import job_prediction, prediction
+
+    def rec(name, err, se=0.0, z=0.0):
+        return {"estimator": name, "error_to_noise": err, "error_to_noise_se": se, "iter_ratio": 1.5, "bias_z": z}
+
+    u0 = [rec("exact", 0.0), rec("a", 0.5, 0.1), rec("b", 0.2)]
+    u1 = [rec("exact", 0.0), rec("a", 1.5, 0.1), rec("b", 0.2, 0.0, 3.0)]
+    job = {r["estimator"]: r for r in job_prediction([u0, u1])}
+    p0, p1 = prediction(u0[1]), prediction(u1[1])
+    assert job["a"]["rate_lo"] == pytest.approx((p0["rate_lo"] + p1["rate_lo"]) / 2)
+    assert job["a"]["rate_hi"] == pytest.approx((1 / math.sqrt(1.3) + 1 / math.sqrt(2.3)) / 2)
+    assert job["a"]["time_rate_hi"] == pytest.approx(1.5 * job["a"]["rate_hi"])
+    assert job["a"]["prediction"] == "range" and job["a"]["unknown_at"] == []
+    assert job["a"]["prediction_range"] == f"{job['a']['rate_lo']:.2f}-{job['a']['rate_hi']:.2f}"
+    assert job["a"]["positions"] == f"{p0['prediction_range']} {p1['prediction_range']}" and job["a"]["updates"] == 2
+    assert job["b"]["prediction_range"] == "unknown" and job["b"]["unknown_at"] == [1]      # a repeating error at 1
+    assert job["b"]["prediction"].startswith("unknown: a significant repeating error")
+    assert job["exact"]["prediction_range"] == "1.00-1.00" and all(r["kind"] == "job" for r in job.values())
+    assert job_prediction([u0])[1]["prediction_range"] == p0["prediction_range"]      # one update per rollout
+    with pytest.raises(ValueError, match="update 1 measured the estimators"):
+        job_prediction([u0, u1[:2]])
+    with pytest.raises(ValueError, match="no update positions"):
+        job_prediction([])
+
+
 @pytest.mark.parametrize("error_to_noise", [1.0, 3.0])
 def test_adam_pays_the_square_root_of_an_unbiased_error(error_to_noise):
     """The model behind adam_efficiency: Adam on a noise-dominated gradient (signal s_j = 0.1 of the noise's std in
@@ -332,4 +360,29 @@ def test_bench_efficiency_off_policy_update(tmp_path, bench_ckpt, capsys):
     assert recs["auto"]["error_to_noise"] == recs["interp"]["error_to_noise"] and recs["auto"]["nograd_per_sample"] == 0
     with pytest.raises(SystemExit):
         main(["bench", "efficiency", "--update", "-1"])
+    assert "argument --update" in capsys.readouterr().err
+
+
+def test_bench_efficiency_update_all(tmp_path, bench_ckpt, capsys):
+    """--update all measures each of the job's update positions (inner_epochs x updates_per_epoch) in turn and adds the
+    job's answer (:func:`job_prediction` of those very records) to the table and the JSON."""
+    from jagg.bench.efficiency import job_prediction
+
+    out = tmp_path / "eff.json"
+    sets = efficiency_sets(bench_ckpt) + ["grpo.updates_per_epoch=2", "sample.group_size=4", "optim.lr=1e-3"]
+    argv = ["bench", "efficiency", "--batches", "3", "--draws", "1", "--estimator", "plain", "--update", "all",
+            "--json", str(out), *[a for s in sets for a in ("--set", s)]]
+    assert main(argv) == 0
+    recs = json.loads(out.read_text())
+    per = [[r for r in recs if r.get("kind") != "job" and r["update"] == u] for u in (0, 1)]
+    assert [[r["estimator"] for r in p] for p in per] == [["exact", "plain"]] * 2
+    job = [r for r in recs if r.get("kind") == "job"]
+    assert job == json.loads(json.dumps(job_prediction(per)))
+    text = capsys.readouterr().out
+    assert "== update 1 of 2 per rollout" in text and "the job's per-update rate of exact's (2 updates" in text
+    out.unlink()
+    assert main(argv + ["--by-tensor", "plain"]) == 2                  # refused before any batch is measured
+    assert "not --update all" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(SystemExit):
+        main(["bench", "efficiency", "--update", "every"])
     assert "argument --update" in capsys.readouterr().err

@@ -39,7 +39,8 @@ deterministic estimator). Per estimator:
   ``unknown`` where no model holds: a repeating error (``bias_z >= 2``), or an error these batches do not resolve
   (the range wider than 0.5: heavy-tailed, one batch of a few can carry most of it; more ``--batches`` narrow it)
   (:func:`prediction`); with several updates per rollout, the mean over the ``--update`` positions predicts the
-  job's per-update rate;
+  job's per-update rate: ``--update all`` measures each position in turn and prints it (:func:`job_prediction`,
+  records of ``kind`` ``job`` in ``--json``), ``unknown`` where any position's answer is;
 - ``projected_iter_ratio`` and ``projected_time_efficiency``, ``projected_adam_time_efficiency``,
   ``projected_adam_tensor_time_efficiency``: the per-update efficiencies times the iteration ratio of a named cost
   structure (``--cost``, :mod:`jagg.bench.projection`; ``--gpu-bench-json``: B/F measured on a GPU), labelled
@@ -421,6 +422,32 @@ def prediction(rec: dict) -> dict:
             "prediction_range": f"{lo:.2f}-{hi:.2f}" if why == "range" else "unknown"}
 
 
+def job_prediction(per_update: list[list[dict]]) -> list[dict]:
+    """The meter's answer for a job of ``U`` optimizer updates per rollout, from its records at ``--update 0 .. U-1``
+    (``per_update[u]``: :func:`measure`'s records at position ``u``, the same estimators in the same order). Per
+    estimator: ``rate_lo``, ``rate_hi`` (and ``time_rate_lo``, ``time_rate_hi``), the means of the positions'
+    :func:`prediction` ranges, for the job's per-update rate is the mean of its updates'; ``prediction`` is ``range``
+    only where every position's is, else the first position's reason, with ``unknown_at`` listing the positions;
+    ``positions`` prints each position's range (docs/RESULTS.md §9.5)."""
+    if not per_update:
+        raise ValueError("job_prediction: no update positions given")
+    names = [r["estimator"] for r in per_update[0]]
+    for u, recs in enumerate(per_update):
+        if [r["estimator"] for r in recs] != names:
+            raise ValueError(f"job_prediction: update {u} measured the estimators {[r['estimator'] for r in recs]}, "
+                             f"update 0 measured {names}")
+    out = []
+    for i, name in enumerate(names):
+        preds = [prediction(recs[i]) for recs in per_update]
+        unknown = [u for u, p in enumerate(preds) if p["prediction"] != "range"]
+        mean = {k: statistics.fmean(p[k] for p in preds) for k in ("rate_lo", "rate_hi", "time_rate_lo", "time_rate_hi")}
+        out.append({"kind": "job", "estimator": name, "updates": len(per_update), **mean,
+                    "prediction": preds[unknown[0]]["prediction"] if unknown else "range", "unknown_at": unknown,
+                    "prediction_range": "unknown" if unknown else f"{mean['rate_lo']:.2f}-{mean['rate_hi']:.2f}",
+                    "positions": " ".join(p["prediction_range"] for p in preds)})
+    return out
+
+
 def projected_efficiencies(iter_ratio: float, error_to_noise: float, tensor_factor: float) -> dict:
     """``projected_iter_ratio`` (a :class:`~jagg.bench.projection.CostStructure`'s) and the per-update efficiencies
     times it: ``projected_time_efficiency`` (SGD's model), ``projected_adam_time_efficiency``,
@@ -516,9 +543,17 @@ PROJECTED_COLUMNS = [("estimator", "estimator", ""), ("rows_ratio", "rows ratio"
                      ("projected_iter_ratio", "iter ratio", ".2f"), ("projected_time_efficiency", "time eff.", ".2f"),
                      ("projected_adam_time_efficiency", "Adam time eff.", ".2f"),
                      ("projected_adam_tensor_time_efficiency", "per tensor", ".2f")]
+JOB_COLUMNS = [("estimator", "estimator", ""), ("updates", "updates", ""), ("positions", "rate/update at each", ""),
+               ("prediction_range", "the job's rate/update", ""), ("time_rate_lo", "x iter ratio, low", ".2f"),
+               ("time_rate_hi", "high", ".2f")]
 TENSOR_COLUMNS = [("tensor", "tensor", ""), ("numel", "numel", ""), ("error_share", "share of E|e|^2", ".3f"),
                   ("noise_share", "share of V_b", ".3f"), ("error_to_noise", "E_t/V_t", ".4f"),
                   ("weight", "Adam weight", ".3f")]
+
+
+def update_arg(text: str) -> int | str:
+    """``--update``: ``all``, or an update position ``N >= 0``."""
+    return "all" if text.strip() == "all" else number_arg(int, 0)(text)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -537,32 +572,26 @@ def _run(args: argparse.Namespace) -> int:
     if args.by_interval is not None:
         check_sizes(batches, draws, args.target_batch)
         by_interval_estimator(args.by_interval, cfg.estimator)
-    records = measure(cfg, specs, batches, draws, args.target_batch, cost, args.update)
-    r0 = records[0]
-    print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples, up to {draws} draws per estimator; V_b = "
-          f"{r0['noise']:.3e} (|g| = {r0['grad_norm']:.3e}), signal |E g|^2 / V_b = {r0['signal_to_noise']:.4f} +- "
-          f"{r0['signal_to_noise_se']:.4f}; @T = extrapolated to {r0['target_batch']} samples per "
-          f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)"
-          + (f"; off-policy: update {args.update} of each rollout" if args.update else "; on-policy (update 0)"))
-    print(table(records, COLUMNS))
-    for r in records:
-        flag = clip_flag({**r, "clip_frac_est": r["clip_frac"]})
-        if flag:
-            print(f"warning: {r['estimator']}: {flag.removeprefix('audit: ')}")
-    print("time eff.: plain SGD's variance model; Adam time eff.: the trainers' AdamW (the step normalised by the "
-          f"noise), per tensor: Adam per parameter tensor (weighted by {r0['tensor_weighting']}), for an estimator "
-          "whose repeating error is not significant (bias z < 2); all predict from this checkpoint's gradients, paired "
-          "seeds measure (docs/design.md §3.8); rate/update: the meter's prediction, the rate per update of exact's "
-          "between SGD's model at E|e|^2/V_b + 2 jackknife SE and Adam's at - 2 SE, 'unknown' where no model holds "
-          "(bias z >= 2) or the range is wider than 0.5 (measure more --batches); with U updates per rollout the "
-          "job's per-update rate is the mean over --update 0 .. U-1 (docs/RESULTS.md §9.5)")
-    print(f"\nprojected, not measured: the per-update efficiency times the iteration ratio of {cost_line}")
-    print(table(records, PROJECTED_COLUMNS))
+    if args.update == "all" and (args.by_tensor is not None or args.by_interval is not None):
+        raise ValueError("--by-tensor and --by-interval break one update position down: give --update N with them, "
+                         "not --update all")
+    positions = range(cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch) if args.update == "all" else [args.update]
+    per_update = []
+    for update in positions:
+        if args.update == "all":
+            print(f"== update {update} of {len(positions)} per rollout")
+        per_update.append(measure(cfg, specs, batches, draws, args.target_batch, cost, update))
+        _report(per_update[-1], batches, draws, update, cost_line)
+    records = [r for recs in per_update for r in recs]
+    if args.update == "all":
+        job = job_prediction(per_update)
+        print(f"\nthe job's per-update rate of exact's ({len(positions)} updates per rollout): the mean of the "
+              "positions' ranges, 'unknown' where any position's is")
+        print(table(job, JOB_COLUMNS))
+        records += job
     extra = []
-    for r in records:
-        r["cost_structure"] = cost_line
     if args.by_tensor is not None:
-        rec = records[names.index(args.by_tensor)]
+        rec = per_update[0][names.index(args.by_tensor)]
         parts = tensor_breakdown(rec)
         print(f"\nwhere {args.by_tensor}'s error lives, by parameter tensor (the 10 with the largest share of E|e|^2; "
               f"{len(rec['tensors'])} tensors)")
@@ -576,6 +605,32 @@ def _run(args: argparse.Namespace) -> int:
         extra += [{**r, "kind": "interval"} for r in parts]
     json_if_asked(args.json, records + extra)
     return 0
+
+
+def _report(records: list[dict], batches: int, draws: int, update: int, cost_line: str) -> None:
+    """Print one update position's measurement: the header line, the table, clip warnings and the projection."""
+    r0 = records[0]
+    print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples, up to {draws} draws per estimator; V_b = "
+          f"{r0['noise']:.3e} (|g| = {r0['grad_norm']:.3e}), signal |E g|^2 / V_b = {r0['signal_to_noise']:.4f} +- "
+          f"{r0['signal_to_noise_se']:.4f}; @T = extrapolated to {r0['target_batch']} samples per "
+          f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)"
+          + (f"; off-policy: update {update} of each rollout" if update else "; on-policy (update 0)"))
+    print(table(records, COLUMNS))
+    for r in records:
+        flag = clip_flag({**r, "clip_frac_est": r["clip_frac"]})
+        if flag:
+            print(f"warning: {r['estimator']}: {flag.removeprefix('audit: ')}")
+    print("time eff.: plain SGD's variance model; Adam time eff.: the trainers' AdamW (the step normalised by the "
+          f"noise), per tensor: Adam per parameter tensor (weighted by {r0['tensor_weighting']}), for an estimator "
+          "whose repeating error is not significant (bias z < 2); all predict from this checkpoint's gradients, paired "
+          "seeds measure (docs/design.md §3.8); rate/update: the meter's prediction, the rate per update of exact's "
+          "between SGD's model at E|e|^2/V_b + 2 jackknife SE and Adam's at - 2 SE, 'unknown' where no model holds "
+          "(bias z >= 2) or the range is wider than 0.5 (measure more --batches); with U updates per rollout the "
+          "job's per-update rate is the mean over --update 0 .. U-1 (--update all; docs/RESULTS.md §9.5)")
+    print(f"\nprojected, not measured: the per-update efficiency times the iteration ratio of {cost_line}")
+    print(table(records, PROJECTED_COLUMNS))
+    for r in records:
+        r["cost_structure"] = cost_line
 
 
 def add_parser(sub) -> None:
@@ -599,12 +654,14 @@ def add_parser(sub) -> None:
     p.add_argument("--by-interval", metavar="NAME[:KEY=VALUE,...]",
                    help="also break this JAGG estimator's error down by the intervals of its layout (where does it "
                         "live, and does it repeat there?), on the same batches")
-    p.add_argument("--update", type=number_arg(int, 0), default=0,
+    p.add_argument("--update", type=update_arg, default=0, metavar="N|all",
                    help="measure every batch as the (N+1)-th optimizer update of its rollout: the parameters first take "
                         "N AdamW steps (the config's optim) on the exact gradients of N other batches of the same "
                         "policy, as the updates before it would; every estimator and exact are then compared there "
                         "(off-policy for N > 0, where intermediate interp's extrapolation enters the inner steps' "
-                        "ratios) [default: 0, on-policy]")
+                        "ratios); 'all': each of the job's grpo.inner_epochs x grpo.updates_per_epoch positions in "
+                        "turn (that many times the time), then the job's answer, the mean of their ranges "
+                        "[default: 0, on-policy]")
     p.add_argument("--by-tensor", nargs="?", const="config", metavar="NAME",
                    help="also list where this estimator's error lives by parameter tensor (the 10 with the largest "
                         "share), with Adam's per-tensor weights [NAME default: config]")
