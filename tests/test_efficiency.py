@@ -378,6 +378,10 @@ def test_bench_efficiency_update_all(tmp_path, bench_ckpt, capsys):
     assert [[r["estimator"] for r in p] for p in per] == [["exact", "plain"]] * 2
     job = [r for r in recs if r.get("kind") == "job"]
     assert job == json.loads(json.dumps(job_prediction(per)))
+    for p in per:                     # routing's score of plain JAGG's layout (step groups of 4), none for exact's
+        assert p[0]["linearity"] is None or math.isnan(p[0]["linearity"])
+        assert -1 <= p[1]["linearity_min"] <= p[1]["linearity"] <= 1
+    assert per[0][1]["linearity"] == per[1][1]["linearity"]          # the same rollouts, at other parameters
     text = capsys.readouterr().out
     assert "== update 1 of 2 per rollout" in text and "the job's per-update rate of exact's (2 updates" in text
     out.unlink()

@@ -41,6 +41,9 @@ deterministic estimator). Per estimator:
   (:func:`prediction`); with several updates per rollout, the mean over the ``--update`` positions predicts the
   job's per-update rate: ``--update all`` measures each position in turn and prints it (:func:`job_prediction`,
   records of ``kind`` ``job`` in ``--json``), ``unknown`` where any position's answer is;
+- ``linearity`` and ``linearity_min``: routing's linearity score of a JAGG estimator's layout on the measured
+  rollouts (:func:`layout_linearity`; NaN for one that interpolates nothing), the regime's rule of thumb that needs
+  no backward pass;
 - ``projected_iter_ratio`` and ``projected_time_efficiency``, ``projected_adam_time_efficiency``,
   ``projected_adam_tensor_time_efficiency``: the per-update efficiencies times the iteration ratio of a named cost
   structure (``--cost``, :mod:`jagg.bench.projection`; ``--gpu-bench-json``: B/F measured on a GPU), labelled
@@ -73,6 +76,7 @@ from ..checks import check_unique_names, number_arg, parse_spec
 from ..estimator import policy_gradient, reference_velocities
 from ..estimator_config import EstimatorConfig
 from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals, plan_update
+from ..routing import linearity_scores
 from ..trainers.base import rollout_batch, take
 from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
 from ..trainers.shapes import ShapesSampler
@@ -380,13 +384,30 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
                **efficiencies(r_exact / r, time_ratio, st["error_to_noise"], st["adam_tensor_factor"]),
                **projected_efficiencies(cost.iteration_ratio(r / r_exact, nograd / r_exact), st["error_to_noise"],
                                         st["adam_tensor_factor"]),
-               "estimator_config": est.to_dict(), "tensors": tensors}
+               **layout_linearity(kept, est), "estimator_config": est.to_dict(), "tensors": tensors}
         at = extrapolate({**st, "tensors": tensors}, n_samples, target)
         rec.update({f"{k}_at_target": v for k, v in at.items()})
         at_eff = efficiencies(r_exact / r, time_ratio, at["error_to_noise"], at["adam_tensor_factor"])
         rec.update({f"{k}_at_target": v for k, v in at_eff.items()})
         records.append({**rec, **prediction(rec)})
     return records
+
+
+def layout_linearity(batches: list[Batch], est: EstimatorConfig) -> dict:
+    """Routing's linearity score (:func:`jagg.routing.linearity_scores`, the paper's test, what ``jagg_frac`` ranks
+    by) of a JAGG estimator's own layout on the measured rollouts, from their velocities alone (no backward pass):
+    ``linearity``, the mean over samples and intervals of three or more steps (shorter ones are exact under JAGG),
+    and ``linearity_min``, the lowest; NaN for an estimator that interpolates nothing. Across 17 sampling regimes
+    the error against the noise fell as it rose (docs/RESULTS.md §9.6)."""
+    scores = []
+    for batch in batches:
+        intervals, _, jagg = layout_intervals(batch.traj, est)
+        if jagg:
+            sc = linearity_scores(batch.traj.velocities, intervals)
+            scores.append(sc[torch.isfinite(sc)].double().cpu())
+    s = torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64)
+    return {"linearity": float(s.mean()) if s.numel() else math.nan,
+            "linearity_min": float(s.min()) if s.numel() else math.nan}
 
 
 # the widest range of a per-update rate the meter still answers with (docs/design.md §3.8): a wider one cannot tell
@@ -538,7 +559,7 @@ COLUMNS = [("estimator", "estimator", ""), ("rows_per_sample", "rows/sample", ".
            ("bias_to_signal", "bias^2/signal^2", ".2f"), ("efficiency", "efficiency", ".2f"),
            ("iter_ratio", "iter ratio", ".2f"), ("time_efficiency", "time eff.", ".2f"),
            ("adam_time_efficiency", "Adam time eff.", ".2f"), ("prediction_range", "rate/update", ""),
-           ("adam_tensor_time_efficiency", "per tensor", ".2f"), ("bias_to_noise_at_target", "bias^2/V_b @T", ".4f"), ("adam_time_efficiency_at_target", "Adam @T", ".2f")]
+           ("linearity", "linearity", ".3f"), ("adam_tensor_time_efficiency", "per tensor", ".2f"), ("bias_to_noise_at_target", "bias^2/V_b @T", ".4f"), ("adam_time_efficiency_at_target", "Adam @T", ".2f")]
 PROJECTED_COLUMNS = [("estimator", "estimator", ""), ("rows_ratio", "rows ratio", ".2f"),
                      ("projected_iter_ratio", "iter ratio", ".2f"), ("projected_time_efficiency", "time eff.", ".2f"),
                      ("projected_adam_time_efficiency", "Adam time eff.", ".2f"),
@@ -626,7 +647,9 @@ def _report(records: list[dict], batches: int, draws: int, update: int, cost_lin
           "seeds measure (docs/design.md §3.8); rate/update: the meter's prediction, the rate per update of exact's "
           "between SGD's model at E|e|^2/V_b + 2 jackknife SE and Adam's at - 2 SE, 'unknown' where no model holds "
           "(bias z >= 2) or the range is wider than 0.5 (measure more --batches); with U updates per rollout the "
-          "job's per-update rate is the mean over --update 0 .. U-1 (--update all; docs/RESULTS.md §9.5)")
+          "job's per-update rate is the mean over --update 0 .. U-1 (--update all; docs/RESULTS.md §9.5); linearity: "
+          "routing's score of the estimator's layout on these rollouts (the paper's linearity test, no backward pass; "
+          "over 17 regimes of the shapes world, >= 0.6 went with an error <= 0.24 of the noise: docs/RESULTS.md §9.6)")
     print(f"\nprojected, not measured: the per-update efficiency times the iteration ratio of {cost_line}")
     print(table(records, PROJECTED_COLUMNS))
     for r in records:
