@@ -78,8 +78,8 @@ def linearity(cfg, batches: int) -> dict:
 def run_regime(r: dict, config: str | None, sets: list[str], specs: list[str], batches: int, draws: int) -> list[dict]:
     cfg = load_config(config or default_config_path(), ["threads=1", *overrides(r), *sets])
     recs = measure(cfg, specs, batches, draws, None)
-    config = [r for r in recs if r["estimator"] == "config"]            # the meter scored the config's layout on the
-    lin = ({k: config[0][k] for k in ("linearity", "linearity_min")} if config    # very rollouts it measured
+    scored = [rec for rec in recs if rec["estimator"] == "config"]      # the meter scored the config's layout on the
+    lin = ({k: scored[0][k] for k in ("linearity", "linearity_min")} if scored    # very rollouts it measured
            else linearity(cfg, batches))
     return [{**r, **{k: v for k, v in rec.items() if k != "tensors"}, **lin} for rec in recs]   # the regime's score
 
