@@ -29,12 +29,8 @@ import json
 import math
 from pathlib import Path
 
-import torch
-
 from jagg.bench.common import default_config_path, spearman
-from jagg.bench.efficiency import kept_batch, load_config, make_sampler, measure
-from jagg.knots import layout_intervals
-from jagg.routing import linearity_scores
+from jagg.bench.efficiency import kept_batch, layout_linearity, load_config, make_sampler, measure
 
 SDE_NOISE = {"dance": (0.3, 0.7, 1.0), "flow_grpo": (0.3, 1.0), "cps": (0.3, 0.7)}
 WINDOWS = {10: [0, 8], 20: [0, 16]}                       # the trained (SDE) steps of each step count
@@ -62,17 +58,10 @@ def overrides(r: dict) -> list[str]:
 
 
 def linearity(cfg, batches: int) -> dict:
-    """Routing's linearity score of the config's layout over ``batches`` rollouts: the mean over samples and
-    intervals (those of one or two steps, exact under JAGG, left out) and the lowest per-(sample, interval) score."""
+    """Routing's linearity score of the config's layout over ``batches`` fresh rollouts
+    (:func:`jagg.bench.efficiency.layout_linearity`), for a map whose estimators leave out ``config``."""
     sampler = make_sampler(cfg)
-    scores = []
-    for _ in range(batches):
-        traj = kept_batch(sampler, cfg)[0].traj
-        s = linearity_scores(traj.velocities, layout_intervals(traj, cfg.estimator)[0])
-        scores.append(s[torch.isfinite(s)])
-    s = torch.cat(scores)
-    return {"linearity": float(s.mean()) if s.numel() else math.nan,
-            "linearity_min": float(s.min()) if s.numel() else math.nan}
+    return layout_linearity([kept_batch(sampler, cfg)[0] for _ in range(batches)], cfg.estimator)
 
 
 def run_regime(r: dict, config: str | None, sets: list[str], specs: list[str], batches: int, draws: int) -> list[dict]:

@@ -52,6 +52,18 @@ def test_a_small_map_resumes_and_summarises(tmp_path, capsys):
     assert "| 10 | 0-7 | flow_grpo, 0.3 |" in capsys.readouterr().out
 
 
+def test_the_fallback_score_is_the_meters():
+    """Without ``config`` among the estimators the map draws the rollouts itself: the same seeded rollouts, so the
+    same score the meter gives the config's layout."""
+    r = rm.regimes([10], ["flow_grpo"], cuts=False)[0]
+    sets = ["sample.prompts_per_iter=4", "sample.group_size=4"]
+    with_config = rm.run_regime(r, None, sets, ["config"], 3, 1)
+    without = rm.run_regime(r, None, sets, ["subsample"], 3, 1)
+    assert {rec["estimator"] for rec in without} == {"exact", "subsample"}
+    assert without[0]["linearity"] == pytest.approx(with_config[0]["linearity"], rel=1e-6)
+    assert without[0]["linearity_min"] == pytest.approx(with_config[0]["linearity_min"], rel=1e-6)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--batches", "2"], "--batches must be >= 3"),
     (["--summary"], "no records"),
