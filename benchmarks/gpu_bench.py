@@ -17,7 +17,7 @@ configuration runs once to warm up, then ``--repeats`` times in alternating (rot
 median seconds, the speed-up over exact, docs/design.md §3's cost-model limit (``B = 2F``: fresh ``3W/(W+4)``, interp
 ``W/2``; CFG's unconditional rows are not in it) and the peak GPU memory of the call. Before the calls, per model and
 resolution, one network branch's forward (with and without grad) and backward are timed on a micro-batch of rows: the
-JSON's ``costs`` records, whose ``b_over_f`` (backward / forward) ``jagg bench efficiency`` and ``jagg bench quality``
+JSON's ``costs`` records, whose ``b_over_f`` (backward / forward) ``jagg bench meter`` and ``jagg bench quality``
 put into their projected cost structure with ``--gpu-bench-json``.
 
     python benchmarks/gpu_bench.py                       # one H200: < 5 minutes (a time budget guards it)
@@ -223,7 +223,7 @@ def time_call(model, v, traj, adv, c: tuple, cfg: BenchConfig, dev: torch.device
 def network_costs(name: str, res: int, model, cond, traj, adv, cfg: BenchConfig, dev: torch.device) -> dict:
     """Seconds of one network branch's forward with and without grad and of its backward, on a micro-batch of the
     trajectory's rows (:func:`jagg.bench.speed.measure_costs`), and ``b_over_f`` = backward / forward with grad: the
-    B/F that ``jagg bench efficiency --gpu-bench-json`` puts into its cost structure. One branch: SD3.5 without CFG
+    B/F that ``jagg bench meter --gpu-bench-json`` puts into its cost structure. One branch: SD3.5 without CFG
     (Flow-GRPO runs both branches as one batch, each with its own backward)."""
     one = velocity_adapter(model, cond.select([0] * cfg.samples), None,
                            dataclasses.replace(GUIDANCE[name], cfg_scale=1.0), FAMILY[name])

@@ -15,7 +15,7 @@ The two mechanisms predict different contrasts against plain JAGG's gap at a con
   larger batch leave the gap (contrasts ~ 0); the unbiased correction closes it (contrast > 0).
 
 With ``--predict VARIANT:REFERENCE=LO:HI`` (or ``=RATE``, ``=RATE:LO:HI``, ``=unknown``) it also sets a predicted
-per-update rate of that pair (the meter's range, ``jagg bench efficiency``'s ``rate/update``) against the measured
+per-update rate of that pair (the meter's range, ``jagg bench meter``'s ``rate/update``) against the measured
 one, and the plateau gap that rate predicts where the gap is a lag (§9.1: the variant's own plateau 0, the gap the
 reference's curve read at the rate times its updates, :func:`lag_gap`), each marked inside or outside the measured
 95% interval (a point inside it, a range overlapping it; ``unknown``: no judgement).

@@ -28,7 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from jagg import policy_gradient
-from jagg.training import config_loader as configuration
+from jagg.infra import config_loader as configuration
 from jagg.advantages import group_advantages
 from jagg.bench.common import default_config_path
 from jagg.estimator_config import EstimatorConfig

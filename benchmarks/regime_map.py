@@ -1,14 +1,14 @@
-"""Where JAGG is nearly exact: ``jagg bench efficiency`` over a grid of sampling regimes (docs/RESULTS.md §6.1).
+"""Where JAGG is nearly exact: ``jagg bench meter`` over a grid of sampling regimes (docs/RESULTS.md §6.1).
 
 A regime is a step count, an SDE type with its noise level, and a trained (SDE) window. In each, on the job's own
-checkpoint and batch (the main job, or ``--config``, with ``--set`` on top), :func:`jagg.bench.efficiency.measure`
+checkpoint and batch (the main job, or ``--config``, with ``--set`` on top), :func:`jagg.bench.meter.measure`
 measures the estimators' error against the update's noise on-policy, with the meter's per-update rate range
-(:func:`jagg.bench.efficiency.prediction`), and the regime's **linearity score**: routing's score
+(:func:`jagg.bench.meter.prediction`), and the regime's **linearity score**: routing's score
 (:func:`jagg.routing.linearity_scores`, the paper's linearity test, what ``jagg_frac`` ranks by) of the shipped
 layout's intervals, averaged over the samples of ``--batches`` rollouts, with its lowest sample-interval mean. The
 score needs only a rollout, so a user can read it on their model without a backward pass.
 
-Estimators (``--estimator``, as ``jagg bench efficiency``'s; default): plain JAGG, step groups of 4 (the main job's
+Estimators (``--estimator``, as ``jagg bench meter``'s; default): plain JAGG, step groups of 4 (the main job's
 ``config``), shared knots W = 4, unbiased JAGG (p 0.25) and random timestep subsampling at plain JAGG's rows.
 
 Regimes (default, 17): 10 steps (trained 0-7) and 20 steps (trained 0-15), each with DanceGRPO's SDE at eta 0.3, 0.7
@@ -30,7 +30,7 @@ import math
 from pathlib import Path
 
 from jagg.bench.common import default_config_path, spearman
-from jagg.bench.efficiency import kept_batch, layout_linearity, load_config, make_sampler, measure
+from jagg.bench.meter import kept_batch, layout_linearity, load_config, make_sampler, measure
 
 SDE_NOISE = {"dance": (0.3, 0.7, 1.0), "flow_grpo": (0.3, 1.0), "cps": (0.3, 0.7)}
 WINDOWS = {10: [0, 8], 20: [0, 16]}                       # the trained (SDE) steps of each step count
@@ -59,7 +59,7 @@ def overrides(r: dict) -> list[str]:
 
 def linearity(cfg, batches: int) -> dict:
     """Routing's linearity score of the config's layout over ``batches`` fresh rollouts
-    (:func:`jagg.bench.efficiency.layout_linearity`), for a map whose estimators leave out ``config``."""
+    (:func:`jagg.bench.meter.layout_linearity`), for a map whose estimators leave out ``config``."""
     sampler = make_sampler(cfg)
     return layout_linearity([kept_batch(sampler, cfg)[0] for _ in range(batches)], cfg.estimator)
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sde", nargs="+", choices=sorted(SDE_NOISE), default=list(SDE_NOISE))
     p.add_argument("--no-cuts", action="store_true", help="leave out the regimes with a cut trained window")
     p.add_argument("--estimator", action="append", metavar="NAME[:KEY=VALUE,...]",
-                   help=f"an estimator, as jagg bench efficiency's (repeatable) [default: {' '.join(ESTIMATORS)}]")
+                   help=f"an estimator, as jagg bench meter's (repeatable) [default: {' '.join(ESTIMATORS)}]")
     p.add_argument("--batches", type=int, default=6, help="independent batches per regime (>= 3) [default: 6]")
     p.add_argument("--draws", type=int, default=3, help="draws of a random estimator per batch [default: 3]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="trainer config override")

@@ -22,7 +22,7 @@ from jagg.shapes import test_prompts
 from jagg.shapes.evaluation import background_rms, generate
 from jagg.shapes.geneval import GenevalReward
 from jagg.shapes.weights import load_model
-from jagg.training.checkpoint import read_checkpoint
+from jagg.infra.checkpoint import read_checkpoint
 
 
 def changes(start: dict, trained: dict, keep: str) -> dict:

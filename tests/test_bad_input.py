@@ -18,7 +18,7 @@ import reward_plugins
 from conftest import real_model_config, tiny_train_args
 from jagg.checks import FLOAT32_MAX, SEED_MAX
 from jagg.cli import main
-from jagg.training import config_loader as configuration
+from jagg.infra import config_loader as configuration
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -126,7 +126,7 @@ def test_every_number_is_checked_in_the_dtype_it_is_used_in(tmp_path, tiny_ckpt,
                           (["bench", "speed", "--batch", str(10**20)], "--batch"),
                           (["bench", "quality", "--first-seed", "-2"], "--first-seed"),
                           (["bench", "fidelity", "--fracs", "1e39"], "--fracs"),
-                          (["bench", "efficiency", "--batches", str(2**63)], "--batches"),
+                          (["bench", "meter", "--batches", str(2**63)], "--batches"),
                           (["bench", "paired", tiny_ckpt, tiny_ckpt, "--threads", "5000"], "--threads"),
                           (["pretrain", "--out", "x.safetensors", "--set", "train.seed=-1"], "train.seed"),
                           (["pretrain", "--out", "x.safetensors", "--set", f"model.dim={2**63}"], "model.dim")):
@@ -166,11 +166,11 @@ def test_a_run_that_trains_nothing_says_why_and_stops(sets, reason, tmp_path, ti
 
 
 @pytest.mark.parametrize("argv,culprit", [
-    (["bench", "efficiency", "--estimator", "w8:window=8", "--estimator", "w8:window=4"], "'w8' is given twice"),
-    (["bench", "efficiency", "--estimator", "plain", "--estimator", "plain"], "'plain' is given twice"),
-    (["bench", "efficiency", "--estimator", "exact:mode=jagg,window=8"], "'exact' is a built-in name"),
-    (["bench", "efficiency", "--estimator", "subsample:subsample_frac=0.3"], "'subsample' is a built-in name"),
-    (["bench", "efficiency", "--by-interval", "config:window=3"], "--by-interval 'config:window=3'"),
+    (["bench", "meter", "--estimator", "w8:window=8", "--estimator", "w8:window=4"], "'w8' is given twice"),
+    (["bench", "meter", "--estimator", "plain", "--estimator", "plain"], "'plain' is given twice"),
+    (["bench", "meter", "--estimator", "exact:mode=jagg,window=8"], "'exact' is a built-in name"),
+    (["bench", "meter", "--estimator", "subsample:subsample_frac=0.3"], "'subsample' is a built-in name"),
+    (["bench", "meter", "--by-interval", "config:window=3"], "--by-interval 'config:window=3'"),
     (["bench", "quality", "--variant", "a:window=2", "--variant", "a:window=3"], "'a' is given twice"),
     (["bench", "quality", "--variant", "exact", "--variant", "exact"], "'exact' is given twice"),
     (["bench", "quality", "--variant", "jagg_fresh:window=8"], "'jagg_fresh' is a built-in name"),
@@ -204,7 +204,7 @@ def _pretrain(out: str, *extra: str) -> list[str]:
     ("eval.json", lambda ck, p: ["eval", "--checkpoint", ck, "--num-prompts", "2", "--images-per-prompt", "1",
                                  "--steps", "2", "--json", p], True),
     ("paired.json", lambda ck, p: ["bench", "paired", ck, ck, "--quick", "--json", p], False),
-    ("eff.json", lambda ck, p: ["bench", "efficiency", "--quick", "--json", p], False),
+    ("eff.json", lambda ck, p: ["bench", "meter", "--quick", "--json", p], False),
     ("speed.json", lambda ck, p: ["bench", "speed", "--quick", "--json", p], False),
     ("q/quality.json", lambda ck, p: ["bench", "quality", "--quick", "--out", str(Path(p).parent)], False),
     ("q.png", lambda ck, p: ["bench", "quality", "--quick", "--plot", p], False),
@@ -228,7 +228,7 @@ def test_outputs_are_never_replaced_without_overwrite(name, argv, cheap, tmp_pat
 def test_a_failed_write_leaves_the_old_file(tmp_path):
     """Class 4's writes go through one atomic helper: a write that fails midway leaves the old file whole and no
     temporary file."""
-    from jagg.training.atomic import atomic_write
+    from jagg.infra.atomic import atomic_write
 
     path = tmp_path / "result.json"
     path.write_text("old")
@@ -317,7 +317,7 @@ def _interrupt(*a, **k):
     ("eval", "jagg.shapes.evaluation.evaluate"),
     ("sample", "jagg.shapes.evaluation.generate"),
     ("pretrain", "jagg.shapes.pretrain.pretrain"),
-    ("bench efficiency", "jagg.bench.efficiency.ShapesSampler"),
+    ("bench meter", "jagg.bench.meter.ShapesSampler"),
     ("bench paired", "jagg.bench.paired.generate"),
     ("bench quality", "jagg.trainers.shapes.load_model"),              # a run's setup
 ])
@@ -329,7 +329,7 @@ def test_ctrl_c_anywhere_is_one_line_and_exit_130(where, target, tmp_path, tiny_
             "eval": ["eval", "--checkpoint", tiny_ckpt],
             "sample": ["sample", "--checkpoint", tiny_ckpt, "--prompt", "a red circle"],
             "pretrain": _pretrain("w.safetensors"),
-            "bench efficiency": ["bench", "efficiency", "--quick"],
+            "bench meter": ["bench", "meter", "--quick"],
             "bench paired": ["bench", "paired", tiny_ckpt, tiny_ckpt, "--quick"],
             "bench quality": ["bench", "quality", "--quick", "--set", f"model.checkpoint={tiny_ckpt}"]}[where]
     code, line, _ = _jagg(argv, capsys)
@@ -408,14 +408,14 @@ def test_every_path_runs_the_same_checks(tmp_path, tiny_ckpt, capsys, monkeypatc
         b = _refused(["bench", "paired", tiny_ckpt, tiny_ckpt, "--seed", seed], capsys, "--seed")
         assert a.split("error: ", 1)[1] == b.split("error: ", 1)[1]
 
-    from jagg.bench import efficiency
+    from jagg.bench import meter as efficiency
 
     monkeypatch.setattr(efficiency, "measure", lambda *a, **k: pytest.fail("computed before the arguments' checks"))
-    _refused(["bench", "efficiency", "--quick", "--by-interval", "w:window=3,knots=nosuch"], capsys, "knots")
-    _refused(["bench", "efficiency", "--quick", "--by-interval", "subsample"], capsys, "--by-interval")
-    _refused(["bench", "efficiency", "--quick", "--json", str(tmp_path)], capsys, "--json", "is a directory")
+    _refused(["bench", "meter", "--quick", "--by-interval", "w:window=3,knots=nosuch"], capsys, "knots")
+    _refused(["bench", "meter", "--quick", "--by-interval", "subsample"], capsys, "--by-interval")
+    _refused(["bench", "meter", "--quick", "--json", str(tmp_path)], capsys, "--json", "is a directory")
     (tmp_path / "file").write_text("")
-    _refused(["bench", "efficiency", "--quick", "--json", str(tmp_path / "file" / "x.json")], capsys, "is a file")
+    _refused(["bench", "meter", "--quick", "--json", str(tmp_path / "file" / "x.json")], capsys, "is a file")
 
     out = tmp_path / "q"                                         # a bench refusal speaks of the bench's flags
     (out / "exact").mkdir(parents=True)
@@ -431,6 +431,6 @@ def test_every_path_runs_the_same_checks(tmp_path, tiny_ckpt, capsys, monkeypatc
                           (["pretrain", "--out", ""], "--out is empty"),
                           (["eval", "--json", ""], "--json is empty"),
                           (["bench", "quality", "--out", ""], "--out is empty"),
-                          (["bench", "efficiency", "--json", ""], "--json is empty")):
+                          (["bench", "meter", "--json", ""], "--json is empty")):
         _refused(argv, capsys, culprit)
     assert _files(tmp_path) == before and not Path("runs").exists()

@@ -60,7 +60,7 @@ def test_wandb_start_up_errors_are_one_line_before_anything_is_written(sets, env
 def test_wandb_start_up_passes_offline_or_with_a_key(tmp_path, capsys, monkeypatch):
     import fake_wandb
 
-    from jagg.training.wandb_run import check_start
+    from jagg.infra.wandb_run import check_start
     from jagg.trainers.sections import LogConfig
 
     fake_wandb.install(monkeypatch)
@@ -89,7 +89,7 @@ def test_wandb_start_up_passes_offline_or_with_a_key(tmp_path, capsys, monkeypat
 def test_a_wandb_init_failure_is_one_line_naming_log_wandb(monkeypatch):
     import fake_wandb
 
-    from jagg.training.wandb_run import WandbRun
+    from jagg.infra.wandb_run import WandbRun
     from jagg.trainers.sections import LogConfig
 
     fake_wandb.install(monkeypatch)
@@ -185,7 +185,7 @@ GOOD = {"costs": [{"model": "sd35m", "resolution": 512, "b_over_f": 1.7}], "conf
     ([GOOD], "must hold a JSON object"),
 ])
 def test_gpu_bench_json_is_checked_by_key_in_both_benches(data, culprit, tmp_path, capsys, monkeypatch):
-    from jagg.bench import efficiency, quality
+    from jagg.bench import meter as efficiency, quality
     from jagg.bench.projection import PRESETS, resolve
 
     path = tmp_path / "gpu.json"
@@ -195,7 +195,7 @@ def test_gpu_bench_json_is_checked_by_key_in_both_benches(data, culprit, tmp_pat
     assert f"--gpu-bench-json {str(path)!r}" in str(e.value) and culprit in str(e.value), e.value
     monkeypatch.setattr(efficiency, "measure", lambda *a, **k: pytest.fail("measured before --gpu-bench-json"))
     monkeypatch.setattr(quality, "run_quality", lambda *a, **k: pytest.fail("trained before --gpu-bench-json"))
-    for bench in (["bench", "efficiency", "--quick"], ["bench", "quality", "--quick", "--out", str(tmp_path / "q")]):
+    for bench in (["bench", "meter", "--quick"], ["bench", "quality", "--quick", "--out", str(tmp_path / "q")]):
         _refused([*bench, "--gpu-bench-json", str(path)], capsys, str(path), culprit)
     path.write_text(json.dumps(GOOD))
     cost, line = resolve("flow_grpo_sd35", PRESETS["flow_grpo_sd35"], str(path))
@@ -225,10 +225,10 @@ def test_sizes_that_fit_int64_but_not_the_machine_are_refused_with_an_estimate(t
 
 
 def test_the_memory_estimate_passes_what_the_main_job_and_the_real_configs_need(tmp_path):
-    from jagg.training import config_loader as configuration
+    from jagg.infra import config_loader as configuration
     from jagg.trainers.diffusers_config import load_config
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
-    from jagg.training.sizes import check_memory, machine_memory, shown_bytes
+    from jagg.infra.sizes import check_memory, machine_memory, shown_bytes
 
     configuration.load(ShapesTrainConfig, str(main_job_path()), [])
     load_config(real_model_config(tmp_path), ["sample.prompts_per_iter=48", "sample.group_size=24"])
@@ -264,7 +264,7 @@ def test_counts_larger_than_what_they_count_are_refused_at_load(sets, culprit, t
 
 
 def test_counts_that_fit_still_load_and_the_diffusers_config_checks_them_too(tmp_path):
-    from jagg.training import config_loader as configuration
+    from jagg.infra import config_loader as configuration
     from jagg.trainers.diffusers_config import load_config
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
 
@@ -282,10 +282,10 @@ def test_counts_that_fit_still_load_and_the_diffusers_config_checks_them_too(tmp
 
 
 def test_bench_efficiency_names_the_estimator_whose_rates_do_not_fit(tmp_path, capsys, monkeypatch):
-    from jagg.bench import efficiency
+    from jagg.bench import meter as efficiency
 
     monkeypatch.setattr(efficiency, "measure", lambda *a, **k: pytest.fail("measured before the estimators' checks"))
-    _refused(["bench", "efficiency", "--quick", "--estimator", "r3:correction_rates=[0.1,0.2,0.3]"], capsys,
+    _refused(["bench", "meter", "--quick", "--estimator", "r3:correction_rates=[0.1,0.2,0.3]"], capsys,
              "--estimator 'r3:correction_rates=[0.1,0.2,0.3]'", "correction_rates has 3 rates")
 
 
@@ -378,7 +378,7 @@ def test_bench_quality_refuses_a_test_target_without_evaluations_before_training
 
 def test_a_finished_bench_quality_run_is_not_reused_under_other_eval_settings(tmp_path, monkeypatch):
     from jagg.bench import quality
-    from jagg.training.config_loader import to_dict
+    from jagg.infra.config_loader import to_dict
 
     q = quality.QualityConfig(config=None, sets=["grpo.iterations=2"], variants=quality.parse_variants(["exact"]),
                               seeds=[0], out=str(tmp_path / "q"))
@@ -465,7 +465,7 @@ def test_a_duplicated_yaml_key_is_refused_naming_the_key_and_the_file(text, key,
 
 def test_the_reward_help_of_eval_and_bench_paired_names_the_main_job_s_reward(capsys):
     from jagg.arguments import MAIN_JOB_REWARD
-    from jagg.training import config_loader as configuration
+    from jagg.infra import config_loader as configuration
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
 
     assert configuration.load(ShapesTrainConfig, str(main_job_path()), []).reward.spec == MAIN_JOB_REWARD

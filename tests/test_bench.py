@@ -46,7 +46,7 @@ def bench_ckpt(tmp_path_factory):
 
 
 def efficiency_sets(ckpt: str) -> list[str]:
-    """``--set`` strings for a seconds-long `jagg bench efficiency` on ``ckpt`` (:func:`bench_ckpt`): unbiased JAGG with
+    """``--set`` strings for a seconds-long `jagg bench meter` on ``ckpt`` (:func:`bench_ckpt`): unbiased JAGG with
     step groups of 4 on 8 steps, 2 prompts x 4, a brightness reward with spread in every prompt group."""
     return ["estimator.exact_last_intervals=0", "estimator.correction_p=0.25", "reward.weights=null",
             f"model.checkpoint={ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4",
@@ -312,7 +312,7 @@ def test_bench_signal_separates_a_learnable_reward_from_noise(tmp_path, bench_ck
 
 def test_bench_e2e_round_robin(tmp_path, bench_ckpt, capsys):
     from jagg.bench.e2e import routed_limit
-    from jagg.training import config_loader as configuration
+    from jagg.infra import config_loader as configuration
     from jagg.trainers.shapes_config import ShapesTrainConfig
 
     out = tmp_path / "e2e.json"
@@ -413,7 +413,7 @@ def test_bench_signal_row_of_a_reward_does_not_depend_on_the_other_rewards(tmp_p
     Each (reward, batch) now draws its picks from an RNG of the seed and the batch alone."""
     from jagg.bench import signal
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
-    from jagg.training import config_loader as configuration
+    from jagg.infra import config_loader as configuration
 
     cfg = configuration.load(ShapesTrainConfig, main_job_path(), [
         "sample.prompts_per_iter=2", "sample.group_size=4", "threads=1", "log.progress=false",

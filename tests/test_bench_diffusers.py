@@ -1,4 +1,4 @@
-"""``jagg bench efficiency --config <yaml with pipeline:>``: the meter on the user's own diffusers model (a tiny random
+"""``jagg bench meter --config <yaml with pipeline:>``: the meter on the user's own diffusers model (a tiny random
 SD3 saved to disk, LoRA, the KL term, a local reward), with the sampler the diffusers trainer trains with."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jagg.trainers.diffusers_config import load_config  # noqa: E402
 def _bench(tmp_path, sd3_dir, *extra: str) -> tuple[list[dict], str]:
     cfg = write_sd3_config(tmp_path, sd3_dir)
     out = tmp_path / "eff.json"
-    assert main(["bench", "efficiency", "--config", str(cfg), "--batches", "3", "--draws", "1", "--estimator", "plain",
+    assert main(["bench", "meter", "--config", str(cfg), "--batches", "3", "--draws", "1", "--estimator", "plain",
                  "--json", str(out), *extra]) == 0
     return json.loads(out.read_text()), str(cfg)
 
@@ -68,7 +68,7 @@ def test_sampler_draws_as_the_trainer_does(tmp_path, sd3_dir):
 
 def test_shapes_kl_refused_before_loading(capsys):
     """The shapes world's sampler carries no KL reference: refused with the key, before anything runs."""
-    assert main(["bench", "efficiency", "--set", "estimator.kl_beta=0.1", "--batches", "3"]) != 0
+    assert main(["bench", "meter", "--set", "estimator.kl_beta=0.1", "--batches", "3"]) != 0
     assert "estimator.kl_beta" in capsys.readouterr().err
 
 
@@ -95,7 +95,7 @@ def test_signal_on_a_diffusers_config(tmp_path, sd3_dir, capsys):
 def test_arguments_are_checked_before_the_model_loads(tmp_path, capsys, extra, culprit):
     """A diffusers config whose model directory does not exist: the bad argument is named, not the directory."""
     cfg = write_sd3_config(tmp_path, tmp_path / "no_model_here")
-    assert main(["bench", "efficiency", "--config", str(cfg), *extra]) != 0
+    assert main(["bench", "meter", "--config", str(cfg), *extra]) != 0
     err = capsys.readouterr().err
     assert culprit in err and "no_model_here" not in err
 

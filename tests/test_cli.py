@@ -16,9 +16,9 @@ from PIL import Image
 from conftest import real_model_config, tiny_train_args
 from jagg.cli import main
 from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
-from jagg.training import config_loader as configuration
-from jagg.training.checkpoint import load_latest, save_checkpoint
-from jagg.training.metrics import CAPTION_MIN_WIDTH, save_grid
+from jagg.infra import config_loader as configuration
+from jagg.infra.checkpoint import load_latest, save_checkpoint
+from jagg.infra.metrics import CAPTION_MIN_WIDTH, save_grid
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -234,7 +234,7 @@ def test_eval_defaults_are_the_main_jobs_evaluation():
     from jagg.arguments import main_job_defaults
     from jagg.cli import build_parser
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
-    from jagg.training import config_loader
+    from jagg.infra import config_loader
 
     main = config_loader.load(ShapesTrainConfig, str(main_job_path()), [])
     a = build_parser().parse_args(["eval"])

@@ -113,7 +113,7 @@ def test_retired_estimator_keys_are_unknown(tmp_path, key, close):
     unknown keys: a YAML or --set that still names one fails with the unknown-key error and its suggestion."""
     from jagg.cli import main
     from jagg.trainers.shapes_config import ShapesTrainConfig
-    from jagg.training import config_loader
+    from jagg.infra import config_loader
 
     cfg = tmp_path / "old.yaml"
     cfg.write_text(f"estimator:\n  {key}: 1\n")
@@ -123,11 +123,11 @@ def test_retired_estimator_keys_are_unknown(tmp_path, key, close):
     assert not (tmp_path / "run").exists()
 
 
-# ----------------------------------------------------------------------------- in jagg bench efficiency
+# ----------------------------------------------------------------------------- in jagg bench meter
 
 
 def test_estimator_specs_take_lists_and_budget_rates():
-    from jagg.bench.efficiency import parse_estimator, wants_budget_rates
+    from jagg.bench.meter import parse_estimator, wants_budget_rates
     from jagg.bench.quality_runs import parse_variant
     from jagg.checks import parse_spec
 
@@ -154,7 +154,7 @@ def test_bench_efficiency_measures_the_new_estimators(tmp_path, bench_ckpt, caps
 
     out = tmp_path / "eff.json"
     sets = efficiency_sets(bench_ckpt)
-    args = ["bench", "efficiency", "--batches", "3", "--draws", "2",
+    args = ["bench", "meter", "--batches", "3", "--draws", "2",
             "--estimator", "rates:correction_rates=by_interval", "--estimator", "half:interval_frac=0.5",
             "--json", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0

@@ -524,7 +524,7 @@ def test_shipped_yaml_configs_load(name, family, rank, tmp_path):
 
     from jagg.trainers.diffusers_config import DiffusersSampleConfig
     from jagg.trainers.sections import GRPOConfig, OptimConfig
-    from jagg.training.config_loader import from_dict
+    from jagg.infra.config_loader import from_dict
     from jagg.rewards import RewardClient
 
     path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import jagg
-from jagg.training.distributed import (all_reduce_gradients, distributed_advantages, gather, gather_objects, loss_scale,
+from jagg.infra.distributed import (all_reduce_gradients, distributed_advantages, gather, gather_objects, loss_scale,
                               no_sync_except_last, shard)
 
 S = (2, 3, 3)

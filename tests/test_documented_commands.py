@@ -79,7 +79,7 @@ SKIP = [
     (r"^jagg bench (speed|fidelity|quality|signal)(?!.*--help)", "a benchmark: a minute (--quick) to an hour of CPU, "
                                                                  "or a GPU"),
     (r"^jagg bench e2e(?!.*--quick)(?!.*--help)", "20 iterations x variants of the main job: minutes of CPU"),
-    (r"^jagg bench efficiency(?!.*--help)", "batches x estimators x draws of the main job: minutes of CPU (--quick: "
+    (r"^jagg bench meter(?!.*--help)", "batches x estimators x draws of the main job: minutes of CPU (--quick: "
                                             "10 s idle; its smoke run is tests/test_efficiency.py)"),
     (r"^jagg bench paired(?!.*--quick)(?!.*--help)", "needs a trained checkpoint (runs/default/checkpoints/...)"),
     (r"benchmarks/gpu_bench\.py --scaled-down", "the same command runs in tests/test_gpu_bench.py"),
@@ -363,7 +363,7 @@ def _load(cmd: Command, args: list[str], ns: argparse.Namespace, scratch: Path, 
     from jagg.cli import PretrainRunConfig
     from jagg.trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
     from jagg.trainers.shapes_config import ShapesTrainConfig
-    from jagg.training import config_loader as configuration
+    from jagg.infra import config_loader as configuration
 
     _user_files(args, scratch)
     if ns.command == "train" and not ns.print_config:
@@ -371,7 +371,7 @@ def _load(cmd: Command, args: list[str], ns: argparse.Namespace, scratch: Path, 
     elif ns.command == "pretrain":
         configuration.load(PretrainRunConfig, None, ns.set or [])
     elif ns.command == "bench" and hasattr(ns, "set") and getattr(ns, "config", None):
-        kind = DiffusersTrainConfig if has_pipeline_section(ns.config) else ShapesTrainConfig   # as bench efficiency
+        kind = DiffusersTrainConfig if has_pipeline_section(ns.config) else ShapesTrainConfig   # as bench meter
         configuration.load(kind, ns.config, ns.set or [])
 
 
@@ -508,7 +508,7 @@ def test_the_pipeline_key_list_names_every_key():
 def test_the_main_jobs_settings_table_matches_the_main_job():
     """usage.md's table of the main job's settings: each single-key row's value is the main job's."""
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
-    from jagg.training import config_loader as configuration
+    from jagg.infra import config_loader as configuration
     from jagg.cli import _value
 
     job = configuration.load(ShapesTrainConfig, main_job_path())

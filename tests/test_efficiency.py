@@ -1,5 +1,5 @@
 """The efficiency meter: its statistics on synthetic gradients with known noise, error and bias, and
-``jagg bench efficiency`` end to end on the tiny checkpoint."""
+``jagg bench meter`` end to end on the tiny checkpoint."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from jagg.audit import error_noise_stats, extrapolate, predicted_efficiency
+from jagg.meter import error_noise_stats, extrapolate, predicted_efficiency
 from jagg.cli import main
 from test_bench import bench_ckpt, efficiency_sets  # noqa: F401  (the tiny random TinyDiT fixture)
 
@@ -54,7 +54,7 @@ def test_the_meter_gives_a_range_or_says_unknown():
     """#32: the prediction spans SGD's model at the error's upper end (+ 2 SE) to Adam's at its lower end (- 2 SE),
     per update and times the iteration ratio, and is 'unknown' where no model holds: a significant repeating error,
     or a range wider than MAX_RANGE (an error the batches do not resolve)."""
-    from jagg.bench.efficiency import MAX_RANGE, prediction
+    from jagg.bench.meter import MAX_RANGE, prediction
 
     rec = {"error_to_noise": 0.5, "error_to_noise_se": 0.1, "iter_ratio": 1.2, "bias_z": 0.3, "update": 0}
     out = prediction(rec)
@@ -79,7 +79,7 @@ def test_the_meter_gives_a_range_or_says_unknown():
 def test_job_prediction_is_the_mean_of_the_positions_ranges():
     """#32: a job of U updates per rollout learns at the mean of its updates' rates: the job's range is the mean of
     the positions' ranges (rate and times the iteration ratio), and 'unknown' where any position's is."""
-    from jagg.bench.efficiency import job_prediction, prediction
+    from jagg.bench.meter import job_prediction, prediction
 
     def rec(name, err, se=0.0, z=0.0):
         return {"estimator": name, "error_to_noise": err, "error_to_noise_se": se, "iter_ratio": 1.5, "bias_z": z}
@@ -109,7 +109,7 @@ def test_adam_pays_the_square_root_of_an_unbiased_error(error_to_noise):
     """The model behind adam_efficiency: Adam on a noise-dominated gradient (signal s_j = 0.1 of the noise's std in
     every coordinate) gains along the signal in proportion to 1 / sqrt(1 + E|e|^2 / V_b) when an unbiased error of
     E|e|^2 is added, not 1 / (1 + E|e|^2 / V_b) as plain SGD's variance model says."""
-    from jagg.audit import adam_efficiency
+    from jagg.meter import adam_efficiency
 
     def gain(extra: float) -> float:
         g = torch.Generator().manual_seed(0)
@@ -130,7 +130,7 @@ def test_adam_pays_the_square_root_of_an_unbiased_error(error_to_noise):
 def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "eff.json"
     sets = efficiency_sets(bench_ckpt)
-    args = ["bench", "efficiency", "--batches", "3", "--draws", "2", "--estimator", "config", "--estimator", "plain",
+    args = ["bench", "meter", "--batches", "3", "--draws", "2", "--estimator", "config", "--estimator", "plain",
             "--estimator", "subsample", "--estimator", "w8:window=8,correction_p=0", "--target-batch", "32", "--by-tensor", "plain", "--json", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
     records = json.loads(out.read_text())
@@ -178,7 +178,7 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     assert parts and all(p["estimator"] == "plain" for p in parts) and "by parameter tensor" in out_text
     shares = [p["error_share"] for p in parts]
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
-    assert main(["bench", "efficiency", "--by-tensor", "nope", "--estimator", "plain"]) == 2     # before any batch
+    assert main(["bench", "meter", "--by-tensor", "nope", "--estimator", "plain"]) == 2     # before any batch
     assert "--by-tensor 'nope': not one of the estimators" in capsys.readouterr().err
 
 
@@ -187,7 +187,7 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
                                          ("a:correction_p=auto", "estimator.correction_p: 'auto' was retired")])
 def test_bench_efficiency_rejects_bad_estimators(spec, match):
     from jagg import EstimatorConfig
-    from jagg.bench.efficiency import parse_estimator
+    from jagg.bench.meter import parse_estimator
 
     with pytest.raises(ValueError, match=match):
         parse_estimator(spec, EstimatorConfig())
@@ -196,14 +196,14 @@ def test_bench_efficiency_rejects_bad_estimators(spec, match):
 def test_audit_meter_recovers_noise_error_and_bias_from_group_gradients():
     """Synthetic audits of 4 groups each: group gradients mu + N(0, 1/P) (so var_j = 1), errors b + N(0, 0.5/P),
     |b|^2 = 0.05; 8 groups per update. Expected: V_b = 1/8, E|e|^2 = 0.05 + 0.5/8, bias^2/V_b = 0.4."""
-    from jagg.audit import AuditMeter, meter_flag
+    from jagg.meter import Meter, meter_flag
 
     g = torch.Generator().manual_seed(0)
     P = 20000
     mu = torch.randn(P, generator=g, dtype=torch.float64) * 0.01
     b = torch.randn(P, generator=g, dtype=torch.float64)
     b = b / b.norm() * math.sqrt(0.05)
-    meter = AuditMeter(sketch_dim=4096, seed=1)
+    meter = Meter(sketch_dim=4096, seed=1)
     for _ in range(40):
         exact = mu + torch.randn(4, P, generator=g, dtype=torch.float64) / math.sqrt(P)
         est = exact + b + torch.randn(4, P, generator=g, dtype=torch.float64) * math.sqrt(0.5 / P)
@@ -217,14 +217,14 @@ def test_audit_meter_recovers_noise_error_and_bias_from_group_gradients():
     assert r["predicted_adam_time_efficiency"] == pytest.approx(1.5 / math.sqrt(1 + r["error_to_noise"]))
     assert "repeats from batch to batch" in meter_flag(r)
     # an unbiased, cheap estimator: no flag
-    meter = AuditMeter(seed=2)
+    meter = Meter(seed=2)
     for _ in range(10):
         exact = mu + torch.randn(4, P, generator=g, dtype=torch.float64) / math.sqrt(P)
         r = meter.update(exact, exact + torch.randn(4, P, generator=g, dtype=torch.float64) * math.sqrt(0.05 / P),
                          80, 40, 8)
     assert abs(r["bias_to_noise"]) < 3 * r["bias_to_noise_se"] + 0.02 and r["predicted_efficiency"] > 1.5
     assert meter_flag(r) is None and math.isnan(r["predicted_time_efficiency"])
-    one = AuditMeter().update(mu[None], mu[None], 8, 4, 8)            # one group: no spread, no estimate yet
+    one = Meter().update(mu[None], mu[None], 8, 4, 8)            # one group: no spread, no estimate yet
     assert math.isnan(one["error_to_noise"]) and meter_flag(one) is None
 
 
@@ -232,7 +232,7 @@ def test_trainer_audit_logs_the_meter_and_warns_once(tmp_path, tiny_ckpt, capsys
     from conftest import tiny_train_args
 
     args = tiny_train_args(tiny_ckpt, tmp_path, 5, "estimator.mode=jagg", "estimator.window=4",
-                           "estimator.correction_p=0", "estimator.audit_every=1", "estimator.audit_samples=2",
+                           "estimator.correction_p=0", "estimator.meter_every=1", "estimator.meter_samples=2",
                            "eval.every=0", "sample.prompts_per_iter=3", "reward.name=reward_plugins:brightness")
     assert main(args) == 0
     recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -310,7 +310,7 @@ def test_bench_efficiency_by_interval(tmp_path, bench_ckpt, capsys):
             "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4", "estimator.micro_batch=8",
             "threads=1", "sample.sde_window=null", "grpo.drop_zero_spread=false"]
     spec = "el:window=4,exact_last_intervals=1,correction_p=0"
-    args = ["bench", "efficiency", "--batches", "3", "--estimator", spec, "--by-interval", spec,
+    args = ["bench", "meter", "--batches", "3", "--estimator", spec, "--by-interval", spec,
             "--json", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
     recs = json.loads(out.read_text())
@@ -322,8 +322,8 @@ def test_bench_efficiency_by_interval(tmp_path, bench_ckpt, capsys):
     assert parts[0]["error_to_noise"] == pytest.approx(whole["error_to_noise"], rel=1e-6)
     assert "where el's error lives" in capsys.readouterr().out
     with pytest.raises(ValueError, match="JAGG estimator"):
-        from jagg.bench.efficiency import by_interval
-        from jagg.training import config_loader as configuration
+        from jagg.bench.meter import by_interval
+        from jagg.infra import config_loader as configuration
         from jagg.trainers.shapes_config import ShapesTrainConfig
 
         by_interval(configuration.load(ShapesTrainConfig, None, sets), "exact", 3, 1)
@@ -347,7 +347,7 @@ def test_bench_efficiency_off_policy_update(tmp_path, bench_ckpt, capsys):
     sets = efficiency_sets(bench_ckpt) + ["estimator.correction_p=0", "optim.lr=1e-3"]
     est = ["--estimator", "interp:intermediate=interp", "--estimator", "auto:intermediate=auto",
            "--estimator", "stale:intermediate=stale"]
-    base = ["bench", "efficiency", "--batches", "3", "--draws", "1", *est, "--json", str(out)]
+    base = ["bench", "meter", "--batches", "3", "--draws", "1", *est, "--json", str(out)]
     assert main(base + ["--update", "1"] + [a for s in sets for a in ("--set", s)]) == 0
     recs = {r["estimator"]: r for r in json.loads(out.read_text())}
     assert all(r["update"] == 1 for r in recs.values())
@@ -359,18 +359,18 @@ def test_bench_efficiency_off_policy_update(tmp_path, bench_ckpt, capsys):
     recs = {r["estimator"]: r for r in json.loads(out.read_text())}
     assert recs["auto"]["error_to_noise"] == recs["interp"]["error_to_noise"] and recs["auto"]["nograd_per_sample"] == 0
     with pytest.raises(SystemExit):
-        main(["bench", "efficiency", "--update", "-1"])
+        main(["bench", "meter", "--update", "-1"])
     assert "argument --update" in capsys.readouterr().err
 
 
 def test_bench_efficiency_update_all(tmp_path, bench_ckpt, capsys):
     """--update all measures each of the job's update positions (inner_epochs x updates_per_epoch) in turn and adds the
     job's answer (:func:`job_prediction` of those very records) to the table and the JSON."""
-    from jagg.bench.efficiency import job_prediction
+    from jagg.bench.meter import job_prediction
 
     out = tmp_path / "eff.json"
     sets = efficiency_sets(bench_ckpt) + ["grpo.updates_per_epoch=2", "sample.group_size=4", "optim.lr=1e-3"]
-    argv = ["bench", "efficiency", "--batches", "3", "--draws", "1", "--estimator", "plain", "--update", "all",
+    argv = ["bench", "meter", "--batches", "3", "--draws", "1", "--estimator", "plain", "--update", "all",
             "--json", str(out), *[a for s in sets for a in ("--set", s)]]
     assert main(argv) == 0
     recs = json.loads(out.read_text())
@@ -388,5 +388,5 @@ def test_bench_efficiency_update_all(tmp_path, bench_ckpt, capsys):
     assert main(argv + ["--by-tensor", "plain"]) == 2                  # refused before any batch is measured
     assert "not --update all" in capsys.readouterr().err and not out.exists()
     with pytest.raises(SystemExit):
-        main(["bench", "efficiency", "--update", "every"])
+        main(["bench", "meter", "--update", "every"])
     assert "argument --update" in capsys.readouterr().err

@@ -247,7 +247,7 @@ def test_only_steps_ranges_sum_to_the_full_gradient():
 def test_config_rejects_bad_knot_options():
     for kw, msg in ((dict(knots="uniform"), "knots must be one of"), (dict(alpha="time"), "alpha must be one of"),
                     (dict(correction_p=1.5), "correction_p"), (dict(exact_first_intervals=-1), "exact_first_intervals"),
-                    (dict(audit_every=-2), "audit_every"), (dict(audit_samples=1), "audit_samples")):
+                    (dict(meter_every=-2), "meter_every"), (dict(meter_samples=1), "meter_samples")):
         with pytest.raises(ValueError, match=msg):
             EstimatorConfig(**kw)
 
@@ -282,7 +282,7 @@ def test_audit_compares_per_step_range_and_restores_grads():
 
 
 def test_trainer_audit_logs_per_range_cosines_and_changes_nothing(tmp_path, tiny_ckpt):
-    """estimator.audit_every=1: an `audit` record per iteration (cosines total and per third, rows, seconds) in
+    """estimator.meter_every=1: an `audit` record per iteration (cosines total and per third, rows, seconds) in
     metrics.jsonl; the trained weights are those of the same run without the audit."""
     import json
 
@@ -290,9 +290,9 @@ def test_trainer_audit_logs_per_range_cosines_and_changes_nothing(tmp_path, tiny
     from jagg.cli import main
     from jagg.shapes.weights import load_model
 
-    extra = ("estimator.window=3", "sample.num_steps=6", "eval.every=0", "estimator.audit_samples=2")
+    extra = ("estimator.window=3", "sample.num_steps=6", "eval.every=0", "estimator.meter_samples=2")
     for name, audit in (("plain", "0"), ("audited", "1")):
-        assert main(tiny_train_args(tiny_ckpt, tmp_path / name, 2, *extra, f"estimator.audit_every={audit}")) == 0
+        assert main(tiny_train_args(tiny_ckpt, tmp_path / name, 2, *extra, f"estimator.meter_every={audit}")) == 0
     recs = [json.loads(l) for l in (tmp_path / "audited" / "metrics.jsonl").read_text().splitlines()]
     audits = [r for r in recs if r["kind"] == "audit"]
     assert [r["iteration"] for r in audits] == [1, 2]

@@ -13,8 +13,8 @@ from jagg.trainers.lr_schedule import lr_factor
 from jagg.trainers.sections import OptimConfig
 from jagg.trainers.shapes import ShapesTrainer
 from jagg.trainers.shapes_config import ShapesTrainConfig
-from jagg.training import config_loader as configuration
-from jagg.training.checkpoint import load_latest
+from jagg.infra import config_loader as configuration
+from jagg.infra.checkpoint import load_latest
 
 
 def test_the_factors():

@@ -11,8 +11,8 @@ import torch
 
 from conftest import tiny_train_args
 from jagg import EstimatorConfig
-from jagg.audit import (AuditMeter, adam_efficiency, adam_tensor_factor, audit_parts, error_noise_stats, extrapolate,
-                        tensor_weights)
+from jagg.audit import audit_parts
+from jagg.meter import Meter, adam_efficiency, adam_tensor_factor, error_noise_stats, extrapolate, tensor_weights
 from jagg.bench.projection import PRESETS, CostStructure, gpu_bench_b_over_f, parse_cost, resolve
 from jagg.cli import main
 from toy import Nonlinear, perturb, run, sampled_traj
@@ -123,14 +123,14 @@ def _audits(meter, n, err, seed=0, P=20000, groups=4):
 
 
 def test_the_meter_state_round_trips():
-    """The next audit after :meth:`AuditMeter.from_state` gives the same numbers as the meter it was saved from; a
+    """The next audit after :meth:`Meter.from_state` gives the same numbers as the meter it was saved from; a
     state saved while ``correction_p: auto`` existed (a third row count) reads the same."""
-    meter = AuditMeter(sizes=[15000, 5000], seed=3)
+    meter = Meter(sizes=[15000, 5000], seed=3)
     _audits(meter, 3, 0.1)
-    again = AuditMeter.from_state(meter.state_dict())
+    again = Meter.from_state(meter.state_dict())
     old = meter.state_dict()
     old["rows"] = [*old["rows"], 120]                                  # auto's inner rows, unused now
-    older = AuditMeter.from_state(old)
+    older = Meter.from_state(old)
     a, b, c = (_audits(m, 1, 0.1, seed=9) for m in (meter, again, older))
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True) == json.dumps(c, sort_keys=True)
     assert a["rows_ratio"] == 2.0 and "correction_p" not in a
@@ -140,17 +140,17 @@ def test_correction_p_auto_is_retired_with_a_clear_error(tmp_path):
     """#32: ``correction_p: auto`` is refused by name wherever it can come from (the library's config, a config file,
     --set, a checkpoint to resume), saying it was retired and what to give instead; other words stay number errors."""
     from jagg.trainers.base import check_resumable
-    from jagg.training import config_loader as configuration
+    from jagg.infra import config_loader as configuration
     from jagg.trainers.shapes_config import ShapesTrainConfig
 
     retired = "'auto' was retired \\(#32.*RESULTS.md §8.6.*give a fixed rate in \\[0, 1\\] instead, e.g. 0 .* or 0.25, " \
-              "chosen with jagg bench efficiency"
+              "chosen with jagg bench meter"
     with pytest.raises(ValueError, match="^correction_p " + retired):
         EstimatorConfig(correction_p="auto")
     with pytest.raises(ValueError, match="^estimator.correction_p: " + retired):
-        configuration.load(ShapesTrainConfig, None, ["estimator.correction_p=auto", "estimator.audit_every=2"])
+        configuration.load(ShapesTrainConfig, None, ["estimator.correction_p=auto", "estimator.meter_every=2"])
     path = tmp_path / "old.yaml"
-    path.write_text("estimator:\n  correction_p: auto\n  audit_every: 1\n")
+    path.write_text("estimator:\n  correction_p: auto\n  meter_every: 1\n")
     with pytest.raises(ValueError, match="^estimator.correction_p: " + retired):
         configuration.load(ShapesTrainConfig, str(path))
     with pytest.raises(ValueError, match="correction_p must be a finite number in \\[0, 1\\]"):
@@ -158,11 +158,11 @@ def test_correction_p_auto_is_retired_with_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="estimator.correction_p: expected a number, got 'sometimes'"):
         configuration.load(ShapesTrainConfig, None, ["estimator.correction_p=sometimes"])
     assert configuration.load(ShapesTrainConfig, None, ["estimator.correction_p=0.5"]).estimator.correction_p == 0.5
-    now = {"estimator": {"correction_p": 0.25, "audit_every": 1}}
+    now = {"estimator": {"correction_p": 0.25, "meter_every": 1}}
     with pytest.raises(ValueError, match="^cannot resume: the checkpoint was trained with estimator.correction_p "
                                          "'auto', which was retired .*fixed rate.*start a new run in another directory"):
-        check_resumable({"estimator": {"correction_p": "auto", "audit_every": 1}}, now)
-    assert check_resumable({"estimator": {"correction_p": 0.25, "audit_every": 1}}, now) == []
+        check_resumable({"estimator": {"correction_p": "auto", "meter_every": 1}}, now)
+    assert check_resumable({"estimator": {"correction_p": 0.25, "meter_every": 1}}, now) == []
 
 
 def test_audit_parts_gives_each_prompt_group_its_own_gradient():
@@ -196,9 +196,9 @@ def test_the_trainer_logs_the_meter_and_a_resume_continues_it(tmp_path, tiny_ckp
     """Every audit record holds the meter's running error, bias z and predictions (global and per tensor); a run
     stopped after 2 iterations and resumed to 4 ends with the same weights and audits as one that ran 4 (the meter is
     in the checkpoint)."""
-    from jagg.training.checkpoint import load_latest
+    from jagg.infra.checkpoint import load_latest
 
-    extra = ("estimator.mode=jagg", "estimator.window=4", "estimator.correction_p=0.25", "estimator.audit_every=1",
+    extra = ("estimator.mode=jagg", "estimator.window=4", "estimator.correction_p=0.25", "estimator.meter_every=1",
              "eval.every=0", "sample.prompts_per_iter=3", "reward.name=reward_plugins:brightness")
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert main(tiny_train_args(tiny_ckpt, straight, 4, *extra)) == 0

@@ -115,7 +115,7 @@ def test_trainer_passes_on_policy_to_the_first_update_of_each_rollout(tmp_path, 
     from jagg.trainers import shapes as shapes_mod
     from jagg.trainers.shapes import ShapesGRPO
     from jagg.trainers.shapes_config import ShapesTrainConfig
-    from jagg.training.config_loader import load
+    from jagg.infra.config_loader import load
 
     seen = []
     real = shapes_mod.policy_gradient
@@ -144,7 +144,7 @@ def _audits_of(monkeypatch, path, sets: list[str], iterations: int) -> list[dict
     from jagg.trainers import base
     from jagg.trainers.shapes import ShapesGRPO
     from jagg.trainers.shapes_config import ShapesTrainConfig
-    from jagg.training.config_loader import load
+    from jagg.infra.config_loader import load
 
     seen = []
     real = base.audit_parts
@@ -169,7 +169,7 @@ def _audited_run(monkeypatch, intermediate: str) -> list[dict]:
     return _audits_of(monkeypatch, None, [
         "sample.prompts_per_iter=4", "sample.group_size=2", "sample.num_steps=6", "sample.sde_window=[0,6]",
         "estimator.mode=jagg", "estimator.window=3", f"estimator.intermediate={intermediate}",
-        "estimator.correction_p=0", "estimator.audit_every=1", "estimator.audit_samples=4", "estimator.clip_range=1e-4",
+        "estimator.correction_p=0", "estimator.meter_every=1", "estimator.meter_samples=4", "estimator.clip_range=1e-4",
         "optim.lr=1e-5", "grpo.updates_per_epoch=2", "grpo.drop_zero_spread=false", "threads=1"], 2)
 
 
@@ -216,8 +216,8 @@ def _main_job_audits(monkeypatch, sets: list[str]) -> list[dict]:
     0, 1, 2 and 3 of their rollouts."""
     from jagg.trainers.shapes_config import main_job_path
 
-    return _audits_of(monkeypatch, main_job_path(), ["sample.prompts_per_iter=4", "estimator.audit_every=1",
-                                                     "estimator.audit_samples=8", "threads=1", "optim.lr=1e-3",
+    return _audits_of(monkeypatch, main_job_path(), ["sample.prompts_per_iter=4", "estimator.meter_every=1",
+                                                     "estimator.meter_samples=8", "threads=1", "optim.lr=1e-3",
                                                      *sets], 4)
 
 

@@ -8,7 +8,38 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = {p.stem for p in (ROOT / "src" / "jagg").glob("*.py")} - {"__init__", "cli"}
+PKG = ROOT / "src" / "jagg"
+# the estimator core: the top-level modules and the checks every layer shares (cli is the entry point, not core)
+CORE = {p.stem for p in PKG.glob("*.py")} - {"__init__", "cli"} | {"checks"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The ``jagg`` (or ``lab``) modules that ``path`` imports, absolute names, relative imports resolved."""
+    import ast
+
+    here = _module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = (package[:len(package) - node.level + 1] if node.level else [])
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out.add(mod)
+            out |= {f"{mod}.{a.name}" for a in node.names}      # `from . import x` imports module x
+    ancestors = {".".join(here[:i]) for i in range(1, len(here))}   # loaded before the module anyway
+    return {m for m in out if m.split(".")[0] in ("jagg", "lab") and m not in ancestors}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
 
 
 def test_import_jagg_loads_only_the_core():
@@ -16,34 +47,49 @@ def test_import_jagg_loads_only_the_core():
             "print(' '.join(m for m in ('diffusers', 'transformers', 'peft', 'yaml', 'matplotlib', 'PIL') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
-    loaded = {m.removeprefix("jagg.") for m in out[0].split()} - {"jagg"}
+    loaded = {m.removeprefix("jagg.").split(".")[0] for m in out[0].split()} - {"jagg"}
     assert loaded, "import jagg loaded no submodule: the public API is empty"
     assert loaded <= CORE, f"import jagg loads more than the core: {sorted(loaded - CORE)}"
     assert "estimator" in loaded and "knots" in loaded
     assert out[1].strip() == "", f"import jagg pulls in heavy dependencies: {out[1]}"
 
 
-def test_at_most_twelve_modules_at_the_top():
-    top = sorted(p.name for p in (ROOT / "src" / "jagg").glob("*.py") if p.name != "__init__.py")
-    assert len(top) <= 12, top
+def test_the_package_imports_have_no_circle():
+    """Module by module (package faces included), the imports inside src/jagg form no loop: every module can be read
+    knowing only what it imports."""
+    graph, state, stack = _graph(), {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
 
 
-def test_nothing_in_the_package_imports_the_cli():
-    """`jagg.cli` is the entry point only: no module of src/jagg imports it (the shared arguments live in
-    jagg.arguments), so there is no import circle through the CLI."""
-    import ast
+def test_the_core_imports_no_trainer_model_reward_or_tool():
+    """The estimator core (jagg/*.py and jagg.checks) imports none of the layers built on it: trainers, model
+    families (integrations, the shapes world), rewards, run infrastructure, the benches, the CLI."""
+    upper = ("jagg.trainers", "jagg.integrations", "jagg.shapes", "jagg.rewards", "jagg.infra", "jagg.bench",
+             "jagg.cli", "jagg.arguments")
+    offenders = [f"{m} -> {n}" for m, targets in _graph().items() if m.split(".")[1:2] and m.split(".")[1] in CORE
+                 and m != "jagg.arguments" for n in targets if n.startswith(upper)]
+    assert not offenders, offenders
 
-    pkg = ROOT / "src" / "jagg"
-    offenders = []
-    for path in sorted(pkg.rglob("*.py")):
-        if path == pkg / "cli.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [f"{'.' * node.level}{node.module or ''}"] if isinstance(node, ast.ImportFrom) else [])
-            dots = len(path.relative_to(pkg).parts)              # the relative prefix that reaches jagg itself
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names
-                          if n == "jagg.cli" or n == "." * dots + "cli"]
+
+def test_nothing_in_the_package_imports_the_cli_or_the_lab():
+    """`jagg.cli` is the entry point only (the shared arguments live in jagg.arguments), and the lab (lab/, not
+    installed) imports the package, never the reverse."""
+    offenders = [f"{m} -> {n}" for m, targets in ((_module_name(p), _imports(p)) for p in PKG.rglob("*.py"))
+                 for n in targets if n == "jagg.cli" or n.split(".")[0] == "lab"]
     assert not offenders, offenders
 
 

@@ -52,7 +52,7 @@ def test_pairs_contrasts_and_a_prediction(out, tmp_path, capsys):
 
 
 def test_a_range_is_judged_by_overlap_and_unknown_by_nothing(out, tmp_path, capsys):
-    """The meter's answer is a range (jagg bench efficiency's rate/update) or unknown: a range is inside where it
+    """The meter's answer is a range (jagg bench meter's rate/update) or unknown: a range is inside where it
     overlaps the measured interval, and its gap runs between the lags of its two ends; unknown is not judged."""
     path = tmp_path / "rec.json"
     assert pm.main(["--out", str(out), "--seeds", "3", "--pair", "slow:exact", "--pair", "low:flat",

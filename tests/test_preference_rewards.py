@@ -270,7 +270,7 @@ def test_missing_or_wrong_paths_are_one_line_errors(clip_dir, tmp_path):
         (f"pickscore:path={clip_dir},batch_size=0", ValueError, "batch_size must be an integer >= 1"),
         (f"pickscore:path={clip_dir},device=gpu", ValueError, "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
         (f"pickscore:path={clip_dir},dtype=float", ValueError, "dtype must be one of ('fp32', 'bf16', 'fp16')"),
-        ("pickscore:path", ValueError, "options must be key=value"),
+        ("pickscore:path", ValueError, "'path' is not KEY=VALUE"),
     ]
     for spec, error, message in cases:
         with pytest.raises(error) as e:

@@ -378,7 +378,7 @@ def test_sampling_pieces_do_not_depend_on_the_process_count():
     """The SDE noise is seeded per sampling piece (global start): with shards that are whole pieces, 1 and 2 processes
     sample the same pieces; otherwise the pieces are cut at the shard edge, and no two share a start (a seed)."""
     from jagg.trainers.diffusers import sampling_pieces
-    from jagg.training.distributed import shard
+    from jagg.infra.distributed import shard
 
     one = sampling_pieces(shard(8, 0, 1), 2)
     two = [p for r in (0, 1) for p in sampling_pieces(shard(8, r, 2), 2)]
@@ -388,16 +388,16 @@ def test_sampling_pieces_do_not_depend_on_the_process_count():
 
 
 def test_audit_and_unbiased_jagg_on_a_real_model(tmp_path, sd3_dir, captured):
-    """estimator.audit_every=1 logs an audit record per iteration (cosines per third, rows, seconds); unbiased JAGG
+    """estimator.meter_every=1 logs an audit record per iteration (cosines per third, rows, seconds); unbiased JAGG
     with correction_p=1 corrects every routed interval, so the audit finds the exact gradient (cosine 1)."""
     cfg = write_sd3_config(tmp_path, sd3_dir)
     out = tmp_path / "audited"
-    sets = ["estimator.audit_every=1", "estimator.audit_samples=2", "estimator.correction_p=1.0",
+    sets = ["estimator.meter_every=1", "estimator.meter_samples=2", "estimator.correction_p=1.0",
             "estimator.kl_beta=0.0", "estimator.clip_range=100.0"]
     assert main(["train", "--config", str(cfg), "--output-dir", str(out)] + [a for s in sets for a in ("--set", s)]) == 0
     audits = [r for r in records(out) if r["kind"] == "audit"]
     assert [r["iteration"] for r in audits] == [1, 2]
-    for r in audits:     # audit_samples 2, but whole GRPO groups and at least two of them: 2 groups of 2
+    for r in audits:     # meter_samples 2, but whole GRPO groups and at least two of them: 2 groups of 2
         assert r["samples"] == 4 and r["rows"] > 0 and r["flagged"] == 0
         assert r["cos"] == pytest.approx(1.0, abs=1e-4)
         assert r["rows_exact"] == r["rows_estimator"] and r["error_to_noise"] < 1e-6     # p = 1: no error, no saving

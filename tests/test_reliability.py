@@ -13,8 +13,8 @@ import torch
 
 import reward_plugins
 from conftest import tiny_train_args
-from jagg.training import config_loader as configuration
-from jagg.training.checkpoint import list_checkpoints, load_latest
+from jagg.infra import config_loader as configuration
+from jagg.infra.checkpoint import list_checkpoints, load_latest
 from jagg.cli import main
 from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.trainers.shapes import ShapesTrainer

@@ -26,7 +26,7 @@ from jagg.rewards import RewardClient, RewardServerError
 from jagg.rewards.protocol import TOKEN_ENV
 from jagg.rewards.server import load_reward, make_server
 from jagg.rewards.images import to_uint8
-from jagg.training.config_loader import from_dict
+from jagg.infra.config_loader import from_dict
 
 
 def echo_reward(images, prompts, metadata=None):

@@ -21,8 +21,8 @@ import torch
 
 from conftest import real_model_config, tiny_train_args
 from jagg.cli import main
-from jagg.training.checkpoint import list_checkpoints, load_latest, prune_checkpoints, save_checkpoint
-from jagg.training.rundir import RUN_FILE, read_run_file
+from jagg.infra.checkpoint import list_checkpoints, load_latest, prune_checkpoints, save_checkpoint
+from jagg.infra.rundir import RUN_FILE, read_run_file
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "src" / "jagg" / "shapes" / "assets" / "tiny_dit.safetensors"
@@ -191,7 +191,7 @@ def test_library_resume_true_starts_or_continues_as_bench_quality_needs(tmp_path
     continues it later; it never starts over unreadable checkpoints."""
     from jagg.trainers.shapes_config import ShapesTrainConfig
     from jagg.trainers.shapes import ShapesTrainer
-    from jagg.training import config_loader as configuration
+    from jagg.infra import config_loader as configuration
 
     run = tmp_path / "q"
     sets = tiny_train_args(tiny_ckpt, run, 1, "eval.every=0")[4::2] + [f"log.output_dir={run}"]
@@ -310,7 +310,7 @@ def _real_config(tmp_path: Path) -> Path:
 
 
 def test_the_real_model_trainer_applies_the_same_rules_before_loading_a_model(tmp_path, capsys):
-    """The rules live in jagg.training.rundir, which DiffusersTrainer calls before it loads the model (the model path
+    """The rules live in jagg.infra.rundir, which DiffusersTrainer calls before it loads the model (the model path
     here does not exist: each refusal comes first)."""
     cfg, run = _real_config(tmp_path), tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -338,11 +338,11 @@ def test_a_run_directory_in_use_by_another_process_is_refused_and_changes_nothin
     import sys
     import time
 
-    from jagg.training.rundir import lock_holder, lock_run
+    from jagg.infra.rundir import lock_holder, lock_run
 
     out = tmp_path / "run"
     assert main(tiny_train_args(tiny_ckpt, out, 1)) == 0
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from jagg.training.rundir import lock_run; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from jagg.infra.rundir import lock_run; "
                                f"f = lock_run({str(out)!r}); print('locked', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:

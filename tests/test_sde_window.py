@@ -14,8 +14,8 @@ from jagg.cli import main
 from jagg.trainers.diffusers_config import load_config
 from jagg.trainers.shapes import ShapesSampler
 from jagg.trainers.shapes_config import ShapesTrainConfig
-from jagg.training import config_loader as configuration
-from jagg.training.checkpoint import load_latest
+from jagg.infra import config_loader as configuration
+from jagg.infra.checkpoint import load_latest
 from toy import AffineInSigma, run, sampled_traj
 
 TIGHT = dict(rtol=1e-9, atol=1e-12)

@@ -12,7 +12,7 @@ import jagg
 from jagg import EstimatorConfig
 from jagg.cli import main
 from jagg.trainers.shapes_config import ShapesTrainConfig
-from jagg.training import config_loader as configuration
+from jagg.infra import config_loader as configuration
 from toy import Nonlinear, sampled_traj
 
 

@@ -31,7 +31,7 @@ from jagg.integrations import (LoraSettings, PipelineConfig, Policy, PromptEmbed
 from jagg.integrations.policy import default_shift  # noqa: E402
 from jagg.rewards.registry import get_reward, jpeg_compressibility  # noqa: E402
 from jagg.trainers import diffusers as real_train  # noqa: E402
-from jagg.training.metrics import save_grid  # noqa: E402
+from jagg.infra.metrics import save_grid  # noqa: E402
 
 C, L, D = 4, 5, 16                     # latent channels, text tokens, text width
 HEIGHT, WIDTH, FRAMES = 64, 96, 5      # pixels; 5 frames = 2 latent frames: latents [C, 2, 8, 12]

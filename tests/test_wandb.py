@@ -13,9 +13,9 @@ import fake_wandb
 from conftest import tiny_train_args
 from jagg.cli import main
 from jagg.trainers.shapes_config import ShapesTrainConfig
-from jagg.training import config_loader as configuration
-from jagg.training.checkpoint import load_latest
-from jagg.training.wandb_run import redacted
+from jagg.infra import config_loader as configuration
+from jagg.infra.checkpoint import load_latest
+from jagg.infra.wandb_run import redacted
 
 
 def _records(out: Path) -> list[dict]:
@@ -31,7 +31,7 @@ def _expected_log(record: dict) -> dict:
 
 def _wandb_args(ckpt, out, iterations, *extra):
     return tiny_train_args(ckpt, out, iterations, "log.wandb=true", "log.wandb_mode=offline", "log.wandb_project=proj",
-                           "estimator.mode=jagg", "estimator.audit_every=2", *extra)
+                           "estimator.mode=jagg", "estimator.meter_every=2", *extra)
 
 
 def test_wandb_gets_the_config_every_scalar_and_the_grids_and_resume_continues_its_run(tmp_path, tiny_ckpt,

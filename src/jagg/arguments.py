@@ -11,7 +11,7 @@ def main_job_defaults(args, eval_seed: bool) -> None:
     """Fill the sampling options left unset (None) with the main job's evaluation settings (``jagg sample``,
     ``jagg eval``, ``jagg bench paired``); the seed is the main job's ``eval.seed`` when ``eval_seed``, else 0."""
     from .trainers.shapes_config import ShapesTrainConfig, main_job_path
-    from .training import config_loader as configuration
+    from .infra import config_loader as configuration
 
     main = configuration.load(ShapesTrainConfig, str(main_job_path()), [])
     defaults = {"steps": main.eval.num_steps, "guidance_scale": main.sample.guidance_scale, "shift": main.sample.shift,
@@ -38,9 +38,9 @@ def eval_prompts(num_prompts: int, flag: str) -> int:
 def check_sampling(args, images: int, what: str, fix: str) -> None:
     """The sampling options of ``jagg sample``, ``eval`` and ``bench paired`` checked together before any model loads:
     ``--shift`` keeps the ``--steps`` schedule's sigmas distinct, and ``images`` images (``what``) fit this machine's
-    memory (:mod:`jagg.training.sizes`; ``fix``: what to lower)."""
+    memory (:mod:`jagg.infra.sizes`; ``fix``: what to lower)."""
     from .schedule import check_schedule
-    from .training.sizes import check_memory, images_bytes
+    from .infra.sizes import check_memory, images_bytes
 
     check_schedule(args.steps, args.shift, "--shift", "--steps")
     check_memory(images_bytes(images), f"{what}: {images} images", fix)

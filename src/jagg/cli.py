@@ -13,7 +13,7 @@ from pathlib import Path
 from .arguments import (check_sampling, eval_prompts, evaluation_arguments, main_job_defaults, overwrite_argument,
                         sampling_arguments)
 from .checks import check_output_file, check_threads, number_arg
-from .training import config_loader as configuration
+from .infra import config_loader as configuration
 from .shapes.pretrain import PretrainConfig
 from .trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section, load_config
 from .trainers.shapes_config import ShapesTrainConfig, main_job_path
@@ -139,7 +139,7 @@ class PretrainRunConfig:
 def _check_wandb(cfg) -> None:
     """With ``log.wandb``, wandb's start-up checks (project, mode, API key) before anything is written or printed."""
     if cfg.log.wandb:
-        from .training.wandb_run import check_start
+        from .infra.wandb_run import check_start
 
         check_start(cfg.log)
 
@@ -226,11 +226,11 @@ def _pretrain(args) -> int:
 
 
 def _sample(args) -> int:
-    from .training.config_loader import read_prompt_lines
+    from .infra.config_loader import read_prompt_lines
     from .shapes import tokenizer
     from .shapes.weights import load_model
     from .shapes.evaluation import generate
-    from .training.metrics import IMAGE_SUFFIXES, save_grid
+    from .infra.metrics import IMAGE_SUFFIXES, save_grid
 
     out = check_output_file(args.out, "--out", args.overwrite, IMAGE_SUFFIXES)
     check_output_file(out.with_suffix(".txt"), f"--out {out}'s captions", args.overwrite)
@@ -258,7 +258,7 @@ def _eval(args) -> int:
     from .shapes.weights import load_model
     from .shapes.evaluation import evaluate
     from .rewards.registry import get_reward
-    from .training.atomic import atomic_write_text
+    from .infra.atomic import atomic_write_text
 
     if args.json is not None:
         check_output_file(args.json, "--json", args.overwrite)

@@ -16,7 +16,7 @@ NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac", "interval_fra
 # correction_p's retired values (#32), with what to do instead; the config loader refuses them by key too
 RETIRED_CORRECTION_P = {"auto": "was retired (#32: the efficiency meter predicted it 12-15% below the best fixed rate "
                                 "in 2 of 3 regimes, docs/RESULTS.md §8.6); give a fixed rate in [0, 1] instead, e.g. "
-                                "0 (plain JAGG) or 0.25, chosen with jagg bench efficiency"}
+                                "0 (plain JAGG) or 0.25, chosen with jagg bench meter"}
 
 
 @dataclass
@@ -53,7 +53,7 @@ class EstimatorConfig:
                              "or 2-step intervals)."})
     exact_first_intervals: int = field(default=0, metadata={"help": "Always run the first N intervals with inner "
                                        "steps (the noisiest) exact. Where JAGG's error lives (often not there): jagg "
-                                       "bench efficiency --by-interval."})
+                                       "bench meter --by-interval."})
     exact_last_intervals: int = field(default=0, metadata={"help": "Always run the last N intervals with inner steps "
                                       "(the cleanest) exact."})
     correction_p: float = field(default=0.0, metadata={"help": "Unbiased JAGG: probability in [0, 1] that a "
@@ -71,7 +71,7 @@ class EstimatorConfig:
                                                  "(e.g. [0.4, 0.1] for two step groups), used instead of correction_p; "
                                                  "the rate of an interval that runs exact is unused. "
                                                  "jagg.knots.budget_rates sets p_j proportional to sqrt(D_j / r_j) at a "
-                                                 "row budget from each interval's error D_j (jagg bench efficiency "
+                                                 "row budget from each interval's error D_j (jagg bench meter "
                                                  "--by-interval) and inner rows r_j. null = correction_p everywhere."})
     interval_frac: float = field(default=1.0, metadata={"help": "Interval subsampling (the JAGG authors' "
                                  "timestep_fraction of step groups): each sample trains a fresh random round(f n) (at "
@@ -90,13 +90,13 @@ class EstimatorConfig:
     clip_range: float = field(default=1e-4, metadata={"help": "PPO clip range eps of the ratio (Flow-GRPO: 1e-4)."})
     kl_beta: float = field(default=0.0, metadata={"help": "Weight of the KL to the reference policy (Flow-GRPO "
                            "uses 0.04 on GenEval); > 0 needs reference velocities."})
-    audit_every: int = field(default=0, metadata={"help": "Trainers only: every N iterations, compute the exact "
+    meter_every: int = field(default=0, metadata={"was": "audit_every", "help": "Trainers only: every N iterations, compute the exact "
                              "gradient of a few samples next to this estimator's and log their cosine, in total and per "
                              "third of the trained steps, both clip fractions, and the efficiency meter's running "
                              "estimates (audit/* in metrics and TensorBoard). The j-th "
                              "audit runs before update j mod U of its rollout (U = inner_epochs x updates_per_epoch), "
                              "so the off-policy updates are audited too. 0 = off."})
-    audit_samples: int = field(default=4, metadata={"help": "Trainers only: samples (whole prompt groups, at least "
+    meter_samples: int = field(default=4, metadata={"was": "audit_samples", "help": "Trainers only: samples (whole prompt groups, at least "
                                "two) the audit uses."})
 
     def __post_init__(self):
@@ -132,9 +132,9 @@ class EstimatorConfig:
         if self.mode == "subsample" and self.interval_frac < 1:
             raise ValueError("interval_frac < 1 needs mode 'exact' or 'jagg': mode 'subsample' draws single steps "
                              "itself (subsample_frac)")
-        if not isinstance(self.audit_samples, int) or self.audit_samples < 2:
-            raise ValueError(f"audit_samples must be an integer >= 2; got {self.audit_samples!r}")
-        for name in ("exact_first_intervals", "exact_last_intervals", "audit_every"):
+        if not isinstance(self.meter_samples, int) or self.meter_samples < 2:
+            raise ValueError(f"meter_samples must be an integer >= 2; got {self.meter_samples!r}")
+        for name in ("exact_first_intervals", "exact_last_intervals", "meter_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {getattr(self, name)!r}")
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:

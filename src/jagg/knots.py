@@ -318,7 +318,7 @@ def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) 
 
     Args:
         errors: ``[G]`` ``D_j >= 0``, the error energy the correction of interval ``j`` removes, e.g. plain JAGG's
-            ``error_to_noise`` of that interval (``jagg bench efficiency --by-interval``); negative estimates count as 0.
+            ``error_to_noise`` of that interval (``jagg bench meter --by-interval``); negative estimates count as 0.
         rows: ``[G]`` ``r_j >= 0``, the rows one correction of interval ``j`` runs per sample (its inner steps for
             correction).
         budget: the correction rows per sample to spend, ``>= 0`` (e.g. ``p sum_j r_j`` for a uniform rate ``p``).

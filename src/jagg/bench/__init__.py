@@ -1,4 +1,4 @@
-"""Benchmarks: ``jagg bench speed | fidelity | quality | e2e | signal | efficiency | paired`` (docs/benchmarks.md).
+"""Benchmarks: ``jagg bench speed | fidelity | quality | e2e | signal | meter | paired`` (docs/benchmarks.md).
 
 Every benchmark computes gradients with :func:`jagg.policy_gradient`, the function the trainer calls. Every one has
 ``--json PATH``, checked before any work and never replacing an existing file without ``--overwrite``
@@ -25,10 +25,10 @@ def _output_checked(run: Callable[[argparse.Namespace], int]) -> Callable[[argpa
 
 def add_bench_parser(sub) -> None:
     """Add ``bench`` and its sub-commands to the ``jagg`` argparse sub-parsers ``sub``."""
-    from . import e2e, efficiency, fidelity, paired, quality, signal, speed
+    from . import e2e, fidelity, meter, paired, quality, signal, speed
 
     b = sub.add_parser(
-        "bench", help="benchmarks: speed, fidelity, quality, e2e, signal, efficiency, paired",
+        "bench", help="benchmarks: speed, fidelity, quality, e2e, signal, meter, paired",
         description="Evidence for JAGG, each through jagg.policy_gradient (the trainer's function):\n"
                     "  speed     exact vs JAGG seconds per training phase, against the cost model\n"
                     "  fidelity  cosine / relative error of the JAGG gradient vs exact; the routing study\n"
@@ -36,18 +36,18 @@ def add_bench_parser(sub) -> None:
                     "            others): reward vs updates and time\n"
                     "  e2e       whole GRPO iterations (sampling + reward + training) exact vs JAGG, round-robin\n"
                     "  signal    agreement of gradients from independent batches: is there anything to learn?\n"
-                    "  efficiency  each estimator's error against the update's own noise: efficiency vs exact and vs\n"
+                    "  meter     each estimator's error against the update's own noise: efficiency vs exact and vs\n"
                     "            random timestep subsampling at equal rows\n"
                     "  paired    did GRPO raise the test reward? two checkpoints paired over the test prompts\n"
                     "Each has --quick (a smoke-sized run) and --json PATH. See docs/benchmarks.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{speed,fidelity,quality,e2e,signal,efficiency,paired}")
+    bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{speed,fidelity,quality,e2e,signal,meter,paired}")
     speed.add_parser(bsub)
     fidelity.add_parser(bsub)
     quality.add_parser(bsub)
     e2e.add_parser(bsub)
     signal.add_parser(bsub)
-    efficiency.add_parser(bsub)
+    meter.add_parser(bsub)
     paired.add_parser(bsub)
     for p in bsub.choices.values():
         if p.get_default("overwrite") is None:            # bench paired has its own (benchmarks/paired_eval.py)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..checks import check_threads
-from ..training.atomic import atomic_write_text
+from ..infra.atomic import atomic_write_text
 
 # ----------------------------------------------------------------------------- devices, timing, memory
 
@@ -183,7 +183,7 @@ def _json_safe(v):
 
 def write_json(path: str | Path, records) -> None:
     """Write ``records`` as indented JSON (NaN and infinity become null), atomically
-    (:func:`jagg.training.atomic.atomic_write_text`)."""
+    (:func:`jagg.infra.atomic.atomic_write_text`)."""
     atomic_write_text(path, json.dumps(_json_safe(records), indent=1) + "\n")
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from ..training import config_loader as configuration
+from ..infra import config_loader as configuration
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..checks import check_no_repeats, number_arg
 from .common import default_config_path, json_if_asked, table

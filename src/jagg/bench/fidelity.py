@@ -5,7 +5,7 @@ For each checkpoint, one fresh rollout batch is drawn through the trainer's pipe
 group-relative advantages, zero-spread prompt groups dropped), from RNGs of its own seed, and the gradients are those
 of the parameters ``model.trainable`` marks. A config with a ``pipeline:`` section measures the user's diffusers
 model instead (``--checkpoint`` does not apply): the batch is drawn by the diffusers trainer's own sampler
-(:class:`jagg.trainers.diffusers.DiffusersSampler`, as ``jagg bench efficiency`` draws it: the model on
+(:class:`jagg.trainers.diffusers.DiffusersSampler`, as ``jagg bench meter`` draws it: the model on
 ``pipeline.device``, its LoRA or trainable weights, ``sample.prompts_file``, the reward; ``--seed`` given replaces the
 config's ``seed``) and the gradients are those of its trainable weights. Every gradient below comes from
 :func:`jagg.policy_gradient`:
@@ -58,7 +58,7 @@ from ..trajectory import Trajectory, VelocityFn, sample_trajectories
 from ..shapes import from_tensor, tokenizer
 from ..audit import cosine, flat_grad, rel_err
 from .common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
-from .efficiency import Sampler, TrainConfig, load_config, make_sampler, restore_params
+from .meter import Sampler, TrainConfig, load_config, make_sampler, restore_params
 
 ADVANTAGES = ("reward", "random")
 SCORES = ("cosine",)            # routing's one linearity score (jagg.routing), the column name of the report
@@ -151,7 +151,7 @@ def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) ->
 
 def sampler_rollout(sampler: Sampler, cfg: FidelityConfig) -> KeptBatch:
     """One batch of the trainer's own sampler (a diffusers config's :class:`~jagg.trainers.diffusers.DiffusersSampler`:
-    its prompts, noise, SDE and reward, as ``jagg bench efficiency`` draws it), kept as :func:`draw_rollout` keeps
+    its prompts, noise, SDE and reward, as ``jagg bench meter`` draws it), kept as :func:`draw_rollout` keeps
     it (the KL reference: the sampler's)."""
     return kept(rollout_batch(sampler.sample, sampler.score, cfg.train), cfg, sampler.reference, sampler.device)
 
@@ -265,7 +265,7 @@ def pareto(records: list[dict]) -> list[dict]:
 
 def off_policy_rollout(sub: Subject, ro: KeptBatch, cfg: FidelityConfig) -> KeptBatch | None:
     """The trainer's second minibatch, with ``sub``'s trainable parameters moved in place by one AdamW update on the
-    first minibatch (the caller restores them: :func:`jagg.bench.efficiency.restore_params`)."""
+    first minibatch (the caller restores them: :func:`jagg.bench.meter.restore_params`)."""
     B = ro.traj.batch_size
     if B < 2:
         print("fidelity: skipping off-policy: fewer than 2 samples kept")
@@ -407,7 +407,7 @@ def run_fidelity(cfg: FidelityConfig) -> list[dict]:
 
 
 def load_train_config(args: argparse.Namespace) -> TrainConfig:
-    """The trainer config of ``--config`` (:func:`jagg.bench.efficiency.load_config`: a diffusers one with a
+    """The trainer config of ``--config`` (:func:`jagg.bench.meter.load_config`: a diffusers one with a
     ``pipeline:`` section) with ``--quick``'s and ``--set``'s keys; for a diffusers config ``--seed`` becomes its
     ``seed``, and the options of the shapes world's checkpoints are refused, naming them."""
     sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
@@ -452,7 +452,7 @@ def add_parser(sub) -> None:
     p.add_argument("--config", default=default_config_path(),
                    help="trainer YAML whose sample/reward/grpo/estimator/optim settings define the rollout and "
                         "the loss; one with a pipeline: section measures that diffusers model with the diffusers "
-                        "trainer's sampler (as jagg bench efficiency) [default: the main job, "
+                        "trainer's sampler (as jagg bench meter) [default: the main job, "
                         "jagg/shapes/main_job.yaml]")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a trainer config key (repeatable), e.g. sample.prompts_per_iter=16")

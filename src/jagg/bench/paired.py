@@ -72,7 +72,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     main_job_defaults(args, eval_seed=True)
-    from ..training.sizes import check_memory
+    from ..infra.sizes import check_memory
 
     prompts = len(test_prompts())
     check_sampling(args, 2 * prompts * args.images_per_prompt, f"two checkpoints x {prompts} test prompts x "

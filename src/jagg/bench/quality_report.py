@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..training.atomic import atomic_write
+from ..infra.atomic import atomic_write
 from .common import table
 from .quality_compare import TEST_CURVE, curves
 from .statistics import smooth
@@ -137,6 +137,6 @@ def print_report(runs: list[dict], summary: list[dict], seeds: list[int], cost_l
     print(table(rate_rows(summary), RATE_COLUMNS))
     print("\nthe measured per-update efficiencies (rate; to lower final = exact's updates to the lower of the two "
           "final held-out rewards / the variant's, which mixes the rate with the plateau) beside the meter's final "
-          "prediction (the runs' last audit, with estimator.audit_every; median over seeds) and, projected, not "
+          "prediction (the runs' last audit, with estimator.meter_every; median over seeds) and, projected, not "
           f"measured: the measured figures times the iteration ratio of {cost_line}")
     print(table(summary, METER_COLUMNS))

@@ -19,10 +19,10 @@ from ..checks import check_seed, check_unique_names, parse_spec
 from ..trainers.base import RESUMABLE_CHANGES, check_resumable
 from ..trainers.diffusers_config import DiffusersTrainConfig
 from ..trainers.shapes import ShapesTrainer
-from ..training.config_loader import to_dict
-from ..training.rundir import RunHints
+from ..infra.config_loader import to_dict
+from ..infra.rundir import RunHints
 from .common import write_json
-from .efficiency import TrainConfig, load_config
+from .meter import TrainConfig, load_config
 
 BUILTIN = {
     "exact": ["estimator.mode=exact"],
@@ -47,7 +47,7 @@ def quick_sets(diffusers: bool) -> list[str]:
 # threads, which change its seconds
 RECORDS_SAME = tuple(k for k in RESUMABLE_CHANGES if k not in ("eval.", "threads")) + (
     "eval.warn_drop", "eval.warn_empty", "eval.warn_background", "eval.grid_size")
-# what a run's result keeps of its last audit record (estimator.audit_every > 0): the meter's final prediction
+# what a run's result keeps of its last audit record (estimator.meter_every > 0): the meter's final prediction
 METER = ("audits", "error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio",
          "predicted_efficiency", "predicted_time_efficiency", "predicted_adam_efficiency",
          "predicted_adam_time_efficiency", "predicted_adam_tensor_efficiency", "predicted_adam_tensor_time_efficiency")
@@ -100,7 +100,7 @@ class QualityConfig:
 
     def train_config(self, variant: str, seed: int) -> TrainConfig:
         """The config of one run: a diffusers one for a YAML with a ``pipeline:`` section, else the shapes world's
-        (:func:`jagg.bench.efficiency.load_config`)."""
+        (:func:`jagg.bench.meter.load_config`)."""
         run = [f"seed={seed}", f"log.output_dir={self.run_dir(variant, seed)}"]
         try:
             return load_config(self.config, DEFAULT_SETS + self.sets + self.variants[variant] + run)

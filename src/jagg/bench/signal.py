@@ -43,12 +43,13 @@ import statistics
 import numpy as np
 import torch
 
-from ..audit import flat_grad, jackknife_se
+from ..audit import flat_grad
+from ..meter import jackknife_se
 from ..estimator import policy_gradient, reference_velocities
 from ..rewards.registry import get_reward
 from ..trainers.base import rollout_batch, take
 from ..trainers.diffusers_config import DiffusersTrainConfig
-from .efficiency import TrainConfig, check_kl, load_config, make_sampler
+from .meter import TrainConfig, check_kl, load_config, make_sampler
 from ..checks import check_no_repeats, number_arg
 from .common import default_config_path, json_if_asked, table
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ..checks import Keys, check_eta
-from ..training.config_loader import from_dict, read_yaml
+from ..infra.config_loader import from_dict, read_yaml
 
 FAMILIES = ("sd3", "flux", "qwen_image", "wan", "flux2", "flux2_klein")
 VIDEO_FAMILIES = ("wan",)                   # latents [C, F, H/8, W/8] with a frame axis; decoded to videos
@@ -277,7 +277,7 @@ class PipelineConfig:
 
 def load_pipeline_config(path: str | Path, overrides: dict | None = None) -> PipelineConfig:
     """The ``pipeline:`` section of a YAML config (other sections belong to the trainer) -> :class:`PipelineConfig`;
-    the file is read as every config is (:func:`jagg.training.config_loader.read_yaml`)."""
+    the file is read as every config is (:func:`jagg.infra.config_loader.read_yaml`)."""
     data = read_yaml(path)
     if "pipeline" not in data:
         raise ValueError(f"{path} has no 'pipeline:' section (see configs/sd35_medium.yaml)")

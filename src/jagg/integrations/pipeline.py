@@ -24,7 +24,7 @@ from typing import Sequence
 from torch import nn
 
 from ..checks import check_json_files, check_output_file
-from ..training.config_loader import read_prompt_lines
+from ..infra.config_loader import read_prompt_lines
 from .config import DTYPES, PipelineConfig, load_pipeline_config
 from .velocity import encode_prompts
 

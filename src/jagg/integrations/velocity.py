@@ -213,7 +213,7 @@ class PromptEmbeddings:
         """Write a prompt-embedding cache: ``.safetensors`` (prompts as JSON metadata) or ``.pt``."""
         if self.prompts is None:
             raise ValueError("a prompt-embedding cache needs the prompt strings (PromptEmbeddings.prompts)")
-        from ..training.atomic import atomic_write
+        from ..infra.atomic import atomic_write
 
         path = Path(path)
         tensors = {"prompt_embeds": self.prompt_embeds}

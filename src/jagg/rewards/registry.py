@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .. import checks
 from ..checks import FLOAT32_MAX, check_float32, shown
 from .images import to_uint8
 from .preference import AestheticReward, ClipScoreReward, HPSv2Reward, PickScoreReward
@@ -89,18 +90,9 @@ def register_reward(name: str, factory: Callable[..., RewardFn]) -> None:
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """``"name"`` or ``"name:key=value,key=value"`` -> ``(name, {key: value})``; a malformed option is a ValueError."""
-    name, _, rest = spec.partition(":")
-    options: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"reward {spec!r}: options must be key=value separated by commas, e.g. "
-                             f"'{name}:path=/models/x,batch_size=16'; got {item!r}")
-        if key.strip() in options:
-            raise ValueError(f"reward {spec!r}: option {key.strip()!r} is given twice")
-        options[key.strip()] = value.strip()
-    return name, options
+    """``"name"`` or ``"name:key=value,key=value"`` -> ``(name, {key: value})`` (:func:`jagg.checks.parse_spec`, the
+    one spec parser: a malformed option, or one given twice, is a ValueError naming the reward)."""
+    return checks.parse_spec(spec, "reward", "path=/models/x,batch_size=16")
 
 
 def registered_name(spec: str) -> str | None:

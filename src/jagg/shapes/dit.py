@@ -323,10 +323,10 @@ class TinyDiT(nn.Module):
 
 def save_pretrained(model: TinyDiT, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
     """Write weights (optionally cast to `dtype`) and the config to one .safetensors file, atomically
-    (:func:`jagg.training.atomic.atomic_write`)."""
+    (:func:`jagg.infra.atomic.atomic_write`)."""
     from safetensors.torch import save
 
-    from ..training.atomic import atomic_write
+    from ..infra.atomic import atomic_write
 
     sd = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in model.state_dict().items()}
     meta = {_META_KEY: json.dumps(model.config.to_dict()), "format": "pt"}

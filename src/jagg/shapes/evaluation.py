@@ -136,7 +136,7 @@ def save_comparison(before: np.ndarray, after: np.ndarray, prompts: list[str], p
     above ``labels[1]``, ``ncol`` prompts per pair; each image is captioned with its prompt, its GenEval-like score, whether
     it is fully correct, and each constraint passed (``+``) or failed (``-``). Returns both sets' mean score and
     accuracy (``before_score``, ``after_score``, ``before_accuracy``, ``after_accuracy``)."""
-    from ..training.metrics import save_grid
+    from ..infra.metrics import save_grid
 
     before, after = np.asarray(before), np.asarray(after)
     if before.shape != after.shape or len(before) != len(prompts):

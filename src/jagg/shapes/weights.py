@@ -6,7 +6,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from ..training.checkpoint import load_latest, read_checkpoint
+from ..infra.checkpoint import load_latest, read_checkpoint
 from .dit import DiTConfig, TinyDiT, load_pretrained
 
 BUILTIN = {"builtin:tiny_dit": "tiny_dit.safetensors"}

@@ -9,7 +9,7 @@ updates, each from the trainer's :meth:`~GRPO.gradient` of a minibatch (:meth:`~
 on-policy), at the learning rate of ``optim.lr_schedule`` (:meth:`~GRPO.scheduled_lr`), skipped when its loss or
 gradient norm is not finite. :class:`GRPO` holds no run directory, logger or checkpoint (``jagg bench e2e`` times
 its iterations as they are). Around it, :class:`GRPOTrainer` adds the run directory (new, resumed or moved
-aside, :mod:`jagg.training.rundir`), the metrics logger, checkpoints at ``log.checkpoint_every``, the aborts
+aside, :mod:`jagg.infra.rundir`), the metrics logger, checkpoints at ``log.checkpoint_every``, the aborts
 (:class:`TrainingAborted`) after ``grpo.max_consecutive_skips`` skipped updates and after ``grpo.max_empty_iterations``
 iterations that trained no sample (warned at the first, with the reason), the save after a failure before an
 iteration's first update, and SIGINT/SIGTERM (finish the iteration, save, exit); :meth:`GRPOTrainer.run` is how
@@ -32,14 +32,15 @@ from torch import Tensor
 from tqdm import tqdm
 
 from ..advantages import group_advantages, nonzero_spread_mask
-from ..audit import AuditMeter, audit_flag, audit_parts, clip_flag, meter_flag
+from ..audit import audit_flag, audit_parts, clip_flag
+from ..meter import Meter, meter_flag
 from ..estimator import reference_velocities
 from ..estimator_config import RETIRED_CORRECTION_P, EstimatorConfig
-from ..training.distributed import gather, init_process_group_from_env
-from ..training.config_loader import to_dict
-from ..training.metrics import MetricsLogger
-from ..training.rundir import TRAIN, RunHints, lock_run, open_run, outputs, read_run_file, write_run_file
-from ..training.wandb_run import WandbRun, check_start as check_wandb_start
+from ..infra.distributed import gather, init_process_group_from_env
+from ..infra.config_loader import to_dict
+from ..infra.metrics import MetricsLogger
+from ..infra.rundir import TRAIN, RunHints, lock_run, open_run, outputs, read_run_file, write_run_file
+from ..infra.wandb_run import WandbRun, check_start as check_wandb_start
 from ..trajectory import Trajectory, VelocityFn
 from .lr_schedule import check_resumable_schedule, lr_factor, schedules_lr
 
@@ -54,6 +55,8 @@ ADDED_KEYS = {"optim.lr_schedule": "constant", "optim.warmup_steps": 0, "eval.de
 # runs it, so the key is dropped; any other value was an estimator that no longer exists
 RETIRED_KEYS = {"estimator.control_variate": 0.0, "estimator.correction": "interval",
                 "estimator.correction_intervals": 0, "estimator.score": "cosine"}
+# renamed keys (old name -> new name): a saved config with the old name resumes under the new one
+RENAMED_KEYS = {"estimator.audit_every": "estimator.meter_every", "estimator.audit_samples": "estimator.meter_samples"}
 # retired values of kept options, each with what to use instead: a checkpoint trained with one cannot be continued
 RETIRED_VALUES = {"estimator.correction_p": RETIRED_CORRECTION_P}
 
@@ -91,6 +94,9 @@ def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUM
     """Raise a ValueError naming the first config key whose change would break continuation; return one line per
     key that changed and may (``allowed``), e.g. ``"grpo.iterations: 30 in the checkpoint, 200 now"``."""
     a, b = _flatten(saved), _flatten(current)
+    for old, new in RENAMED_KEYS.items():
+        if old in a and new not in a:
+            a[new] = a.pop(old)
     for key, default in ADDED_KEYS.items():
         if key in b:
             a.setdefault(key, default)
@@ -287,7 +293,7 @@ class GRPO(ABC):
         self.skipped_updates = self.consecutive_skips = self.consecutive_empty = 0
         self.empty_iteration = self._empty_warned = False    # whether the last iteration had nothing to learn from
         self.logger: MetricsLogger | None = None             # a GRPOTrainer's, on its main process
-        self.meter: AuditMeter | None = None                 # the efficiency meter, from the first audit on
+        self.meter: Meter | None = None                 # the efficiency meter, from the first audit on
         self.before_setup()
         self.setup()
 
@@ -459,8 +465,8 @@ class GRPO(ABC):
     # ------------------------------------------------------------------ the estimator audit
 
     def audit_due(self) -> bool:
-        """Whether the coming iteration runs the estimator audit (``estimator.audit_every``)."""
-        every = self.cfg.estimator.audit_every
+        """Whether the coming iteration runs the estimator audit (``estimator.meter_every``)."""
+        every = self.cfg.estimator.meter_every
         return bool(every) and (self.iteration + 1) % every == 0
 
     def audit_position(self) -> int:
@@ -468,17 +474,17 @@ class GRPO(ABC):
         runs: the ``j``-th audit of the run (from 0) before update ``j mod U``, so the audits cycle through the
         on-policy first update and the off-policy ones after it (where ``interp``'s error shows)."""
         g = self.cfg.grpo
-        return ((self.iteration + 1) // self.cfg.estimator.audit_every - 1) % (g.inner_epochs * g.updates_per_epoch)
+        return ((self.iteration + 1) // self.cfg.estimator.meter_every - 1) % (g.inner_epochs * g.updates_per_epoch)
 
     @torch.enable_grad()
     def audit(self, make_velocity: Callable[[list[int]], Callable], traj, adv, ref_v, prompt_groups,
               params: Sequence[torch.nn.Parameter], update: int = 0) -> tuple[float, float]:
         """The estimator audit (:func:`jagg.audit.audit_parts`) on whole prompt groups (``prompt_groups`` ``[B]``) of the
-        batch, at least ``estimator.audit_samples`` samples and two prompt groups where the batch has them, picked at
+        batch, at least ``estimator.meter_samples`` samples and two prompt groups where the batch has them, picked at
         random with an RNG of its own, so a run with a fixed ``correction_p`` is the same with and without it.
         ``make_velocity(indices)`` gives the velocity callable of those samples; ``update`` is the rollout's update it
         runs before (0: on-policy; later ones off-policy, the parameters moved by the updates before it). Feeds the run's
-        :class:`jagg.audit.AuditMeter` (:attr:`meter`: error against noise, bias, predicted efficiency), logs an
+        :class:`jagg.meter.Meter` (:attr:`meter`: error against noise, bias, predicted efficiency), logs an
         ``audit`` record (with a logger: on the main process of a :class:`GRPOTrainer`), prints each warning once per
         run, and returns its ``(seconds, CPU seconds)`` so that the caller can leave them out of the iteration's time."""
         c = self.cfg
@@ -488,7 +494,7 @@ class GRPO(ABC):
         chosen: list[int] = []
         for n, gi in enumerate(ids[torch.randperm(ids.numel(), generator=gen)]):
             chosen += torch.nonzero(prompt_groups == gi).flatten().tolist()
-            if len(chosen) >= c.estimator.audit_samples and n >= 1:
+            if len(chosen) >= c.estimator.meter_samples and n >= 1:
                 break
         sub = sorted(chosen)
         idx = torch.tensor(sub, device=traj.latents.device)
@@ -498,7 +504,7 @@ class GRPO(ABC):
                                     on_policy=update == 0)
         a["update"] = update
         if self.meter is None:
-            self.meter = AuditMeter([p.numel() for p in params], seed=c.seed)
+            self.meter = Meter([p.numel() for p in params], seed=c.seed)
         per_update = c.sample.batch_size / c.grpo.updates_per_epoch / c.sample.group_size
         last = self.logger.records("train")[-1:] if self.logger is not None else []
         share = last[0]["train_s"] / last[0]["iter_s"] if last and last[0].get("iter_s") else None
@@ -600,7 +606,7 @@ class GRPOTrainer(GRPO):
         print(f"outputs in {self.out}: {', '.join(self.shown_outputs()) or 'none'}")
 
     def shown_outputs(self) -> list[str]:
-        """The run directory's outputs as :meth:`report` names them (:func:`jagg.training.rundir.outputs`)."""
+        """The run directory's outputs as :meth:`report` names them (:func:`jagg.infra.rundir.outputs`)."""
         return outputs(self.out)
 
     # ------------------------------------------------------------------ what each trainer provides
@@ -627,7 +633,7 @@ class GRPOTrainer(GRPO):
         ``correction_p: auto``, is not read)."""
         self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state.get("cpu", 0.0)
         self.skipped_updates = state["skipped_updates"]
-        self.meter = AuditMeter.from_state(state["meter"]) if state.get("meter") is not None else None
+        self.meter = Meter.from_state(state["meter"]) if state.get("meter") is not None else None
 
     @abstractmethod
     def rng_state(self) -> dict:

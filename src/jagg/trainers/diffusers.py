@@ -6,7 +6,7 @@ A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``c
 trainer fills its hooks and asks one object for everything model specific, the
 :class:`jagg.integrations.policy.Policy` (prompts, sampler, velocity callable, KL reference, decoding, adapter
 files); the rollouts (model, trainable weights, prompts, reward, sampling) are :class:`DiffusersSampler`'s, which
-``jagg bench efficiency`` and ``jagg bench signal`` draw their batches with too. One iteration:
+``jagg bench meter`` and ``jagg bench signal`` draw their batches with too. One iteration:
 
 1. pick ``prompts_per_iter`` prompts of ``sample.prompts_file`` and repeat each ``group_size`` times (the global
    batch of ``N`` trajectories); under torchrun / accelerate every rank takes its contiguous shard of it;
@@ -19,11 +19,11 @@ files); the rollouts (model, trainable weights, prompts, reward, sampling) are :
    (:func:`jagg.group_advantages`), drop zero-spread prompt groups;
 4. ``inner_epochs x updates_per_epoch`` AdamW updates whose gradients come from :func:`jagg.policy_gradient`
    (KL reference = the adapters switched off, or a frozen copy for full fine-tuning); with several ranks the
-   local gradients are averaged once per update with :func:`jagg.training.distributed.all_reduce_gradients`, each
-   rank's loss scaled by :func:`jagg.training.distributed.loss_scale` so the result is the gradient of the global
+   local gradients are averaged once per update with :func:`jagg.infra.distributed.all_reduce_gradients`, each
+   rank's loss scaled by :func:`jagg.infra.distributed.loss_scale` so the result is the gradient of the global
    minibatch.
 
-Outputs in ``log.output_dir`` (one run per directory, :mod:`jagg.training.rundir`; ``run.json`` holds the run id):
+Outputs in ``log.output_dir`` (one run per directory, :mod:`jagg.infra.rundir`; ``run.json`` holds the run id):
 ``metrics.jsonl`` (+ TensorBoard), ``reward_curve.png``, ``samples/iter_<n>.png``
 (a few rollout images at each checkpoint; a video family's as an animated ``.gif`` grid), ``checkpoints/ckpt_<n>.pt`` (trainable weights, optimizer, every RNG,
 config; atomic, keep-last-N) and, with LoRA, ``checkpoints/adapter_<n>/pytorch_lora_weights.safetensors``, which
@@ -52,10 +52,10 @@ from ..estimator import policy_gradient
 from ..integrations.policy import Policy, load_model
 from ..rewards.registry import get_reward
 from ..trajectory import sample_trajectories
-from ..training import config_loader as configuration
-from ..training.checkpoint import prune_checkpoints, write_checkpoint
-from ..training.distributed import all_reduce_gradients, gather_objects, loss_scale, shard
-from ..training.metrics import plot_reward_curve, save_grid
+from ..infra import config_loader as configuration
+from ..infra.checkpoint import prune_checkpoints, write_checkpoint
+from ..infra.distributed import all_reduce_gradients, gather_objects, loss_scale, shard
+from ..infra.metrics import plot_reward_curve, save_grid
 from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
                    draw_prompts_and_noise, update_summary)
 from .diffusers_config import DiffusersTrainConfig
@@ -80,7 +80,7 @@ def sampling_pieces(local: slice, size: int) -> list[slice]:
 
 
 class DiffusersSampler:
-    """The rollouts of a diffusers config: the trainer's and the benchmarks' (``jagg bench efficiency --config X.yaml``
+    """The rollouts of a diffusers config: the trainer's and the benchmarks' (``jagg bench meter --config X.yaml``
     with a ``pipeline:`` section), which never opens a run directory; the interface of
     :class:`jagg.trainers.shapes.ShapesSampler`.
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..checks import Keys
 from ..integrations.config import PipelineConfig
 from ..rewards.client import RewardClient
-from ..training import config_loader as configuration
+from ..infra import config_loader as configuration
 from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_run, sde_window_field
 
 
@@ -119,9 +119,9 @@ class DiffusersTrainConfig(TrainerSections):
     def check_sizes(self) -> None:
         """Sizes in range that break the run, refused at load naming the key: a ``pipeline.shift`` that leaves a
         schedule without distinct sigmas, and a batch whose latents and images alone need more memory than this
-        machine has (16 latent channels at 1/8 of ``pipeline.resolution``: :mod:`jagg.training.sizes`)."""
+        machine has (16 latent channels at 1/8 of ``pipeline.resolution``: :mod:`jagg.infra.sizes`)."""
         from ..schedule import check_schedule
-        from ..training.sizes import check_rollout_memory
+        from ..infra.sizes import check_rollout_memory
 
         p, s = self.pipeline, self.sample
         if p.shift is not None:

@@ -12,7 +12,7 @@ from ..checks import (FLOAT32_MAX, Keys, check_group_size, check_positive, check
                       check_sde_window_schedule, check_threads)
 from ..estimator_config import EstimatorConfig
 from ..rewards.registry import check_spec
-from ..training.wandb_run import WANDB_MODES
+from ..infra.wandb_run import WANDB_MODES
 from ..trajectory import select_train_steps, sliding_sde_window
 from .lr_schedule import SCHEDULES
 

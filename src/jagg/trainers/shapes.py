@@ -29,9 +29,9 @@ from ..shapes import from_tensor, tokenizer
 from ..shapes.evaluation import collapse_warnings, comparison_prompts, evaluate, generate, save_comparison
 from ..shapes.velocity import GuidedVelocity
 from ..shapes.weights import load_model
-from ..training.checkpoint import save_checkpoint
-from ..training.config_loader import to_dict
-from ..training.metrics import plot_reward_curve, save_grid
+from ..infra.checkpoint import save_checkpoint
+from ..infra.config_loader import to_dict
+from ..infra.metrics import plot_reward_curve, save_grid
 from ..trajectory import sample_trajectories
 from .base import (GRPO, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, draw_prompts_and_noise,
                    update_summary)

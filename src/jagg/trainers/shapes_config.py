@@ -14,7 +14,7 @@ from pathlib import Path
 from .. import shapes                      # noqa: F401  registers the 'geneval' reward that reward: may name
 from ..checks import check_eta, check_positive, is_finite_number
 from ..schedule import SHIFT_HINT, check_schedule
-from ..training import config_loader as configuration
+from ..infra import config_loader as configuration
 from .sections import (SAMPLE_KEYS, LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_run,
                        sde_window_field)
 
@@ -183,9 +183,9 @@ class ShapesTrainConfig(TrainerSections):
     def check_sizes(self) -> None:
         """Sizes in range that break the run, refused at load naming the key: a shift that leaves the sampling or the
         evaluation schedule without distinct sigmas, more test prompts than the test split holds, and a batch or an
-        evaluation whose arrays alone need more memory than this machine has (:mod:`jagg.training.sizes`)."""
+        evaluation whose arrays alone need more memory than this machine has (:mod:`jagg.infra.sizes`)."""
         from ..shapes import test_prompts
-        from ..training.sizes import TINY_DIT_LATENT, check_memory, check_rollout_memory, images_bytes
+        from ..infra.sizes import TINY_DIT_LATENT, check_memory, check_rollout_memory, images_bytes
 
         s, e = self.sample, self.eval
         check_schedule(s.num_steps, s.shift, "sample.shift", "sample.num_steps")

@@ -1,7 +1,7 @@
 """Training checkpoints: atomic writes, keep-last-N, newest-complete lookup, and model loading.
 
 A checkpoint is one ``torch.save`` file ``checkpoints/ckpt_<iteration>.pt`` holding the model, optimizer
-and EMA states, every RNG state, the iteration, the config, the run id (:mod:`jagg.training.rundir`) and a
+and EMA states, every RNG state, the iteration, the config, the run id (:mod:`jagg.infra.rundir`) and a
 manifest (code version, time). It is
 written to a temporary file in the same directory, flushed to disk, then renamed, so a crash mid-write
 leaves the previous checkpoint intact.
@@ -22,7 +22,7 @@ _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
 
 
 def atomic_torch_save(obj, path: Path) -> None:
-    """``torch.save`` through :func:`jagg.training.atomic.atomic_write` (a temp file next to ``path``, fsync, rename)."""
+    """``torch.save`` through :func:`jagg.infra.atomic.atomic_write` (a temp file next to ``path``, fsync, rename)."""
     atomic_write(path, lambda f: torch.save(obj, f))
 
 

@@ -120,6 +120,10 @@ def from_dict(cls, data: dict, where: str = ""):
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
+        renamed = next((f.name for f in fields.values() if f.metadata.get("was") == key), None)
+        if key not in fields and renamed:
+            raise ValueError(f"config key {path!r} was renamed {renamed!r}: write "
+                             f"{(where + '.') if where else ''}{renamed}: {value!r} instead")
         if key not in fields:
             raise ValueError(f"unknown config key {path!r}{_suggest(key, list(fields))} "
                              f"(valid keys here: {', '.join(fields)})")

@@ -93,7 +93,7 @@ def scalars(record: dict) -> dict:
 
 class MetricsLogger:
     """Appends one JSON record per line to ``metrics.jsonl``; mirrors its numbers (:func:`scalars`) to TensorBoard
-    and, given a :class:`jagg.training.wandb_run.WandbRun`, to wandb, with the sample grids (:meth:`image`).
+    and, given a :class:`jagg.infra.wandb_run.WandbRun`, to wandb, with the sample grids (:meth:`image`).
 
     On resume, records after the resumed iteration are dropped so the file reads as one uninterrupted run; a torn
     last line is set aside (:func:`set_aside_torn`), a bad line before it is a :class:`MetricsError`.

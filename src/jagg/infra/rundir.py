@@ -18,7 +18,7 @@
 - Filesystem errors while preparing the directory (a file where the directory should be, read-only, no
   permission) are :class:`RunDirError` naming the path and what to do.
 - ``--resume`` reads ``metrics.jsonl`` before anything is written: a line before the last that is not a record is
-  an error naming the file and the line (a torn last line is set aside by :class:`jagg.training.metrics.MetricsLogger`).
+  an error naming the file and the line (a torn last line is set aside by :class:`jagg.infra.metrics.MetricsLogger`).
 - What to do is said in the words of the command that trains (:class:`RunHints`: ``jagg train``'s flags, or
   ``jagg bench quality``'s, which has none of them).
 """
@@ -246,7 +246,7 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
     error naming each unreadable file, or (``require_checkpoint=False``) a new run: at once when ``out`` holds no run,
     after moving it aside when it holds one without any checkpoint. With several processes every one must call this
     (``barrier`` runs in every branch that does not raise). A resumed run's ``metrics.jsonl`` must read as records
-    up to its last line (:func:`jagg.training.metrics.scan_records`). ``hints``: what the messages tell the user to do.
+    up to its last line (:func:`jagg.infra.metrics.scan_records`). ``hints``: what the messages tell the user to do.
     Raises :class:`RunDirError` (a ``ValueError``)."""
     out = Path(out)
     barrier = barrier or (lambda: None)

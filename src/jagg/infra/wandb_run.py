@@ -1,7 +1,7 @@
 """Weights & Biases logging, the optional extra ``pip install 'jagg[wandb]'``: a run directory's run mirrored to one
 wandb run (``log.wandb: true``).
 
-:class:`jagg.training.metrics.MetricsLogger` forwards to a :class:`WandbRun` what it writes (``metrics.jsonl`` stays
+:class:`jagg.infra.metrics.MetricsLogger` forwards to a :class:`WandbRun` what it writes (``metrics.jsonl`` stays
 the source of truth; TensorBoard gets the same scalars):
 
 - the resolved config, with the run directory's absolute path (``run_dir``) and the run id, when the run starts (any

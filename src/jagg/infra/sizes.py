@@ -1,7 +1,7 @@
 """Sizes that fit their dtype but not the machine: an estimate of the memory a setting needs, refused with the
 estimate when it is more than this machine has (before a run directory or an output file exists).
 
-A config's integers are checked to fit int64 at load (:mod:`jagg.training.config_loader`); a ``group_size`` of
+A config's integers are checked to fit int64 at load (:mod:`jagg.infra.config_loader`); a ``group_size`` of
 9223372036854775807 fits and would still grow until the kernel kills the process. The estimates here are lower
 bounds of what the named arrays take (float32 latents of every sampling step, the images, the bootstrap's indices),
 so a refused setting never fits; a setting that passes may still be too large for a model's activations.

@@ -1,4 +1,4 @@
-"""``jagg bench efficiency``: what an estimator's error costs against the noise an update already carries.
+"""``jagg bench meter``: what an estimator's error costs against the noise an update already carries.
 
 A GRPO update is noise-dominated: the exact gradients of independent batches agree with cosine ~0. For an unbiased
 estimator ``g^ = g + e`` the update's variance is ``V_b + E|e|^2``, where ``V_b`` is the batch-to-batch variance of
@@ -30,7 +30,7 @@ deterministic estimator). Per estimator:
   of the training phase per batch in CPU seconds of this process, measured side by side, plus the rollout's median:
   sampling and reward; with ``threads=1`` CPU seconds do not count waiting for a core another process holds);
 - ``adam_tensor_efficiency`` and ``adam_tensor_time_efficiency``: Adam's model per parameter tensor, each tensor's
-  own ``E_t / V_t`` weighted by its share of Adam's progress (:func:`jagg.audit.tensor_weights`: by the signal where
+  own ``E_t / V_t`` weighted by its share of Adam's progress (:func:`jagg.meter.tensor_weights`: by the signal where
   it is measured, ``tensor_weighting``), beside the global ratio; ``--by-tensor NAME`` lists the tensors that carry
   most of an estimator's error;
 - ``prediction`` with ``rate_lo``, ``rate_hi`` (printed ``rate/update``; times the iteration ratio: ``time_rate_lo``,
@@ -71,7 +71,8 @@ import torch
 import yaml
 from torch import Tensor
 
-from ..audit import adam_efficiency, clip_flag, error_noise_stats, extrapolate, flat_grad, predicted_efficiency
+from ..audit import clip_flag, flat_grad
+from ..meter import adam_efficiency, error_noise_stats, extrapolate, predicted_efficiency
 from ..checks import check_unique_names, number_arg, parse_spec
 from ..estimator import policy_gradient, reference_velocities
 from ..estimator_config import EstimatorConfig
@@ -81,7 +82,7 @@ from ..trainers.base import rollout_batch, take
 from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
-from ..training import config_loader as configuration
+from ..infra import config_loader as configuration
 from ..trajectory import Trajectory
 from .common import default_config_path, json_if_asked, set_threads, table
 from .projection import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
@@ -229,7 +230,7 @@ def bias_z(bias_to_noise: float, se: float) -> float:
 
 def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float, tensor_factor: float) -> dict:
     """The six efficiencies (module docstring) of an estimator with these work ratios against exact, this error and
-    this per-update factor of Adam's per-tensor model (:func:`jagg.audit.adam_tensor_factor`)."""
+    this per-update factor of Adam's per-tensor model (:func:`jagg.meter.adam_tensor_factor`)."""
     return {"efficiency": predicted_efficiency(rows_ratio, error_to_noise),
             "time_efficiency": predicted_efficiency(time_ratio, error_to_noise),
             "adam_efficiency": adam_efficiency(rows_ratio, error_to_noise),
@@ -657,7 +658,7 @@ def _report(records: list[dict], batches: int, draws: int, update: int, cost_lin
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("efficiency", help="each estimator's error against the update's own noise: efficiency vs exact "
+    p = sub.add_parser("meter", help="each estimator's error against the update's own noise: efficiency vs exact "
                        "and vs random timestep subsampling", description=__doc__.replace("``", ""),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=default_config_path(),

@@ -1,0 +1,142 @@
+"""Checks of single values: finite numbers, vectors of numbers, counts, numbers that fit the dtype they are used in
+(float32, int64), seeds, thread counts, positive numbers and probabilities, and the command-line number parser
+(:func:`number_arg`). A check raises a ValueError (a TypeError for a value of the wrong kind) naming the setting."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import numbers
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def is_finite_number(value) -> bool:
+    """True for a finite real number (int, float, numpy scalar); False for bool, NaN, infinity and non-numbers."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+def first_non_finite(values: dict) -> str | None:
+    """The name of the first of ``values`` (name -> value) that is not a finite number (:func:`is_finite_number`), or
+    None: several arguments checked in one call."""
+    return next((name for name, value in values.items() if not is_finite_number(value)), None)
+
+
+def as_vector(values, name: str, dtype=np.float32) -> Tensor:
+    """A flat tensor from a tensor or any array-like of numbers (list, numpy array); a TypeError naming ``name``
+    otherwise. Tensors keep their dtype and device."""
+    if not isinstance(values, Tensor):
+        try:
+            values = torch.as_tensor(np.asarray(values, dtype=dtype))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name} must be a tensor or an array-like of numbers; got {type(values).__name__}: "
+                            f"{e}") from None
+    return values.detach().flatten()
+
+
+def check_count(value, name: str, minimum: int = 1) -> None:
+    """Raise unless ``value`` is an integer (not a bool) >= ``minimum``; the message names it ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)      # 3.4e38: a config's floats end up in float32 tensors
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)    # 1.2e-38: the smallest normal float32; below it precision is lost
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1            # integers end up in int64 tensors and numpy arrays
+SEED_MAX = 2**32 - 1                               # seeds: numpy's generators need >= 0, and the seeds derived from one
+                                                   # (seed * 1_000_003 + iteration, ...) must fit torch's 64 bits
+MAX_THREADS = 1024                                 # torch threads: a C int, and each one a real thread
+
+
+def _named(name: str, text: str) -> str:
+    return f"{name}: {text}" if name else text
+
+
+def shown(value, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a 400-digit number in a message is noise)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 13]}... ({len(text)} characters)"
+
+
+def check_float32(value: float, name: str = "") -> None:
+    """Raise unless the finite float ``value`` fits float32, the dtype a config's numbers are used in: at most
+    :data:`FLOAT32_MAX` in magnitude, and 0 or at least :data:`FLOAT32_TINY` (a smaller one becomes 0 or loses its
+    precision there). The message names the setting ``name``."""
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(_named(name, f"{shown(value)} overflows float32, the dtype it is used in (at most "
+                                      f"{FLOAT32_MAX:.3g} in magnitude)"))
+    if 0 < abs(value) < FLOAT32_TINY:
+        raise ValueError(_named(name, f"{shown(value)} underflows float32, the dtype it is used in (0, or at least "
+                                      f"{FLOAT32_TINY:.3g} in magnitude)"))
+
+
+def check_int64(value: int, name: str = "") -> None:
+    """Raise unless the integer ``value`` fits int64, the dtype integers are used in (tensor sizes, numpy arrays)."""
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(_named(name, f"{shown(value)} does not fit a 64-bit integer, the dtype it is used in "
+                                      "(|x| < 2**63)"))
+
+
+def check_seed(value, name: str = "") -> None:
+    """Raise unless ``value`` is an integer seed in ``[0, SEED_MAX]`` (:data:`SEED_MAX`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= SEED_MAX:
+        raise ValueError(f"{name + ' ' if name else ''}must be an integer in [0, {SEED_MAX}] (a seed); got "
+                         f"{shown(value)}")
+
+
+def check_threads(value: int, name: str) -> None:
+    """Raise unless ``value`` is a number of torch CPU threads in ``[0, MAX_THREADS]`` (0: torch's default)."""
+    if not 0 <= value <= MAX_THREADS:
+        raise ValueError(f"{name} must be in [0, {MAX_THREADS}] (torch CPU threads; 0 = torch's default); got "
+                         f"{shown(value)}")
+
+
+def parse_number(text: str, kind: type = float, low: float | None = None, strict: bool = False,
+                 seed: bool = False) -> int | float:
+    """``text`` as a finite ``kind`` (int or float) that fits its dtype (:func:`check_int64`, :func:`check_float32`),
+    at or above ``low`` (above it when ``strict``), a seed (:func:`check_seed`) when ``seed``; a ValueError saying
+    what is wrong otherwise (for a command-line option: :func:`number_arg` names it)."""
+    try:
+        value = kind(text)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"expected {'an integer' if kind is int else 'a number'}, got {shown(text)}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {shown(text)}")
+    if seed:
+        check_seed(value)
+    (check_int64 if kind is int else check_float32)(value)
+    if low is not None and (value <= low if strict else value < low):
+        raise ValueError(f"must be {'>' if strict else '>='} {low:g}, got {text!r}")
+    return value
+
+
+def number_arg(kind: type = float, low: float | None = None, strict: bool = False, seed: bool = False):
+    """An argparse ``type`` for a number option (:func:`parse_number`): argparse names the option in the error,
+    ``argument --seed: must be an integer in [0, 4294967295] (a seed); got -1``."""
+    def parse(text: str):
+        try:
+            return parse_number(text, kind, low, strict, seed)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = kind.__name__
+    return parse
+
+
+
+def check_positive(value, name: str, why: str = "") -> None:
+    """Raise unless ``value`` is a finite number > 0; the message names it ``name`` and adds ``why`` in brackets."""
+    if not is_finite_number(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0{f' ({why})' if why else ''}; got {value!r}")
+
+
+def check_probabilities(values, name: str) -> list[float]:
+    """``values`` as a list of floats, each a finite number in [0, 1]; raise naming ``name`` and the first bad entry
+    unless it is a non-empty sequence of such numbers."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) == 0:
+        raise ValueError(f"{name} must be a non-empty list of probabilities in [0, 1]; got {values!r}")
+    for j, v in enumerate(values):
+        if not is_finite_number(v) or not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name}[{j}] must be a finite number in [0, 1]; got {v!r}")
+    return [float(v) for v in values]

@@ -1,2 +1,0 @@
-"""Training infrastructure both trainers use: the trainer core, YAML config loading, shared config sections,
-checkpoints, metrics and distributed helpers."""
