@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import reward_plugins
+from command_line import files_under, refused, run
 from conftest import real_model_config, tiny_train_args
 from jagg.checks import FLOAT32_MAX, SEED_MAX
 from jagg.cli import main
@@ -22,35 +22,15 @@ from jagg.infra import config_loader as configuration
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    """Every file under ``root`` with its bytes: what a refusal must leave as it was."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return files_under(root)
 
 
 def _jagg(argv: list[str], capsys) -> tuple[int, str, str]:
-    """``jagg argv`` in this process: (exit code, its error line, stdout). The error is one line (after argparse's
-    usage lines, for a refused option) and never a traceback."""
-    try:
-        code = main(argv)
-    except SystemExit as e:                        # argparse: usage lines, then the error line
-        code = e.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    usage = [l for l in lines[:-1] if l.strip()]
-    assert all(l.startswith("usage:") or l.startswith(" ") for l in usage), err   # only argparse's usage before it
-    if usage:
-        assert code == 2 and lines[-1].startswith("jagg "), err
-    return code, lines[-1] if lines else "", out
+    return run(main, argv, capsys)
 
 
 def _refused(argv: list[str], capsys, *culprits: str, code: int = 2) -> str:
-    """``jagg argv`` is refused with ``code`` and one error line naming every one of ``culprits``."""
-    got, line, _ = _jagg(argv, capsys)
-    assert got == code, (argv, line)
-    assert (": error: " in line) if code == 2 else True, line
-    for c in culprits:
-        assert c in line, (c, line)
-    return line
+    return refused(main, argv, capsys, *culprits, code=code)
 
 
 def _train(ckpt: str, out: Path, iterations: int, *extra: str) -> list[str]:
@@ -122,12 +102,8 @@ def test_every_number_is_checked_in_the_dtype_it_is_used_in(tmp_path, tiny_ckpt,
     for argv, culprit in ((["eval", "--seed", str(10**20)], "--seed"), (["eval", "--seed", "-1"], "--seed"),
                           (["sample", "--prompt", "a red circle", "--guidance-scale", "1e39"], "--guidance-scale"),
                           (["sample", "--prompt", "a red circle", "--steps", str(2**63)], "--steps"),
-                          (["bench", "paired", tiny_ckpt, tiny_ckpt, "--seed", str(SEED_MAX + 1)], "--seed"),
                           (["bench", "speed", "--batch", str(10**20)], "--batch"),
-                          (["bench", "quality", "--first-seed", "-2"], "--first-seed"),
-                          (["bench", "fidelity", "--fracs", "1e39"], "--fracs"),
                           (["bench", "meter", "--batches", str(2**63)], "--batches"),
-                          (["bench", "paired", tiny_ckpt, tiny_ckpt, "--threads", "5000"], "--threads"),
                           (["pretrain", "--out", "x.safetensors", "--set", "train.seed=-1"], "train.seed"),
                           (["pretrain", "--out", "x.safetensors", "--set", f"model.dim={2**63}"], "model.dim")):
         _refused(argv, capsys, culprit)
@@ -171,11 +147,6 @@ def test_a_run_that_trains_nothing_says_why_and_stops(sets, reason, tmp_path, ti
     (["bench", "meter", "--estimator", "exact:mode=jagg,window=8"], "'exact' is a built-in name"),
     (["bench", "meter", "--estimator", "subsample:subsample_frac=0.3"], "'subsample' is a built-in name"),
     (["bench", "meter", "--by-interval", "config:window=3"], "--by-interval 'config:window=3'"),
-    (["bench", "quality", "--variant", "a:window=2", "--variant", "a:window=3"], "'a' is given twice"),
-    (["bench", "quality", "--variant", "exact", "--variant", "exact"], "'exact' is given twice"),
-    (["bench", "quality", "--variant", "jagg_fresh:window=8"], "'jagg_fresh' is a built-in name"),
-    (["bench", "e2e", "--variants", "jagg_interp", "jagg_interp"], "'jagg_interp' is given twice"),
-    (["bench", "signal", "--rewards", "geneval", "geneval"], "'geneval' is given twice"),
 ])
 def test_duplicate_and_reserved_names_are_refused(argv, culprit, tmp_path, capsys):
     """Class 3, duplicate names silently replacing one another: a name given twice, or a definition taking a
@@ -203,11 +174,8 @@ def _pretrain(out: str, *extra: str) -> list[str]:
                                 "--steps", "2", "--out", p.replace(".txt", ".png")], True),
     ("eval.json", lambda ck, p: ["eval", "--checkpoint", ck, "--num-prompts", "2", "--images-per-prompt", "1",
                                  "--steps", "2", "--json", p], True),
-    ("paired.json", lambda ck, p: ["bench", "paired", ck, ck, "--quick", "--json", p], False),
     ("eff.json", lambda ck, p: ["bench", "meter", "--quick", "--json", p], False),
     ("speed.json", lambda ck, p: ["bench", "speed", "--quick", "--json", p], False),
-    ("q/quality.json", lambda ck, p: ["bench", "quality", "--quick", "--out", str(Path(p).parent)], False),
-    ("q.png", lambda ck, p: ["bench", "quality", "--quick", "--plot", p], False),
 ])
 def test_outputs_are_never_replaced_without_overwrite(name, argv, cheap, tmp_path, tiny_ckpt, capsys):
     """Class 4, jagg pretrain overwriting its --out without asking: every file a command writes for its user (pretrain
@@ -281,30 +249,6 @@ def test_a_torn_metrics_line_never_blocks_a_resume(bad, two_iterations, tmp_path
     assert _files(corrupt) == before and "run.json" in before
 
 
-# ---------------------------------------------------------------------------------------------- 6. bench paired
-
-
-@pytest.mark.parametrize("option,value,message", [
-    ("--images-per-prompt", "0", "must be >= 1"), ("--bootstrap", "0", "must be >= 1"),
-    ("--guidance-scale", "nan", "expected a finite number"), ("--guidance-scale", "inf", "expected a finite number"),
-    ("--steps", "0", "must be >= 1"), ("--shift", "0", "must be > 0"), ("--seed", "-1", "must be an integer in"),
-    ("--images-per-prompt", "two", "expected an integer"),
-])
-def test_bench_paired_refuses_what_eval_refuses_and_quick_keeps_explicit_flags(option, value, message, tiny_ckpt,
-                                                                                capsys, monkeypatch):
-    """Class 6, bench paired: --quick overriding explicit values, 0 images or resamples and a NaN guidance accepted.
-    Its options are eval's (the same refusals, word for word), and --quick fills only the options not given."""
-    from jagg.bench import paired
-
-    line = _refused(["bench", "paired", tiny_ckpt, tiny_ckpt, "--quick", option, value], capsys, option, message)
-    if option != "--bootstrap":
-        assert _refused(["eval", option, value], capsys).split("error: ", 1)[1] == line.split("error: ", 1)[1]
-    seen = {}
-    monkeypatch.setattr(paired, "compare", lambda args: seen.update(vars(args)) or {})
-    assert main(["bench", "paired", tiny_ckpt, tiny_ckpt, "--quick", "--images-per-prompt", "3", "--steps", "5"]) == 0
-    assert (seen["images_per_prompt"], seen["steps"], seen["bootstrap"]) == (3, 5, paired.QUICK["bootstrap"])
-
-
 # ---------------------------------------------------------------------------------------------- 7. Ctrl-C
 
 
@@ -318,8 +262,6 @@ def _interrupt(*a, **k):
     ("sample", "jagg.shapes.evaluation.generate"),
     ("pretrain", "jagg.shapes.pretrain.pretrain"),
     ("bench meter", "jagg.bench.meter.ShapesSampler"),
-    ("bench paired", "jagg.bench.paired.generate"),
-    ("bench quality", "jagg.trainers.shapes.load_model"),              # a run's setup
 ])
 def test_ctrl_c_anywhere_is_one_line_and_exit_130(where, target, tmp_path, tiny_ckpt, capsys, monkeypatch):
     """Class 7, Ctrl-C printing a traceback: in a trainer's setup, an evaluation, sampling, pretraining and the benches,
@@ -329,32 +271,9 @@ def test_ctrl_c_anywhere_is_one_line_and_exit_130(where, target, tmp_path, tiny_
             "eval": ["eval", "--checkpoint", tiny_ckpt],
             "sample": ["sample", "--checkpoint", tiny_ckpt, "--prompt", "a red circle"],
             "pretrain": _pretrain("w.safetensors"),
-            "bench meter": ["bench", "meter", "--quick"],
-            "bench paired": ["bench", "paired", tiny_ckpt, tiny_ckpt, "--quick"],
-            "bench quality": ["bench", "quality", "--quick", "--set", f"model.checkpoint={tiny_ckpt}"]}[where]
+            "bench meter": ["bench", "meter", "--quick"]}[where]
     code, line, _ = _jagg(argv, capsys)
     assert code == 130 and line == f"jagg {where}: interrupted"
-
-
-def test_an_interrupted_bench_quality_writes_no_result_and_continues(tmp_path, tiny_ckpt, capsys, monkeypatch):
-    """Class 7, Ctrl-C in a bench quality run's last iteration lost: the run saves, the bench exits 130 without that
-    run's result.json or a comparison, and the same command continues it."""
-    monkeypatch.setattr(reward_plugins, "CALLS", 0)
-    monkeypatch.setattr(reward_plugins, "SIGINT_AT", 7)         # exact's evaluations 0, 2 and iterations 1, 2;
-    out = tmp_path / "q"                                         # then config's evaluation 0, iteration 1 and 2
-    sets = [f"model.checkpoint={tiny_ckpt}", "reward.weights=null", "reward.name=reward_plugins:sigint_at",
-            "eval.every=2", "eval.num_prompts=2", "eval.images_per_prompt=1", "eval.num_steps=2", "eval.grid_size=2",
-            "sample.num_steps=4", "sample.sde_window=null", "model.trainable=all", "threads=1", "grpo.iterations=2",
-            "estimator.micro_batch=4", "sample.prompts_per_iter=2", "sample.group_size=2"]
-    argv = ["bench", "quality", "--out", str(out), "--seeds", "1"] + [a for s in sets for a in ("--set", s)]
-    code, line, stdout = _jagg(argv, capsys)
-    assert code == 130 and line.startswith("jagg bench quality: interrupted") and "rerun the same" in line
-    assert "--resume" not in stdout + line
-    assert (out / "exact" / "seed0" / "result.json").is_file() and not (out / "config" / "seed0" / "result.json").exists()
-    assert (out / "config" / "seed0" / "checkpoints" / "ckpt_000002.pt").is_file() and not (out / "quality.json").exists()
-    code, line, _ = _jagg(argv, capsys)
-    assert code == 0, line
-    assert (out / "config" / "seed0" / "result.json").is_file() and (out / "quality.json").is_file()
 
 
 # ---------------------------------------------------------------------------------------------- 8. errors name their culprit
@@ -391,9 +310,9 @@ def test_errors_name_their_culprit(tmp_path, tiny_ckpt, capsys):
 
 
 def test_every_path_runs_the_same_checks(tmp_path, tiny_ckpt, capsys, monkeypatch):
-    """Class 9, checks that differ by path: --print-config refuses what train refuses; eval and bench paired refuse
-    the same seeds; a bench's refusals name only its own flags; --by-interval and --json are checked before the
-    computation; an empty --output-dir, --config or --out is refused, not replaced by a default."""
+    """Class 9, checks that differ by path: --print-config refuses what train refuses; --by-interval and --json are
+    checked before the computation; an empty --output-dir, --config or --out is refused, not replaced by a default
+    (the lab's tools: lab/tests/test_lab_refusals.py)."""
     for sets, culprit in ((["reward.weights={jpeg_compressibility: .nan}"], "reward.weights.jpeg_compressibility"),
                           (["reward.name=null", "reward.weights={nosuch: 1.0}"], "unknown reward 'nosuch'"),
                           (["reward.weights=null", "reward.name=nosuch"], "unknown reward 'nosuch'"),
@@ -403,11 +322,6 @@ def test_every_path_runs_the_same_checks(tmp_path, tiny_ckpt, capsys, monkeypatc
         argv = ["train", *[a for s in sets for a in ("--set", s)]]
         printed = _refused([*argv, "--print-config"], capsys, culprit)
         assert _refused([*argv, "--output-dir", str(tmp_path / "run")], capsys, culprit) == printed
-    for seed in ("-1", str(SEED_MAX + 1), "1.5"):
-        a = _refused(["eval", "--seed", seed], capsys, "--seed")
-        b = _refused(["bench", "paired", tiny_ckpt, tiny_ckpt, "--seed", seed], capsys, "--seed")
-        assert a.split("error: ", 1)[1] == b.split("error: ", 1)[1]
-
     from jagg.bench import meter as efficiency
 
     monkeypatch.setattr(efficiency, "measure", lambda *a, **k: pytest.fail("computed before the arguments' checks"))
@@ -417,20 +331,12 @@ def test_every_path_runs_the_same_checks(tmp_path, tiny_ckpt, capsys, monkeypatc
     (tmp_path / "file").write_text("")
     _refused(["bench", "meter", "--quick", "--json", str(tmp_path / "file" / "x.json")], capsys, "is a file")
 
-    out = tmp_path / "q"                                         # a bench refusal speaks of the bench's flags
-    (out / "exact").mkdir(parents=True)
-    (out / "exact" / "seed0").write_text("a file where a run directory goes")
-    line = _refused(["bench", "quality", "--quick", "--out", str(out), "--set", f"model.checkpoint={tiny_ckpt}"],
-                    capsys, str(out / "exact" / "seed0"), "--out")
-    assert "--resume" not in line and "--output-dir" not in line and "--overwrite" not in line
-
     before = _files(tmp_path)
     for argv, culprit in ((["train", "--output-dir", "", "--print-config"], "log.output_dir"),
                           (["train", "--config", "", "--print-config"], "config file ''"),
                           (["sample", "--prompt", "a red circle", "--out", ""], "--out is empty"),
                           (["pretrain", "--out", ""], "--out is empty"),
                           (["eval", "--json", ""], "--json is empty"),
-                          (["bench", "quality", "--out", ""], "--out is empty"),
                           (["bench", "meter", "--json", ""], "--json is empty")):
         _refused(argv, capsys, culprit)
     assert _files(tmp_path) == before and not Path("runs").exists()

@@ -185,7 +185,7 @@ GOOD = {"costs": [{"model": "sd35m", "resolution": 512, "b_over_f": 1.7}], "conf
     ([GOOD], "must hold a JSON object"),
 ])
 def test_gpu_bench_json_is_checked_by_key_in_both_benches(data, culprit, tmp_path, capsys, monkeypatch):
-    from jagg.bench import meter as efficiency, quality
+    from jagg.bench import meter as efficiency
     from jagg.bench.projection import PRESETS, resolve
 
     path = tmp_path / "gpu.json"
@@ -194,9 +194,7 @@ def test_gpu_bench_json_is_checked_by_key_in_both_benches(data, culprit, tmp_pat
         resolve("flow_grpo_sd35", PRESETS["flow_grpo_sd35"], str(path))
     assert f"--gpu-bench-json {str(path)!r}" in str(e.value) and culprit in str(e.value), e.value
     monkeypatch.setattr(efficiency, "measure", lambda *a, **k: pytest.fail("measured before --gpu-bench-json"))
-    monkeypatch.setattr(quality, "run_quality", lambda *a, **k: pytest.fail("trained before --gpu-bench-json"))
-    for bench in (["bench", "meter", "--quick"], ["bench", "quality", "--quick", "--out", str(tmp_path / "q")]):
-        _refused([*bench, "--gpu-bench-json", str(path)], capsys, str(path), culprit)
+    _refused(["bench", "meter", "--quick", "--gpu-bench-json", str(path)], capsys, str(path), culprit)
     path.write_text(json.dumps(GOOD))
     cost, line = resolve("flow_grpo_sd35", PRESETS["flow_grpo_sd35"], str(path))
     assert cost.B_F == 1.7 and "B/F 1.70" in line
@@ -215,11 +213,8 @@ def test_sizes_that_fit_int64_but_not_the_machine_are_refused_with_an_estimate(t
     for argv, culprit in ((["sample", "--prompt", "a red circle", "--num-per-prompt", str(big)], "--num-per-prompt"),
                           (["sample", "--prompt", "a", "--prompt", "b", "--num-per-prompt", "99999999999"],
                            "--num-per-prompt 99999999999"),
-                          (["eval", "--images-per-prompt", "99999999999"], "--images-per-prompt"),
-                          (["bench", "paired", tiny_ckpt, tiny_ckpt, "--images-per-prompt", "99999999999"],
-                           "--images-per-prompt"),
-                          (["bench", "paired", tiny_ckpt, tiny_ckpt, "--bootstrap", str(10**12)], "--bootstrap")):
-        _refused([*argv, "--checkpoint", tiny_ckpt] if argv[0] != "bench" else argv, capsys, culprit,
+                          (["eval", "--images-per-prompt", "99999999999"], "--images-per-prompt")):
+        _refused([*argv, "--checkpoint", tiny_ckpt], capsys, culprit,
                  "more than this machine's")
     assert not list(tmp_path.iterdir())
 
@@ -362,57 +357,6 @@ def test_broken_json_inside_a_model_directory_names_the_file(tmp_path):
         assert str(clip / name) in str(e.value) and "is not valid JSON" in str(e.value)
 
 
-# ---------------------------------------------------------------------------------------------- 9. bench quality
-
-
-def test_bench_quality_refuses_a_test_target_without_evaluations_before_training(tmp_path, tiny_ckpt, capsys,
-                                                                                 monkeypatch):
-    from jagg.bench import quality
-
-    monkeypatch.setattr(quality, "run_one", lambda *a, **k: pytest.fail("trained before the --target check"))
-    for extra in (["--eval-every", "0"], ["--set", "eval.every=0"]):
-        _refused(["bench", "quality", "--quick", "--target", "test", "--out", str(tmp_path / "q"), *extra,
-                  "--set", f"model.checkpoint={tiny_ckpt}"], capsys, "--target test", "--eval-every")
-    assert not (tmp_path / "q").exists()
-
-
-def test_a_finished_bench_quality_run_is_not_reused_under_other_eval_settings(tmp_path, monkeypatch):
-    from jagg.bench import quality
-    from jagg.infra.config_loader import to_dict
-
-    q = quality.QualityConfig(config=None, sets=["grpo.iterations=2"], variants=quality.parse_variants(["exact"]),
-                              seeds=[0], out=str(tmp_path / "q"))
-    cfg = q.train_config("exact", 0)
-    done = q.run_dir("exact", 0) / "result.json"
-    done.parent.mkdir(parents=True)
-    done.write_text(json.dumps({"iterations": 2, "train_curve": [], "config": to_dict(cfg)}))
-    assert quality.run_one(q, "exact", 0)["iterations"] == 2                   # the same settings: reused
-    for sets in (["eval.every=1"], ["eval.num_prompts=3"], ["eval.images_per_prompt=1"]):
-        q.sets = ["grpo.iterations=2", *sets]
-        with pytest.raises(ValueError, match=f"was trained with another config .*'{sets[0].split('=')[0]}'"):
-            quality.run_one(q, "exact", 0)
-
-
-def test_an_unfinished_bench_quality_run_continues_only_under_the_same_eval_settings(tmp_path, tiny_ckpt, capsys,
-                                                                                      monkeypatch):
-    import reward_plugins
-
-    monkeypatch.setattr(reward_plugins, "CALLS", 0)
-    monkeypatch.setattr(reward_plugins, "SIGINT_AT", 4)         # exact's evaluation 0, iterations 1, 2: stopped at 2
-    out = tmp_path / "q"
-    sets = [f"model.checkpoint={tiny_ckpt}", "reward.weights=null", "reward.name=reward_plugins:sigint_at",
-            "eval.num_prompts=2", "eval.images_per_prompt=1", "eval.num_steps=2", "eval.grid_size=2",
-            "sample.num_steps=4", "sample.sde_window=null", "threads=1", "grpo.iterations=3",
-            "estimator.micro_batch=4", "sample.prompts_per_iter=2", "sample.group_size=2", "log.checkpoint_every=1"]
-    argv = ["bench", "quality", "--out", str(out), "--seeds", "1"] + [a for s in sets for a in ("--set", s)]
-    code, line, _ = _jagg([*argv, "--eval-every", "0"], capsys)
-    assert code == 130, line
-    _refused([*argv, "--eval-every", "1"], capsys, str(out / "exact" / "seed0"), "eval.every")
-    monkeypatch.setattr(reward_plugins, "SIGINT_AT", -1)
-    code, line, _ = _jagg([*argv, "--eval-every", "0"], capsys)                # the same settings continue it
-    assert code == 0, line
-
-
 # ---------------------------------------------------------------------------------------------- 10. values that break the run
 
 
@@ -431,7 +375,7 @@ def test_values_in_range_that_break_the_run_are_refused_at_load(sets, culprit, t
 
 
 def test_sampling_options_that_break_the_schedule_are_refused(tiny_ckpt, capsys):
-    for argv in (["sample", "--prompt", "a red circle"], ["eval"], ["bench", "paired", tiny_ckpt, tiny_ckpt]):
+    for argv in (["sample", "--prompt", "a red circle"], ["eval"]):
         _refused([*argv, "--shift", "1e30"], capsys, "--shift=1e+30", "--steps")
 
 
@@ -463,13 +407,13 @@ def test_a_duplicated_yaml_key_is_refused_naming_the_key_and_the_file(text, key,
              "--set", "'geneval' is given twice")
 
 
-def test_the_reward_help_of_eval_and_bench_paired_names_the_main_job_s_reward(capsys):
+def test_the_reward_help_of_eval_names_the_main_job_s_reward(capsys):
     from jagg.arguments import MAIN_JOB_REWARD
     from jagg.infra import config_loader as configuration
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
 
     assert configuration.load(ShapesTrainConfig, str(main_job_path()), []).reward.spec == MAIN_JOB_REWARD
-    for argv in (["eval", "--help"], ["bench", "paired", "--help"]):
+    for argv in (["eval", "--help"],):
         with pytest.raises(SystemExit):
             main(argv)
         text = " ".join(capsys.readouterr().out.split())

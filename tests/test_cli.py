@@ -122,12 +122,6 @@ def test_sampling_options_are_checked_by_the_parser(command, args, msg, capsys):
     assert exc.value.code == 2 and msg in capsys.readouterr().err
 
 
-def test_bench_quality_checks_every_variant_before_training(tmp_path, capsys):
-    out = tmp_path / "q"
-    assert main(["bench", "quality", "--quick", "--out", str(out), "--variant", "bad:knots=xyz"]) == 2
-    assert "variant 'bad'" in _one_line_error(capsys, "bench quality") and not out.exists()
-
-
 def _real_config(tmp_path: Path) -> Path:
     return real_model_config(tmp_path, "model")
 

@@ -7,10 +7,9 @@ import math
 import pytest
 import torch
 
-import jagg
 from jagg import EstimatorConfig
 from jagg.knots import budget_rates
-from test_bench import bench_ckpt, efficiency_sets  # noqa: F401  (the tiny random TinyDiT fixture)
+from conftest import meter_sets
 from test_interval_subsampling import assert_mean_is
 from toy import Nonlinear, perturb, run, sampled_traj
 
@@ -128,15 +127,10 @@ def test_retired_estimator_keys_are_unknown(tmp_path, key, close):
 
 def test_estimator_specs_take_lists_and_budget_rates():
     from jagg.bench.meter import parse_estimator, wants_budget_rates
-    from jagg.bench.quality_runs import parse_variant
     from jagg.checks import parse_spec
 
     assert parse_spec("r:correction_rates=[0.4,0.1],window=5", "--estimator") == (
         "r", {"correction_rates": "[0.4,0.1]", "window": "5"})
-    assert parse_variant("r:correction_rates=[0.4, 0.1],window=5")[1] == [
-        "estimator.mode=jagg", "estimator.correction_rates=[0.4, 0.1]", "estimator.window=5"]
-    with pytest.raises(ValueError, match="--variant 'r:window': 'window' is not KEY=VALUE"):
-        parse_variant("r:window")
     name, est = parse_estimator("r:correction_rates=[0.4, 0.1],window=5", EstimatorConfig())
     assert name == "r" and est.correction_rates == [0.4, 0.1] and est.window == 5
     assert wants_budget_rates("r:correction_rates=by_interval,window=5")
@@ -145,7 +139,7 @@ def test_estimator_specs_take_lists_and_budget_rates():
     assert parse_estimator("plain", EstimatorConfig(correction_rates=[0.2]))[1].corrects is False
 
 
-def test_bench_efficiency_measures_the_new_estimators(tmp_path, bench_ckpt, capsys):
+def test_bench_meter_measures_the_new_estimators(tmp_path, bench_ckpt, capsys):
     """Budget rates from the per-interval error (a pilot of its own) and interval subsampling, through `jagg bench
     efficiency` on the tiny checkpoint."""
     import json
@@ -153,7 +147,7 @@ def test_bench_efficiency_measures_the_new_estimators(tmp_path, bench_ckpt, caps
     from jagg.cli import main
 
     out = tmp_path / "eff.json"
-    sets = efficiency_sets(bench_ckpt)
+    sets = meter_sets(bench_ckpt)
     args = ["bench", "meter", "--batches", "3", "--draws", "2",
             "--estimator", "rates:correction_rates=by_interval", "--estimator", "half:interval_frac=0.5",
             "--json", str(out)]

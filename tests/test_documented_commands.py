@@ -48,7 +48,7 @@ import torch
 from jagg.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "lab" / "README.md"]
 STARTS = ("jagg", "python", "python3", "make", "torchrun", "accelerate")
 RUN_LIMIT_S = 10.0
 
@@ -76,21 +76,17 @@ SKIP = [
                                                      "GPU (loaded with --print-config instead)"),
     (r"^jagg pretrain(?!.*--help)", "10,000 steps: about an hour (its keys are loaded instead)"),
     (r"^jagg (sample|eval) .*--checkpoint (runs/|CKPT)", "needs a trained run directory or checkpoint"),
-    (r"^jagg bench (speed|fidelity|quality|signal)(?!.*--help)", "a benchmark: a minute (--quick) to an hour of CPU, "
-                                                                 "or a GPU"),
-    (r"^jagg bench e2e(?!.*--quick)(?!.*--help)", "20 iterations x variants of the main job: minutes of CPU"),
+    (r"^jagg bench speed(?!.*--help)", "a benchmark: a minute (--quick) to an hour of CPU, or a GPU"),
     (r"^jagg bench meter(?!.*--help)", "batches x estimators x draws of the main job: minutes of CPU (--quick: "
-                                            "10 s idle; its smoke run is tests/test_efficiency.py)"),
-    (r"^jagg bench paired(?!.*--quick)(?!.*--help)", "needs a trained checkpoint (runs/default/checkpoints/...)"),
+                                       "10 s idle; its smoke run is tests/test_efficiency.py)"),
     (r"benchmarks/gpu_bench\.py --scaled-down", "the same command runs in tests/test_gpu_bench.py"),
     (r"benchmarks/gpu_bench\.py(?!.*--scaled-down)", "full-size models on a GPU, or minutes of CPU (--small)"),
-    (r"benchmarks/paired_eval\.py", "needs a trained checkpoint (runs/default/checkpoints/...)"),
-    (r"benchmarks/weight_changes\.py", "needs a trained checkpoint (its smoke run is tests/test_hacking_signs.py)"),
-    (r"benchmarks/plateau_mechanism\.py(?!.*--help)", "needs finished jagg bench quality runs (minutes to an hour of "
-                                                       "CPU; its run on constructed runs is tests/test_plateau_mechanism.py)"),
-    (r"benchmarks/profile_training\.py", "profiles the main job's training phase: about a minute of CPU"),
-    (r"benchmarks/regime_map\.py(?!.*--help)", "the meter over 17 regimes: about 30 minutes of CPU (its smoke-sized "
-                                               "map is tests/test_regime_map.py)"),
+    (r"-m lab (quality|fidelity|signal|e2e|regime-map|profile-training)(?!.*--help)",
+     "a lab study: a minute (--quick) to hours of CPU (each tool's smoke run is in lab/tests/)"),
+    (r"-m lab (paired|weight-changes)(?!.*--help)", "needs trained checkpoints (runs/.../checkpoints/...)"),
+    (r"-m lab plateau(?!.*--help)", "needs finished paired-seed runs (python -m lab quality: minutes to hours of CPU; "
+                                    "its run on constructed runs is lab/tests/test_plateau_mechanism.py)"),
+    (r"-m lab trace-file-changes(?!.*--help)", "builds a tiny SD3 and traces a run (its smoke run is in lab/tests/)"),
     (r"-m jagg\.rewards\.server", "starts a reward server that runs until stopped (and loads model weights)"),
     (r"-m jagg\.integrations\.pipeline cache", "needs a diffusers model directory with its text encoders"),
     (r"^(torchrun|accelerate launch|python -m torch\.distributed\.run)", "launches several processes: GPUs"),
@@ -290,7 +286,7 @@ def _program(argv: list[str]) -> tuple[str, str, list[str]]:
 
 
 def _is_name(cmd: Command) -> bool:
-    """An inline mention without options (`jagg pretrain`, `jagg bench quality`, `python -m jagg.rewards.server`)
+    """An inline mention without options (`jagg pretrain`, `jagg bench meter`, `python -m jagg.rewards.server`)
     names a command: its (sub)commands must exist, its required options need not be shown."""
     return not cmd.fenced and not any(t.startswith("-") for t in cmd.argv[1:] if t != "-m")
 
@@ -388,7 +384,7 @@ def _run(cmd: Command, kind: str, args: list[str], scratch: Path, capsys) -> flo
     t0 = time.perf_counter()
     if kind == "jagg":
         extra = ["--set", "threads=1"] if args[:1] in (["train"], ["pretrain"]) or args[:2] in (
-            ["bench", "e2e"], ["bench", "quality"], ["bench", "signal"], ["bench", "fidelity"]) else []
+            ["bench", "meter"], ["bench", "speed"]) else []
         if "--help" in args or "-h" in args:
             with pytest.raises(SystemExit) as exc:
                 main(args)
@@ -440,9 +436,10 @@ def test_the_finder_sees_the_commands_of_every_kind():
     assert {"jagg", "python", "make", "torchrun"} <= kinds
     texts = {" ".join(c.argv) for c in COMMANDS}
     assert "make train" in texts and "make test" in texts                     # README's two commands
-    assert "jagg train --help" in texts and "jagg bench e2e --quick" in texts
+    assert "jagg train --help" in texts and any(t.startswith("jagg bench meter --quick") for t in texts)
     assert any(c.fenced for c in COMMANDS) and any(not c.fenced for c in COMMANDS)
-    assert sum(c.argv[:2] == ["jagg", "bench"] for c in COMMANDS) > 10
+    assert sum(c.argv[:2] == ["jagg", "bench"] for c in COMMANDS) > 5
+    assert any(c.argv[:3] == ["python", "-m", "lab"] for c in COMMANDS)
     for phrase in NOT_COMMANDS:                                            # each exception still refers to the docs
         assert any(f"`{phrase}`" in " ".join(d.read_text().split()) for d in DOCS), phrase
 
@@ -452,10 +449,11 @@ def test_the_finder_follows_the_shell_syntax_the_docs_use():
     for tokens in _segments('V="--variant exact"', (v := {})):
         cmds.append(tokens)
     assert not cmds and v == {"V": "--variant exact"}
-    seg = _segments("for P in 0 0.5; do jagg bench signal --set estimator.correction_p=$P $V; done", v)
-    assert seg == [["jagg", "bench", "signal", "--set", "estimator.correction_p=0", "--variant", "exact"]]
-    seg = _segments("jagg bench quality --train-only a & jagg bench quality --train-only b; wait  # both", {})
-    assert seg == [["jagg", "bench", "quality", "--train-only", "a"], ["jagg", "bench", "quality", "--train-only", "b"]]
+    seg = _segments("for P in 0 0.5; do python -m lab signal --set estimator.correction_p=$P $V; done", v)
+    assert seg == [["python", "-m", "lab", "signal", "--set", "estimator.correction_p=0", "--variant", "exact"]]
+    seg = _segments("python -m lab quality --train-only a & python -m lab quality --train-only b; wait  # both", {})
+    assert seg == [["python", "-m", "lab", "quality", "--train-only", "a"],
+                   ["python", "-m", "lab", "quality", "--train-only", "b"]]
     assert _segments("JAGG_REWARD_TOKEN=x python -m jagg.rewards.server --port 1", {}) == [
         ["python", "-m", "jagg.rewards.server", "--port", "1"]]
     (c,) = _normalise(["jagg", "train", "[--config", "FILE]", "[--set", "k=v", "...]", "[--resume", "|", "--overwrite]"],
@@ -466,11 +464,11 @@ def test_the_finder_follows_the_shell_syntax_the_docs_use():
     (c,) = _normalise(["jagg", "bench", "quality", "--first-seed", "S", "--set", "seed=S"], "", "x", True)
     assert c.argv[4:] == ["0", "--set", "seed=0"]
     with pytest.raises(AssertionError, match="unrecognized arguments: --quikc"):
-        _parse(Command("", ["jagg", "bench", "e2e", "--quikc"], "x", True))
+        _parse(Command("", ["jagg", "bench", "meter", "--quikc"], "x", True))
     with pytest.raises(AssertionError, match="no such make target"):
         _parse(Command("", ["make", "trian"], "x", True))
     with pytest.raises(AssertionError, match="argparse refused it"):
-        _parse(Command("", ["python", "benchmarks/paired_eval.py"], "x", True))      # its two checkpoints missing
+        _parse(Command("", ["python", "-m", "lab", "paired"], "x", True))      # its two checkpoints missing
 
 
 # ---------------------------------------------------------------------------------------------- what the docs say
@@ -485,11 +483,16 @@ def test_the_readme_quickstart_runs(scratch):
 
 
 def test_every_benchmark_has_quick_and_json():
-    """benchmarks.md and `jagg bench --help` say every benchmark has --quick and --json PATH."""
+    """benchmarks.md, `jagg bench --help` and lab/README.md say every benchmark and every lab tool with a result has
+    --quick and --json PATH."""
+    from lab.__main__ import TOOLS, build_parser as lab_parser
+
     p = build_parser(["bench"])
     bench = p._subparsers._group_actions[0].choices["bench"]
-    subs = bench._subparsers._group_actions[0].choices
-    assert {"speed", "fidelity", "quality", "e2e", "signal"} <= set(subs)
+    subs = dict(bench._subparsers._group_actions[0].choices)
+    assert set(subs) == {"meter", "speed"}
+    lab = lab_parser()._subparsers._group_actions[0].choices
+    subs.update({f"lab {name}": lab[name] for name in TOOLS if name != "paired"})     # paired: two checkpoints
     for name, sp in subs.items():
         opts = {o for a in sp._actions for o in a.option_strings}
         assert {"--quick", "--json"} <= opts, name

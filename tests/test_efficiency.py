@@ -4,13 +4,12 @@
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from jagg.meter import error_noise_stats, extrapolate, predicted_efficiency
 from jagg.cli import main
-from test_bench import bench_ckpt, efficiency_sets  # noqa: F401  (the tiny random TinyDiT fixture)
+from conftest import meter_sets
 
 
 def _synthetic(n=40, draws=3, P=4000, noise=1.0, bias=0.0, err=0.5, seed=0):
@@ -129,7 +128,7 @@ def test_adam_pays_the_square_root_of_an_unbiased_error(error_to_noise):
 
 def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "eff.json"
-    sets = efficiency_sets(bench_ckpt)
+    sets = meter_sets(bench_ckpt)
     args = ["bench", "meter", "--batches", "3", "--draws", "2", "--estimator", "config", "--estimator", "plain",
             "--estimator", "subsample", "--estimator", "w8:window=8,correction_p=0", "--target-batch", "32", "--by-tensor", "plain", "--json", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
@@ -139,7 +138,7 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     ex = recs["exact"]
     assert ex["rows_per_sample"] == 8 and ex["error_to_noise"] == 0 and ex["efficiency"] == 1
     assert ex["iter_ratio"] == 1 and ex["samples_per_batch"] == 8 and ex["target_batch"] == 32
-    # W = 4 groups on 8 steps: 4 rows plain, 4 + 0.25 x 4 on average with the config's correction (efficiency_sets)
+    # W = 4 groups on 8 steps: 4 rows plain, 4 + 0.25 x 4 on average with the config's correction (meter_sets)
     assert recs["plain"]["rows_per_sample"] == 4 and recs["plain"]["draws"] == 1
     assert 4 <= recs["config"]["rows_per_sample"] <= 8 and recs["config"]["draws"] == 2
     assert recs["w8"]["rows_per_sample"] == 2 and recs["w8"]["estimator_config"]["window"] == 8
@@ -248,47 +247,6 @@ def test_trainer_audit_logs_the_meter_and_warns_once(tmp_path, tiny_ckpt, capsys
     assert out.count("audit: this estimator") <= 2          # each warning at most once per run
 
 
-def _run(variant, seed, speed, per_iter):
-    """A synthetic bench-quality run: the held-out reward rises by 0.01 x speed per iteration, each iteration costs
-    ``per_iter`` seconds (wall and CPU)."""
-    its = list(range(1, 21))
-    test = [[i, i * per_iter, 0.5 + 0.01 * speed * i] for i in (0, 5, 10, 15, 20)]
-    return {"kind": "run", "variant": variant, "seed": seed, "updates": 20,
-            "train_curve": [[i, i * per_iter, 0.5 + 0.01 * speed * i, i * per_iter] for i in its],
-            "test_curve": test, "final_test_reward": test[-1][2], "final_test_reward_std": 0.1, "eval_images": 100,
-            "sample_s": 0.5, "reward_s": 0.0, "train_s": per_iter - 0.5, "iter_s": per_iter, "iter_cpu_s": per_iter,
-            "rows_per_update": 8 if variant == "exact" else 4, "nograd_per_update": 0, "wall_s": 20 * per_iter}
-
-
-def test_quality_time_to_the_held_out_target():
-    """exact reaches its final held-out reward (0.70) at iteration 20; a variant that learns 2x faster per update gets
-    there at iteration 10, and with 1.5 s instead of 2 s per iteration that is 40 / 15 = 2.67x sooner in seconds;
-    one that learns at half the speed never gets there."""
-    from jagg.bench.quality import compare, time_to_test_target
-
-    curve = np.array([[0.5, 0.6, 0.7], [0.5, 0.6, 0.7]])
-    clock = np.array([[0.0, 10.0, 20.0], [0.0, 10.0, 20.0]])
-    assert time_to_test_target(curve, clock, 0.65) == (pytest.approx(15.0), True)     # interpolated
-    assert time_to_test_target(curve, clock, 0.9) == (20.0, False)
-    runs = [_run("exact", s, 1.0, 2.0) for s in (0, 1, 2)] + [_run("fast", s, 2.0, 1.5) for s in (0, 1, 2)] + \
-        [_run("slow", s, 0.5, 1.0) for s in (0, 1, 2)]
-    out = {r["variant"]: r for r in compare(runs, ["exact", "fast", "slow"], [0, 1, 2], "cpu", "test")}
-    assert out["exact"]["time_to_target_ratio"] == pytest.approx(1.0)
-    assert out["fast"]["time_to_target_ratio"] == pytest.approx(40 / 15) and out["fast"]["reached"]
-    assert out["fast"]["updates_to_target_ratio"] == pytest.approx(2.0)
-    assert out["fast"]["time_ratio_estimate"] == pytest.approx(2.0 * 2.0 / 1.5)
-    assert out["fast"]["test_gain"] == pytest.approx(0.4) and out["exact"]["test_gain"] == pytest.approx(0.2)
-    assert not out["slow"]["reached"] and out["slow"]["not_reached_share"] == 1.0
-    # at the highest held-out reward both reach, the updates ratio is the speed of learning per update (0.5 for
-    # "slow", which ends at 0.60, where exact is at iteration 10), times the CPU iteration ratio 2 / 1
-    assert out["slow"]["efficiency_to_lower_final"] == pytest.approx(0.5)
-    assert out["slow"]["time_efficiency_to_lower_final"] == pytest.approx(0.5 * 2.0)
-    assert out["fast"]["efficiency_to_lower_final"] == pytest.approx(2.0) and out["exact"]["efficiency_to_lower_final"] == 1
-    assert out["fast"]["efficiency_to_lower_final_lo"] == pytest.approx(2.0)          # every resample alike here
-    with pytest.raises(ValueError, match="--target"):
-        compare(runs, ["exact", "fast"], [0, 1, 2], "cpu", "best")
-
-
 def test_bias_against_the_signal():
     """A bias of -0.5 times the true gradient: bias^2 / signal^2 = 0.25 and the bias points against the signal."""
     g = torch.Generator().manual_seed(3)
@@ -329,22 +287,12 @@ def test_bench_efficiency_by_interval(tmp_path, bench_ckpt, capsys):
         by_interval(configuration.load(ShapesTrainConfig, None, sets), "exact", 3, 1)
 
 
-def test_quality_intervals_skip_undefined_resamples():
-    """A resample whose target every variant meets at the start has an undefined ratio (0 / 0): the interval comes
-    from the others, and the share of undefined resamples is reported."""
-    from jagg.bench.statistics import interval as _interval
-
-    lo, hi = _interval(np.array([1.0, np.nan, 2.0, 3.0, np.nan]))
-    assert 1.0 <= lo < hi <= 3.0
-    assert all(math.isnan(x) for x in _interval(np.array([np.nan, np.nan])))
-
-
 def test_bench_efficiency_off_policy_update(tmp_path, bench_ckpt, capsys):
     """--update N measures every estimator where a rollout's (N+1)-th update starts: off-policy, ``auto`` (fresh inner
     forwards) clips exactly what exact clips and ``stale`` runs no inner forward; on-policy (--update 0) ``auto`` is
     ``interp``. (That ``interp`` clips more than exact off-policy: tests/test_off_policy.py.)"""
     out = tmp_path / "eff.json"
-    sets = efficiency_sets(bench_ckpt) + ["estimator.correction_p=0", "optim.lr=1e-3"]
+    sets = meter_sets(bench_ckpt) + ["estimator.correction_p=0", "optim.lr=1e-3"]
     est = ["--estimator", "interp:intermediate=interp", "--estimator", "auto:intermediate=auto",
            "--estimator", "stale:intermediate=stale"]
     base = ["bench", "meter", "--batches", "3", "--draws", "1", *est, "--json", str(out)]
@@ -369,7 +317,7 @@ def test_bench_efficiency_update_all(tmp_path, bench_ckpt, capsys):
     from jagg.bench.meter import job_prediction
 
     out = tmp_path / "eff.json"
-    sets = efficiency_sets(bench_ckpt) + ["grpo.updates_per_epoch=2", "sample.group_size=4", "optim.lr=1e-3"]
+    sets = meter_sets(bench_ckpt) + ["grpo.updates_per_epoch=2", "sample.group_size=4", "optim.lr=1e-3"]
     argv = ["bench", "meter", "--batches", "3", "--draws", "1", "--estimator", "plain", "--update", "all",
             "--json", str(out), *[a for s in sets for a in ("--set", s)]]
     assert main(argv) == 0

@@ -114,32 +114,3 @@ def test_collapse_warnings_fire_on_each_sign_and_only_then():
     assert len(collapse_warnings(rising + [ev(75, 0.40, empty=0.5, bg=9.0)], 0.05, 0.1, 5.0)) == 3
 
 
-def test_weight_changes_applies_only_the_changes_it_is_asked_for(tmp_path, tiny_ckpt):
-    """benchmarks/weight_changes.py (RESULTS §7.1): the trained weights, and the start with only the changes of the
-    matching parameters; a pattern that matches nothing is the start itself, one that matches everything the run."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    from conftest import tiny_train_args
-    from jagg.cli import main
-
-    run = tmp_path / "run"
-    assert main(tiny_train_args(tiny_ckpt, run, 2)) == 0
-    spec = importlib.util.spec_from_file_location(
-        "weight_changes", Path(__file__).resolve().parents[1] / "benchmarks" / "weight_changes.py")
-    wc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(wc)
-    out = tmp_path / "rows.json"
-    ckpt = run / "checkpoints" / "ckpt_000002.pt"
-    assert wc.main([str(ckpt), "--start", tiny_ckpt, "--keep", "^nothing$", "--keep", ".", "--images-per-prompt", "1",
-                    "--json", str(out)]) == 0
-    rows = {r["weights"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"start", "trained", "keep ^nothing$", "keep ."}
-    assert rows["keep ^nothing$"] == {**rows["start"], "weights": "keep ^nothing$"}
-    assert rows["keep ."] == {**rows["trained"], "weights": "keep ."}
-    assert all(0 <= r["test_reward"] <= 1 and r["background_rms"] >= 0 for r in rows.values())
-    with pytest.raises(SystemExit):                                   # the file exists: never replaced
-        wc.main([str(ckpt), "--start", tiny_ckpt, "--json", str(out)])
-    with pytest.raises(SystemExit):
-        wc.main([str(ckpt), "--keep", "("])

@@ -93,6 +93,23 @@ def test_nothing_in_the_package_imports_the_cli_or_the_lab():
     assert not offenders, offenders
 
 
+def test_the_lab_is_not_installed():
+    """`pip install .` installs the package under src/ only: the lab (lab/, run as `python -m lab` from the checkout)
+    is no package of the distribution, and `jagg --help` offers none of its tools."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    installed = find_packages(where=str(ROOT / found["where"][0]))
+    assert installed and all(p == "jagg" or p.startswith("jagg.") for p in installed), installed
+    from jagg.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    bench = commands["bench"]._subparsers._group_actions[0].choices
+    assert set(commands) == {"train", "pretrain", "sample", "eval", "bench"} and set(bench) == {"meter", "speed"}
+
+
 def test_core_functions_are_at_most_sixty_lines():
     """Every function of the top-level modules src/jagg/*.py (methods and __post_init__ included) is <= 60 lines."""
     import ast

@@ -187,7 +187,7 @@ def test_resume_needs_a_run_and_starting_fresh_needs_an_explicit_flag(tmp_path, 
 
 
 def test_library_resume_true_starts_or_continues_as_bench_quality_needs(tmp_path, tiny_ckpt):
-    """`ShapesTrainer(cfg, resume=True)` (what `jagg bench quality` calls) starts a run in an empty directory and
+    """`ShapesTrainer(cfg, resume=True)` (what `python -m lab quality` calls) starts a run in an empty directory and
     continues it later; it never starts over unreadable checkpoints."""
     from jagg.trainers.shapes_config import ShapesTrainConfig
     from jagg.trainers.shapes import ShapesTrainer

@@ -1,15 +1,63 @@
 """The command line's shared arguments: the options several commands take alike (``jagg sample``, ``jagg eval``,
-``jagg bench paired``, every ``--overwrite``), one definition each, so that they refuse the same values. Both
-:mod:`jagg.cli` and :mod:`jagg.bench` import them from here (nothing imports :mod:`jagg.cli` but the entry point)."""
+the lab's ``paired``, every ``--overwrite``), one definition each, so that they refuse the same values, and how every
+command reports a failure (:func:`run_command`). :mod:`jagg.cli`, :mod:`jagg.bench` and the lab (``python -m lab``)
+import them from here (nothing imports :mod:`jagg.cli` but the entry point)."""
 
 from __future__ import annotations
+
+import sys
+from typing import Callable
 
 from .checks import number_arg
 
 
+def run_command(command: str, run: Callable, args) -> int:
+    """``run(args)`` as the command ``command`` (e.g. ``"jagg train"``) ends for a user: a refusal (bad input, a run
+    directory or file that may not be used: ``ValueError``, ``OSError``) is one line on stderr and exit 2, a run that
+    aborted (:class:`jagg.trainers.base.TrainingAborted`) one line and exit 1, out of memory one line and exit 2,
+    Ctrl-C one line and exit 130; anything else is a bug and keeps its traceback."""
+    try:
+        return run(args)
+    except KeyboardInterrupt as e:    # Ctrl-C anywhere: setup, a benchmark, an evaluation
+        print(f"\n{command}: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        return 130
+    except ValueError as e:           # incl. RewardError and RunDirError: a message, not a traceback
+        print(f"{command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:              # a file or directory that cannot be read or written: one line, exit 2
+        print(f"{command}: error: {os_error(e)}", file=sys.stderr)
+        return 2
+    except MemoryError as e:
+        print(f"{command}: error: out of memory{f' ({e})' if str(e) else ''}; lower the sizes (batch, steps, model)",
+              file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        from .trainers.base import TrainingAborted
+
+        if isinstance(e, TrainingAborted):
+            print(f"{command}: aborted: {e}", file=sys.stderr)
+            return 1
+        if any(s in str(e).lower() for s in ("can't allocate memory", "out of memory", "storage size calculation "
+                                             "overflowed")):   # torch's allocators: a size no memory holds
+            print(f"{command}: error: out of memory ({' '.join(str(e).split())[:200]}); lower the sizes (batch, "
+                  "steps, model)", file=sys.stderr)
+            return 2
+        raise
+
+
+def os_error(e: OSError) -> str:
+    """An ``OSError`` as one line naming the path and what to do (``read_yaml`` and others raise their own text)."""
+    if e.errno is None or e.strerror is None:
+        return " ".join(str(e).split())
+    path = f" {e.filename}" if e.filename is not None else ""
+    path += f" -> {e.filename2}" if e.filename2 is not None else ""
+    return (f"cannot use{path}: {e.strerror} (errno {e.errno}); check that the path exists, is the right kind (file "
+            "or directory) and is writable, or choose another --output-dir / --out")
+
+
 def main_job_defaults(args, eval_seed: bool) -> None:
     """Fill the sampling options left unset (None) with the main job's evaluation settings (``jagg sample``,
-    ``jagg eval``, ``jagg bench paired``); the seed is the main job's ``eval.seed`` when ``eval_seed``, else 0."""
+    ``jagg eval``, ``python -m lab paired``); the seed is the main job's ``eval.seed`` when ``eval_seed``, else 0."""
     from .trainers.shapes_config import ShapesTrainConfig, main_job_path
     from .infra import config_loader as configuration
 
@@ -47,7 +95,7 @@ def check_sampling(args, images: int, what: str, fix: str) -> None:
 
 
 def sampling_arguments(q, checkpoint: bool = True) -> None:
-    """The ODE sampler's options of ``jagg sample``, ``jagg eval`` and ``jagg bench paired`` (and ``--checkpoint``):
+    """The ODE sampler's options of ``jagg sample``, ``jagg eval`` and ``python -m lab paired`` (and ``--checkpoint``):
     one definition, so that they refuse the same values; None is the main job's evaluation setting
     (:func:`main_job_defaults`)."""
     if checkpoint:
@@ -66,7 +114,7 @@ MAIN_JOB_REWARD = "geneval"      # the main job's reward.name; tests/test_bad_in
 
 
 def evaluation_arguments(q) -> None:
-    """The evaluation's options of ``jagg eval`` and ``jagg bench paired``: the reward and the images per prompt."""
+    """The evaluation's options of ``jagg eval`` and ``python -m lab paired``: the reward and the images per prompt."""
     q.add_argument("--reward", help="reward name or module:function [default: the main job's reward "
                    f"(reward: of jagg/shapes/main_job.yaml), {MAIN_JOB_REWARD}]")
     q.add_argument("--images-per-prompt", type=number_arg(int, 1),

@@ -3,7 +3,7 @@
 A same-batch gradient cosine is a diagnostic, not a verdict, and the total is decided by the clean steps, whose
 upstream signals are largest; the noisy steps decide layout. So the audit compares per range of trained steps
 (thirds: noisy, middle, clean) as well as in total. The trainers run it every ``estimator.meter_every`` iterations
-on a few samples and log ``audit/*``; ``jagg bench fidelity`` reports the same numbers.
+on a few samples and log ``audit/*``; ``python -m lab fidelity`` reports the same numbers.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .arguments import (check_sampling, eval_prompts, evaluation_arguments, main_job_defaults, overwrite_argument,
-                        sampling_arguments)
+                        run_command, sampling_arguments)
 from .checks import check_output_file, check_threads, number_arg
 from .infra import config_loader as configuration
 from .shapes.pretrain import PretrainConfig
@@ -374,49 +374,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``jagg``: a refusal (bad input, a run directory or file that may not be used) is one line and exit 2, a run
     that aborted (:class:`jagg.trainers.base.TrainingAborted`) one line and exit 1, Ctrl-C one line and exit 130
-    (``jagg train``'s loop itself finishes the iteration, saves and exits 0)."""
+    (``jagg train``'s loop itself finishes the iteration, saves and exits 0): :func:`jagg.arguments.run_command`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     command = " ".join(["jagg", args.command, *([args.bench_command] if args.command == "bench" else [])])
-    try:
+
+    def run(args) -> int:
         if args.command in ("sample", "eval"):
             main_job_defaults(args, eval_seed=args.command == "eval")
         return args.func(args)
-    except KeyboardInterrupt as e:    # Ctrl-C anywhere: setup, a benchmark, an evaluation
-        print(f"\n{command}: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
-        return 130
-    except ValueError as e:           # incl. RewardError and RunDirError: a message, not a traceback
-        print(f"{command}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:              # a file or directory that cannot be read or written: one line, exit 2
-        print(f"{command}: error: {_os_error(e)}", file=sys.stderr)
-        return 2
-    except MemoryError as e:
-        print(f"{command}: error: out of memory{f' ({e})' if str(e) else ''}; lower the sizes (batch, steps, model)",
-              file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        from .trainers.base import TrainingAborted
 
-        if isinstance(e, TrainingAborted):
-            print(f"{command}: aborted: {e}", file=sys.stderr)
-            return 1
-        if any(s in str(e).lower() for s in ("can't allocate memory", "out of memory", "storage size calculation "
-                                             "overflowed")):   # torch's allocators: a size no memory holds
-            print(f"{command}: error: out of memory ({' '.join(str(e).split())[:200]}); lower the sizes (batch, "
-                  "steps, model)", file=sys.stderr)
-            return 2
-        raise
-
-
-def _os_error(e: OSError) -> str:
-    """An ``OSError`` as one line naming the path and what to do (``read_yaml`` and others raise their own text)."""
-    if e.errno is None or e.strerror is None:
-        return " ".join(str(e).split())
-    path = f" {e.filename}" if e.filename is not None else ""
-    path += f" -> {e.filename2}" if e.filename2 is not None else ""
-    return (f"cannot use{path}: {e.strerror} (errno {e.errno}); check that the path exists, is the right kind (file "
-            "or directory) and is writable, or choose another --output-dir / --out")
+    return run_command(command, run, args)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ INTERMEDIATE_CHOICES = (*INTERMEDIATES, AUTO_INTERMEDIATE := "auto")
 KNOTS = ("groups", "shared")
 ALPHAS = ("sigma", "index")
 NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac", "interval_frac")  # finite, first
-# correction_p's retired values (#32), with what to do instead; the config loader refuses them by key too
-RETIRED_CORRECTION_P = {"auto": "was retired (#32: the efficiency meter predicted it 12-15% below the best fixed rate "
-                                "in 2 of 3 regimes, docs/RESULTS.md §8.6); give a fixed rate in [0, 1] instead, e.g. "
-                                "0 (plain JAGG) or 0.25, chosen with jagg bench meter"}
+# correction_p's retired values, with what to do instead; the config loader refuses them by key too
+RETIRED_CORRECTION_P = {"auto": "was retired (the rate the meter chose fell 12-15% short of the best fixed rate in 2 of "
+                                "3 regimes); give a fixed rate in [0, 1] instead, e.g. 0 (plain JAGG) or 0.25, chosen "
+                                "with jagg bench meter"}
 
 
 @dataclass
@@ -61,10 +61,10 @@ class EstimatorConfig:
                                       "its inner steps exactly and adds (exact - interpolated) / p, so the expected "
                                       "gradient is exact. Costs p x the inner rows and adds variance (1/p - 1)|e|^2. 0 "
                                       "(the default) = plain JAGG (the paper), biased where the Jacobian is not linear. "
-                                      "On an on-policy job with a repeating error (the JPEG job, docs/RESULTS.md §6.4) "
+                                      "On an on-policy job with a repeating error (the JPEG job, lab/NOTEBOOK.md §6.4) "
                                       "the correction paid; with several updates per rollout (the main job) p = 0.25 "
-                                      "cost ~0.06 of held-out reward (docs/RESULTS.md §9). Choose it with jagg bench "
-                                      "efficiency ('auto' was retired: docs/RESULTS.md §8.6).",
+                                      "cost ~0.06 of held-out reward (lab/NOTEBOOK.md §9). Choose it with jagg bench "
+                                      "efficiency ('auto' was retired: lab/NOTEBOOK.md §8.6).",
                                       "retired": RETIRED_CORRECTION_P})
     correction_rates: list[float] | None = field(default=None, metadata={"help": "Per-interval correction "
                                                  "probabilities p_j in [0, 1], one per interval of the layout in order "

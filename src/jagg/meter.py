@@ -357,7 +357,7 @@ def meter_flag(result: dict, min_audits: int = 4) -> str | None:
     """A warning when, after ``min_audits`` audits, the estimator's error repeats from batch to batch (its
     ``bias_to_noise`` more than 3 standard errors above 0), else None. There is no warning on the predicted
     efficiencies: they model an unbiased estimator, so a repeating error is outside what they can see (what the two
-    signs told in the measured runs: docs/RESULTS.md)."""
+    signs told in the measured runs: lab/NOTEBOOK.md)."""
     if result.get("audits", 0) < min_audits:
         return None
     b, se = result.get("bias_to_noise", math.nan), result.get("bias_to_noise_se", math.nan)

@@ -23,7 +23,7 @@ deterministic estimator). Per estimator:
 - ``bias_to_noise`` = ``|b|^2 / V_b`` with its standard error: ``|b|^2`` is the agreement of the errors' means
   across batches, ``mean_{i != j} <e_i, e_j>``, an unbiased estimate of the squared norm of the error that repeats
   from batch to batch (the bias Adam integrates like a signal). 0 for an unbiased estimator up to its SE;
-  ``bias_z`` = ``bias_to_noise / bias_to_noise_se`` (what it told about training: docs/RESULTS.md);
+  ``bias_z`` = ``bias_to_noise / bias_to_noise_se`` (what it told about training: lab/NOTEBOOK.md);
 - ``bias_to_signal`` = ``|b|^2 / |E g|^2`` (the signal's squared norm estimated the same way from the exact
   gradients) and ``bias_signal_cos``: a bias is harmless only when it is small against the signal Adam follows;
 - ``efficiency``, ``time_efficiency``, ``adam_efficiency`` and ``adam_time_efficiency`` as above (times: medians
@@ -399,7 +399,7 @@ def layout_linearity(batches: list[Batch], est: EstimatorConfig) -> dict:
     by) of a JAGG estimator's own layout on the measured rollouts, from their velocities alone (no backward pass):
     ``linearity``, the mean over samples and intervals of three or more steps (shorter ones are exact under JAGG),
     and ``linearity_min``, the lowest; NaN for an estimator that interpolates nothing. Across 17 sampling regimes
-    the error against the noise fell as it rose (docs/RESULTS.md §9.6)."""
+    the error against the noise fell as it rose (lab/NOTEBOOK.md §9.6)."""
     scores = []
     for batch in batches:
         intervals, _, jagg = layout_intervals(batch.traj, est)
@@ -419,7 +419,7 @@ MAX_RANGE = 0.5
 def rate_range(error_to_noise: float, se: float) -> tuple[float, float]:
     """The per-update rate (of exact's) an unbiased error ``E|e|^2/V_b = error_to_noise`` (jackknife SE ``se``) leaves:
     from SGD's variance model at the error's upper end ``+ 2 SE`` to Adam's first-order model at its lower end
-    ``- 2 SE`` (clamped at 0). Paired seeds fell between the two models and on both of their sides (docs/RESULTS.md
+    ``- 2 SE`` (clamped at 0). Paired seeds fell between the two models and on both of their sides (lab/NOTEBOOK.md
     §9.5), so neither alone is the prediction."""
     return predicted_efficiency(1.0, error_to_noise + 2 * se), adam_efficiency(1.0, max(error_to_noise - 2 * se, 0.0))
 
@@ -431,7 +431,7 @@ def prediction(rec: dict) -> dict:
     significant repeating error (``bias_z >= 2``), or where the range is wider than :data:`MAX_RANGE` (a heavy-tailed
     error that these batches do not resolve: more ``--batches`` narrow it). ``prediction_range`` prints it. For a job
     of ``U`` updates per rollout the per-update rate is the mean of the ranges at ``--update 0 .. U-1``
-    (docs/RESULTS.md §9.5)."""
+    (lab/NOTEBOOK.md §9.5)."""
     lo, hi = rate_range(rec["error_to_noise"], rec["error_to_noise_se"])
     ratio, z = rec["iter_ratio"], rec["bias_z"]
     if z is not None and math.isfinite(z) and z >= 2:
@@ -450,7 +450,7 @@ def job_prediction(per_update: list[list[dict]]) -> list[dict]:
     estimator: ``rate_lo``, ``rate_hi`` (and ``time_rate_lo``, ``time_rate_hi``), the means of the positions'
     :func:`prediction` ranges, for the job's per-update rate is the mean of its updates'; ``prediction`` is ``range``
     only where every position's is, else the first position's reason, with ``unknown_at`` listing the positions;
-    ``positions`` prints each position's range (docs/RESULTS.md §9.5)."""
+    ``positions`` prints each position's range (lab/NOTEBOOK.md §9.5)."""
     if not per_update:
         raise ValueError("job_prediction: no update positions given")
     names = [r["estimator"] for r in per_update[0]]
@@ -648,9 +648,9 @@ def _report(records: list[dict], batches: int, draws: int, update: int, cost_lin
           "seeds measure (docs/design.md §3.8); rate/update: the meter's prediction, the rate per update of exact's "
           "between SGD's model at E|e|^2/V_b + 2 jackknife SE and Adam's at - 2 SE, 'unknown' where no model holds "
           "(bias z >= 2) or the range is wider than 0.5 (measure more --batches); with U updates per rollout the "
-          "job's per-update rate is the mean over --update 0 .. U-1 (--update all; docs/RESULTS.md §9.5); linearity: "
+          "job's per-update rate is the mean over --update 0 .. U-1 (--update all; lab/NOTEBOOK.md §9.5); linearity: "
           "routing's score of the estimator's layout on these rollouts (the paper's linearity test, no backward pass; "
-          "over 17 regimes of the shapes world, >= 0.6 went with an error <= 0.24 of the noise: docs/RESULTS.md §9.6)")
+          "over 17 regimes of the shapes world, >= 0.6 went with an error <= 0.24 of the noise: lab/NOTEBOOK.md §9.6)")
     print(f"\nprojected, not measured: the per-update efficiency times the iteration ratio of {cost_line}")
     print(table(records, PROJECTED_COLUMNS))
     for r in records:

@@ -8,19 +8,19 @@
   checkpoints carrying the current run's id.
 - ``--resume`` **never starts over**: without a readable checkpoint it is an error naming every checkpoint file
   and why it could not be read (or saying that there is none). Only ``require_checkpoint=False`` (``--resume-or-start``
-  and the library's ``ShapesTrainer.run(cfg, resume=True)`` that ``jagg bench quality`` uses) starts a new run, and only in a
+  and the library's ``ShapesTrainer.run(cfg, resume=True)`` that ``python -m lab quality`` uses) starts a new run, and only in a
   directory that holds no run, or after moving aside one that saved no checkpoint (records, samples: a run that
   stopped before its first checkpoint cannot be continued).
 - A run directory is **used by one process at a time**: a training loop holds an exclusive lock on ``<dir>/run.lock``
   (``fcntl.flock``: the operating system releases it when the process ends, however it ends), and any other
-  ``open_run`` on that directory (a second ``jagg train``, ``--resume``, ``jagg bench quality`` comparing while another
+  ``open_run`` on that directory (a second ``jagg train``, ``--resume``, ``python -m lab quality`` comparing while another
   process trains the run) is refused while it is held, before anything is moved or written.
 - Filesystem errors while preparing the directory (a file where the directory should be, read-only, no
   permission) are :class:`RunDirError` naming the path and what to do.
 - ``--resume`` reads ``metrics.jsonl`` before anything is written: a line before the last that is not a record is
   an error naming the file and the line (a torn last line is set aside by :class:`jagg.infra.metrics.MetricsLogger`).
 - What to do is said in the words of the command that trains (:class:`RunHints`: ``jagg train``'s flags, or
-  ``jagg bench quality``'s, which has none of them).
+  ``python -m lab quality``'s, which has none of them).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class RunDirError(ValueError):
 @dataclass(frozen=True)
 class RunHints:
     """What a command that trains in a run directory tells its user to do, in its own words: ``jagg train``'s flags
-    (the defaults, :data:`TRAIN`), or another command's (``jagg bench quality`` keeps its runs in ``--out`` and has
+    (the defaults, :data:`TRAIN`), or another command's (``python -m lab quality`` keeps its runs in ``--out`` and has
     neither ``--resume`` nor ``--output-dir``)."""
 
     continue_run: str = "continue with --resume"

@@ -7,7 +7,7 @@ prompt group on the global batch, drops the prompt groups without reward spread,
 (:meth:`~GRPO.reference`), runs the estimator audit when due, and makes ``inner_epochs x updates_per_epoch`` optimizer
 updates, each from the trainer's :meth:`~GRPO.gradient` of a minibatch (:meth:`~GRPO.minibatches`; the first one
 on-policy), at the learning rate of ``optim.lr_schedule`` (:meth:`~GRPO.scheduled_lr`), skipped when its loss or
-gradient norm is not finite. :class:`GRPO` holds no run directory, logger or checkpoint (``jagg bench e2e`` times
+gradient norm is not finite. :class:`GRPO` holds no run directory, logger or checkpoint (``python -m lab e2e`` times
 its iterations as they are). Around it, :class:`GRPOTrainer` adds the run directory (new, resumed or moved
 aside, :mod:`jagg.infra.rundir`), the metrics logger, checkpoints at ``log.checkpoint_every``, the aborts
 (:class:`TrainingAborted`) after ``grpo.max_consecutive_skips`` skipped updates and after ``grpo.max_empty_iterations``
@@ -104,7 +104,7 @@ def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUM
         if key in a and key not in b:
             if a.pop(key) != off:
                 raise ValueError(f"cannot resume: the checkpoint was trained with {key}, an option since retired "
-                                 "(docs/RESULTS.md keeps what it measured); start a new run in another directory")
+                                 "(lab/NOTEBOOK.md keeps what it measured); start a new run in another directory")
     for key, retired in RETIRED_VALUES.items():
         if isinstance(a.get(key), str) and a[key] in retired:
             raise ValueError(f"cannot resume: the checkpoint was trained with {key} {a[key]!r}, which "
@@ -541,7 +541,7 @@ class GRPOTrainer(GRPO):
     :meth:`set_rng_state`; optionally :meth:`before_training` and :meth:`after_iteration` (evaluation),
     :meth:`stop_requested` (several processes), :meth:`report`, and the attributes :attr:`progress_label` and
     :attr:`evaluates`. :attr:`hints` says what its messages tell the user to do (``jagg train``'s flags; another
-    command that trains, ``jagg bench quality``, gives its own); after :meth:`train`, :attr:`stopped` says whether a
+    command that trains, ``python -m lab quality``, gives its own); after :meth:`train`, :attr:`stopped` says whether a
     signal stopped it before ``grpo.iterations``.
     """
 

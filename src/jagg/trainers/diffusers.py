@@ -6,7 +6,7 @@ A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``c
 trainer fills its hooks and asks one object for everything model specific, the
 :class:`jagg.integrations.policy.Policy` (prompts, sampler, velocity callable, KL reference, decoding, adapter
 files); the rollouts (model, trainable weights, prompts, reward, sampling) are :class:`DiffusersSampler`'s, which
-``jagg bench meter`` and ``jagg bench signal`` draw their batches with too. One iteration:
+``jagg bench meter`` and ``python -m lab signal`` draw their batches with too. One iteration:
 
 1. pick ``prompts_per_iter`` prompts of ``sample.prompts_file`` and repeat each ``group_size`` times (the global
    batch of ``N`` trajectories); under torchrun / accelerate every rank takes its contiguous shard of it;

@@ -6,7 +6,7 @@
   :class:`jagg.shapes.velocity.GuidedVelocity`) and rewards the images (by default the world's GenEval-like reward);
 - :class:`ShapesGRPO`: the loop's hooks (:class:`jagg.trainers.base.GRPO`) on a sampler: each update's gradient from
   :func:`jagg.policy_gradient` (the same function a user calls in their own loop), AdamW, an optional EMA of the
-  weights; one iteration at a time, in memory (``jagg bench e2e``);
+  weights; one iteration at a time, in memory (``python -m lab e2e``);
 - :class:`ShapesTrainer`: that in a run directory (:class:`jagg.trainers.base.GRPOTrainer`): checkpoints, resuming,
   and the evaluation on the world's test prompts every ``eval.every`` iterations.
 """

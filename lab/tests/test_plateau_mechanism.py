@@ -1,18 +1,13 @@
-"""benchmarks/plateau_mechanism.py (RESULTS §9) on constructed bench-quality runs: each pair against its own
+"""`python -m lab plateau` on constructed paired-seed runs: each pair against its own
 reference, the paired contrast of the plateau gaps, a predicted rate set against the measured one, and its refusals."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-from test_quality_stats import exact_curve, run
+from test_quality_statistics import exact_curve, run
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plateau_mechanism.py"
-spec = importlib.util.spec_from_file_location("plateau_mechanism", SCRIPT)
-pm = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(pm)
+from lab import plateau_mechanism as pm
 
 RISING = lambda i, stretch=1.0: exact_curve(i, stretch=10.0 * stretch)        # 0.001 per iteration, never level
 CURVES = {"exact": RISING, "slow": lambda i: RISING(i, 2.0), "low": lambda i: exact_curve(i, top=0.68),

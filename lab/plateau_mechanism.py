@@ -1,8 +1,8 @@
 """Which mechanism sets JAGG's plateau gap: a noise floor or a biased fixed point (#32)?
 
-Reads the runs of one ``jagg bench quality`` output directory (``OUT/<variant>/seed<k>/result.json``) and compares
+Reads the runs of one ``python -m lab quality`` output directory (``OUT/<variant>/seed<k>/result.json``) and compares
 variants in pairs, each against its own reference (the same seeds, paired), with the bench's own statistics
-(:func:`jagg.bench.quality_compare.compare`): the rising-phase rate, the plateau gap, the final held-out difference
+(:func:`lab.quality_compare.compare`): the rising-phase rate, the plateau gap, the final held-out difference
 and the difference at an equal CPU budget, each with its 95% bootstrap interval over seeds. Then each pair's plateau
 gap minus the first pair's, bootstrapped with the same seed resamples (a paired contrast).
 
@@ -20,9 +20,9 @@ one, and the plateau gap that rate predicts where the gap is a lag (§9.1: the v
 reference's curve read at the rate times its updates, :func:`lag_gap`), each marked inside or outside the measured
 95% interval (a point inside it, a range overlapping it; ``unknown``: no judgement).
 
-Usage (the experiments of docs/RESULTS.md §9; the runs are trained by the commands there)::
+Usage (the experiments of lab/NOTEBOOK.md §9; the runs are trained by the commands there)::
 
-    python benchmarks/plateau_mechanism.py --out runs/q32_align --seeds 5 \
+    python -m lab plateau --out runs/q32_align --seeds 5 \
         --pair plain:exact --pair plain_cos:exact_cos --pair plain_big:exact --pair unb:exact
 """
 
@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from jagg.bench.common import fmt, table, write_json
-from jagg.bench.quality_compare import Curves, compare, curves
-from jagg.bench.statistics import PLATEAU_EVALS, interval, lag_gap, plateau_gap, resamples
+from lab.quality_compare import Curves, compare, curves
+from lab.statistics import PLATEAU_EVALS, interval, lag_gap, plateau_gap, resamples
 
 BOOTSTRAP = 2000
 FIGURES = ("rate", "plateau_gap", "lag_gap", "plateau_excess", "final_diff", "budget_diff")
@@ -54,7 +54,7 @@ def load_runs(out: Path, variants: set[str], seeds: list[int]) -> dict[tuple[str
             else:
                 missing.append(str(path))
     if missing:
-        raise SystemExit(f"unfinished runs (train them with jagg bench quality --train-only first): {missing}")
+        raise SystemExit(f"unfinished runs (train them with python -m lab quality --train-only first): {missing}")
     return runs
 
 
@@ -128,8 +128,9 @@ def gaps(ref: Curves, cur: Curves, boots: np.ndarray) -> tuple[float, np.ndarray
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="the jagg bench quality output directory (--out) of the runs")
+    p = argparse.ArgumentParser(prog="python -m lab plateau", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the python -m lab quality output directory (--out) of the runs")
     p.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1 [default: 5]")
     p.add_argument("--pair", action="append", metavar="VARIANT:REFERENCE",
                    help="a variant and its reference (repeatable); the first pair is the contrasts' baseline "

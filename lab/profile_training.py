@@ -13,7 +13,7 @@ through the estimator's public hooks, so the wall time splits into
 
 and the top operators of "rest" are listed. Usage::
 
-    python benchmarks/profile_training.py [--set KEY=VALUE ...] [--repeats 3] [--json PATH]
+    python -m lab profile-training [--set KEY=VALUE ...] [--repeats 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import statistics
 import time
 
@@ -95,13 +96,14 @@ def profile_mode(sampler: ShapesSampler, batch, est: EstimatorConfig, repeats: i
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lab profile-training", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=default_config_path())
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", default=[])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1; got {args.repeats}")
     cfg = configuration.load(ShapesTrainConfig, args.config, args.set)
@@ -127,7 +129,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
         print(f"\nwrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

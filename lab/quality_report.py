@@ -1,5 +1,5 @@
-"""The report of ``jagg bench quality``: its tables (the columns of each, printed by :func:`print_report`) and its
-plot (:func:`plot`). The figures are computed in :mod:`jagg.bench.quality_compare`."""
+"""The report of ``python -m lab quality``: its tables (the columns of each, printed by :func:`print_report`) and its
+plot (:func:`plot`). The figures are computed in :mod:`lab.quality_compare`."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..infra.atomic import atomic_write
-from .common import table
-from .quality_compare import TEST_CURVE, curves
-from .statistics import smooth
+from jagg.infra.atomic import atomic_write
+from jagg.bench.common import table
+from lab.quality_compare import TEST_CURVE, curves
+from lab.statistics import smooth
 
 def plot(runs: list[dict], path: Path, title: str = "GRPO on the shapes world", clock: str = "wall") -> None:
     """Two panels against the time of training iterations (``clock``: wall-clock or CPU seconds, mean over seeds):
@@ -118,7 +118,7 @@ def rate_rows(summary: list[dict]) -> list[dict]:
 
 
 def print_report(runs: list[dict], summary: list[dict], seeds: list[int], cost_line: str) -> None:
-    """The tables of ``jagg bench quality``: the runs, the variants' time to target and final rewards, the rate and
+    """The tables of ``python -m lab quality``: the runs, the variants' time to target and final rewards, the rate and
     the plateau, and the meter and the projection beside the measured efficiencies."""
     print("\nruns")
     print(table(runs, RUN_COLUMNS))

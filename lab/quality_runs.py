@@ -1,4 +1,4 @@
-"""The runs of ``jagg bench quality``: what each variant trains (:class:`QualityConfig`), one run trained, resumed
+"""The runs of ``python -m lab quality``: what each variant trains (:class:`QualityConfig`), one run trained, resumed
 or reused (:func:`run_one`), and its result (:func:`summarize`, ``OUT/<variant>/seed<k>/result.json``). A run
 trains with the trainer of its config, as ``jagg train`` picks it: the shapes world's (:class:`QualityRun`), or for a
 config with a ``pipeline:`` section the diffusers trainer (:class:`DiffusersQualityRun`, no held-out evaluation).
@@ -15,14 +15,14 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checks import check_seed, check_unique_names, parse_spec
-from ..trainers.base import RESUMABLE_CHANGES, check_resumable
-from ..trainers.diffusers_config import DiffusersTrainConfig
-from ..trainers.shapes import ShapesTrainer
-from ..infra.config_loader import to_dict
-from ..infra.rundir import RunHints
-from .common import write_json
-from .meter import TrainConfig, load_config
+from jagg.checks import check_seed, check_unique_names, parse_spec
+from jagg.trainers.base import RESUMABLE_CHANGES, check_resumable
+from jagg.trainers.diffusers_config import DiffusersTrainConfig
+from jagg.trainers.shapes import ShapesTrainer
+from jagg.infra.config_loader import to_dict
+from jagg.infra.rundir import RunHints
+from jagg.bench.common import write_json
+from jagg.bench.meter import TrainConfig, load_config
 
 BUILTIN = {
     "exact": ["estimator.mode=exact"],
@@ -142,13 +142,13 @@ def summarize(records: list[dict], cfg: TrainConfig, variant: str, seed: int) ->
 
 
 def _num_test_prompts() -> int:
-    from ..shapes import test_prompts
+    from jagg.shapes import test_prompts
 
     return len(test_prompts())
 
 
 # what the runs' refusals and notes tell the user to do: the bench has no --resume and keeps its runs in --out
-HINTS = RunHints(continue_run="rerun the same jagg bench quality command to continue", other_dir="use another --out",
+HINTS = RunHints(continue_run="rerun the same python -m lab quality command to continue", other_dir="use another --out",
                  start_over="move that run directory away and rerun")
 
 
@@ -184,7 +184,7 @@ def trainer_of(cfg: TrainConfig) -> type:
     :class:`jagg.trainers.diffusers.DiffusersTrainer` (imported only then: it needs diffusers)."""
     if not isinstance(cfg, DiffusersTrainConfig):
         return QualityRun
-    from ..trainers.diffusers import DiffusersTrainer
+    from jagg.trainers.diffusers import DiffusersTrainer
 
     return type("DiffusersQualityRun", (BenchRun, DiffusersTrainer), {"__doc__": "A run of a diffusers config."})
 

@@ -1,4 +1,4 @@
-"""Where JAGG is nearly exact: ``jagg bench meter`` over a grid of sampling regimes (docs/RESULTS.md §6.1).
+"""Where JAGG is nearly exact: ``jagg bench meter`` over a grid of sampling regimes (lab/NOTEBOOK.md §6.1).
 
 A regime is a step count, an SDE type with its noise level, and a trained (SDE) window. In each, on the job's own
 checkpoint and batch (the main job, or ``--config``, with ``--set`` on top), :func:`jagg.bench.meter.measure`
@@ -17,9 +17,9 @@ trained window cut to steps 0-3 (the noisy end), 4-7 (the clean end) and 2-7.
 Records go to ``--json`` (JSON lines, appended per regime, so an interrupted map resumes; a regime already there is
 skipped) and a markdown table is printed; ``--summary`` prints the table of a finished map without measuring.
 
-    python benchmarks/regime_map.py --json runs/regime_map.json                      # the whole grid
-    python benchmarks/regime_map.py --steps 20 --json runs/regime_map.json           # a part of it (resumes)
-    python benchmarks/regime_map.py --json runs/regime_map.json --summary            # the table and the rule's fit
+    python -m lab regime-map --json runs/regime_map.json                      # the whole grid
+    python -m lab regime-map --steps 20 --json runs/regime_map.json           # a part of it (resumes)
+    python -m lab regime-map --json runs/regime_map.json --summary            # the table and the rule's fit
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def load(path: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m lab regime-map", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="trainer YAML [default: the main job]")
     p.add_argument("--steps", type=int, nargs="+", choices=sorted(WINDOWS), default=sorted(WINDOWS))
     p.add_argument("--sde", nargs="+", choices=sorted(SDE_NOISE), default=list(SDE_NOISE))

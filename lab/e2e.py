@@ -1,4 +1,4 @@
-"""``jagg bench e2e``: one whole GRPO iteration (sampling + reward + training), exact vs JAGG, side by side.
+"""``python -m lab e2e``: one whole GRPO iteration (sampling + reward + training), exact vs JAGG, side by side.
 
 One :class:`jagg.trainers.shapes.ShapesGRPO` per variant (the trainer's iteration, in memory: no run directory) is
 built from the same config (the main job or ``--config``, plus ``--set``) and seed; their iterations then run
@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from ..infra import config_loader as configuration
-from ..trainers.shapes_config import ShapesTrainConfig
-from ..checks import check_no_repeats, number_arg
-from .common import default_config_path, json_if_asked, table
-from .projection import estimator_limit
+from jagg.infra import config_loader as configuration
+from jagg.trainers.shapes_config import ShapesTrainConfig
+from jagg.checks import check_no_repeats, number_arg
+from jagg.bench.common import default_config_path, json_if_asked, table
+from jagg.bench.projection import estimator_limit
 
 VARIANTS = {
     "exact": ["estimator.mode=exact"],
@@ -46,7 +46,7 @@ def routed_limit(cfg: ShapesTrainConfig) -> float:
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:
     """Per variant: the median phase seconds of ``iterations`` round-robin iterations after a warm-up (module
     docstring)."""
-    from ..trainers.shapes import ShapesGRPO
+    from jagg.trainers.shapes import ShapesGRPO
 
     if iterations < 1:
         raise ValueError(f"--iterations must be >= 1; got {iterations}")

@@ -9,7 +9,7 @@ file counts as one change (frames outside ``jagg``, e.g. torch and diffusers, ar
 (``--imports`` counts it too).
 Tracing stops at the first ``optimizer.step()``.
 
-    python benchmarks/trace_file_changes.py [--correction-p P] [--skip-checks] [--path] [--json out.json]
+    python -m lab trace-file-changes [--correction-p P] [--skip-checks] [--path] [--json out.json]
 
 ``--skip-checks`` makes ``jagg/checks.py`` transparent too (its calls move nothing), as the held-out trace of #34
 counts: the shared checks aside.
@@ -138,7 +138,7 @@ def trace(config: Path, imports: bool = False, skip_checks: bool = False) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lab trace-file-changes", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="also write the result here")
     p.add_argument("--imports", action="store_true", help="count the module bodies run at import time too")
     p.add_argument("--path", action="store_true",

@@ -1,11 +1,11 @@
-"""Which of a GRPO run's weight changes carry its gain, and which its artifacts (docs/RESULTS.md §7).
+"""Which of a GRPO run's weight changes carry its gain, and which its artifacts (lab/NOTEBOOK.md §7).
 
 Loads a shapes-trainer checkpoint and the model it started from, then evaluates the start, the trained weights, and,
 for each --keep REGEX, the start with only the changes of the parameters whose names match REGEX applied (the others
 left at the start). Each on the held-out test prompts, the same noise for all: the GenEval-like score and the
 background measure (``background_rms``: 0 on rendered scenes, a patch grid raises it).
 
-    python benchmarks/weight_changes.py runs/full_ft/checkpoints/ckpt_000200.pt --keep '^text' --keep '^blocks'
+    python -m lab weight-changes runs/full_ft/checkpoints/ckpt_000200.pt --keep '^text' --keep '^blocks'
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def changes(start: dict, trained: dict, keep: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/weight_changes.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m lab weight-changes", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a shapes-trainer checkpoint .pt (its raw weights, not the EMA)")
     p.add_argument("--start", default="builtin:tiny_dit", help="the model the run started from [builtin:tiny_dit]")

@@ -1,16 +1,11 @@
-"""benchmarks/regime_map.py (RESULTS §6.1): the grid, a smoke-sized map on the main job that resumes, its summary and
+"""`python -m lab regime-map`: the grid, a smoke-sized map on the main job that resumes, its summary and
 the linearity score's rank correlation, and its refusals."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "regime_map.py"
-spec = importlib.util.spec_from_file_location("regime_map", SCRIPT)
-rm = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(rm)
+from lab import regime_map as rm
 
 SMALL = ["--batches", "3", "--draws", "1", "--estimator", "config", "--set", "sample.prompts_per_iter=4",
          "--set", "sample.group_size=4"]

@@ -1,4 +1,4 @@
-"""``jagg bench signal``: does the policy gradient carry a learnable signal at this batch size?
+"""``python -m lab signal``: does the policy gradient carry a learnable signal at this batch size?
 
 GRPO only improves a reward when the gradient of one update points, more than by chance, where the next one
 does. This benchmark measures that directly, with the trainer's own sampler
@@ -24,14 +24,14 @@ differentiated once per reward, with the same random picks of unbiased JAGG (``c
 RNG seeded by the seed and the batch), so a reward's row is the same whatever other rewards are measured. ``--estimators config exact`` also differentiates each batch with the exact
 estimator and reports the cross-agreement ``mean_{i != j} cos(g_jagg_i, g_exact_j)`` (does a JAGG update
 point where an exact update on another batch points?) next to the same-batch cosine (the fidelity metric of
-``jagg bench fidelity``), which is dominated by the noise both share. ``--fixed-prompts`` gives every batch
+``python -m lab fidelity``), which is dominated by the noise both share. ``--fixed-prompts`` gives every batch
 the same prompts, which separates "no signal" from "a different direction for each prompt".
 
 With both estimators it also reports the **bias consistency**: the agreement ``mean_{i != j} cos(e_i, e_j)`` of the
 estimator's errors ``e_i = g_config_i - g_exact_i`` on independent batches, next to the agreement of the exact
 gradients. An error whose direction repeats from batch to batch is a bias that Adam integrates like signal; if its
 repeating part ``sqrt(c_e) |e|`` is comparable to the exact gradient's ``sqrt(c) |g|`` (``bias_to_signal``), the
-estimator can drive training somewhere the reward does not want (docs/RESULTS.md).
+estimator can drive training somewhere the reward does not want (lab/NOTEBOOK.md).
 """
 
 from __future__ import annotations
@@ -43,15 +43,15 @@ import statistics
 import numpy as np
 import torch
 
-from ..audit import flat_grad
-from ..meter import jackknife_se
-from ..estimator import policy_gradient, reference_velocities
-from ..rewards.registry import get_reward
-from ..trainers.base import rollout_batch, take
-from ..trainers.diffusers_config import DiffusersTrainConfig
-from .meter import TrainConfig, check_kl, load_config, make_sampler
-from ..checks import check_no_repeats, number_arg
-from .common import default_config_path, json_if_asked, table
+from jagg.audit import flat_grad
+from jagg.meter import jackknife_se
+from jagg.estimator import policy_gradient, reference_velocities
+from jagg.rewards.registry import get_reward
+from jagg.trainers.base import rollout_batch, take
+from jagg.trainers.diffusers_config import DiffusersTrainConfig
+from jagg.bench.meter import TrainConfig, check_kl, load_config, make_sampler
+from jagg.checks import check_no_repeats, number_arg
+from jagg.bench.common import default_config_path, json_if_asked, table
 
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
 

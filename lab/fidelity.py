@@ -1,4 +1,4 @@
-"""``jagg bench fidelity``: how close the JAGG gradient is to the exact one, and how well routing ranks it.
+"""``python -m lab fidelity``: how close the JAGG gradient is to the exact one, and how well routing ranks it.
 
 For each checkpoint, one fresh rollout batch is drawn through the trainer's pipeline
 (:func:`jagg.trainers.base.rollout_batch`: the config's prompts, noise, SDE sampler with guidance and reward,
@@ -40,25 +40,25 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..checks import number_arg
-from ..shapes.weights import load_model
-from ..audit import audit_gradient
-from ..estimator_config import ALPHAS, INTERMEDIATES, KNOTS, EstimatorConfig
-from ..estimator import GradientStats, policy_gradient, reference_velocities
-from ..shapes.velocity import GuidedVelocity
-from ..rewards.registry import get_reward
-from ..knots import step_groups
-from ..routing import linearity_scores
-from ..schedule import flow_sigmas
-from ..trainers.base import Batch, Rollout, draw_prompts_and_noise, rollout_batch, take
-from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
-from ..trainers.shapes import mark_trainable
-from ..trainers.shapes_config import ShapesTrainConfig
-from ..trajectory import Trajectory, VelocityFn, sample_trajectories
-from ..shapes import from_tensor, tokenizer
-from ..audit import cosine, flat_grad, rel_err
-from .common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
-from .meter import Sampler, TrainConfig, load_config, make_sampler, restore_params
+from jagg.checks import number_arg
+from jagg.shapes.weights import load_model
+from jagg.audit import audit_gradient
+from jagg.estimator_config import ALPHAS, INTERMEDIATES, KNOTS, EstimatorConfig
+from jagg.estimator import GradientStats, policy_gradient, reference_velocities
+from jagg.shapes.velocity import GuidedVelocity
+from jagg.rewards.registry import get_reward
+from jagg.knots import step_groups
+from jagg.routing import linearity_scores
+from jagg.schedule import flow_sigmas
+from jagg.trainers.base import Batch, Rollout, draw_prompts_and_noise, rollout_batch, take
+from jagg.trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
+from jagg.trainers.shapes import mark_trainable
+from jagg.trainers.shapes_config import ShapesTrainConfig
+from jagg.trajectory import Trajectory, VelocityFn, sample_trajectories
+from jagg.shapes import from_tensor, tokenizer
+from jagg.audit import cosine, flat_grad, rel_err
+from jagg.bench.common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
+from jagg.bench.meter import Sampler, TrainConfig, load_config, make_sampler, restore_params
 
 ADVANTAGES = ("reward", "random")
 SCORES = ("cosine",)            # routing's one linearity score (jagg.routing), the column name of the report

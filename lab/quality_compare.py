@@ -1,8 +1,8 @@
-"""The paired comparison of ``jagg bench quality``: per variant, its runs beside exact's, every figure with its
-bootstrap interval over seeds (:mod:`jagg.bench.statistics`; the figures are defined in :mod:`jagg.bench.quality`'s
+"""The paired comparison of ``python -m lab quality``: per variant, its runs beside exact's, every figure with its
+bootstrap interval over seeds (:mod:`lab.statistics`; the figures are defined in :mod:`lab.quality`'s
 docstring and docs/benchmarks.md).
 
-:func:`compare` is the whole comparison; a run is the dict :func:`jagg.bench.quality_runs.summarize` wrote
+:func:`compare` is the whole comparison; a run is the dict :func:`lab.quality_runs.summarize` wrote
 (``train_curve`` rows of :data:`TRAIN_CURVE`, ``test_curve`` rows of :data:`TEST_CURVE`).
 """
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import statistics as stats
-from .projection import CostStructure
-from .statistics import LEVELS, PLATEAU_EVALS, interval, resamples, time_to_target, time_to_test_target
+from lab import statistics as stats
+from jagg.bench.projection import CostStructure
+from lab.statistics import LEVELS, PLATEAU_EVALS, interval, resamples, time_to_target, time_to_test_target
 
 CLOCKS = ("wall", "cpu", "iterations")
 TARGETS = ("train", "test")
@@ -102,13 +102,13 @@ class Pair:
         return u_ex / u_v if u_v > 0 and u_ex > 0 else float("nan")
 
     def rate(self, idx: np.ndarray) -> stats.Rate:
-        """The rising-phase efficiency on the seeds ``idx`` (:func:`jagg.bench.statistics.rate`, updates)."""
+        """The rising-phase efficiency on the seeds ``idx`` (:func:`lab.statistics.rate`, updates)."""
         ex, v = self.exact, self.variant
         return stats.rate(ex.test[idx], ex.test_clock["iterations"][idx], v.test[idx], v.test_clock["iterations"][idx],
                           self.k)
 
     def gap(self, idx: np.ndarray) -> float:
-        """The plateau gap on the seeds ``idx`` (:func:`jagg.bench.statistics.plateau_gap`)."""
+        """The plateau gap on the seeds ``idx`` (:func:`lab.statistics.plateau_gap`)."""
         return stats.plateau_gap(self.exact.test[idx], self.variant.test[idx], self.k)
 
     def at_budget(self, idx: np.ndarray, scale: float | None = None) -> tuple[float, float, float]:
@@ -233,7 +233,7 @@ def _rate_and_plateau(pair: Pair, boots: np.ndarray) -> dict:
 
 
 def _lag(pair: Pair, boots: np.ndarray, rate: float, resampled: list[float]) -> dict:
-    """The plateau gap the rate alone explains (``lag_gap``, :func:`jagg.bench.statistics.lag_gap`: exact's curve
+    """The plateau gap the rate alone explains (``lag_gap``, :func:`lab.statistics.lag_gap`: exact's curve
     read at the rate times its updates) and the rest (``plateau_excess`` = ``plateau_gap - lag_gap``: a plateau of
     the variant's own), each with its interval (the same resamples)."""
     ex = pair.exact
@@ -247,7 +247,7 @@ def _lag(pair: Pair, boots: np.ndarray, rate: float, resampled: list[float]) -> 
 
 
 def _levelled(rec: dict) -> str:
-    """``rising`` where the curve's late rise (:func:`jagg.bench.statistics.late_rise`) has an interval above 0: it
+    """``rising`` where the curve's late rise (:func:`lab.statistics.late_rise`) has an interval above 0: it
     had not levelled off where its plateau is read; ``levelled`` where the interval covers 0 or lies below;
     ``unknown`` without one."""
     lo = rec.get("late_rise_lo")
@@ -312,7 +312,7 @@ def _check(clock: str, target: str) -> None:
 def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str = "wall",
             target: str = "train", cost: CostStructure | None = None, plateau_evals: int = PLATEAU_EVALS,
             bootstrap: int = stats.BOOTSTRAP) -> list[dict]:
-    """Per variant: the paired statistics of :mod:`jagg.bench.quality`'s docstring (bootstrap over seeds).
+    """Per variant: the paired statistics of :mod:`lab.quality`'s docstring (bootstrap over seeds).
     ``clock``: ``wall`` (wall-clock seconds), ``cpu`` (CPU seconds of the training process) or ``iterations`` for the
     time axis; ``target``: ``train`` (exact's final training reward) or ``test`` (exact's final held-out reward);
     ``cost``: the cost structure of the projected columns (None: none); ``plateau_evals``: the evaluations the

@@ -1,4 +1,4 @@
-"""``jagg bench quality``: does a JAGG variant reach a given reward sooner than exact? Paired GRPO runs x seeds.
+"""``python -m lab quality``: does a JAGG variant reach a given reward sooner than exact? Paired GRPO runs x seeds.
 
 Every variant trains with :class:`jagg.trainers.shapes.ShapesTrainer` from the same config (the main job plus ``--set``),
 for the same iterations and optimizer updates, once per seed; a config with a ``pipeline:`` section trains the user's
@@ -25,7 +25,7 @@ Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy
   ratio exact / variant > 1 means the variant gets there sooner. ``--clock cpu`` uses the training process's CPU
   seconds instead (the trainer's ``cpu_s``: waiting for a busy core does not count, a core slowed by its neighbour
   still does); ``--clock iterations`` counts updates (updates-to-target; times the side-by-side iteration-time ratio
-  of ``jagg bench e2e`` it estimates the time ratio without the load of the machine in it). A variant that never gets there counts as reaching
+  of ``python -m lab e2e`` it estimates the time ratio without the load of the machine in it). A variant that never gets there counts as reaching
   it at its last iteration (an upper bound of its ratio); the share of such resamples is reported.
 - ``--target test``: the same with exact's final *held-out* test reward as the target (mean over seeds of the last
   evaluation), reached where the seed-mean test curve first crosses it (linear between evaluations). Always reported
@@ -70,22 +70,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..checks import SEED_MAX, check_output_file, number_arg
-from .common import default_config_path, table, write_json
-from ..trainers.diffusers_config import has_pipeline_section
-from .projection import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
-from .quality_compare import CLOCKS, TARGETS, compare
-from .quality_report import RUN_COLUMNS, plot, print_report
-from .quality_runs import QUICK_SETS, QualityConfig, parse_variants, quick_sets, run_one
-from .statistics import PLATEAU_EVALS
-from .statistics import smooth, time_to_target, time_to_test_target  # noqa: F401  (their former home)
+from jagg.checks import SEED_MAX, check_output_file, number_arg
+from jagg.bench.common import default_config_path, table, write_json
+from jagg.trainers.diffusers_config import has_pipeline_section
+from jagg.bench.projection import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
+from lab.quality_compare import CLOCKS, TARGETS, compare
+from lab.quality_report import RUN_COLUMNS, plot, print_report
+from lab.quality_runs import QUICK_SETS, QualityConfig, parse_variants, quick_sets, run_one
+from lab.statistics import PLATEAU_EVALS
 
 
 def run_quality(q: QualityConfig, clock: str = "wall", train_only: str | None = None,
                 target: str = "train", cost: CostStructure | None = None,
                 plateau_evals: int = PLATEAU_EVALS) -> list[dict]:
     """Train (or skip, or resume) every run and compare (``cost``, ``plateau_evals``: as
-    :func:`jagg.bench.quality_compare.compare`). ``train_only``: train just that variant's runs and return them
+    :func:`lab.quality_compare.compare`). ``train_only``: train just that variant's runs and return them
     without a comparison (to run two variants side by side in two processes, which then share whatever else loads the
     machine; a last call without it compares)."""
     names = list(q.variants)
@@ -213,7 +212,7 @@ def add_parser(sub) -> None:
                    help="time axis of time-to-target: wall-clock seconds, CPU seconds of the training process (with "
                         "threads=1 the two agree on an idle machine; CPU seconds ignore waiting for a busy core, not "
                         "a slower one), or iterations (updates to target: multiply by the iteration-time ratio of "
-                        "`jagg bench e2e` for a load-independent time estimate) [default: wall]")
+                        "`python -m lab e2e` for a load-independent time estimate) [default: wall]")
     p.add_argument("--target", choices=TARGETS, default="train",
                    help="what time-to-target waits for: exact's final training reward (smoothed curves) or its final "
                         "held-out test reward (the seed-mean evaluations, interpolated between evaluations; not for "

@@ -1,6 +1,6 @@
-"""Shared fixtures, and what keeps the suite hermetic: every test runs in its own temporary directory, with a
-temporary home, and the suite fails when a test leaves anything in the checkout (`git status`, or the checkout's
-runs/, which git ignores)."""
+"""Shared fixtures of both test folders (tests/: the package; lab/tests/: the lab), and what keeps the suite
+hermetic: every test runs in its own temporary directory, with a temporary home, and the suite fails when a test
+leaves anything in the checkout (`git status`, or the checkout's runs/, which git ignores)."""
 
 import os
 import shutil
@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/toy.py, tests/reward_plugins.py
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "tests"), HERE]     # tests/toy.py, tests/reward_plugins.py; the lab (lab/)
 torch.set_num_threads(1)  # tiny models: threads only add contention (30-60x slower on a busy 2-core box)
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parent
 _HOME: str | None = None
 
 
@@ -86,6 +87,19 @@ def in_tmp_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture(autouse=True)
+def restore_threads():
+    """Commands under test set their own torch threads (the benchmarks one: tiny models, a busy machine); restore
+    the session's after each test."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+# what these smoke tests assume instead of the main job's layout and reward (step groups of 4 everywhere, geneval)
+GENERIC = ["estimator.window=4", "estimator.exact_last_intervals=0", "reward.weights=null"]
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """A tiny random TinyDiT checkpoint (fast to sample and train)."""
@@ -98,6 +112,33 @@ def tiny_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
     save_pretrained(model, path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def bench_ckpt(tmp_path_factory):
+    """A tiny TinyDiT whose zero-initialised layers are randomised (non-zero velocities and gradients)."""
+    from jagg.shapes.dit import DiTConfig, TinyDiT, save_pretrained
+    from jagg.shapes import tokenizer
+
+    torch.manual_seed(0)
+    model = TinyDiT(DiTConfig(vocab_size=tokenizer.vocab_size, image_size=16, dim=32, depth=1, heads=2,
+                              text_dim=16, text_depth=1, text_heads=2, patch_size=4))
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.abs().sum():
+                p.normal_(std=0.05)
+    path = tmp_path_factory.mktemp("bench_ckpt") / "tiny.safetensors"
+    save_pretrained(model, path)
+    return str(path)
+
+
+def meter_sets(ckpt: str) -> list[str]:
+    """``--set`` strings for a seconds-long `jagg bench meter` on ``ckpt`` (:func:`bench_ckpt`): unbiased JAGG with
+    step groups of 4 on 8 steps, 2 prompts x 4, a brightness reward with spread in every prompt group."""
+    return ["estimator.exact_last_intervals=0", "estimator.correction_p=0.25", "reward.weights=null",
+            f"model.checkpoint={ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4",
+            "estimator.micro_batch=8", "threads=1", "sample.sde_window=null", "estimator.window=4",
+            "grpo.drop_zero_spread=false", "reward.name=reward_plugins:brightness"]
 
 
 def real_model_config(tmp_path, model_dir: str = "model"):

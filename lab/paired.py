@@ -1,15 +1,15 @@
-"""``jagg bench paired``: did GRPO raise the test reward? A paired comparison of two checkpoints on the test prompts.
+"""``python -m lab paired``: did GRPO raise the test reward? A paired comparison of two checkpoints on the test prompts.
 
 Both checkpoints sample the same test prompts from the same seeded noise (ODE, as ``jagg eval``); per prompt the
 mean reward of its images is taken, and the difference after - before is reported with its standard error
-over prompts and a bootstrap 95% interval (resampling prompts, :mod:`jagg.bench.statistics`), for all test prompts, the prompts built from
+over prompts and a bootstrap 95% interval (resampling prompts, :mod:`lab.statistics`), for all test prompts, the prompts built from
 colour+shape pairs seen in pretraining and those using a held-out pair. Pairing removes most of the
 evaluation noise that separate ``jagg eval`` runs would carry. The defaults are the main job's evaluation settings,
 and the sampling options are ``jagg eval``'s (they refuse the same values); ``--quick`` only fills the options not
 given.
 
-    jagg bench paired BEFORE AFTER [--images-per-prompt 4] [--json PATH]
-    jagg bench paired builtin:tiny_dit runs/default/checkpoints/ckpt_000200.pt
+    python -m lab paired BEFORE AFTER [--images-per-prompt 4] [--json PATH]
+    python -m lab paired builtin:tiny_dit runs/default/checkpoints/ckpt_000200.pt
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import argparse
 
 import numpy as np
 
-from ..arguments import (check_sampling, evaluation_arguments, main_job_defaults, overwrite_argument,
+from jagg.arguments import (check_sampling, evaluation_arguments, main_job_defaults, overwrite_argument,
                          sampling_arguments)
-from ..checks import check_output_file, number_arg
-from ..rewards import get_reward
-from ..shapes import test_prompts
-from ..shapes.evaluation import generate
-from ..shapes.scene import uses_held_out
-from ..shapes.weights import load_model
-from .common import set_threads, write_json
-from .statistics import BOOTSTRAP, interval, resamples
+from jagg.checks import check_output_file, number_arg
+from jagg.rewards import get_reward
+from jagg.shapes import test_prompts
+from jagg.shapes.evaluation import generate
+from jagg.shapes.scene import uses_held_out
+from jagg.shapes.weights import load_model
+from jagg.bench.common import set_threads, write_json
+from lab.statistics import BOOTSTRAP, interval, resamples
 
 
 def per_prompt_rewards(checkpoint: str, prompts: list[str], images: int, args: argparse.Namespace,
@@ -72,7 +72,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     main_job_defaults(args, eval_seed=True)
-    from ..infra.sizes import check_memory
+    from jagg.infra.sizes import check_memory
 
     prompts = len(test_prompts())
     check_sampling(args, 2 * prompts * args.images_per_prompt, f"two checkpoints x {prompts} test prompts x "
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The command's arguments (``jagg bench paired``; also the former ``benchmarks/paired_eval.py``): the sampling
+    """The command's arguments (``python -m lab paired``): the sampling
     and evaluation options are ``jagg eval``'s (:func:`jagg.arguments.sampling_arguments`)."""
 
     p.add_argument("before", help="checkpoint: builtin:tiny_dit, a .safetensors, a training .pt or a run dir")

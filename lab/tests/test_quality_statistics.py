@@ -1,4 +1,4 @@
-"""The rate and the plateau of `jagg bench quality`, on constructed curves (no training): the rising-phase efficiency,
+"""The rate and the plateau of `python -m lab quality`, on constructed curves (no training): the rising-phase efficiency,
 the plateau gap, the reward at an equal budget, their intervals, and the cases where a figure is undefined."""
 
 import math
@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from jagg.bench import statistics as st
+from lab import statistics as st
 from jagg.bench.projection import PRESETS
-from jagg.bench.quality_compare import compare
-from jagg.bench.quality_report import RATE_COLUMNS, rate_rows
+from lab.quality_compare import compare
+from lab.quality_report import RATE_COLUMNS, rate_rows
 from jagg.bench.common import table
 
 EVALS = list(range(0, 61, 2))                  # evaluations every 2 iterations, 60 iterations
@@ -148,7 +148,7 @@ def test_the_statistics_functions():
 
 
 def test_a_runs_summary_keeps_its_evaluations_their_cost_and_the_meter_along_the_run():
-    from jagg.bench.quality_runs import summarize
+    from lab.quality_runs import summarize
     from jagg.trainers.shapes_config import ShapesTrainConfig
 
     cfg = ShapesTrainConfig()

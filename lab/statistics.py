@@ -1,7 +1,7 @@
 """The statistics the benchmarks share: one bootstrap, percentile intervals, and what a reward curve is read for.
 
-- :func:`resamples` and :func:`interval`: the bootstrap of every interval the benchmarks print (``jagg bench quality``
-  resamples seeds, paired across variants; ``jagg bench paired`` resamples prompts), 95% percentile intervals of the
+- :func:`resamples` and :func:`interval`: the bootstrap of every interval the benchmarks print (``python -m lab quality``
+  resamples seeds, paired across variants; ``python -m lab paired`` resamples prompts), 95% percentile intervals of the
   defined resamples.
 - :func:`smooth`, :func:`time_to_target`, :func:`crossing`: when a curve first reaches a level.
 - :func:`rate`: the **rising-phase efficiency** of a curve against a reference's, the updates the reference needs to
