@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..schedule import flow_sigmas, stretch_to_terminal
+from .schedules import dance_sigmas, pipeline_sigmas
 from .config import DTYPES, LORA_WEIGHT_NAME, LoraSettings, PipelineConfig
 from .pipeline import PIPELINE_CLASSES, TEXT_COMPONENTS, load_pipeline
 from .velocity import (ADAPTERS, PackedVelocity, PromptEmbeddings, TransformerVelocity, encode_prompts, model_family,
@@ -341,15 +341,18 @@ class Policy:
             trainable) here.
         vae: the pipeline's VAE (for :meth:`decode`), or None.
         pipe: the diffusers pipeline, whose text encoders embed prompts missing from the cache, or None.
-        scheduler_config: the scheduler's config (the model's own timestep shift and terminal stretch).
+        scheduler_config: the scheduler's config, its class in ``_class_name`` (:meth:`sigmas` builds that scheduler;
+            the model's own timestep shift and terminal stretch).
         prompt_cache: :class:`PromptEmbeddings` with prompt strings, e.g. loaded from ``pipeline.prompt_cache``.
 
     Attributes: ``config``, ``pipe``, ``vae``, ``device``, ``transformer`` (the module the velocity callables call:
     replace it by its DDP / FSDP / accelerate wrapper after ``prepare``), ``bare`` (the unwrapped module, fixed at
     construction), ``named_params`` / ``params`` (the trainable weights), ``reference_model`` (the frozen copy of
     a full fine-tune with ``keep_reference``, else None), ``latent_shape`` (``(C, H/8, W/8)``; video: ``(C, F,
-    H/8, W/8)`` with ``F = (num_frames - 1) / 4 + 1`` latent frames), ``shift``, ``shift_terminal`` (the
-    scheduler's ``shift_terminal`` the sigmas are stretched to, when ``pipeline.shift`` is null; else None).
+    H/8, W/8)`` with ``F = (num_frames - 1) / 4 + 1`` latent frames), ``image_tokens`` (the sequence length a
+    dynamic shift reads), ``shift`` and ``shift_terminal`` (DanceGRPO's grid, ``pipeline.sigma_grid: dance``: the
+    shift at ``pipeline.num_steps``, and the scheduler's ``shift_terminal`` the sigmas are stretched to when
+    ``pipeline.shift`` is null, else None); :meth:`sigmas` says which grid a rollout samples on.
     """
 
     def __init__(self, config: PipelineConfig, transformer: nn.Module, vae: nn.Module | None = None, pipe=None,
@@ -376,10 +379,14 @@ class Policy:
         frames = ((config.frames - 1) // vae_temporal_factor(vae) + 1,) if self._adapter.latent_dims == 5 else ()
         self.latent_shape: tuple[int, ...] = (self._adapter.latent_channels(self.bare.config), *frames, h, w)
         self.scheduler_config = dict(scheduler_config or {})
-        # an explicit pipeline.shift is a static shift; the model's own may end in a stretch (Qwen-Image: 0.02)
+        self.image_tokens = self._adapter.image_tokens(h, w)  # the sequence length a dynamic shift reads
+        if config.family == "sd3":                            # StableDiffusion3Pipeline counts the transformer's patches
+            p = getattr(self.bare.config, "patch_size", 2)
+            self.image_tokens = (h // p) * (w // p)
+        # DanceGRPO's grid: an explicit pipeline.shift is a static shift; the model's own may end in a stretch
         self.shift = (config.shift if config.shift is not None
-                      else default_shift(config.family, self._adapter.image_tokens(h, w), self.scheduler_config,
-                                         config.num_steps))
+                      else default_shift(config.family, self.image_tokens, self.scheduler_config, config.num_steps))
+        self._sigmas: dict[int, Tensor] = {}                  # sigmas() of each number of steps
         self.shift_terminal: float | None = None
         if config.shift is None and self.scheduler_config.get("shift_terminal"):
             self.shift_terminal = float(self.scheduler_config["shift_terminal"])
@@ -393,11 +400,22 @@ class Policy:
     # -- sampler --------------------------------------------------------------------------------------------------
 
     def sigmas(self, num_steps: int | None = None) -> Tensor:
-        """``[T + 1]`` sigmas from 1 to 0 with the model's shift and terminal stretch (as its diffusers scheduler)."""
-        sigmas = flow_sigmas(num_steps or self.config.num_steps, shift=self.shift, dtype=torch.float64)
-        if self.shift_terminal is not None:
-            sigmas = stretch_to_terminal(sigmas, self.shift_terminal)
-        return sigmas.float().to(self.device)
+        """The ``[T + 1]`` float32 sigmas of ``num_steps`` sampling steps (default ``pipeline.num_steps``), from (about)
+        1 down to 0, on the model's device, by ``pipeline.sigma_grid`` (:mod:`jagg.integrations.schedules`):
+        ``pipeline``, the grid the family's diffusers pipeline samples on at this resolution (its scheduler called as
+        the pipeline calls it; SD3: ``set_timesteps(N)``, last sigma before 0 0.0089 at 10 steps with shift 3);
+        ``dance``, DanceGRPO's ``shift(linspace(1, 0, N + 1))`` with :attr:`shift` (and :attr:`shift_terminal`)."""
+        n = num_steps or self.config.num_steps
+        if n not in self._sigmas:
+            if self.config.sigma_grid == "pipeline":
+                grid = pipeline_sigmas(self.config.family, n, self.scheduler_config, self.image_tokens,
+                                       self.config.shift)
+            else:
+                shift = self.shift if n == self.config.num_steps or self.config.shift is not None else \
+                    default_shift(self.config.family, self.image_tokens, self.scheduler_config, n)
+                grid = dance_sigmas(n, shift, self.shift_terminal)
+            self._sigmas[n] = grid
+        return self._sigmas[n].to(self.device)
 
     def noise(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
         """Initial noise ``[B, *latent_shape]`` fp32 on the model's device."""
@@ -488,7 +506,8 @@ def load_model(config: PipelineConfig) -> Policy:
     gradient checkpointing, prompt cache, device)."""
     cache = PromptEmbeddings.load(config.prompt_cache) if config.prompt_cache else None
     pipe = load_pipeline(config)
-    policy = Policy(config, pipe.transformer, getattr(pipe, "vae", None), pipe, dict(pipe.scheduler.config), cache)
+    scheduler = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}   # the class sigmas() builds
+    policy = Policy(config, pipe.transformer, getattr(pipe, "vae", None), pipe, scheduler, cache)
     for name in TEXT_COMPONENTS:
         enc = getattr(pipe, name, None)
         if isinstance(enc, nn.Module):

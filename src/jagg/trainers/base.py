@@ -50,7 +50,7 @@ RESUMABLE_CHANGES = ("grpo.iterations", "grpo.max_consecutive_skips", "grpo.max_
 # config keys added after checkpoints (and bench results) were written with configs that lack them: a saved config
 # without one ran as its default, so it reads as that default (a key the current config lacks is not filled in)
 ADDED_KEYS = {"optim.lr_schedule": "constant", "optim.warmup_steps": 0, "eval.dense_iterations": 0,
-              "eval.dense_every": 0}
+              "eval.dense_every": 0, "pipeline.sigma_grid": "dance"}
 # retired estimator options, with the value that meant "off": a saved config holding that value ran as today's code
 # runs it, so the key is dropped; any other value was an estimator that no longer exists
 RETIRED_KEYS = {"estimator.control_variate": 0.0, "estimator.correction": "interval",
