@@ -24,7 +24,7 @@ from typing import Sequence
 from torch import nn
 
 from ..checks import check_json_files, check_output_file
-from ..infra.config_loader import read_prompt_lines
+from ..infra.prompt_sets import read_prompt_set
 from .config import DTYPES, PipelineConfig, load_pipeline_config
 from .velocity import encode_prompts
 
@@ -119,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jagg.integrations.pipeline",
                                  description="Precompute a prompt-embedding cache with the model's text encoders.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("cache", help="embed prompts (one per line) into a .safetensors/.pt cache")
+    c = sub.add_parser("cache", help="embed prompts (a .txt or .jsonl prompt set) into a .safetensors/.pt cache")
     c.add_argument("--config", required=True, help="YAML with a pipeline: section (e.g. configs/sd35_medium.yaml)")
-    c.add_argument("--prompts", required=True, help="text file, one prompt per line")
+    c.add_argument("--prompts", required=True, help="the prompts: a .txt (one a line) or a .jsonl (a 'prompt' field "
+                   "a line), as sample.prompts_file")
     c.add_argument("--out", required=True, help="cache file to write (.safetensors or .pt)")
     c.add_argument("--batch-size", type=int, default=16, help="prompts per text-encoder call (default 16)")
     c.add_argument("--path", default=None, help="override pipeline.path")
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_output_file(args.out, "--out", args.overwrite, (".safetensors", ".pt", ".pth"))
         cfg = load_pipeline_config(args.config, {"path": args.path} if args.path else None)
-        prompts = read_prompt_lines(args.prompts, "--prompts")
+        prompts = read_prompt_set(args.prompts, "--prompts").prompts
         out = build_prompt_cache(cfg, prompts, args.out, args.batch_size)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

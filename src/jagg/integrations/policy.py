@@ -6,7 +6,7 @@
     traj = jagg.sample_trajectories(v, policy.noise(len(prompts)), policy.sigmas(), cfg.eta)
     images = policy.decode(traj.latents[:, -1])                    # uint8 [B, H, W, 3] (Wan: [B, F, H, W, 3])
     ref = policy.reference(v)                                      # adapters off (KL reference)
-    policy.save_adapter("adapter/")                                # diffusers' load_lora_weights reads it
+    policy.save_adapter("adapter/")                                # load_lora_weights and PeftModel read it
 
 The policy holds the transformer and its trainable weights (LoRA adapters, or every weight for full fine-tuning,
 optionally as fp32 master weights), the KL reference (the same network with the adapters switched off, or a frozen
@@ -16,21 +16,17 @@ construction; a DDP / FSDP / accelerate wrapper put in ``policy.transformer`` af
 callables call.
 
 The free functions (:func:`add_lora`, :func:`full_finetune`, :func:`frozen_copy`, :func:`adapters_disabled`,
-:func:`reference_velocity`, :func:`save_lora`, :func:`load_lora`) are the same operations on a bare transformer, for
-your own loop. Adapters are added with diffusers' own ``transformer.add_adapter(LoraConfig)``, so the transformer
-keeps its class (forward signature, ``config``, ``enable_gradient_checkpointing``), and checkpoints are exactly what
-``<Pipeline>.load_lora_weights`` (StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline) reads: the peft state dict
-(``get_peft_model_state_dict``) saved with ``<Pipeline>.save_lora_weights`` plus the adapter's LoraConfig as metadata
-(so ``alpha != rank`` survives the round trip). Note: ``convert_state_dict_to_diffusers`` must *not* be applied to
-transformer adapters in current diffusers: it renames keys to the old UNet ``lora.down/up`` format and
-``load_lora_weights`` then silently drops the attention adapters.
+:func:`reference_velocity`) are the same operations on a bare transformer, for your own loop. Adapters are added with
+diffusers' own ``transformer.add_adapter(LoraConfig)``, so the transformer keeps its class (forward signature,
+``config``, ``enable_gradient_checkpointing``); their files, in diffusers' and in peft's format
+(:func:`~jagg.integrations.adapters.save_adapter`, :func:`~jagg.integrations.adapters.load_adapter`), are
+:mod:`jagg.integrations.adapters`'.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import math
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -39,9 +35,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .adapters import load_adapter, load_lora, save_adapter, save_lora  # noqa: F401  (load_lora, save_lora: re-exported)
+from .config import DTYPES, LoraSettings, PipelineConfig
+from .pipeline import TEXT_COMPONENTS, load_pipeline
 from .schedules import dance_sigmas, pipeline_sigmas
-from .config import DTYPES, LORA_WEIGHT_NAME, LoraSettings, PipelineConfig
-from .pipeline import PIPELINE_CLASSES, TEXT_COMPONENTS, load_pipeline
 from .velocity import (ADAPTERS, PackedVelocity, PromptEmbeddings, TransformerVelocity, encode_prompts, model_family,
                        unwrap_model)
 
@@ -74,7 +71,7 @@ def _add_lora(model: nn.Module, settings: LoraSettings, family: str) -> list[nn.
 
     model.requires_grad_(False)
     if settings.path is not None:
-        _load_lora(model, settings.path)
+        load_adapter(model, settings.path)
     else:
         rank, alpha, targets = settings.resolved(family)
         _check_targets(model, targets)
@@ -156,54 +153,6 @@ def reference_velocity(velocity: TransformerVelocity, reference: nn.Module | Non
         with _adapters_off(bare):
             return velocity(latents, sigma, index)
     return lora_ref_fn
-
-
-def save_lora(transformer: nn.Module, directory: str | Path, family: str | None = None,
-              is_main_process: bool = True) -> Path:
-    """Save the LoRA adapter in the format ``<Pipeline>.load_lora_weights(directory)`` reads.
-
-    Writes ``directory/pytorch_lora_weights.safetensors`` (peft keys under ``transformer.``; the LoraConfig as
-    metadata). Returns the directory. Under DDP/FSDP call it on every rank with ``is_main_process``.
-    """
-    import diffusers
-    from peft.utils import get_peft_model_state_dict
-
-    model = unwrap_model(transformer)
-    family = family or model_family(model)
-    if not getattr(model, "_hf_peft_config_loaded", False):
-        raise ValueError("the transformer has no LoRA adapter to save (full fine-tuning: use "
-                         "transformer.save_pretrained(dir) instead)")
-    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    cls = getattr(diffusers, PIPELINE_CLASSES[family])
-    kwargs = {}
-    if "transformer_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
-        kwargs["transformer_lora_adapter_metadata"] = model.peft_config["default"].to_dict()
-    else:                                   # old diffusers: no metadata, so fold alpha / r into B (exact at alpha=r)
-        cfg = model.peft_config["default"]
-        scale = cfg.lora_alpha / cfg.r
-        state = {k: v * scale if "lora_B" in k else v for k, v in state.items()}
-    directory = Path(directory)
-    cls.save_lora_weights(str(directory), transformer_lora_layers=state, is_main_process=is_main_process, **kwargs)
-    return directory
-
-
-def load_lora(transformer: nn.Module, directory: str | Path, trainable: bool = True) -> list[nn.Parameter]:
-    """Load an adapter saved by :func:`save_lora` (or any diffusers LoRA of this family) into ``transformer`` as
-    adapter "default" and make it trainable (resume). Returns the adapter parameters."""
-    return _load_lora(unwrap_model(transformer), directory, trainable)
-
-
-def _load_lora(model: nn.Module, directory: str | Path, trainable: bool = True) -> list[nn.Parameter]:
-    directory = Path(directory)
-    if not (directory / LORA_WEIGHT_NAME).is_file():
-        raise FileNotFoundError(f"no LoRA adapter at {directory}: expected {directory / LORA_WEIGHT_NAME} "
-                                "(written by jagg.integrations.save_lora / <Pipeline>.save_lora_weights)")
-    model.load_lora_adapter(str(directory), prefix="transformer", adapter_name="default",
-                            weight_name=LORA_WEIGHT_NAME)
-    params = [p for n, p in model.named_parameters() if "lora_" in n]
-    for p in params:
-        p.requires_grad_(trainable)
-    return params
 
 
 def _not_cached(missing: Sequence[str], where: str) -> str:
@@ -493,9 +442,11 @@ class Policy:
             raise RuntimeError("no VAE loaded: the model directory has no vae/ component")
         return decode_latents(self.vae, latents)
 
-    def save_adapter(self, directory: str | Path, is_main_process: bool = True) -> Path:
-        """Write the LoRA adapter where ``<Pipeline>.load_lora_weights(directory)`` (and ``lora.path``) read it."""
-        return save_lora(self.bare, directory, self.config.family, is_main_process)
+    def save_adapter(self, directory: str | Path, state: dict[str, Tensor] | None = None) -> Path:
+        """Write the LoRA adapter in both formats (:func:`jagg.integrations.adapters.save_adapter`):
+        ``<Pipeline>.load_lora_weights(directory)``, ``PeftModel.from_pretrained(transformer, directory)`` and
+        ``pipeline.lora.path`` read it. ``state``: weights by parameter name to write instead (the EMA's)."""
+        return save_adapter(self.bare, directory, self.config.family, state)
 
 
 RealModel = Policy          # the former name, kept for existing code

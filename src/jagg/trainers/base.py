@@ -130,12 +130,14 @@ def take(items, index) -> Any:
 @dataclass
 class Draw:
     """An iteration's draw of the global batch (:func:`draw_prompts_and_noise`): the prompts, prompt group after prompt group;
-    the initial noise ``[N, *S]``; the trained steps ``[K]`` and the SDE mask ``[T]``."""
+    the initial noise ``[N, *S]``; the trained steps ``[K]`` and the SDE mask ``[T]``; each sample's position in the
+    prompt list it was drawn from ``[N]`` (its metadata's, for the reward)."""
 
     prompts: list[str]
     noise: Tensor
     train_steps: Tensor
     sde_mask: Tensor
+    indices: list[int] | None = None
 
 
 def draw_prompts_and_noise(c, prompts: Sequence[str], latent_shape: tuple[int, ...], num_steps: int,
@@ -152,7 +154,7 @@ def draw_prompts_and_noise(c, prompts: Sequence[str], latent_shape: tuple[int, .
     else:
         noise = torch.randn(len(batch), *latent_shape, generator=gen)
     train_steps, sde_mask = c.sde_steps(num_steps, iteration)
-    return Draw(batch, noise, train_steps, sde_mask)
+    return Draw(batch, noise, train_steps, sde_mask, [int(i) for i in idx for _ in range(c.group_size)])
 
 
 @dataclass
@@ -165,12 +167,14 @@ class Rollout:
         traj: this process's trajectories.
         conditioning: per local sample, what the trainer's :meth:`~GRPO.velocity` needs (the shapes trainer:
             prompt tokens ``[n, L]``; the diffusers trainer: the prompts).
+        metadata: per local sample, its prompt's metadata for the reward (a ``.jsonl`` prompt set's objects), or None.
     """
 
     prompts: list[str]
     local: slice
     traj: Trajectory
     conditioning: Any
+    metadata: list | None = None
 
 
 @dataclass

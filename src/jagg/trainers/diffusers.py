@@ -38,10 +38,9 @@ FSDP / DeepSpeed sharding are available through the library API (docs/real_model
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -59,12 +58,20 @@ from ..infra.metrics import plot_reward_curve, save_grid
 from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
                    draw_prompts_and_noise, update_summary)
 from .diffusers_config import DiffusersTrainConfig
+from .diffusers_eval import evaluate_policy
+from .ema import EMA
+from .weights_export import export_weights, prune_exports
 
 # config keys that may differ between a checkpoint and its resumption, besides the shapes trainer's
 # (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient
 RESUMABLE_REAL = ("pipeline.path", "pipeline.device", "pipeline.prompt_cache", "pipeline.load_text_encoders",
                   "pipeline.gradient_checkpointing", "reward_server")
 TRAINER_TAG = "jagg.trainers.diffusers"          # written into its checkpoints (a shapes run's carry none)
+
+
+def grid_suffix(images: np.ndarray) -> str:
+    """A sample grid's file type: ``gif`` for videos ``[N, F, H, W, 3]`` (an animated grid), else ``png``."""
+    return "gif" if images.ndim == 5 else "png"
 
 
 def _seed(*parts: int) -> int:
@@ -102,6 +109,8 @@ class DiffusersSampler:
         self.device = self.policy.device
         self.latent_shape, self.num_steps = self.policy.latent_shape, cfg.pipeline.num_steps
         self.policy.require_prompts(self.prompts, cfg.sample.prompts_file)
+        if cfg.eval.enabled:
+            self.policy.require_prompts(cfg.eval.prompts()[0], cfg.eval.test_set.path)
         self.named_params, self.params = self.policy.named_params, self.policy.params
         if not self.params:
             raise ValueError("the transformer has no trainable parameter (check pipeline.lora)")
@@ -136,7 +145,8 @@ class DiffusersSampler:
         if len(parts) > 1:
             batched = ("latents", "log_probs", "velocities")
             traj = dataclasses.replace(parts[0], **{f: torch.cat([getattr(t, f) for t in parts]) for f in batched})
-        return Rollout(prompts, self.local, traj, prompts[self.local])
+        metadata = self.cfg.sample.prompt_set.take(draw.indices[self.local])[1] if draw.indices else None
+        return Rollout(prompts, self.local, traj, prompts[self.local], metadata)
 
     def sample(self, iteration: int = 0) -> Rollout:
         """A batch drawn at iteration ``iteration`` (:meth:`draw`) and sampled with the SDE noise of the count of
@@ -152,7 +162,7 @@ class DiffusersSampler:
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         """The reward of the rollout's decoded final images (kept in :attr:`last_images`): ``(scores [n], info)``."""
         self.last_images = self.decode(rollout)
-        return self.reward_fn(self.last_images, rollout.conditioning, None)
+        return self.reward_fn(self.last_images, rollout.conditioning, rollout.metadata)
 
     def velocity(self, prompts):
         """The velocity callable of the samples whose prompts are given."""
@@ -194,7 +204,9 @@ class DiffusersTrainer(GRPOTrainer):
         # per rank: the minibatch order and unbiased JAGG's picks (the sampler's: prompts, noise, SDE noise)
         self.perm_gen = torch.Generator().manual_seed(_seed(cfg.seed, 3, self.rank))
         self.pick_gen = torch.Generator().manual_seed(_seed(cfg.seed, 4, self.rank))   # unbiased JAGG's picks
-        self._images, self._prompts = None, None
+        self.ema = EMA(self.named_params, o.ema_decay) if o.ema_decay > 0 else None   # after each optimizer step
+        self.evaluates = cfg.eval.enabled
+        self._images, self._prompts, self._scores = None, None, None
 
     # ------------------------------------------------------------------ state
     def rng_state(self) -> dict:
@@ -217,6 +229,7 @@ class DiffusersTrainer(GRPOTrainer):
     def _state(self, rngs: list[dict]) -> dict:
         return {"trainer": TRAINER_TAG,
                 "model": {n: p.detach().cpu().clone() for n, p in self.named_params.items()},
+                "ema": None if self.ema is None else self.ema.state_dict(),
                 "optimizer": self.opt.state_dict(), "config": configuration.to_dict(self.cfg),
                 "run_id": self.run_id, "world_size": self.world, "rng": rngs, **self.loop_state()}
 
@@ -235,6 +248,8 @@ class DiffusersTrainer(GRPOTrainer):
         with torch.no_grad():
             for n, p in self.named_params.items():
                 p.copy_(saved[n].to(p.device, p.dtype))
+        if self.ema is not None:
+            self.ema.load_state_dict(state.get("ema"))
         self.opt.load_state_dict(state["optimizer"])
         self.load_loop_state(state)
         rngs = state["rng"]
@@ -253,33 +268,22 @@ class DiffusersTrainer(GRPOTrainer):
         rngs = rngs if rngs is not None else gather_objects([self.rng_state()])
         path = None
         if self.main:
-            if self.cfg.pipeline.lora.enabled:
-                self._save_adapter()
+            export_weights(self.policy, self.ckpt_dir, self.iteration, self.ema)   # adapter_<n>/ or transformer_<n>/
             path = write_checkpoint(self._state(rngs), self.ckpt_dir, self.iteration)
-            for old in prune_checkpoints(self.ckpt_dir, self.cfg.log.keep_last, self.run_id, keep=path):
-                # this run's adapter of a pruned checkpoint goes with it; other adapter directories stay
-                shutil.rmtree(self.ckpt_dir / old.name.replace("ckpt_", "adapter_").removesuffix(".pt"),
-                              ignore_errors=True)
+            # this run's exports of a pruned checkpoint go with it; other directories stay
+            prune_exports(self.ckpt_dir, prune_checkpoints(self.ckpt_dir, self.cfg.log.keep_last, self.run_id,
+                                                           keep=path))
             if self._images is not None and self.cfg.log.sample_images:
                 n = min(self.cfg.log.sample_images, len(self._images))
-                suffix = "gif" if self._images.ndim == 5 else "png"            # videos (Wan): an animated grid
-                grid = self.out / "samples" / f"iter_{self.iteration:06d}.{suffix}"
-                save_grid(self._images[:n], grid, ncol=min(n, 4), scale=1, prompts=self._prompts[:n])
+                grid = self.out / "samples" / f"iter_{self.iteration:06d}.{grid_suffix(self._images)}"
+                save_grid(self._images[:n], grid, ncol=min(n, 4), scale=1, prompts=self._prompts[:n],
+                          rewards=self._scores[:n])
                 self.logger.image("images/rollouts", grid, self.iteration)
             plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
                               f"GRPO ({self.cfg.estimator.mode}) on {self.cfg.pipeline.family}")
         if self.world > 1:
             dist.barrier()
         return path
-
-    def _save_adapter(self) -> Path:
-        final = self.ckpt_dir / f"adapter_{self.iteration:06d}"
-        tmp = self.ckpt_dir / f".adapter_{self.iteration:06d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.policy.save_adapter(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        return final
 
     # ------------------------------------------------------------------ one iteration
     def rollout(self, draw: Draw) -> Rollout:
@@ -289,8 +293,41 @@ class DiffusersTrainer(GRPOTrainer):
 
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         scores, info = self.sampler.score(rollout)
-        self._images, self._prompts = self.sampler.last_images, rollout.conditioning   # the samples saved at a checkpoint
+        # the samples saved at a checkpoint, captioned with their rewards
+        self._images, self._prompts, self._scores = self.sampler.last_images, rollout.conditioning, scores
         return scores, info
+
+    def after_step(self) -> None:
+        if self.ema is not None:
+            self.ema.update()
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        """Evaluate on the test set (:func:`jagg.trainers.diffusers_eval.evaluate_policy`, the EMA's weights when the
+        run keeps one), log an ``eval`` record, write ``samples/eval_<n>.png`` (videos: ``.gif``) captioned with each
+        image's prompt and reward, to TensorBoard and wandb too; returns the record."""
+        c = self.cfg
+        prompts, metadata = c.eval.prompts()
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            ev = evaluate_policy(self.policy, self.reward_fn, prompts, metadata, c.pipeline.eval_num_steps,
+                                 c.eval.seed, c.sample.micro_batch, c.eval.grid_size, self.rank, self.world)
+        rec = {"kind": "eval", "iteration": self.iteration, "wall_s": self.wall, "eval_s": ev.seconds,
+               "ema": self.ema is not None, **ev.metrics}
+        if self.main:
+            self.logger.log(rec)
+            grid = self.out / "samples" / f"eval_{self.iteration:06d}.{grid_suffix(ev.images)}"
+            save_grid(ev.images, grid, ncol=min(len(ev.images), 4), scale=1, prompts=ev.prompts, rewards=ev.scores)
+            self.logger.image("images/eval", grid, self.iteration)
+            plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
+                              f"GRPO ({c.estimator.mode}) on {c.pipeline.family}")
+        return rec
+
+    def before_training(self) -> None:
+        if self.iteration == 0 and self.evaluates:
+            self._print(f"iteration 0: test reward {self.evaluate()['reward_mean']:.4f}")
+
+    def after_iteration(self, done: bool) -> dict | None:
+        return self.evaluate() if self.cfg.eval.due(self.iteration, done) else None
 
     def velocity(self, prompts):
         return self.sampler.velocity(prompts)
@@ -339,14 +376,17 @@ class DiffusersTrainer(GRPOTrainer):
         return bool(self._sum([float(self._stop)])[0])                 # every process stops at the same iteration
 
     def report(self, records: list[dict]) -> None:
-        train = [r for r in records if r.get("kind") == "train"]
-        if train:
-            print(f"train reward: {train[0]['reward_mean']:.4f} (iteration {train[0]['iteration']}) -> "
-                  f"{train[-1]['reward_mean']:.4f} (iteration {train[-1]['iteration']})")
+        for kind in ("train", "eval"):
+            rows = [r for r in records if r.get("kind") == kind]
+            if rows:
+                print(f"{'train' if kind == 'train' else 'test'} reward: {rows[0]['reward_mean']:.4f} (iteration "
+                      f"{rows[0]['iteration']}) -> {rows[-1]['reward_mean']:.4f} (iteration {rows[-1]['iteration']})")
         super().report(records)
 
     def shown_outputs(self) -> list[str]:
-        extra = " (ckpt_*.pt, adapter_*/: LoRA, diffusers load_lora_weights)" if self.cfg.pipeline.lora.enabled else ""
+        lora = self.cfg.pipeline.lora.enabled
+        extra = (" (ckpt_*.pt; adapter_*/: LoRA for load_lora_weights and PeftModel.from_pretrained" if lora else
+                 " (ckpt_*.pt; transformer_*/: save_pretrained") + (", EMA in ema/)" if self.ema is not None else ")")
         return [o + extra if o == "checkpoints/" else o for o in super().shown_outputs()]
 
     def record(self, it: Iteration) -> dict:
