@@ -439,7 +439,7 @@ def test_a_failed_iteration_says_that_a_changed_key_needs_a_new_run(tmp_path, ti
     import reward_plugins
 
     monkeypatch.setattr(reward_plugins, "CALLS", 0)
-    monkeypatch.setattr(reward_plugins, "FAIL_AT", 1)
+    monkeypatch.setattr(reward_plugins, "FAIL_AT", 2)              # in iteration 2: iteration 1 is kept
     code, line, out = _jagg(_train(tiny_ckpt, tmp_path / "run", 2, "reward.weights=null",
                                    "reward.name=reward_plugins:flaky_geneval"), capsys)
     assert code == 2 and "reward server went away" in line

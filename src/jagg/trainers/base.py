@@ -39,7 +39,8 @@ from ..estimator_config import RETIRED_CORRECTION_P, EstimatorConfig
 from ..infra.distributed import gather, init_process_group_from_env
 from ..infra.config_loader import to_dict
 from ..infra.metrics import MetricsLogger
-from ..infra.rundir import TRAIN, RunHints, lock_run, open_run, outputs, read_run_file, write_run_file
+from ..infra.rundir import (TRAIN, RunHints, discard_new_run, lock_run, open_run, outputs, read_run_file, snapshot,
+                            write_run_file)
 from ..infra.wandb_run import WandbRun, check_start as check_wandb_start
 from ..trajectory import Trajectory, VelocityFn
 from .lr_schedule import check_resumable_schedule, lr_factor, schedules_lr
@@ -585,6 +586,7 @@ class GRPOTrainer(GRPO):
             check_wandb_start(cfg.log)                   # before anything is written: one line naming the key
         self._start = open_run(self.out, **self._opening, main=self.main,
                                barrier=dist.barrier if self.world > 1 else None, log=self._print, hints=self.hints)
+        self._before = snapshot(self.out) if self._start.resumed is None else None   # a new run: what was there
         self.run_id = self._start.run_id
         self._stop = self.stopped = False
 
@@ -712,6 +714,7 @@ class GRPOTrainer(GRPO):
                         f"{c.grpo.iterations}: nothing to train (raise grpo.iterations to continue it, or "
                         f"{self.hints.start_over})")
         handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        failed = False
         try:
             self.before_training()
             bar = tqdm(total=c.grpo.iterations, initial=self.iteration, disable=not (c.log.progress and self.main),
@@ -736,6 +739,9 @@ class GRPOTrainer(GRPO):
                     self._print(f"saved {path}; {self.hints.continue_run}")
                     break
             bar.close()
+        except Exception:
+            failed = True
+            raise
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -743,7 +749,23 @@ class GRPOTrainer(GRPO):
                 self.logger.close()
             if lock is not None:
                 lock.close()
+            if failed and self._untrained():
+                self._discard()
         return self.logger.records() if self.logger is not None else []
+
+    def _untrained(self) -> bool:
+        """Whether this is a new run that has not finished an iteration: nothing of it is worth keeping."""
+        return self.iteration == 0 and self._start.resumed is None
+
+    def _discard(self) -> None:
+        """After a failure before the first iteration ended: remove what this new run wrote (the main process), so
+        the same command starts again once the cause is fixed (:func:`jagg.infra.rundir.discard_new_run`)."""
+        if self.main:
+            removed = discard_new_run(self.out, self._before)
+            what = f" ({', '.join(removed)})" if removed else ""
+            print(f"\nthe run failed before its first iteration ended: nothing was trained, and what it wrote in "
+                  f"{self.out}{what} was removed, so the same command starts a new run once the cause is fixed",
+                  flush=True)
 
     def _logged_step(self) -> dict:
         """:meth:`step`, logged on the main process; a failure first saves what lets ``--resume`` retry it."""
@@ -769,7 +791,7 @@ class GRPOTrainer(GRPO):
         """A failure before this iteration's first update (sampling, reward) left the weights untouched: in a
         single process, rewind the RNGs to the iteration's start and save, so ``--resume`` retries exactly
         this iteration."""
-        if self._updating or self.world > 1:
+        if self._updating or self.world > 1 or self._untrained():     # a new run's first iteration: discarded
             return
         self.set_rng_state(self._rng_at_start)
         path = self.save()

@@ -60,6 +60,8 @@ from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, R
 from .diffusers_config import DiffusersTrainConfig
 from .diffusers_eval import evaluate_policy
 from .ema import EMA
+from .preflight import preflight
+from .run_header import header, loading_note, quiet_loading
 from .weights_export import export_weights, prune_exports
 
 # config keys that may differ between a checkpoint and its resumption, besides the shapes trainer's
@@ -98,7 +100,9 @@ class DiffusersSampler:
     one process). :meth:`sample` draws and samples a batch; the SDE noise of each sampling piece is seeded by (seed,
     iteration, position), the iteration the trainer's, or the count of batches :meth:`sample` drew."""
 
-    def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None):
+    def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None, checked: bool = False):
+        if not checked:                                        # before anything loads (jagg train: before_setup)
+            preflight(cfg)
         self.cfg = cfg
         self.local = slice(0, cfg.sample.batch_size) if local is None else local
         self.prompts = cfg.sample.prompt_lines                 # read (and checked) when the config was loaded
@@ -186,11 +190,18 @@ class DiffusersTrainer(GRPOTrainer):
     cfg: DiffusersTrainConfig
     multiprocess = True
 
+    def before_setup(self) -> None:
+        """What can be checked before the model loads (:func:`jagg.trainers.preflight.preflight`: the model
+        directory against the config, the starting adapter, the reward server), then the run directory."""
+        preflight(self.cfg)
+        super().before_setup()
+
     def setup(self) -> None:
         cfg = self.cfg
         self.progress_label = f"GRPO {cfg.pipeline.family}"
         # this rank's slice (the batch must split evenly); the model, prompts, reward and rollout RNGs: the sampler's
-        self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size))
+        with quiet_loading() as held:
+            self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size), checked=True)
         self.local, self.prompts, self.reward_fn, self.policy, self.device = (s.local, s.prompts, s.reward_fn,
                                                                               s.policy, s.device)
         self.latent_shape, self.num_steps, self.named_params, self.params = (s.latent_shape, s.num_steps,
@@ -207,6 +218,9 @@ class DiffusersTrainer(GRPOTrainer):
         self.ema = EMA(self.named_params, o.ema_decay) if o.ema_decay > 0 else None   # after each optimizer step
         self.evaluates = cfg.eval.enabled
         self._images, self._prompts, self._scores = None, None, None
+        if self.main:                                          # the first screen: what runs
+            lines = header(cfg, self.policy, self.out, self.run_id, self._start.resumed is not None, self.world)
+            print("\n".join(lines + [note for note in [loading_note(held)] if note]), flush=True)
 
     # ------------------------------------------------------------------ state
     def rng_state(self) -> dict:
