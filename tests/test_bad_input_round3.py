@@ -337,10 +337,11 @@ def test_broken_json_inside_a_model_directory_names_the_file(tmp_path):
 
     model = tmp_path / "sd3"
     (model / "transformer").mkdir(parents=True)
-    (model / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline",
+                                                        "transformer": ["diffusers", "SD3Transformer2DModel"]}))
     for broken, text in (("transformer/config.json", '{"in_channels": 16,'), ("model_index.json", "{"),
                          ("scheduler/scheduler_config.json", "not json")):
-        (model / "transformer" / "config.json").write_text("{}")
+        (model / "transformer" / "config.json").write_text('{"in_channels": 16}')
         (model / broken).parent.mkdir(exist_ok=True)
         good = (model / broken).read_text() if (model / broken).exists() else None
         (model / broken).write_text(text)
