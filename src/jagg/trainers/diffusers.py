@@ -57,7 +57,7 @@ from ..infra.distributed import all_reduce_gradients, gather_objects, loss_scale
 from ..infra.metrics import plot_reward_curve, save_grid
 from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
                    draw_prompts_and_noise, update_summary)
-from .diffusers_config import DiffusersTrainConfig
+from .diffusers_config import TRAINER_TAG, DiffusersTrainConfig
 from .diffusers_eval import evaluate_policy
 from .ema import EMA
 from .preflight import preflight
@@ -68,7 +68,6 @@ from .weights_export import export_weights, prune_exports
 # (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient
 RESUMABLE_REAL = ("pipeline.path", "pipeline.device", "pipeline.prompt_cache", "pipeline.load_text_encoders",
                   "pipeline.gradient_checkpointing", "reward_server")
-TRAINER_TAG = "jagg.trainers.diffusers"          # written into its checkpoints (a shapes run's carry none)
 
 
 def grid_suffix(images: np.ndarray) -> str:

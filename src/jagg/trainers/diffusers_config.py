@@ -23,6 +23,9 @@ from ..infra.prompt_sets import PromptSet, eval_set_beside, read_prompt_set
 from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_run, sde_window_field
 
 
+TRAINER_TAG = "jagg.trainers.diffusers"          # written into the trainer's checkpoints (a shapes run's carry none)
+
+
 @dataclass
 class DiffusersSampleConfig(SampleBatch):
     """Rollouts of a real model. Steps, eta, shift and guidance are the model's and live in ``pipeline:``; the
