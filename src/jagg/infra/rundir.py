@@ -102,9 +102,11 @@ def run_contents(out: Path, hints: RunHints = TRAIN) -> list[str]:
         if ckpts:
             found.append(f"{len(ckpts)} checkpoint{'s' * (len(ckpts) != 1)} (newest {ckpts[-1].name})")
         ckpt_dir = out / "checkpoints"
-        adapters = [p for p in ckpt_dir.iterdir() if p.name.startswith("adapter_")] if ckpt_dir.is_dir() else []
-        if adapters and not ckpts:
-            found.append(f"{len(adapters)} LoRA adapter director{'ies' if len(adapters) != 1 else 'y'}")
+        exports = ([p for p in ckpt_dir.iterdir() if p.name.startswith(("adapter_", "transformer_"))]
+                   if ckpt_dir.is_dir() else [])                          # a real model's exported weights
+        if exports and not ckpts:
+            found.append(f"{len(exports)} exported weight director{'ies' if len(exports) != 1 else 'y'} (adapter_*, "
+                         "transformer_*)")
         samples = out / "samples"
         if samples.is_dir() and any(samples.iterdir()):
             found.append("samples/")

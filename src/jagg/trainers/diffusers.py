@@ -1,4 +1,5 @@
-"""``jagg train`` on a real diffusers model (SD3/SD3.5, FLUX.1, Qwen-Image): GRPO with JAGG, LoRA or full weights.
+"""``jagg train`` on a real diffusers model (SD3/SD3.5, FLUX.1, Qwen-Image, Wan 2.1, FLUX.2): GRPO with JAGG, LoRA or
+full weights.
 
 A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``; the config is
 :class:`jagg.trainers.diffusers_config.DiffusersTrainConfig`) makes ``jagg train --config X.yaml`` run
@@ -8,26 +9,37 @@ trainer fills its hooks and asks one object for everything model specific, the
 files); the rollouts (model, trainable weights, prompts, reward, sampling) are :class:`DiffusersSampler`'s, which
 ``jagg bench meter`` and ``jagg bench signal`` draw their batches with too. One iteration:
 
-1. pick ``prompts_per_iter`` prompts of ``sample.prompts_file`` and repeat each ``group_size`` times (the global
-   batch of ``N`` trajectories); under torchrun / accelerate every rank takes its contiguous shard of it;
+Before the model loads (and before the run directory is touched) :func:`jagg.trainers.preflight.preflight` checks
+the model directory against the config, the starting adapter and the reward server; the first screen is a header of
+what runs (:mod:`jagg.trainers.run_header`). One iteration:
+
+1. pick ``prompts_per_iter`` prompts of ``sample.prompts_file`` (a ``.txt``, or a ``.jsonl`` with each prompt's
+   metadata) and repeat each ``group_size`` times (the global batch of ``N`` trajectories); under torchrun /
+   accelerate every rank takes its contiguous shard of it;
 2. sample the shard with the Flow-GRPO SDE through :meth:`Policy.velocity` (CFG, prompt embeddings) and
-   :func:`jagg.sample_trajectories`, in pieces of ``sample.micro_batch`` trajectories at global positions, each
-   with its own SDE noise seeded by (seed, iteration, position): a sample's rollout does not depend on the number
-   of processes when every shard is a whole number of pieces; decode with the VAE; score with the reward
-   (registry name, weighted sum, ``module:function`` or an HTTP reward server);
+   :func:`jagg.sample_trajectories` on :meth:`Policy.sigmas` (the family's pipeline grid, ``pipeline.sigma_grid``),
+   in pieces of ``sample.micro_batch`` trajectories at global positions, each with its own SDE noise seeded by (seed,
+   iteration, position): a sample's rollout does not depend on the number of processes when every shard is a whole
+   number of pieces; decode with the VAE; score with the reward (registry name, weighted sum, ``module:function`` or
+   an HTTP reward server), given each sample's prompt metadata;
 3. gather the rewards of all ranks, group-relative advantages per prompt on the global batch
    (:func:`jagg.group_advantages`), drop zero-spread prompt groups;
 4. ``inner_epochs x updates_per_epoch`` AdamW updates whose gradients come from :func:`jagg.policy_gradient`
-   (KL reference = the adapters switched off, or a frozen copy for full fine-tuning); with several ranks the
-   local gradients are averaged once per update with :func:`jagg.infra.distributed.all_reduce_gradients`, each
-   rank's loss scaled by :func:`jagg.infra.distributed.loss_scale` so the result is the gradient of the global
-   minibatch.
+   (KL reference = the adapters switched off, or a frozen copy for full fine-tuning), each followed by the EMA's
+   update (``optim.ema_decay``, :class:`jagg.trainers.ema.EMA`); with several ranks the local gradients are
+   averaged once per update with :func:`jagg.infra.distributed.all_reduce_gradients`, each rank's loss scaled by
+   :func:`jagg.infra.distributed.loss_scale` so the result is the gradient of the global minibatch.
 
-Outputs in ``log.output_dir`` (one run per directory, :mod:`jagg.infra.rundir`; ``run.json`` holds the run id):
-``metrics.jsonl`` (+ TensorBoard), ``reward_curve.png``, ``samples/iter_<n>.png``
-(a few rollout images at each checkpoint; a video family's as an animated ``.gif`` grid), ``checkpoints/ckpt_<n>.pt`` (trainable weights, optimizer, every RNG,
-config; atomic, keep-last-N) and, with LoRA, ``checkpoints/adapter_<n>/pytorch_lora_weights.safetensors``, which
-``StableDiffusion3Pipeline.load_lora_weights`` / ``FluxPipeline.load_lora_weights`` read.
+Every ``eval.every`` iterations (and before the first and after the last) the test set is evaluated
+(:func:`jagg.trainers.diffusers_eval.evaluate_policy`: the ODE at ``pipeline.eval_num_steps``, fixed noise, the EMA's
+weights). Outputs in ``log.output_dir`` (one run per directory, :mod:`jagg.infra.rundir`; ``run.json`` holds the run
+id): ``metrics.jsonl`` (``train`` and ``eval`` records, + TensorBoard with the grids), ``reward_curve.png``,
+``samples/iter_<n>.png`` (a few rollout images at each checkpoint) and ``samples/eval_<n>.png`` (test images), each
+captioned with prompt and reward (a video family's as an animated ``.gif`` grid), ``checkpoints/ckpt_<n>.pt``
+(trainable weights, their EMA, optimizer, every RNG, config; atomic, keep-last-N) and beside each its export
+(:mod:`jagg.trainers.weights_export`): with LoRA ``adapter_<n>/``, which ``<Pipeline>.load_lora_weights`` and
+``PeftModel.from_pretrained`` read, with full fine-tuning ``transformer_<n>/`` (``save_pretrained``), the EMA's in
+``ema/``.
 
 Data parallelism replicates the model on every rank (LoRA on SD3.5 / FLUX fits one GPU); the model is not wrapped
 in DDP: gradients accumulate locally and are all-reduced once per optimizer update, so ranks may hold different
@@ -276,7 +288,8 @@ class DiffusersTrainer(GRPOTrainer):
         return changed
 
     def save(self, rngs: list[dict] | None = None) -> Path | None:
-        """Checkpoint (rank 0 writes; a collective: every rank must call it): LoRA adapter directory first, then
+        """Checkpoint (rank 0 writes; a collective: every rank must call it): the exported weights first (adapter or
+        transformer directory, :func:`jagg.trainers.weights_export.export_weights`), then
         ``ckpt_<n>.pt``, each written to a temporary name and renamed; the newest ``log.keep_last`` are kept."""
         rngs = rngs if rngs is not None else gather_objects([self.rng_state()])
         path = None
