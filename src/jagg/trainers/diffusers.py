@@ -124,8 +124,6 @@ class DiffusersSampler:
         self.device = self.policy.device
         self.latent_shape, self.num_steps = self.policy.latent_shape, cfg.pipeline.num_steps
         self.policy.require_prompts(self.prompts, cfg.sample.prompts_file)
-        if cfg.eval.enabled:
-            self.policy.require_prompts(cfg.eval.prompts()[0], cfg.eval.test_set.path)
         self.named_params, self.params = self.policy.named_params, self.policy.params
         if not self.params:
             raise ValueError("the transformer has no trainable parameter (check pipeline.lora)")
@@ -218,6 +216,8 @@ class DiffusersTrainer(GRPOTrainer):
         self.latent_shape, self.num_steps, self.named_params, self.params = (s.latent_shape, s.num_steps,
                                                                              s.named_params, s.params)
         self.pieces, self.np_rng, self.gen = s.pieces, s.np_rng, s.gen
+        if cfg.eval.enabled:                                   # the test prompts too, before anything runs
+            self.policy.require_prompts(cfg.eval.prompts()[0], cfg.eval.test_set.path)
         if self.world > 1:                                     # replicas start identical
             for p in self.params:
                 dist.broadcast(p.data, 0)

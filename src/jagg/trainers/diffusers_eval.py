@@ -91,11 +91,12 @@ def evaluate_policy(policy, reward_fn, prompts: list[str], metadata: list | None
     mine = positions[:own]
     scores, info = reward_fn(images, [prompts[i] for i in mine],
                              None if metadata is None else [metadata[i] for i in mine]) if own else (np.zeros(0), {})
+    # every process's (scores, per-image info, its images among the first `grid`), in process order
     parts = gather_objects([(np.asarray(scores, dtype=np.float64), per_image(info, own),
                              [(i, im) for i, im in zip(mine, images) if i < grid])])
     all_scores = np.concatenate([p[0] for p in parts])
-    keys = set.intersection(*[set(p[1]) for p in parts if len(p[0])]) if any(len(p[0]) for p in parts) else set()
-    gathered = {k: [x for p in parts for x in p[1].get(k, [])] for k in keys}
+    scored = [p[1] for p in parts if len(p[0])]                       # the info of processes that scored images
+    gathered = {k: [x for p in scored for x in p[k]] for k in scored[0] if all(k in p for p in scored)}
     shown = sorted((pair for p in parts for pair in p[2]), key=lambda pair: pair[0])
     shown_images = np.stack([im for _, im in shown]) if shown else np.zeros((0,), np.uint8)
     return Evaluation(eval_metrics(all_scores, gathered), shown_images, [prompts[i] for i, _ in shown],

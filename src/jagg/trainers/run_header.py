@@ -58,7 +58,9 @@ def _estimator(e, rows: float, exact: int) -> str:
     kind = e.mode + (f", window {e.window}, knots {e.knots}, intermediate {e.intermediate}" if e.mode == "jagg" else "")
     if e.corrects:
         kind += f", correction_p {e.correction_p:g}"
-    return f"{kind}: {rows:.3g} rows back-propagated per sample against exact's {exact} ({rows / exact:.2f}x)"
+    about = "about " if 0 < e.jagg_frac < 1 else ""           # routing decides per sample on the rollout's velocities
+    return (f"{kind}: {about}{rows:.3g} rows back-propagated per sample against exact's {exact} "
+            f"({rows / exact:.2f}x)")
 
 
 def header(cfg, policy, out, run_id: str, resumed: bool, world: int) -> list[str]:
