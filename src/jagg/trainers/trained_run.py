@@ -15,6 +15,7 @@ unset take the run's values: ``--steps`` its ``pipeline.eval_num_steps``, ``--gu
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def load_trained(path: Path, args) -> TrainedRun:
     """The run of checkpoint ``path`` with its trained weights (module docstring); ``args``: the command's options
     (``raw_weights``, ``guidance_scale``, ``shift``)."""
     from ..integrations.policy import load_model
-    from .run_header import quiet_loading
+    from .run_header import loading_note, quiet_loading
 
     state = read_checkpoint(path)
     saved = state["config"]
@@ -85,8 +86,11 @@ def load_trained(path: Path, args) -> TrainedRun:
             raise FileNotFoundError(f"the LoRA adapter of {path.name} is not at {adapter}; the run exports it beside "
                                     "each checkpoint (was it moved?)")
         pipeline = dataclasses.replace(pipeline, lora=dataclasses.replace(pipeline.lora, path=str(adapter)))
-    with quiet_loading():
+    with quiet_loading() as held:
         policy = load_model(pipeline)
+    note = loading_note(held)
+    if note:                                  # stderr: `jagg eval` prints its metrics as JSON on stdout
+        print(note.strip(), file=sys.stderr)
     if not pipeline.lora.enabled:
         weights = state["ema"] if ema else state["model"]
         with torch.no_grad():
