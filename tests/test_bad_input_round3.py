@@ -332,10 +332,11 @@ def test_broken_json_inside_a_model_directory_names_the_file(tmp_path):
 
     model = tmp_path / "sd3"
     (model / "transformer").mkdir(parents=True)
-    (model / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline",
+                                                        "transformer": ["diffusers", "SD3Transformer2DModel"]}))
     for broken, text in (("transformer/config.json", '{"in_channels": 16,'), ("model_index.json", "{"),
                          ("scheduler/scheduler_config.json", "not json")):
-        (model / "transformer" / "config.json").write_text("{}")
+        (model / "transformer" / "config.json").write_text('{"in_channels": 16}')
         (model / broken).parent.mkdir(exist_ok=True)
         good = (model / broken).read_text() if (model / broken).exists() else None
         (model / broken).write_text(text)
@@ -383,7 +384,7 @@ def test_a_failed_iteration_says_that_a_changed_key_needs_a_new_run(tmp_path, ti
     import reward_plugins
 
     monkeypatch.setattr(reward_plugins, "CALLS", 0)
-    monkeypatch.setattr(reward_plugins, "FAIL_AT", 1)
+    monkeypatch.setattr(reward_plugins, "FAIL_AT", 2)              # in iteration 2: iteration 1 is kept
     code, line, out = _jagg(_train(tiny_ckpt, tmp_path / "run", 2, "reward.weights=null",
                                    "reward.name=reward_plugins:flaky_geneval"), capsys)
     assert code == 2 and "reward server went away" in line

@@ -26,7 +26,7 @@ import jagg  # noqa: E402
 from jagg.integrations import (LoraSettings, PipelineConfig, PromptEmbeddings, RealModel, VelocityConfig,  # noqa: E402
                                adapters_disabled, add_lora, check_model_dir, load_lora, load_model,
                                load_pipeline_config, pack_latents, reference_velocity, save_lora, unpack_latents,
-                               velocity_adapter)
+                               velocity_adapter, adapter_format, save_adapter)
 from jagg.integrations import decode_latents  # noqa: E402
 from jagg.integrations import pipeline  # noqa: E402
 from jagg.integrations.policy import default_shift  # noqa: E402
@@ -292,7 +292,12 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model(family):
     assert r.shape == traj.velocities.shape
 
 
-def test_saved_adapter_loads_back_with_diffusers(tmp_path, family):
+def test_saved_adapter_loads_back_with_diffusers_and_peft(tmp_path, family):
+    """One saved adapter directory holds both formats: diffusers' load_lora_weights, peft's
+    PeftModel.from_pretrained and jagg's loader each give the trained velocity (1e-5), and a directory with peft's
+    files alone (a Flow-GRPO checkpoint's lora/) loads as well."""
+    from peft import PeftModel
+
     make, vcfg = MODELS[family]
     model = make()
     add_lora(model, LoraSettings(rank=4, alpha=16.0))                # alpha != rank must survive the round trip
@@ -300,7 +305,9 @@ def test_saved_adapter_loads_back_with_diffusers(tmp_path, family):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.1)
-    save_lora(model, tmp_path / "adapter", family)
+    save_adapter(model, tmp_path / "adapter", family)
+    assert {"pytorch_lora_weights.safetensors", "adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in (tmp_path / "adapter").iterdir()}
     cond, neg = embeds(family=family)
     x, s, i = torch.randn(2, C, H, W), torch.tensor([0.8, 0.4]), torch.tensor([0, 3])
     with torch.no_grad():
@@ -327,8 +334,27 @@ def test_saved_adapter_loads_back_with_diffusers(tmp_path, family):
     assert params and all(p.requires_grad for p in params)
     with torch.no_grad():
         torch.testing.assert_close(velocity_adapter(fresh, cond, neg, vcfg)(x, s, i), want, rtol=1e-5, atol=1e-6)
-    with pytest.raises(FileNotFoundError, match="no LoRA adapter"):
+    # 3) peft's own loader reads the same directory
+    peft_model = PeftModel.from_pretrained(make(), str(tmp_path / "adapter"))
+    with torch.no_grad():
+        got = velocity_adapter(peft_model, cond, neg, vcfg)(x, s, i)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # 4) peft's files alone, as Flow-GRPO saves them: jagg's loader takes them too
+    only_peft = tmp_path / "flow_grpo_lora"
+    only_peft.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (only_peft / name).write_bytes((tmp_path / "adapter" / name).read_bytes())
+    assert adapter_format(only_peft) == "peft" and adapter_format(tmp_path / "adapter") == "diffusers"
+    fresh = make()
+    fresh.requires_grad_(False)
+    assert all(p.requires_grad for p in load_lora(fresh, only_peft))
+    with torch.no_grad():
+        torch.testing.assert_close(velocity_adapter(fresh, cond, neg, vcfg)(x, s, i), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
         load_lora(make(), tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no LoRA adapter: expected pytorch_lora_weights"):
+        adapter_format(tmp_path / "empty", "pipeline.lora.path")
 
 
 def test_lora_settings_defaults_and_errors():

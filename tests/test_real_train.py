@@ -303,11 +303,14 @@ threads: 1
         assert np.isfinite(r["reward_mean"]) and r["reward_mean"] < 0 and np.isfinite(r["loss"])
         assert r["kl"] > 0 and r["backward_items"] == 4 * 2                  # one JAGG group of 4 steps
         ck = tmp_path / "run" / "checkpoints"
-        assert [p.name for p in ck.iterdir()] == ["ckpt_000001.pt"]          # full fine-tuning: no adapter
+        # full fine-tuning: no adapter; the transformer exported with its own save_pretrained
+        assert sorted(p.name for p in ck.iterdir()) == ["ckpt_000001.pt", "transformer_000001"]
         state = torch.load(ck / "ckpt_000001.pt", weights_only=False)
         start = dict(tiny_flux().named_parameters())
         assert set(state["model"]) == set(start)                            # every weight is trained
         assert any(not torch.equal(state["model"][n], start[n]) for n in start)
+        exported = dict(diffusers.FluxTransformer2DModel.from_pretrained(ck / "transformer_000001").named_parameters())
+        assert all(torch.equal(exported[n], state["model"][n]) for n in start)
         # a training prompt missing from the prompt cache (no text encoders) is named before anything runs
         (tmp_path / "prompts.txt").write_text("a red cube\na purple cone\n")
         assert main(["train", "--config", str(tmp_path / "flux.yaml"), "--output-dir", str(tmp_path / "r2")]) == 2

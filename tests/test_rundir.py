@@ -310,9 +310,15 @@ def _real_config(tmp_path: Path) -> Path:
 
 
 def test_the_real_model_trainer_applies_the_same_rules_before_loading_a_model(tmp_path, capsys):
-    """The rules live in jagg.infra.rundir, which DiffusersTrainer calls before it loads the model (the model path
-    here does not exist: each refusal comes first)."""
+    """The rules live in jagg.infra.rundir, which DiffusersTrainer calls before it loads the model (its directory
+    here holds config files of the right shape and no weights: each refusal comes first); the model directory is
+    checked before the run directory is touched, so --overwrite with a missing model moves nothing aside."""
     cfg, run = _real_config(tmp_path), tmp_path / "run"
+    model = tmp_path / "no_model"
+    (model / "transformer").mkdir(parents=True)
+    (model / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline", '
+                                            '"transformer": ["diffusers", "SD3Transformer2DModel"]}')
+    (model / "transformer" / "config.json").write_text('{"patch_size": 2, "pos_embed_max_size": 192}')
     (run / "checkpoints").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"kind": "train", "iteration": 1}\n')
     torch.save({"model": {}, "manifest": {}, "run_id": "x"}, run / "checkpoints" / "ckpt_000001.pt")
@@ -323,8 +329,12 @@ def test_the_real_model_trainer_applies_the_same_rules_before_loading_a_model(tm
     (run / "checkpoints" / "ckpt_000001.pt").write_bytes(b"cut")
     assert main(["train", "--config", str(cfg), "--output-dir", str(run), "--resume"]) == 2
     assert "ckpt_000001.pt is not a loadable checkpoint" in _one_line_error(capsys)
-    assert main(["train", "--config", str(cfg), "--output-dir", str(run), "--overwrite"]) == 2   # moved, then no model
+    assert main(["train", "--config", str(cfg), "--output-dir", str(run), "--overwrite",
+                 "--set", f"pipeline.path={tmp_path / 'missing'}"]) == 2
     assert "jagg never downloads weights" in _one_line_error(capsys)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]    # the model first: nothing moved
+    assert main(["train", "--config", str(cfg), "--output-dir", str(run), "--overwrite"]) == 2   # moved, no weights
+    assert "no_model" in _one_line_error(capsys)
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
     assert (aside / "metrics.jsonl").is_file() and (aside / "checkpoints" / "ckpt_000001.pt").read_bytes() == b"cut"
     assert not (run / RUN_FILE).exists()                                   # nothing written before the model loads

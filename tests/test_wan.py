@@ -73,11 +73,7 @@ def test_euler_steps_and_videos_equal_the_pipeline():
     from the same noise equals jagg's Euler steps with the policy's sigmas and velocity on latents [N, C, F, h, w],
     and its decoded videos equal the policy's uint8 frames."""
     cond, neg = embeds()
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    # WanPipeline calls set_timesteps(n) alone, whose default grid ends at the scheduler's sigma_min; jagg's (and
-    # StableDiffusion3Pipeline's) is 1, 1 - 1/n, ..., 1/n before the shift: give the scheduler that grid
-    default = scheduler.set_timesteps
-    scheduler.set_timesteps = lambda n, device=None: default(sigmas=np.linspace(1.0, 1 / n, n), device=device)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)     # WanPipeline calls set_timesteps(n): the policy too
     pipe = diffusers.WanPipeline(transformer=tiny_wan(), vae=tiny_wan_vae(), scheduler=scheduler, text_encoder=None,
                                  tokenizer=None)
     policy = Policy(wan_config(), pipe.transformer, pipe.vae, pipe, dict(scheduler.config),

@@ -100,7 +100,8 @@ def sampling_arguments(q, checkpoint: bool = True) -> None:
     (:func:`main_job_defaults`)."""
     if checkpoint:
         q.add_argument("--checkpoint", default="builtin:tiny_dit",
-                       help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory")
+                       help="builtin:tiny_dit, a .safetensors, a training checkpoint .pt or a run directory (a "
+                       "real-model run's too: its model, adapter and EMA)")
     q.add_argument("--steps", type=number_arg(int, 1), help="ODE sampling steps [default: the main job's eval.num_steps]")
     q.add_argument("--guidance-scale", type=number_arg(float),
                    help="classifier-free guidance scale [default: the main job's sample.guidance_scale]")

@@ -225,7 +225,22 @@ def _pretrain(args) -> int:
     return 0
 
 
+def _real_run(args):
+    """The checkpoint of a real-model run that ``--checkpoint`` names (:mod:`jagg.trainers.trained_run`), or None."""
+    from .trainers.trained_run import diffusers_checkpoint
+
+    return diffusers_checkpoint(args.checkpoint)
+
+
 def _sample(args) -> int:
+    real = _real_run(args)
+    if real is not None:
+        from .infra.metrics import IMAGE_SUFFIXES
+        from .trainers.trained_run import sample_run
+
+        check_output_file(args.out, "--out", args.overwrite, (*IMAGE_SUFFIXES, ".gif"))
+        check_output_file(Path(args.out).with_suffix(".txt"), f"--out {args.out}'s captions", args.overwrite)
+        return sample_run(real, args)
     from .infra.config_loader import read_prompt_lines
     from .shapes import tokenizer
     from .shapes.weights import load_model
@@ -262,6 +277,18 @@ def _eval(args) -> int:
 
     if args.json is not None:
         check_output_file(args.json, "--json", args.overwrite)
+    real = _real_run(args)
+    if real is not None:
+        from .trainers.trained_run import eval_run
+
+        text = json.dumps(eval_run(real, args), indent=2)
+        print(text)
+        if args.json is not None:
+            atomic_write_text(args.json, text + "\n")
+        return 0
+    if args.prompt_file is not None or args.raw_weights:
+        raise ValueError(f"--{'prompt-file' if args.prompt_file is not None else 'raw-weights'} is for a real-model "
+                         "run (--checkpoint <run directory>); the shapes world is evaluated on its test split")
     prompts = eval_prompts(args.num_prompts, "--num-prompts")
     check_sampling(args, prompts * args.images_per_prompt, f"{prompts} test prompts x --images-per-prompt "
                    f"{args.images_per_prompt}", "lower --images-per-prompt or --num-prompts")
@@ -323,10 +350,16 @@ def _add_pretrain(sub) -> None:
 
 def _add_sample_and_eval(sub) -> None:
     """``jagg sample`` (prompts -> image grid) and ``jagg eval`` (the test-prompt reward) of a checkpoint."""
-    s = sub.add_parser("sample", help="prompts -> image grid from a checkpoint")
+    real = (" A real-model run (--checkpoint <run directory> of a pipeline: config, or one of its ckpt_<n>.pt) samples "
+            "its own model with its trained weights (the EMA's where it keeps one; --raw-weights: not) on its sigma "
+            "grid; the options left unset take the run's values (pipeline.eval_num_steps, cfg_scale, shift, eval.seed).")
+    s = sub.add_parser("sample", help="prompts -> image grid from a checkpoint",
+                       description="Sample prompts with the deterministic ODE sampler into a captioned grid." + real)
     sampling_arguments(s)
     s.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    s.add_argument("--prompt-file", help="a text file with one prompt per line")
+    s.add_argument("--prompt-file", help="a prompt file: one prompt per line (a real-model run: also a .jsonl with "
+                   "a 'prompt' field a line)")
+    s.add_argument("--raw-weights", action="store_true", help="a real-model run: its trained weights, not the EMA's")
     s.add_argument("--num-per-prompt", type=number_arg(int, 1), default=4, help="images per prompt (one grid row each)")
     s.add_argument("--out", default="samples.png", help="output image (.png, .jpg, ...; its captions go to the same "
                    "name with .txt)")
@@ -334,9 +367,14 @@ def _add_sample_and_eval(sub) -> None:
     s.set_defaults(func=_sample)
 
     e = sub.add_parser("eval", help="held-out test-prompt reward of a checkpoint (defaults: the main job's evaluation, so "
-                       "`jagg eval --checkpoint runs/default` reproduces the trainer's test reward)")
+                       "`jagg eval --checkpoint runs/default` reproduces the trainer's test reward)",
+                       description="The reward of a checkpoint on held-out test prompts, sampled with the ODE "
+                       "sampler from fixed noise." + real + " It is evaluated on the run's test set (or --prompt-file, "
+                       ".txt or .jsonl) with the run's reward (or --reward), as its trainer evaluates.")
     sampling_arguments(e)
     evaluation_arguments(e)
+    e.add_argument("--prompt-file", help="a real-model run: the test prompts (.txt or .jsonl) instead of its test set")
+    e.add_argument("--raw-weights", action="store_true", help="a real-model run: its trained weights, not the EMA's")
     e.add_argument("--num-prompts", type=number_arg(int, 0), default=0, help="test prompts (0 = all)")
     e.add_argument("--json", help="also write the metrics to this JSON file")
     overwrite_argument(e, "--json")
@@ -380,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["jagg", args.command, *([args.bench_command] if args.command == "bench" else [])])
 
     def run(args) -> int:
-        if args.command in ("sample", "eval"):
+        if args.command in ("sample", "eval") and _real_run(args) is None:     # a real-model run: the run's values
             main_job_defaults(args, eval_seed=args.command == "eval")
         return args.func(args)
 

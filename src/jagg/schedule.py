@@ -23,10 +23,14 @@ def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
 
 
 def flow_sigmas(num_steps: int, shift: float = 1.0, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The ``num_steps + 1`` sigmas of a flow-matching sampler, from 1 down to 0.
+    """DanceGRPO's and the JAGG authors' grid: the ``num_steps + 1`` sigmas ``shift(linspace(1, 0, N + 1))``, from 1
+    down to 0 (:func:`shift_sigmas`). Returns a tensor of shape ``[num_steps + 1]``.
 
-    Same as diffusers' ``FlowMatchEulerDiscreteScheduler`` for SD3 (``linspace(1, 1/N, N)``, shifted, then a
-    final 0). Returns a tensor of shape ``[num_steps + 1]``.
+    The shapes world samples on it. It is not the grid of SD3's diffusers pipeline: ``StableDiffusion3Pipeline`` calls
+    ``FlowMatchEulerDiscreteScheduler.set_timesteps(N)``, whose last sigma before 0 is 0.0089 at 10 steps with shift
+    3, where this grid's is 0.25; FLUX.1, Qwen-Image and FLUX.2 pass ``linspace(1, 1/N, N)`` with their dynamic
+    shift, which is this grid at that shift. A real model's rollouts use its own pipeline's grid
+    (:mod:`jagg.integrations.schedules`, ``pipeline.sigma_grid``).
     """
     if not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be an integer >= 1; got {num_steps!r}")

@@ -131,7 +131,14 @@ class MetricsLogger:
             self.wandb.log(record["iteration"], numbers)
 
     def image(self, key: str, path: Path, iteration: int) -> None:
-        """The sample grid written to ``path`` at ``iteration``, to wandb as the image ``key`` (when logging there)."""
+        """The sample grid written to ``path`` at ``iteration``, as the image ``key`` to TensorBoard (an animated
+        ``.gif``: its first frame) and to wandb (when logging there)."""
+        if self.tb is not None:
+            from PIL import Image
+
+            with Image.open(path) as picture:
+                self.tb.add_image(key, np.asarray(picture.convert("RGB")), iteration, dataformats="HWC")
+            self.tb.flush()
         if self.wandb is not None:
             self.wandb.image(key, path, iteration)
 

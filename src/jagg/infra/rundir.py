@@ -29,6 +29,7 @@ import errno
 import json
 import os
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,9 +102,11 @@ def run_contents(out: Path, hints: RunHints = TRAIN) -> list[str]:
         if ckpts:
             found.append(f"{len(ckpts)} checkpoint{'s' * (len(ckpts) != 1)} (newest {ckpts[-1].name})")
         ckpt_dir = out / "checkpoints"
-        adapters = [p for p in ckpt_dir.iterdir() if p.name.startswith("adapter_")] if ckpt_dir.is_dir() else []
-        if adapters and not ckpts:
-            found.append(f"{len(adapters)} LoRA adapter director{'ies' if len(adapters) != 1 else 'y'}")
+        exports = ([p for p in ckpt_dir.iterdir() if p.name.startswith(("adapter_", "transformer_"))]
+                   if ckpt_dir.is_dir() else [])                          # a real model's exported weights
+        if exports and not ckpts:
+            found.append(f"{len(exports)} exported weight director{'ies' if len(exports) != 1 else 'y'} (adapter_*, "
+                         "transformer_*)")
         samples = out / "samples"
         if samples.is_dir() and any(samples.iterdir()):
             found.append("samples/")
@@ -331,6 +334,47 @@ def check_metrics(out: Path, hints: RunHints = TRAIN) -> None:
                           f"{hints.continue_run}; or {hints.start_over}, or {hints.other_dir}") from None
     except OSError as e:
         raise fs_error(e, out, "read", hints) from None
+
+
+def snapshot(out: Path) -> set[str] | None:
+    """The paths under ``out`` (relative, files and directories) before a new run writes there; None when ``out``
+    does not exist (:func:`discard_new_run`)."""
+    out = Path(out)
+    if not out.is_dir():
+        return None
+    found = set()
+    for root, dirs, files in os.walk(out):
+        rel = Path(root).relative_to(out)
+        found.update(str(rel / name) for name in dirs + files)
+    return found
+
+
+def discard_new_run(out: Path, before: set[str] | None) -> list[str]:
+    """Remove what a new run wrote in ``out`` before it trained anything: every path not in ``before`` (its
+    :func:`snapshot` when it started), and ``out`` itself when it did not exist (``before`` None); what was there
+    before stays. Returns the top-level names removed."""
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    if before is None:
+        names = sorted(p.name for p in out.iterdir())
+        shutil.rmtree(out, ignore_errors=True)
+        return names
+    removed = []
+    for root, dirs, files in os.walk(out, topdown=False):
+        rel = Path(root).relative_to(out)
+        for name in files + dirs:
+            path = Path(root) / name
+            if str(rel / name) in before:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                if not any(path.iterdir()):
+                    path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
+            if rel == Path(".") and not path.exists():
+                removed.append(name)
+    return sorted(removed)
 
 
 def outputs(out: Path) -> list[str]:

@@ -4,8 +4,10 @@ fine-tuning, from a local path.
 Modules: :mod:`~jagg.integrations.config` (the ``pipeline:`` section: model, LoRA, guidance),
 :mod:`~jagg.integrations.velocity` (prompt embeddings and the SD3 / FLUX / Qwen-Image / Wan / FLUX.2 velocity adapters),
 :mod:`~jagg.integrations.pipeline` (a local diffusers directory: checks, loading, the prompt-cache builder
-``python -m jagg.integrations.pipeline cache``), :mod:`~jagg.integrations.policy` (the owner of the policy:
-trainable weights, KL reference, prompts, sampler, velocity, decoding, adapter files),
+``python -m jagg.integrations.pipeline cache``), :mod:`~jagg.integrations.schedules` (the sigma grid of each family's
+pipeline, and DanceGRPO's), :mod:`~jagg.integrations.adapters` (LoRA files in diffusers' and peft's formats),
+:mod:`~jagg.integrations.policy` (the owner of the policy: trainable weights, KL reference, prompts, sampler,
+velocity, decoding),
 :mod:`jagg.trainers.diffusers` and :mod:`jagg.trainers.diffusers_config` (``jagg train`` on these models) live
 with the other trainer in :mod:`jagg.trainers`.
 
@@ -15,9 +17,10 @@ diffusers and peft are imported only when a function needs them.
 
 from .config import (FLUX2_TARGET_MODULES, FLUX_TARGET_MODULES, QWEN_IMAGE_TARGET_MODULES, SD3_TARGET_MODULES,
                      WAN_TARGET_MODULES, LoraSettings, PipelineConfig, VelocityConfig, load_pipeline_config)
+from .adapters import adapter_format, load_adapter, load_lora, save_adapter, save_lora, save_peft
 from .pipeline import check_model_dir, load_pipeline
 from .policy import (Policy, RealModel, adapters_disabled, add_lora, decode_latents, frozen_copy, full_finetune,
-                     load_lora, load_model, reference_velocity, save_lora)
+                     load_model, reference_velocity)
 from .velocity import (Flux2Velocity, FluxVelocity, PromptEmbeddings, QwenImageVelocity, SD3Velocity,
                        TransformerVelocity, WanVelocity, encode_prompts, model_family, pack_latents, unpack_latents,
                        unwrap_model, velocity_adapter)
@@ -29,5 +32,5 @@ __all__ = [
     "encode_prompts", "frozen_copy", "full_finetune", "load_lora", "load_model", "load_pipeline",
     "load_pipeline_config", "model_family", "pack_latents", "reference_velocity", "save_lora", "unpack_latents",
     "unwrap_model", "velocity_adapter", "WAN_TARGET_MODULES", "WanVelocity", "FLUX2_TARGET_MODULES",
-    "Flux2Velocity",
+    "Flux2Velocity", "adapter_format", "load_adapter", "save_adapter", "save_peft",
 ]

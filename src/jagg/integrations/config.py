@@ -45,6 +45,7 @@ from ..infra.config_loader import from_dict, read_yaml
 FAMILIES = ("sd3", "flux", "qwen_image", "wan", "flux2", "flux2_klein")
 VIDEO_FAMILIES = ("wan",)                   # latents [C, F, H/8, W/8] with a frame axis; decoded to videos
 UNCOND_FORWARDS = ("separate", "batched")
+SIGMA_GRIDS = ("pipeline", "dance")         # jagg.integrations.schedules makes them (it imports diffusers; this not)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SD3_TARGET_MODULES = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
                       "attn.to_out.0", "attn.to_q", "attn.to_v")
@@ -187,6 +188,12 @@ class PipelineConfig:
                                 "flow_shift (3.0 for 480p), FLUX and Qwen-Image the resolution-dependent exp(mu), "
                                 "Qwen-Image then stretched to its shift_terminal (0.02), FLUX.2 exp(mu) of the image "
                                 "tokens and the number of steps."))
+    sigma_grid: str = field(default="pipeline", metadata=_help(
+        "The sigmas of a rollout and an evaluation: 'pipeline', the grid the family's diffusers pipeline samples on "
+        "at the same steps and resolution (its scheduler called as the pipeline calls it: SD3's set_timesteps(N), "
+        "FLUX.1 / Qwen-Image / FLUX.2's explicit sigmas with their dynamic shift and terminal stretch, Wan's "
+        "scheduler), as Flow-GRPO samples; or 'dance', DanceGRPO's and the JAGG authors' shift(linspace(1, 0, N + 1)) "
+        "(jagg.integrations.schedules)."))
     eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO: SD3 0.7, FLUX 0.9)."))
     cfg_scale: float = field(default=4.5, metadata=_help("Classifier-free guidance weight in sampling and training "
                              "(Flow-GRPO SD3.5 and Wan 2.1: 4.5; FLUX.1-dev: 1, it is guidance-distilled)."))
@@ -230,6 +237,9 @@ class PipelineConfig:
         if self.family == "qwen_image" and self.max_sequence_length > QWEN_MAX_SEQUENCE_LENGTH:
             raise ValueError(f"pipeline.max_sequence_length must be <= {QWEN_MAX_SEQUENCE_LENGTH} for qwen_image "
                              f"(QwenImagePipeline's limit); got {self.max_sequence_length}")
+        if self.sigma_grid not in SIGMA_GRIDS:
+            raise ValueError(f"pipeline.sigma_grid must be one of {SIGMA_GRIDS} (the model's pipeline grid, or "
+                             f"DanceGRPO's); got {self.sigma_grid!r}")
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"pipeline.shift must be > 0 or null; got {self.shift}")
         check_eta(self.eta, Keys(eta="pipeline.eta"))

@@ -16,56 +16,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from torch import nn
 
-from ..checks import check_json_files, check_output_file
-from ..infra.config_loader import read_prompt_lines
+from ..checks import check_output_file
+from ..infra.prompt_sets import read_prompt_set
 from .config import DTYPES, PipelineConfig, load_pipeline_config
+from .model_dir import PIPELINE_CLASSES, check_model, check_model_dir  # noqa: F401  (check_model_dir: re-exported)
 from .velocity import encode_prompts
 
-PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline",
-                    "wan": "WanPipeline", "flux2": "Flux2Pipeline", "flux2_klein": "Flux2KleinPipeline"}
 TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the model directory
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def check_model_dir(path: str | Path, family: str) -> dict:
-    """Raise a clear error unless ``path`` is a local diffusers model directory of ``family``; return model_index."""
-    p = Path(path).expanduser() if path else None
-    hint = ("download it once on a machine with internet, e.g. `huggingface-cli download "
-            "stabilityai/stable-diffusion-3.5-medium --local-dir /models/sd3.5-medium` (FLUX: "
-            "black-forest-labs/FLUX.1-dev; Qwen-Image: Qwen/Qwen-Image; Wan 2.1: Wan-AI/Wan2.1-T2V-1.3B-Diffusers; "
-            "FLUX.2: black-forest-labs/FLUX.2-dev or FLUX.2-klein-base-4B), copy it here and set pipeline.path")
-    if p is None or not p.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist; jagg never downloads weights: {hint}")
-    if not p.is_dir():
-        raise NotADirectoryError(f"model path {p} is a file; it must be a diffusers model directory "
-                                 "(model_index.json, transformer/, vae/, ...), not a single checkpoint file")
-    if not (p / "model_index.json").is_file():
-        raise FileNotFoundError(f"{p} is not a diffusers model directory: no model_index.json. Point pipeline.path "
-                                f"at the directory that contains model_index.json; {hint}")
-    if not (p / "transformer" / "config.json").is_file():
-        raise FileNotFoundError(f"{p} has no transformer/ subfolder (transformer/config.json): it is not an SD3, "
-                                "FLUX, Qwen-Image, Wan or FLUX.2 diffusers directory (UNet models such as SD1.5/SDXL "
-                                "are not flow-matching DiTs)")
-    check_json_files(p, f"pipeline.path {p}")        # a broken config.json, named before diffusers reads it
-    index = json.loads((p / "model_index.json").read_text())
-    expected = PIPELINE_CLASSES[family]
-    found = index.get("_class_name", "")
-    known = {v: k for k, v in PIPELINE_CLASSES.items()}
-    if found in known and found != expected:
-        raise ValueError(f"{p} holds a {found} but pipeline.family is {family!r}; set pipeline.family: "
-                         f"{known[found]!r}")
-    return index
 
 
 def load_pipeline(config: PipelineConfig, skip: Sequence[str] = ()):
@@ -74,7 +37,7 @@ def load_pipeline(config: PipelineConfig, skip: Sequence[str] = ()):
     load as None."""
     import diffusers
 
-    index = check_model_dir(config.path, config.family)
+    index = check_model(config).index
     cls = getattr(diffusers, PIPELINE_CLASSES[config.family])
     expected, _ = cls._get_signature_keys(cls)
     load_text = config.load_text_encoders if config.load_text_encoders is not None else config.prompt_cache is None
@@ -84,9 +47,13 @@ def load_pipeline(config: PipelineConfig, skip: Sequence[str] = ()):
         none.update({name: None for name in TEXT_COMPONENTS if name in expected})
     # recent diffusers name the argument `dtype` (and deprecate `torch_dtype`); older versions only know torch_dtype
     new_api = hasattr(getattr(diffusers.utils, "deprecation_utils", None), "_TORCH_DTYPE_DEPRECATION_MESSAGE")
-    dtype_kw = {"dtype" if new_api else "torch_dtype": DTYPES[config.dtype]}        # checked by PipelineConfig
+    dtype = DTYPES[config.dtype]                                                       # checked by PipelineConfig
+    if new_api:                                   # the VAE loaded in its own dtype (not cast after: its fp32 modules)
+        dtype_kw = {"dtype": {"default": dtype, "vae": DTYPES[config.vae_dtype]}}
+    else:
+        dtype_kw = {"torch_dtype": dtype}
     pipe = cls.from_pretrained(str(Path(config.path).expanduser()), **dtype_kw, **none)
-    if getattr(pipe, "vae", None) is not None:
+    if getattr(pipe, "vae", None) is not None and pipe.vae.dtype != DTYPES[config.vae_dtype]:
         pipe.vae.to(DTYPES[config.vae_dtype])
     return pipe
 
@@ -119,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jagg.integrations.pipeline",
                                  description="Precompute a prompt-embedding cache with the model's text encoders.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("cache", help="embed prompts (one per line) into a .safetensors/.pt cache")
+    c = sub.add_parser("cache", help="embed prompts (a .txt or .jsonl prompt set) into a .safetensors/.pt cache")
     c.add_argument("--config", required=True, help="YAML with a pipeline: section (e.g. configs/sd35_medium.yaml)")
-    c.add_argument("--prompts", required=True, help="text file, one prompt per line")
+    c.add_argument("--prompts", required=True, help="the prompts: a .txt (one a line) or a .jsonl (a 'prompt' field "
+                   "a line), as sample.prompts_file")
     c.add_argument("--out", required=True, help="cache file to write (.safetensors or .pt)")
     c.add_argument("--batch-size", type=int, default=16, help="prompts per text-encoder call (default 16)")
     c.add_argument("--path", default=None, help="override pipeline.path")
@@ -130,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_output_file(args.out, "--out", args.overwrite, (".safetensors", ".pt", ".pth"))
         cfg = load_pipeline_config(args.config, {"path": args.path} if args.path else None)
-        prompts = read_prompt_lines(args.prompts, "--prompts")
+        prompts = read_prompt_set(args.prompts, "--prompts").prompts
         out = build_prompt_cache(cfg, prompts, args.out, args.batch_size)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

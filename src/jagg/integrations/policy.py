@@ -6,7 +6,7 @@
     traj = jagg.sample_trajectories(v, policy.noise(len(prompts)), policy.sigmas(), cfg.eta)
     images = policy.decode(traj.latents[:, -1])                    # uint8 [B, H, W, 3] (Wan: [B, F, H, W, 3])
     ref = policy.reference(v)                                      # adapters off (KL reference)
-    policy.save_adapter("adapter/")                                # diffusers' load_lora_weights reads it
+    policy.save_adapter("adapter/")                                # load_lora_weights and PeftModel read it
 
 The policy holds the transformer and its trainable weights (LoRA adapters, or every weight for full fine-tuning,
 optionally as fp32 master weights), the KL reference (the same network with the adapters switched off, or a frozen
@@ -16,21 +16,17 @@ construction; a DDP / FSDP / accelerate wrapper put in ``policy.transformer`` af
 callables call.
 
 The free functions (:func:`add_lora`, :func:`full_finetune`, :func:`frozen_copy`, :func:`adapters_disabled`,
-:func:`reference_velocity`, :func:`save_lora`, :func:`load_lora`) are the same operations on a bare transformer, for
-your own loop. Adapters are added with diffusers' own ``transformer.add_adapter(LoraConfig)``, so the transformer
-keeps its class (forward signature, ``config``, ``enable_gradient_checkpointing``), and checkpoints are exactly what
-``<Pipeline>.load_lora_weights`` (StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline) reads: the peft state dict
-(``get_peft_model_state_dict``) saved with ``<Pipeline>.save_lora_weights`` plus the adapter's LoraConfig as metadata
-(so ``alpha != rank`` survives the round trip). Note: ``convert_state_dict_to_diffusers`` must *not* be applied to
-transformer adapters in current diffusers: it renames keys to the old UNet ``lora.down/up`` format and
-``load_lora_weights`` then silently drops the attention adapters.
+:func:`reference_velocity`) are the same operations on a bare transformer, for your own loop. Adapters are added with
+diffusers' own ``transformer.add_adapter(LoraConfig)``, so the transformer keeps its class (forward signature,
+``config``, ``enable_gradient_checkpointing``); their files, in diffusers' and in peft's format
+(:func:`~jagg.integrations.adapters.save_adapter`, :func:`~jagg.integrations.adapters.load_adapter`), are
+:mod:`jagg.integrations.adapters`'.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import math
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -39,9 +35,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..schedule import flow_sigmas, stretch_to_terminal
-from .config import DTYPES, LORA_WEIGHT_NAME, LoraSettings, PipelineConfig
-from .pipeline import PIPELINE_CLASSES, TEXT_COMPONENTS, load_pipeline
+from .adapters import load_adapter, load_lora, save_adapter, save_lora  # noqa: F401  (load_lora, save_lora: re-exported)
+from .config import DTYPES, LoraSettings, PipelineConfig
+from .pipeline import TEXT_COMPONENTS, load_pipeline
+from .schedules import dance_sigmas, pipeline_sigmas
 from .velocity import (ADAPTERS, PackedVelocity, PromptEmbeddings, TransformerVelocity, encode_prompts, model_family,
                        unwrap_model)
 
@@ -74,7 +71,7 @@ def _add_lora(model: nn.Module, settings: LoraSettings, family: str) -> list[nn.
 
     model.requires_grad_(False)
     if settings.path is not None:
-        _load_lora(model, settings.path)
+        load_adapter(model, settings.path)
     else:
         rank, alpha, targets = settings.resolved(family)
         _check_targets(model, targets)
@@ -156,54 +153,6 @@ def reference_velocity(velocity: TransformerVelocity, reference: nn.Module | Non
         with _adapters_off(bare):
             return velocity(latents, sigma, index)
     return lora_ref_fn
-
-
-def save_lora(transformer: nn.Module, directory: str | Path, family: str | None = None,
-              is_main_process: bool = True) -> Path:
-    """Save the LoRA adapter in the format ``<Pipeline>.load_lora_weights(directory)`` reads.
-
-    Writes ``directory/pytorch_lora_weights.safetensors`` (peft keys under ``transformer.``; the LoraConfig as
-    metadata). Returns the directory. Under DDP/FSDP call it on every rank with ``is_main_process``.
-    """
-    import diffusers
-    from peft.utils import get_peft_model_state_dict
-
-    model = unwrap_model(transformer)
-    family = family or model_family(model)
-    if not getattr(model, "_hf_peft_config_loaded", False):
-        raise ValueError("the transformer has no LoRA adapter to save (full fine-tuning: use "
-                         "transformer.save_pretrained(dir) instead)")
-    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    cls = getattr(diffusers, PIPELINE_CLASSES[family])
-    kwargs = {}
-    if "transformer_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
-        kwargs["transformer_lora_adapter_metadata"] = model.peft_config["default"].to_dict()
-    else:                                   # old diffusers: no metadata, so fold alpha / r into B (exact at alpha=r)
-        cfg = model.peft_config["default"]
-        scale = cfg.lora_alpha / cfg.r
-        state = {k: v * scale if "lora_B" in k else v for k, v in state.items()}
-    directory = Path(directory)
-    cls.save_lora_weights(str(directory), transformer_lora_layers=state, is_main_process=is_main_process, **kwargs)
-    return directory
-
-
-def load_lora(transformer: nn.Module, directory: str | Path, trainable: bool = True) -> list[nn.Parameter]:
-    """Load an adapter saved by :func:`save_lora` (or any diffusers LoRA of this family) into ``transformer`` as
-    adapter "default" and make it trainable (resume). Returns the adapter parameters."""
-    return _load_lora(unwrap_model(transformer), directory, trainable)
-
-
-def _load_lora(model: nn.Module, directory: str | Path, trainable: bool = True) -> list[nn.Parameter]:
-    directory = Path(directory)
-    if not (directory / LORA_WEIGHT_NAME).is_file():
-        raise FileNotFoundError(f"no LoRA adapter at {directory}: expected {directory / LORA_WEIGHT_NAME} "
-                                "(written by jagg.integrations.save_lora / <Pipeline>.save_lora_weights)")
-    model.load_lora_adapter(str(directory), prefix="transformer", adapter_name="default",
-                            weight_name=LORA_WEIGHT_NAME)
-    params = [p for n, p in model.named_parameters() if "lora_" in n]
-    for p in params:
-        p.requires_grad_(trainable)
-    return params
 
 
 def _not_cached(missing: Sequence[str], where: str) -> str:
@@ -341,15 +290,18 @@ class Policy:
             trainable) here.
         vae: the pipeline's VAE (for :meth:`decode`), or None.
         pipe: the diffusers pipeline, whose text encoders embed prompts missing from the cache, or None.
-        scheduler_config: the scheduler's config (the model's own timestep shift and terminal stretch).
+        scheduler_config: the scheduler's config, its class in ``_class_name`` (:meth:`sigmas` builds that scheduler;
+            the model's own timestep shift and terminal stretch).
         prompt_cache: :class:`PromptEmbeddings` with prompt strings, e.g. loaded from ``pipeline.prompt_cache``.
 
     Attributes: ``config``, ``pipe``, ``vae``, ``device``, ``transformer`` (the module the velocity callables call:
     replace it by its DDP / FSDP / accelerate wrapper after ``prepare``), ``bare`` (the unwrapped module, fixed at
     construction), ``named_params`` / ``params`` (the trainable weights), ``reference_model`` (the frozen copy of
     a full fine-tune with ``keep_reference``, else None), ``latent_shape`` (``(C, H/8, W/8)``; video: ``(C, F,
-    H/8, W/8)`` with ``F = (num_frames - 1) / 4 + 1`` latent frames), ``shift``, ``shift_terminal`` (the
-    scheduler's ``shift_terminal`` the sigmas are stretched to, when ``pipeline.shift`` is null; else None).
+    H/8, W/8)`` with ``F = (num_frames - 1) / 4 + 1`` latent frames), ``image_tokens`` (the sequence length a
+    dynamic shift reads), ``shift`` and ``shift_terminal`` (DanceGRPO's grid, ``pipeline.sigma_grid: dance``: the
+    shift at ``pipeline.num_steps``, and the scheduler's ``shift_terminal`` the sigmas are stretched to when
+    ``pipeline.shift`` is null, else None); :meth:`sigmas` says which grid a rollout samples on.
     """
 
     def __init__(self, config: PipelineConfig, transformer: nn.Module, vae: nn.Module | None = None, pipe=None,
@@ -376,10 +328,14 @@ class Policy:
         frames = ((config.frames - 1) // vae_temporal_factor(vae) + 1,) if self._adapter.latent_dims == 5 else ()
         self.latent_shape: tuple[int, ...] = (self._adapter.latent_channels(self.bare.config), *frames, h, w)
         self.scheduler_config = dict(scheduler_config or {})
-        # an explicit pipeline.shift is a static shift; the model's own may end in a stretch (Qwen-Image: 0.02)
+        self.image_tokens = self._adapter.image_tokens(h, w)  # the sequence length a dynamic shift reads
+        if config.family == "sd3":                            # StableDiffusion3Pipeline counts the transformer's patches
+            p = getattr(self.bare.config, "patch_size", 2)
+            self.image_tokens = (h // p) * (w // p)
+        # DanceGRPO's grid: an explicit pipeline.shift is a static shift; the model's own may end in a stretch
         self.shift = (config.shift if config.shift is not None
-                      else default_shift(config.family, self._adapter.image_tokens(h, w), self.scheduler_config,
-                                         config.num_steps))
+                      else default_shift(config.family, self.image_tokens, self.scheduler_config, config.num_steps))
+        self._sigmas: dict[int, Tensor] = {}                  # sigmas() of each number of steps
         self.shift_terminal: float | None = None
         if config.shift is None and self.scheduler_config.get("shift_terminal"):
             self.shift_terminal = float(self.scheduler_config["shift_terminal"])
@@ -393,11 +349,22 @@ class Policy:
     # -- sampler --------------------------------------------------------------------------------------------------
 
     def sigmas(self, num_steps: int | None = None) -> Tensor:
-        """``[T + 1]`` sigmas from 1 to 0 with the model's shift and terminal stretch (as its diffusers scheduler)."""
-        sigmas = flow_sigmas(num_steps or self.config.num_steps, shift=self.shift, dtype=torch.float64)
-        if self.shift_terminal is not None:
-            sigmas = stretch_to_terminal(sigmas, self.shift_terminal)
-        return sigmas.float().to(self.device)
+        """The ``[T + 1]`` float32 sigmas of ``num_steps`` sampling steps (default ``pipeline.num_steps``), from (about)
+        1 down to 0, on the model's device, by ``pipeline.sigma_grid`` (:mod:`jagg.integrations.schedules`):
+        ``pipeline``, the grid the family's diffusers pipeline samples on at this resolution (its scheduler called as
+        the pipeline calls it; SD3: ``set_timesteps(N)``, last sigma before 0 0.0089 at 10 steps with shift 3);
+        ``dance``, DanceGRPO's ``shift(linspace(1, 0, N + 1))`` with :attr:`shift` (and :attr:`shift_terminal`)."""
+        n = num_steps or self.config.num_steps
+        if n not in self._sigmas:
+            if self.config.sigma_grid == "pipeline":
+                grid = pipeline_sigmas(self.config.family, n, self.scheduler_config, self.image_tokens,
+                                       self.config.shift)
+            else:
+                shift = self.shift if n == self.config.num_steps or self.config.shift is not None else \
+                    default_shift(self.config.family, self.image_tokens, self.scheduler_config, n)
+                grid = dance_sigmas(n, shift, self.shift_terminal)
+            self._sigmas[n] = grid
+        return self._sigmas[n].to(self.device)
 
     def noise(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
         """Initial noise ``[B, *latent_shape]`` fp32 on the model's device."""
@@ -475,9 +442,11 @@ class Policy:
             raise RuntimeError("no VAE loaded: the model directory has no vae/ component")
         return decode_latents(self.vae, latents)
 
-    def save_adapter(self, directory: str | Path, is_main_process: bool = True) -> Path:
-        """Write the LoRA adapter where ``<Pipeline>.load_lora_weights(directory)`` (and ``lora.path``) read it."""
-        return save_lora(self.bare, directory, self.config.family, is_main_process)
+    def save_adapter(self, directory: str | Path, state: dict[str, Tensor] | None = None) -> Path:
+        """Write the LoRA adapter in both formats (:func:`jagg.integrations.adapters.save_adapter`):
+        ``<Pipeline>.load_lora_weights(directory)``, ``PeftModel.from_pretrained(transformer, directory)`` and
+        ``pipeline.lora.path`` read it. ``state``: weights by parameter name to write instead (the EMA's)."""
+        return save_adapter(self.bare, directory, self.config.family, state)
 
 
 RealModel = Policy          # the former name, kept for existing code
@@ -488,7 +457,8 @@ def load_model(config: PipelineConfig) -> Policy:
     gradient checkpointing, prompt cache, device)."""
     cache = PromptEmbeddings.load(config.prompt_cache) if config.prompt_cache else None
     pipe = load_pipeline(config)
-    policy = Policy(config, pipe.transformer, getattr(pipe, "vae", None), pipe, dict(pipe.scheduler.config), cache)
+    scheduler = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}   # the class sigmas() builds
+    policy = Policy(config, pipe.transformer, getattr(pipe, "vae", None), pipe, scheduler, cache)
     for name in TEXT_COMPONENTS:
         enc = getattr(pipe, name, None)
         if isinstance(enc, nn.Module):

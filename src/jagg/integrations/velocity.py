@@ -481,9 +481,9 @@ class PackedVelocity(TransformerVelocity):
         super().__init__(transformer, cond, uncond, config)
         self.guidance_embeds = bool(getattr(self.model_config, "guidance_embeds", False))
         if self.guidance_embeds and self.config.guidance_embed is None:
-            raise ValueError(f"this {self.family} transformer has guidance_embeds=True (guidance-distilled, as "
-                             "FLUX.1-dev): set VelocityConfig.guidance_embed (Flow-GRPO and diffusers use 3.5 for "
-                             "FLUX.1-dev)")
+            default = "4.0, Flux2Pipeline's default" if self.family.startswith("flux2") else "3.5 for FLUX.1-dev"
+            raise ValueError(f"this {self.family} transformer has guidance_embeds=True (guidance-distilled): set "
+                             f"pipeline.guidance_embed (VelocityConfig.guidance_embed), e.g. {default}")
 
     @classmethod
     def latent_channels(cls, model_config) -> int:

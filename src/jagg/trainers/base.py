@@ -39,7 +39,8 @@ from ..estimator_config import RETIRED_CORRECTION_P, EstimatorConfig
 from ..infra.distributed import gather, init_process_group_from_env
 from ..infra.config_loader import to_dict
 from ..infra.metrics import MetricsLogger
-from ..infra.rundir import TRAIN, RunHints, lock_run, open_run, outputs, read_run_file, write_run_file
+from ..infra.rundir import (TRAIN, RunHints, discard_new_run, lock_run, open_run, outputs, read_run_file, snapshot,
+                            write_run_file)
 from ..infra.wandb_run import WandbRun, check_start as check_wandb_start
 from ..trajectory import Trajectory, VelocityFn
 from .lr_schedule import check_resumable_schedule, lr_factor, schedules_lr
@@ -50,7 +51,7 @@ RESUMABLE_CHANGES = ("grpo.iterations", "grpo.max_consecutive_skips", "grpo.max_
 # config keys added after checkpoints (and bench results) were written with configs that lack them: a saved config
 # without one ran as its default, so it reads as that default (a key the current config lacks is not filled in)
 ADDED_KEYS = {"optim.lr_schedule": "constant", "optim.warmup_steps": 0, "eval.dense_iterations": 0,
-              "eval.dense_every": 0}
+              "eval.dense_every": 0, "pipeline.sigma_grid": "dance"}
 # retired estimator options, with the value that meant "off": a saved config holding that value ran as today's code
 # runs it, so the key is dropped; any other value was an estimator that no longer exists
 RETIRED_KEYS = {"estimator.control_variate": 0.0, "estimator.correction": "interval",
@@ -130,12 +131,14 @@ def take(items, index) -> Any:
 @dataclass
 class Draw:
     """An iteration's draw of the global batch (:func:`draw_prompts_and_noise`): the prompts, prompt group after prompt group;
-    the initial noise ``[N, *S]``; the trained steps ``[K]`` and the SDE mask ``[T]``."""
+    the initial noise ``[N, *S]``; the trained steps ``[K]`` and the SDE mask ``[T]``; each sample's position in the
+    prompt list it was drawn from ``[N]`` (its metadata's, for the reward)."""
 
     prompts: list[str]
     noise: Tensor
     train_steps: Tensor
     sde_mask: Tensor
+    indices: list[int] | None = None
 
 
 def draw_prompts_and_noise(c, prompts: Sequence[str], latent_shape: tuple[int, ...], num_steps: int,
@@ -152,7 +155,7 @@ def draw_prompts_and_noise(c, prompts: Sequence[str], latent_shape: tuple[int, .
     else:
         noise = torch.randn(len(batch), *latent_shape, generator=gen)
     train_steps, sde_mask = c.sde_steps(num_steps, iteration)
-    return Draw(batch, noise, train_steps, sde_mask)
+    return Draw(batch, noise, train_steps, sde_mask, [int(i) for i in idx for _ in range(c.group_size)])
 
 
 @dataclass
@@ -165,12 +168,14 @@ class Rollout:
         traj: this process's trajectories.
         conditioning: per local sample, what the trainer's :meth:`~GRPO.velocity` needs (the shapes trainer:
             prompt tokens ``[n, L]``; the diffusers trainer: the prompts).
+        metadata: per local sample, its prompt's metadata for the reward (a ``.jsonl`` prompt set's objects), or None.
     """
 
     prompts: list[str]
     local: slice
     traj: Trajectory
     conditioning: Any
+    metadata: list | None = None
 
 
 @dataclass
@@ -581,6 +586,7 @@ class GRPOTrainer(GRPO):
             check_wandb_start(cfg.log)                   # before anything is written: one line naming the key
         self._start = open_run(self.out, **self._opening, main=self.main,
                                barrier=dist.barrier if self.world > 1 else None, log=self._print, hints=self.hints)
+        self._before = snapshot(self.out) if self._start.resumed is None else None   # a new run: what was there
         self.run_id = self._start.run_id
         self._stop = self.stopped = False
 
@@ -708,6 +714,7 @@ class GRPOTrainer(GRPO):
                         f"{c.grpo.iterations}: nothing to train (raise grpo.iterations to continue it, or "
                         f"{self.hints.start_over})")
         handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        failed = False
         try:
             self.before_training()
             bar = tqdm(total=c.grpo.iterations, initial=self.iteration, disable=not (c.log.progress and self.main),
@@ -732,6 +739,9 @@ class GRPOTrainer(GRPO):
                     self._print(f"saved {path}; {self.hints.continue_run}")
                     break
             bar.close()
+        except Exception:
+            failed = True
+            raise
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -739,7 +749,23 @@ class GRPOTrainer(GRPO):
                 self.logger.close()
             if lock is not None:
                 lock.close()
+            if failed and self._untrained():
+                self._discard()
         return self.logger.records() if self.logger is not None else []
+
+    def _untrained(self) -> bool:
+        """Whether this is a new run that has not finished an iteration: nothing of it is worth keeping."""
+        return self.iteration == 0 and self._start.resumed is None
+
+    def _discard(self) -> None:
+        """After a failure before the first iteration ended: remove what this new run wrote (the main process), so
+        the same command starts again once the cause is fixed (:func:`jagg.infra.rundir.discard_new_run`)."""
+        if self.main:
+            removed = discard_new_run(self.out, self._before)
+            what = f" ({', '.join(removed)})" if removed else ""
+            print(f"\nthe run failed before its first iteration ended: nothing was trained, and what it wrote in "
+                  f"{self.out}{what} was removed, so the same command starts a new run once the cause is fixed",
+                  flush=True)
 
     def _logged_step(self) -> dict:
         """:meth:`step`, logged on the main process; a failure first saves what lets ``--resume`` retry it."""
@@ -765,7 +791,7 @@ class GRPOTrainer(GRPO):
         """A failure before this iteration's first update (sampling, reward) left the weights untouched: in a
         single process, rewind the RNGs to the iteration's start and save, so ``--resume`` retries exactly
         this iteration."""
-        if self._updating or self.world > 1:
+        if self._updating or self.world > 1 or self._untrained():     # a new run's first iteration: discarded
             return
         self.set_rng_state(self._rng_at_start)
         path = self.save()

@@ -1,4 +1,5 @@
-"""``jagg train`` on a real diffusers model (SD3/SD3.5, FLUX.1, Qwen-Image): GRPO with JAGG, LoRA or full weights.
+"""``jagg train`` on a real diffusers model (SD3/SD3.5, FLUX.1, Qwen-Image, Wan 2.1, FLUX.2): GRPO with JAGG, LoRA or
+full weights.
 
 A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``; the config is
 :class:`jagg.trainers.diffusers_config.DiffusersTrainConfig`) makes ``jagg train --config X.yaml`` run
@@ -8,26 +9,37 @@ trainer fills its hooks and asks one object for everything model specific, the
 files); the rollouts (model, trainable weights, prompts, reward, sampling) are :class:`DiffusersSampler`'s, which
 ``jagg bench meter`` and ``python -m lab signal`` draw their batches with too. One iteration:
 
-1. pick ``prompts_per_iter`` prompts of ``sample.prompts_file`` and repeat each ``group_size`` times (the global
-   batch of ``N`` trajectories); under torchrun / accelerate every rank takes its contiguous shard of it;
+Before the model loads (and before the run directory is touched) :func:`jagg.trainers.preflight.preflight` checks
+the model directory against the config, the starting adapter and the reward server; the first screen is a header of
+what runs (:mod:`jagg.trainers.run_header`). One iteration:
+
+1. pick ``prompts_per_iter`` prompts of ``sample.prompts_file`` (a ``.txt``, or a ``.jsonl`` with each prompt's
+   metadata) and repeat each ``group_size`` times (the global batch of ``N`` trajectories); under torchrun /
+   accelerate every rank takes its contiguous shard of it;
 2. sample the shard with the Flow-GRPO SDE through :meth:`Policy.velocity` (CFG, prompt embeddings) and
-   :func:`jagg.sample_trajectories`, in pieces of ``sample.micro_batch`` trajectories at global positions, each
-   with its own SDE noise seeded by (seed, iteration, position): a sample's rollout does not depend on the number
-   of processes when every shard is a whole number of pieces; decode with the VAE; score with the reward
-   (registry name, weighted sum, ``module:function`` or an HTTP reward server);
+   :func:`jagg.sample_trajectories` on :meth:`Policy.sigmas` (the family's pipeline grid, ``pipeline.sigma_grid``),
+   in pieces of ``sample.micro_batch`` trajectories at global positions, each with its own SDE noise seeded by (seed,
+   iteration, position): a sample's rollout does not depend on the number of processes when every shard is a whole
+   number of pieces; decode with the VAE; score with the reward (registry name, weighted sum, ``module:function`` or
+   an HTTP reward server), given each sample's prompt metadata;
 3. gather the rewards of all ranks, group-relative advantages per prompt on the global batch
    (:func:`jagg.group_advantages`), drop zero-spread prompt groups;
 4. ``inner_epochs x updates_per_epoch`` AdamW updates whose gradients come from :func:`jagg.policy_gradient`
-   (KL reference = the adapters switched off, or a frozen copy for full fine-tuning); with several ranks the
-   local gradients are averaged once per update with :func:`jagg.infra.distributed.all_reduce_gradients`, each
-   rank's loss scaled by :func:`jagg.infra.distributed.loss_scale` so the result is the gradient of the global
-   minibatch.
+   (KL reference = the adapters switched off, or a frozen copy for full fine-tuning), each followed by the EMA's
+   update (``optim.ema_decay``, :class:`jagg.trainers.ema.EMA`); with several ranks the local gradients are
+   averaged once per update with :func:`jagg.infra.distributed.all_reduce_gradients`, each rank's loss scaled by
+   :func:`jagg.infra.distributed.loss_scale` so the result is the gradient of the global minibatch.
 
-Outputs in ``log.output_dir`` (one run per directory, :mod:`jagg.infra.rundir`; ``run.json`` holds the run id):
-``metrics.jsonl`` (+ TensorBoard), ``reward_curve.png``, ``samples/iter_<n>.png``
-(a few rollout images at each checkpoint; a video family's as an animated ``.gif`` grid), ``checkpoints/ckpt_<n>.pt`` (trainable weights, optimizer, every RNG,
-config; atomic, keep-last-N) and, with LoRA, ``checkpoints/adapter_<n>/pytorch_lora_weights.safetensors``, which
-``StableDiffusion3Pipeline.load_lora_weights`` / ``FluxPipeline.load_lora_weights`` read.
+Every ``eval.every`` iterations (and before the first and after the last) the test set is evaluated
+(:func:`jagg.trainers.diffusers_eval.evaluate_policy`: the ODE at ``pipeline.eval_num_steps``, fixed noise, the EMA's
+weights). Outputs in ``log.output_dir`` (one run per directory, :mod:`jagg.infra.rundir`; ``run.json`` holds the run
+id): ``metrics.jsonl`` (``train`` and ``eval`` records, + TensorBoard with the grids), ``reward_curve.png``,
+``samples/iter_<n>.png`` (a few rollout images at each checkpoint) and ``samples/eval_<n>.png`` (test images), each
+captioned with prompt and reward (a video family's as an animated ``.gif`` grid), ``checkpoints/ckpt_<n>.pt``
+(trainable weights, their EMA, optimizer, every RNG, config; atomic, keep-last-N) and beside each its export
+(:mod:`jagg.trainers.weights_export`): with LoRA ``adapter_<n>/``, which ``<Pipeline>.load_lora_weights`` and
+``PeftModel.from_pretrained`` read, with full fine-tuning ``transformer_<n>/`` (``save_pretrained``), the EMA's in
+``ema/``.
 
 Data parallelism replicates the model on every rank (LoRA on SD3.5 / FLUX fits one GPU); the model is not wrapped
 in DDP: gradients accumulate locally and are all-reduced once per optimizer update, so ranks may hold different
@@ -38,10 +50,9 @@ FSDP / DeepSpeed sharding are available through the library API (docs/real_model
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -58,13 +69,22 @@ from ..infra.distributed import all_reduce_gradients, gather_objects, loss_scale
 from ..infra.metrics import plot_reward_curve, save_grid
 from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
                    draw_prompts_and_noise, update_summary)
-from .diffusers_config import DiffusersTrainConfig
+from .diffusers_config import TRAINER_TAG, DiffusersTrainConfig
+from .diffusers_eval import evaluate_policy
+from .ema import EMA
+from .preflight import preflight
+from .run_header import header, loading_note, quiet_loading
+from .weights_export import export_weights, prune_exports
 
 # config keys that may differ between a checkpoint and its resumption, besides the shapes trainer's
 # (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient
 RESUMABLE_REAL = ("pipeline.path", "pipeline.device", "pipeline.prompt_cache", "pipeline.load_text_encoders",
                   "pipeline.gradient_checkpointing", "reward_server")
-TRAINER_TAG = "jagg.trainers.diffusers"          # written into its checkpoints (a shapes run's carry none)
+
+
+def grid_suffix(images: np.ndarray) -> str:
+    """A sample grid's file type: ``gif`` for videos ``[N, F, H, W, 3]`` (an animated grid), else ``png``."""
+    return "gif" if images.ndim == 5 else "png"
 
 
 def _seed(*parts: int) -> int:
@@ -91,7 +111,9 @@ class DiffusersSampler:
     one process). :meth:`sample` draws and samples a batch; the SDE noise of each sampling piece is seeded by (seed,
     iteration, position), the iteration the trainer's, or the count of batches :meth:`sample` drew."""
 
-    def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None):
+    def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None, checked: bool = False):
+        if not checked:                                        # before anything loads (jagg train: before_setup)
+            preflight(cfg)
         self.cfg = cfg
         self.local = slice(0, cfg.sample.batch_size) if local is None else local
         self.prompts = cfg.sample.prompt_lines                 # read (and checked) when the config was loaded
@@ -136,7 +158,8 @@ class DiffusersSampler:
         if len(parts) > 1:
             batched = ("latents", "log_probs", "velocities")
             traj = dataclasses.replace(parts[0], **{f: torch.cat([getattr(t, f) for t in parts]) for f in batched})
-        return Rollout(prompts, self.local, traj, prompts[self.local])
+        metadata = self.cfg.sample.prompt_set.take(draw.indices[self.local])[1] if draw.indices else None
+        return Rollout(prompts, self.local, traj, prompts[self.local], metadata)
 
     def sample(self, iteration: int = 0) -> Rollout:
         """A batch drawn at iteration ``iteration`` (:meth:`draw`) and sampled with the SDE noise of the count of
@@ -152,7 +175,7 @@ class DiffusersSampler:
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         """The reward of the rollout's decoded final images (kept in :attr:`last_images`): ``(scores [n], info)``."""
         self.last_images = self.decode(rollout)
-        return self.reward_fn(self.last_images, rollout.conditioning, None)
+        return self.reward_fn(self.last_images, rollout.conditioning, rollout.metadata)
 
     def velocity(self, prompts):
         """The velocity callable of the samples whose prompts are given."""
@@ -176,16 +199,25 @@ class DiffusersTrainer(GRPOTrainer):
     cfg: DiffusersTrainConfig
     multiprocess = True
 
+    def before_setup(self) -> None:
+        """What can be checked before the model loads (:func:`jagg.trainers.preflight.preflight`: the model
+        directory against the config, the starting adapter, the reward server), then the run directory."""
+        preflight(self.cfg)
+        super().before_setup()
+
     def setup(self) -> None:
         cfg = self.cfg
         self.progress_label = f"GRPO {cfg.pipeline.family}"
         # this rank's slice (the batch must split evenly); the model, prompts, reward and rollout RNGs: the sampler's
-        self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size))
+        with quiet_loading() as held:
+            self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size), checked=True)
         self.local, self.prompts, self.reward_fn, self.policy, self.device = (s.local, s.prompts, s.reward_fn,
                                                                               s.policy, s.device)
         self.latent_shape, self.num_steps, self.named_params, self.params = (s.latent_shape, s.num_steps,
                                                                              s.named_params, s.params)
         self.pieces, self.np_rng, self.gen = s.pieces, s.np_rng, s.gen
+        if cfg.eval.enabled:                                   # the test prompts too, before anything runs
+            self.policy.require_prompts(cfg.eval.prompts()[0], cfg.eval.test_set.path)
         if self.world > 1:                                     # replicas start identical
             for p in self.params:
                 dist.broadcast(p.data, 0)
@@ -194,7 +226,12 @@ class DiffusersTrainer(GRPOTrainer):
         # per rank: the minibatch order and unbiased JAGG's picks (the sampler's: prompts, noise, SDE noise)
         self.perm_gen = torch.Generator().manual_seed(_seed(cfg.seed, 3, self.rank))
         self.pick_gen = torch.Generator().manual_seed(_seed(cfg.seed, 4, self.rank))   # unbiased JAGG's picks
-        self._images, self._prompts = None, None
+        self.ema = EMA(self.named_params, o.ema_decay) if o.ema_decay > 0 else None   # after each optimizer step
+        self.evaluates = cfg.eval.enabled
+        self._images, self._prompts, self._scores = None, None, None
+        if self.main:                                          # the first screen: what runs
+            lines = header(cfg, self.policy, self.out, self.run_id, self._start.resumed is not None, self.world)
+            print("\n".join(lines + [note for note in [loading_note(held)] if note]), flush=True)
 
     # ------------------------------------------------------------------ state
     def rng_state(self) -> dict:
@@ -217,6 +254,7 @@ class DiffusersTrainer(GRPOTrainer):
     def _state(self, rngs: list[dict]) -> dict:
         return {"trainer": TRAINER_TAG,
                 "model": {n: p.detach().cpu().clone() for n, p in self.named_params.items()},
+                "ema": None if self.ema is None else self.ema.state_dict(),
                 "optimizer": self.opt.state_dict(), "config": configuration.to_dict(self.cfg),
                 "run_id": self.run_id, "world_size": self.world, "rng": rngs, **self.loop_state()}
 
@@ -235,6 +273,8 @@ class DiffusersTrainer(GRPOTrainer):
         with torch.no_grad():
             for n, p in self.named_params.items():
                 p.copy_(saved[n].to(p.device, p.dtype))
+        if self.ema is not None:
+            self.ema.load_state_dict(state.get("ema"))
         self.opt.load_state_dict(state["optimizer"])
         self.load_loop_state(state)
         rngs = state["rng"]
@@ -248,38 +288,28 @@ class DiffusersTrainer(GRPOTrainer):
         return changed
 
     def save(self, rngs: list[dict] | None = None) -> Path | None:
-        """Checkpoint (rank 0 writes; a collective: every rank must call it): LoRA adapter directory first, then
+        """Checkpoint (rank 0 writes; a collective: every rank must call it): the exported weights first (adapter or
+        transformer directory, :func:`jagg.trainers.weights_export.export_weights`), then
         ``ckpt_<n>.pt``, each written to a temporary name and renamed; the newest ``log.keep_last`` are kept."""
         rngs = rngs if rngs is not None else gather_objects([self.rng_state()])
         path = None
         if self.main:
-            if self.cfg.pipeline.lora.enabled:
-                self._save_adapter()
+            export_weights(self.policy, self.ckpt_dir, self.iteration, self.ema)   # adapter_<n>/ or transformer_<n>/
             path = write_checkpoint(self._state(rngs), self.ckpt_dir, self.iteration)
-            for old in prune_checkpoints(self.ckpt_dir, self.cfg.log.keep_last, self.run_id, keep=path):
-                # this run's adapter of a pruned checkpoint goes with it; other adapter directories stay
-                shutil.rmtree(self.ckpt_dir / old.name.replace("ckpt_", "adapter_").removesuffix(".pt"),
-                              ignore_errors=True)
+            # this run's exports of a pruned checkpoint go with it; other directories stay
+            prune_exports(self.ckpt_dir, prune_checkpoints(self.ckpt_dir, self.cfg.log.keep_last, self.run_id,
+                                                           keep=path))
             if self._images is not None and self.cfg.log.sample_images:
                 n = min(self.cfg.log.sample_images, len(self._images))
-                suffix = "gif" if self._images.ndim == 5 else "png"            # videos (Wan): an animated grid
-                grid = self.out / "samples" / f"iter_{self.iteration:06d}.{suffix}"
-                save_grid(self._images[:n], grid, ncol=min(n, 4), scale=1, prompts=self._prompts[:n])
+                grid = self.out / "samples" / f"iter_{self.iteration:06d}.{grid_suffix(self._images)}"
+                save_grid(self._images[:n], grid, ncol=min(n, 4), scale=1, prompts=self._prompts[:n],
+                          rewards=self._scores[:n])
                 self.logger.image("images/rollouts", grid, self.iteration)
             plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
                               f"GRPO ({self.cfg.estimator.mode}) on {self.cfg.pipeline.family}")
         if self.world > 1:
             dist.barrier()
         return path
-
-    def _save_adapter(self) -> Path:
-        final = self.ckpt_dir / f"adapter_{self.iteration:06d}"
-        tmp = self.ckpt_dir / f".adapter_{self.iteration:06d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.policy.save_adapter(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        return final
 
     # ------------------------------------------------------------------ one iteration
     def rollout(self, draw: Draw) -> Rollout:
@@ -289,8 +319,41 @@ class DiffusersTrainer(GRPOTrainer):
 
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         scores, info = self.sampler.score(rollout)
-        self._images, self._prompts = self.sampler.last_images, rollout.conditioning   # the samples saved at a checkpoint
+        # the samples saved at a checkpoint, captioned with their rewards
+        self._images, self._prompts, self._scores = self.sampler.last_images, rollout.conditioning, scores
         return scores, info
+
+    def after_step(self) -> None:
+        if self.ema is not None:
+            self.ema.update()
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        """Evaluate on the test set (:func:`jagg.trainers.diffusers_eval.evaluate_policy`, the EMA's weights when the
+        run keeps one), log an ``eval`` record, write ``samples/eval_<n>.png`` (videos: ``.gif``) captioned with each
+        image's prompt and reward, to TensorBoard and wandb too; returns the record."""
+        c = self.cfg
+        prompts, metadata = c.eval.prompts()
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            ev = evaluate_policy(self.policy, self.reward_fn, prompts, metadata, c.pipeline.eval_num_steps,
+                                 c.eval.seed, c.sample.micro_batch, c.eval.grid_size, self.rank, self.world)
+        rec = {"kind": "eval", "iteration": self.iteration, "wall_s": self.wall, "eval_s": ev.seconds,
+               "ema": self.ema is not None, **ev.metrics}
+        if self.main:
+            self.logger.log(rec)
+            grid = self.out / "samples" / f"eval_{self.iteration:06d}.{grid_suffix(ev.images)}"
+            save_grid(ev.images, grid, ncol=min(len(ev.images), 4), scale=1, prompts=ev.prompts, rewards=ev.scores)
+            self.logger.image("images/eval", grid, self.iteration)
+            plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
+                              f"GRPO ({c.estimator.mode}) on {c.pipeline.family}")
+        return rec
+
+    def before_training(self) -> None:
+        if self.iteration == 0 and self.evaluates:
+            self._print(f"iteration 0: test reward {self.evaluate()['reward_mean']:.4f}")
+
+    def after_iteration(self, done: bool) -> dict | None:
+        return self.evaluate() if self.cfg.eval.due(self.iteration, done) else None
 
     def velocity(self, prompts):
         return self.sampler.velocity(prompts)
@@ -339,14 +402,17 @@ class DiffusersTrainer(GRPOTrainer):
         return bool(self._sum([float(self._stop)])[0])                 # every process stops at the same iteration
 
     def report(self, records: list[dict]) -> None:
-        train = [r for r in records if r.get("kind") == "train"]
-        if train:
-            print(f"train reward: {train[0]['reward_mean']:.4f} (iteration {train[0]['iteration']}) -> "
-                  f"{train[-1]['reward_mean']:.4f} (iteration {train[-1]['iteration']})")
+        for kind in ("train", "eval"):
+            rows = [r for r in records if r.get("kind") == kind]
+            if rows:
+                print(f"{'train' if kind == 'train' else 'test'} reward: {rows[0]['reward_mean']:.4f} (iteration "
+                      f"{rows[0]['iteration']}) -> {rows[-1]['reward_mean']:.4f} (iteration {rows[-1]['iteration']})")
         super().report(records)
 
     def shown_outputs(self) -> list[str]:
-        extra = " (ckpt_*.pt, adapter_*/: LoRA, diffusers load_lora_weights)" if self.cfg.pipeline.lora.enabled else ""
+        lora = self.cfg.pipeline.lora.enabled
+        extra = (" (ckpt_*.pt; adapter_*/: LoRA for load_lora_weights and PeftModel.from_pretrained" if lora else
+                 " (ckpt_*.pt; transformer_*/: save_pretrained") + (", EMA in ema/)" if self.ema is not None else ")")
         return [o + extra if o == "checkpoints/" else o for o in super().shown_outputs()]
 
     def record(self, it: Iteration) -> dict:

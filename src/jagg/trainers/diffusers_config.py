@@ -15,11 +15,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checks import Keys
-from ..integrations.config import PipelineConfig
+from ..checks import Keys, check_seed
+from ..integrations.config import VIDEO_FAMILIES, PipelineConfig
 from ..rewards.client import RewardClient
 from ..infra import config_loader as configuration
+from ..infra.prompt_sets import PromptSet, eval_set_beside, read_prompt_set
 from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_run, sde_window_field
+
+
+TRAINER_TAG = "jagg.trainers.diffusers"          # written into the trainer's checkpoints (a shapes run's carry none)
 
 
 @dataclass
@@ -28,7 +32,9 @@ class DiffusersSampleConfig(SampleBatch):
     shapes trainer's ``SampleConfig`` does not fit (its prompt file must parse in the shapes-world grammar)."""
 
     prompts_file: str | None = field(default=None, metadata=_help(
-        "Required: text file of training prompts, one per line (blank lines skipped)."))
+        "Required: the training prompts, a .txt (one prompt a line, blank lines skipped) or a .jsonl (Flow-GRPO's "
+        "train_metadata.jsonl: one JSON object a line with a 'prompt' and any fields the reward reads, passed to it as "
+        "that prompt's metadata)."))
     prompts_per_iter: int = field(default=8, metadata=_help(
         "Distinct prompts per iteration, over all processes (Flow-GRPO: 48 on 32 GPUs)."))
     group_size: int = field(default=8, metadata=_help("Images per prompt: the size of a prompt group (Flow-GRPO: 24)."))
@@ -50,13 +56,75 @@ class DiffusersSampleConfig(SampleBatch):
         "process's shard is a multiple of it."))
 
     def __post_init__(self):
-        self.prompt_lines: list[str] = []                          # the file's prompts, read at load (not a key)
-        if self.prompts_file is not None or configuration.required(None, "sample.prompts_file", "a text file with "
-                                                                   "one training prompt per line (in the YAML's sample: "
-                                                                   "section or --set sample.prompts_file=prompts.txt)"):
+        self.prompt_set = PromptSet("", [])                        # the file's prompts and metadata, read at load
+        if self.prompts_file is not None or configuration.required(None, "sample.prompts_file", "the training prompts, "
+                                                                   "a .txt (one a line) or a .jsonl with metadata (in "
+                                                                   "the YAML's sample: section or --set "
+                                                                   "sample.prompts_file=prompts.txt)"):
             self.prompts_file = str(self.prompts_file)
-            self.prompt_lines = configuration.read_prompt_lines(self.prompts_file)   # fail at load, not mid-run
+            self.prompt_set = read_prompt_set(self.prompts_file)   # fail at load, not mid-run
         self.check_batch(("prompts_per_iter", "group_size", "micro_batch"))
+
+    @property
+    def prompt_lines(self) -> list[str]:
+        """The training prompts (:attr:`prompt_set`'s)."""
+        return self.prompt_set.prompts
+
+
+@dataclass
+class DiffusersEvalConfig:
+    """Evaluation on a test prompt set, as Flow-GRPO evaluates: every ``every`` iterations (and at the start and the
+    end), the deterministic ODE sampler at ``pipeline.eval_num_steps`` on the run's sigma grid, fixed noise, the run's
+    guidance and reward, the EMA weights when ``optim.ema_decay > 0``."""
+
+    prompts_file: str | None = field(default=None, metadata=_help(
+        "Test prompts, .txt or .jsonl as sample.prompts_file; null: the test set beside sample.prompts_file in "
+        "Flow-GRPO's dataset layout (train.txt -> test.txt, train_metadata.jsonl -> test_metadata.jsonl) when that "
+        "file exists, else no evaluation (the run's header says so)."))
+    every: int = field(default=10, metadata=_help(
+        "Evaluate every N iterations, at the start and at the end (0 = off)."))
+    num_prompts: int = field(default=0, metadata=_help("Test prompts evaluated: the first N of the set (0 = all)."))
+    images_per_prompt: int = field(default=1, metadata=_help("Images per test prompt, each from its own fixed noise."))
+    seed: int = field(default=1234, metadata=_help("Seed of the evaluation noise (the same at every evaluation)."))
+    grid_size: int = field(default=16, metadata=_help(
+        "Images in each evaluation's grid samples/eval_<n>.png (videos: .gif), captioned with prompt and reward."))
+
+    def __post_init__(self):
+        for name in ("every", "num_prompts"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) < 0:
+                raise ValueError(f"eval.{name} must be an integer >= 0; got {getattr(self, name)!r}")
+        for name in ("images_per_prompt", "grid_size"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
+                raise ValueError(f"eval.{name} must be an integer >= 1; got {getattr(self, name)!r}")
+        check_seed(self.seed, "eval.seed")
+        self.test_set: PromptSet | None = None                     # resolved by DiffusersTrainConfig (not a key)
+
+    def resolve(self, train_file: str | None) -> None:
+        """Read the test set (:attr:`test_set`): ``prompts_file``, or the one beside ``train_file``; a set smaller
+        than ``num_prompts`` is refused."""
+        path = self.prompts_file if self.prompts_file is not None else (eval_set_beside(train_file)
+                                                                          if train_file else None)
+        if path is None:
+            return
+        self.test_set = read_prompt_set(path, "eval.prompts_file" if self.prompts_file is not None else
+                                        f"eval.prompts_file (null: {Path(path).name} beside sample.prompts_file)")
+        if self.num_prompts > len(self.test_set):
+            raise ValueError(f"eval.num_prompts={self.num_prompts} is more than the {len(self.test_set)} prompts of "
+                             f"{path}; lower it (0 = all of them)")
+
+    def due(self, iteration: int, done: bool = False) -> bool:
+        """Whether iteration ``iteration`` (counted from 1; ``done``: the last) ends with an evaluation."""
+        return self.enabled and (done or iteration % self.every == 0)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run evaluates: ``every > 0`` and a test set."""
+        return bool(self.every) and self.test_set is not None
+
+    def prompts(self) -> tuple[list[str], list[dict] | None]:
+        """The evaluated prompts, each ``images_per_prompt`` times in a row, and their metadata."""
+        n = self.num_prompts or len(self.test_set)
+        return self.test_set.take([i for i in range(n) for _ in range(self.images_per_prompt)])
 
 
 @dataclass
@@ -90,6 +158,7 @@ class DiffusersTrainConfig(TrainerSections):
         "HTTP reward server, jagg.rewards.RewardClient arguments {"
         + ", ".join(f.name for f in dataclasses.fields(RewardClient))
         + "} (token: better in $JAGG_REWARD_TOKEN, every checkpoint saves the config). Set this or reward."))
+    eval: DiffusersEvalConfig = field(default_factory=DiffusersEvalConfig)
     log: DiffusersLogConfig = field(default_factory=DiffusersLogConfig)
 
     def __post_init__(self):
@@ -106,8 +175,7 @@ class DiffusersTrainConfig(TrainerSections):
                              + ("neither is set" if self.reward is None else
                                 "both are set: drop one, e.g. --set reward_server=null"))
         super().__post_init__()
-        if self.optim.ema_decay > 0:
-            raise ValueError("optim.ema_decay is not supported by the diffusers trainer; set it to 0")
+        self.eval.resolve(self.sample.prompts_file)
         check_run(self.sample, self.estimator, self.pipeline.num_steps, "pipeline.num_steps", self.pipeline.eta,
                   Keys("sample.", eta="pipeline.eta", num_steps="pipeline.num_steps"))
         self.check_sizes()
@@ -118,18 +186,30 @@ class DiffusersTrainConfig(TrainerSections):
 
     def check_sizes(self) -> None:
         """Sizes in range that break the run, refused at load naming the key: a ``pipeline.shift`` that leaves a
-        schedule without distinct sigmas, and a batch whose latents and images alone need more memory than this
-        machine has (16 latent channels at 1/8 of ``pipeline.resolution``: :mod:`jagg.infra.sizes`)."""
+        schedule without distinct sigmas, one trajectory (its frames: ``pipeline.num_frames``) or a batch whose latents
+        and images alone need more memory than this machine has, and an evaluation whose images do (16 latent channels
+        at 1/8 of ``pipeline.resolution`` x ``pipeline.width``, a video's latent frames: :mod:`jagg.infra.sizes`)."""
         from ..schedule import check_schedule
-        from ..infra.sizes import check_rollout_memory
+        from ..infra.sizes import check_memory, check_rollout_memory, images_bytes, rollout_bytes
 
         p, s = self.pipeline, self.sample
         if p.shift is not None:
             check_schedule(p.num_steps, p.shift, "pipeline.shift", "pipeline.num_steps")
             check_schedule(p.eval_num_steps, p.shift, "pipeline.shift", "pipeline.eval_num_steps")
-        check_rollout_memory(s.prompts_per_iter, s.group_size, p.num_steps, 16 * (p.resolution // 8) ** 2,
-                             3 * p.resolution ** 2, f"pipeline.num_steps={p.num_steps} at "
-                             f"pipeline.resolution={p.resolution}")
+        (h, w), video = p.size, p.family in VIDEO_FAMILIES
+        latent = 16 * (h // 8) * (w // 8) * ((p.frames - 1) // 4 + 1 if video else 1)
+        pixels = 3 * h * w * p.frames
+        size = f"pipeline.resolution={p.resolution}" + (f", pipeline.width={p.width}" if p.width else "")
+        size += f", pipeline.num_frames={p.frames}" if video else ""
+        check_memory(rollout_bytes(1, p.num_steps, latent, pixels), f"one trajectory of pipeline.num_steps="
+                     f"{p.num_steps} at {size}", f"lower {'pipeline.num_frames or ' if video else ''}"
+                     "pipeline.resolution")
+        check_rollout_memory(s.prompts_per_iter, s.group_size, p.num_steps, latent, pixels,
+                             f"pipeline.num_steps={p.num_steps} at {size}")
+        if self.eval.enabled:
+            n = len(self.eval.prompts()[0])
+            check_memory(images_bytes(n, latent, pixels), f"eval.num_prompts x eval.images_per_prompt: an "
+                         f"evaluation's {n} images at {size}", "lower eval.num_prompts or eval.images_per_prompt")
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> DiffusersTrainConfig:

@@ -157,7 +157,9 @@ class OptimConfig:
     betas: list[float] = field(default_factory=[0.9, 0.999].copy, metadata=_help("AdamW betas."))
     weight_decay: float = field(default=1e-4, metadata=_help("AdamW weight decay."))
     max_grad_norm: float = field(default=1.0, metadata=_help("Gradient-norm clipping (0 = off)."))
-    ema_decay: float = field(default=0.0, metadata=_help("EMA of the weights used for evaluation (0 = off)."))
+    ema_decay: float = field(default=0.0, metadata=_help(
+        "EMA of the trained weights, updated after each optimizer step, saved in every checkpoint and used by "
+        "evaluation; a real model's checkpoints also export it (adapter_<n>/ema/, transformer_<n>/ema/). 0 = off."))
     lr_schedule: str = field(default="constant", metadata=_help(
         "Learning-rate schedule over the run's optimizer updates (grpo.iterations x inner_epochs x updates_per_epoch): "
         "constant, cosine (to 0 at the end) or linear (to 0 at the end), after the warm-up; resumes bit-identically "

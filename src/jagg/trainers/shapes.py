@@ -33,6 +33,7 @@ from ..infra.checkpoint import save_checkpoint
 from ..infra.config_loader import to_dict
 from ..infra.metrics import plot_reward_curve, save_grid
 from ..trajectory import sample_trajectories
+from .ema import EMA
 from .base import (GRPO, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, draw_prompts_and_noise,
                    update_summary)
 from .shapes_config import ShapesTrainConfig
@@ -126,7 +127,7 @@ class ShapesGRPO(GRPO):
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if cfg.estimator.kl_beta > 0 else None
         o = cfg.optim
         self.opt = o.optimizer(self.params)
-        self.ema = [p.detach().clone() for p in self.model.parameters()] if o.ema_decay > 0 else None
+        self.ema = EMA(dict(self.model.named_parameters()), o.ema_decay) if o.ema_decay > 0 else None
         # the estimator's random choices (the correction's picks, interval draws) draw from an RNG of their own, so
         # that runs of one seed with different estimators sample the same prompts and noise streams
         self.pick_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
@@ -154,9 +155,7 @@ class ShapesGRPO(GRPO):
 
     def after_step(self) -> None:
         if self.ema is not None:
-            with torch.no_grad():
-                torch._foreach_lerp_(self.ema, [p.detach() for p in self.model.parameters()],
-                                     1 - self.cfg.optim.ema_decay)
+            self.ema.update()
 
     def record(self, it: Iteration) -> dict:
         rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(it.scores.mean()),
@@ -181,7 +180,7 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         return {
             "model": self.model.state_dict(), "model_config": self.model_config,
             "optimizer": self.opt.state_dict(),
-            "ema": None if self.ema is None else {k: e.clone() for (k, _), e in zip(self.model.named_parameters(), self.ema)},
+            "ema": None if self.ema is None else self.ema.state_dict(),
             "config": to_dict(self.cfg), "run_id": self.run_id, "rng": self.rng_state(), **self.loop_state(),
         }
 
@@ -190,8 +189,7 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         if self.ema is not None:
-            named = dict(self.model.named_parameters())
-            self.ema = [state["ema"][k].clone() for k in named]
+            self.ema.load_state_dict(state["ema"])
         self.load_loop_state(state)
         self.set_rng_state(state["rng"])
         return changed
@@ -216,9 +214,7 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         if self.ema is None:
             return self.model
         m = copy.deepcopy(self.model)
-        with torch.no_grad():
-            for p, e in zip(m.parameters(), self.ema):
-                p.copy_(e)
+        self.ema.copy_to(list(m.parameters()))
         return m
 
     def evaluate(self) -> dict:
