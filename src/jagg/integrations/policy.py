@@ -159,11 +159,13 @@ def reference_velocity(velocity: TransformerVelocity, reference: nn.Module | Non
 
 
 def save_lora(transformer: nn.Module, directory: str | Path, family: str | None = None,
-              is_main_process: bool = True) -> Path:
+              is_main_process: bool = True, state_dict: dict[str, Tensor] | None = None) -> Path:
     """Save the LoRA adapter in the format ``<Pipeline>.load_lora_weights(directory)`` reads.
 
     Writes ``directory/pytorch_lora_weights.safetensors`` (peft keys under ``transformer.``; the LoraConfig as
-    metadata). Returns the directory. Under DDP/FSDP call it on every rank with ``is_main_process``.
+    metadata). Returns the directory. Under DDP call it on every rank with ``is_main_process``; under FSDP pass the
+    gathered ``state_dict`` of the transformer (``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with
+    ``full_state_dict=True``) on the main process.
     """
     import diffusers
     from peft.utils import get_peft_model_state_dict
@@ -173,7 +175,7 @@ def save_lora(transformer: nn.Module, directory: str | Path, family: str | None 
     if not getattr(model, "_hf_peft_config_loaded", False):
         raise ValueError("the transformer has no LoRA adapter to save (full fine-tuning: use "
                          "transformer.save_pretrained(dir) instead)")
-    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model, state_dict).items()}
     cls = getattr(diffusers, PIPELINE_CLASSES[family])
     kwargs = {}
     if "transformer_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
@@ -185,6 +187,22 @@ def save_lora(transformer: nn.Module, directory: str | Path, family: str | None 
     directory = Path(directory)
     cls.save_lora_weights(str(directory), transformer_lora_layers=state, is_main_process=is_main_process, **kwargs)
     return directory
+
+
+def save_transformer(transformer: nn.Module, directory: str | Path,
+                     state_dict: dict[str, Tensor] | None = None) -> Path:
+    """``save_pretrained`` of a full fine-tune, which ``<Transformer>.from_pretrained(directory)`` reads: the
+    transformer's config and weights (``state_dict``, e.g. gathered from FSDP shards; default its own), in their
+    dtype. The model written is rebuilt from its config without memory for weights, then given ``state_dict``, so a
+    sharded or wrapped transformer saves as the plain diffusers class. Returns the directory."""
+    model = unwrap_model(transformer)
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("diffusers."))
+    state = state_dict if state_dict is not None else model.state_dict()
+    with torch.device("meta"):
+        plain = cls.from_config(model.config)
+    plain.load_state_dict({k: v.detach().cpu() for k, v in state.items()}, assign=True)
+    plain.save_pretrained(str(directory))
+    return Path(directory)
 
 
 def load_lora(transformer: nn.Module, directory: str | Path, trainable: bool = True) -> list[nn.Parameter]:
@@ -343,6 +361,8 @@ class Policy:
         pipe: the diffusers pipeline, whose text encoders embed prompts missing from the cache, or None.
         scheduler_config: the scheduler's config (the model's own timestep shift and terminal stretch).
         prompt_cache: :class:`PromptEmbeddings` with prompt strings, e.g. loaded from ``pipeline.prompt_cache``.
+        place: move the transformer (and the reference copy) to ``config``'s device and upcast a full fine-tune to
+            fp32 master weights here; False leaves both to a wrapper that shards first (:mod:`jagg.infra.engine`).
 
     Attributes: ``config``, ``pipe``, ``vae``, ``device``, ``transformer`` (the module the velocity callables call:
     replace it by its DDP / FSDP / accelerate wrapper after ``prepare``), ``bare`` (the unwrapped module, fixed at
@@ -353,11 +373,14 @@ class Policy:
     """
 
     def __init__(self, config: PipelineConfig, transformer: nn.Module, vae: nn.Module | None = None, pipe=None,
-                 scheduler_config: dict | None = None, prompt_cache: PromptEmbeddings | None = None):
+                 scheduler_config: dict | None = None, prompt_cache: PromptEmbeddings | None = None,
+                 place: bool = True):
         self.config, self.pipe, self.vae = config, pipe, vae
         self.device = config.resolve_device()
         self.transformer = transformer
-        self.bare = unwrap_model(transformer).to(self.device)
+        self.bare = unwrap_model(transformer)
+        if place:
+            self.bare.to(self.device)
         if vae is not None:
             vae.to(self.device).requires_grad_(False).eval()
         # the full fine-tuning reference is copied before any fp32 upcast: it stays in the load dtype
@@ -365,9 +388,8 @@ class Policy:
         if config.lora.enabled:
             _add_lora(self.bare, config.lora, config.family)
         else:
-            full_finetune(self.bare, config.lora.fp32_params)
-        self.named_params = {n: p for n, p in self.bare.named_parameters() if p.requires_grad}
-        self.params = list(self.named_params.values())
+            full_finetune(self.bare, config.lora.fp32_params and place)
+        self.refresh_params()
         if config.gradient_checkpointing:
             self.bare.enable_gradient_checkpointing()
         self._adapter = ADAPTERS[config.family]
@@ -391,6 +413,12 @@ class Policy:
             self.add_embeddings(prompt_cache)
 
     # -- sampler --------------------------------------------------------------------------------------------------
+
+    def refresh_params(self) -> None:
+        """Re-read :attr:`named_params` / :attr:`params` (the trainable weights) from :attr:`bare`, after a wrapper
+        replaced its parameters (FSDP2's ``fully_shard`` makes them sharded ``DTensor`` parameters)."""
+        self.named_params = {n: p for n, p in self.bare.named_parameters() if p.requires_grad}
+        self.params = list(self.named_params.values())
 
     def sigmas(self, num_steps: int | None = None) -> Tensor:
         """``[T + 1]`` sigmas from 1 to 0 with the model's shift and terminal stretch (as its diffusers scheduler)."""
@@ -475,20 +503,23 @@ class Policy:
             raise RuntimeError("no VAE loaded: the model directory has no vae/ component")
         return decode_latents(self.vae, latents)
 
-    def save_adapter(self, directory: str | Path, is_main_process: bool = True) -> Path:
-        """Write the LoRA adapter where ``<Pipeline>.load_lora_weights(directory)`` (and ``lora.path``) read it."""
-        return save_lora(self.bare, directory, self.config.family, is_main_process)
+    def save_adapter(self, directory: str | Path, is_main_process: bool = True,
+                     state_dict: dict[str, Tensor] | None = None) -> Path:
+        """Write the LoRA adapter where ``<Pipeline>.load_lora_weights(directory)`` (and ``lora.path``) read it
+        (``state_dict``: the transformer's gathered weights, under FSDP: :func:`save_lora`)."""
+        return save_lora(self.bare, directory, self.config.family, is_main_process, state_dict)
 
 
 RealModel = Policy          # the former name, kept for existing code
 
 
-def load_model(config: PipelineConfig) -> Policy:
+def load_model(config: PipelineConfig, place: bool = True) -> Policy:
     """Load the pipeline of ``config`` from its local directory and build its :class:`Policy` (LoRA or full weights,
-    gradient checkpointing, prompt cache, device)."""
+    gradient checkpointing, prompt cache, device; ``place``: as :class:`Policy`'s)."""
     cache = PromptEmbeddings.load(config.prompt_cache) if config.prompt_cache else None
     pipe = load_pipeline(config)
-    policy = Policy(config, pipe.transformer, getattr(pipe, "vae", None), pipe, dict(pipe.scheduler.config), cache)
+    policy = Policy(config, pipe.transformer, getattr(pipe, "vae", None), pipe, dict(pipe.scheduler.config), cache,
+                    place)
     for name in TEXT_COMPONENTS:
         enc = getattr(pipe, name, None)
         if isinstance(enc, nn.Module):

@@ -39,7 +39,6 @@ FSDP / DeepSpeed sharding are available through the library API (docs/real_model
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import shutil
 from pathlib import Path
@@ -49,12 +48,15 @@ import torch
 import torch.distributed as dist
 
 from ..estimator import policy_gradient
-from ..integrations.policy import Policy, load_model
+from ..integrations.policy import Policy, load_model, save_transformer
 from ..rewards.registry import get_reward
 from ..trajectory import sample_trajectories
 from ..infra import config_loader as configuration
-from ..infra.checkpoint import prune_checkpoints, write_checkpoint
-from ..infra.distributed import all_reduce_gradients, gather_objects, loss_scale, shard
+from ..infra.atomic import replace_dir
+from ..infra.checkpoint import prune_checkpoints, shard_names, write_checkpoint, write_shards
+from ..infra.distributed import gather_objects, loss_scale, shard
+from ..infra.engine import make_engine, resolve_engine
+from ..infra.launch import read_launch
 from ..infra.metrics import plot_reward_curve, save_grid
 from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
                    draw_prompts_and_noise, update_summary)
@@ -89,16 +91,17 @@ class DiffusersSampler:
     (:attr:`named_params`, :attr:`params`; LoRA initialised from ``seed``), the RNG of the prompts (:attr:`np_rng`)
     and of the initial noise (:attr:`gen`). ``local``: this process's slice of the global batch (default: all of it,
     one process). :meth:`sample` draws and samples a batch; the SDE noise of each sampling piece is seeded by (seed,
-    iteration, position), the iteration the trainer's, or the count of batches :meth:`sample` drew."""
+    iteration, position), the iteration the trainer's, or the count of batches :meth:`sample` drew. ``place``: as
+    :func:`jagg.integrations.policy.load_model`'s (False: a sharding engine places the transformer)."""
 
-    def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None):
+    def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None, place: bool = True):
         self.cfg = cfg
         self.local = slice(0, cfg.sample.batch_size) if local is None else local
         self.prompts = cfg.sample.prompt_lines                 # read (and checked) when the config was loaded
         self.reward_fn = get_reward(cfg.reward_server if cfg.reward_server is not None else cfg.reward.spec,
                                     {"device": cfg.pipeline.resolve_device(), "dtype": cfg.pipeline.dtype})
         torch.manual_seed(cfg.seed)                            # the same LoRA initialisation on every rank
-        self.policy: Policy = load_model(cfg.pipeline)        # check_model_dir: clear errors for bad paths
+        self.policy: Policy = load_model(cfg.pipeline, place)  # check_model_dir: clear errors for bad paths
         self.device = self.policy.device
         self.latent_shape, self.num_steps = self.policy.latent_shape, cfg.pipeline.num_steps
         self.policy.require_prompts(self.prompts, cfg.sample.prompts_file)
@@ -171,24 +174,37 @@ class DiffusersSampler:
 class DiffusersTrainer(GRPOTrainer):
     """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX/Qwen-Image model (:class:`~jagg.trainers.base.GRPOTrainer`:
     the run directory, ``resume``, ``overwrite``, ``require_checkpoint`` and the loop). Launch with torchrun /
-    accelerate for several processes (``WORLD_SIZE > 1``)."""
+    accelerate for several processes (``WORLD_SIZE > 1``): the engine (:mod:`jagg.infra.engine`: DDP or FSDP2) comes
+    from ``distributed:`` and the launcher's settings (:mod:`jagg.infra.launch`)."""
 
     cfg: DiffusersTrainConfig
     multiprocess = True
 
+    def before_setup(self) -> None:
+        """The launcher's settings and the engine, checked before the run directory is used or the model loads."""
+        cfg = self.cfg
+        self.engine_settings = resolve_engine(cfg, read_launch(), self.world)
+        if self.engine_settings.strategy == "fsdp" and cfg.estimator.meter_every:
+            raise ValueError("estimator.meter_every > 0 audits the estimator on the main process's whole gradient, "
+                             "which FSDP shards across the processes: set estimator.meter_every: 0 and measure with "
+                             "jagg bench meter --config (one process), or train with distributed.strategy: ddp")
+        super().before_setup()
+
     def setup(self) -> None:
         cfg = self.cfg
         self.progress_label = f"GRPO {cfg.pipeline.family}"
+        self.engine = make_engine(self.engine_settings, self.rank, self.world, cfg.pipeline.resolve_device())
+        for line in self.engine_settings.notes:
+            self._print(line)
         # this rank's slice (the batch must split evenly); the model, prompts, reward and rollout RNGs: the sampler's
-        self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size))
+        self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size), place=self.engine.places_model)
+        self.engine.wrap(s.policy)                # DDP: replicas start equal (rank 0's); FSDP: sharded
+        s.named_params, s.params = s.policy.named_params, s.policy.params
         self.local, self.prompts, self.reward_fn, self.policy, self.device = (s.local, s.prompts, s.reward_fn,
                                                                               s.policy, s.device)
         self.latent_shape, self.num_steps, self.named_params, self.params = (s.latent_shape, s.num_steps,
                                                                              s.named_params, s.params)
         self.pieces, self.np_rng, self.gen = s.pieces, s.np_rng, s.gen
-        if self.world > 1:                                     # replicas start identical
-            for p in self.params:
-                dist.broadcast(p.data, 0)
         o = cfg.optim
         self.opt = o.optimizer(self.params)
         # per rank: the minibatch order and unbiased JAGG's picks (the sampler's: prompts, noise, SDE noise)
@@ -214,10 +230,23 @@ class DiffusersTrainer(GRPOTrainer):
             if rng.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
-    def _state(self, rngs: list[dict]) -> dict:
-        return {"trainer": TRAINER_TAG,
-                "model": {n: p.detach().cpu().clone() for n, p in self.named_params.items()},
-                "optimizer": self.opt.state_dict(), "config": configuration.to_dict(self.cfg),
+    def state_entries(self) -> dict[str, dict[str, torch.Tensor]]:
+        """State besides the model and the optimizer that is keyed like the trainable parameters (name -> {parameter
+        name: tensor}, e.g. an EMA of the weights): saved and restored with them, as shards under FSDP (none yet)."""
+        return {}
+
+    def _state(self, rngs: list[dict], shards: str | None = None) -> dict:
+        """The checkpoint's state: with ``shards`` (the shard directory's name, FSDP) the model, optimizer and
+        :meth:`state_entries` live there, else here, whole."""
+        if shards is None:
+            model = {n: p.detach().cpu().clone() for n, p in self.named_params.items()}
+            weights = {"model": model, "optimizer": self.opt.state_dict(),
+                       **{k: {n: t.detach().cpu().clone() for n, t in e.items()}
+                          for k, e in self.state_entries().items()}}
+        else:
+            weights = {"model": shards, "optimizer": shards}
+        return {"trainer": TRAINER_TAG, **weights, "config": configuration.to_dict(self.cfg),
+                "engine": {"strategy": self.engine.name, "processes": self.world},
                 "run_id": self.run_id, "world_size": self.world, "rng": rngs, **self.loop_state()}
 
     def load_state(self, state: dict) -> list[str]:
@@ -228,14 +257,26 @@ class DiffusersTrainer(GRPOTrainer):
                              "run?); use another log.output_dir")
         changed = check_resumable(state["config"], configuration.to_dict(self.cfg), RESUMABLE_CHANGES + RESUMABLE_REAL)
         saved = state["model"]
-        if set(saved) != set(self.named_params):
-            diff = sorted(set(saved) ^ set(self.named_params))[:3]
+        names = shard_names(self.ckpt_dir / saved) if isinstance(saved, str) else set(saved)
+        if names != set(self.named_params):
+            diff = sorted(names ^ set(self.named_params))[:3]
             raise ValueError(f"the checkpoint's trainable parameters differ from this model's (e.g. {diff}); was "
                              "pipeline.lora changed?")
-        with torch.no_grad():
-            for n, p in self.named_params.items():
-                p.copy_(saved[n].to(p.device, p.dtype))
-        self.opt.load_state_dict(state["optimizer"])
+        if isinstance(saved, str):                     # FSDP's shards, read into any layout (resharded)
+            self.engine.load_shards(self.policy.bare, self.opt, self.state_entries(), self.ckpt_dir / saved)
+        elif self.engine.sharded:
+            raise ValueError(f"the checkpoint holds whole weights, written by {state['world_size']} process(es) "
+                             f"without FSDP ({state.get('engine', {}).get('strategy', 'single')}): resume it as it "
+                             "was written (distributed.strategy: ddp, or the accelerate config's distributed_type: "
+                             "MULTI_GPU), or start a new run with FSDP")
+        else:
+            with torch.no_grad():
+                for n, p in self.named_params.items():
+                    p.copy_(saved[n].to(p.device, p.dtype))
+                for k, entry in self.state_entries().items():
+                    for n, t in entry.items():
+                        t.copy_(state[k][n].to(t.device, t.dtype))
+            self.opt.load_state_dict(state["optimizer"])
         self.load_loop_state(state)
         rngs = state["rng"]
         if len(rngs) == self.world:
@@ -248,18 +289,26 @@ class DiffusersTrainer(GRPOTrainer):
         return changed
 
     def save(self, rngs: list[dict] | None = None) -> Path | None:
-        """Checkpoint (rank 0 writes; a collective: every rank must call it): LoRA adapter directory first, then
-        ``ckpt_<n>.pt``, each written to a temporary name and renamed; the newest ``log.keep_last`` are kept."""
+        """Checkpoint (a collective: every rank must call it): the LoRA adapter directory first, then (FSDP) the
+        shard directory ``ckpt_<n>.dcp/`` written by every rank, then ``ckpt_<n>.pt`` by rank 0; each written under a
+        temporary name and renamed, so ``ckpt_<n>.pt`` exists only when all it names is complete. The newest
+        ``log.keep_last`` are kept."""
         rngs = rngs if rngs is not None else gather_objects([self.rng_state()])
+        if self.cfg.pipeline.lora.enabled:
+            self._save_adapter()
+        shards = None
+        if self.engine.sharded:
+            shards = write_shards(lambda d: self.engine.save_shards(self.policy.bare, self.opt, self.state_entries(),
+                                                                    d),
+                                  self.ckpt_dir, self.iteration, self.main, self._barrier)
         path = None
         if self.main:
-            if self.cfg.pipeline.lora.enabled:
-                self._save_adapter()
-            path = write_checkpoint(self._state(rngs), self.ckpt_dir, self.iteration)
+            path = write_checkpoint(self._state(rngs, shards), self.ckpt_dir, self.iteration)
             for old in prune_checkpoints(self.ckpt_dir, self.cfg.log.keep_last, self.run_id, keep=path):
-                # this run's adapter of a pruned checkpoint goes with it; other adapter directories stay
-                shutil.rmtree(self.ckpt_dir / old.name.replace("ckpt_", "adapter_").removesuffix(".pt"),
-                              ignore_errors=True)
+                # this run's adapter and shards of a pruned checkpoint go with it; other directories stay
+                for sibling in ("adapter_{}", "ckpt_{}.dcp"):
+                    shutil.rmtree(self.ckpt_dir / sibling.format(old.name.removeprefix("ckpt_").removesuffix(".pt")),
+                                  ignore_errors=True)
             if self._images is not None and self.cfg.log.sample_images:
                 n = min(self.cfg.log.sample_images, len(self._images))
                 suffix = "gif" if self._images.ndim == 5 else "png"            # videos (Wan): an animated grid
@@ -268,24 +317,55 @@ class DiffusersTrainer(GRPOTrainer):
                 self.logger.image("images/rollouts", grid, self.iteration)
             plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
                               f"GRPO ({self.cfg.estimator.mode}) on {self.cfg.pipeline.family}")
-        if self.world > 1:
-            dist.barrier()
+        self._barrier()
         return path
 
-    def _save_adapter(self) -> Path:
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def _save_adapter(self) -> Path | None:
+        """The LoRA adapter of this iteration, ``adapter_<n>/`` (gathered first under FSDP: a collective)."""
+        gathered = self.engine.full_state_dict(self.policy.bare, trainable_only=True) if self.engine.sharded else None
+        if not self.main:
+            return None
         final = self.ckpt_dir / f"adapter_{self.iteration:06d}"
-        tmp = self.ckpt_dir / f".adapter_{self.iteration:06d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.policy.save_adapter(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        return final
+        return replace_dir(final, lambda tmp: self.policy.save_adapter(tmp, state_dict=gathered))
+
+    def train(self) -> list[dict]:
+        """:meth:`GRPOTrainer.train`, then, when this call trained the run to ``grpo.iterations``, the final export
+        (:meth:`export`)."""
+        start = self.iteration
+        records = super().train()
+        if start < self.cfg.grpo.iterations <= self.iteration and not self.stopped:
+            self.export()
+        return records
+
+    def export(self) -> Path | None:
+        """The trained weights, gathered once, in the format users load, to ``final/`` (replacing this run's earlier
+        export when it is complete): ``final/adapter/`` (LoRA, what ``<Pipeline>.load_lora_weights`` reads) or
+        ``final/transformer/`` (full fine-tuning, ``save_pretrained``: ``<Transformer>.from_pretrained`` reads it, in
+        the trained weights' dtype). A collective under FSDP. Returns the directory on the main process."""
+        lora = self.cfg.pipeline.lora.enabled
+        weights = self.engine.full_state_dict(self.policy.bare, trainable_only=lora)
+        path = None
+        if self.main:
+            def write(tmp: Path) -> None:
+                if lora:
+                    self.policy.save_adapter(tmp / "adapter", state_dict=weights)
+                else:
+                    save_transformer(self.policy.bare, tmp / "transformer", weights)
+            path = replace_dir(self.out / "final", write)
+            self._print(f"exported the final weights to {path / ('adapter' if lora else 'transformer')}")
+        self._barrier()
+        return path
 
     # ------------------------------------------------------------------ one iteration
     def rollout(self, draw: Draw) -> Rollout:
         """Sample this rank's shard of the global batch (:meth:`DiffusersSampler.rollout`, SDE noise of this
-        iteration)."""
-        return self.sampler.rollout(draw, self.iteration)
+        iteration), in a region of the engine (its pieces may differ in number between ranks)."""
+        with self.engine.region():
+            return self.sampler.rollout(draw, self.iteration)
 
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         scores, info = self.sampler.score(rollout)
@@ -298,13 +378,25 @@ class DiffusersTrainer(GRPOTrainer):
     def reference(self, prompts):
         return self.sampler.reference(prompts)
 
+    def reference_rows(self, cond, traj, n: int):
+        """The KL reference velocities of the kept samples, in a region of the engine: every rank calls it, with
+        its own number of samples (possibly none)."""
+        with self.engine.region():
+            return super().reference_rows(cond, traj, n)
+
+    def audit(self, *args, **kwargs):
+        """The estimator audit of the main process's samples (:meth:`GRPO.audit`), its gradients not synchronised."""
+        with self.engine.local():
+            return super().audit(*args, **kwargs)
+
     def minibatches(self, n: int) -> list[torch.Tensor]:
         perm = torch.randperm(n, generator=self.perm_gen)
         return [mb.sort().values for mb in perm.tensor_split(self.cfg.grpo.updates_per_epoch)]   # sets, in order
 
     def gradient(self, mb: Minibatch) -> dict:
-        """This rank's gradient of its part of the minibatch (possibly empty), averaged over the ranks, and the
-        statistics of the whole minibatch."""
+        """This rank's gradient of its part of the minibatch (possibly empty), averaged over the ranks by the engine
+        (each rank's loss scaled by :func:`jagg.infra.distributed.loss_scale`), and the statistics of the whole
+        minibatch."""
         n = mb.size
         n_global = int(self._sum([n])[0])
         if n_global == 0:
@@ -312,16 +404,13 @@ class DiffusersTrainer(GRPOTrainer):
         names = ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl")
         counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "intervals", "intervals_jagg")
         local = [0.0] * (len(names) + len(counts))
-        if n:
-            st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
-                                 ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
-                                 prompt_groups=mb.prompt_groups, generator=self.pick_gen, on_policy=mb.on_policy)
-            local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
-        if self.world > 1:
-            for p in self.params:                              # same buckets on every rank, even with no samples
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            all_reduce_gradients(self.params)
+        with self.engine.update() as backward_context:
+            if n:
+                st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
+                                     ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
+                                     backward_context=backward_context, prompt_groups=mb.prompt_groups,
+                                     generator=self.pick_gen, on_policy=mb.on_policy)
+                local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
         tot = self._sum(local)
         stats = {k: tot[i] / n_global for i, k in enumerate(names)}
         stats.update({k: int(tot[len(names) + i]) for i, k in enumerate(counts)})
