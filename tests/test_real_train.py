@@ -358,7 +358,9 @@ def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_
     assert r1["trained_samples"] == r2["trained_samples"] == 2 and r1["updates"] == r2["updates"] == 1
     for k in ("reward_mean", "loss", "kl", "grad_norm"):
         assert r2[k] == pytest.approx(r1[k], rel=1e-4, abs=1e-7), k
-    rank0, rank1 = (torch.load(two / f"rank{r}.pt") for r in (0, 1))
+    (rank0, rank1), engines = zip(*((s["weights"], s["engine"]) for s in (torch.load(two / f"rank{r}.pt")
+                                                                          for r in (0, 1))))
+    assert engines == ("ddp", "ddp")
     ck1, ck2 = (torch.load(d / "checkpoints" / "ckpt_000001.pt", weights_only=False) for d in (one, two))
     assert set(rank0) == set(rank1) == set(ck1["model"]) == set(ck2["model"])
     g_max = max(float(s["exp_avg"].abs().max()) for s in ck1["optimizer"]["state"].values())

@@ -1,7 +1,7 @@
 """Atomic file writes: every file jagg writes (checkpoints, weights, ``run.json``, image grids, plots, JSON results)
 goes through :func:`atomic_write` (a directory of files, e.g. exported weights: :func:`replace_dir`), so that a
-crash, a full disk or Ctrl-C mid-write leaves the previous file (or none), never a torn one. Whether a command may replace a user's file is decided before the work, by
-:func:`jagg.checks.check_output_file` (``--overwrite``).
+crash, a full disk or Ctrl-C mid-write leaves the previous file (or none), never a torn one. Whether a command may
+replace a user's file is decided before the work, by :func:`jagg.checks.check_output_file` (``--overwrite``).
 """
 
 from __future__ import annotations

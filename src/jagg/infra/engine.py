@@ -111,7 +111,8 @@ def resolve_engine(cfg, launch: LaunchSettings, world: int) -> EngineSettings:
             notes.append(f"mixed_precision: {mp} -> pipeline.autocast: {mp}")
     classes = _pick("distributed.wrap_classes", tuple(d.wrap_classes) if d.wrap_classes else None,
                     launch.wrap_classes, "fsdp_transformer_layer_cls_to_wrap")
-    wrap_key = "distributed.wrap_classes" if d.wrap_classes else "fsdp_transformer_layer_cls_to_wrap"
+    wrap_key = "fsdp_transformer_layer_cls_to_wrap" if launch.wrap_classes and not d.wrap_classes \
+        else "distributed.wrap_classes"
     wrap = "blocks" if classes or launch.wrap != "root" else "root"
     reshard = _pick("distributed.reshard_after_forward", d.reshard_after_forward, launch.reshard_after_forward,
                     "fsdp_reshard_after_forward")

@@ -55,17 +55,18 @@ from ..infra import config_loader as configuration
 from ..infra.atomic import replace_dir
 from ..infra.checkpoint import prune_checkpoints, shard_names, write_checkpoint, write_shards
 from ..infra.distributed import gather_objects, loss_scale, shard
-from ..infra.engine import make_engine, resolve_engine
-from ..infra.launch import read_launch
+from ..infra.engine import EngineSettings, make_engine, resolve_engine
+from ..infra.launch import LaunchSettings, read_launch
 from ..infra.metrics import plot_reward_curve, save_grid
 from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
                    draw_prompts_and_noise, update_summary)
 from .diffusers_config import DiffusersTrainConfig
 
 # config keys that may differ between a checkpoint and its resumption, besides the shapes trainer's
-# (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient
+# (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient (how the
+# processes share the model: a checkpoint of FSDP shards reads into any engine, whole weights into DDP or one process)
 RESUMABLE_REAL = ("pipeline.path", "pipeline.device", "pipeline.prompt_cache", "pipeline.load_text_encoders",
-                  "pipeline.gradient_checkpointing", "reward_server")
+                  "pipeline.gradient_checkpointing", "reward_server", "distributed.")
 TRAINER_TAG = "jagg.trainers.diffusers"          # written into its checkpoints (a shapes run's carry none)
 
 
@@ -79,6 +80,18 @@ def sampling_pieces(local: slice, size: int) -> list[slice]:
     multiple of ``size`` the pieces, and so the rollouts, are the same for any number of processes."""
     starts = sorted({local.start, *range(-(-local.start // size) * size, local.stop, size)})
     return [slice(a, b) for a, b in zip(starts, starts[1:] + [local.stop])]
+
+
+def engine_for(cfg: DiffusersTrainConfig, launch: LaunchSettings, world: int) -> EngineSettings:
+    """The engine of ``cfg`` under the launcher's settings with ``world`` processes
+    (:func:`jagg.infra.engine.resolve_engine`, which applies the launcher's settings to ``cfg.pipeline``), refusing
+    what the trainer cannot run with it: the estimator audit (``estimator.meter_every``) under FSDP."""
+    settings = resolve_engine(cfg, launch, world)
+    if settings.strategy == "fsdp" and cfg.estimator.meter_every:
+        raise ValueError("estimator.meter_every > 0 audits the estimator on the main process's whole gradient, which "
+                         "FSDP shards across the processes: set estimator.meter_every: 0 and measure with jagg bench "
+                         "meter --config (one process), or train with distributed.strategy: ddp")
+    return settings
 
 
 class DiffusersSampler:
@@ -181,13 +194,9 @@ class DiffusersTrainer(GRPOTrainer):
     multiprocess = True
 
     def before_setup(self) -> None:
-        """The launcher's settings and the engine, checked before the run directory is used or the model loads."""
-        cfg = self.cfg
-        self.engine_settings = resolve_engine(cfg, read_launch(), self.world)
-        if self.engine_settings.strategy == "fsdp" and cfg.estimator.meter_every:
-            raise ValueError("estimator.meter_every > 0 audits the estimator on the main process's whole gradient, "
-                             "which FSDP shards across the processes: set estimator.meter_every: 0 and measure with "
-                             "jagg bench meter --config (one process), or train with distributed.strategy: ddp")
+        """The launcher's settings and the engine (:func:`engine_for`), checked before the run directory is used or
+        the model loads."""
+        self.engine_settings = engine_for(self.cfg, read_launch(), self.world)
         super().before_setup()
 
     def setup(self) -> None:
@@ -257,7 +266,8 @@ class DiffusersTrainer(GRPOTrainer):
                              "run?); use another log.output_dir")
         changed = check_resumable(state["config"], configuration.to_dict(self.cfg), RESUMABLE_CHANGES + RESUMABLE_REAL)
         saved = state["model"]
-        names = shard_names(self.ckpt_dir / saved) if isinstance(saved, str) else set(saved)
+        buffers = {n for n, _ in self.policy.bare.named_buffers()}          # shards carry the buffers too
+        names = shard_names(self.ckpt_dir / saved) - buffers if isinstance(saved, str) else set(saved)
         if names != set(self.named_params):
             diff = sorted(names ^ set(self.named_params))[:3]
             raise ValueError(f"the checkpoint's trainable parameters differ from this model's (e.g. {diff}); was "
