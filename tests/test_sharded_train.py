@@ -96,7 +96,7 @@ def test_fsdp_full_finetune_shards_equals_one_process_and_resumes(tmp_path, sd3_
         _half([r[f"{what}_local"] for r in ranks], ranks[0][f"{what}_full"])
     assert ranks[0]["param_full"] == sum(p.numel() for p in SD3Transformer2DModel.from_pretrained(
         sd3_dir / "transformer").parameters())                     # every weight trains
-    assert ranks[0]["adam_full"] >= 2 * ranks[0]["param_full"] - 100
+    assert ranks[0]["adam_full"] == 2 * ranks[0]["param_full"]                    # FSDP: a gradient for every weight
     # the red cube's group has zero spread and is dropped: its rank trains nothing and fills in the others' calls
     two = records(fsdp)
     assert [r["trained_samples"] for r in two] == [2, 2] and sum(r["fillers"] for r in ranks) > 0

@@ -18,22 +18,25 @@ files); the rollouts (model, trainable weights, prompts, reward, sampling) are :
 3. gather the rewards of all ranks, group-relative advantages per prompt on the global batch
    (:func:`jagg.group_advantages`), drop zero-spread prompt groups;
 4. ``inner_epochs x updates_per_epoch`` AdamW updates whose gradients come from :func:`jagg.policy_gradient`
-   (KL reference = the adapters switched off, or a frozen copy for full fine-tuning); with several ranks the
-   local gradients are averaged once per update with :func:`jagg.infra.distributed.all_reduce_gradients`, each
-   rank's loss scaled by :func:`jagg.infra.distributed.loss_scale` so the result is the gradient of the global
-   minibatch.
+   (KL reference = the adapters switched off, or a frozen copy for full fine-tuning); with several ranks each rank's
+   loss is scaled by :func:`jagg.infra.distributed.loss_scale` and the engine averages the gradients, so the result
+   is the gradient of the global minibatch.
 
 Outputs in ``log.output_dir`` (one run per directory, :mod:`jagg.infra.rundir`; ``run.json`` holds the run id):
-``metrics.jsonl`` (+ TensorBoard), ``reward_curve.png``, ``samples/iter_<n>.png``
-(a few rollout images at each checkpoint; a video family's as an animated ``.gif`` grid), ``checkpoints/ckpt_<n>.pt`` (trainable weights, optimizer, every RNG,
-config; atomic, keep-last-N) and, with LoRA, ``checkpoints/adapter_<n>/pytorch_lora_weights.safetensors``, which
-``StableDiffusion3Pipeline.load_lora_weights`` / ``FluxPipeline.load_lora_weights`` read.
+``metrics.jsonl`` (+ TensorBoard), ``reward_curve.png``, ``samples/iter_<n>.png`` (a few rollout images at each
+checkpoint; a video family's as an animated ``.gif`` grid), ``checkpoints/ckpt_<n>.pt`` (trainable weights, optimizer,
+every RNG, config; atomic, keep-last-N; under FSDP the weights and optimizer are shards in ``ckpt_<n>.dcp/``), with
+LoRA ``checkpoints/adapter_<n>/pytorch_lora_weights.safetensors``, which ``StableDiffusion3Pipeline.load_lora_weights``
+/ ``FluxPipeline.load_lora_weights`` read, and at the end of the run the final weights, gathered once:
+``final/adapter/`` (LoRA) or ``final/transformer/`` (full fine-tuning, ``save_pretrained``).
 
-Data parallelism replicates the model on every rank (LoRA on SD3.5 / FLUX fits one GPU); the model is not wrapped
-in DDP: gradients accumulate locally and are all-reduced once per optimizer update, so ranks may hold different
-numbers of samples after zero-spread prompt groups are dropped. With one update per epoch (``grpo.updates_per_epoch: 1``)
-two processes make the same update as one process on the same global batch (tested with ``accelerate launch``).
-FSDP / DeepSpeed sharding are available through the library API (docs/real_models.md), not through this trainer.
+Several processes (torchrun, ``accelerate launch``) train on an engine (:mod:`jagg.infra.engine`, chosen from
+``distributed:`` and the accelerate config, :mod:`jagg.infra.launch`): DDP replicates the transformer (LoRA, or a model
+that fits one GPU) and all-reduces each update's gradient once; FSDP2 shards it per transformer block (parameters,
+gradients, AdamW state, the frozen KL reference) for full fine-tuning of a model that does not fit one GPU. Ranks may
+hold different numbers of samples after zero-spread prompt groups are dropped: the engine keeps them in step. With one
+update per epoch (``grpo.updates_per_epoch: 1``) two processes make the same update as one process on the same global
+batch (tested with ``accelerate launch`` and torchrun, DDP and FSDP).
 """
 
 from __future__ import annotations
