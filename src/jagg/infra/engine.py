@@ -103,11 +103,12 @@ def resolve_engine(cfg, launch: LaunchSettings, world: int) -> EngineSettings:
         if not p.lora.fp32_params:
             raise ValueError(f"the accelerate config's mixed_precision {mp} keeps fp32 master weights: set "
                              "pipeline.lora.fp32_params: true (or mixed_precision: no)")
+        _pick("pipeline.autocast", p.autocast, mp, "mixed_precision")
         if strategy == "fsdp":
             param_dtype = mp
             notes.append(f"mixed_precision: {mp} -> FSDP MixedPrecisionPolicy(param_dtype={mp}, reduce_dtype=fp32)")
         else:
-            p.autocast = _pick("pipeline.autocast", p.autocast, mp, "mixed_precision")
+            p.autocast = mp
             notes.append(f"mixed_precision: {mp} -> pipeline.autocast: {mp}")
     classes = _pick("distributed.wrap_classes", tuple(d.wrap_classes) if d.wrap_classes else None,
                     launch.wrap_classes, "fsdp_transformer_layer_cls_to_wrap")
