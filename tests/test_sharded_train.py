@@ -118,11 +118,13 @@ def test_fsdp_full_finetune_shards_equals_one_process_and_resumes(tmp_path, sd3_
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-5, msg=k)
     assert all(torch.equal(ranks[0]["weights"][n], got[n]) for n in ranks[0]["weights"])
 
-    # resume from the first checkpoint with torchrun: bit-identical to the uninterrupted run
+    # resume from the first checkpoint with torchrun: bit-identical to the uninterrupted run (keeping 1 checkpoint:
+    # the first one's shards go with it)
     again = tmp_path / "again"
     _from_checkpoint_1(fsdp, again)
     resume = sets + ["distributed.strategy=fsdp", "pipeline.gradient_checkpointing=true"]
-    _launch(TORCHRUN, _args(cfg, resume) + ["--output-dir", str(again), "--resume"])
+    _launch(TORCHRUN, _args(cfg, resume + ["log.keep_last=1"]) + ["--output-dir", str(again), "--resume"])
+    assert sorted(p.name for p in (again / "checkpoints").iterdir()) == ["ckpt_000002.dcp", "ckpt_000002.pt"]
     final = SD3Transformer2DModel.from_pretrained(again / "final" / "transformer").state_dict()
     assert all(torch.equal(final[k], got[k]) for k in got)
     assert [(r["loss"], r["grad_norm"]) for r in records(again)] == [(r["loss"], r["grad_norm"]) for r in two]

@@ -5,7 +5,8 @@ A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``c
 ``--set`` overrides. Sections:
 ``pipeline:`` (:class:`jagg.integrations.config.PipelineConfig`, the model), ``sample:`` (:class:`DiffusersSampleConfig`,
 the prompts file and the batch), ``estimator:``, ``optim:``, ``grpo:``, ``reward:`` or ``reward_server:``, ``log:``
-(:class:`DiffusersLogConfig`), and ``seed``, ``threads``. Each value is checked when the config is built, with an error
+(:class:`DiffusersLogConfig`), ``distributed:`` (:class:`DistributedConfig`, several processes), and ``seed``,
+``threads``. Each value is checked when the config is built, with an error
 naming the key; the trainer is :mod:`jagg.trainers.diffusers`.
 """
 
