@@ -107,6 +107,14 @@ def _refuse(key: str, why: str) -> ValueError:
                       "Multi-GPU)")
 
 
+def _only(env: Mapping[str, str], var: str, key: str, allowed: tuple[str, ...], why: str) -> str:
+    """The value of ``var`` in upper case (unset: ``allowed[0]``), refused naming ``key`` unless one of ``allowed``."""
+    value = env.get(var, allowed[0]).strip().upper() or allowed[0]
+    if value not in allowed:
+        raise _refuse(f"{key}: {value}", why)
+    return value
+
+
 def _check_common(env: Mapping[str, str]) -> str | None:
     """The settings of every accelerate launch: the engine, mixed precision, the compiler; returns the mixed
     precision (``"bf16"`` or None)."""
@@ -119,9 +127,8 @@ def _check_common(env: Mapping[str, str]) -> str | None:
     if mp not in ("no", "bf16"):
         raise _refuse(f"mixed_precision: {mp}", "jagg train runs no gradient scaler; use bf16 (fp32 master weights, "
                       "bf16 compute) or no")
-    backend = env.get("ACCELERATE_DYNAMO_BACKEND", "NO").strip().upper()
-    if backend not in ("NO", ""):
-        raise _refuse(f"dynamo_backend: {backend}", "jagg train does not compile the transformer; set it to 'NO'")
+    _only(env, "ACCELERATE_DYNAMO_BACKEND", "dynamo_backend", ("NO",), "jagg train does not compile the transformer; "
+          "set it to 'NO'")
     for var, key in (("ACCELERATE_CPU_AFFINITY", "enable_cpu_affinity"), ("ACCELERATE_DEBUG_MODE", "debug")):
         if _true(env.get(var, "false")):
             raise _refuse(f"{key}: true", "it configures accelerate's own process setup and operations, which jagg "
@@ -139,27 +146,20 @@ def _read_fsdp(env: Mapping[str, str]) -> dict:
             raise _refuse(f"{key}: true", why)
     if env.get("FSDP_IGNORED_MODULES"):
         raise _refuse("fsdp_ignored_modules", "every transformer weight is sharded or trained; remove the key")
-    prefetch = env.get("FSDP_BACKWARD_PREFETCH", "NO_PREFETCH").strip().upper()
-    if prefetch not in ("NO_PREFETCH", ""):
-        raise _refuse(f"fsdp_backward_prefetch: {prefetch}", "FSDP1's setting (FSDP2 prefetches by itself); remove "
-                      "the key")
-    strategy = env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").strip().upper()
-    if strategy not in ("FULL_SHARD", "1"):
-        raise _refuse(f"fsdp_sharding_strategy: {strategy}", "FSDP1's name; with fsdp_version 2 say it with "
-                      "fsdp_reshard_after_forward (true: FULL_SHARD, false: SHARD_GRAD_OP)")
-    state_dict = env.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT").strip().upper()
-    if state_dict != "SHARDED_STATE_DICT":
-        raise _refuse(f"fsdp_state_dict_type: {state_dict}", "jagg train checkpoints the shards with "
-                      "torch.distributed.checkpoint and exports the gathered weights once, at the end; set "
-                      "SHARDED_STATE_DICT")
+    _only(env, "FSDP_BACKWARD_PREFETCH", "fsdp_backward_prefetch", ("NO_PREFETCH",), "FSDP1's setting (FSDP2 "
+          "prefetches by itself); remove the key")
+    _only(env, "FSDP_SHARDING_STRATEGY", "fsdp_sharding_strategy", ("FULL_SHARD", "1"), "FSDP1's name; with "
+          "fsdp_version 2 say it with fsdp_reshard_after_forward (true: FULL_SHARD, false: SHARD_GRAD_OP)")
+    _only(env, "FSDP_STATE_DICT_TYPE", "fsdp_state_dict_type", ("SHARDED_STATE_DICT",), "jagg train checkpoints the "
+          "shards with torch.distributed.checkpoint and exports the gathered weights once, at the end; set "
+          "SHARDED_STATE_DICT")
     reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "true").strip()
     reshard = {"FULL_SHARD": "true", "SHARD_GRAD_OP": "false"}.get(reshard.upper(), reshard)
     if reshard.lower() not in ("true", "false", "1", "0", "yes", "no"):
         raise _refuse(f"fsdp_reshard_after_forward: {reshard}", "FSDP2 takes true or false")
-    policy = env.get("FSDP_AUTO_WRAP_POLICY", "NO_WRAP").strip().upper()
-    if policy not in ("TRANSFORMER_BASED_WRAP", "NO_WRAP"):
-        raise _refuse(f"fsdp_auto_wrap_policy: {policy}", "jagg train wraps whole transformer blocks; set "
-                      "TRANSFORMER_BASED_WRAP (optionally with fsdp_transformer_layer_cls_to_wrap) or NO_WRAP")
+    policy = _only(env, "FSDP_AUTO_WRAP_POLICY", "fsdp_auto_wrap_policy", ("NO_WRAP", "TRANSFORMER_BASED_WRAP"),
+                   "jagg train wraps whole transformer blocks; set TRANSFORMER_BASED_WRAP (optionally with "
+                   "fsdp_transformer_layer_cls_to_wrap) or NO_WRAP")
     classes = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
     return {"wrap": "blocks" if policy == "TRANSFORMER_BASED_WRAP" else "root",
             "wrap_classes": tuple(c.strip() for c in classes.split(",") if c.strip()) if classes else None,
