@@ -103,7 +103,8 @@ def test_fsdp_full_finetune_shards_equals_one_process_and_resumes(tmp_path, sd3_
     ck = sorted(p.name for p in (fsdp / "checkpoints").iterdir())
     assert ck == ["ckpt_000001.dcp", "ckpt_000001.pt", "ckpt_000002.dcp", "ckpt_000002.pt"]
     saved = torch.load(fsdp / "checkpoints" / "ckpt_000002.pt", weights_only=False)
-    assert saved["model"] == "ckpt_000002.dcp" and saved["engine"] == {"strategy": "fsdp", "processes": 2}
+    assert saved["model"] == "ckpt_000002.dcp"
+    assert saved["engine"] == {"strategy": "fsdp", "processes": 2, "param_dtype": None}
     assert saved["config"]["pipeline"]["gradient_checkpointing"] is True        # the accelerate key, honoured
 
     # one process on the same global batches: the same metrics and, after 2 AdamW steps, the same weights

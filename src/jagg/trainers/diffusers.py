@@ -258,7 +258,8 @@ class DiffusersTrainer(GRPOTrainer):
         else:
             weights = {"model": shards, "optimizer": shards}
         return {"trainer": TRAINER_TAG, **weights, "config": configuration.to_dict(self.cfg),
-                "engine": {"strategy": self.engine.name, "processes": self.world},
+                "engine": {"strategy": self.engine.name, "processes": self.world,
+                           "param_dtype": self.engine_settings.param_dtype},
                 "run_id": self.run_id, "world_size": self.world, "rng": rngs, **self.loop_state()}
 
     def load_state(self, state: dict) -> list[str]:
@@ -268,6 +269,10 @@ class DiffusersTrainer(GRPOTrainer):
             raise ValueError(f"the checkpoints in {self.ckpt_dir} were not written by the diffusers trainer (a shapes "
                              "run?); use another log.output_dir")
         changed = check_resumable(state["config"], configuration.to_dict(self.cfg), RESUMABLE_CHANGES + RESUMABLE_REAL)
+        was, now = state.get("engine", {}).get("param_dtype"), self.engine_settings.param_dtype
+        if was != now:                                 # FSDP's compute dtype comes from the launcher, not the config
+            changed.append(f"FSDP mixed precision (the accelerate config's mixed_precision): {was or 'no'} in the "
+                           f"checkpoint, {now or 'no'} now")
         saved = state["model"]
         buffers = {n for n, _ in self.policy.bare.named_buffers()}          # shards carry the buffers too
         names = shard_names(self.ckpt_dir / saved) - buffers if isinstance(saved, str) else set(saved)
