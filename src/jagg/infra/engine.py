@@ -168,6 +168,8 @@ class Engine:
     def full_state_dict(self, module: nn.Module, trainable_only: bool = False) -> dict[str, Tensor]:
         """``module``'s whole weights (``trainable_only``: those with ``requires_grad``) on the CPU, gathered on the
         main process (a collective under FSDP: every process calls it; the others get an empty dict)."""
+        if self.rank:
+            return {}
         names = {n for n, p in module.named_parameters() if p.requires_grad} if trainable_only else None
         return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if names is None or k in names}
 
