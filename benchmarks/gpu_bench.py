@@ -25,6 +25,16 @@ put into their projected cost structure with ``--gpu-bench-json``.
     python benchmarks/gpu_bench.py --models wan_1_3b --resolutions 240,480       # Wan 2.1 1.3B, 33 frames
     python benchmarks/gpu_bench.py --scaled-down         # tiny configs on the CPU, seconds (used by the tests)
     python benchmarks/gpu_bench.py --small --models sd35m --resolutions 512 [--detach-uncond]   # CPU, ~1 min
+    torchrun --nproc_per_node 8 benchmarks/gpu_bench.py --sharded --models flux,qwen_image --resolutions 512
+    python benchmarks/gpu_bench.py --memory-table        # per-GPU memory of full fine-tuning, computed
+
+``--sharded`` is full fine-tuning as ``jagg train`` runs it with ``distributed.strategy: fsdp``: the transformer is
+sharded by its FSDP engine (:mod:`jagg.infra.engine`: ``fully_shard`` per block, fp32 master weights computing in bf16,
+activation checkpointing per block) over the processes of the launch (one process: a process group of one), and each
+timed update is the gradient and the AdamW step; the JSON rows add the elements of parameters and AdamW state this
+process stores and the per-GPU memory :func:`sharded_memory` computes for the launch's process count.
+``--memory-table`` prints that computation for SD3.5-Medium, FLUX.1-dev and Qwen-Image from their parameter counts
+(the published configs built on the meta device), the table of docs/real_models.md.
 
 Whatever does not fit in ``--time-budget`` seconds is reported as skipped, never silently dropped.
 """
@@ -136,6 +146,7 @@ class BenchConfig:
     device: str = "auto"
     scaled_down: bool = False
     small: bool = False
+    sharded: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -189,6 +200,135 @@ def build_transformer(name: str, cfg: BenchConfig, dev: torch.device, dtype: tor
     if cfg.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     return model, spec
+
+
+def parameter_count(name: str) -> int:
+    """Parameters of the full-size transformer ``name`` (its published config built on the meta device)."""
+    import diffusers
+
+    with torch.device("meta"):
+        model = getattr(diffusers, FULL[name]["cls"])(**FULL[name]["config"])
+    return sum(p.numel() for p in model.parameters())
+
+
+def sharded_memory(n_params: int, processes: int, reference: bool = False) -> dict:
+    """GiB per GPU (computed from the parameter count, not measured) of full fine-tuning with jagg's FSDP engine over
+    ``processes`` GPUs: fp32 master weights, fp32 gradients and AdamW's two fp32 moments, each a 1/``processes``
+    shard, and with ``reference`` the frozen KL reference copy in bf16, sharded too. Activations, one gathered
+    block's bf16 weights and gradients, and the VAE and text encoders come on top. One process: DDP's (replicated)."""
+    gib = n_params / processes / 2**30
+    parts = dict(weights=4 * gib, gradients=4 * gib, adamw=8 * gib, reference=2 * gib if reference else 0.0)
+    return dict(parts, total=sum(parts.values()))
+
+
+def memory_table(counts: dict[str, int], processes=(1, 2, 4, 8)) -> str:
+    """The Markdown table of :func:`sharded_memory` (with and without the KL reference) for ``counts`` (name ->
+    parameters), the one in docs/real_models.md."""
+    names = {"sd35m": "SD3.5-Medium", "flux": "FLUX.1-dev", "qwen_image": "Qwen-Image"}
+    lines = ["| transformer | parameters | " + " | ".join(f"{p} GPU{'s' * (p > 1)}" for p in processes) + " |",
+             "|---|---|" + "---|" * len(processes)]
+    for name, n in counts.items():
+        cells = [f"{sharded_memory(n, p)['total']:.0f} ({sharded_memory(n, p, True)['total']:.0f})" for p in processes]
+        lines.append(f"| {names.get(name, name)} | {n / 1e9:.2f}B | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _group(dev: torch.device) -> tuple[int, int, bool]:
+    """``(rank, world, created)``: the launch's process group (torchrun), or a group of this process alone."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from jagg.infra.distributed import init_process_group_from_env
+
+    rank, world = init_process_group_from_env()
+    if dist.is_initialized():
+        return rank, world, False
+    store = Path(tempfile.mkdtemp()) / "rendezvous"
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
+                            world_size=1)
+    return 0, 1, True
+
+
+def bench_sharded(name: str, cfg: BenchConfig, dev: torch.device, dtype: torch.dtype, t_start: float, rows: list,
+                  costs: list) -> None:
+    """Full fine-tuning of ``name`` sharded by jagg train's FSDP engine over the process group (module docstring): per
+    resolution one rollout, then for each configuration the timed update (gradient, clipping, AdamW step)."""
+    import torch.distributed as dist
+
+    from jagg.infra.engine import EngineSettings, make_engine
+    from jagg.integrations import PipelineConfig
+    from jagg.integrations.policy import Policy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, spec = build_transformer(name, dataclasses.replace(cfg, lora=False, gradient_checkpointing=False),
+                                    torch.device("cpu"), dtype)           # sharded on the host, then moved
+    config = PipelineConfig(family=FAMILY[name], dtype=cfg.dtype, device=str(dev), resolution=cfg.resolutions[0],
+                            gradient_checkpointing=True, lora={"enabled": False, "fp32_params": True})
+    policy = Policy(config, model, place=False)
+    n_params = sum(p.numel() for p in policy.params)
+    engine = make_engine(EngineSettings("fsdp", param_dtype="bf16" if dtype == torch.bfloat16 else None), rank, world,
+                         dev)
+    engine.wrap(policy)
+    opt = torch.optim.AdamW(policy.params, lr=1e-7)
+    g = torch.Generator().manual_seed(cfg.seed)
+    width = spec["config"].get("joint_attention_dim", spec["config"].get("text_dim"))
+    cond, uncond = (PromptEmbeddings(torch.randn(1, spec["text_len"], width, generator=g),
+                                     None if spec["pooled"] is None else torch.randn(1, spec["pooled"], generator=g))
+                    .to(dev) for _ in range(2))
+    v = velocity_adapter(policy.transformer, cond.select([0] * cfg.samples), uncond, GUIDANCE[name], FAMILY[name])
+    local = sum(p.to_local().numel() for p in policy.params)
+    for res in cfg.resolutions:
+        lat = res // (64 if cfg.scaled_down else 16 if cfg.small else 8)
+        key = dict(model=name, resolution=res, params=n_params, trainable=n_params, processes=world,
+                   param_local=local, computed_gb=sharded_memory(n_params, world)["total"])
+        noise = torch.randn(cfg.samples, *latent_shape(spec, lat), generator=g).to(dev)
+        with torch.no_grad(), engine.region():
+            traj = jagg.sample_trajectories(v, noise, jagg.flow_sigmas(cfg.steps, shift=SHIFT[name](res)), 0.7,
+                                            generator=torch.Generator(dev).manual_seed(1), micro_batch=cfg.micro_batch)
+        adv = torch.linspace(-1, 1, cfg.samples, device=dev) if cfg.samples > 1 else torch.ones(1, device=dev)
+        for c in run_configs(cfg):
+            if time.perf_counter() - t_start > cfg.time_budget:
+                rows.append(dict(key, mode=c[0], window=c[1], intermediate=c[2], status="skipped (time budget)"))
+                continue
+            times, info = [], {}
+            for _ in range(cfg.repeats + 1):                           # the first: warm-up
+                dt, info = _sharded_update(engine, policy, opt, v, traj, adv, c, cfg, dev)
+                times.append(dt)
+            adam = sum(t.to_local().numel() for st in opt.state.values() for k, t in st.items() if k != "step")
+            st = info["stats"]
+            rows.append(dict(key, mode=c[0], window=c[1], intermediate=c[2], status="ok",
+                             seconds=statistics.median(times[1:]), times=times[1:], peak_gb=info["peak_gb"],
+                             adam_local=adam, backward_items=st.backward_items,
+                             forward_nograd_items=st.forward_nograd_items, forward_calls=st.forward_calls))
+        exact = next((r["seconds"] for r in rows if r["model"] == name and r["resolution"] == res
+                      and r["mode"] == "exact" and "seconds" in r), float("nan"))
+        for r in rows:
+            if r["model"] == name and r["resolution"] == res and "seconds" in r:
+                r["speedup"] = exact / r["seconds"]
+                r["cost_limit"] = 1.0 if r["mode"] == "exact" or r["window"] <= 2 else cost_limit(
+                    r["window"], r["intermediate"], steps=cfg.steps)
+        del traj
+    del model, policy, v, opt
+
+
+def _sharded_update(engine, policy, opt, v, traj, adv, c: tuple, cfg: BenchConfig, dev: torch.device):
+    """One optimizer update of configuration ``c`` on the sharded model: seconds, statistics and peak GiB."""
+    mode, w, inter = c
+    est = jagg.EstimatorConfig(mode=mode, window=max(w, 1), intermediate="interp" if inter == "-" else inter,
+                               micro_batch=cfg.micro_batch, clip_range=1e-4, correction_p=0.0)
+    opt.zero_grad(set_to_none=True)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    _sync(dev)
+    t0 = time.perf_counter()
+    with engine.update() as backward_context:
+        stats = jagg.policy_gradient(v, traj, adv, est, backward_context=backward_context)
+    torch.nn.utils.clip_grad_norm_(policy.params, 1.0)
+    opt.step()
+    _sync(dev)
+    return time.perf_counter() - t0, dict(stats=stats, peak_gb=torch.cuda.max_memory_allocated(dev) / 2**30
+                                          if dev.type == "cuda" else float("nan"))
 
 
 def run_configs(cfg: BenchConfig) -> list[tuple[str, int, str]]:
@@ -379,14 +519,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scaled-down", action="store_true", help="tiny configs, fp32, CPU: a smoke run in seconds")
     ap.add_argument("--small", action="store_true", help="small configs (4 blocks, width 128, 32x32 latents at 512 "
                     "px), fp32, CPU: comparisons in about a minute, e.g. with and without --detach-uncond")
+    ap.add_argument("--sharded", action="store_true", help="full fine-tuning sharded by jagg train's FSDP engine "
+                    "over the processes of the launch (torchrun --nproc_per_node N; one process: a group of one), "
+                    "each update with its AdamW step")
+    ap.add_argument("--memory-table", action="store_true", help="print the per-GPU memory of full fine-tuning under "
+                    "FSDP for SD3.5-Medium, FLUX.1-dev and Qwen-Image, computed from their parameter counts, and exit")
     ap.add_argument("--out", default="bench_gpu.json", help="JSON output path")
     a = ap.parse_args(argv)
+    if a.memory_table:
+        text = memory_table({name: parameter_count(name) for name in ("sd35m", "flux", "qwen_image")})
+        print("GiB per GPU, computed from the parameter counts (not measured): fp32 master weights, gradients and "
+              "AdamW moments, 1/N each; in parentheses with the bf16 KL reference copy, sharded too\n" + text)
+        return {"memory_table": text}
     cfg = BenchConfig(models=a.models.split(","), windows=[int(x) for x in a.windows.split(",")],
                       resolutions=[int(x) for x in (a.resolutions or "512,1024").split(",")],
                       intermediates=a.intermediates.split(","), samples=a.samples, steps=a.steps,
                       micro_batch=a.micro_batch, repeats=a.repeats or (1 if a.scaled_down else 2),
                       small=a.small,
-                      time_budget=a.time_budget, lora=not a.full, gradient_checkpointing=a.gradient_checkpointing,
+                      time_budget=a.time_budget, lora=not (a.full or a.sharded), sharded=a.sharded,
+                      gradient_checkpointing=a.gradient_checkpointing,
                       autocast=a.autocast, detach_uncond=a.detach_uncond, clock=a.clock,
                       device=("cpu" if (a.scaled_down or a.small) and a.device == "auto" else a.device),
                       dtype=a.dtype or ("fp32" if a.scaled_down or a.small else "bf16"), scaled_down=a.scaled_down)
@@ -411,18 +562,29 @@ def _run(cfg: BenchConfig, dev: torch.device, out: str) -> dict:
     t_start = time.perf_counter()
     rows: list[dict] = []
     costs: list[dict] = []
-    for name in cfg.models:
-        if time.perf_counter() - t_start > cfg.time_budget:
-            rows += [dict(model=name, resolution=res, mode=m, window=w, intermediate=i, status="skipped (time budget)")
-                     for res in cfg.resolutions for m, w, i in run_configs(cfg)]
-            continue
-        try:
-            bench_model(name, cfg, dev, dtype, t_start, rows, costs)
-        except torch.cuda.OutOfMemoryError:
-            rows += [dict(model=name, resolution=res, mode="-", window=0, intermediate="-", status="OOM (model)")
-                     for res in cfg.resolutions]
-            gc.collect()
-            torch.cuda.empty_cache()
+    rank, created = 0, False
+    if cfg.sharded:
+        rank, _, created = _group(dev)
+    try:
+        for name in cfg.models:
+            if time.perf_counter() - t_start > cfg.time_budget:
+                rows += [dict(model=name, resolution=res, mode=m, window=w, intermediate=i,
+                              status="skipped (time budget)") for res in cfg.resolutions for m, w, i in run_configs(cfg)]
+                continue
+            try:
+                (bench_sharded if cfg.sharded else bench_model)(name, cfg, dev, dtype, t_start, rows, costs)
+            except torch.cuda.OutOfMemoryError:
+                rows += [dict(model=name, resolution=res, mode="-", window=0, intermediate="-", status="OOM (model)")
+                         for res in cfg.resolutions]
+                gc.collect()
+                torch.cuda.empty_cache()
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if rank:
+        return dict(rows=rows)                               # the main process reports
     import diffusers
 
     result = dict(config=asdict(cfg), rows=rows, costs=costs, wall_seconds=time.perf_counter() - t_start,
@@ -436,8 +598,14 @@ def _run(cfg: BenchConfig, dev: torch.device, out: str) -> dict:
             print(f"{c['model']} at {c['resolution']}: forward {c['f_grad_s'] * 1e3:.1f} ms with grad, "
                   f"{c['f_nograd_s'] * 1e3:.1f} ms without, backward {c['backward_s'] * 1e3:.1f} ms: B/F "
                   f"{c['b_over_f']:.2f} (one branch, {cfg.micro_batch} rows)")
+    for r in rows:
+        if r.get("processes") and r["mode"] == "exact" and "adam_local" in r:
+            print(f"{r['model']} at {r['resolution']}, sharded over {r['processes']} process(es): {r['params']:,} "
+                  f"weights, of which this process stores {r['param_local']:,}, and {r['adam_local']:,} AdamW "
+                  f"elements; computed {r['computed_gb']:.3g} GiB per GPU for weights, gradients and AdamW")
     print(f"total {result['wall_seconds']:.1f} s; speedup = exact seconds / seconds (same micro-batch); limit = cost "
-          "model with B = 2F; bwd = rows back-propagated, fwd0 = no-grad rows (fresh)")
+          "model with B = 2F; bwd = rows back-propagated, fwd0 = no-grad rows (fresh)"
+          + ("; sharded: seconds of the whole update (gradient and AdamW step)" if cfg.sharded else ""))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(_clean(result), indent=1, allow_nan=False))
     print(f"wrote {out}")

@@ -1,5 +1,10 @@
-"""``jagg train`` as tests/test_real_train.py launches it with accelerate / torchrun: the CLI unchanged, plus each
-rank's trained weights saved to ``<log.output_dir>/rank<r>.pt`` at the end, so that the test can compare replicas.
+"""``jagg train`` as the tests launch it with accelerate / torchrun: the CLI unchanged, plus what each rank holds at
+the end, saved to ``<log.output_dir>/rank<r>.pt`` so that the test can compare replicas and measure shards:
+``weights`` (the trainable weights, whole: gathered from the shards under FSDP), ``param_local`` / ``param_full``
+(the trainable parameters' elements this rank stores, and in all), ``adam_local`` / ``adam_full`` (the same for
+AdamW's two moments; ``reference_local`` / ``reference_full`` for the frozen KL reference copy), ``dtypes`` (of the
+trainable parameters as stored), ``engine`` (its name) and ``fillers`` (FSDP: the filler calls this rank made to stay
+in step).
 
     accelerate launch --multi_gpu --num_processes 2 tests/real_train_launch.py train --config <yaml> ...
 """
@@ -7,6 +12,7 @@ rank's trained weights saved to ``<log.output_dir>/rank<r>.pt`` at the end, so t
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from jagg.cli import main
 from jagg.trainers.diffusers import DiffusersTrainer
@@ -14,9 +20,23 @@ from jagg.trainers.diffusers import DiffusersTrainer
 _train = DiffusersTrainer.train
 
 
+def _local(t: torch.Tensor) -> int:
+    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+
+
 def _train_and_save(self):
     records = _train(self)
-    torch.save({n: p.detach().cpu() for n, p in self.named_params.items()}, self.out / f"rank{self.rank}.pt")
+    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+               for n, p in self.named_params.items()}                       # a collective under FSDP: every rank
+    moments = [s[k] for s in self.opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    lockstep = getattr(self.engine, "lockstep", None)
+    reference = list(self.policy.reference_model.parameters()) if self.policy.reference_model is not None else []
+    torch.save({"weights": weights, "engine": self.engine.name, "dtypes": sorted({str(p.dtype) for p in self.params}),
+                "reference_local": sum(_local(p) for p in reference),
+                "reference_full": sum(p.numel() for p in reference),
+                "param_local": sum(_local(p) for p in self.params), "param_full": sum(p.numel() for p in self.params),
+                "adam_local": sum(_local(m) for m in moments), "adam_full": sum(m.numel() for m in moments),
+                "fillers": lockstep.fillers if lockstep is not None else 0}, self.out / f"rank{self.rank}.pt")
     return records
 
 

@@ -95,3 +95,27 @@ def test_wan_scaled_down_runs_on_video_latents(bench, tmp_path):
         ("wan_1_3b", "exact", "ok", 8), ("wan_1_3b", "jagg", "ok", 4)]
     assert bench.latent_shape(bench.FULL["wan_1_3b"], 240 // 8) == (16, 9, 30, 52)     # 33 frames at 240 x 416
     assert r["costs"][0]["model"] == "wan_1_3b" and r["costs"][0]["b_over_f"] > 0
+
+
+def test_sharded_full_finetuning_scaled_down(bench, tmp_path, capsys):
+    """--sharded: full fine-tuning through jagg train's FSDP engine (a process group of one on the CPU): every update
+    with its AdamW step, this process's stored elements, the computed per-GPU memory."""
+    r = bench.main(["--scaled-down", "--sharded", "--models", "sd35m,qwen_image", "--resolutions", "512",
+                    "--windows", "4", "--intermediates", "interp", "--out", str(tmp_path / "sharded.json")])
+    assert [(x["model"], x["mode"], x["status"], x["backward_items"]) for x in r["rows"]] == [
+        ("sd35m", "exact", "ok", 8), ("sd35m", "jagg", "ok", 4), ("qwen_image", "exact", "ok", 8),
+        ("qwen_image", "jagg", "ok", 4)]
+    for x in r["rows"]:
+        assert x["processes"] == 1 and x["param_local"] == x["params"] == x["trainable"]   # full fine-tuning, 1 shard
+        assert x["params"] < x["adam_local"] <= 2 * x["params"] and x["seconds"] > 0   # moments of the used weights
+        assert x["computed_gb"] == pytest.approx(16 * x["params"] / 2**30)
+    assert "sharded over 1 process(es)" in capsys.readouterr().out
+
+
+def test_memory_table_is_the_documented_one(bench, capsys):
+    """docs/real_models.md's table of per-GPU memory under FSDP is what --memory-table computes."""
+    assert bench.sharded_memory(8 * 2**30, 8, reference=True) == dict(weights=4.0, gradients=4.0, adamw=8.0,
+                                                                     reference=2.0, total=18.0)
+    table = bench.main(["--memory-table"])["memory_table"]
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "real_models.md").read_text()
+    assert table in docs and "| Qwen-Image | 20.43B |" in table

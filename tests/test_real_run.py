@@ -203,7 +203,7 @@ def test_failures_before_the_weights_load_name_the_culprit_and_leave_nothing(tmp
     cause fixed then starts without --overwrite."""
     loads = []
     original = real_train.load_model
-    monkeypatch.setattr(real_train, "load_model", lambda cfg: loads.append(cfg) or original(cfg))
+    monkeypatch.setattr(real_train, "load_model", lambda cfg, *a: loads.append(cfg) or original(cfg, *a))
     cfg = write_config(tmp_path, sd3_dir, "reward: {name: jpeg_compressibility}", iterations=1)
     out = tmp_path / "run"
     args = ["train", "--config", str(cfg), "--output-dir", str(out), "--set", "eval.every=0"]

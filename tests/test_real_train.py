@@ -332,11 +332,19 @@ def red_is_dark(images, prompts, metadata):
     return np.where([p == "a red cube" for p in prompts], 0.0, brightness(images, prompts, metadata)).astype(np.float32)
 
 
+def blue_is_dark(images, prompts, metadata):
+    """Brightness, but 0 for 'a blue ball' (the other prompt group of red_is_dark's two drops out)."""
+    from reward_plugins import brightness
+
+    return np.where([p == "a blue ball" for p in prompts], 0.0, brightness(images, prompts, metadata)).astype(np.float32)
+
+
 def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_dir):
     """`accelerate launch --multi_gpu --num_processes 2` of `jagg train` on a CPU-only machine (torchrun under the hood,
-    gloo): 2 real processes, each sampling half of the global batch, end with identical replicas that made the same
-    update as 1 process on the whole batch (one update per epoch, KL term on). The red cube's group has zero spread
-    and is dropped: rank 0 trains no sample, rank 1 two, and the update is still the one-process update."""
+    gloo, DDP): 2 real processes, each sampling half of the global batch, end with identical replicas that made the same
+    update as 1 process on the whole batch (one update per epoch, KL term on). The blue ball's group has zero spread
+    and is dropped: rank 1 trains no sample (it joins the all-reduce with a zero-gradient call), rank 0 two, and the
+    update is still the one-process update; process 0 audits its own samples alone, and nothing changes."""
     import subprocess
     import sys
 
@@ -344,7 +352,7 @@ def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_
     (tmp_path / "two_prompts.txt").write_text("a red cube\na blue ball\n")
     sets = ["grpo.iterations=1", "grpo.updates_per_epoch=1", "grpo.drop_zero_spread=true", "sample.micro_batch=2",
             f"sample.prompts_file={tmp_path / 'two_prompts.txt'}", "log.sample_images=0",
-            "reward.name=test_real_train:red_is_dark"]
+            "reward.name=test_real_train:blue_is_dark"]
     args = ["train", "--config", str(cfg)] + [a for s in sets for a in ("--set", s)]
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(args + ["--output-dir", str(one)]) == 0
@@ -353,15 +361,19 @@ def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(_free_port()), str(Path(__file__).parent / "real_train_launch.py")]
-    proc = subprocess.run(launch + args + ["--output-dir", str(two)], env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=300)
+    audited = ["--set", "estimator.meter_every=1", "--set", "estimator.meter_samples=2"]   # process 0's own audit
+    proc = subprocess.run(launch + args + audited + ["--output-dir", str(two)],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (r1,), (r2,) = records(one), records(two)
+    (r1,), (r2,) = records(one), [r for r in records(two) if r["kind"] == "train"]
+    assert [r["kind"] for r in records(two)] == ["audit", "train"]    # the audit changed nothing (its own RNG)
     assert (r1["processes"], r2["processes"]) == (1, 2) and r1["samples"] == r2["samples"] == 4
     assert r1["trained_samples"] == r2["trained_samples"] == 2 and r1["updates"] == r2["updates"] == 1
     for k in ("reward_mean", "loss", "kl", "grad_norm"):
         assert r2[k] == pytest.approx(r1[k], rel=1e-4, abs=1e-7), k
-    rank0, rank1 = (torch.load(two / f"rank{r}.pt") for r in (0, 1))
+    (rank0, rank1), engines = zip(*((s["weights"], s["engine"]) for s in (torch.load(two / f"rank{r}.pt")
+                                                                          for r in (0, 1))))
+    assert engines == ("ddp", "ddp")
     ck1, ck2 = (torch.load(d / "checkpoints" / "ckpt_000001.pt", weights_only=False) for d in (one, two))
     assert set(rank0) == set(rank1) == set(ck1["model"]) == set(ck2["model"])
     g_max = max(float(s["exp_avg"].abs().max()) for s in ck1["optimizer"]["state"].values())

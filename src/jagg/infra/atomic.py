@@ -1,12 +1,13 @@
 """Atomic file writes: every file jagg writes (checkpoints, weights, ``run.json``, image grids, plots, JSON results)
-goes through :func:`atomic_write`, so that a crash, a full disk or Ctrl-C mid-write leaves the previous file (or
-none), never a torn one. Whether a command may replace a user's file is decided before the work, by
-:func:`jagg.checks.check_output_file` (``--overwrite``).
+goes through :func:`atomic_write` (a directory of files, e.g. exported weights: :func:`replace_dir`), so that a
+crash, a full disk or Ctrl-C mid-write leaves the previous file (or none), never a torn one. Whether a command may
+replace a user's file is decided before the work, by :func:`jagg.checks.check_output_file` (``--overwrite``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Callable
@@ -35,3 +36,24 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> Path:
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """:func:`atomic_write` of ``text`` (UTF-8)."""
     return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def replace_dir(path: str | Path, write: Callable[[Path], object]) -> Path:
+    """Write the directory ``path`` as a whole: ``write(tmp)`` fills a temporary directory next to it, which then
+    takes its place (an earlier ``path`` is renamed aside first and deleted after), so ``path`` is either the old
+    directory or the complete new one; a failure leaves the old one and removes the temporary. Returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        write(tmp)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    return path

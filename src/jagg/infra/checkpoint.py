@@ -4,14 +4,20 @@ A checkpoint is one ``torch.save`` file ``checkpoints/ckpt_<iteration>.pt`` hold
 and EMA states, every RNG state, the iteration, the config, the run id (:mod:`jagg.infra.rundir`) and a
 manifest (code version, time). It is
 written to a temporary file in the same directory, flushed to disk, then renamed, so a crash mid-write
-leaves the previous checkpoint intact.
+leaves the previous checkpoint intact. When the weights are sharded across processes (FSDP), every process writes its
+shards with ``torch.distributed.checkpoint`` to the directory ``ckpt_<iteration>.dcp/`` (:func:`write_shards`: a
+temporary directory renamed once complete), and the ``.pt`` file, written after it, names that directory in place of
+the model and optimizer states.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -101,3 +107,36 @@ def load_latest(directory: Path) -> tuple[dict, Path] | None:
         except ValueError as e:  # a truncated or corrupt file: fall back to the previous one
             print(f"warning: skipping unreadable checkpoint: {e}")
     return None
+
+
+def write_shards(save: Callable[[Path], None], directory: Path, iteration: int, main: bool,
+                 barrier: Callable[[], None]) -> str:
+    """The shard directory of iteration ``iteration``, ``ckpt_<iteration>.dcp`` in ``directory``: every process calls
+    this with ``save(tmp)`` (a collective, e.g. ``torch.distributed.checkpoint.save``) filling a temporary directory,
+    which the main process renames once every process is done (``barrier``). Returns the directory's name, for the
+    ``.pt`` file written after it."""
+    name = f"ckpt_{iteration:06d}.dcp"
+    tmp = Path(directory) / f".{name}.tmp"
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)               # left by a crash mid-write
+        tmp.mkdir(parents=True)
+    barrier()
+    save(tmp)
+    barrier()
+    if main:
+        shutil.rmtree(Path(directory) / name, ignore_errors=True)   # an orphan: its .pt was never written
+        os.replace(tmp, Path(directory) / name)
+    barrier()
+    return name
+
+
+def shard_names(path: Path, entry: str = "model") -> set[str]:
+    """The keys of ``entry`` (e.g. the trainable parameters' names) in a shard directory of :func:`write_shards`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:       # missing or torn: the message says which
+        raise ValueError(f"the checkpoint's shard directory {path} cannot be read ({type(e).__name__}: {e})") from None
+    prefix = entry + "."
+    return {k[len(prefix):] for k in keys if k.startswith(prefix)}

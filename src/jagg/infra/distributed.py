@@ -12,8 +12,8 @@ accelerate)::
                              backward_context=no_sync_except_last(ddp_model, sync=(j == last)))
     opt.step()
 
-or, communicating once per update: ``with ddp_model.no_sync(): <the calls>`` then
-``all_reduce_gradients(params)`` before ``opt.step()``.
+The engine (DDP, FSDP) averages the gradients over the ranks; ``jagg train`` runs it through
+:mod:`jagg.infra.engine`.
 
 Loss normalisation. ``policy_gradient`` averages its loss over the samples it is given. DDP / FSDP / DeepSpeed
 *average* gradients over ranks. With ``loss_scale(n_call, N) = P * n_call / N`` the result is exactly the
@@ -161,9 +161,9 @@ def no_sync_except_last(model: torch.nn.Module, sync: bool = True) -> Callable[[
     ``sync=False`` to all but the last call. Models without ``no_sync`` (one process) get a null context.
 
     ``policy_gradient`` enters the context around each chunk's forward with grad and its backward (DDP reads
-    ``require_backward_grad_sync`` in the forward), so only the last chunk of the last call all-reduces. The
-    alternative: ``with model.no_sync(): policy_gradient(...)`` followed by :func:`all_reduce_gradients` (and
-    DDP's ``broadcast_buffers=False``).
+    ``require_backward_grad_sync`` in the forward), so only the last chunk of the last call all-reduces. Every rank
+    must make that one synchronised backward per update: a rank without samples makes a zero-gradient call
+    (:func:`jagg.infra.lockstep.zero_call`, as :class:`jagg.infra.engine.DDPEngine` does).
 
     DeepSpeed: pass ``backward_fn=engine.backward`` to :func:`jagg.policy_gradient` as well.
     """
@@ -171,39 +171,3 @@ def no_sync_except_last(model: torch.nn.Module, sync: bool = True) -> Callable[[
     if no_sync is None:
         return lambda last: contextlib.nullcontext()
     return lambda last: contextlib.nullcontext() if (last and sync) else no_sync()
-
-
-@torch.no_grad()
-def all_reduce_gradients(parameters, bucket_mb: float = 64.0) -> None:
-    """Average ``.grad`` of ``parameters`` over all ranks (in place, bucketed); a no-op in a single process.
-
-    Pair with ``with ddp_model.no_sync(): jagg.policy_gradient(...)`` (every forward and backward local) to
-    communicate once per optimizer update: the result equals DDP's own averaged gradient.
-    """
-    if not is_distributed():
-        return
-    world = dist.get_world_size()
-    grads = [p.grad for p in parameters if p.grad is not None]
-    limit = int(bucket_mb * 2**20)
-    bucket: list[Tensor] = []
-    size = 0
-
-    def flush():
-        if not bucket:
-            return
-        flat = torch.cat([g.flatten() for g in bucket])
-        dist.all_reduce(flat)
-        flat /= world
-        off = 0
-        for g in bucket:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
-
-    for g in grads:
-        if bucket and (size + g.numel() * g.element_size() > limit or g.dtype != bucket[0].dtype
-                       or g.device != bucket[0].device):
-            flush()
-            bucket, size = [], 0
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-    flush()

@@ -20,7 +20,7 @@ from .config import (FLUX2_TARGET_MODULES, FLUX_TARGET_MODULES, QWEN_IMAGE_TARGE
 from .adapters import adapter_format, load_adapter, load_lora, save_adapter, save_lora, save_peft
 from .pipeline import check_model_dir, load_pipeline
 from .policy import (Policy, RealModel, adapters_disabled, add_lora, decode_latents, frozen_copy, full_finetune,
-                     load_model, reference_velocity)
+                     load_model, reference_velocity, save_transformer)
 from .velocity import (Flux2Velocity, FluxVelocity, PromptEmbeddings, QwenImageVelocity, SD3Velocity,
                        TransformerVelocity, WanVelocity, encode_prompts, model_family, pack_latents, unpack_latents,
                        unwrap_model, velocity_adapter)
@@ -30,7 +30,8 @@ __all__ = [
     "QWEN_IMAGE_TARGET_MODULES", "QwenImageVelocity", "RealModel", "SD3Velocity", "SD3_TARGET_MODULES",
     "TransformerVelocity", "VelocityConfig", "adapters_disabled", "add_lora", "check_model_dir", "decode_latents",
     "encode_prompts", "frozen_copy", "full_finetune", "load_lora", "load_model", "load_pipeline",
-    "load_pipeline_config", "model_family", "pack_latents", "reference_velocity", "save_lora", "unpack_latents",
+    "load_pipeline_config", "model_family", "pack_latents", "reference_velocity", "save_lora", "save_transformer",
+    "unpack_latents",
     "unwrap_model", "velocity_adapter", "WAN_TARGET_MODULES", "WanVelocity", "FLUX2_TARGET_MODULES",
     "Flux2Velocity", "adapter_format", "load_adapter", "save_adapter", "save_peft",
 ]

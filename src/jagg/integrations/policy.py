@@ -155,6 +155,22 @@ def reference_velocity(velocity: TransformerVelocity, reference: nn.Module | Non
     return lora_ref_fn
 
 
+def save_transformer(transformer: nn.Module, directory: str | Path,
+                     state_dict: dict[str, Tensor] | None = None) -> Path:
+    """``save_pretrained`` of a full fine-tune, which ``<Transformer>.from_pretrained(directory)`` reads: the
+    transformer's config and weights (``state_dict``, e.g. gathered from FSDP shards; default its own), in their
+    dtype. The model written is rebuilt from its config without memory for weights, then given ``state_dict``, so a
+    sharded or wrapped transformer saves as the plain diffusers class. Returns the directory."""
+    model = unwrap_model(transformer)
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("diffusers."))
+    state = state_dict if state_dict is not None else model.state_dict()
+    with torch.device("meta"):
+        plain = cls.from_config(model.config)
+    plain.load_state_dict({k: v.detach().cpu() for k, v in state.items()}, assign=True)
+    plain.save_pretrained(str(directory))
+    return Path(directory)
+
+
 def _not_cached(missing: Sequence[str], where: str) -> str:
     shown = ", ".join(repr(p) for p in missing[:5])
     return (f"{len(missing)} prompt(s){where} are not in the prompt-embedding cache and the text encoders are not "
@@ -293,6 +309,8 @@ class Policy:
         scheduler_config: the scheduler's config, its class in ``_class_name`` (:meth:`sigmas` builds that scheduler;
             the model's own timestep shift and terminal stretch).
         prompt_cache: :class:`PromptEmbeddings` with prompt strings, e.g. loaded from ``pipeline.prompt_cache``.
+        place: move the transformer (and the reference copy) to ``config``'s device and upcast a full fine-tune to
+            fp32 master weights here; False leaves both to a wrapper that shards first (:mod:`jagg.infra.engine`).
 
     Attributes: ``config``, ``pipe``, ``vae``, ``device``, ``transformer`` (the module the velocity callables call:
     replace it by its DDP / FSDP / accelerate wrapper after ``prepare``), ``bare`` (the unwrapped module, fixed at
@@ -305,11 +323,14 @@ class Policy:
     """
 
     def __init__(self, config: PipelineConfig, transformer: nn.Module, vae: nn.Module | None = None, pipe=None,
-                 scheduler_config: dict | None = None, prompt_cache: PromptEmbeddings | None = None):
+                 scheduler_config: dict | None = None, prompt_cache: PromptEmbeddings | None = None,
+                 place: bool = True):
         self.config, self.pipe, self.vae = config, pipe, vae
         self.device = config.resolve_device()
         self.transformer = transformer
-        self.bare = unwrap_model(transformer).to(self.device)
+        self.bare = unwrap_model(transformer)
+        if place:
+            self.bare.to(self.device)
         if vae is not None:
             vae.to(self.device).requires_grad_(False).eval()
         # the full fine-tuning reference is copied before any fp32 upcast: it stays in the load dtype
@@ -317,9 +338,8 @@ class Policy:
         if config.lora.enabled:
             _add_lora(self.bare, config.lora, config.family)
         else:
-            full_finetune(self.bare, config.lora.fp32_params)
-        self.named_params = {n: p for n, p in self.bare.named_parameters() if p.requires_grad}
-        self.params = list(self.named_params.values())
+            full_finetune(self.bare, config.lora.fp32_params and place)
+        self.refresh_params()
         if config.gradient_checkpointing:
             self.bare.enable_gradient_checkpointing()
         self._adapter = ADAPTERS[config.family]
@@ -347,6 +367,12 @@ class Policy:
             self.add_embeddings(prompt_cache)
 
     # -- sampler --------------------------------------------------------------------------------------------------
+
+    def refresh_params(self) -> None:
+        """Re-read :attr:`named_params` / :attr:`params` (the trainable weights) from :attr:`bare`, after a wrapper
+        replaced its parameters (FSDP2's ``fully_shard`` makes them sharded ``DTensor`` parameters)."""
+        self.named_params = {n: p for n, p in self.bare.named_parameters() if p.requires_grad}
+        self.params = list(self.named_params.values())
 
     def sigmas(self, num_steps: int | None = None) -> Tensor:
         """The ``[T + 1]`` float32 sigmas of ``num_steps`` sampling steps (default ``pipeline.num_steps``), from (about)
@@ -445,20 +471,21 @@ class Policy:
     def save_adapter(self, directory: str | Path, state: dict[str, Tensor] | None = None) -> Path:
         """Write the LoRA adapter in both formats (:func:`jagg.integrations.adapters.save_adapter`):
         ``<Pipeline>.load_lora_weights(directory)``, ``PeftModel.from_pretrained(transformer, directory)`` and
-        ``pipeline.lora.path`` read it. ``state``: weights by parameter name to write instead (the EMA's)."""
+        ``pipeline.lora.path`` read it. ``state``: weights by parameter name to write instead (the EMA's, or the
+        weights gathered from FSDP's shards)."""
         return save_adapter(self.bare, directory, self.config.family, state)
 
 
 RealModel = Policy          # the former name, kept for existing code
 
 
-def load_model(config: PipelineConfig) -> Policy:
+def load_model(config: PipelineConfig, place: bool = True) -> Policy:
     """Load the pipeline of ``config`` from its local directory and build its :class:`Policy` (LoRA or full weights,
-    gradient checkpointing, prompt cache, device)."""
+    gradient checkpointing, prompt cache, device; ``place``: as :class:`Policy`'s)."""
     cache = PromptEmbeddings.load(config.prompt_cache) if config.prompt_cache else None
     pipe = load_pipeline(config)
     scheduler = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}   # the class sigmas() builds
-    policy = Policy(config, pipe.transformer, getattr(pipe, "vae", None), pipe, scheduler, cache)
+    policy = Policy(config, pipe.transformer, getattr(pipe, "vae", None), pipe, scheduler, cache, place)
     for name in TEXT_COMPONENTS:
         enc = getattr(pipe, name, None)
         if isinstance(enc, nn.Module):

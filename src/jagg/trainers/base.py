@@ -392,8 +392,8 @@ class GRPO(ABC):
         traj = rollout.traj if all_kept else rollout.traj.select(keep_idx.to(self.device))
         n = int(keep_idx.numel())
         ref_v, audit_s, audit_cpu = None, 0.0, 0.0
-        if n and c.estimator.kl_beta > 0:
-            ref_v = reference_velocities(self.reference(cond), traj, c.estimator.micro_batch)
+        if c.estimator.kl_beta > 0:
+            ref_v = self.reference_rows(cond, traj, n)
         audit_at = self.audit_position() if self.audit_due() else -1
         per_update, u = [], 0
         self._update_index = 0                                  # the update's place in the iteration (the lr schedule)
@@ -412,6 +412,11 @@ class GRPO(ABC):
         if audit_at >= u:                                   # fewer updates than its position: after the last one
             audit_s, audit_cpu = self._audit_update(cond, traj, adv, ref_v, prompt_groups, u)
         return per_update, audit_s, audit_cpu
+
+    def reference_rows(self, cond, traj: Trajectory, n: int) -> Tensor | None:
+        """The KL reference velocities ``[n, T, *S]`` of the ``n`` kept samples (None when ``n`` is 0), once per
+        rollout; every process calls it, with or without samples."""
+        return reference_velocities(self.reference(cond), traj, self.cfg.estimator.micro_batch) if n else None
 
     def _audit_update(self, cond, traj, adv, ref_v, prompt_groups, u: int) -> tuple[float, float]:
         """The audit before update ``u`` of the rollout (the main process audits its own samples); returns its

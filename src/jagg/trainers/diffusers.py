@@ -26,9 +26,9 @@ what runs (:mod:`jagg.trainers.run_header`). One iteration:
    (:func:`jagg.group_advantages`), drop zero-spread prompt groups;
 4. ``inner_epochs x updates_per_epoch`` AdamW updates whose gradients come from :func:`jagg.policy_gradient`
    (KL reference = the adapters switched off, or a frozen copy for full fine-tuning), each followed by the EMA's
-   update (``optim.ema_decay``, :class:`jagg.trainers.ema.EMA`); with several ranks the local gradients are
-   averaged once per update with :func:`jagg.infra.distributed.all_reduce_gradients`, each rank's loss scaled by
-   :func:`jagg.infra.distributed.loss_scale` so the result is the gradient of the global minibatch.
+   update (``optim.ema_decay``, :class:`jagg.trainers.ema.EMA`); with several ranks each rank's loss is scaled by
+   :func:`jagg.infra.distributed.loss_scale` and the engine averages the gradients, so the result is the gradient of
+   the global minibatch.
 
 Every ``eval.every`` iterations (and before the first and after the last) the test set is evaluated
 (:func:`jagg.trainers.diffusers_eval.evaluate_policy`: the ODE at ``pipeline.eval_num_steps``, fixed noise, the EMA's
@@ -36,16 +36,20 @@ weights). Outputs in ``log.output_dir`` (one run per directory, :mod:`jagg.infra
 id): ``metrics.jsonl`` (``train`` and ``eval`` records, + TensorBoard with the grids), ``reward_curve.png``,
 ``samples/iter_<n>.png`` (a few rollout images at each checkpoint) and ``samples/eval_<n>.png`` (test images), each
 captioned with prompt and reward (a video family's as an animated ``.gif`` grid), ``checkpoints/ckpt_<n>.pt``
-(trainable weights, their EMA, optimizer, every RNG, config; atomic, keep-last-N) and beside each its export
-(:mod:`jagg.trainers.weights_export`): with LoRA ``adapter_<n>/``, which ``<Pipeline>.load_lora_weights`` and
+(trainable weights, their EMA, optimizer, every RNG, config; atomic, keep-last-N; under FSDP the weights, the EMA and
+the optimizer are shards in ``ckpt_<n>.dcp/``) and beside each its export (:mod:`jagg.trainers.weights_export`,
+gathered under FSDP): with LoRA ``adapter_<n>/``, which ``<Pipeline>.load_lora_weights`` and
 ``PeftModel.from_pretrained`` read, with full fine-tuning ``transformer_<n>/`` (``save_pretrained``), the EMA's in
-``ema/``.
+``ema/``; at the end of the run the final weights, gathered once: ``final/adapter/`` (LoRA) or ``final/transformer/``
+(full fine-tuning), the EMA's in ``final/ema/``.
 
-Data parallelism replicates the model on every rank (LoRA on SD3.5 / FLUX fits one GPU); the model is not wrapped
-in DDP: gradients accumulate locally and are all-reduced once per optimizer update, so ranks may hold different
-numbers of samples after zero-spread prompt groups are dropped. With one update per epoch (``grpo.updates_per_epoch: 1``)
-two processes make the same update as one process on the same global batch (tested with ``accelerate launch``).
-FSDP / DeepSpeed sharding are available through the library API (docs/real_models.md), not through this trainer.
+Several processes (torchrun, ``accelerate launch``) train on an engine (:mod:`jagg.infra.engine`, chosen from
+``distributed:`` and the accelerate config, :mod:`jagg.infra.launch`): DDP replicates the transformer (LoRA, or a model
+that fits one GPU) and all-reduces each update's gradient once; FSDP2 shards it per transformer block (parameters,
+gradients, AdamW state, the frozen KL reference) for full fine-tuning of a model that does not fit one GPU. Ranks may
+hold different numbers of samples after zero-spread prompt groups are dropped: the engine keeps them in step. With one
+update per epoch (``grpo.updates_per_epoch: 1``) two processes make the same update as one process on the same global
+batch (tested with ``accelerate launch`` and torchrun, DDP and FSDP).
 """
 
 from __future__ import annotations
@@ -64,8 +68,10 @@ from ..integrations.policy import Policy, load_model
 from ..rewards.registry import get_reward
 from ..trajectory import sample_trajectories
 from ..infra import config_loader as configuration
-from ..infra.checkpoint import prune_checkpoints, write_checkpoint
-from ..infra.distributed import all_reduce_gradients, gather_objects, loss_scale, shard
+from ..infra.checkpoint import prune_checkpoints, shard_names, write_checkpoint, write_shards
+from ..infra.distributed import gather_objects, loss_scale, shard
+from ..infra.engine import EngineSettings, make_engine, resolve_engine
+from ..infra.launch import LaunchSettings, read_launch
 from ..infra.metrics import plot_reward_curve, save_grid
 from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
                    draw_prompts_and_noise, update_summary)
@@ -74,12 +80,13 @@ from .diffusers_eval import evaluate_policy
 from .ema import EMA
 from .preflight import preflight
 from .run_header import header, loading_note, quiet_loading
-from .weights_export import export_weights, prune_exports
+from .weights_export import export_weights, prune_exports, write_weights
 
 # config keys that may differ between a checkpoint and its resumption, besides the shapes trainer's
-# (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient
+# (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient (how the
+# processes share the model: a checkpoint of FSDP shards reads into any engine, whole weights into DDP or one process)
 RESUMABLE_REAL = ("pipeline.path", "pipeline.device", "pipeline.prompt_cache", "pipeline.load_text_encoders",
-                  "pipeline.gradient_checkpointing", "reward_server")
+                  "pipeline.gradient_checkpointing", "reward_server", "distributed.")
 
 
 def grid_suffix(images: np.ndarray) -> str:
@@ -99,6 +106,18 @@ def sampling_pieces(local: slice, size: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(starts, starts[1:] + [local.stop])]
 
 
+def engine_for(cfg: DiffusersTrainConfig, launch: LaunchSettings, world: int) -> EngineSettings:
+    """The engine of ``cfg`` under the launcher's settings with ``world`` processes
+    (:func:`jagg.infra.engine.resolve_engine`, which applies the launcher's settings to ``cfg.pipeline``), refusing
+    what the trainer cannot run with it: the estimator audit (``estimator.meter_every``) under FSDP."""
+    settings = resolve_engine(cfg, launch, world)
+    if settings.strategy == "fsdp" and cfg.estimator.meter_every:
+        raise ValueError("estimator.meter_every > 0 audits the estimator on the main process's whole gradient, which "
+                         "FSDP shards across the processes: set estimator.meter_every: 0 and measure with jagg bench "
+                         "meter --config (one process), or train with distributed.strategy: ddp")
+    return settings
+
+
 class DiffusersSampler:
     """The rollouts of a diffusers config: the trainer's and the benchmarks' (``jagg bench meter --config X.yaml``
     with a ``pipeline:`` section), which never opens a run directory; the interface of
@@ -109,9 +128,11 @@ class DiffusersSampler:
     (:attr:`named_params`, :attr:`params`; LoRA initialised from ``seed``), the RNG of the prompts (:attr:`np_rng`)
     and of the initial noise (:attr:`gen`). ``local``: this process's slice of the global batch (default: all of it,
     one process). :meth:`sample` draws and samples a batch; the SDE noise of each sampling piece is seeded by (seed,
-    iteration, position), the iteration the trainer's, or the count of batches :meth:`sample` drew."""
+    iteration, position), the iteration the trainer's, or the count of batches :meth:`sample` drew. ``place``: as
+    :func:`jagg.integrations.policy.load_model`'s (False: a sharding engine places the transformer)."""
 
-    def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None, checked: bool = False):
+    def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None, checked: bool = False,
+                 place: bool = True):
         if not checked:                                        # before anything loads (jagg train: before_setup)
             preflight(cfg)
         self.cfg = cfg
@@ -120,7 +141,7 @@ class DiffusersSampler:
         self.reward_fn = get_reward(cfg.reward_server if cfg.reward_server is not None else cfg.reward.spec,
                                     {"device": cfg.pipeline.resolve_device(), "dtype": cfg.pipeline.dtype})
         torch.manual_seed(cfg.seed)                            # the same LoRA initialisation on every rank
-        self.policy: Policy = load_model(cfg.pipeline)        # check_model_dir: clear errors for bad paths
+        self.policy: Policy = load_model(cfg.pipeline, place)  # check_model_dir: clear errors for bad paths
         self.device = self.policy.device
         self.latent_shape, self.num_steps = self.policy.latent_shape, cfg.pipeline.num_steps
         self.policy.require_prompts(self.prompts, cfg.sample.prompts_file)
@@ -194,23 +215,32 @@ class DiffusersSampler:
 class DiffusersTrainer(GRPOTrainer):
     """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX/Qwen-Image model (:class:`~jagg.trainers.base.GRPOTrainer`:
     the run directory, ``resume``, ``overwrite``, ``require_checkpoint`` and the loop). Launch with torchrun /
-    accelerate for several processes (``WORLD_SIZE > 1``)."""
+    accelerate for several processes (``WORLD_SIZE > 1``): the engine (:mod:`jagg.infra.engine`: DDP or FSDP2) comes
+    from ``distributed:`` and the launcher's settings (:mod:`jagg.infra.launch`)."""
 
     cfg: DiffusersTrainConfig
     multiprocess = True
 
     def before_setup(self) -> None:
-        """What can be checked before the model loads (:func:`jagg.trainers.preflight.preflight`: the model
-        directory against the config, the starting adapter, the reward server), then the run directory."""
+        """What can be checked before the model loads and the run directory is used: the model directory against the
+        config, the starting adapter, the reward server (:func:`jagg.trainers.preflight.preflight`), then the
+        launcher's settings and the engine (:func:`engine_for`)."""
         preflight(self.cfg)
+        self.engine_settings = engine_for(self.cfg, read_launch(), self.world)
         super().before_setup()
 
     def setup(self) -> None:
         cfg = self.cfg
         self.progress_label = f"GRPO {cfg.pipeline.family}"
+        self.engine = make_engine(self.engine_settings, self.rank, self.world, cfg.pipeline.resolve_device())
+        for line in self.engine_settings.notes:
+            self._print(line)
         # this rank's slice (the batch must split evenly); the model, prompts, reward and rollout RNGs: the sampler's
         with quiet_loading() as held:
-            self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size), checked=True)
+            self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size), checked=True,
+                                                place=self.engine.places_model)
+        self.engine.wrap(s.policy)                # DDP: replicas start equal (rank 0's); FSDP: sharded
+        s.named_params, s.params = s.policy.named_params, s.policy.params
         self.local, self.prompts, self.reward_fn, self.policy, self.device = (s.local, s.prompts, s.reward_fn,
                                                                               s.policy, s.device)
         self.latent_shape, self.num_steps, self.named_params, self.params = (s.latent_shape, s.num_steps,
@@ -218,9 +248,6 @@ class DiffusersTrainer(GRPOTrainer):
         self.pieces, self.np_rng, self.gen = s.pieces, s.np_rng, s.gen
         if cfg.eval.enabled:                                   # the test prompts too, before anything runs
             self.policy.require_prompts(cfg.eval.prompts()[0], cfg.eval.test_set.path)
-        if self.world > 1:                                     # replicas start identical
-            for p in self.params:
-                dist.broadcast(p.data, 0)
         o = cfg.optim
         self.opt = o.optimizer(self.params)
         # per rank: the minibatch order and unbiased JAGG's picks (the sampler's: prompts, noise, SDE noise)
@@ -251,11 +278,24 @@ class DiffusersTrainer(GRPOTrainer):
             if rng.get("cuda") is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
-    def _state(self, rngs: list[dict]) -> dict:
-        return {"trainer": TRAINER_TAG,
-                "model": {n: p.detach().cpu().clone() for n, p in self.named_params.items()},
-                "ema": None if self.ema is None else self.ema.state_dict(),
-                "optimizer": self.opt.state_dict(), "config": configuration.to_dict(self.cfg),
+    def state_entries(self) -> dict[str, dict[str, torch.Tensor]]:
+        """State besides the model and the optimizer that is keyed like the trainable parameters (name -> {parameter
+        name: tensor}): the EMA's averages (``"ema"``), saved and restored with the weights, as shards under FSDP."""
+        return {} if self.ema is None else {"ema": dict(zip(self.ema.names, self.ema.shadow))}
+
+    def _state(self, rngs: list[dict], shards: str | None = None) -> dict:
+        """The checkpoint's state: with ``shards`` (the shard directory's name, FSDP) the model, optimizer and
+        :meth:`state_entries` live there, else here, whole."""
+        if shards is None:
+            model = {n: p.detach().cpu().clone() for n, p in self.named_params.items()}
+            weights = {"model": model, "optimizer": self.opt.state_dict(),
+                       **{k: {n: t.detach().cpu().clone() for n, t in e.items()}
+                          for k, e in self.state_entries().items()}}
+        else:
+            weights = {"model": shards, "optimizer": shards}
+        return {"trainer": TRAINER_TAG, **weights, "config": configuration.to_dict(self.cfg),
+                "engine": {"strategy": self.engine.name, "processes": self.world,
+                           "param_dtype": self.engine_settings.param_dtype},
                 "run_id": self.run_id, "world_size": self.world, "rng": rngs, **self.loop_state()}
 
     def load_state(self, state: dict) -> list[str]:
@@ -265,17 +305,31 @@ class DiffusersTrainer(GRPOTrainer):
             raise ValueError(f"the checkpoints in {self.ckpt_dir} were not written by the diffusers trainer (a shapes "
                              "run?); use another log.output_dir")
         changed = check_resumable(state["config"], configuration.to_dict(self.cfg), RESUMABLE_CHANGES + RESUMABLE_REAL)
+        was, now = state.get("engine", {}).get("param_dtype"), self.engine_settings.param_dtype
+        if was != now:                                 # FSDP's compute dtype comes from the launcher, not the config
+            changed.append(f"FSDP mixed precision (the accelerate config's mixed_precision): {was or 'no'} in the "
+                           f"checkpoint, {now or 'no'} now")
         saved = state["model"]
-        if set(saved) != set(self.named_params):
-            diff = sorted(set(saved) ^ set(self.named_params))[:3]
+        buffers = {n for n, _ in self.policy.bare.named_buffers()}          # shards carry the buffers too
+        names = shard_names(self.ckpt_dir / saved) - buffers if isinstance(saved, str) else set(saved)
+        if names != set(self.named_params):
+            diff = sorted(names ^ set(self.named_params))[:3]
             raise ValueError(f"the checkpoint's trainable parameters differ from this model's (e.g. {diff}); was "
                              "pipeline.lora changed?")
-        with torch.no_grad():
-            for n, p in self.named_params.items():
-                p.copy_(saved[n].to(p.device, p.dtype))
-        if self.ema is not None:
-            self.ema.load_state_dict(state.get("ema"))
-        self.opt.load_state_dict(state["optimizer"])
+        if isinstance(saved, str):                     # FSDP's shards, read into any layout (resharded)
+            self.engine.load_shards(self.policy.bare, self.opt, self.state_entries(), self.ckpt_dir / saved)
+        elif self.engine.sharded:
+            raise ValueError(f"the checkpoint holds whole weights, written by {state['world_size']} process(es) "
+                             f"without FSDP ({state.get('engine', {}).get('strategy', 'single')}): resume it as it "
+                             "was written (distributed.strategy: ddp, or the accelerate config's distributed_type: "
+                             "MULTI_GPU), or start a new run with FSDP")
+        else:
+            with torch.no_grad():
+                for n, p in self.named_params.items():
+                    p.copy_(saved[n].to(p.device, p.dtype))
+            if self.ema is not None:
+                self.ema.load_state_dict(state.get("ema"))
+            self.opt.load_state_dict(state["optimizer"])
         self.load_loop_state(state)
         rngs = state["rng"]
         if len(rngs) == self.world:
@@ -288,15 +342,23 @@ class DiffusersTrainer(GRPOTrainer):
         return changed
 
     def save(self, rngs: list[dict] | None = None) -> Path | None:
-        """Checkpoint (rank 0 writes; a collective: every rank must call it): the exported weights first (adapter or
-        transformer directory, :func:`jagg.trainers.weights_export.export_weights`), then
-        ``ckpt_<n>.pt``, each written to a temporary name and renamed; the newest ``log.keep_last`` are kept."""
+        """Checkpoint (a collective: every rank must call it): the weights gathered under FSDP, then (FSDP) the shard
+        directory ``ckpt_<n>.dcp/`` written by every rank, then on rank 0 the exported weights (adapter or transformer
+        directory, :func:`jagg.trainers.weights_export.export_weights`) and ``ckpt_<n>.pt``; each written under a
+        temporary name and renamed, so ``ckpt_<n>.pt`` exists only when all it names is complete. The newest
+        ``log.keep_last`` are kept, with their exports and shards."""
         rngs = rngs if rngs is not None else gather_objects([self.rng_state()])
+        weights = self._gathered()
+        shards = None
+        if self.engine.sharded:
+            shards = write_shards(lambda d: self.engine.save_shards(self.policy.bare, self.opt, self.state_entries(),
+                                                                    d),
+                                  self.ckpt_dir, self.iteration, self.main, self._barrier)
         path = None
         if self.main:
-            export_weights(self.policy, self.ckpt_dir, self.iteration, self.ema)   # adapter_<n>/ or transformer_<n>/
-            path = write_checkpoint(self._state(rngs), self.ckpt_dir, self.iteration)
-            # this run's exports of a pruned checkpoint go with it; other directories stay
+            export_weights(self.policy, self.ckpt_dir, self.iteration, *weights)   # adapter_<n>/ or transformer_<n>/
+            path = write_checkpoint(self._state(rngs, shards), self.ckpt_dir, self.iteration)
+            # this run's exports and shards of a pruned checkpoint go with it; other directories stay
             prune_exports(self.ckpt_dir, prune_checkpoints(self.ckpt_dir, self.cfg.log.keep_last, self.run_id,
                                                            keep=path))
             if self._images is not None and self.cfg.log.sample_images:
@@ -307,15 +369,53 @@ class DiffusersTrainer(GRPOTrainer):
                 self.logger.image("images/rollouts", grid, self.iteration)
             plot_reward_curve(self.logger.records(), self.out / "reward_curve.png",
                               f"GRPO ({self.cfg.estimator.mode}) on {self.cfg.pipeline.family}")
+        self._barrier()
+        return path
+
+    def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
+
+    def _gathered(self) -> tuple[dict | None, dict | None]:
+        """The weights to export and the EMA's, gathered whole on the main process (a collective under FSDP: the
+        trainable weights with LoRA, all of them with full fine-tuning); the weights are None where the model holds
+        them whole (it is read directly), the EMA's None without an EMA."""
+        lora = self.cfg.pipeline.lora.enabled
+        weights = self.engine.full_state_dict(self.policy.bare, trainable_only=lora) if self.engine.sharded else None
+        ema = None if self.ema is None else self.engine.full_tensors(self.state_entries()["ema"])
+        return weights, ema
+
+    def train(self) -> list[dict]:
+        """:meth:`GRPOTrainer.train`, then, when this call trained the run to ``grpo.iterations``, the final export
+        (:meth:`export`)."""
+        start = self.iteration
+        records = super().train()
+        if start < self.cfg.grpo.iterations <= self.iteration and not self.stopped:
+            self.export()
+        return records
+
+    def export(self) -> Path | None:
+        """The trained weights, gathered once, in the format users load, to ``final/`` (replacing this run's earlier
+        export when it is complete): ``final/adapter/`` (LoRA, what ``<Pipeline>.load_lora_weights`` and
+        ``PeftModel.from_pretrained`` read) or ``final/transformer/`` (full fine-tuning, ``save_pretrained``:
+        ``<Transformer>.from_pretrained`` reads it, in the trained weights' dtype), the EMA's in its ``ema/``. A
+        collective under FSDP. Returns the directory on the main process."""
+        lora = self.cfg.pipeline.lora.enabled
+        weights, ema = self._gathered()
+        path = None
+        if self.main:
+            kind = "adapter" if lora else "transformer"
+            path = write_weights(self.policy, self.out / "final" / kind, weights, ema)
+            self._print(f"exported the final weights to {path}")
+        self._barrier()
         return path
 
     # ------------------------------------------------------------------ one iteration
     def rollout(self, draw: Draw) -> Rollout:
         """Sample this rank's shard of the global batch (:meth:`DiffusersSampler.rollout`, SDE noise of this
-        iteration)."""
-        return self.sampler.rollout(draw, self.iteration)
+        iteration), in a region of the engine (its pieces may differ in number between ranks)."""
+        with self.engine.region():
+            return self.sampler.rollout(draw, self.iteration)
 
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
         scores, info = self.sampler.score(rollout)
@@ -334,7 +434,7 @@ class DiffusersTrainer(GRPOTrainer):
         image's prompt and reward, to TensorBoard and wandb too; returns the record."""
         c = self.cfg
         prompts, metadata = c.eval.prompts()
-        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext(), self.engine.region():
             ev = evaluate_policy(self.policy, self.reward_fn, prompts, metadata, c.pipeline.eval_num_steps,
                                  c.eval.seed, c.sample.micro_batch, c.eval.grid_size, self.rank, self.world)
         rec = {"kind": "eval", "iteration": self.iteration, "wall_s": self.wall, "eval_s": ev.seconds,
@@ -361,13 +461,25 @@ class DiffusersTrainer(GRPOTrainer):
     def reference(self, prompts):
         return self.sampler.reference(prompts)
 
+    def reference_rows(self, cond, traj, n: int):
+        """The KL reference velocities of the kept samples, in a region of the engine: every rank calls it, with
+        its own number of samples (possibly none)."""
+        with self.engine.region():
+            return super().reference_rows(cond, traj, n)
+
+    def audit(self, *args, **kwargs):
+        """The estimator audit of the main process's samples (:meth:`GRPO.audit`), its gradients not synchronised."""
+        with self.engine.local():
+            return super().audit(*args, **kwargs)
+
     def minibatches(self, n: int) -> list[torch.Tensor]:
         perm = torch.randperm(n, generator=self.perm_gen)
         return [mb.sort().values for mb in perm.tensor_split(self.cfg.grpo.updates_per_epoch)]   # sets, in order
 
     def gradient(self, mb: Minibatch) -> dict:
-        """This rank's gradient of its part of the minibatch (possibly empty), averaged over the ranks, and the
-        statistics of the whole minibatch."""
+        """This rank's gradient of its part of the minibatch (possibly empty), averaged over the ranks by the engine
+        (each rank's loss scaled by :func:`jagg.infra.distributed.loss_scale`), and the statistics of the whole
+        minibatch."""
         n = mb.size
         n_global = int(self._sum([n])[0])
         if n_global == 0:
@@ -375,16 +487,13 @@ class DiffusersTrainer(GRPOTrainer):
         names = ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl")
         counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "intervals", "intervals_jagg")
         local = [0.0] * (len(names) + len(counts))
-        if n:
-            st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
-                                 ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
-                                 prompt_groups=mb.prompt_groups, generator=self.pick_gen, on_policy=mb.on_policy)
-            local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
-        if self.world > 1:
-            for p in self.params:                              # same buckets on every rank, even with no samples
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            all_reduce_gradients(self.params)
+        with self.engine.update() as backward_context:
+            if n:
+                st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
+                                     ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
+                                     backward_context=backward_context, prompt_groups=mb.prompt_groups,
+                                     generator=self.pick_gen, on_policy=mb.on_policy)
+                local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
         tot = self._sum(local)
         stats = {k: tot[i] / n_global for i, k in enumerate(names)}
         stats.update({k: int(tot[len(names) + i]) for i, k in enumerate(counts)})

@@ -5,7 +5,8 @@ A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``c
 ``--set`` overrides. Sections:
 ``pipeline:`` (:class:`jagg.integrations.config.PipelineConfig`, the model), ``sample:`` (:class:`DiffusersSampleConfig`,
 the prompts file and the batch), ``estimator:``, ``optim:``, ``grpo:``, ``reward:`` or ``reward_server:``, ``log:``
-(:class:`DiffusersLogConfig`), and ``seed``, ``threads``. Each value is checked when the config is built, with an error
+(:class:`DiffusersLogConfig`), ``distributed:`` (:class:`DistributedConfig`, several processes), and ``seed``,
+``threads``. Each value is checked when the config is built, with an error
 naming the key; the trainer is :mod:`jagg.trainers.diffusers`.
 """
 
@@ -143,6 +144,41 @@ class DiffusersLogConfig(LogConfig):
 
 
 @dataclass
+class DistributedConfig:
+    """How several processes (``torchrun`` / ``accelerate launch``) share the trainable transformer
+    (:mod:`jagg.infra.engine`). Under ``accelerate launch`` its config's settings apply as well
+    (:mod:`jagg.infra.launch`); a key set both here and there must agree."""
+
+    strategy: str = field(default="auto", metadata=_help(
+        "'ddp': the transformer replicated on every process (DistributedDataParallel; LoRA, or a model that fits one "
+        "GPU); 'fsdp': FSDP2 fully_shard per transformer block, parameters, gradients and AdamW state sharded (full "
+        "fine-tuning of a model that does not fit one GPU; the KL reference copy sharded too); 'auto': the accelerate "
+        "config's distributed_type under accelerate launch, else ddp. One process: neither."))
+    wrap_classes: list[str] | None = field(default=None, metadata=_help(
+        "fsdp: the module classes sharded as one unit each; null = the accelerate config's "
+        "fsdp_transformer_layer_cls_to_wrap, else the transformer's own blocks (its _no_split_modules: SD3 "
+        "JointTransformerBlock; FLUX FluxTransformerBlock, FluxSingleTransformerBlock; Qwen-Image "
+        "QwenImageTransformerBlock)."))
+    reshard_after_forward: bool | None = field(default=None, metadata=_help(
+        "fsdp: free each block's gathered weights after its forward (true: the least memory) or keep them until its "
+        "backward (false: less communication; with the sharded gradients and optimizer state, as ZeRO-2); null = the "
+        "accelerate config's fsdp_reshard_after_forward, else true."))
+
+    def __post_init__(self):
+        from ..infra.engine import STRATEGIES
+
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"distributed.strategy must be one of {STRATEGIES}; got {self.strategy!r}")
+        if self.wrap_classes is not None and (not self.wrap_classes
+                                              or not all(isinstance(c, str) and c for c in self.wrap_classes)):
+            raise ValueError("distributed.wrap_classes must be a non-empty list of class names (or null: the "
+                             f"transformer's own blocks); got {self.wrap_classes!r}")
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"distributed.reshard_after_forward must be true, false or null; got "
+                             f"{self.reshard_after_forward!r}")
+
+
+@dataclass
 class DiffusersTrainConfig(TrainerSections):
     """Everything one ``jagg train`` run on a diffusers model needs, saved into every checkpoint: the model
     (``pipeline:``), the prompts file and batch (``sample:``), a local reward or a reward server, logging, and the
@@ -160,6 +196,8 @@ class DiffusersTrainConfig(TrainerSections):
         + "} (token: better in $JAGG_REWARD_TOKEN, every checkpoint saves the config). Set this or reward."))
     eval: DiffusersEvalConfig = field(default_factory=DiffusersEvalConfig)
     log: DiffusersLogConfig = field(default_factory=DiffusersLogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig, metadata=_help(
+        "Several processes: DDP or FSDP2 sharding (see DistributedConfig); ignored by a single process."))
 
     def __post_init__(self):
         if isinstance(self.reward, dict):

@@ -5,15 +5,18 @@ With LoRA, ``checkpoints/adapter_<n>/`` holds the adapter in diffusers' and in p
 ``PeftModel.from_pretrained(transformer, dir)`` read it, and so does ``pipeline.lora.path``. With full fine-tuning,
 ``checkpoints/transformer_<n>/`` holds the transformer written by its own ``save_pretrained``
 (``<Transformer>.from_pretrained(dir)``). With an EMA (``optim.ema_decay > 0``) the EMA's weights are exported the
-same way into the ``ema/`` subdirectory. Each export is written to a temporary name and renamed, and goes when its
-checkpoint is pruned (:func:`prune_exports`).
+same way into the ``ema/`` subdirectory. Under FSDP the trainer gathers the weights first and passes them. Each export
+is written to a temporary name and renamed, and goes when its checkpoint is pruned (:func:`prune_exports`); the run's
+final weights (``final/``) are written the same way (:func:`write_weights`).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
+
+from ..infra.atomic import replace_dir
+from ..integrations.policy import save_transformer
 
 EXPORT_PREFIXES = ("adapter_", "transformer_")          # checkpoints/<prefix><n>/, one per checkpoint
 EMA_DIR = "ema"
@@ -28,32 +31,36 @@ def _write(policy, directory: Path, lora: bool, state=None) -> None:
     if lora:
         policy.save_adapter(directory, state)
     else:
-        policy.bare.save_pretrained(str(directory))
+        save_transformer(policy.bare, directory, state)
 
 
-def export_weights(policy, ckpt_dir: Path, iteration: int, ema=None) -> Path:
-    """Export ``policy``'s trained weights (and ``ema``'s, an :class:`jagg.trainers.ema.EMA`, into ``ema/``) as the
-    checkpoint of ``iteration``'s export directory (module docstring); returns it."""
+def write_weights(policy, directory: Path, weights: dict | None = None, ema: dict | None = None) -> Path:
+    """Write ``policy``'s trained weights into ``directory`` as a whole (a temporary directory renamed into place):
+    the adapter (LoRA) or the transformer (full fine-tuning), and ``ema``'s into ``directory/ema/``. ``weights``: the
+    weights by parameter name to write (gathered from FSDP's shards: the trainable ones with LoRA, all of them with
+    full fine-tuning; None: the model's own); ``ema``: the EMA's by parameter name (None: no EMA). Returns it."""
     lora = policy.config.lora.enabled
-    final = Path(ckpt_dir) / export_name(lora, iteration)
-    tmp = final.with_name(f".{final.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    _write(policy, tmp, lora)
-    if ema is not None:
-        if lora:
-            _write(policy, tmp / EMA_DIR, lora, ema.state_dict())
-        else:
-            with ema.applied():
-                _write(policy, tmp / EMA_DIR, lora)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
+
+    def write(tmp: Path) -> None:
+        _write(policy, tmp, lora, weights)
+        if ema is not None:
+            whole = weights if weights is not None else policy.bare.state_dict()
+            _write(policy, tmp / EMA_DIR, lora, ema if lora else {**whole, **ema})
+
+    return replace_dir(directory, write)
+
+
+def export_weights(policy, ckpt_dir: Path, iteration: int, weights: dict | None = None,
+                   ema: dict | None = None) -> Path:
+    """The export directory of the checkpoint of ``iteration`` (module docstring), written by :func:`write_weights`;
+    returns it."""
+    return write_weights(policy, Path(ckpt_dir) / export_name(policy.config.lora.enabled, iteration), weights, ema)
 
 
 def prune_exports(ckpt_dir: Path, removed: list[Path]) -> None:
-    """Delete the export directories of the pruned checkpoints ``removed`` (``ckpt_<n>.pt`` -> ``adapter_<n>/``,
-    ``transformer_<n>/``); other directories stay."""
+    """Delete what belongs to the pruned checkpoints ``removed`` (``ckpt_<n>.pt`` -> its export, ``adapter_<n>/`` or
+    ``transformer_<n>/``, and FSDP's shard directory ``ckpt_<n>.dcp/``); other directories stay."""
     for ckpt in removed:
         n = ckpt.name.removeprefix("ckpt_").removesuffix(".pt")
-        for prefix in EXPORT_PREFIXES:
-            shutil.rmtree(Path(ckpt_dir) / f"{prefix}{n}", ignore_errors=True)
+        for name in (*(f"{prefix}{n}" for prefix in EXPORT_PREFIXES), f"ckpt_{n}.dcp"):
+            shutil.rmtree(Path(ckpt_dir) / name, ignore_errors=True)

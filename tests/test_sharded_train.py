@@ -1,0 +1,331 @@
+"""``jagg train`` on an engine: FSDP2 sharding launched by ``accelerate launch`` and ``torchrun`` on 2 CPU processes
+(gloo), and the launcher's settings honoured or refused by name.
+
+SD3, full fine-tuning with the sharded KL reference and activation checkpointing (from the accelerate config): each
+rank stores half of the weights, AdamW's moments and the reference; the exported weights equal one process's after 2
+iterations while one rank's only prompt group is dropped (the ranks stay in step through filler calls); resuming the
+2-process run from its first checkpoint is bit-identical (2 processes, torchrun) or resharded (1 process). FLUX with
+LoRA under accelerate's bf16 mixed precision: fp32 master shards, the one-process update within bf16's precision, the
+gathered adapter exported. The DDP launch of LoRA (replicated) is in tests/test_real_train.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+import diffusers  # noqa: E402
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: E402
+from test_diffusers import embeds, tiny_flux, tiny_vae  # noqa: E402
+from test_real_train import _free_port, records, sd3_dir, write_sd3_config  # noqa: E402,F401  (sd3_dir: a fixture)
+
+from jagg.cli import main  # noqa: E402
+from jagg.infra.engine import EngineSettings, resolve_engine  # noqa: E402
+from jagg.infra.launch import HANDLED, LaunchSettings, read_launch  # noqa: E402
+from jagg.trainers.diffusers import engine_for  # noqa: E402
+from jagg.trainers.diffusers_config import load_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER = str(Path(__file__).parent / "real_train_launch.py")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                                                         os.environ.get("PYTHONPATH", "")]))
+
+
+def _args(cfg: Path, sets: list[str]) -> list[str]:
+    return ["train", "--config", str(cfg)] + [a for s in sets for a in ("--set", s)]
+
+
+def _launch(prefix: list[str], args: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", *prefix, LAUNCHER, *args], env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _accelerate(config: str, *extra: str) -> list[str]:
+    return ["accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "accelerate" / config),
+            "--num_processes", "2", "--main_process_port", str(_free_port()), *extra]
+
+
+TORCHRUN = ["torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def _ranks(out: Path) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+
+
+def _half(local: list[int], full: int) -> None:
+    """Two ranks each store about half of ``full`` elements, and together all of them."""
+    assert sum(local) == full and all(0.4 < n / full < 0.6 for n in local), (local, full)
+
+
+def _from_checkpoint_1(src: Path, dst: Path) -> None:
+    """``dst``: the run ``src`` as it was after its first iteration (its second checkpoint, export and ranks gone)."""
+    shutil.copytree(src, dst)
+    for p in [*dst.glob("checkpoints/ckpt_000002*"), dst / "final", *dst.glob("rank*.pt")]:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+FULL_FT = ["pipeline.lora.enabled=false", "pipeline.keep_reference=true", "estimator.kl_beta=0.1",
+           "grpo.updates_per_epoch=1", "grpo.drop_zero_spread=true", "sample.micro_batch=2", "log.sample_images=0",
+           "reward.name=test_real_train:red_is_dark", "optim.lr=0.001"]
+
+
+def test_fsdp_full_finetune_shards_equals_one_process_and_resumes(tmp_path, sd3_dir):
+    """`accelerate launch --config_file configs/accelerate/fsdp.yaml` of `jagg train` (SD3, full fine-tuning, KL to
+    the sharded frozen reference, fsdp_activation_checkpointing): per-rank halves, the one-process result, and two
+    resumes from its first checkpoint."""
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    (tmp_path / "two.txt").write_text("a red cube\na blue ball\n")
+    sets = FULL_FT + [f"sample.prompts_file={tmp_path / 'two.txt'}", "optim.ema_decay=0.5"]
+    fsdp, one = tmp_path / "fsdp", tmp_path / "one"
+    _launch(_accelerate("fsdp.yaml", "--mixed_precision", "no", "--fsdp_activation_checkpointing", "true"),
+            _args(cfg, sets) + ["--output-dir", str(fsdp)])
+    ranks = _ranks(fsdp)
+    assert [r["engine"] for r in ranks] == ["fsdp", "fsdp"]
+    for what in ("param", "adam", "reference"):
+        _half([r[f"{what}_local"] for r in ranks], ranks[0][f"{what}_full"])
+    assert ranks[0]["param_full"] == sum(p.numel() for p in SD3Transformer2DModel.from_pretrained(
+        sd3_dir / "transformer").parameters())                     # every weight trains
+    assert ranks[0]["adam_full"] == 2 * ranks[0]["param_full"]                    # FSDP: a gradient for every weight
+    # the red cube's group has zero spread and is dropped: its rank trains nothing and fills in the others' calls
+    two = records(fsdp)
+    assert [r["trained_samples"] for r in two] == [2, 2] and sum(r["fillers"] for r in ranks) > 0
+    ck = sorted(p.name for p in (fsdp / "checkpoints").iterdir())
+    assert ck == ["ckpt_000001.dcp", "ckpt_000001.pt", "ckpt_000002.dcp", "ckpt_000002.pt", "transformer_000001",
+                  "transformer_000002"]                       # each checkpoint's export, gathered from the shards
+    saved = torch.load(fsdp / "checkpoints" / "ckpt_000002.pt", weights_only=False)
+    assert saved["model"] == "ckpt_000002.dcp"
+    assert saved["engine"] == {"strategy": "fsdp", "processes": 2, "param_dtype": None}
+    assert saved["config"]["pipeline"]["gradient_checkpointing"] is True        # the accelerate key, honoured
+
+    # one process on the same global batches: the same metrics and, after 2 AdamW steps, the same weights
+    assert main(_args(cfg, sets + ["pipeline.gradient_checkpointing=true"]) + ["--output-dir", str(one)]) == 0
+    for a, b in zip(records(one), two):
+        for k in ("reward_mean", "loss", "kl", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-9), k
+    got, want = (SD3Transformer2DModel.from_pretrained(d / "final" / "transformer").state_dict() for d in (fsdp, one))
+    start = SD3Transformer2DModel.from_pretrained(sd3_dir / "transformer").state_dict()
+    assert max(float((want[k] - start[k]).abs().max()) for k in want) > 1e-3            # 2 steps of lr 1e-3
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-5, msg=k)
+    assert all(torch.equal(ranks[0]["weights"][n], got[n]) for n in ranks[0]["weights"])
+    last = SD3Transformer2DModel.from_pretrained(fsdp / "checkpoints" / "transformer_000002").state_dict()
+    assert all(torch.equal(last[k], got[k]) for k in got)           # the last checkpoint's export is the final one
+    # the EMA of the sharded weights, sharded itself, gathered into the export: the one-process EMA's
+    ema, ema_one = (SD3Transformer2DModel.from_pretrained(d / "final" / "transformer" / "ema").state_dict()
+                    for d in (fsdp, one))
+    assert max(float((ema_one[k] - want[k]).abs().max()) for k in want) > 1e-4      # an average, not the weights
+    for k in ema_one:
+        torch.testing.assert_close(ema[k], ema_one[k], rtol=0, atol=2e-5, msg=k)
+
+    # resume from the first checkpoint with torchrun: bit-identical to the uninterrupted run (keeping 1 checkpoint:
+    # the first one's shards go with it)
+    again = tmp_path / "again"
+    _from_checkpoint_1(fsdp, again)
+    resume = sets + ["distributed.strategy=fsdp", "pipeline.gradient_checkpointing=true"]
+    _launch(TORCHRUN, _args(cfg, resume + ["log.keep_last=1"]) + ["--output-dir", str(again), "--resume"])
+    assert sorted(p.name for p in (again / "checkpoints").iterdir()) == ["ckpt_000002.dcp", "ckpt_000002.pt",
+                                                                       "transformer_000002"]
+    final = SD3Transformer2DModel.from_pretrained(again / "final" / "transformer").state_dict()
+    assert all(torch.equal(final[k], got[k]) for k in got)
+    final_ema = SD3Transformer2DModel.from_pretrained(again / "final" / "transformer" / "ema").state_dict()
+    assert all(torch.equal(final_ema[k], ema[k]) for k in ema)       # the EMA's shards resumed bit-identically
+    assert [(r["loss"], r["grad_norm"]) for r in records(again)] == [(r["loss"], r["grad_norm"]) for r in two]
+    # ... and with one process: the shards read into whole weights (resharded), the same run to float precision
+    single = tmp_path / "single"
+    _from_checkpoint_1(fsdp, single)
+    assert main(_args(cfg, resume) + ["--output-dir", str(single), "--resume"]) == 0
+    final = SD3Transformer2DModel.from_pretrained(single / "final" / "transformer").state_dict()
+    for k in got:
+        torch.testing.assert_close(final[k], got[k], rtol=0, atol=2e-5, msg=k)
+
+
+def test_fsdp_lora_on_flux_equals_one_process(tmp_path):
+    """FLUX with LoRA under FSDP2 (torchrun, distributed.strategy: fsdp, the KL term to the adapters switched off):
+    each rank stores half of the adapters, the update is one process's, and the gathered adapter is exported once."""
+    pipe = diffusers.FluxPipeline(transformer=tiny_flux(), scheduler=FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True), vae=tiny_vae(), text_encoder=None, tokenizer=None, text_encoder_2=None,
+        tokenizer_2=None)
+    pipe.save_pretrained(tmp_path / "flux")
+    cond, _ = embeds(prompts=("a red cube", "a blue ball"))
+    cond.select([0, 2]).save(tmp_path / "cache.pt")
+    (tmp_path / "prompts.txt").write_text("a red cube\na blue ball\n")
+    (tmp_path / "flux.yaml").write_text(f"""\
+pipeline: {{family: flux, path: {tmp_path / "flux"}, dtype: fp32, device: cpu, resolution: 128, num_steps: 4,
+           cfg_scale: 1.0, guidance_embed: 3.5, eta: 0.9, prompt_cache: {tmp_path / "cache.pt"}, lora: {{rank: 2}}}}
+reward: {{name: jpeg_compressibility}}
+sample: {{prompts_file: {tmp_path / "prompts.txt"}, prompts_per_iter: 2, group_size: 2, micro_batch: 2}}
+estimator: {{mode: jagg, window: 4, micro_batch: 4, clip_range: 0.2, kl_beta: 0.1, correction_p: 0.0}}
+optim: {{lr: 0.001}}
+grpo: {{iterations: 1, updates_per_epoch: 1, drop_zero_spread: false}}
+log: {{tensorboard: false, progress: false, sample_images: 0}}
+distributed: {{strategy: fsdp}}
+threads: 1
+""")
+    args = ["train", "--config", str(tmp_path / "flux.yaml")]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(args + ["--output-dir", str(one)]) == 0
+    _launch(TORCHRUN, args + ["--output-dir", str(two)])
+    ranks = _ranks(two)
+    assert [r["engine"] for r in ranks] == ["fsdp", "fsdp"]
+    _half([r["param_local"] for r in ranks], ranks[0]["param_full"])
+    _half([r["adam_local"] for r in ranks], ranks[0]["adam_full"])
+    (a,), (b,) = records(one), records(two)
+    for k in ("reward_mean", "loss", "grad_norm"):
+        assert b[k] == pytest.approx(a[k], rel=1e-4), k
+    from safetensors.torch import load_file
+
+    got, want = (load_file(d / "final" / "adapter" / "pytorch_lora_weights.safetensors") for d in (two, one))
+    weights = ranks[0]["weights"]
+    assert set(got) == set(want) == {"transformer." + n.replace(".default", "") for n in weights}
+    for name, w in weights.items():
+        key = "transformer." + name.replace(".default", "")
+        assert torch.equal(got[key], w), name                          # the export is the gathered weights
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5, msg=name)
+    assert max(float(w.abs().max()) for n, w in weights.items() if "lora_B" in n) > 5e-4   # lora_B left 0
+
+
+def _accelerate_env(name: str, *extra: str) -> dict[str, str]:
+    """The environment `accelerate launch --config_file configs/accelerate/<name>.yaml` gives each process."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "configs" / "accelerate" / f"{name}.yaml"),
+                                               *extra, "x.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_")) and k not in os.environ}
+
+
+def test_the_shipped_accelerate_configs_are_honoured(tmp_path, sd3_dir):
+    """Every variable accelerate sets for a process is one jagg reads; ddp.yaml's bf16 is the autocast of a DDP run,
+    fsdp.yaml's the MixedPrecisionPolicy of an FSDP run; the DeepSpeed config is refused naming its key."""
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    for name in ("ddp", "fsdp"):
+        env = _accelerate_env(name)
+        assert set(env) <= set(HANDLED), set(env) - set(HANDLED)
+        launch = read_launch(env)
+        c = load_config(cfg)
+        settings = resolve_engine(c, launch, 8)
+        if name == "ddp":
+            assert (launch.strategy, settings.strategy, c.pipeline.autocast) == ("ddp", "ddp", "bf16")
+        else:
+            assert (settings.strategy, settings.param_dtype, settings.wrap, settings.wrap_classes) == \
+                ("fsdp", "bf16", "blocks", None)
+            assert c.pipeline.autocast is None and settings.reshard_after_forward is True
+    env = _accelerate_env("fsdp", "--fsdp_reshard_after_forward", "false", "--fsdp_activation_checkpointing", "true")
+    c = load_config(cfg)
+    assert resolve_engine(c, read_launch(env), 2).reshard_after_forward is False and c.pipeline.gradient_checkpointing
+    with pytest.raises(ValueError, match="distributed_type: DEEPSPEED is not supported by jagg train"):
+        read_launch({"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_DEEPSPEED": "true"})
+    assert (ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml").read_text().startswith(
+        "# Not for `jagg train`")
+
+
+FSDP_ENV = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+            "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params: true"),
+    ({"FSDP_VERSION": "1"}, "fsdp_version: 1"),
+    ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, "fsdp_auto_wrap_policy: SIZE_BASED_WRAP"),
+    ({"FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}, "fsdp_state_dict_type: FULL_STATE_DICT"),
+    ({"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"}, "fsdp_sharding_strategy: HYBRID_SHARD"),
+    ({"FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE"}, "fsdp_backward_prefetch: BACKWARD_PRE"),
+    ({"FSDP_IGNORED_MODULES": "pos_embed"}, "fsdp_ignored_modules"),
+    ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "mixed_precision: fp16"),
+    ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, "dynamo_backend: INDUCTOR"),
+    ({"ACCELERATE_USE_MEGATRON_LM": "true"}, "distributed_type: MEGATRON_LM"),
+])
+def test_an_unsupported_accelerate_setting_is_refused_by_name(change, key):
+    with pytest.raises(ValueError, match=f"the accelerate config's {key} is not supported by jagg train: "):
+        read_launch({**FSDP_ENV, **change})
+
+
+def test_the_config_and_the_launcher_must_agree(tmp_path, sd3_dir):
+    """A key set both in the jagg config and the accelerate config must agree; torchrun takes the config's; one
+    process runs no engine; FSDP refuses the main-process audit before anything loads."""
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    fsdp = read_launch(FSDP_ENV)
+    assert fsdp == LaunchSettings(launcher="accelerate", strategy="fsdp", wrap="blocks", reshard_after_forward=True)
+    cases = [(["distributed.strategy=ddp"], fsdp, "distributed.strategy is 'ddp' but the accelerate config's "
+              "distributed_type is 'fsdp'"),
+             (["distributed.wrap_classes=[FluxTransformerBlock]"],
+              read_launch({**FSDP_ENV, "FSDP_TRANSFORMER_CLS_TO_WRAP": "JointTransformerBlock"}),
+              "fsdp_transformer_layer_cls_to_wrap"),
+             (["pipeline.autocast=fp16"], read_launch({"ACCELERATE_MIXED_PRECISION": "bf16"}),
+              "pipeline.autocast is 'fp16' but the accelerate config's mixed_precision is 'bf16'"),
+             (["pipeline.lora.fp32_params=false"], read_launch({"ACCELERATE_MIXED_PRECISION": "bf16"}),
+              "pipeline.lora.fp32_params: true")]
+    for sets, launch, message in cases:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+            resolve_engine(load_config(cfg, sets), launch, 2)
+    torchrun = LaunchSettings()
+    assert resolve_engine(load_config(cfg, ["distributed.strategy=fsdp"]), torchrun, 2).strategy == "fsdp"
+    assert resolve_engine(load_config(cfg), torchrun, 2) == EngineSettings("ddp")
+    assert resolve_engine(load_config(cfg, ["distributed.strategy=fsdp"]), torchrun, 1).strategy == "single"
+    with pytest.raises(ValueError, match="distributed.strategy must be one of"):
+        load_config(cfg, ["distributed.strategy=zero3"])
+    with pytest.raises(ValueError, match="estimator.meter_every > 0 audits"):
+        engine_for(load_config(cfg, ["estimator.meter_every=1"]), fsdp, 2)
+    assert engine_for(load_config(cfg, ["estimator.meter_every=1"]), fsdp, 1).strategy == "single"
+
+
+def test_fsdp_engine_in_bf16_mixed_precision_on_one_sharded_process(tmp_path):
+    """The FSDP engine on a process group of one (gloo): a full fine-tune of a bf16 SD3 becomes fp32 master shards
+    that compute in bf16 (accelerate's mixed_precision bf16: MixedPrecisionPolicy) with fp32 gradients, its frozen
+    reference stays bf16 and is in step too; block classes that name no module are refused by their key; the
+    gathered weights export as the plain diffusers class."""
+    import torch.distributed as dist
+
+    from test_diffusers import tiny_sd3
+
+    from jagg.infra.engine import make_engine
+    from jagg.integrations import PipelineConfig, save_transformer
+    from jagg.integrations.policy import Policy
+
+    config = PipelineConfig(family="sd3", dtype="bf16", device="cpu", resolution=128, keep_reference=True,
+                            lora={"enabled": False})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"fsdp_transformer_layer_cls_to_wrap: \['FluxTransformerBlock'\] name no "
+                                             r"module of SD3Transformer2DModel; its transformer blocks are "
+                                             r"\['JointTransformerBlock'\]"):
+            make_engine(EngineSettings("fsdp", wrap_classes=("FluxTransformerBlock",),
+                                       wrap_key="fsdp_transformer_layer_cls_to_wrap"), 0, 1, torch.device("cpu")) \
+                .wrap(Policy(config, tiny_sd3().to(torch.bfloat16), place=False))
+        policy = Policy(config, tiny_sd3().to(torch.bfloat16), place=False)
+        assert {p.dtype for p in policy.params} == {torch.bfloat16}           # the upcast waits for the shards
+        engine = make_engine(EngineSettings("fsdp", param_dtype="bf16"), 0, 1, torch.device("cpu"))
+        engine.wrap(policy)
+        assert {type(p).__name__ for p in policy.params} == {"DTensor"} and {p.dtype for p in policy.params} == \
+            {torch.float32}
+        assert {p.dtype for p in policy.reference_model.parameters()} == {torch.bfloat16}
+        assert len(engine.lockstep.modules) == 2
+        seen = []
+        policy.bare.transformer_blocks[0].attn.to_q.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        x, t = torch.randn(2, 4, 16, 16), torch.tensor([500.0, 300.0])
+        enc, pooled = torch.randn(2, 5, 16), torch.randn(2, 8)
+        with engine.update():
+            out = policy.transformer(hidden_states=x, encoder_hidden_states=enc, pooled_projections=pooled,
+                                     timestep=t, return_dict=False)[0]
+            out.float().square().mean().backward()
+        assert seen == [torch.bfloat16] and {p.grad.dtype for p in policy.params} == {torch.float32}
+        weights = engine.full_state_dict(policy.bare)
+        save_transformer(policy.bare, tmp_path / "transformer", weights)
+        back = SD3Transformer2DModel.from_pretrained(tmp_path / "transformer").state_dict()
+        assert set(back) == set(weights) and all(torch.equal(back[k], weights[k]) for k in back)
+        assert {v.dtype for v in back.values()} == {torch.float32}
+    finally:
+        dist.destroy_process_group()
