@@ -44,6 +44,7 @@ from .advantages import prompt_group_index
 from .checks import is_finite_number
 from .estimator_config import ALPHAS, EstimatorConfig
 from .routing import linearity_scores
+from .trajectory import Trajectory
 
 
 @dataclass
@@ -155,6 +156,35 @@ def intervals_of(steps: list[int], knots: str, window: int) -> list[list[int]]:
     if len(positions) == 1:
         return [[steps[0]]]
     return [steps[a : b + 1] for a, b in zip(positions[:-1], positions[1:])]
+
+
+def check_layout(config: EstimatorConfig, K: int, steps: str = "the trajectory's train_steps",
+                 prefix: str = "") -> None:
+    """Raise, naming the setting (``prefix`` + its name: ``window``, or the config key ``estimator.window``), when a
+    count of the estimator is larger than what it counts on trajectories of ``K`` trained steps (``steps`` says where
+    ``K`` comes from): ``window`` more than ``K`` (one interval would hold every step: the layout is clamped, never what
+    was asked for), ``exact_first_intervals`` / ``exact_last_intervals`` more than the intervals JAGG may take,
+    ``correction_rates`` not one rate per interval of the layout. Only where a layout applies: mode ``jagg`` (or
+    ``exact`` with ``interval_frac < 1``, which draws the layout's intervals) and 3 or more trained steps (with 1 or 2
+    every step runs exact, whatever the window)."""
+    if K <= 2 or not (config.mode == "jagg" or (config.mode == "exact" and config.interval_frac < 1)):
+        return
+    if config.window > K:
+        raise ValueError(f"{prefix}window={config.window} is more than the {K} trained steps of an iteration "
+                         f"({steps}): one interval would hold every step; lower {prefix}window to at most {K}")
+    if config.window <= 2 or config.mode != "jagg":      # no layout (one exact interval per step), or nothing routed
+        return
+    intervals = intervals_of(list(range(K)), config.knots, config.window)
+    inner = sum(len(iv) >= 3 for iv in intervals)
+    layout = f"{prefix}window={config.window}, knots={config.knots} on the {K} trained steps of {steps}"
+    for name in ("exact_first_intervals", "exact_last_intervals"):
+        if getattr(config, name) > inner:
+            raise ValueError(f"{prefix}{name}={getattr(config, name)} is more than the {inner} interval"
+                             f"{'s' * (inner != 1)} with inner steps ({layout}); lower it to at most {inner}")
+    rates = config.correction_rates
+    if rates is not None and len(rates) != len(intervals):
+        raise ValueError(f"{prefix}correction_rates has {len(rates)} rate{'s' * (len(rates) != 1)}, but the layout "
+                         f"has {len(intervals)} intervals ({layout}); give one rate per interval, in order")
 
 
 def layout_intervals(traj, config: EstimatorConfig) -> tuple[list[list[int]], list[int], bool]:
@@ -352,7 +382,7 @@ def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) 
 # ----------------------------------------------------------------------------- the plan
 
 
-def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence | None = None,
+def plan_update(traj: Trajectory, config: EstimatorConfig, prompt_groups: Tensor | Sequence | None = None,
                 generator: torch.Generator | None = None) -> Plan:
     """Lay out, route, pick, draw and bundle the rows of one update (see the module docstring).
 
@@ -364,7 +394,12 @@ def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence 
         generator: RNG of the random choices, in this order: the correction's picks, the intervals each sample
             trains (``interval_frac < 1``) (``torch.rand`` / ``randperm`` on the CPU).
     """
+    if not isinstance(traj, Trajectory):
+        raise TypeError(f"traj must be a jagg.Trajectory; got {type(traj).__name__}")
+    if not isinstance(config, EstimatorConfig):
+        raise TypeError(f"config must be a jagg.EstimatorConfig; got {type(config).__name__}")
     B = traj.latents.shape[0]
+    check_layout(config, traj.train_steps.numel())
     if config.mode == "subsample":
         return _subsample_plan(traj.train_steps.tolist(), B, config.subsample_frac, generator)
     intervals, positions, jagg = layout_intervals(traj, config)

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..checks import number_arg
+from ..checks import check_count, number_arg
 from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
@@ -60,8 +60,7 @@ class SD3Spec:
 
     def __post_init__(self):
         for k, v in asdict(self).items():
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"sd3 {k} must be a positive integer; got {v!r}")
+            setattr(self, k, check_count(v, f"sd3 {k}"))
         if self.latent_size % 2:
             raise ValueError(f"sd3 latent_size must be even (patch size 2); got {self.latent_size}")
 

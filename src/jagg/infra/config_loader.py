@@ -19,6 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from ..checks import check_float32, check_int64, check_seed, shown
@@ -30,7 +31,10 @@ def _suggest(key: str, valid: list[str]) -> str:
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Coerce a YAML value to the annotated type ``tp`` (int, float, bool, str, Optional, list/tuple, dict)."""
+    """Coerce a YAML value to the annotated type ``tp`` (int, float, bool, str, Optional, list/tuple, dict); a numpy
+    scalar (a config built in Python) counts as the Python number it holds."""
+    if isinstance(value, np.generic):
+        value = value.item()
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)

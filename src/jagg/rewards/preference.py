@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_json_files, read_json
+from ..checks import check_count, check_json_files, read_json
 from .images import to_unit_float
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,9 +74,7 @@ def _clip_dir(path, what: str, repo: str, need: str) -> Path:
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-    return value
+    return check_count(value, name)
 
 
 def _positive_float(name: str, value) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -56,8 +57,9 @@ class DiTConfig:
             if f.name in ("cfg_dropout", "pos_init"):
                 continue
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
                 raise ValueError(f"DiTConfig.{f.name} must be a positive int, got {v!r}")
+            setattr(self, f.name, int(v))                 # a numpy integer counts
         if self.vocab_size < 2:
             raise ValueError(f"DiTConfig.vocab_size must be >= 2 (id 0 is padding), got {self.vocab_size}")
         if self.image_size % self.patch_size:
