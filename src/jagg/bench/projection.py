@@ -63,7 +63,7 @@ class CostStructure:
     def __post_init__(self):
         check_positive(self.B_F, f"{self.name}: B_F", "a backward's cost over a forward's")
         for key in ("cfg_rollout", "cfg_train", "rollout_steps", "train_steps"):
-            setattr(self, key, check_count(getattr(self, key), f"{self.name}: {key}"))
+            object.__setattr__(self, key, check_count(getattr(self, key), f"{self.name}: {key}"))   # frozen
         if self.cfg_train > self.cfg_rollout:
             raise ValueError(f"{self.name}: cfg_train ({self.cfg_train}) cannot exceed cfg_rollout "
                              f"({self.cfg_rollout}), the branches of a guided forward")
