@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from .advantages import prompt_group_index
-from .checks import is_finite_number
-from .estimator_config import ALPHAS, EstimatorConfig
+from .checks import check_count, check_tensor, is_finite_number
+from .estimator_config import ALPHAS, KNOTS, EstimatorConfig
 from .routing import linearity_scores
 from .trajectory import Trajectory
 
@@ -116,6 +116,7 @@ class Plan:
 def step_groups(train_steps: list[int], window: int) -> list[list[int]]:
     """The paper's step groups: the sorted trained steps split into consecutive runs of ``window`` (the last may be
     shorter). Each is one interval of ``knots="groups"``."""
+    window = check_count(window, "window")
     return [train_steps[i : i + window] for i in range(0, len(train_steps), window)]
 
 
@@ -127,6 +128,10 @@ def interval_alphas(sigmas: Tensor, interval: list[int], alpha: str = "sigma") -
     """
     if alpha not in ALPHAS:
         raise ValueError(f"alpha must be one of {ALPHAS}; got {alpha!r}")
+    check_tensor(sigmas, "sigmas", "[T + 1]")
+    if not len(interval) or any(not 0 <= int(k) < sigmas.numel() for k in interval):
+        raise ValueError(f"interval must be a non-empty list of steps in [0, {sigmas.numel() - 1}] (indices into "
+                         f"sigmas); got {list(interval)!r}")
     if len(interval) == 1:
         return torch.zeros(1, dtype=torch.float64, device=sigmas.device)
     s = (sigmas[interval].double() if alpha == "sigma"
@@ -136,8 +141,7 @@ def interval_alphas(sigmas: Tensor, interval: list[int], alpha: str = "sigma") -
 
 def shared_knots(num_steps: int, window: int) -> list[int]:
     """Positions ``0, W-1, 2(W-1), ..., K-1`` into ``K = num_steps`` trained steps (knots every ``W - 1`` steps)."""
-    if num_steps < 1 or window < 1:
-        raise ValueError(f"need num_steps >= 1 and window >= 1; got {num_steps}, {window}")
+    num_steps, window = check_count(num_steps, "num_steps"), check_count(window, "window")
     if window <= 2:
         return list(range(num_steps))
     pos = list(range(0, num_steps - 1, window - 1)) + [num_steps - 1]
@@ -150,6 +154,10 @@ def intervals_of(steps: list[int], knots: str, window: int) -> list[list[int]]:
     ``groups``: the step groups of ``window`` (not sharing ends); ``shared``: between consecutive
     :func:`shared_knots`.
     """
+    if knots not in KNOTS:
+        raise ValueError(f"knots must be one of {KNOTS}; got {knots!r}")
+    if not len(steps):
+        raise ValueError("steps is empty: give the trained steps the intervals cover")
     if knots == "groups":
         return step_groups(steps, window)
     positions = shared_knots(len(steps), window)
@@ -353,6 +361,10 @@ def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) 
             correction).
         budget: the correction rows per sample to spend, ``>= 0`` (e.g. ``p sum_j r_j`` for a uniform rate ``p``).
     """
+    for name, values in (("errors", errors), ("rows", rows)):
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            raise TypeError(f"budget_rates: {name} must be a sequence of numbers, one per interval; got "
+                            f"{type(values).__name__}")
     if len(errors) != len(rows):
         raise ValueError(f"budget_rates needs one error per interval and one row count per interval; got "
                          f"{len(errors)} and {len(rows)}")

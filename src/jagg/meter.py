@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import statistics
 from typing import Sequence
 
@@ -19,11 +20,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .checks import check_count, check_fields, check_positive, check_tensor, is_finite_number
+
+
+def _check_ratios(work_ratio, error_to_noise) -> None:
+    """``work_ratio`` a finite number > 0; ``error_to_noise`` a number (NaN: not measured, which gives NaN)."""
+    check_positive(work_ratio, "work_ratio", "exact's rows or time over the estimator's")
+    if isinstance(error_to_noise, bool) or not isinstance(error_to_noise, numbers.Real):
+        raise TypeError(f"error_to_noise must be a number (E|e|^2 / V_b); got {type(error_to_noise).__name__}")
+
 
 def predicted_efficiency(work_ratio: float, error_to_noise: float) -> float:
     """``work_ratio / (1 + error_to_noise)``: progress for the same work against exact for an estimator whose update
     carries ``V_b + E|e|^2`` of variance instead of ``V_b`` (docs/design.md §3). ``work_ratio`` = exact's rows (or
     time) / the estimator's."""
+    _check_ratios(work_ratio, error_to_noise)
     return math.nan if math.isnan(error_to_noise) else work_ratio / (1.0 + max(error_to_noise, 0.0))
 
 
@@ -33,6 +44,7 @@ def adam_efficiency(work_ratio: float, error_to_noise: float) -> float:
     gradient-norm clip that is always active). Its expected step is the signal divided by ``sqrt(V_b + E|e|^2)`` and
     the noise's second-order cost is normalised away, so extra unbiased error costs its square root
     (docs/design.md §3.8). Valid for an unbiased estimator only: a repeating error enters the step at full weight."""
+    _check_ratios(work_ratio, error_to_noise)
     return math.nan if math.isnan(error_to_noise) else work_ratio / math.sqrt(1.0 + max(error_to_noise, 0.0))
 
 
@@ -59,6 +71,9 @@ def tensor_weights(noise: Sequence[float], numel: Sequence[int], signal: Sequenc
     """
     V = np.asarray(noise, dtype=np.float64)
     n = np.asarray(numel, dtype=np.float64)
+    if V.ndim != 1 or V.shape != n.shape or (signal is not None and np.shape(signal) != V.shape):
+        raise ValueError(f"noise, numel (and signal) must be one number per tensor, of one length; got shapes "
+                         f"{V.shape}, {n.shape}{'' if signal is None else f', {np.shape(signal)}'}")
     live = V > 0
     w = np.zeros_like(V)
     if signal is None:
@@ -77,6 +92,9 @@ def adam_tensor_factor(error_to_noise: Sequence[float], weights: Sequence[float]
     ratio in every tensor it is the global model's ``1 / sqrt(1 + E|e|^2 / V_b)``. NaN when no tensor has a weight."""
     r = np.asarray(error_to_noise, dtype=np.float64)
     w = np.asarray(weights, dtype=np.float64)
+    if r.ndim != 1 or r.shape != w.shape:
+        raise ValueError(f"error_to_noise and weights must be one number per tensor, of one length; got shapes "
+                         f"{r.shape} and {w.shape}")
     use = w > 0
     if not use.any() or np.isnan(r[use]).any():
         return math.nan
@@ -140,10 +158,15 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
         :data:`SIGNAL_Z` standard errors above 0, else ``noise``) and ``adam_tensor_factor``
         (:func:`adam_tensor_factor`).
     """
+    check_tensor(exact, "exact", "[n, P] (one exact gradient per batch)")
     n = exact.shape[0]
-    if n < 3 or len(estimates) != n:
-        raise ValueError(f"need n >= 3 batches and one [draws, P] estimate tensor per batch; got {n} exact and "
-                         f"{len(estimates)} estimates")
+    if exact.ndim != 2 or n < 3 or len(estimates) != n:
+        raise ValueError(f"need exact [n, P] with n >= 3 batches and one [draws, P] estimate tensor per batch; got "
+                         f"exact {tuple(exact.shape)} and {len(estimates)} estimates")
+    for i, e in enumerate(estimates):
+        if not isinstance(e, Tensor) or e.ndim != 2 or e.shape[0] < 1 or e.shape[1] != exact.shape[1]:
+            raise ValueError(f"estimates[{i}] must be a tensor [draws >= 1, P = {exact.shape[1]}]; got "
+                             f"{tuple(e.shape) if isinstance(e, Tensor) else type(e).__name__}")
     exact = exact.double()
     errs = [e.double() - g for e, g in zip(estimates, exact)]                     # [d_i, P] each
     mean_err = torch.stack([e.mean(0) for e in errs])                              # [n, P]
@@ -175,6 +198,8 @@ def jackknife_se(leave_one_out: Sequence[float]) -> float:
     ``sqrt((n - 1) / n sum_i (x_i - mean)^2)``."""
     vals = np.asarray(leave_one_out, dtype=np.float64)
     n = vals.size
+    if vals.ndim != 1 or n < 2:
+        raise ValueError(f"leave_one_out must be n >= 2 leave-one-out values; got shape {vals.shape}")
     return math.sqrt((n - 1) / n * float(((vals - vals.mean()) ** 2).sum()))
 
 
@@ -182,6 +207,9 @@ def extrapolate(stats: dict, batch: float, target: float) -> dict:
     """:func:`error_noise_stats`' ratios at ``target`` samples per update instead of the measured ``batch``: the
     noise and the unbiased part of the error fall as ``1 / B``, the bias (``bias_sq``, floored at 0) stays; per tensor
     alike, for ``adam_tensor_factor`` (the weights do not change with the batch)."""
+    check_positive(batch, "batch", "samples per update measured")
+    check_positive(target, "target", "samples per update to extrapolate to")
+    check_fields(stats, {"noise": "number", "bias_sq": "number", "error_sq": "number"}, "stats (of error_noise_stats)")
     scale = batch / target
 
     def ratios(st: dict) -> tuple[float, float]:
@@ -284,6 +312,7 @@ class Meter:
         (NaN when ``train_share`` is None), the same two for Adam (``predicted_adam_efficiency``,
         ``predicted_adam_time_efficiency``) and for Adam per tensor (``predicted_adam_tensor_efficiency``,
         ``predicted_adam_tensor_time_efficiency``) and ``audits``."""
+        self._check_audit(exact, estimate, rows_exact, rows_estimator, prompt_groups_per_update, train_share)
         self.audits += 1
         self.rows[0] += rows_exact
         self.rows[1] += rows_estimator
@@ -298,6 +327,22 @@ class Meter:
         self._predict(out, noise, err, self.rows[1], np.mean(self.tensor_noise, 0) / G, tensor_err, train_share,
                       exact.shape[1])
         return out
+
+    def _check_audit(self, exact, estimate, rows_exact, rows_estimator, prompt_groups_per_update, train_share):
+        """:meth:`update`'s arguments, checked before the meter changes: ``exact`` and ``estimate`` tensors of one shape
+        ``[m, P]`` (``P`` the sum of ``sizes``), row counts >= 0, ``prompt_groups_per_update`` > 0 and ``train_share``
+        None or in [0, 1]."""
+        check_tensor(exact, "exact", "[m, P] (each prompt group's exact gradient)")
+        check_tensor(estimate, "estimate", "[m, P] (each prompt group's estimated gradient)")
+        P = sum(self.sizes) if self.sizes else exact.shape[-1]
+        if exact.ndim != 2 or estimate.shape != exact.shape or exact.shape[1] != P:
+            raise ValueError(f"exact and estimate must both be [m, P = {P}]; got {tuple(exact.shape)} and "
+                             f"{tuple(estimate.shape)}")
+        check_count(rows_exact, "rows_exact", 0)
+        check_count(rows_estimator, "rows_estimator", 0)
+        check_positive(prompt_groups_per_update, "prompt_groups_per_update")
+        if train_share is not None and (not is_finite_number(train_share) or not 0 <= train_share <= 1):
+            raise ValueError(f"train_share must be None or a number in [0, 1]; got {train_share!r}")
 
     KEYS = ("error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio", "predicted_efficiency",
             "predicted_time_efficiency", "predicted_adam_efficiency", "predicted_adam_time_efficiency",
