@@ -42,7 +42,7 @@ def test_pairs_contrasts_and_a_prediction(out, tmp_path, capsys):
     assert not low["rate_inside"] and not low["gap_inside"]         # a rate of 0.25 predicts a lag it does not have
     text = capsys.readouterr().out
     assert "OUTSIDE" in text and "inside" in text and "slow - exact" in text
-    with pytest.raises(SystemExit, match="exists"):                 # a record is never overwritten
+    with pytest.raises(ValueError, match="exists; pass --overwrite"):   # a record is never overwritten unasked
         pm.main(["--out", str(out), "--seeds", "3", "--pair", "slow:exact", "--json", str(path)])
 
 
@@ -78,5 +78,5 @@ def test_a_range_is_judged_by_overlap_and_unknown_by_nothing(out, tmp_path, caps
     (["--pair", "slow:exact", "--seeds", "1"], "--seeds must be >= 2"),
 ])
 def test_bad_input_is_refused_by_name(out, args, message):
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ValueError, match=message):
         pm.main(["--out", str(out), *args] if "--seeds" in args else ["--out", str(out), "--seeds", "3", *args])

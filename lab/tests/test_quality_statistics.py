@@ -25,7 +25,9 @@ def run(variant, seed, curve, per_iter=1.0, rows=8, offset=0.0, iterations=60):
     iteration ``per_iter`` seconds (wall and CPU)."""
     its = range(1, iterations + 1)
     test = [[i, i * per_iter, curve(i) + offset] for i in EVALS if i <= iterations]
-    return {"kind": "run", "variant": variant, "seed": seed, "updates": iterations,
+    config = {"seed": seed, "estimator": {"mode": variant}, "eval": {"every": 10}, "log": {"output_dir": f"{seed}"}}
+    return {"kind": "run", "variant": variant, "seed": seed, "updates": iterations, "iterations": iterations,
+            "config": config,
             "train_curve": [[i, i * per_iter, curve(i) + offset, i * per_iter] for i in its],
             "test_curve": test, "final_test_reward": test[-1][2], "final_test_reward_std": 0.1, "eval_images": 100,
             "sample_s": 0.5, "reward_s": 0.0, "train_s": per_iter - 0.5, "iter_s": per_iter, "iter_cpu_s": per_iter,

@@ -271,6 +271,9 @@ class Meter:
 
     STATE = ("sizes", "k", "keep", "seed", "sketches", "noise", "err_sq", "tensor_noise", "tensor_err_sq", "rows",
              "audits")
+    STATE_FIELDS = {"sizes": "list|null", "k": "integer", "keep": "integer", "seed": "integer", "sketches": "list",
+                    "noise": "list", "err_sq": "list", "tensor_noise": "list", "tensor_err_sq": "list", "rows": "list",
+                    "audits": "integer"}                # what :meth:`state_dict` holds, by kind
 
     def state_dict(self) -> dict:
         """Everything the meter has measured (for a checkpoint: :meth:`from_state` continues from it exactly)."""
@@ -278,6 +281,8 @@ class Meter:
 
     @classmethod
     def from_state(cls, state: dict) -> "Meter":
+        """The meter of a :meth:`state_dict` (checked to hold :data:`STATE_FIELDS`, else a ValueError naming the key)."""
+        check_fields(state, cls.STATE_FIELDS, "the efficiency meter's state")
         meter = cls()
         for key in cls.STATE:
             setattr(meter, key, copy.deepcopy(state[key]))

@@ -3,8 +3,8 @@ dtypes, command-line numbers), :mod:`~jagg.checks.specs` (``NAME:KEY=VALUE`` spe
 :mod:`~jagg.checks.files` (files written and JSON files read) and :mod:`~jagg.checks.sampling` (a rollout's settings).
 Every name is importable from ``jagg.checks``."""
 
-from .files import (check_fields, check_json_files, check_output_file, expected, has_kind, json_kind, read_json,
-                    read_json_lines)
+from .files import (check_fields, check_json_files, check_output_file, expected, has_kind, json_kind, parse_json,
+                    read_json, read_json_lines)
 from .sampling import (ARGUMENTS, REDUCTIONS, SDE_TYPES, SDE_WINDOW_SCHEDULES, Keys, check_eta, check_group_size,
                        check_noise, check_reduction, check_sampler, check_sde_steps, check_sde_type,
                        check_sde_window_schedule, check_sigmas, check_sliding_window, check_train_steps,

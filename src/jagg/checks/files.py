@@ -84,20 +84,27 @@ def check_output_file(path: str | Path, flag: str, overwrite: bool = False, suff
     return p
 
 
-def read_json(path: str | Path, what: str, kind: str | None = None, fix: str = "repair the file or copy it again"):
-    """The JSON value of the file ``path``, a part of ``what`` (a model directory, an option, a result); a file that
-    is not valid JSON, or (with ``kind``, e.g. ``"object"``, ``"list"``) not a value of that kind, is a ValueError
-    naming it (with the line and column), never a bare decoder error; ``fix`` says what to do."""
+def parse_json(text: str, what: str, kind: str | None = None, fix: str = "repair it"):
+    """The JSON value of ``text`` (what ``what`` holds: a file, a metadata entry); text that is not valid JSON, or
+    (with ``kind``, e.g. ``"object"``, ``"list"``) not a value of that kind, is a ValueError naming ``what`` (with the
+    line and column), never a bare decoder error; ``fix`` says what to do."""
     try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
+        value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{what}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); {fix}"
-                         ) from None
+        raise ValueError(f"{what} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); {fix}") from None
+    if kind is not None and not has_kind(value, kind):
+        raise ValueError(f"{what} must hold {expected(kind)}; it holds {json_kind(value)}; {fix}")
+    return value
+
+
+def read_json(path: str | Path, what: str, kind: str | None = None, fix: str = "repair the file or copy it again"):
+    """The JSON value of the file ``path``, a part of ``what`` (a model directory, an option, a result), checked as
+    :func:`parse_json` does (``kind``: the kind of value it must hold); a file that is not UTF-8 is named too."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{what}: {path} is not a UTF-8 JSON file (byte {e.start}: {e.reason}); {fix}") from None
-    if kind is not None and not has_kind(value, kind):
-        raise ValueError(f"{what}: {path} must hold {expected(kind)}; it holds {json_kind(value)}; {fix}")
-    return value
+    return parse_json(text, f"{what}: {path}", kind, fix)
 
 
 def read_json_lines(path: str | Path, what: str, fix: str) -> list[dict]:

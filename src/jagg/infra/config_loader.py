@@ -147,6 +147,21 @@ def from_dict(cls, data: dict, where: str = ""):
         raise ValueError(f"{where + ': ' if where and not str(e).startswith(where + '.') else ''}{e}") from None
 
 
+def differences(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
+    """``(key, value in a, value in b)`` of every dotted key (``sample.eta``) where two configs as dicts
+    (:func:`to_dict`) differ, sorted, but those under ``ignore`` (keys, or sections ``"log."``); a key one of them
+    lacks has the value None there. What the tools that reuse stored results compare them by."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+        return out
+
+    fa, fb = flat(a), flat(b)
+    skip = lambda key: any(key == i or (i.endswith(".") and key.startswith(i)) for i in ignore)
+    return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and not skip(k)]
+
+
 def to_dict(cfg) -> dict:
     """Plain nested dict (tuples as lists) that :func:`from_dict` round-trips."""
     def plain(v):

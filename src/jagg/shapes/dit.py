@@ -29,6 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import parse_json
+
 PAD_ID = 0
 _META_KEY = "jagg_dit_config"
 
@@ -345,7 +347,8 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
         meta = f.metadata() or {}
     if _META_KEY not in meta:
         raise ValueError(f"{path} has no '{_META_KEY}' metadata; it was not written by jagg.shapes.dit.save_pretrained")
-    cfg = DiTConfig.from_dict(json.loads(meta[_META_KEY]))
+    cfg = DiTConfig.from_dict(parse_json(meta[_META_KEY], f"{path}: its '{_META_KEY}' metadata", "object",
+                                         "write it again with jagg pretrain"))
     sd = load_file(path, device=str(device))
     model = TinyDiT(cfg)
     model.to(device=device, dtype=dtype if dtype is not None else next(iter(sd.values())).dtype)
