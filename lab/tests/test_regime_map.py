@@ -64,5 +64,5 @@ def test_the_fallback_score_is_the_meters():
     (["--summary"], "no records"),
 ])
 def test_bad_input_is_refused(tmp_path, args, message):
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ValueError, match=message):
         rm.main(["--json", str(tmp_path / "none.jsonl"), *args])
