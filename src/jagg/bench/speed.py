@@ -383,7 +383,24 @@ def run_speed(cfg: SpeedConfig) -> list[dict]:
 # ----------------------------------------------------------------------------- command line
 
 
+def check_config_options(args: argparse.Namespace) -> None:
+    """``--config`` and ``--set`` time the model ``config`` and nothing else: ``--set`` without ``--config``, or
+    ``--config`` with ``--models`` that leave ``config`` out, would be ignored, and are refused; a ``--config`` that is
+    timed is loaded (its checks run) before any model is."""
+    if args.set and args.config is None:
+        raise ValueError(f"--set {args.set[0]}: --set overrides keys of --config (the model config); give --config "
+                         "PATH, a trainer YAML, with it")
+    if args.config is not None and args.models is not None and "config" not in args.models:
+        raise ValueError(f"--config {args.config}: --models {' '.join(args.models)} leaves out config, the model of "
+                         "--config, which would not be timed; add config to --models, or drop --config")
+    if args.config is not None:
+        from .meter import load_config
+
+        load_config(args.config, list(args.set or []))
+
+
 def _run(args: argparse.Namespace) -> int:
+    check_config_options(args)
     base = SpeedConfig(**QUICK) if args.quick else SpeedConfig()
     if args.config is not None and args.models is None:
         args.models = [*base.models, "config"]                   # --config: one more model beside the built-in ones
