@@ -185,7 +185,7 @@ def test_reference_velocities_checks_its_arguments(setup):
     (lambda m, n, s: jagg.sde_step(n, n, s[0].expand(2), s[1].expand(2), 0.9, 0.0), ValueError,
      "eta must be a finite number > 0"),
     (lambda m, n, s: jagg.sde_step(n, n, s[0].expand(2), s[1].expand(2), 1.5, 0.7), ValueError,
-     r"sigma_one must be the schedule's sigma_1, a number in \(0, 1\]"),
+     r"sigma_one must be the schedule's sigma_1, a number in \[0, 1\)"),
     (lambda m, n, s: jagg.sde_step(n, n, 0.9, 0.8, 0.9, 0.7), TypeError, "sigma must be a torch.Tensor"),
     (lambda m, n, s: jagg.euler_step(n, n, s[:3], s[1:4]), ValueError, r"sigma must have one value per item"),
     (lambda m, n, s: jagg.gaussian_log_prob(n[:1], n, s[:2]), ValueError, "x_next must have the shape of mean"),

@@ -163,8 +163,8 @@ def sde_step(
     check_step(x, v, sigma, sigma_next)
     check_eta(eta)
     check_sde_type(sde_type, eta)
-    if not is_finite_number(sigma_one) or not 0 < sigma_one <= 1:
-        raise ValueError(f"sigma_one must be the schedule's sigma_1, a number in (0, 1]; got {sigma_one!r}")
+    if not is_finite_number(sigma_one) or not 0 <= sigma_one < 1:
+        raise ValueError(f"sigma_one must be the schedule's sigma_1, a number in [0, 1); got {sigma_one!r}")
     if noise is not None and (not isinstance(noise, Tensor) or noise.shape != x.shape):
         raise ValueError(f"noise must be None or a standard normal tensor of the shape of x, {tuple(x.shape)}; got "
                          f"{tuple(noise.shape) if isinstance(noise, Tensor) else type(noise).__name__}")
