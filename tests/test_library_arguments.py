@@ -40,13 +40,15 @@ def _no_grad(model) -> bool:
 @pytest.mark.parametrize("args,kw,err,culprit", [
     (([], []), {}, ValueError, "rewards is empty"),
     (([1.0, 2.0], 5), {}, TypeError, "prompt_ids must be a sequence"),
-    (([1.0, 2.0], [0]), {}, ValueError, "2 rewards but 1 prompt ids"),
+    (([1.0, 2.0], [0]), {}, ValueError, "prompt_ids has 1 prompt ids but rewards has 2"),
     (([1.0, 2.0], [[0], [1]]), {}, TypeError, "prompt_ids must hold hashable ids"),
     (([1.0, 2.0], [0, 0], 5.0), {}, TypeError, "global_std must be True or False"),      # adv_clip_max in its place
     (([1.0, 2.0], [0, 0]), dict(eps=-2.5), ValueError, "eps must be a finite number > 0"),
     (([1.0, 2.0], [0, 0]), dict(eps=0.0), ValueError, "eps must be a finite number > 0"),
     (([1.0, 2.0], [0, 0]), dict(eps=math.nan), ValueError, "eps must be a finite number > 0"),
     (([1.0, math.nan], [0, 0]), {}, ValueError, "rewards contain NaN"),
+    (([1.0, 2.0], [0, 0]), dict(adv_clip_max=1e40), ValueError, "adv_clip_max: 1e\\+40 overflows float32"),
+    (([1.0, 2.0], [0, 0]), dict(eps=1e-45), ValueError, "eps: 1e-45 underflows float32"),
 ])
 def test_group_advantages_names_the_bad_argument(args, kw, err, culprit):
     with pytest.raises(err, match=culprit):
@@ -181,6 +183,11 @@ def test_reference_velocities_checks_its_arguments(setup):
     (lambda m, n, s: jagg.shift_sigmas([0.5], 3.0), TypeError, "sigmas must be a torch.Tensor"),
     (lambda m, n, s: jagg.select_train_steps("10"), ValueError, "num_steps must be an integer >= 1"),
     (lambda m, n, s: jagg.select_train_steps(10, 1.0, 4), TypeError, "sde_window must be None or"),
+    (lambda m, n, s: jagg.select_train_steps(10, (0, 8)), ValueError, "timestep_fraction must be a number in"),
+    (lambda m, n, s: jagg.sample_trajectories(m, n, s, 1e40), ValueError, "eta: 1e\\+40 overflows float32"),
+    (lambda m, n, s: jagg.gaussian_log_prob(n, n, s[:3]), ValueError, r"step_std must have one value per item"),
+    (lambda m, n, s: jagg.step_loss(n, n, n, s[0].expand(2), s[1].expand(2), 0.9, 0.7, [0.0, 0.0],
+                                    torch.zeros(2), 0.1), ValueError, r"old_log_prob must be a tensor \[n\] = \[2\]"),
     (lambda m, n, s: jagg.sde_step(n, n[:1], s[:1], s[1:2], 0.9, 0.7), ValueError, "v must have the shape of x"),
     (lambda m, n, s: jagg.sde_step(n, n, s[0].expand(2), s[1].expand(2), 0.9, 0.0), ValueError,
      "eta must be a finite number > 0"),

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .checks import as_vector, check_flag, check_positive, is_finite_number
+from .checks import as_vector, check_flag, check_float32, check_positive, is_finite_number
 
 
 def prompt_group_index(prompt_ids: Sequence | Tensor) -> Tensor:
@@ -31,8 +31,8 @@ def _rewards_and_ids(rewards, prompt_ids) -> tuple[Tensor, Tensor]:
         raise TypeError(f"prompt_ids must be a sequence or tensor of B = {rewards.numel()} ids (samples with equal ids "
                         f"form one prompt group); got {type(prompt_ids).__name__} (an argument in the wrong position?)")
     if len(prompt_ids) != rewards.numel():
-        raise ValueError(f"got {rewards.numel()} rewards but {len(prompt_ids)} prompt ids; give one prompt id per "
-                         "reward")
+        raise ValueError(f"prompt_ids has {len(prompt_ids)} prompt ids but rewards has {rewards.numel()}; give one "
+                         "prompt id per reward")
     try:
         return rewards, prompt_group_index(prompt_ids).to(rewards.device)
     except TypeError as e:                                  # an unhashable id (a list, a dict)
@@ -62,8 +62,10 @@ def group_advantages(
     """
     rewards, g = _rewards_and_ids(rewards, prompt_ids)
     global_std = check_flag(global_std, "global_std")
-    check_positive(adv_clip_max, "adv_clip_max")
-    check_positive(eps, "eps", "the floor added to the std; 1e-4 in Flow-GRPO")
+    for name, value, why in (("adv_clip_max", adv_clip_max, "the clip bound; 5 in Flow-GRPO"),
+                             ("eps", eps, "the floor added to the std; 1e-4 in Flow-GRPO")):
+        check_positive(value, name, why)
+        check_float32(value, name)
     n = int(g.max()) + 1
     zeros = lambda: torch.zeros(n, device=rewards.device, dtype=rewards.dtype)   # whatever the default dtype
     count = zeros().index_add_(0, g, torch.ones_like(rewards))

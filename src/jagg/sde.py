@@ -116,6 +116,8 @@ def gaussian_log_prob(x_next: Tensor, mean: Tensor, step_std: Tensor, reduction:
     check_tensor(step_std, "step_std", "[N]")
     if x_next.shape != mean.shape:
         raise ValueError(f"x_next must have the shape of mean, {tuple(mean.shape)}; got {tuple(x_next.shape)}")
+    if step_std.numel() not in (1, mean.shape[0] if mean.ndim else 1):
+        raise ValueError(f"step_std must have one value per item, [N] = [{mean.shape[0]}]; got {tuple(step_std.shape)}")
     x_next = x_next.to(mean.dtype)
     sd = _expand(step_std.to(mean.dtype), mean)
     lp = -((x_next - mean) ** 2) / (2 * sd**2) - torch.log(sd) - 0.5 * math.log(2 * math.pi)
@@ -229,10 +231,15 @@ def step_loss(
         sde_type: the SDE the trajectory was sampled with (:data:`jagg.checks.SDE_TYPES`).
     """
     check_step(x, v, sigma, sigma_next)
-    bad = first_non_finite({"clip_range": clip_range, "kl_beta": kl_beta, "eta": eta})
+    bad = first_non_finite({"clip_range": clip_range, "kl_beta": kl_beta, "eta": eta, "sigma_one": sigma_one})
     if bad is not None or clip_range <= 0 or kl_beta < 0:
-        raise ValueError(f"clip_range must be a finite number > 0, kl_beta one >= 0 and eta a finite number; got "
-                         f"clip_range={clip_range!r}, kl_beta={kl_beta!r}, eta={eta!r}")
+        raise ValueError(f"clip_range must be a finite number > 0, kl_beta one >= 0, eta and sigma_one finite "
+                         f"numbers; got clip_range={clip_range!r}, kl_beta={kl_beta!r}, eta={eta!r}, "
+                         f"sigma_one={sigma_one!r}")
+    for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):
+        if not isinstance(t, Tensor) or t.numel() != (x.shape[0] if x.ndim else 1):
+            raise ValueError(f"{name} must be a tensor [n] = [{x.shape[0]}] (one per item); got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
     log_prob, mean, std = step_log_prob(x, v, x_next, sigma, sigma_next, sigma_one, eta, sde_type, reduction)
     ratio = torch.exp(log_prob - old_log_prob.to(log_prob.dtype))
     adv = advantages.to(log_prob.dtype)
