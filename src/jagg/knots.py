@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from .advantages import prompt_group_index
-from .checks import check_count, check_tensor, is_finite_number
+from .checks import as_steps, check_count, check_tensor, is_finite_number
 from .estimator_config import ALPHAS, KNOTS, EstimatorConfig
 from .routing import linearity_scores
 from .trajectory import Trajectory
@@ -116,7 +116,7 @@ class Plan:
 def step_groups(train_steps: list[int], window: int) -> list[list[int]]:
     """The paper's step groups: the sorted trained steps split into consecutive runs of ``window`` (the last may be
     shorter). Each is one interval of ``knots="groups"``."""
-    window = check_count(window, "window")
+    train_steps, window = as_steps(train_steps, "train_steps"), check_count(window, "window")
     return [train_steps[i : i + window] for i in range(0, len(train_steps), window)]
 
 
@@ -129,7 +129,8 @@ def interval_alphas(sigmas: Tensor, interval: list[int], alpha: str = "sigma") -
     if alpha not in ALPHAS:
         raise ValueError(f"alpha must be one of {ALPHAS}; got {alpha!r}")
     check_tensor(sigmas, "sigmas", "[T + 1]")
-    if not len(interval) or any(not 0 <= int(k) < sigmas.numel() for k in interval):
+    interval = as_steps(interval, "interval")
+    if any(not 0 <= k < sigmas.numel() for k in interval):
         raise ValueError(f"interval must be a non-empty list of steps in [0, {sigmas.numel() - 1}] (indices into "
                          f"sigmas); got {list(interval)!r}")
     if len(interval) == 1:
@@ -156,8 +157,7 @@ def intervals_of(steps: list[int], knots: str, window: int) -> list[list[int]]:
     """
     if knots not in KNOTS:
         raise ValueError(f"knots must be one of {KNOTS}; got {knots!r}")
-    if not len(steps):
-        raise ValueError("steps is empty: give the trained steps the intervals cover")
+    steps = as_steps(steps, "steps")
     if knots == "groups":
         return step_groups(steps, window)
     positions = shared_knots(len(steps), window)
@@ -175,6 +175,9 @@ def check_layout(config: EstimatorConfig, K: int, steps: str = "the trajectory's
     ``correction_rates`` not one rate per interval of the layout. Only where a layout applies: mode ``jagg`` (or
     ``exact`` with ``interval_frac < 1``, which draws the layout's intervals) and 3 or more trained steps (with 1 or 2
     every step runs exact, whatever the window)."""
+    if not isinstance(config, EstimatorConfig):
+        raise TypeError(f"config must be a jagg.EstimatorConfig; got {type(config).__name__}")
+    K = check_count(K, "K (the trained steps)")
     if K <= 2 or not (config.mode == "jagg" or (config.mode == "exact" and config.interval_frac < 1)):
         return
     if config.window > K:
@@ -366,8 +369,8 @@ def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) 
             raise TypeError(f"budget_rates: {name} must be a sequence of numbers, one per interval; got "
                             f"{type(values).__name__}")
     if len(errors) != len(rows):
-        raise ValueError(f"budget_rates needs one error per interval and one row count per interval; got "
-                         f"{len(errors)} and {len(rows)}")
+        raise ValueError(f"budget_rates needs errors and rows of one number per interval each; got {len(errors)} "
+                         f"errors and {len(rows)} rows")
     for name, values in (("errors", errors), ("rows", rows), ("budget", [budget])):
         if not all(is_finite_number(v) for v in values):
             raise ValueError(f"budget_rates: {name} must be finite numbers; got {list(values)}")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import check_count, check_fields, check_positive, check_tensor, is_finite_number
+from .checks import as_vector, check_count, check_fields, check_positive, check_tensor, is_finite_number
 
 
 def _check_ratios(work_ratio, error_to_noise) -> None:
@@ -48,6 +48,12 @@ def adam_efficiency(work_ratio: float, error_to_noise: float) -> float:
     return math.nan if math.isnan(error_to_noise) else work_ratio / math.sqrt(1.0 + max(error_to_noise, 0.0))
 
 
+def _numbers(values, name: str) -> np.ndarray:
+    """``values`` (a sequence, array or tensor of numbers) as a flat float64 array; a TypeError naming ``name``
+    otherwise."""
+    return as_vector(values, name, np.float64).double().cpu().numpy()
+
+
 # Adam's per-tensor model (docs/design.md §3.8): below this z the signal counts as unmeasured and each tensor is
 # weighted as if its coordinates had the same signal-to-noise ratio
 SIGNAL_Z = 2.0
@@ -69,9 +75,8 @@ def tensor_weights(noise: Sequence[float], numel: Sequence[int], signal: Sequenc
         ``[T]`` weights summing to 1: ``|E g_t|^2 sqrt(n_t / V_t)`` with a signal, ``sqrt(n_t V_t)`` without (0 for
         a tensor without noise). All zero when no tensor has a weight.
     """
-    V = np.asarray(noise, dtype=np.float64)
-    n = np.asarray(numel, dtype=np.float64)
-    if V.ndim != 1 or V.shape != n.shape or (signal is not None and np.shape(signal) != V.shape):
+    V, n = _numbers(noise, "noise"), _numbers(numel, "numel")
+    if V.shape != n.shape or (signal is not None and _numbers(signal, "signal").shape != V.shape):
         raise ValueError(f"noise, numel (and signal) must be one number per tensor, of one length; got shapes "
                          f"{V.shape}, {n.shape}{'' if signal is None else f', {np.shape(signal)}'}")
     live = V > 0
@@ -90,9 +95,8 @@ def adam_tensor_factor(error_to_noise: Sequence[float], weights: Sequence[float]
     error ``E_t`` sits in each tensor ``t`` in its own proportion to that tensor's noise ``V_t`` (``error_to_noise``
     ``[T]``; NaN where a tensor has no noise), with the tensors weighted by :func:`tensor_weights`. With the same
     ratio in every tensor it is the global model's ``1 / sqrt(1 + E|e|^2 / V_b)``. NaN when no tensor has a weight."""
-    r = np.asarray(error_to_noise, dtype=np.float64)
-    w = np.asarray(weights, dtype=np.float64)
-    if r.ndim != 1 or r.shape != w.shape:
+    r, w = _numbers(error_to_noise, "error_to_noise"), _numbers(weights, "weights")
+    if r.shape != w.shape:
         raise ValueError(f"error_to_noise and weights must be one number per tensor, of one length; got shapes "
                          f"{r.shape} and {w.shape}")
     use = w > 0
@@ -159,6 +163,9 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
         (:func:`adam_tensor_factor`).
     """
     check_tensor(exact, "exact", "[n, P] (one exact gradient per batch)")
+    if isinstance(estimates, Tensor) or not hasattr(estimates, "__len__"):
+        raise TypeError(f"estimates must be a sequence of n tensors [draws, P], one per batch; got "
+                        f"{type(estimates).__name__}")
     n = exact.shape[0]
     if exact.ndim != 2 or n < 3 or len(estimates) != n:
         raise ValueError(f"need exact [n, P] with n >= 3 batches and one [draws, P] estimate tensor per batch; got "
@@ -196,9 +203,9 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
 def jackknife_se(leave_one_out: Sequence[float]) -> float:
     """The jackknife standard error of a statistic from its ``n`` leave-one-out values:
     ``sqrt((n - 1) / n sum_i (x_i - mean)^2)``."""
-    vals = np.asarray(leave_one_out, dtype=np.float64)
+    vals = _numbers(leave_one_out, "leave_one_out")
     n = vals.size
-    if vals.ndim != 1 or n < 2:
+    if n < 2:
         raise ValueError(f"leave_one_out must be n >= 2 leave-one-out values; got shape {vals.shape}")
     return math.sqrt((n - 1) / n * float(((vals - vals.mean()) ** 2).sum()))
 
@@ -408,6 +415,8 @@ def meter_flag(result: dict, min_audits: int = 4) -> str | None:
     ``bias_to_noise`` more than 3 standard errors above 0), else None. There is no warning on the predicted
     efficiencies: they model an unbiased estimator, so a repeating error is outside what they can see (what the two
     signs told in the measured runs: lab/NOTEBOOK.md)."""
+    if not isinstance(result, dict):
+        raise TypeError(f"result must be the dict of Meter.update; got {type(result).__name__}")
     if result.get("audits", 0) < min_audits:
         return None
     b, se = result.get("bias_to_noise", math.nan), result.get("bias_to_noise_se", math.nan)

@@ -36,6 +36,18 @@ def as_vector(values, name: str, dtype=np.float32) -> Tensor:
     return values.detach().flatten()
 
 
+def as_steps(values, name: str) -> list[int]:
+    """``values`` as a list of Python ints (a sequence or 1-D tensor of integers, e.g. trained steps), non-empty; a
+    TypeError or ValueError naming ``name`` otherwise."""
+    if isinstance(values, Tensor):
+        values = values.tolist() if values.ndim == 1 and not values.is_floating_point() else None
+    if values is None or isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+        raise TypeError(f"{name} must be a non-empty sequence of integer steps; got {type(values).__name__}")
+    if not len(values) or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{name} must be a non-empty sequence of integer steps; got {shown(list(values))}")
+    return [int(v) for v in values]
+
+
 def check_count(value, name: str, minimum: int = 1) -> int:
     """Raise unless ``value`` is an integer (not a bool; a numpy integer counts) >= ``minimum``; the message names it
     ``name``. Returns it as a Python int."""
