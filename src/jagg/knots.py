@@ -369,8 +369,8 @@ def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) 
             raise TypeError(f"budget_rates: {name} must be a sequence of numbers, one per interval; got "
                             f"{type(values).__name__}")
     if len(errors) != len(rows):
-        raise ValueError(f"budget_rates needs errors and rows of one number per interval each; got {len(errors)} "
-                         f"errors and {len(rows)} rows")
+        raise ValueError(f"budget_rates needs one error per interval and one row count per interval (errors, rows); "
+                         f"got {len(errors)} errors and {len(rows)} rows")
     for name, values in (("errors", errors), ("rows", rows), ("budget", [budget])):
         if not all(is_finite_number(v) for v in values):
             raise ValueError(f"budget_rates: {name} must be finite numbers; got {list(values)}")
