@@ -58,7 +58,8 @@ from jagg.trajectory import Trajectory, VelocityFn, sample_trajectories
 from jagg.shapes import from_tensor, tokenizer
 from jagg.audit import cosine, flat_grad, rel_err
 from jagg.bench.common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
-from jagg.bench.meter import Sampler, TrainConfig, load_config, make_sampler, restore_params
+from jagg.bench.meter import Sampler, TrainConfig, load_config, make_sampler, num_steps_of, restore_params
+from jagg.trainers.sections import steps_source, trained_steps
 
 ADVANTAGES = ("reward", "random")
 SCORES = ("cosine",)            # routing's one linearity score (jagg.routing), the column name of the report
@@ -99,6 +100,11 @@ class FidelityConfig:
             raise ValueError(f"--advantages must be one of {ADVANTAGES}; got {self.advantages!r}")
         if self.train.estimator.micro_batch < 2:
             raise ValueError("estimator.micro_batch must be >= 2 (JAGG endpoints go through together)")
+        n, key = num_steps_of(self.train)
+        K, steps = trained_steps(self.train.sample, n), steps_source(self.train.sample, key, n)
+        if K > 2 and max(self.windows) > K:           # one interval would hold every step: never what was asked for
+            raise ValueError(f"--windows {max(self.windows)} is more than the {K} trained steps of the config "
+                             f"({steps}); give windows of at most {K}")
 
 
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
@@ -202,12 +208,14 @@ Subject = CheckpointModel | Sampler      # what a gradient is taken of: velocity
 def gradient(sub: Subject, ro: KeptBatch, est: EstimatorConfig, steps: list[int] | None = None,
              route_groups: bool = True) -> tuple[Tensor, GradientStats]:
     """The flattened gradient ``policy_gradient`` accumulates (``.grad`` zeroed first; every parameter of a
-    checkpoint, a sampler's trainable ones), optionally with the trajectory's trained steps restricted to ``steps``;
+    checkpoint, a sampler's trainable ones), optionally with the trajectory's trained steps restricted to ``steps``
+    (one interval of the layout: its own window, which a shorter last interval of the layout has);
     routing moves whole prompt groups unless ``route_groups`` is False (then single samples)."""
     traj = ro.traj
     if steps is not None:
         ts = torch.tensor(steps, dtype=torch.long, device=traj.latents.device)
         traj = dataclasses.replace(traj, train_steps=ts)
+        est = dataclasses.replace(est, window=min(est.window, len(steps)))
     sub.zero_grad()
     stats = policy_gradient(sub.velocity(ro.tokens), traj, ro.adv, est, ref_velocities=ro.ref_v,
                             prompt_groups=ro.prompt_groups if route_groups else None)
@@ -254,8 +262,9 @@ def fidelity(sub: Subject, ro: KeptBatch, cfg: FidelityConfig, policy: str, ckpt
 def pareto(records: list[dict]) -> list[dict]:
     """The records no other record of the same checkpoint and policy beats on both rows (fewer) and cosine."""
     front = []
-    for r in records:
-        rivals = [x for x in records if (x["checkpoint"], x["policy"]) == (r["checkpoint"], r["policy"]) and x is not r]
+    defined = [r for r in records if r["cosine"] is not None]        # None: undefined (a zero exact gradient)
+    for r in defined:
+        rivals = [x for x in defined if (x["checkpoint"], x["policy"]) == (r["checkpoint"], r["policy"]) and x is not r]
         if not any(x["backward_items_jagg"] <= r["backward_items_jagg"] and x["cosine"] >= r["cosine"]
                    and (x["backward_items_jagg"], x["cosine"]) != (r["backward_items_jagg"], r["cosine"])
                    for x in rivals):
@@ -305,8 +314,9 @@ def routing(sub: Subject, ro: KeptBatch, cfg: FidelityConfig, ckpt: str) -> list
             for j in eligible:
                 ge, _ = gradient(sub, one, _est(base, mode="exact"), intervals[j])
                 gj, _ = gradient(sub, one, est, intervals[j])
-                cos[i, j] = cosine(gj, ge)
-        valid = torch.isfinite(cos)                         # NaN: a zero gradient (zero advantage)
+                c = cosine(gj, ge)
+                cos[i, j] = math.nan if c is None else c
+        valid = torch.isfinite(cos)                         # NaN: undefined, a zero gradient (zero advantage)
         for score in (SCORES if bool(valid.any()) else ()):
             sc = linearity_scores(traj.velocities, intervals).cpu().double()
             out.append({**head, "kind": "spearman", "window": W, "score": score,
@@ -333,7 +343,8 @@ def routing(sub: Subject, ro: KeptBatch, cfg: FidelityConfig, ckpt: str) -> list
 def _print_report(records: list[dict]) -> None:
     totals = [r for r in records if r["kind"] == "fidelity" and r["scope"] == "total"]
     front = {id(r) for r in pareto(totals)}
-    rows = sorted(totals, key=lambda r: (r["checkpoint"], r["policy"], r["backward_items_jagg"], -r["cosine"]))
+    rows = sorted(totals, key=lambda r: (r["checkpoint"], r["policy"], r["backward_items_jagg"],
+                                        -r["cosine"] if r["cosine"] is not None else math.inf))
     for r in rows:
         r["_pareto"] = "*" if id(r) in front else ""
     print("\nfidelity (Pareto table: rows with grad against the cosine to exact, * = no layout has fewer rows and a "

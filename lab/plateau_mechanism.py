@@ -29,14 +29,18 @@ Usage (the experiments of lab/NOTEBOOK.md §9; the runs are trained by the comma
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from jagg.arguments import overwrite_argument
 from jagg.bench.common import fmt, table, write_json
+from jagg.checks import check_output_file
+from jagg.infra.config_loader import differences
 from lab.quality_compare import Curves, compare, curves
+from lab.quality_runs import read_result
 from lab.statistics import PLATEAU_EVALS, interval, lag_gap, plateau_gap, resamples
 
 BOOTSTRAP = 2000
@@ -44,24 +48,47 @@ FIGURES = ("rate", "plateau_gap", "lag_gap", "plateau_excess", "final_diff", "bu
 
 
 def load_runs(out: Path, variants: set[str], seeds: list[int]) -> dict[tuple[str, int], dict]:
-    """``{(variant, seed): result}`` of every finished run asked for; a missing one is an error naming it."""
+    """``{(variant, seed): result}`` of every finished run asked for, each checked for its shape
+    (:func:`lab.quality_runs.read_result`); a missing one is an error naming it."""
     runs, missing = {}, []
     for v in sorted(variants):
         for s in seeds:
             path = out / v / f"seed{s}" / "result.json"
             if path.is_file():
-                runs[(v, s)] = {**json.loads(path.read_text()), "variant": v, "seed": s}
+                runs[(v, s)] = {**read_result(path), "variant": v, "seed": s, "path": str(path)}
             else:
                 missing.append(str(path))
     if missing:
-        raise SystemExit(f"unfinished runs (train them with python -m lab quality --train-only first): {missing}")
+        raise ValueError(f"unfinished runs (train them with python -m lab quality --train-only first): {missing}")
     return runs
+
+
+def check_settings(runs: dict, pairs: list[tuple[str, str]], seeds: list[int]) -> None:
+    """Results made under other settings are never compared as if they were one experiment: a variant's seeds must
+    have been trained with one config but for the seed (and ``log.*``), and the two runs of a pair evaluated alike
+    (the same ``eval.*``); a ValueError names the two results and the first key that differs."""
+    for v in sorted({v for pair in pairs for v in pair}):
+        first = runs[(v, seeds[0])]
+        for s in seeds[1:]:
+            diff = differences(first["config"], runs[(v, s)]["config"], ("seed", "log."))
+            if diff:
+                key, a, b = diff[0]
+                raise ValueError(f"{runs[(v, s)]['path']} was trained with other settings than {first['path']} "
+                                 f"({key}: {b!r} and {a!r}): a variant's seeds may differ in their seed alone; train "
+                                 "them again into one --out with one python -m lab quality command")
+    for variant, reference in pairs:
+        a, b = (runs[(x, seeds[0])]["config"] for x in (variant, reference))
+        diff = [d for d in differences(a, b) if d[0].startswith("eval.")]
+        if diff:
+            key, x, y = diff[0]
+            raise ValueError(f"--pair {variant}:{reference}: the two were evaluated differently ({key}: {x!r} and "
+                             f"{y!r}), so their held-out curves are not comparable; compare runs evaluated alike")
 
 
 def parse_pair(spec: str) -> tuple[str, str]:
     variant, colon, reference = spec.partition(":")
     if not colon or not variant or not reference or variant == reference:
-        raise SystemExit(f"--pair {spec!r}: give VARIANT:REFERENCE, two different variant names")
+        raise ValueError(f"--pair {spec!r}: give VARIANT:REFERENCE, two different variant names")
     return variant, reference
 
 
@@ -77,25 +104,26 @@ def parse_prediction(spec: str) -> tuple[tuple[str, str], tuple[float | None, fl
     except ValueError:
         nums = []
     if not eq or len(nums) not in (1, 2, 3):
-        raise SystemExit(f"--predict {spec!r}: give VARIANT:REFERENCE= RATE, LO:HI, RATE:LO:HI (numbers) or unknown")
+        raise ValueError(f"--predict {spec!r}: give VARIANT:REFERENCE= RATE, LO:HI, RATE:LO:HI (numbers) or unknown")
     rate, lo, hi = {1: (nums[0],) * 3, 2: (None, *nums), 3: tuple(nums)}[len(nums)]
     if not all(0 < x <= 10 for x in nums) or not lo <= (lo if rate is None else rate) <= hi:
-        raise SystemExit(f"--predict {spec!r}: the rates must lie in (0, 10] with LO <= RATE <= HI")
+        raise ValueError(f"--predict {spec!r}: the rates must lie in (0, 10] with LO <= RATE <= HI")
     return parse_pair(pair), (rate, lo, hi)
 
 
 def predicted(ref: Curves, rec: dict, rates: tuple[float | None, float, float] | None) -> dict:
     """A predicted rate and the plateau gap it predicts (the reference's curve ``ref`` read at that rate times its
     updates) beside the measured ones: each ``*_inside`` is whether a predicted point lies in the measured 95%
-    interval, or a predicted range (no point) overlaps it; None for a prediction of ``unknown``."""
+    interval, or a predicted range (no point) overlaps it; None (no judgement) for a prediction of ``unknown`` and
+    where the measured interval is undefined (NaN: a rate these curves cannot give), never OUTSIDE of nothing."""
     if rates is None:
         return {"predicted_rate": "unknown", "rate_inside": None, "predicted_gap": "unknown", "gap_inside": None}
     gap = [None if r is None else lag_gap(ref.test, ref.test_clock["iterations"], r, PLATEAU_EVALS) for r in rates]
 
     def inside(point, lo, hi, key):
         m_lo, m_hi = rec.get(key + "_lo"), rec.get(key + "_hi")
-        if m_lo is None or m_hi is None:
-            return False
+        if not (defined(m_lo) and defined(m_hi)) or not all(defined(x) for x in (lo, hi)):
+            return None                                  # the measured interval (or the prediction's) is undefined
         return bool(m_lo <= point <= m_hi) if point is not None else bool(lo <= m_hi and m_lo <= hi)
 
     g_lo, g_hi = min(gap[1:]), max(gap[1:])
@@ -103,6 +131,11 @@ def predicted(ref: Curves, rec: dict, rates: tuple[float | None, float, float] |
             "rate_inside": inside(rates[0], rates[1], rates[2], "rate"), "predicted_gap": gap[0],
             "predicted_gap_lo": g_lo, "predicted_gap_hi": g_hi,
             "gap_inside": inside(gap[0], g_lo, g_hi, "plateau_gap")}
+
+
+def defined(x) -> bool:
+    """Whether ``x`` is a number that was computed (not None, not NaN)."""
+    return x is not None and not (isinstance(x, float) and math.isnan(x))
 
 
 def pair_figures(runs: dict, variant: str, reference: str, seeds: list[int]) -> dict:
@@ -139,20 +172,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="a predicted per-update rate of a pair's variant against its reference: the meter's range "
                         "LO:HI, a point RATE, RATE:LO:HI, or unknown; set against the measured rate and, through the "
                         "lag, the measured plateau gap (repeatable)")
-    p.add_argument("--json", help="also write the records to this JSON file (must not exist)")
+    p.add_argument("--json", help="also write the records to this JSON file")
+    overwrite_argument(p, "--json")
     args = p.parse_args(argv)
     if args.seeds < 2:
-        raise SystemExit("--seeds must be >= 2: the intervals are over seeds")
-    if args.json and Path(args.json).exists():
-        raise SystemExit(f"--json {args.json} exists; give a new path")
+        raise ValueError("--seeds must be >= 2: the intervals are over seeds")
+    if args.json is not None:
+        check_output_file(args.json, "--json", args.overwrite, (".json",))
     pairs = [parse_pair(s) for s in (args.pair or ["plain:exact", "plain_cos:exact_cos", "plain_big:exact",
                                                     "unb:exact"])]
     predictions = dict(parse_prediction(s) for s in args.predict)
     unknown = set(predictions) - set(pairs)
     if unknown:
-        raise SystemExit(f"--predict names pairs that no --pair compares: {sorted(':'.join(u) for u in unknown)}")
+        raise ValueError(f"--predict names pairs that no --pair compares: {sorted(':'.join(u) for u in unknown)}")
     seeds = list(range(args.seeds))
     runs = load_runs(Path(args.out), {v for pair in pairs for v in pair}, seeds)
+    check_settings(runs, pairs, seeds)
     boots = resamples(len(seeds), BOOTSTRAP)
     base, base_boot = gaps(*pair_curves(runs, *pairs[0], seeds), boots)
     records = []
@@ -165,14 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         if (variant, reference) in predictions:
             rec.update(predicted(ref, rec, predictions[(variant, reference)]))
         records.append(rec)
-    show = lambda r, k: f"{fmt(r.get(k))} [{fmt(r.get(k + '_lo'))}, {fmt(r.get(k + '_hi'))}]"
+    num = lambda v: fmt(v) if defined(v) else "undefined"
+    show = lambda r, k: (f"{num(r.get(k))} [{num(r.get(k + '_lo'))}, {num(r.get(k + '_hi'))}]" if defined(r.get(k))
+                         else "undefined")
     rows = [{"pair": r["pair"], **{k: show(r, k) for k in FIGURES + ("gap_minus_baseline",)}} for r in records]
     print(table(rows, [("pair", "pair", "s")] + [(k, k, "s") for k in FIGURES + ("gap_minus_baseline",)]))
     said = [r for r in records if "predicted_rate" in r]
     if said:
-        mark = lambda ok: "no judgement" if ok is None else "inside" if ok else "OUTSIDE"
+        mark = lambda ok: "no judgement" if ok is None else "inside" if ok else "OUTSIDE"   # None: unknown or undefined
         said_as = lambda r, k: ("unknown" if r[k] == "unknown" else show(r, k) if r[k] is not None
-                                else f"[{fmt(r[k + '_lo'])}, {fmt(r[k + '_hi'])}]")
+                                else f"[{num(r[k + '_lo'])}, {num(r[k + '_hi'])}]")
         print("\nthe predictions against the measured 95% intervals (the gap predicted as the lag of the rate; a "
               "range without a point is inside where it overlaps the interval):")
         print(table([{"pair": r["pair"], "rate": f"{said_as(r, 'predicted_rate')}: {mark(r['rate_inside'])}",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import statistics
 import time
@@ -31,7 +30,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from jagg import policy_gradient
 from jagg.infra import config_loader as configuration
 from jagg.advantages import group_advantages
-from jagg.bench.common import default_config_path
+from jagg.arguments import overwrite_argument
+from jagg.bench.common import default_config_path, write_json
+from jagg.checks import check_output_file
 from jagg.estimator_config import EstimatorConfig
 from jagg.trainers.shapes import ShapesSampler
 from jagg.trainers.shapes_config import ShapesTrainConfig
@@ -102,10 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=default_config_path())
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", default=[])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="also write the records to this JSON file")
+    overwrite_argument(ap, "--json")
     args = ap.parse_args(argv)
     if args.repeats < 1:
-        raise SystemExit(f"--repeats must be >= 1; got {args.repeats}")
+        raise ValueError(f"--repeats must be >= 1; got {args.repeats}")
+    if args.json is not None:
+        check_output_file(args.json, "--json", args.overwrite, (".json",))
     cfg = configuration.load(ShapesTrainConfig, args.config, args.set)
     sampler = ShapesSampler(cfg)
     rollout = sampler.sample()
@@ -126,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         for op in r["top_ops_outside_network"]:
             print(f"    {op['op']:<40} {op['self_cpu_s']:.4f}  {op['calls']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+        write_json(args.json, records)
         print(f"\nwrote {args.json}")
     return 0
 

@@ -346,4 +346,12 @@ def compare(runs: list[dict], variants: list[str], seeds: list[int], clock: str 
     for r in out:
         r["within_exact_interval"] = bool(e["final_test_lo"] <= r["final_test_mean"] <= e["final_test_hi"])
         r["drifted"] = r["train_end"] < r["train_start"]
+    return out if S > 1 else [without_intervals(r) for r in out]
+
+
+def without_intervals(rec: dict) -> dict:
+    """A variant's record of one seed: its intervals are over seeds, so there are none (None: undefined), never a
+    "95% interval" of zero width."""
+    out = {k: (None if k.endswith(("_lo", "_hi")) else v) for k, v in rec.items()}
+    out["within_exact_interval"] = None
     return out

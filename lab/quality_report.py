@@ -122,14 +122,18 @@ def print_report(runs: list[dict], summary: list[dict], seeds: list[int], cost_l
     the plateau, and the meter and the projection beside the measured efficiencies."""
     print("\nruns")
     print(table(runs, RUN_COLUMNS))
-    print(f"\nper variant, paired over seeds {seeds[0]}..{seeds[-1]} (95% bootstrap intervals; time-to-target and "
+    spread = ("95% bootstrap intervals" if len(seeds) > 1 else "one seed: no intervals, which are over seeds (give "
+              "--seeds 2 or more)")
+    print(f"\nper variant, paired over seeds {seeds[0]}..{seeds[-1]} ({spread}; time-to-target and "
           "iteration ratios are exact / variant)")
     print(table(summary, VARIANT_COLUMNS))
     k = summary[0].get("plateau_evals", 0) if summary else 0
-    print("\nrate and plateau (held-out reward; value [95% interval]): rate at 25/50/75% = exact's updates to that "
+    shown = "value [95% interval]" if len(seeds) > 1 else "value; one seed: no interval"
+    print(f"\nrate and plateau (held-out reward; {shown}): rate at 25/50/75% = exact's updates to that "
           "share of the smaller of the two gains / the variant's, and their geometric mean; plateau gap = the "
           f"variant's mean over its last {k} evaluations - exact's, of it the lag = the gap the rate alone explains "
-          "(exact's curve read at the rate x its updates) and own plateau = the rest; late rise = a curve's last {k} evaluations - the {k} "
+          f"(exact's curve read at the rate x its updates) and own plateau = the rest; late rise = a curve's last {k} "
+          f"evaluations - the {k} "
           "before them, plateau 'rising' where its interval is above 0 (not levelled off: a gap read against a rising "
           "exact is part rate, not plateau); at an equal budget = both held-out rewards when "
           "the smaller of the two CPU-second budgets runs out (projected: in the projected time of the cost "

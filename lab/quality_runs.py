@@ -10,12 +10,11 @@ evaluated on another schedule is never reused as if it had this one. An unfinish
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jagg.checks import check_seed, check_unique_names, parse_spec
+from jagg.checks import check_fields, check_seed, check_unique_names, has_kind, parse_spec, read_json, shown
 from jagg.trainers.base import RESUMABLE_CHANGES, check_resumable
 from jagg.trainers.diffusers_config import DiffusersTrainConfig
 from jagg.trainers.shapes import ShapesTrainer
@@ -53,6 +52,36 @@ METER = ("audits", "error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_
          "predicted_adam_time_efficiency", "predicted_adam_tensor_efficiency", "predicted_adam_tensor_time_efficiency")
 # ... and of every audit record, along the run (does the error or the bias grow as the policy sharpens?)
 METER_CURVE = ("iteration", "error_to_noise", "bias_to_noise", "bias_z")
+# what a run's result.json holds, by kind (jagg.checks.check_fields): what the comparison reads in every one, the rest
+# where it was written (a result of an older bench may lack them)
+RESULT_FIELDS = {"iterations": "integer", "config": "object", "train_curve": "list", "test_curve": "list",
+                 "final_test_reward": "number|null", "final_test_reward_std": "number|null",
+                 "rows_per_update": "number", "nograd_per_update": "number", "iter_s": "number|null",
+                 "train_s": "number|null", "wall_s": "number", "kind": "string", "variant": "string",
+                 "seed": "integer", "estimator": "object", "updates": "integer", "eval_images": "integer|null",
+                 "final_held_out_reward": "number|null", "evaluations": "integer", "eval_s": "number",
+                 "sample_s": "number|null", "reward_s": "number|null", "iter_cpu_s": "number|null",
+                 "meter": "object|null", "meter_curve": "list"}
+RESULT_REQUIRED = ("iterations", "config", "train_curve", "test_curve", "final_test_reward",
+                   "final_test_reward_std", "rows_per_update", "nograd_per_update", "iter_s", "train_s", "wall_s")
+CURVE_WIDTHS = {"train_curve": 4, "test_curve": 3}      # TRAIN_CURVE, TEST_CURVE of lab.quality_compare
+
+
+def read_result(path: Path) -> dict:
+    """A run's ``result.json``, checked to hold what :func:`summarize` writes (:data:`RESULT_FIELDS`; the curves
+    rows of numbers); a torn or changed file is a ValueError naming it, the key and what was expected, and what to do
+    (delete it: the run's checkpoints stay, and the run is summarized again)."""
+    fix = "delete it (the run's checkpoints stay, and the run is summarized again)"
+    where = f"the run result {path}"
+    result = read_json(path, "a run result", "object", fix)
+    check_fields(result, RESULT_FIELDS, where, tuple(k for k in RESULT_FIELDS if k not in RESULT_REQUIRED), fix)
+    for key, width in CURVE_WIDTHS.items():
+        bad = next((row for row in result[key] if not isinstance(row, list) or len(row) != width
+                    or not all(has_kind(v, "number|null") for v in row)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: {key!r} must be a list of rows of {width} numbers; it holds {shown(bad)}; "
+                             f"{fix}")
+    return result
 
 
 def parse_variant(spec: str) -> tuple[str, list[str]]:
@@ -196,12 +225,8 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
     out = q.run_dir(variant, seed)
     done = out / "result.json"
     if done.is_file():
-        try:
-            result = json.loads(done.read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{done} cannot be read ({' '.join(str(e).split())}); delete it (the run's checkpoints "
-                             "stay, and the run is summarized again)") from None
-        if result.get("iterations") == cfg.grpo.iterations and "train_curve" in result:
+        result = read_result(done)
+        if result["iterations"] == cfg.grpo.iterations:
             try:
                 check_resumable(result["config"], to_dict(cfg), RECORDS_SAME)
             except (KeyError, ValueError) as e:

@@ -99,6 +99,10 @@ def test_resume_continues_the_schedule_bit_identically(tmp_path, tiny_ckpt, sche
 
 def test_resume_refuses_another_length_under_a_decay(tmp_path, tiny_ckpt, capsys):
     assert main(tiny_train_args(tiny_ckpt, tmp_path, 2, "optim.lr_schedule=cosine")) == 0
+    capsys.readouterr()
+    assert main(tiny_train_args(tiny_ckpt, tmp_path, 2, "optim.lr_schedule=cosine") + ["--resume"]) == 0
+    said = capsys.readouterr().out                # a finished decayed run is not told to raise what resume refuses
+    assert "nothing to train (optim.lr_schedule=cosine has decayed" in said and "raise grpo.iterations" not in said
     assert main(tiny_train_args(tiny_ckpt, tmp_path, 4, "optim.lr_schedule=cosine") + ["--resume"]) == 2
     err = capsys.readouterr().err
     assert "optim.lr_schedule 'cosine' decays over the run's grpo.iterations" in err

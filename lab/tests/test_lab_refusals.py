@@ -158,7 +158,9 @@ def test_a_finished_bench_quality_run_is_not_reused_under_other_eval_settings(tm
     cfg = q.train_config("exact", 0)
     done = q.run_dir("exact", 0) / "result.json"
     done.parent.mkdir(parents=True)
-    done.write_text(json.dumps({"iterations": 2, "train_curve": [], "config": to_dict(cfg)}))
+    done.write_text(json.dumps({"iterations": 2, "train_curve": [], "test_curve": [], "config": to_dict(cfg),
+                                "final_test_reward": None, "final_test_reward_std": None, "rows_per_update": 8.0,
+                                "nograd_per_update": 0.0, "iter_s": 1.0, "train_s": 0.5, "wall_s": 2.0}))
     assert quality.run_one(q, "exact", 0)["iterations"] == 2                   # the same settings: reused
     for sets in (["eval.every=1"], ["eval.num_prompts=3"], ["eval.images_per_prompt=1"]):
         q.sets = ["grpo.iterations=2", *sets]

@@ -42,7 +42,7 @@ def test_pairs_contrasts_and_a_prediction(out, tmp_path, capsys):
     assert not low["rate_inside"] and not low["gap_inside"]         # a rate of 0.25 predicts a lag it does not have
     text = capsys.readouterr().out
     assert "OUTSIDE" in text and "inside" in text and "slow - exact" in text
-    with pytest.raises(SystemExit, match="exists"):                 # a record is never overwritten
+    with pytest.raises(ValueError, match="exists; pass --overwrite"):   # a record is never overwritten unasked
         pm.main(["--out", str(out), "--seeds", "3", "--pair", "slow:exact", "--json", str(path)])
 
 
@@ -78,5 +78,22 @@ def test_a_range_is_judged_by_overlap_and_unknown_by_nothing(out, tmp_path, caps
     (["--pair", "slow:exact", "--seeds", "1"], "--seeds must be >= 2"),
 ])
 def test_bad_input_is_refused_by_name(out, args, message):
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ValueError, match=message):
         pm.main(["--out", str(out), *args] if "--seeds" in args else ["--out", str(out), "--seeds", "3", *args])
+
+
+def test_an_undefined_measured_rate_is_never_judged(tmp_path, capsys):
+    """Two flat curves: no gain to read a rate from, so the measured rate is undefined (it was NaN, and a prediction
+    was judged OUTSIDE it): the table says undefined, the prediction gets no judgement, the JSON holds null."""
+    for variant in ("flat_a", "flat_b"):
+        for seed in range(3):
+            d = tmp_path / "out" / variant / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "result.json").write_text(json.dumps(run(variant, seed, lambda i: 0.5, offset=0.01 * seed)))
+    path = tmp_path / "rec.json"
+    assert pm.main(["--out", str(tmp_path / "out"), "--seeds", "3", "--pair", "flat_b:flat_a",
+                    "--predict", "flat_b:flat_a=0.5", "--json", str(path)]) == 0
+    (rec,) = json.loads(path.read_text())
+    assert rec["rate"] is None and rec["rate_lo"] is None and rec["rate_inside"] is None
+    text = capsys.readouterr().out
+    assert "OUTSIDE" not in text and "no judgement" in text and "undefined" in text and "nan" not in text

@@ -25,7 +25,9 @@ def run(variant, seed, curve, per_iter=1.0, rows=8, offset=0.0, iterations=60):
     iteration ``per_iter`` seconds (wall and CPU)."""
     its = range(1, iterations + 1)
     test = [[i, i * per_iter, curve(i) + offset] for i in EVALS if i <= iterations]
-    return {"kind": "run", "variant": variant, "seed": seed, "updates": iterations,
+    config = {"seed": seed, "estimator": {"mode": variant}, "eval": {"every": 10}, "log": {"output_dir": f"{seed}"}}
+    return {"kind": "run", "variant": variant, "seed": seed, "updates": iterations, "iterations": iterations,
+            "config": config,
             "train_curve": [[i, i * per_iter, curve(i) + offset, i * per_iter] for i in its],
             "test_curve": test, "final_test_reward": test[-1][2], "final_test_reward_std": 0.1, "eval_images": 100,
             "sample_s": 0.5, "reward_s": 0.0, "train_s": per_iter - 0.5, "iter_s": per_iter, "iter_cpu_s": per_iter,
@@ -189,3 +191,22 @@ def test_the_gap_splits_into_the_lag_a_rate_explains_and_a_plateau_of_its_own():
     curve, clock = np.array([[0.5, 0.6]]), np.array([[0.0, 10.0]])
     assert math.isnan(st.lag_gap(curve, clock, math.nan))                      # an undefined rate explains nothing
     assert st.lag_gap(curve, clock, 0.5) == pytest.approx(-0.05) and st.lag_gap(curve, clock, 1.5) == 0.0
+
+
+def test_one_seed_reports_no_intervals_and_the_legend_is_formatted(capsys):
+    """Intervals are over seeds: with one seed there are none (None, printed as the value alone), never a "95%
+    interval" of zero width; the report's legend has its numbers filled in (an unformatted "{k}" was printed)."""
+    from lab.quality_report import print_report
+
+    one = compared({"exact": EXACT, "slow": (lambda i: exact_curve(i, stretch=2.0), 1.0, 4)}, seeds=(0,))
+    for r in one.values():
+        assert all(v is None for k, v in r.items() if k.endswith(("_lo", "_hi"))) and r["within_exact_interval"] is None
+    assert one["slow"]["rate"] == pytest.approx(0.5, abs=0.05)                   # the figures themselves stay
+    print_report([], list(one.values()), [0], "a cost line")
+    text = capsys.readouterr().out
+    assert "one seed: no intervals" in text and "95% bootstrap" not in text and "{k}" not in text
+    two = compared({"exact": EXACT, "slow": (lambda i: exact_curve(i, stretch=2.0), 1.0, 4)}, seeds=(0, 1))
+    assert two["slow"]["rate_lo"] is not None
+    print_report([], list(two.values()), [0, 1], "a cost line")
+    text = capsys.readouterr().out
+    assert "95% bootstrap intervals" in text and "{k}" not in text and "last 3 evaluations - the 3 before" in text

@@ -62,7 +62,8 @@ def test_the_fallback_score_is_the_meters():
 @pytest.mark.parametrize("args, message", [
     (["--batches", "2"], "--batches must be >= 3"),
     (["--summary"], "no records"),
+    (["--estimator", "w:window=4,window=5"], "option 'window' is given twice"),
 ])
 def test_bad_input_is_refused(tmp_path, args, message):
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ValueError, match=message):
         rm.main(["--json", str(tmp_path / "none.jsonl"), *args])

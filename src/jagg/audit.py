@@ -8,7 +8,6 @@ on a few samples and log ``audit/*``; ``python -m lab fidelity`` reports the sam
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -17,7 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .estimator import check_call, policy_gradient
+from .checks import check_count
+from .estimator import check_batch_arguments, check_call, policy_gradient
 from .estimator_config import EstimatorConfig
 from .trajectory import Trajectory, VelocityFn
 
@@ -32,7 +32,7 @@ def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
     updates.)"""
     if config.mode != "jagg" or config.corrects:
         return None
-    low = {k[4:]: v for k, v in result.items() if k.startswith("cos_") and not math.isnan(v) and v < FLAG_BELOW}
+    low = {k[4:]: v for k, v in result.items() if k.startswith("cos_") and v is not None and v < FLAG_BELOW}
     if not low:
         return None
     where = ", ".join(f"{k} {v:.2f}" for k, v in low.items())
@@ -51,8 +51,8 @@ def clip_flag(result: dict) -> str | None:
     parameters (more than :data:`CLIP_RATIO_FLAG` x exact's fraction + :data:`CLIP_FLOOR`), else None: its inner steps'
     velocities are off, e.g. ``intermediate: interp`` in an off-policy update (``update`` > 0 of a rollout), and every
     wrongly clipped term's gradient is lost."""
-    est, exact = result.get("clip_frac_est", math.nan), result.get("clip_frac_exact", math.nan)
-    if not est > CLIP_RATIO_FLAG * exact + CLIP_FLOOR:
+    est, exact = result.get("clip_frac_est"), result.get("clip_frac_exact")
+    if est is None or exact is None or not est > CLIP_RATIO_FLAG * exact + CLIP_FLOOR:
         return None
     where = f" at update {result['update']} of the rollout" if "update" in result else ""
     return (f"audit: the estimator clips {est:.3f} of its terms against exact's {exact:.3f}{where}: its inner steps' "
@@ -73,16 +73,16 @@ def flat_grad(params: Sequence[torch.nn.Parameter]) -> Tensor:
                       for p in params])
 
 
-def cosine(a: Tensor, b: Tensor) -> float:
-    """Cosine similarity of two vectors (NaN when either is zero)."""
+def cosine(a: Tensor, b: Tensor) -> float | None:
+    """Cosine similarity of two vectors; None (undefined, never a NaN passed off as a number) when either is zero."""
     na, nb = float(a.norm()), float(b.norm())
-    return float(a @ b) / (na * nb) if na > 0 and nb > 0 else math.nan
+    return float(a @ b) / (na * nb) if na > 0 and nb > 0 else None
 
 
-def rel_err(approx: Tensor, ref: Tensor) -> float:
-    """``||approx - ref|| / ||ref||`` (NaN when ``ref`` is zero)."""
+def rel_err(approx: Tensor, ref: Tensor) -> float | None:
+    """``||approx - ref|| / ||ref||``; None (undefined) when ``ref`` is zero."""
     n = float(ref.norm())
-    return float((approx - ref).norm()) / n if n > 0 else math.nan
+    return float((approx - ref).norm()) / n if n > 0 else None
 
 
 def _rows(traj: Trajectory, config: EstimatorConfig, prompt_groups, seed: int) -> int:
@@ -117,7 +117,6 @@ class _SubBatch:
 def _sub_batches(traj: Trajectory, advantages, prompt_groups, ref_velocities, split, seed: int) -> list[_SubBatch]:
     """The audit batch cut by ``split`` (one id per sample; None: one sub-batch, the whole batch)."""
     B = traj.batch_size
-    advantages = torch.as_tensor(advantages) if not isinstance(advantages, Tensor) else advantages
     split_ids = torch.zeros(B, dtype=torch.long) if split is None else torch.as_tensor(split).flatten().cpu()
     if split_ids.numel() != B:
         raise ValueError(f"split must have one id per sample ([{B}]); got {tuple(split_ids.shape)}")
@@ -155,6 +154,10 @@ def _range_gradients(velocity_fn, config: EstimatorConfig, params: list, subs: l
                                      ref_velocities=sub.ref_velocities, prompt_groups=sub.prompt_groups,
                                      generator=torch.Generator().manual_seed(sub.seed), only_steps=steps,
                                      on_policy=on_policy)
+                if all(p.grad is None for p in params):
+                    raise ValueError(f"params: velocity_fn does not use any of these {len(params)} parameters (no "
+                                     "gradient reached them), so every cosine would be undefined; pass the parameters "
+                                     "velocity_fn trains, e.g. [p for p in model.parameters() if p.requires_grad]")
                 clipped[key] += st.clip_frac * len(steps) * sub.traj.batch_size
                 g = flat_grad(params)
                 grads[key] = grads[key] + g * sub.share                    # the whole audit batch's gradient
@@ -172,12 +175,13 @@ def audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities=No
     (``[n]`` ids, e.g. the prompt groups): ``(result, exact [m, P], estimate [m, P])``, float64, each sub-batch's
     gradient a mean over its own samples (so the ``m`` rows are independent estimates of one update's gradient)."""
     check_call(velocity_fn, traj, config, generator=generator)
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"parts must be an integer >= 1 (3: noisy, middle and clean thirds); got {parts!r}")
-    params = list(params)
-    if not params or not all(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
+    advantages = check_batch_arguments(traj, config, advantages, ref_velocities, prompt_groups)
+    parts = check_count(parts, "parts (3: noisy, middle and clean thirds)")
+    params = list(params) if hasattr(params, "__iter__") and not isinstance(params, (Tensor, str)) else params
+    if not isinstance(params, list) or not params or not all(isinstance(p, Tensor) and p.requires_grad
+                                                             for p in params):
         raise ValueError("params must be a non-empty sequence of parameters with requires_grad (the ones the "
-                         "gradient is compared over)")
+                         f"gradient is compared over, e.g. list(model.parameters())); got {type(params).__name__}")
     t0 = time.perf_counter()
     subs = _sub_batches(traj, advantages, prompt_groups, ref_velocities, split, 0)
     saved = [p.grad for p in params]
@@ -235,8 +239,12 @@ def audit_gradient(
         ``middle``, ``clean`` for 3 parts, else ``range0`` ...), "rows_exact", "rows_estimator": rows with grad of
         one update of each on the audit's samples, "rows": rows the audit ran through the network with grad (the
         two together), "clip_frac_exact", "clip_frac_est": the fraction of (sample, step) terms whose
-        ratio each clipped, "seconds": its wall-clock}``. A cosine is NaN where a gradient is zero (e.g. all
-        advantages 0).
+        ratio each clipped, "seconds": its wall-clock}``. A cosine (and ``rel_err``) is None, undefined, where a
+        gradient is zero (e.g. all advantages 0), never NaN.
+
+    Raises (naming the argument) on arguments :func:`jagg.policy_gradient` refuses, ``params`` that are not a
+    non-empty list of trainable tensors, and parameters ``velocity_fn`` does not use (no gradient reaches them:
+    every cosine would be undefined).
     """
     return audit_parts(velocity_fn, traj, advantages, config, params, ref_velocities, prompt_groups, generator,
                        parts, on_policy=on_policy)[0]

@@ -43,11 +43,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import as_vector, is_finite_number
+from .checks import as_vector, check_callable, check_count, check_tensor, is_finite_number
 from .estimator_config import AUTO_INTERMEDIATE, EstimatorConfig
 from .knots import Bundle, Plan, plan_update
 from .sde import StepLoss, compute_dtype, step_loss
-from .trajectory import Trajectory, VelocityFn, checked_velocity, velocity_shape_error
+from .trajectory import VELOCITY_SIGNATURE, Trajectory, VelocityFn, checked_velocity, velocity_shape_error
 
 
 @dataclass
@@ -144,11 +144,15 @@ class _Counters:
 # ----------------------------------------------------------------------------- checks
 
 
-def check_call(velocity_fn, traj, config, loss_scale: float = 1.0, generator=None) -> None:
-    """The argument types every estimator entry point needs, checked before any work, with what was expected."""
-    if not callable(velocity_fn):
-        raise TypeError(f"velocity_fn must be callable (latents [N,*S], sigma [N], sample_index [N]) -> [N,*S]; "
-                        f"got {type(velocity_fn).__name__}")
+def check_call(velocity_fn, traj, config, loss_scale: float = 1.0, generator=None, backward_context=None,
+               backward_fn=None) -> None:
+    """The argument types every estimator entry point needs, checked before any work, with what was expected; the
+    trajectory's tensors fit together and hold at least one sample (:meth:`Trajectory.validate`)."""
+    for name, fn, signature in (("backward_context", backward_context, "(is_last) -> a context manager, or None"),
+                                ("backward_fn", backward_fn, "(the chunk's scalar surrogate) -> None, or None")):
+        if fn is not None:
+            check_callable(fn, name, signature)
+    check_callable(velocity_fn, "velocity_fn", VELOCITY_SIGNATURE)
     if not isinstance(traj, Trajectory):
         raise TypeError(f"traj must be a jagg.Trajectory (from jagg.sample_trajectories); got {type(traj).__name__}")
     if not isinstance(config, EstimatorConfig):
@@ -158,6 +162,25 @@ def check_call(velocity_fn, traj, config, loss_scale: float = 1.0, generator=Non
         raise ValueError(f"loss_scale must be a finite number; got {loss_scale!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
+    traj.validate()
+
+
+def check_batch_arguments(traj: Trajectory, config: EstimatorConfig, advantages, ref_velocities,
+                          prompt_groups) -> Tensor:
+    """The per-sample arguments of one update checked against the trajectory's ``B`` samples before any work:
+    ``advantages`` ``[B]`` finite (returned as a tensor), ``ref_velocities`` (:func:`_check_reference`) and
+    ``prompt_groups`` ``[B]``."""
+    B = traj.batch_size
+    advantages = _as_advantages(advantages, B, traj.latents.device)
+    _check_reference(ref_velocities, traj, config)
+    if prompt_groups is not None:
+        if isinstance(prompt_groups, (str, bytes)) or not hasattr(prompt_groups, "__len__"):
+            raise TypeError(f"prompt_groups must be None or [B] = [{B}] prompt group ids; got "
+                            f"{type(prompt_groups).__name__}")
+        n = prompt_groups.numel() if isinstance(prompt_groups, Tensor) else len(prompt_groups)
+        if n != B:
+            raise ValueError(f"prompt_groups must have one prompt group per sample, [B] = [{B}]; got {n}")
+    return advantages
 
 
 def _as_advantages(advantages, B: int, device) -> Tensor:
@@ -174,16 +197,19 @@ def _as_advantages(advantages, B: int, device) -> Tensor:
 
 
 def _check_reference(ref_velocities: Tensor | None, traj: Trajectory, config: EstimatorConfig) -> None:
-    """Reference velocities ``[B, T, *S]`` (the shape of the rollout's velocities) are needed, and must have that
-    shape, when ``config.kl_beta > 0``."""
-    if config.kl_beta <= 0:
-        return
+    """Reference velocities ``[B, T, *S]`` (the shape of the rollout's velocities) are needed when ``config.kl_beta
+    > 0``, and whenever given (with ``kl_beta`` 0 too: a wrong one is an argument in the wrong place) must be a
+    tensor of that shape."""
     shape = tuple(traj.velocities.shape)
     if ref_velocities is None:
-        raise ValueError("config.kl_beta > 0 needs ref_velocities [B, T, *S]; compute them once per rollout "
-                         "with jagg.reference_velocities(ref_fn, traj)")
+        if config.kl_beta > 0:
+            raise ValueError("config.kl_beta > 0 needs ref_velocities [B, T, *S]; compute them once per rollout "
+                             "with jagg.reference_velocities(ref_fn, traj)")
+        return
+    check_tensor(ref_velocities, "ref_velocities", f"[B, T, *S] = {list(shape)}")
     if tuple(ref_velocities.shape) != shape:
-        raise ValueError(f"ref_velocities must have shape {shape}; got {tuple(ref_velocities.shape)}")
+        raise ValueError(f"ref_velocities must have shape [B, T, *S] = {shape} (the rollout's velocities'); got "
+                         f"{tuple(ref_velocities.shape)}")
 
 
 # ----------------------------------------------------------------------------- phase 1: plan
@@ -235,7 +261,12 @@ def plan(inputs: UpdateInputs, prompt_groups, generator: torch.Generator | None,
     update = plan_update(traj, config, prompt_groups, generator)
     if only_steps is None:
         return update, update.bundles
+    if isinstance(only_steps, (str, bytes)) or not hasattr(only_steps, "__iter__"):
+        raise TypeError(f"only_steps must be None or a sequence of trained steps; got {type(only_steps).__name__}")
     keep = {int(k) for k in only_steps}
+    if not keep:
+        raise ValueError("only_steps is empty: give some of the trained steps "
+                         f"{traj.train_steps.tolist()} (None: all of them)")
     if not keep <= set(traj.train_steps.tolist()):
         raise ValueError(f"only_steps must be trained steps {traj.train_steps.tolist()}; got {sorted(keep)}")
     bundles = [Bundle(b.sample, b.rows, [t for t in b.terms if t.step in keep]) for b in update.bundles]
@@ -445,11 +476,9 @@ def policy_gradient(
 
     Returns: :class:`GradientStats`.
     """
-    check_call(velocity_fn, traj, config, loss_scale, generator)
-    traj.validate()
+    check_call(velocity_fn, traj, config, loss_scale, generator, backward_context, backward_fn)
     B = traj.latents.shape[0]
-    advantages = _as_advantages(advantages, B, traj.latents.device)
-    _check_reference(ref_velocities, traj, config)
+    advantages = check_batch_arguments(traj, config, advantages, ref_velocities, prompt_groups)
     inputs = UpdateInputs(velocity_fn, traj, advantages, config, ref_velocities,
                           loss_scale / (B * traj.train_steps.numel()), inner_velocities(config, on_policy))
     backward_context = backward_context or (lambda last: contextlib.nullcontext())
@@ -485,8 +514,14 @@ def reference_velocities(ref_fn: VelocityFn, traj: Trajectory, micro_batch: int 
     """Reference-policy velocities ``[B, T, *S]`` at every trained step (zeros elsewhere).
 
     The reference never changes during training: compute this once per rollout and pass it to every
-    :func:`policy_gradient` call of that rollout.
+    :func:`policy_gradient` call of that rollout. ``ref_fn``: a velocity callable of the reference policy
+    (:data:`jagg.trajectory.VELOCITY_SIGNATURE`); ``micro_batch``: rows per call, an integer >= 1.
     """
+    check_callable(ref_fn, "ref_fn", VELOCITY_SIGNATURE)
+    if not isinstance(traj, Trajectory):
+        raise TypeError(f"traj must be a jagg.Trajectory (from jagg.sample_trajectories); got {type(traj).__name__}")
+    traj.validate()
+    micro_batch = check_count(micro_batch, "micro_batch")
     B = traj.batch_size
     out = torch.zeros_like(traj.velocities)
     pairs = [(i, k) for k in traj.train_steps.tolist() for i in range(B)]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import asdict, dataclass, field, fields, replace
 
+import numpy as np
+
 from .checks import check_probabilities, first_non_finite
 
 MODES = ("exact", "jagg", "subsample")
@@ -100,6 +102,9 @@ class EstimatorConfig:
                                "two) the audit uses."})
 
     def __post_init__(self):
+        for f in fields(self):                        # numpy scalars (np.int64(4), np.float32(0.5)) as Python numbers
+            if isinstance(getattr(self, f.name), np.generic):
+                setattr(self, f.name, getattr(self, f.name).item())
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
         bad = first_non_finite({name: getattr(self, name) for name in NUMBERS})

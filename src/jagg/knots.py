@@ -41,9 +41,10 @@ import torch
 from torch import Tensor
 
 from .advantages import prompt_group_index
-from .checks import is_finite_number
-from .estimator_config import ALPHAS, EstimatorConfig
+from .checks import as_steps, check_count, check_tensor, is_finite_number
+from .estimator_config import ALPHAS, KNOTS, EstimatorConfig
 from .routing import linearity_scores
+from .trajectory import Trajectory
 
 
 @dataclass
@@ -115,6 +116,7 @@ class Plan:
 def step_groups(train_steps: list[int], window: int) -> list[list[int]]:
     """The paper's step groups: the sorted trained steps split into consecutive runs of ``window`` (the last may be
     shorter). Each is one interval of ``knots="groups"``."""
+    train_steps, window = as_steps(train_steps, "train_steps"), check_count(window, "window")
     return [train_steps[i : i + window] for i in range(0, len(train_steps), window)]
 
 
@@ -126,6 +128,11 @@ def interval_alphas(sigmas: Tensor, interval: list[int], alpha: str = "sigma") -
     """
     if alpha not in ALPHAS:
         raise ValueError(f"alpha must be one of {ALPHAS}; got {alpha!r}")
+    check_tensor(sigmas, "sigmas", "[T + 1]")
+    interval = as_steps(interval, "interval")
+    if any(not 0 <= k < sigmas.numel() for k in interval):
+        raise ValueError(f"interval must be a non-empty list of steps in [0, {sigmas.numel() - 1}] (indices into "
+                         f"sigmas); got {list(interval)!r}")
     if len(interval) == 1:
         return torch.zeros(1, dtype=torch.float64, device=sigmas.device)
     s = (sigmas[interval].double() if alpha == "sigma"
@@ -135,8 +142,7 @@ def interval_alphas(sigmas: Tensor, interval: list[int], alpha: str = "sigma") -
 
 def shared_knots(num_steps: int, window: int) -> list[int]:
     """Positions ``0, W-1, 2(W-1), ..., K-1`` into ``K = num_steps`` trained steps (knots every ``W - 1`` steps)."""
-    if num_steps < 1 or window < 1:
-        raise ValueError(f"need num_steps >= 1 and window >= 1; got {num_steps}, {window}")
+    num_steps, window = check_count(num_steps, "num_steps"), check_count(window, "window")
     if window <= 2:
         return list(range(num_steps))
     pos = list(range(0, num_steps - 1, window - 1)) + [num_steps - 1]
@@ -149,12 +155,47 @@ def intervals_of(steps: list[int], knots: str, window: int) -> list[list[int]]:
     ``groups``: the step groups of ``window`` (not sharing ends); ``shared``: between consecutive
     :func:`shared_knots`.
     """
+    if knots not in KNOTS:
+        raise ValueError(f"knots must be one of {KNOTS}; got {knots!r}")
+    steps = as_steps(steps, "steps")
     if knots == "groups":
         return step_groups(steps, window)
     positions = shared_knots(len(steps), window)
     if len(positions) == 1:
         return [[steps[0]]]
     return [steps[a : b + 1] for a, b in zip(positions[:-1], positions[1:])]
+
+
+def check_layout(config: EstimatorConfig, K: int, steps: str = "the trajectory's train_steps",
+                 prefix: str = "") -> None:
+    """Raise, naming the setting (``prefix`` + its name: ``window``, or the config key ``estimator.window``), when a
+    count of the estimator is larger than what it counts on trajectories of ``K`` trained steps (``steps`` says where
+    ``K`` comes from): ``window`` more than ``K`` (one interval would hold every step: the layout is clamped, never what
+    was asked for), ``exact_first_intervals`` / ``exact_last_intervals`` more than the intervals JAGG may take,
+    ``correction_rates`` not one rate per interval of the layout. Only where a layout applies: mode ``jagg`` (or
+    ``exact`` with ``interval_frac < 1``, which draws the layout's intervals) and 3 or more trained steps (with 1 or 2
+    every step runs exact, whatever the window)."""
+    if not isinstance(config, EstimatorConfig):
+        raise TypeError(f"config must be a jagg.EstimatorConfig; got {type(config).__name__}")
+    K = check_count(K, "K (the trained steps)")
+    if K <= 2 or not (config.mode == "jagg" or (config.mode == "exact" and config.interval_frac < 1)):
+        return
+    if config.window > K:
+        raise ValueError(f"{prefix}window={config.window} is more than the {K} trained steps of an iteration "
+                         f"({steps}): one interval would hold every step; lower {prefix}window to at most {K}")
+    if config.window <= 2 or config.mode != "jagg":      # no layout (one exact interval per step), or nothing routed
+        return
+    intervals = intervals_of(list(range(K)), config.knots, config.window)
+    inner = sum(len(iv) >= 3 for iv in intervals)
+    layout = f"{prefix}window={config.window}, knots={config.knots} on the {K} trained steps of {steps}"
+    for name in ("exact_first_intervals", "exact_last_intervals"):
+        if getattr(config, name) > inner:
+            raise ValueError(f"{prefix}{name}={getattr(config, name)} is more than the {inner} interval"
+                             f"{'s' * (inner != 1)} with inner steps ({layout}); lower it to at most {inner}")
+    rates = config.correction_rates
+    if rates is not None and len(rates) != len(intervals):
+        raise ValueError(f"{prefix}correction_rates has {len(rates)} rate{'s' * (len(rates) != 1)}, but the layout "
+                         f"has {len(intervals)} intervals ({layout}); give one rate per interval, in order")
 
 
 def layout_intervals(traj, config: EstimatorConfig) -> tuple[list[list[int]], list[int], bool]:
@@ -323,9 +364,13 @@ def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) 
             correction).
         budget: the correction rows per sample to spend, ``>= 0`` (e.g. ``p sum_j r_j`` for a uniform rate ``p``).
     """
+    for name, values in (("errors", errors), ("rows", rows)):
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            raise TypeError(f"budget_rates: {name} must be a sequence of numbers, one per interval; got "
+                            f"{type(values).__name__}")
     if len(errors) != len(rows):
-        raise ValueError(f"budget_rates needs one error per interval and one row count per interval; got "
-                         f"{len(errors)} and {len(rows)}")
+        raise ValueError(f"budget_rates needs one error per interval and one row count per interval (errors, rows); "
+                         f"got {len(errors)} errors and {len(rows)} rows")
     for name, values in (("errors", errors), ("rows", rows), ("budget", [budget])):
         if not all(is_finite_number(v) for v in values):
             raise ValueError(f"budget_rates: {name} must be finite numbers; got {list(values)}")
@@ -352,7 +397,7 @@ def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) 
 # ----------------------------------------------------------------------------- the plan
 
 
-def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence | None = None,
+def plan_update(traj: Trajectory, config: EstimatorConfig, prompt_groups: Tensor | Sequence | None = None,
                 generator: torch.Generator | None = None) -> Plan:
     """Lay out, route, pick, draw and bundle the rows of one update (see the module docstring).
 
@@ -364,7 +409,12 @@ def plan_update(traj, config: EstimatorConfig, prompt_groups: Tensor | Sequence 
         generator: RNG of the random choices, in this order: the correction's picks, the intervals each sample
             trains (``interval_frac < 1``) (``torch.rand`` / ``randperm`` on the CPU).
     """
+    if not isinstance(traj, Trajectory):
+        raise TypeError(f"traj must be a jagg.Trajectory; got {type(traj).__name__}")
+    if not isinstance(config, EstimatorConfig):
+        raise TypeError(f"config must be a jagg.EstimatorConfig; got {type(config).__name__}")
     B = traj.latents.shape[0]
+    check_layout(config, traj.train_steps.numel())
     if config.mode == "subsample":
         return _subsample_plan(traj.train_steps.tolist(), B, config.subsample_frac, generator)
     intervals, positions, jagg = layout_intervals(traj, config)

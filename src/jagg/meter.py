@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import statistics
 from typing import Sequence
 
@@ -19,11 +20,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .checks import as_vector, check_count, check_fields, check_positive, check_tensor, is_finite_number
+
+
+def _check_ratios(work_ratio, error_to_noise) -> None:
+    """``work_ratio`` a finite number > 0; ``error_to_noise`` a number (NaN: not measured, which gives NaN)."""
+    check_positive(work_ratio, "work_ratio", "exact's rows or time over the estimator's")
+    if isinstance(error_to_noise, bool) or not isinstance(error_to_noise, numbers.Real):
+        raise TypeError(f"error_to_noise must be a number (E|e|^2 / V_b); got {type(error_to_noise).__name__}")
+
 
 def predicted_efficiency(work_ratio: float, error_to_noise: float) -> float:
     """``work_ratio / (1 + error_to_noise)``: progress for the same work against exact for an estimator whose update
     carries ``V_b + E|e|^2`` of variance instead of ``V_b`` (docs/design.md §3). ``work_ratio`` = exact's rows (or
     time) / the estimator's."""
+    _check_ratios(work_ratio, error_to_noise)
     return math.nan if math.isnan(error_to_noise) else work_ratio / (1.0 + max(error_to_noise, 0.0))
 
 
@@ -33,7 +44,14 @@ def adam_efficiency(work_ratio: float, error_to_noise: float) -> float:
     gradient-norm clip that is always active). Its expected step is the signal divided by ``sqrt(V_b + E|e|^2)`` and
     the noise's second-order cost is normalised away, so extra unbiased error costs its square root
     (docs/design.md §3.8). Valid for an unbiased estimator only: a repeating error enters the step at full weight."""
+    _check_ratios(work_ratio, error_to_noise)
     return math.nan if math.isnan(error_to_noise) else work_ratio / math.sqrt(1.0 + max(error_to_noise, 0.0))
+
+
+def _numbers(values, name: str) -> np.ndarray:
+    """``values`` (a sequence, array or tensor of numbers) as a flat float64 array; a TypeError naming ``name``
+    otherwise."""
+    return as_vector(values, name, np.float64).double().cpu().numpy()
 
 
 # Adam's per-tensor model (docs/design.md §3.8): below this z the signal counts as unmeasured and each tensor is
@@ -57,8 +75,10 @@ def tensor_weights(noise: Sequence[float], numel: Sequence[int], signal: Sequenc
         ``[T]`` weights summing to 1: ``|E g_t|^2 sqrt(n_t / V_t)`` with a signal, ``sqrt(n_t V_t)`` without (0 for
         a tensor without noise). All zero when no tensor has a weight.
     """
-    V = np.asarray(noise, dtype=np.float64)
-    n = np.asarray(numel, dtype=np.float64)
+    V, n = _numbers(noise, "noise"), _numbers(numel, "numel")
+    if V.shape != n.shape or (signal is not None and _numbers(signal, "signal").shape != V.shape):
+        raise ValueError(f"noise, numel (and signal) must be one number per tensor, of one length; got shapes "
+                         f"{V.shape}, {n.shape}{'' if signal is None else f', {np.shape(signal)}'}")
     live = V > 0
     w = np.zeros_like(V)
     if signal is None:
@@ -75,8 +95,10 @@ def adam_tensor_factor(error_to_noise: Sequence[float], weights: Sequence[float]
     error ``E_t`` sits in each tensor ``t`` in its own proportion to that tensor's noise ``V_t`` (``error_to_noise``
     ``[T]``; NaN where a tensor has no noise), with the tensors weighted by :func:`tensor_weights`. With the same
     ratio in every tensor it is the global model's ``1 / sqrt(1 + E|e|^2 / V_b)``. NaN when no tensor has a weight."""
-    r = np.asarray(error_to_noise, dtype=np.float64)
-    w = np.asarray(weights, dtype=np.float64)
+    r, w = _numbers(error_to_noise, "error_to_noise"), _numbers(weights, "weights")
+    if r.shape != w.shape:
+        raise ValueError(f"error_to_noise and weights must be one number per tensor, of one length; got shapes "
+                         f"{r.shape} and {w.shape}")
     use = w > 0
     if not use.any() or np.isnan(r[use]).any():
         return math.nan
@@ -140,10 +162,18 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
         :data:`SIGNAL_Z` standard errors above 0, else ``noise``) and ``adam_tensor_factor``
         (:func:`adam_tensor_factor`).
     """
+    check_tensor(exact, "exact", "[n, P] (one exact gradient per batch)")
+    if isinstance(estimates, Tensor) or not hasattr(estimates, "__len__"):
+        raise TypeError(f"estimates must be a sequence of n tensors [draws, P], one per batch; got "
+                        f"{type(estimates).__name__}")
     n = exact.shape[0]
-    if n < 3 or len(estimates) != n:
-        raise ValueError(f"need n >= 3 batches and one [draws, P] estimate tensor per batch; got {n} exact and "
-                         f"{len(estimates)} estimates")
+    if exact.ndim != 2 or n < 3 or len(estimates) != n:
+        raise ValueError(f"need exact [n, P] with n >= 3 batches and one [draws, P] estimate tensor per batch; got "
+                         f"exact {tuple(exact.shape)} and {len(estimates)} estimates")
+    for i, e in enumerate(estimates):
+        if not isinstance(e, Tensor) or e.ndim != 2 or e.shape[0] < 1 or e.shape[1] != exact.shape[1]:
+            raise ValueError(f"estimates[{i}] must be a tensor [draws >= 1, P = {exact.shape[1]}]; got "
+                             f"{tuple(e.shape) if isinstance(e, Tensor) else type(e).__name__}")
     exact = exact.double()
     errs = [e.double() - g for e, g in zip(estimates, exact)]                     # [d_i, P] each
     mean_err = torch.stack([e.mean(0) for e in errs])                              # [n, P]
@@ -173,8 +203,10 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
 def jackknife_se(leave_one_out: Sequence[float]) -> float:
     """The jackknife standard error of a statistic from its ``n`` leave-one-out values:
     ``sqrt((n - 1) / n sum_i (x_i - mean)^2)``."""
-    vals = np.asarray(leave_one_out, dtype=np.float64)
+    vals = _numbers(leave_one_out, "leave_one_out")
     n = vals.size
+    if n < 2:
+        raise ValueError(f"leave_one_out must be n >= 2 leave-one-out values; got shape {vals.shape}")
     return math.sqrt((n - 1) / n * float(((vals - vals.mean()) ** 2).sum()))
 
 
@@ -182,6 +214,9 @@ def extrapolate(stats: dict, batch: float, target: float) -> dict:
     """:func:`error_noise_stats`' ratios at ``target`` samples per update instead of the measured ``batch``: the
     noise and the unbiased part of the error fall as ``1 / B``, the bias (``bias_sq``, floored at 0) stays; per tensor
     alike, for ``adam_tensor_factor`` (the weights do not change with the batch)."""
+    check_positive(batch, "batch", "samples per update measured")
+    check_positive(target, "target", "samples per update to extrapolate to")
+    check_fields(stats, {"noise": "number", "bias_sq": "number", "error_sq": "number"}, "stats (of error_noise_stats)")
     scale = batch / target
 
     def ratios(st: dict) -> tuple[float, float]:
@@ -243,6 +278,9 @@ class Meter:
 
     STATE = ("sizes", "k", "keep", "seed", "sketches", "noise", "err_sq", "tensor_noise", "tensor_err_sq", "rows",
              "audits")
+    STATE_FIELDS = {"sizes": "list|null", "k": "integer", "keep": "integer", "seed": "integer", "sketches": "list",
+                    "noise": "list", "err_sq": "list", "tensor_noise": "list", "tensor_err_sq": "list", "rows": "list",
+                    "audits": "integer"}                # what :meth:`state_dict` holds, by kind
 
     def state_dict(self) -> dict:
         """Everything the meter has measured (for a checkpoint: :meth:`from_state` continues from it exactly)."""
@@ -250,6 +288,8 @@ class Meter:
 
     @classmethod
     def from_state(cls, state: dict) -> "Meter":
+        """The meter of a :meth:`state_dict` (checked to hold :data:`STATE_FIELDS`, else a ValueError naming the key)."""
+        check_fields(state, cls.STATE_FIELDS, "the efficiency meter's state")
         meter = cls()
         for key in cls.STATE:
             setattr(meter, key, copy.deepcopy(state[key]))
@@ -284,6 +324,7 @@ class Meter:
         (NaN when ``train_share`` is None), the same two for Adam (``predicted_adam_efficiency``,
         ``predicted_adam_time_efficiency``) and for Adam per tensor (``predicted_adam_tensor_efficiency``,
         ``predicted_adam_tensor_time_efficiency``) and ``audits``."""
+        self._check_audit(exact, estimate, rows_exact, rows_estimator, prompt_groups_per_update, train_share)
         self.audits += 1
         self.rows[0] += rows_exact
         self.rows[1] += rows_estimator
@@ -298,6 +339,22 @@ class Meter:
         self._predict(out, noise, err, self.rows[1], np.mean(self.tensor_noise, 0) / G, tensor_err, train_share,
                       exact.shape[1])
         return out
+
+    def _check_audit(self, exact, estimate, rows_exact, rows_estimator, prompt_groups_per_update, train_share):
+        """:meth:`update`'s arguments, checked before the meter changes: ``exact`` and ``estimate`` tensors of one shape
+        ``[m, P]`` (``P`` the sum of ``sizes``), row counts >= 0, ``prompt_groups_per_update`` > 0 and ``train_share``
+        None or in [0, 1]."""
+        check_tensor(exact, "exact", "[m, P] (each prompt group's exact gradient)")
+        check_tensor(estimate, "estimate", "[m, P] (each prompt group's estimated gradient)")
+        P = sum(self.sizes) if self.sizes else exact.shape[-1]
+        if exact.ndim != 2 or estimate.shape != exact.shape or exact.shape[1] != P:
+            raise ValueError(f"exact and estimate must both be [m, P = {P}]; got {tuple(exact.shape)} and "
+                             f"{tuple(estimate.shape)}")
+        check_count(rows_exact, "rows_exact", 0)
+        check_count(rows_estimator, "rows_estimator", 0)
+        check_positive(prompt_groups_per_update, "prompt_groups_per_update")
+        if train_share is not None and (not is_finite_number(train_share) or not 0 <= train_share <= 1):
+            raise ValueError(f"train_share must be None or a number in [0, 1]; got {train_share!r}")
 
     KEYS = ("error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio", "predicted_efficiency",
             "predicted_time_efficiency", "predicted_adam_efficiency", "predicted_adam_time_efficiency",
@@ -358,6 +415,8 @@ def meter_flag(result: dict, min_audits: int = 4) -> str | None:
     ``bias_to_noise`` more than 3 standard errors above 0), else None. There is no warning on the predicted
     efficiencies: they model an unbiased estimator, so a repeating error is outside what they can see (what the two
     signs told in the measured runs: lab/NOTEBOOK.md)."""
+    if not isinstance(result, dict):
+        raise TypeError(f"result must be the dict of Meter.update; got {type(result).__name__}")
     if result.get("audits", 0) < min_audits:
         return None
     b, se = result.get("bias_to_noise", math.nan), result.get("bias_to_noise_se", math.nan)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import check_positive, check_sigmas, is_finite_number
+from .checks import check_count, check_positive, check_sigmas, check_tensor, is_finite_number
 
 SHIFT_HINT = "SD3 uses 3.0, 1.0 means no shift"
 
@@ -19,6 +19,7 @@ def shift_sigmas(sigmas: Tensor, shift: float) -> Tensor:
     A shift > 1 spends more steps at high noise (SD3 uses 3.0). Works on any shape.
     """
     check_positive(shift, "shift", SHIFT_HINT)
+    check_tensor(sigmas, "sigmas", "of sigmas in [0, 1] (any shape)")
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
@@ -32,8 +33,9 @@ def flow_sigmas(num_steps: int, shift: float = 1.0, dtype: torch.dtype = torch.f
     shift, which is this grid at that shift. A real model's rollouts use its own pipeline's grid
     (:mod:`jagg.integrations.schedules`, ``pipeline.sigma_grid``).
     """
-    if not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"num_steps must be an integer >= 1; got {num_steps!r}")
+    num_steps = check_count(num_steps, "num_steps")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (torch.float32, torch.float64); got {dtype!r}")
     t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
     return shift_sigmas(t, shift).to(dtype)
 

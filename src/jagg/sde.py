@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .checks import Keys, check_reduction, check_sde_type, cps_last_step_error
+from .checks import (Keys, check_eta, check_reduction, check_sde_type, check_tensor, cps_last_step_error,
+                     first_non_finite, is_finite_number)
 
 REDUCTION_ARGUMENT = Keys(logprob_reduction="reduction")       # the argument's name here
 
@@ -47,6 +48,19 @@ REDUCTION_ARGUMENT = Keys(logprob_reduction="reduction")       # the argument's 
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
     """fp32, or fp64 when any input is fp64."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def check_step(x, v, sigma, sigma_next, x_name: str = "x", v_name: str = "v") -> None:
+    """The tensors of one step checked before any arithmetic (no device sync): ``x`` and ``v`` tensors of one shape
+    ``[N, *S]``, ``sigma`` and ``sigma_next`` tensors of ``N`` values (or one, broadcast); the errors name them."""
+    check_tensor(x, x_name, "[N, *S]")
+    check_tensor(v, v_name, f"[N, *S] = {list(x.shape)} (the shape of {x_name})")
+    if v.shape != x.shape:
+        raise ValueError(f"{v_name} must have the shape of {x_name}, {tuple(x.shape)}; got {tuple(v.shape)}")
+    for name, t in (("sigma", sigma), ("sigma_next", sigma_next)):
+        check_tensor(t, name, f"[N] (N = {x.shape[0] if x.ndim else 1})")
+        if t.numel() not in (1, x.shape[0] if x.ndim else 1):
+            raise ValueError(f"{name} must have one value per item, [N] = [{x.shape[0]}]; got {tuple(t.shape)}")
 
 
 def _expand(s: Tensor, like: Tensor) -> Tensor:
@@ -97,6 +111,13 @@ def gaussian_log_prob(x_next: Tensor, mean: Tensor, step_std: Tensor, reduction:
     ``step_std`` ``[N]`` is ``std_k * sqrt(-dt)``. ``reduction``: ``"mean"`` (Flow-GRPO) or ``"sum"``.
     """
     check_reduction(reduction, REDUCTION_ARGUMENT)
+    check_tensor(mean, "mean", "[N, *S]")
+    check_tensor(x_next, "x_next", f"[N, *S] = {list(mean.shape)} (the shape of mean)")
+    check_tensor(step_std, "step_std", "[N]")
+    if x_next.shape != mean.shape:
+        raise ValueError(f"x_next must have the shape of mean, {tuple(mean.shape)}; got {tuple(x_next.shape)}")
+    if step_std.numel() not in (1, mean.shape[0] if mean.ndim else 1):
+        raise ValueError(f"step_std must have one value per item, [N] = [{mean.shape[0]}]; got {tuple(step_std.shape)}")
     x_next = x_next.to(mean.dtype)
     sd = _expand(step_std.to(mean.dtype), mean)
     lp = -((x_next - mean) ** 2) / (2 * sd**2) - torch.log(sd) - 0.5 * math.log(2 * math.pi)
@@ -141,7 +162,16 @@ def sde_step(
         ``(x_next [N, *S], log_prob [N], mean [N, *S], std [N])`` in the compute dtype; ``std`` is before the
         step's ``sqrt(-dt)`` (the step's standard deviation is ``std * sqrt(sigma - sigma_next)``).
     """
+    check_step(x, v, sigma, sigma_next)
+    check_eta(eta)
     check_sde_type(sde_type, eta)
+    if not is_finite_number(sigma_one) or not 0 <= sigma_one < 1:
+        raise ValueError(f"sigma_one must be the schedule's sigma_1, a number in [0, 1); got {sigma_one!r}")
+    if noise is not None and (not isinstance(noise, Tensor) or noise.shape != x.shape):
+        raise ValueError(f"noise must be None or a standard normal tensor of the shape of x, {tuple(x.shape)}; got "
+                         f"{tuple(noise.shape) if isinstance(noise, Tensor) else type(noise).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
     if sde_type == "cps" and not bool((sigma_next > 0).all()):
         raise cps_last_step_error()
     mean, step_std, std = step_moments(x, v, sigma, sigma_next, sigma_one, eta, sde_type)
@@ -153,6 +183,7 @@ def sde_step(
 
 def euler_step(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
     """Deterministic (ODE) step ``x + v * dt`` in the compute dtype. ``x, v``: ``[N, *S]``; sigmas ``[N]``."""
+    check_step(x, v, sigma, sigma_next)
     dtype = compute_dtype(x, v)
     return x.to(dtype) + v.to(dtype) * _expand((sigma_next - sigma).to(dtype), x)
 
@@ -199,6 +230,16 @@ def step_loss(
         reduction: ``"mean"`` (Flow-GRPO) or ``"sum"`` of the log-prob over the latent dimensions.
         sde_type: the SDE the trajectory was sampled with (:data:`jagg.checks.SDE_TYPES`).
     """
+    check_step(x, v, sigma, sigma_next)
+    bad = first_non_finite({"clip_range": clip_range, "kl_beta": kl_beta, "eta": eta, "sigma_one": sigma_one})
+    if bad is not None or clip_range <= 0 or kl_beta < 0:
+        raise ValueError(f"clip_range must be a finite number > 0, kl_beta one >= 0, eta and sigma_one finite "
+                         f"numbers; got clip_range={clip_range!r}, kl_beta={kl_beta!r}, eta={eta!r}, "
+                         f"sigma_one={sigma_one!r}")
+    for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):
+        if not isinstance(t, Tensor) or t.numel() != (x.shape[0] if x.ndim else 1):
+            raise ValueError(f"{name} must be a tensor [n] = [{x.shape[0]}] (one per item); got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
     log_prob, mean, std = step_log_prob(x, v, x_next, sigma, sigma_next, sigma_one, eta, sde_type, reduction)
     ratio = torch.exp(log_prob - old_log_prob.to(log_prob.dtype))
     adv = advantages.to(log_prob.dtype)

@@ -14,11 +14,12 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .checks import (Keys, check_count, check_noise, check_sampler, check_sde_steps, check_sigmas,
-                     check_sliding_window, check_train_steps, cps_last_step_error)
+from .checks import (Keys, check_callable, check_count, check_flag, check_noise, check_sampler, check_sde_steps, check_sigmas,
+                     check_sliding_window, check_tensor, check_train_steps, cps_last_step_error)
 from .sde import compute_dtype, euler_step, sde_step
 
 VelocityFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+VELOCITY_SIGNATURE = "(latents [N, *S], sigma [N], sample_index [N] long) -> velocity [N, *S]"
 # how the checks name sliding_sde_window's arguments
 SLIDING_ARGS = Keys(sde_window="span", sde_window_size="size", sde_window_stride="stride", sde_window_every="every")
 
@@ -83,9 +84,14 @@ class Trajectory:
         return self.sigmas.numel() - 1
 
     def validate(self) -> None:
-        """Raise a ValueError naming the first inconsistency between the stored tensors."""
+        """Raise a ValueError (a TypeError for a field that is not a tensor) naming the first inconsistency between
+        the stored tensors: each of the shape the class docstring gives, at least one sample."""
+        for name in ("latents", "sigmas", "log_probs", "velocities", "train_steps"):
+            check_tensor(getattr(self, name), f"Trajectory.{name}", "(see jagg.Trajectory)")
         check_sigmas(self.sigmas)
         B, T = self.latents.shape[0], self.num_steps
+        if B == 0:
+            raise ValueError("the trajectory holds no sample (latents [0, ...]): give a batch of B >= 1 trajectories")
         if self.latents.ndim < 3 or self.latents.shape[1] != T + 1:
             raise ValueError(
                 f"latents must have shape [B, T + 1, *S] = [B, {T + 1}, ...] for {T + 1} sigmas; "
@@ -130,10 +136,13 @@ def select_train_steps(
 
     Returns ``(train_steps [K] long, sde_mask [T] bool)``.
     """
+    num_steps = check_count(num_steps, "num_steps")
+    if sde_window is not None and (isinstance(sde_window, (str, bytes)) or not hasattr(sde_window, "__len__")):
+        raise TypeError(f"sde_window must be None or (start, end); got {type(sde_window).__name__} {sde_window!r}")
     check_sde_steps(num_steps, timestep_fraction, sde_window)
     if sde_window is None:
         return torch.arange(int(num_steps * timestep_fraction)), torch.ones(num_steps, dtype=torch.bool)
-    start, end = sde_window
+    start, end = (check_count(v, "sde_window's start and end", 0) for v in sde_window)
     mask = torch.zeros(num_steps, dtype=torch.bool)
     mask[start:end] = True
     return torch.arange(start, end), mask
@@ -152,10 +161,32 @@ def sliding_sde_window(iteration: int, span: tuple[int, int], size: int, stride:
     same window.
     """
     check_sliding_window(span, size, stride, every, SLIDING_ARGS)
-    check_count(iteration, "iteration", 0)
+    iteration = check_count(iteration, "iteration", 0)
     positions = (span[1] - span[0] - size) // stride + 1
-    start = span[0] + stride * ((iteration // every) % positions)
-    return start, start + size
+    start = int(span[0] + stride * ((iteration // every) % positions))
+    return start, start + int(size)
+
+
+def checked_sde_mask(sde_mask: Tensor | None, T: int) -> Tensor:
+    """``sde_mask`` ``[T]`` bool on the CPU (None: every step an SDE step), refused unless it is one per step."""
+    if sde_mask is None:
+        return torch.ones(T, dtype=torch.bool)
+    if not isinstance(sde_mask, Tensor) or tuple(sde_mask.shape) != (T,) or sde_mask.dtype != torch.bool:
+        raise ValueError(f"sde_mask must be a bool tensor [T] = [{T}] (one per step of the {T + 1} sigmas); got "
+                         f"{tuple(sde_mask.shape) if isinstance(sde_mask, Tensor) else type(sde_mask).__name__}")
+    return sde_mask.cpu()
+
+
+def check_sampling_call(velocity_fn, sigmas, micro_batch, generator) -> None:
+    """The arguments :func:`sample_trajectories` and :func:`sample_ode` share, checked before any network call: a
+    callable velocity, a sigma tensor, ``micro_batch`` None or an integer >= 1, ``generator`` None or a
+    ``torch.Generator``."""
+    check_callable(velocity_fn, "velocity_fn", VELOCITY_SIGNATURE)
+    check_tensor(sigmas, "sigmas", "[T + 1] (e.g. jagg.flow_sigmas(num_steps))")
+    if micro_batch is not None:
+        check_count(micro_batch, "micro_batch")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None; got {type(generator).__name__}")
 
 
 def _chunks(n: int, size: int | None) -> Sequence[slice]:
@@ -228,16 +259,19 @@ def sample_trajectories(
     sync after sampling), a rollout that turned NaN/inf (naming the step). The trainers turn it off: a non-finite rollout gives
     a non-finite loss there, which they skip and, after ``grpo.max_consecutive_skips``, stop on with a checkpoint.
     """
+    check_sampling_call(velocity_fn, sigmas, micro_batch, generator)
     check_noise(noise)
     check_sampler(eta, sde_type, logprob_reduction)
+    check_finite = check_flag(check_finite, "check_finite")
     dtype = compute_dtype(noise)                        # fp32 storage (fp64 if the noise is fp64)
     sigmas = sigmas.to(device=noise.device, dtype=dtype)
     check_sigmas(sigmas)
     T = sigmas.numel() - 1
-    sde_mask = torch.ones(T, dtype=torch.bool) if sde_mask is None else sde_mask.cpu()
+    sde_mask = checked_sde_mask(sde_mask, T)
     if train_steps is None:
         train_steps = torch.nonzero(sde_mask).flatten()
-    check_train_steps(train_steps.cpu().long(), T)      # before sampling (the trajectory is valid by construction)
+    # before sampling (the trajectory is valid by construction)
+    check_train_steps(train_steps.cpu().long() if isinstance(train_steps, Tensor) else train_steps, T)
     if not bool(sde_mask[train_steps.cpu()].all()):
         raise ValueError("every trained step must be an SDE step (sde_mask True)")
     if sde_type == "cps" and bool(sde_mask[-1]):
@@ -263,6 +297,7 @@ def sample_trajectories(
 @torch.no_grad()
 def sample_ode(velocity_fn: VelocityFn, noise: Tensor, sigmas: Tensor, micro_batch: int | None = None) -> Tensor:
     """Deterministic Euler (ODE) sampling from noise ``[B, *S]``; returns the final latents ``[B, *S]``."""
+    check_sampling_call(velocity_fn, sigmas, micro_batch, None)
     check_noise(noise)
     sigmas = sigmas.to(device=noise.device, dtype=compute_dtype(noise))
     check_sigmas(sigmas)

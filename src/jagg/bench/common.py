@@ -171,20 +171,21 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def _json_safe(v):
+def json_safe(v):
+    """``v`` with every non-finite float (NaN, infinity: a figure that could not be computed) as None, JSON's null."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
+        return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
+        return [json_safe(x) for x in v]
     return v
 
 
 def write_json(path: str | Path, records) -> None:
     """Write ``records`` as indented JSON (NaN and infinity become null), atomically
     (:func:`jagg.infra.atomic.atomic_write_text`)."""
-    atomic_write_text(path, json.dumps(_json_safe(records), indent=1) + "\n")
+    atomic_write_text(path, json.dumps(json_safe(records), indent=1) + "\n")
 
 
 def json_if_asked(path: str | Path | None, records) -> None:

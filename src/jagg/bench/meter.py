@@ -130,8 +130,8 @@ def parse_estimators(specs: list[str], base: EstimatorConfig) -> dict[str, Estim
     return dict(parse_estimator(s, base) for s in ["exact", *[s for s in specs if s != "exact"]])
 
 
-def check_estimators(specs: list[str], cfg) -> None:
-    """Every ``--estimator`` spec parsed and its layout checked against the job's trained steps
+def check_estimators(specs: list[str], cfg, flag: str = "--estimator") -> None:
+    """Every ``--estimator`` spec (or ``flag``'s) parsed and its layout checked against the job's trained steps
     (:func:`jagg.trainers.sections.check_layout`: ``correction_rates`` one per interval, ``window`` and
     ``exact_*_intervals`` within what they count) before the first batch; an error names the spec."""
     from ..trainers.sections import check_layout, steps_source, trained_steps
@@ -140,11 +140,24 @@ def check_estimators(specs: list[str], cfg) -> None:
     K, steps = trained_steps(s, n), steps_source(s, key, n)
     for spec in specs:
         try:
-            est = parse_estimator(spec, cfg.estimator)[1]
+            est = parse_estimator(spec, cfg.estimator, flag)[1]
             if est is not None:
                 check_layout(est, K, steps)
         except ValueError as e:
-            raise ValueError(e if str(e).startswith("--estimator") else f"--estimator {spec!r}: {e}") from None
+            raise ValueError(e if str(e).startswith(flag) else f"{flag} {spec!r}: {e}") from None
+
+
+def check_update(update: int | str, cfg) -> None:
+    """Refuse an ``--update N`` position the job does not have: its rollouts take ``U = grpo.inner_epochs x
+    grpo.updates_per_epoch`` optimizer updates, at positions 0 .. U - 1 (measuring N >= U would report an off-policy
+    position of a job that never makes one)."""
+    g = cfg.grpo
+    U = g.inner_epochs * g.updates_per_epoch
+    if update != "all" and update >= U:
+        raise ValueError(f"--update {update}: the job makes {U} optimizer update{'s' * (U != 1)} per rollout "
+                         f"(grpo.inner_epochs={g.inner_epochs} x grpo.updates_per_epoch={g.updates_per_epoch}), at "
+                         f"positions 0 to {U - 1}; give --update below {U} or --update all, or measure a job with more "
+                         "updates per rollout (--set grpo.updates_per_epoch=...)")
 
 
 def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) -> float:
@@ -581,6 +594,7 @@ def update_arg(text: str) -> int | str:
 def _run(args: argparse.Namespace) -> int:
     sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
     cfg = load_config(args.config, sets)
+    check_update(args.update, cfg)
     set_threads(cfg.threads)
     specs = args.estimator or ["config", "plain", "subsample"]
     batches = args.batches if args.batches is not None else (3 if args.quick else 6)
@@ -594,6 +608,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.by_interval is not None:
         check_sizes(batches, draws, args.target_batch)
         by_interval_estimator(args.by_interval, cfg.estimator)
+        check_estimators([args.by_interval], cfg, "--by-interval")       # its window within the trained steps
+        if args.update not in (0, "all"):
+            raise ValueError(f"--by-interval measures the on-policy update (0) only; give it without --update "
+                             f"{args.update}, in a run of its own")
     if args.update == "all" and (args.by_tensor is not None or args.by_interval is not None):
         raise ValueError("--by-tensor and --by-interval break one update position down: give --update N with them, "
                          "not --update all")

@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checks import check_positive, is_finite_number, parse_spec, shown
+from ..checks import check_count, check_positive, is_finite_number, parse_spec, shown
 from ..knots import drawn_count, intervals_of
 from ..trajectory import select_train_steps
 
@@ -63,9 +63,7 @@ class CostStructure:
     def __post_init__(self):
         check_positive(self.B_F, f"{self.name}: B_F", "a backward's cost over a forward's")
         for key in ("cfg_rollout", "cfg_train", "rollout_steps", "train_steps"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{self.name}: {key} must be an integer >= 1; got {value!r}")
+            object.__setattr__(self, key, check_count(getattr(self, key), f"{self.name}: {key}"))   # frozen
         if self.cfg_train > self.cfg_rollout:
             raise ValueError(f"{self.name}: cfg_train ({self.cfg_train}) cannot exceed cfg_rollout "
                              f"({self.cfg_rollout}), the branches of a guided forward")

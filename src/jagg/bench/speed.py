@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..checks import number_arg
+from ..checks import check_count, number_arg
 from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
@@ -60,8 +60,7 @@ class SD3Spec:
 
     def __post_init__(self):
         for k, v in asdict(self).items():
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"sd3 {k} must be a positive integer; got {v!r}")
+            setattr(self, k, check_count(v, f"sd3 {k}"))
         if self.latent_size % 2:
             raise ValueError(f"sd3 latent_size must be even (patch size 2); got {self.latent_size}")
 
@@ -384,7 +383,24 @@ def run_speed(cfg: SpeedConfig) -> list[dict]:
 # ----------------------------------------------------------------------------- command line
 
 
+def check_config_options(args: argparse.Namespace) -> None:
+    """``--config`` and ``--set`` time the model ``config`` and nothing else: ``--set`` without ``--config``, or
+    ``--config`` with ``--models`` that leave ``config`` out, would be ignored, and are refused; a ``--config`` that is
+    timed is loaded (its checks run) before any model is."""
+    if args.set and args.config is None:
+        raise ValueError(f"--set {args.set[0]}: --set overrides keys of --config (the model config); give --config "
+                         "PATH, a trainer YAML, with it")
+    if args.config is not None and args.models is not None and "config" not in args.models:
+        raise ValueError(f"--config {args.config}: --models {' '.join(args.models)} leaves out config, the model of "
+                         "--config, which would not be timed; add config to --models, or drop --config")
+    if args.config is not None:
+        from .meter import load_config
+
+        load_config(args.config, list(args.set or []))
+
+
 def _run(args: argparse.Namespace) -> int:
+    check_config_options(args)
     base = SpeedConfig(**QUICK) if args.quick else SpeedConfig()
     if args.config is not None and args.models is None:
         args.models = [*base.models, "config"]                   # --config: one more model beside the built-in ones

@@ -11,7 +11,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from .values import check_count, check_positive
+from .values import check_count, check_float32, check_positive, is_finite_number
 
 
 SDE_TYPES = ("flow_grpo", "dance", "cps")
@@ -38,8 +38,9 @@ ARGUMENTS = Keys()
 
 
 def check_eta(eta, keys: Keys = ARGUMENTS) -> None:
-    """Raise unless the SDE noise level ``eta`` is a finite number > 0."""
+    """Raise unless the SDE noise level ``eta`` is a finite number > 0 that fits float32 (the SDE step's dtype)."""
     check_positive(eta, keys["eta"], "the SDE steps need noise")
+    check_float32(eta, keys["eta"])
 
 
 def check_sde_type(sde_type: str, eta: float | None = None, keys: Keys = ARGUMENTS) -> None:
@@ -81,8 +82,8 @@ def check_sde_steps(num_steps: int, timestep_fraction: float = 1.0, sde_window=N
     training at least one step; ``sde_window`` None or ``[start, end]`` with ``0 <= start < end <= num_steps``; only
     one of the two set; and with ``sde_type`` ``cps`` the last step an ODE step (the window ending before
     ``num_steps``)."""
-    if not 0.0 < timestep_fraction <= 1.0:
-        raise ValueError(f"{keys['timestep_fraction']} must be in (0, 1]; got {timestep_fraction}")
+    if not is_finite_number(timestep_fraction) or not 0.0 < timestep_fraction <= 1.0:
+        raise ValueError(f"{keys['timestep_fraction']} must be a number in (0, 1]; got {timestep_fraction!r}")
     if sde_window is None:
         if int(num_steps * timestep_fraction) < 1:
             raise ValueError(f"{keys['timestep_fraction']}={timestep_fraction} of {keys['num_steps']}={num_steps} "
@@ -92,7 +93,8 @@ def check_sde_steps(num_steps: int, timestep_fraction: float = 1.0, sde_window=N
         return
     if timestep_fraction != 1.0:
         raise ValueError(f"set either {keys['timestep_fraction']} or {keys['sde_window']}, not both")
-    if len(sde_window) != 2 or not 0 <= sde_window[0] < sde_window[1] <= num_steps:
+    if (len(sde_window) != 2 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in sde_window)
+            or not 0 <= sde_window[0] < sde_window[1] <= num_steps):
         raise ValueError(f"{keys['sde_window']} must be [start, end] with 0 <= start < end <= {keys['num_steps']}="
                          f"{num_steps}; got {list(sde_window)}")
     if sde_type == "cps" and sde_window[1] >= num_steps:

@@ -36,10 +36,47 @@ def as_vector(values, name: str, dtype=np.float32) -> Tensor:
     return values.detach().flatten()
 
 
-def check_count(value, name: str, minimum: int = 1) -> None:
-    """Raise unless ``value`` is an integer (not a bool) >= ``minimum``; the message names it ``name``."""
+def as_steps(values, name: str) -> list[int]:
+    """``values`` as a list of Python ints (a sequence or 1-D tensor of integers, e.g. trained steps), non-empty; a
+    TypeError or ValueError naming ``name`` otherwise."""
+    if isinstance(values, Tensor):
+        values = values.tolist() if values.ndim == 1 and not values.is_floating_point() else None
+    if values is None or isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+        raise TypeError(f"{name} must be a non-empty sequence of integer steps; got {type(values).__name__}")
+    if not len(values) or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{name} must be a non-empty sequence of integer steps; got {shown(list(values))}")
+    return [int(v) for v in values]
+
+
+def check_count(value, name: str, minimum: int = 1) -> int:
+    """Raise unless ``value`` is an integer (not a bool; a numpy integer counts) >= ``minimum``; the message names it
+    ``name``. Returns it as a Python int."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {shown(value)}")
+    return int(value)
+
+
+def check_flag(value, name: str) -> bool:
+    """Raise unless ``value`` is True or False (a numpy bool counts), e.g. an argument passed in the wrong position
+    (a number where a flag goes); returns it as a Python bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False; got {type(value).__name__} {shown(value)} (an argument in "
+                        "the wrong position? pass it by name)")
+    return bool(value)
+
+
+def check_callable(value, name: str, signature: str) -> None:
+    """Raise unless ``value`` is callable (``signature`` says what it is called with and returns)."""
+    if not callable(value):
+        raise TypeError(f"{name} must be callable, {signature}; got {type(value).__name__}")
+
+
+def check_tensor(value, name: str, shape: str) -> Tensor:
+    """Raise unless ``value`` is a torch.Tensor (``shape`` says which, e.g. ``[B, T, *S]``); returns it."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape}; got {type(value).__name__} (an argument in the "
+                        "wrong position? pass it by name)")
+    return value
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)      # 3.4e38: a config's floats end up in float32 tensors

@@ -22,9 +22,19 @@ from typing import Callable
 import torch
 
 from .. import __version__
+from ..checks import check_fields
+from ..meter import Meter
 from .atomic import atomic_write
 
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
+
+# what a training checkpoint holds, by kind (:func:`jagg.checks.check_fields`): ``model`` and ``manifest`` in every one,
+# the loop's state (:data:`RESUME_FIELDS`) in those a run resumes from, the others where the trainer writes them
+FIELDS = {"model": "object", "manifest": "object", "config": "object", "iteration": "integer", "wall": "number",
+          "cpu": "number", "skipped_updates": "integer", "rng": "object|list", "optimizer": "object",
+          "run_id": "string|null", "meter": "object|null", "ema": "object|null", "model_config": "object",
+          "trainer": "string", "world_size": "integer"}
+RESUME_FIELDS = ("config", "iteration", "wall", "skipped_updates", "rng", "optimizer")
 
 
 def atomic_torch_save(obj, path: Path) -> None:
@@ -82,11 +92,12 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def read_checkpoint(path: str | Path) -> dict:
+def read_checkpoint(path: str | Path, resume: bool = False) -> dict:
     """The state dict of one checkpoint file written by :func:`save_checkpoint`.
 
     Raises ``ValueError`` naming the file when it is not a loadable checkpoint: truncated or corrupt (torch.load
-    fails), or not a jagg training checkpoint (no ``model`` or ``manifest`` entry).
+    fails), not a jagg training checkpoint (no ``model`` or ``manifest`` entry), or an entry of the wrong kind
+    (:data:`FIELDS`, named); with ``resume``, the loop's state (:data:`RESUME_FIELDS`) must be there too.
     """
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
@@ -96,6 +107,14 @@ def read_checkpoint(path: str | Path) -> dict:
     if not isinstance(state, dict) or not {"model", "manifest"} <= state.keys():
         raise ValueError(f"{path} is not a loadable checkpoint: it holds no jagg training state (model and "
                          "manifest entries, written by jagg train)")
+    required = ("model", "manifest") + (RESUME_FIELDS if resume else ())
+    check_fields(state, FIELDS, f"{path} is not a loadable checkpoint", tuple(k for k in FIELDS if k not in required),
+                 "it was not written by jagg train, or was changed since")
+    if state.get("meter") is not None:
+        check_fields(state["meter"], Meter.STATE_FIELDS, f"{path} is not a loadable checkpoint: its 'meter'",
+                     fix="it was not written by jagg train, or was changed since")
+    if state.get("iteration", 0) < 0:
+        raise ValueError(f"{path} is not a loadable checkpoint: its 'iteration' is {state['iteration']}, below 0")
     return state
 
 

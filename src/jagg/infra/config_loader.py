@@ -19,6 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from ..checks import check_float32, check_int64, check_seed, shown
@@ -30,7 +31,10 @@ def _suggest(key: str, valid: list[str]) -> str:
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Coerce a YAML value to the annotated type ``tp`` (int, float, bool, str, Optional, list/tuple, dict)."""
+    """Coerce a YAML value to the annotated type ``tp`` (int, float, bool, str, Optional, list/tuple, dict); a numpy
+    scalar (a config built in Python) counts as the Python number it holds."""
+    if isinstance(value, np.generic):
+        value = value.item()
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -141,6 +145,21 @@ def from_dict(cls, data: dict, where: str = ""):
         return cls(**kwargs)
     except ValueError as e:                   # named by section, unless the message names the key already
         raise ValueError(f"{where + ': ' if where and not str(e).startswith(where + '.') else ''}{e}") from None
+
+
+def differences(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
+    """``(key, value in a, value in b)`` of every dotted key (``sample.eta``) where two configs as dicts
+    (:func:`to_dict`) differ, sorted, but those under ``ignore`` (keys, or sections ``"log."``); a key one of them
+    lacks has the value None there. What the tools that reuse stored results compare them by."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+        return out
+
+    fa, fb = flat(a), flat(b)
+    skip = lambda key: any(key == i or (i.endswith(".") and key.startswith(i)) for i in ignore)
+    return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k) and not skip(k)]
 
 
 def to_dict(cfg) -> dict:

@@ -146,11 +146,23 @@ def run_file_error(out: Path, path: Path, run_id: str, hints: RunHints = TRAIN) 
 
 
 def write_run_file(out: Path, run_id: str, hints: RunHints = TRAIN) -> None:
-    """Create ``out`` if needed and write ``out/run.json`` atomically; filesystem errors become :class:`RunDirError`."""
+    """Create ``out`` if needed and write ``out/run.json`` atomically; filesystem errors become :class:`RunDirError`.
+    A ``run.json`` already there that is not this run's (a run that stopped before any other output, a file of the
+    user's) is never replaced: it is kept as ``run.json.old-<YYYYmmdd-HHMMSS>`` next to it, with a note."""
     from .. import __version__
 
     try:
         out.mkdir(parents=True, exist_ok=True)
+        old = out / RUN_FILE
+        if old.exists() and (read_run_file(out) or {}).get("run_id") != run_id:
+            stamp, k = time.strftime("%Y%m%d-%H%M%S"), 1
+            aside = old.with_name(f"{RUN_FILE}.old-{stamp}")
+            while aside.exists():
+                k += 1
+                aside = old.with_name(f"{RUN_FILE}.old-{stamp}-{k}")
+            os.rename(old, aside)
+            print(f"note: {old} was not this run's (another run's, with no other output, or not a run file): kept "
+                  f"as {aside}", flush=True)
         atomic_write_text(out / RUN_FILE, json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                                       "jagg_version": __version__}) + "\n")
     except OSError as e:
@@ -276,7 +288,7 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
     found, unreadable = None, []
     for path in reversed(list_checkpoints(ckpt_dir)):     # every process reads before any moves (the barrier below)
         try:
-            found = (read_checkpoint(path), path)
+            found = (read_checkpoint(path, resume=True), path)
             break
         except ValueError as e:
             unreadable.append(f"{path.name} {one_line(str(e).replace(str(path), '').strip(' :,'), 200)}")

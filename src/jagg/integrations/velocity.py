@@ -55,6 +55,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from ..checks import parse_json
 from .config import FAMILIES, VelocityConfig, torch_dtype
 
 
@@ -252,7 +253,8 @@ class PromptEmbeddings:
                 optional = {k: f.get_tensor(k) if k in keys else None
                             for k in ("pooled_prompt_embeds", "prompt_embeds_mask")}
                 return cls(f.get_tensor("prompt_embeds"), optional["pooled_prompt_embeds"],
-                           json.loads(meta["prompts"]), optional["prompt_embeds_mask"])
+                           parse_json(meta["prompts"], f"{path}: its 'prompts' metadata", "list", "rebuild the cache"),
+                           optional["prompt_embeds_mask"])
         if path.suffix in (".pt", ".pth"):
             data = torch.load(path, map_location="cpu", weights_only=True)
             if isinstance(data, dict) and "prompt_embeds" in data:

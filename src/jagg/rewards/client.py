@@ -27,6 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..checks import check_count
 from .images import to_uint8
 from .protocol import IMAGE_FORMATS, TOKEN_ENV, auth_header, bad_scores, encode_images, jsonable
 
@@ -79,9 +80,7 @@ class RewardClient:
             raise ValueError(f"reward server url must start with http:// or https://; got {self.url!r}")
         self.url = self.url.rstrip("/")
         for name, low in (("batch_size", 1), ("concurrency", 1), ("retries", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"reward server {name} must be an integer >= {low}; got {value!r}")
+            setattr(self, name, check_count(getattr(self, name), f"reward server {name}", low))
         for name, positive in (("timeout", True), ("backoff", False)):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)

@@ -25,6 +25,7 @@ that does not hold what is expected, is a one-line ``FileNotFoundError`` / ``Val
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_json_files, read_json
+from ..checks import check_count, check_json_files, read_json
 from .images import to_unit_float
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,7 +64,7 @@ def _clip_dir(path, what: str, repo: str, need: str) -> Path:
     if not p.is_dir() or not config.is_file():
         raise ValueError(f"{what}: {p} is not a transformers model directory (no config.json); expected {expected}")
     check_json_files(p, what)                         # a broken JSON file names itself, not a decoder position
-    model_type = read_json(config, what).get("model_type")
+    model_type = read_json(config, what, "object").get("model_type")
     if model_type != "clip":
         raise ValueError(f"{what}: {p} holds a {model_type!r} model, not CLIP (model_type 'clip'); expected {expected}")
     if need == "processor" and not any((p / f).is_file() for f in ("preprocessor_config.json",
@@ -74,9 +75,7 @@ def _clip_dir(path, what: str, repo: str, need: str) -> Path:
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-    return value
+    return check_count(value, name)
 
 
 def _positive_float(name: str, value) -> float:
@@ -430,15 +429,24 @@ class AestheticReward(ClipReward):
                                "sac+logos+ava1-l14-linearMSE.pth", "camenduru/improved-aesthetic-predictor")
         repo = "openai/clip-vit-large-patch14"
         super().__init__(_clip_loader(path, processor, "aesthetic", repo, repo), batch_size, device, dtype)
-        state = torch.load(head_path, map_location="cpu", weights_only=True)
-        layers = sorted({int(k.split(".")[1]) for k in state if k.startswith("layers.")})
+        try:
+            state = torch.load(head_path, map_location="cpu", weights_only=True)
+        except Exception as e:                        # a file that is not a torch checkpoint
+            raise ValueError(f"aesthetic head: {head_path} is not a torch state dict ({type(e).__name__}); expected "
+                             "sac+logos+ava1-l14-linearMSE.pth") from None
+        keys = state if isinstance(state, dict) else {}
+        layers = sorted({int(k.split(".")[1]) for k in keys if re.fullmatch(r"layers\.\d+\.weight", str(k))})
         if not layers:
             raise ValueError(f"aesthetic head: {head_path} is not an aesthetic-predictor state dict (no "
                              "'layers.N.weight' keys)")
-        mods = [nn.Linear(state[f"layers.{i}.weight"].shape[1], state[f"layers.{i}.weight"].shape[0])
-                if i in layers else nn.Dropout(0.0) for i in range(max(layers) + 1)]
-        self.head = nn.Sequential(*mods)
-        self.head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
+        try:
+            mods = [nn.Linear(state[f"layers.{i}.weight"].shape[1], state[f"layers.{i}.weight"].shape[0])
+                    if i in layers else nn.Dropout(0.0) for i in range(max(layers) + 1)]
+            self.head = nn.Sequential(*mods)
+            self.head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
+        except (AttributeError, IndexError, RuntimeError) as e:     # weights of the wrong kind or shape
+            raise ValueError(f"aesthetic head: {head_path} does not hold the aesthetic predictor's MLP weights "
+                             f"({' '.join(str(e).split())[:160]})") from None
         self.head.to(self.device).eval()
 
     def __call__(self, images, prompts=None, metadata=None):

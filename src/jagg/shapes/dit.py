@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -27,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from ..checks import parse_json
 
 PAD_ID = 0
 _META_KEY = "jagg_dit_config"
@@ -56,8 +59,9 @@ class DiTConfig:
             if f.name in ("cfg_dropout", "pos_init"):
                 continue
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
                 raise ValueError(f"DiTConfig.{f.name} must be a positive int, got {v!r}")
+            setattr(self, f.name, int(v))                 # a numpy integer counts
         if self.vocab_size < 2:
             raise ValueError(f"DiTConfig.vocab_size must be >= 2 (id 0 is padding), got {self.vocab_size}")
         if self.image_size % self.patch_size:
@@ -343,7 +347,8 @@ def load_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
         meta = f.metadata() or {}
     if _META_KEY not in meta:
         raise ValueError(f"{path} has no '{_META_KEY}' metadata; it was not written by jagg.shapes.dit.save_pretrained")
-    cfg = DiTConfig.from_dict(json.loads(meta[_META_KEY]))
+    cfg = DiTConfig.from_dict(parse_json(meta[_META_KEY], f"{path}: its '{_META_KEY}' metadata", "object",
+                                         "write it again with jagg pretrain"))
     sd = load_file(path, device=str(device))
     model = TinyDiT(cfg)
     model.to(device=device, dtype=dtype if dtype is not None else next(iter(sd.values())).dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -45,10 +46,12 @@ class PretrainConfig:
     def __post_init__(self):
         for name in ("steps", "batch_size", "log_every"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
                 raise ValueError(f"PretrainConfig.{name} must be a positive int, got {v!r}")
-        if not isinstance(self.warmup, int) or self.warmup < 0:
+            setattr(self, name, int(v))                   # a numpy integer counts
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, numbers.Integral) or self.warmup < 0:
             raise ValueError(f"PretrainConfig.warmup must be an int >= 0, got {self.warmup!r}")
+        self.warmup = int(self.warmup)
         if not self.lr > 0:
             raise ValueError(f"PretrainConfig.lr must be > 0, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -43,7 +43,7 @@ from ..infra.rundir import (TRAIN, RunHints, discard_new_run, lock_run, open_run
                             write_run_file)
 from ..infra.wandb_run import WandbRun, check_start as check_wandb_start
 from ..trajectory import Trajectory, VelocityFn
-from .lr_schedule import check_resumable_schedule, lr_factor, schedules_lr
+from .lr_schedule import check_resumable_schedule, how_to_continue, lr_factor, schedules_lr
 
 # config keys that may change between a checkpoint and its resumption (the aborts' limits change no gradient)
 RESUMABLE_CHANGES = ("grpo.iterations", "grpo.max_consecutive_skips", "grpo.max_empty_iterations", "log.", "eval.",
@@ -716,7 +716,7 @@ class GRPOTrainer(GRPO):
             lock = lock_run(self.out, self.hints)      # one process trains in a run directory at a time
         if self.iteration >= c.grpo.iterations:
             self._print(f"the run in {self.out} is at iteration {self.iteration} of grpo.iterations="
-                        f"{c.grpo.iterations}: nothing to train (raise grpo.iterations to continue it, or "
+                        f"{c.grpo.iterations}: nothing to train ({how_to_continue(c)}, or "
                         f"{self.hints.start_over})")
         handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         failed = False

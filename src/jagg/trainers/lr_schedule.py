@@ -40,6 +40,16 @@ def schedules_lr(optim) -> bool:
     return optim.lr_schedule != "constant" or optim.warmup_steps > 0
 
 
+def how_to_continue(cfg) -> str:
+    """What a finished run (at ``grpo.iterations``) is told to do to train on: raise ``grpo.iterations`` when nothing
+    decays over the run's length; with a decaying ``optim.lr_schedule``, which a resume may not stretch
+    (:func:`check_resumable_schedule`), a new run."""
+    if cfg.optim.lr_schedule == "constant":
+        return "raise grpo.iterations to continue it"
+    return (f"optim.lr_schedule={cfg.optim.lr_schedule} has decayed over its grpo.iterations, which a resume keeps: "
+            "to train longer, start a new run in another directory")
+
+
 def check_resumable_schedule(saved: dict, cfg) -> None:
     """Raise when a checkpoint's config ``saved`` (a dict) ran a decaying schedule over another run length than
     ``cfg``'s: the decay would jump."""

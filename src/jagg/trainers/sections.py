@@ -117,31 +117,12 @@ def check_run(sample, estimator: EstimatorConfig, num_steps: int, num_steps_key:
 
 def check_layout(e: EstimatorConfig, K: int, steps: str) -> None:
     """Raise, naming the key, when a count of the estimator is larger than what it counts in a run whose trajectories
-    have ``K`` trained steps (``steps`` says where ``K`` comes from): ``estimator.window`` more than ``K`` (one interval
-    would hold every step), ``exact_first_intervals`` / ``exact_last_intervals`` more than the intervals JAGG may take,
-    ``correction_rates`` not one rate per interval of the layout. Checked at load, before a run directory exists (at
-    the first update it would fail after run.json, metrics.jsonl and tensorboard/ were written). With 1 or 2 trained
-    steps every step runs exact, whatever the window: nothing to check."""
-    from ..knots import intervals_of
+    have ``K`` trained steps (``steps`` says where ``K`` comes from): :func:`jagg.knots.check_layout`, which
+    :func:`jagg.policy_gradient` runs too. Checked at load, before a run directory exists (at the first update it
+    would fail after run.json, metrics.jsonl and tensorboard/ were written)."""
+    from ..knots import check_layout as check_counts
 
-    if e.mode != "jagg" or K <= 2:                      # 1 or 2 trained steps: every step exact, whatever the window
-        return
-    if e.window > K:
-        raise ValueError(f"estimator.window={e.window} is more than the {K} trained steps of an iteration ({steps}): "
-                         f"one interval would hold every step; lower estimator.window to at most {K}")
-    if e.window <= 2:                                    # no layout: one exact interval per trained step
-        return
-    intervals = intervals_of(list(range(K)), "groups" if e.knots == "groups" else "shared", e.window)
-    inner = sum(len(iv) >= 3 for iv in intervals)
-    layout = f"estimator.window={e.window}, knots={e.knots} on the {K} trained steps of {steps}"
-    for name in ("exact_first_intervals", "exact_last_intervals"):
-        if getattr(e, name) > inner:
-            raise ValueError(f"estimator.{name}={getattr(e, name)} is more than the {inner} interval"
-                             f"{'s' * (inner != 1)} with inner steps ({layout}); lower it to at most {inner}")
-    if e.correction_rates is not None and len(e.correction_rates) != len(intervals):
-        raise ValueError(f"estimator.correction_rates has {len(e.correction_rates)} rate"
-                         f"{'s' * (len(e.correction_rates) != 1)}, but the layout has {len(intervals)} intervals "
-                         f"({layout}); give one rate per interval, in order")
+    check_counts(e, K, steps, "estimator.")
 
 
 def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:
