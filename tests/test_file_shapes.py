@@ -59,6 +59,8 @@ LOOP = {"config": {}, "iteration": 1, "wall": 1.0, "skipped_updates": 0, "rng": 
     ({"model": {}, "manifest": [], **LOOP}, "'manifest' must be an object"),
     ({"model": {}, "manifest": {}, **LOOP, "meter": {"audits": 2}}, "its 'meter' has no 'sizes'"),
     ({"model": {}, "manifest": {}, **LOOP, "iteration": -4}, "its 'iteration' is -4, below 0"),
+    ({"model": "ckpt_000001.dcp", "manifest": {}, **LOOP},                 # an FSDP checkpoint without its shards
+     "its 'model' names the shard directory 'ckpt_000001.dcp', which is not there beside it"),
 ])
 def test_a_checkpoint_of_the_wrong_shape_is_named_and_nothing_changes(state, culprit, tmp_path, capsys):
     run = tmp_path / "run"
@@ -74,7 +76,7 @@ def test_a_checkpoint_whose_model_is_not_a_state_dict_is_named_by_sample(tmp_pat
     path = tmp_path / "bad.pt"
     torch.save({"model": [1, 2], "manifest": {}}, path)
     refused(main, ["sample", "--checkpoint", str(path), "--prompt", "a red circle", "--out", str(tmp_path / "x.png")],
-            capsys, str(path), "'model' must be an object (key: value); it holds a list")
+            capsys, str(path), "'model' must be an object (key: value) or a string; it holds a list")
     assert not (tmp_path / "x.png").exists()
 
 

@@ -29,9 +29,10 @@ from .atomic import atomic_write
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
 
 # what a training checkpoint holds, by kind (:func:`jagg.checks.check_fields`): ``model`` and ``manifest`` in every one,
-# the loop's state (:data:`RESUME_FIELDS`) in those a run resumes from, the others where the trainer writes them
-FIELDS = {"model": "object", "manifest": "object", "config": "object", "iteration": "integer", "wall": "number",
-          "cpu": "number", "skipped_updates": "integer", "rng": "object|list", "optimizer": "object",
+# the loop's state (:data:`RESUME_FIELDS`) in those a run resumes from, the others where the trainer writes them; under
+# FSDP ``model`` and ``optimizer`` name the shard directory ``ckpt_<n>.dcp`` instead (:func:`write_shards`)
+FIELDS = {"model": "object|string", "manifest": "object", "config": "object", "iteration": "integer", "wall": "number",
+          "cpu": "number", "skipped_updates": "integer", "rng": "object|list", "optimizer": "object|string",
           "run_id": "string|null", "meter": "object|null", "ema": "object|null", "model_config": "object",
           "trainer": "string", "world_size": "integer"}
 RESUME_FIELDS = ("config", "iteration", "wall", "skipped_updates", "rng", "optimizer")
@@ -110,6 +111,11 @@ def read_checkpoint(path: str | Path, resume: bool = False) -> dict:
     required = ("model", "manifest") + (RESUME_FIELDS if resume else ())
     check_fields(state, FIELDS, f"{path} is not a loadable checkpoint", tuple(k for k in FIELDS if k not in required),
                  "it was not written by jagg train, or was changed since")
+    for key in ("model", "optimizer"):
+        if isinstance(state.get(key), str) and not (Path(path).parent / state[key]).is_dir():
+            raise ValueError(f"{path} is not a loadable checkpoint: its {key!r} names the shard directory "
+                             f"{state[key]!r}, which is not there beside it; restore it, or resume from another "
+                             "checkpoint")
     if state.get("meter") is not None:
         check_fields(state["meter"], Meter.STATE_FIELDS, f"{path} is not a loadable checkpoint: its 'meter'",
                      fix="it was not written by jagg train, or was changed since")
