@@ -65,33 +65,38 @@ def _hand_gradient(model, traj, ref_v, eps, beta, keep, drop):
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
 
 
-def _hand_group_drops(model, traj, ref_v, eps, inner):
-    """``[B, K]`` bool: the inner items whose prompt group (``GROUPS``) has ``sum A (r - 1) > eps sum |A|`` at that
-    step, computed here from the ratios of :func:`_items`; and PPO's own per-item drops at the same items."""
+def _ratios(model, traj, ref_v):
     with torch.no_grad():
-        r = _items(model, traj, ref_v)[0]
-    drop, ppo = torch.zeros_like(r, dtype=torch.bool), torch.zeros_like(r, dtype=torch.bool)
+        return _items(model, traj, ref_v)[0]
+
+
+def _group_gains(r, inner):
+    """``{(group, step): sum A (r - 1) / sum |A|}`` over the prompt groups ``GROUPS`` at the inner steps."""
+    out = {}
     for k in inner:
         for g in set(GROUPS):
             idx = [i for i in range(6) if GROUPS[i] == g]
             gain = sum(float(ADV[i]) * (float(r[i, k]) - 1) for i in idx)
-            scale = sum(abs(float(ADV[i])) for i in idx)
-            for i in idx:
-                drop[i, k] = gain > eps * scale
-                ppo[i, k] = float(ADV[i]) * (float(r[i, k]) - 1) > eps * abs(float(ADV[i]))
+            out[g, k] = gain / sum(abs(float(ADV[i])) for i in idx)
+    return out
+
+
+def _hand_group_drops(model, traj, ref_v, eps, inner):
+    """``[B, K]`` bool: the inner items whose prompt group's advantage-weighted ratio exceeds ``1 + eps`` at that
+    step, computed here from the ratios of :func:`_items`; and PPO's own per-item drops at the same items."""
+    r = _ratios(model, traj, ref_v)
+    gains = _group_gains(r, inner)
+    drop, ppo = torch.zeros_like(r, dtype=torch.bool), torch.zeros_like(r, dtype=torch.bool)
+    for (g, k), gain in gains.items():
+        for i in (i for i in range(6) if GROUPS[i] == g):
+            drop[i, k] = gain > eps
+            ppo[i, k] = float(ADV[i]) * (float(r[i, k]) - 1) > eps * abs(float(ADV[i]))
     return drop, ppo
 
 
 def _group_eps(model, traj, ref_v, inner) -> float:
-    """A clip range that splits the (group, inner step) decisions: the median of the groups' positive gains."""
-    with torch.no_grad():
-        r = _items(model, traj, ref_v)[0]
-    gains = []
-    for k in inner:
-        for g in set(GROUPS):
-            idx = [i for i in range(6) if GROUPS[i] == g]
-            gains.append(sum(float(ADV[i]) * (float(r[i, k]) - 1) for i in idx) / sum(abs(float(ADV[i])) for i in idx))
-    positive = sorted(x for x in gains if x > 0)
+    """A clip range that splits the (group, inner step) decisions: just below the median of the positive gains."""
+    positive = sorted(x for x in _group_gains(_ratios(model, traj, ref_v), inner).values() if x > 0)
     return positive[len(positive) // 2] * 0.999
 
 
@@ -132,8 +137,7 @@ def test_group_clip_off_policy_is_the_hand_written_loss(micro_batch, intermediat
 
 def _knot_drops(model, traj, ref_v, eps, inner):
     """``[B, K]`` PPO's own drops at the knots (every step not in ``inner``)."""
-    with torch.no_grad():
-        r = _items(model, traj, ref_v)[0]
+    r = _ratios(model, traj, ref_v)
     out = ADV[:, None] * (r - 1) > eps * ADV.abs()[:, None]
     out[:, inner] = False
     return out
