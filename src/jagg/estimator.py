@@ -45,8 +45,8 @@ from torch import Tensor
 
 from .checks import as_vector, check_callable, check_count, check_tensor, is_finite_number
 from .estimator_config import AUTO_INTERMEDIATE, EstimatorConfig
-from .knots import Bundle, Plan, plan_update
-from .sde import StepLoss, compute_dtype, step_loss
+from .knots import Bundle, Plan, plan_update, unit_rows
+from .sde import CLIP_DROP, CLIP_KEEP, CLIP_OWN, StepLoss, compute_dtype, group_clip, step_loss
 from .trajectory import VELOCITY_SIGNATURE, Trajectory, VelocityFn, checked_velocity, velocity_shape_error
 
 
@@ -75,6 +75,9 @@ class GradientStats:
         intervals_drawn: the samples' intervals whose terms were trained: ``B`` x ``round(interval_frac n)`` of the
             ``n`` intervals of the layout (single steps where none applies); ``intervals``, ``intervals_jagg`` and
             ``intervals_corrected`` count drawn intervals only.
+        dropped_frac: fraction of (sample, step) items whose policy gradient the clip zeroed: by PPO's rule (the
+            ratio beyond the range on the side its advantage favours, a part of ``clip_frac``'s items), or at a JAGG
+            interval's inner steps by ``inner_clip``'s decision (:func:`clip_decisions`).
     """
 
     loss: float
@@ -92,6 +95,7 @@ class GradientStats:
     jagg_frac_routed: float
     intervals_corrected: int = 0
     intervals_drawn: int = 0
+    dropped_frac: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,7 +137,7 @@ class Chunk:
 @dataclass
 class _Counters:
     """Rows and network calls of one :func:`policy_gradient` call, and the device-side sums of its statistics
-    (loss, clipped, approx_kl, ratio, kl; count of terms)."""
+    (loss, clipped, approx_kl, ratio, kl, dropped; count of terms)."""
 
     sums: Tensor
     forward_grad: int = 0
@@ -221,7 +225,8 @@ class UpdateInputs:
     advantages ``[B]``, the configuration, the reference velocities and ``term_weight``, the weight of one term
     ``l_{i,k}`` in the loss ``L`` (``loss_scale / (B |K|)``); ``inner``, how this update computes inner-step
     velocities (``fresh``, ``interp`` or ``stale``: :func:`inner_velocities`); and ``dtype``, the update's compute dtype (the
-    trajectory's, as sampling stores it: fp32, or fp64 when the trajectory is fp64), set once for every chunk."""
+    trajectory's, as sampling stores it: fp32, or fp64 when the trajectory is fp64), set once for every chunk;
+    ``decisions``, the ``[B, T]`` clip decisions of ``config.inner_clip`` (:func:`clip_decisions`; None: PPO's own)."""
 
     velocity_fn: VelocityFn
     traj: Trajectory
@@ -231,6 +236,7 @@ class UpdateInputs:
     term_weight: float
     inner: str = "interp"
     dtype: torch.dtype = field(init=False)
+    decisions: Tensor | None = None
 
     def __post_init__(self):
         self.dtype = compute_dtype(self.traj.latents)
@@ -246,11 +252,12 @@ class UpdateInputs:
 
     def losses(self, v: Tensor, sample: Tensor, step: Tensor) -> StepLoss:
         """The loss head (:func:`jagg.sde.step_loss`) of the terms ``(sample, step)`` at velocities ``v``."""
-        t, c, ref = self.traj, self.config, self.ref_velocities
+        t, c, ref, dec = self.traj, self.config, self.ref_velocities, self.decisions
         lat, sig = t.latents, t.sigmas
         return step_loss(v, lat[sample, step], lat[sample, step + 1], sig[step], sig[step + 1], float(sig[1]), t.eta,
                          t.log_probs[sample, step], self.advantages[sample], c.clip_range, c.kl_beta,
-                         None if ref is None else ref[sample, step], t.logprob_reduction, t.sde_type)
+                         None if ref is None else ref[sample, step], t.logprob_reduction, t.sde_type,
+                         None if dec is None else dec[sample, step])
 
 
 def plan(inputs: UpdateInputs, prompt_groups, generator: torch.Generator | None,
@@ -327,6 +334,56 @@ def fresh_velocities(inputs: UpdateInputs, ch: Chunk) -> list[tuple[Tensor, Tens
     return out
 
 
+def inner_forwards(inputs: UpdateInputs, ch: Chunk, counters: "_Counters") -> list[tuple[Tensor, Tensor]]:
+    """The chunk's ``fresh`` inner velocities (:func:`fresh_velocities`), counted, when this update runs them; else
+    ``[]``."""
+    if not ch.inner.numel() or inputs.inner != "fresh":
+        return []
+    out = fresh_velocities(inputs, ch)
+    counters.calls += len(out)
+    counters.forward_nograd += ch.inner.numel()
+    return out
+
+
+@torch.no_grad()
+def inner_ratios(inputs: UpdateInputs, chunks: list[Chunk], fresh: list[list[tuple[Tensor, Tensor]]]) -> Tensor:
+    """The ratios ``[n]`` of the chunks' inner terms, in order, at the velocities the update gives them before any
+    backward: ``fresh`` (the chunks' no-grad forwards, ``fresh``) or ``stale`` (the rollout's)."""
+    ratios = []
+    for ch, parts in zip(chunks, fresh):
+        if inputs.inner == "stale":
+            s, k = ch.term_sample[ch.inner], ch.term_step[ch.inner]
+            ratios.append(inputs.losses(inputs.traj.velocities[s, k], s, k).ratio)
+        ratios += [inputs.losses(v, ch.term_sample[part], ch.term_step[part]).ratio for part, v in parts]
+    return torch.cat(ratios)
+
+
+def clip_decisions(inputs: UpdateInputs, chunks: list[Chunk], fresh: list[list[tuple[Tensor, Tensor]]] | None,
+                   prompt_groups: Tensor | Sequence | None) -> Tensor | None:
+    """Phase 3: ``[B, T]`` int8, the clip decision (:data:`jagg.sde.CLIP_OWN`, ``CLIP_KEEP``, ``CLIP_DROP``) of each
+    (sample, step) item under ``config.inner_clip``; None for ``step`` (PPO's own everywhere). The items at a JAGG
+    interval's inner steps (a corrected inner step's own row included: the same item) are kept unclipped (``none``) or
+    decided together per prompt group (``prompt_groups``' units, :func:`jagg.knots.unit_rows`) and step by
+    :func:`jagg.sde.group_clip` (``group``) from :func:`inner_ratios` (``fresh``: every chunk's forwards, run first);
+    with ``interp``, whose velocities exist only after the knots' forward with grad, they are kept (``auto`` runs it
+    on-policy only, where every ratio is 1). Every other item keeps PPO's own clip."""
+    mode = inputs.config.inner_clip
+    if mode == "step" or not any(ch.inner.numel() for ch in chunks):
+        return None
+    sample = torch.cat([ch.term_sample[ch.inner] for ch in chunks])             # [n] the inner items
+    step = torch.cat([ch.term_step[ch.inner] for ch in chunks])
+    out = torch.full(tuple(inputs.traj.log_probs.shape), CLIP_OWN, dtype=torch.int8, device=sample.device)
+    out[sample, step] = CLIP_KEEP
+    if mode == "none" or inputs.inner == "interp":
+        return out
+    ratio = inner_ratios(inputs, chunks, fresh if fresh is not None else [[] for _ in chunks])
+    units = unit_rows(prompt_groups, out.shape[0]).to(sample.device)
+    group = units[sample] * out.shape[1] + step                                  # one group per (unit, step)
+    drop = group_clip(ratio, inputs.advantages[sample], group, inputs.config.clip_range)
+    out[sample, step] = torch.where(drop, CLIP_DROP, CLIP_KEEP).to(torch.int8)
+    return out
+
+
 def term_velocities(v_rows: Tensor, inputs: UpdateInputs, ch: Chunk, fresh: list[tuple[Tensor, Tensor]]) -> Tensor:
     """Phase 3: the velocity ``[E, *S]`` (detached, in the compute dtype of ``v_rows``) of every term at the current
     parameters: a knot's own row output; an inner step's ``fresh`` forward, its ``interp`` first-order update of
@@ -386,27 +443,27 @@ def backward_chunk(inputs: UpdateInputs, ch: Chunk, fresh: list[tuple[Tensor, Te
 
 
 def chunk_sums(out: StepLoss, traj: Trajectory, ch: Chunk) -> Tensor:
-    """Phase 5: ``[6]`` float64 sums over the chunk's counted terms of loss, clipped, approx_kl, ratio, kl, and their
-    count (on the device: no sync)."""
+    """Phase 5: ``[7]`` float64 sums over the chunk's counted terms of loss, clipped, approx_kl, ratio, kl, dropped,
+    and their count (on the device: no sync)."""
     old = traj.log_probs[ch.term_sample, ch.term_step].to(out.log_prob.dtype)
     items = torch.stack([
         out.loss.detach(), out.clipped.to(out.ratio.dtype), 0.5 * (out.log_prob.detach() - old) ** 2,
-        out.ratio, out.kl, torch.ones_like(out.ratio),
-    ]).double()                                                             # [6, E]
+        out.ratio, out.kl, out.dropped.to(out.ratio.dtype), torch.ones_like(out.ratio),
+    ]).double()                                                             # [7, E]
     return items.sum(1) if ch.counted is None else items[:, ch.counted].sum(1)
 
 
 def gradient_stats(update: Plan, counters: _Counters, chunks: int) -> GradientStats:
     """Phase 5: the call's :class:`GradientStats` (the one host sync: the means of the summed statistics)."""
     sums = counters.sums
-    means = (sums[:5] / sums[5].clamp_min(1)).tolist()
+    means = (sums[:6] / sums[6].clamp_min(1)).tolist()
     return GradientStats(
         loss=means[0], clip_frac=means[1], approx_kl=means[2], ratio_mean=means[3], kl=means[4],
         forward_grad_items=counters.forward_grad, forward_nograd_items=counters.forward_nograd,
         backward_items=counters.forward_grad, forward_calls=counters.calls, backward_calls=chunks,
         intervals=update.eligible, intervals_jagg=update.routed,
         jagg_frac_routed=update.routed / max(update.eligible, 1), intervals_corrected=update.corrected,
-        intervals_drawn=update.drawn,
+        intervals_drawn=update.drawn, dropped_frac=means[5],
     )
 
 
@@ -465,7 +522,8 @@ def policy_gradient(
         prompt_groups: optional ``[B]`` prompt group of each sample (ints, or e.g. the prompts). Routing
             (``0 < jagg_frac < 1``) and unbiased JAGG's picks (``correction_p``) then decide per (prompt group,
             interval) unit (see :func:`jagg.knots.route`), which keeps the JAGG error a prompt group's samples share
-            cancelling in their zero-sum advantages. The trainers pass it; without it, a unit is (sample, interval).
+            cancelling in their zero-sum advantages, and so does ``inner_clip="group"`` (one clip decision per prompt
+            group and inner step). The trainers pass it; without it, a unit is (sample, interval).
         generator: RNG of the random choices: unbiased JAGG's picks and the intervals drawn (``interval_frac``)
             (default: torch's global RNG).
         only_steps: accumulate only the loss terms of these trained steps (diagnostics: the gradient of a step
@@ -485,26 +543,25 @@ def policy_gradient(
     backward_fn = backward_fn or (lambda loss: loss.backward())
 
     update, bundles = plan(inputs, prompt_groups, generator, only_steps)
-    chunks = pack(bundles, config.micro_batch)
-    counters = run_chunks(inputs, chunks, backward_context, backward_fn)
+    chunks = [chunk_tensors(b, traj.latents.device) for b in pack(bundles, config.micro_batch)]
+    counters = run_chunks(inputs, chunks, prompt_groups, backward_context, backward_fn)
     return gradient_stats(update, counters, len(chunks))
 
 
-def run_chunks(inputs: UpdateInputs, chunks: list[list[Bundle]], backward_context: Callable[[bool], ContextManager],
-               backward_fn: Callable[[Tensor], None]) -> _Counters:
-    """Phases 3 to 5 for each chunk in turn: its index tensors, the ``fresh`` inner velocities (before the chunk's
-    graph exists), the forward and backward inside ``backward_context(is_last)``, and its statistics' sums."""
-    device = inputs.traj.latents.device
-    counters = _Counters(torch.zeros(6, dtype=torch.float64, device=device))
-    for n, bundles in enumerate(chunks):
-        ch = chunk_tensors(bundles, device)
-        fresh = []
-        if ch.inner.numel() and inputs.inner == "fresh":
-            fresh = fresh_velocities(inputs, ch)
-            counters.calls += len(fresh)
-            counters.forward_nograd += ch.inner.numel()
+def run_chunks(inputs: UpdateInputs, chunks: list[Chunk], prompt_groups: Tensor | Sequence | None,
+               backward_context: Callable[[bool], ContextManager], backward_fn: Callable[[Tensor], None]) -> _Counters:
+    """Phases 3 to 5: the clip decisions of ``inner_clip`` (:func:`clip_decisions`; for ``group`` every chunk's
+    ``fresh`` inner velocities first), then for each chunk in turn its ``fresh`` inner velocities (before the chunk's
+    graph exists, unless they ran first), the forward and backward inside ``backward_context(is_last)``, and its
+    statistics' sums."""
+    counters = _Counters(torch.zeros(7, dtype=torch.float64, device=inputs.traj.latents.device))
+    early = inputs.config.inner_clip == "group" and inputs.inner == "fresh"     # the group decides before backward
+    fresh = [inner_forwards(inputs, ch, counters) for ch in chunks] if early else None
+    inputs.decisions = clip_decisions(inputs, chunks, fresh, prompt_groups)
+    for n, ch in enumerate(chunks):
+        velocities = fresh[n] if fresh is not None else inner_forwards(inputs, ch, counters)
         with backward_context(n == len(chunks) - 1):       # DDP: no_sync must cover the forward too
-            out = backward_chunk(inputs, ch, fresh, backward_fn, counters)
+            out = backward_chunk(inputs, ch, velocities, backward_fn, counters)
         counters.sums += chunk_sums(out, inputs.traj, ch)
     return counters
 

@@ -13,6 +13,7 @@ MODES = ("exact", "jagg", "subsample")
 INTERMEDIATES = ("interp", "fresh", "stale")    # what an update runs; also "auto" (interp on-policy, else fresh)
 INTERMEDIATE_CHOICES = (*INTERMEDIATES, AUTO_INTERMEDIATE := "auto")
 KNOTS = ("groups", "shared")
+INNER_CLIPS = ("step", "none", "group")         # how PPO's clip treats a JAGG interval's inner terms
 ALPHAS = ("sigma", "index")
 NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac", "interval_frac")  # finite, first
 # correction_p's retired values, with what to do instead; the config loader refuses them by key too
@@ -49,6 +50,19 @@ class EstimatorConfig:
                               "then acts at the knots only); 'auto' = 'interp' in an on-policy update, 'fresh' in an "
                               "off-policy one (policy_gradient(..., on_policy=True/False); the trainers pass it; "
                               "unknown counts as off-policy)."})
+    inner_clip: str = field(default="step", metadata={"help": f"How PPO's clip treats the inner terms of a JAGG "
+                            f"interval, one of {INNER_CLIPS} (the knots' own terms are always clipped per step, as "
+                            "exact clips them; ratios and KL stay exact at every step). 'step' = per term, as exact "
+                            "(the default). Off-policy a clipped inner term drops its sample's share of the "
+                            "interpolation error a prompt group's samples share, which then no longer cancels in "
+                            "their zero-sum advantages (docs/RESULTS.md §9.2); 'none' = inner terms unclipped; "
+                            "'group' = one decision per prompt group (policy_gradient's prompt_groups; without them "
+                            "each sample is its own group, which is 'step') and inner step: every member's term is "
+                            "dropped when the group's advantage-weighted ratio 1 + sum A (r - 1) / sum |A| exceeds "
+                            "1 + clip_range, else all are kept unclipped (PPO's own rule for one sample). 'group' "
+                            "decides from the inner velocities before any backward: 'fresh' ones (their no-grad "
+                            "forwards run first), 'stale' ones (ratio 1, kept); with 'interp' (intermediate 'auto' "
+                            "on-policy, where every ratio is 1) it keeps them all, as 'none'."})
     jagg_frac: float = field(default=1.0, metadata={"help": "Fraction in [0, 1] of the units (prompt group, or "
                              "sample, x interval) routed through JAGG, the most linear first (mean cosine of consecutive velocity "
                              "increments with the interval's chord, from the stored velocities); the rest run exact. 0 = exact. Only intervals of >= 3 steps count (JAGG is exact and no cheaper on 1- "
@@ -117,6 +131,8 @@ class EstimatorConfig:
         if not 0.0 <= float(self.jagg_frac) <= 1.0:
             raise ValueError(f"jagg_frac must be in [0, 1] (0 = exact everywhere, 1 = JAGG everywhere); "
                              f"got {self.jagg_frac}")
+        if self.inner_clip not in INNER_CLIPS:
+            raise ValueError(f"inner_clip must be one of {INNER_CLIPS}; got {self.inner_clip!r}")
         if self.knots not in KNOTS:
             raise ValueError(f"knots must be one of {KNOTS}; got {self.knots!r}")
         if self.alpha not in ALPHAS:

@@ -18,8 +18,9 @@ every SDE type samples ``x' = mean + step_std * eps`` with a ``mean`` affine in 
 with a mean by default (Flow-GRPO), or a sum. For every type this is the true Gaussian log-density (Flow-GRPO's CPS
 code drops the ``1 / (2 step_std^2)`` and the constants; a ratio is then ``exp`` of a differently scaled number).
 
-The per-step Flow-GRPO loss head (:func:`step_loss`) is built from these densities, so it lives here too: for one
-(sample, step) item with velocity ``v`` at step k::
+The per-step Flow-GRPO loss head (:func:`step_loss`) is built from these densities, so it lives here too (and
+:func:`group_clip`, one clip decision for a group of items): for one (sample, step) item with velocity ``v`` at
+step k::
 
     r  = exp(log pi(x_{k+1} | x_k; v) - log pi_old)
     l  = max(-A r, -A clip(r, 1 - eps, 1 + eps)) + beta * KL
@@ -200,6 +201,11 @@ class StepLoss:
     ratio: Tensor
     clipped: Tensor
     kl: Tensor
+    dropped: Tensor                    # the items whose policy gradient the clip zeroed
+
+
+# ``step_loss``'s per-item clip decisions (``clip_decision``): PPO's own (the ratio decides), kept unclipped, dropped
+CLIP_OWN, CLIP_KEEP, CLIP_DROP = -1, 0, 1
 
 
 def step_loss(
@@ -217,6 +223,7 @@ def step_loss(
     ref_v: Tensor | None = None,
     reduction: str = "mean",
     sde_type: str = "flow_grpo",
+    clip_decision: Tensor | None = None,
 ) -> StepLoss:
     """Per-item Flow-GRPO loss for ``n`` (sample, step) items (the module docstring's ``l``).
 
@@ -229,6 +236,10 @@ def step_loss(
         kl_beta, ref_v: KL weight and reference velocities ``[n, *S]`` (needed when ``kl_beta > 0``).
         reduction: ``"mean"`` (Flow-GRPO) or ``"sum"`` of the log-prob over the latent dimensions.
         sde_type: the SDE the trajectory was sampled with (:data:`jagg.checks.SDE_TYPES`).
+        clip_decision: optional ``[n]`` per-item clip decisions taken by the caller: :data:`CLIP_OWN` (PPO's, from the
+            item's own ratio: the default for every item), :data:`CLIP_KEEP` (the unclipped ``-A r``) or
+            :data:`CLIP_DROP` (the same value, no policy gradient); e.g. :func:`group_clip` for a prompt group's
+            items. The KL term is never clipped.
     """
     check_step(x, v, sigma, sigma_next)
     bad = first_non_finite({"clip_range": clip_range, "kl_beta": kl_beta, "eta": eta, "sigma_one": sigma_one})
@@ -246,6 +257,11 @@ def step_loss(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     loss = torch.maximum(unclipped, clipped)
+    dropped = (adv * (ratio - 1) > clip_range * adv.abs()).detach()      # PPO's max took the constant clipped side
+    if clip_decision is not None:
+        own, drop = clip_decision == CLIP_OWN, clip_decision == CLIP_DROP
+        loss = torch.where(own, loss, torch.where(drop, unclipped.detach(), unclipped))
+        dropped = torch.where(own, dropped, drop)
     kl = torch.zeros_like(loss)
     if kl_beta > 0:
         if ref_v is None:
@@ -253,4 +269,26 @@ def step_loss(
         ref_mean = step_moments(x, ref_v, sigma, sigma_next, sigma_one, eta, sde_type)[0]
         kl = ((mean - ref_mean) ** 2).flatten(1).mean(1) / (2 * std**2)
         loss = loss + kl_beta * kl
-    return StepLoss(loss, log_prob, ratio.detach(), (ratio - 1).abs().detach() > clip_range, kl.detach())
+    return StepLoss(loss, log_prob, ratio.detach(), (ratio - 1).abs().detach() > clip_range, kl.detach(), dropped)
+
+
+def group_clip(ratio: Tensor, advantages: Tensor, group: Tensor, clip_range: float) -> Tensor:
+    """One PPO clip decision per group of items: ``[n]`` bool, True where the item's group is dropped (no policy
+    gradient for any of its items), False where all are kept unclipped.
+
+    A group is dropped when its advantage-weighted ratio ``1 + sum A (r - 1) / sum |A|`` exceeds ``1 + clip_range``:
+    its surrogate has already improved beyond the trust region. For a group of one item this is PPO's own rule (the
+    gradient of ``max(-A r, -A clip(r))`` is zero exactly when ``A (r - 1) > clip_range |A|``). A group whose items
+    share an error in proportion to their zero-sum advantages (JAGG's interpolation error, docs/RESULTS.md §9.2) keeps
+    it cancelling: its items are dropped or kept together.
+
+    Args:
+        ratio, advantages: ``[n]`` each item's ratio ``pi / pi_old`` and advantage.
+        group: ``[n]`` long, each item's group in ``0 .. G-1``.
+        clip_range: PPO's ``eps``.
+    """
+    G = int(group.max()) + 1 if group.numel() else 0
+    adv = advantages.to(ratio.dtype)
+    gain = torch.zeros(G, dtype=ratio.dtype, device=ratio.device).index_add_(0, group, adv * (ratio - 1))
+    scale = torch.zeros(G, dtype=ratio.dtype, device=ratio.device).index_add_(0, group, adv.abs())
+    return (gain > clip_range * scale)[group]
