@@ -56,6 +56,7 @@ from ..infra import config_loader as configuration
 from ..infra.checkpoint import prune_checkpoints, write_checkpoint
 from ..infra.distributed import all_reduce_gradients, gather_objects, loss_scale, shard
 from ..infra.metrics import plot_reward_curve, save_grid
+from .auto import AutoEstimator
 from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
                    draw_prompts_and_noise, update_summary)
 from .diffusers_config import DiffusersTrainConfig
@@ -168,7 +169,7 @@ class DiffusersSampler:
             p.grad = None
 
 
-class DiffusersTrainer(GRPOTrainer):
+class DiffusersTrainer(AutoEstimator, GRPOTrainer):
     """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX/Qwen-Image model (:class:`~jagg.trainers.base.GRPOTrainer`:
     the run directory, ``resume``, ``overwrite``, ``require_checkpoint`` and the loop). Launch with torchrun /
     accelerate for several processes (``WORLD_SIZE > 1``)."""
@@ -313,7 +314,7 @@ class DiffusersTrainer(GRPOTrainer):
         counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "intervals", "intervals_jagg")
         local = [0.0] * (len(names) + len(counts))
         if n:
-            st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
+            st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                  ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
                                  prompt_groups=mb.prompt_groups, generator=self.pick_gen, on_policy=mb.on_policy)
             local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]

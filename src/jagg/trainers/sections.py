@@ -124,6 +124,14 @@ def check_layout(e: EstimatorConfig, K: int, steps: str) -> None:
     steps every step runs exact, whatever the window: nothing to check."""
     from ..knots import intervals_of
 
+    if e.mode == "auto":                                # mode auto: every candidate, named
+        specs = {spec.partition(":")[0]: spec for spec in e.candidates}
+        for name, cand in e.candidate_configs().items():
+            try:
+                check_layout(cand, K, steps)
+            except ValueError as err:
+                raise ValueError(f"estimator.candidates: {specs.get(name, name)!r}: {err}") from None
+        return
     if e.mode != "jagg" or K <= 2:                      # 1 or 2 trained steps: every step exact, whatever the window
         return
     if e.window > K:
