@@ -158,10 +158,15 @@ def _projected(c: dict, cost: str | None) -> str:
 
 
 def _line(c: dict, cost: str | None) -> str:
-    """One candidate's line of the verdict."""
-    head = f"{c['estimator']}: "
-    if math.isfinite(c.get("time_rate_lo", math.nan)) and math.isfinite(c.get("time_rate_hi", math.nan)):
-        head += (f"{c['rate_lo']:.2f}-{c['rate_hi']:.2f} of exact's learning per update x iteration ratio "
-                 f"{c['iter_ratio']:.2f} = {c['time_rate_lo']:.2f}-{c['time_rate_hi']:.2f} x exact's progress per "
-                 f"second ({_projected(c, cost)}; at each update position: {c['positions']}): ")
-    return head + ("clears the bar" if c["passes"] else c["why"])
+    """One candidate's line of the verdict: its ranges and why it passed or failed; where a position's answer is
+    unknown, what the variance model alone would have said, marked as such."""
+    name, why = c["estimator"], c["why"]
+    if not (math.isfinite(c.get("time_rate_lo", math.nan)) and math.isfinite(c.get("time_rate_hi", math.nan))):
+        return f"{name}: {why}"
+    numbers = (f"{c['rate_lo']:.2f}-{c['rate_hi']:.2f} of exact's learning per update x iteration ratio "
+               f"{c['iter_ratio']:.2f}")
+    if why is not None and "unknown" in why:
+        return f"{name}: {why} (the variance model alone would say {numbers}; at each update position: {c['positions']})"
+    return (f"{name}: {numbers} = {c['time_rate_lo']:.2f}-{c['time_rate_hi']:.2f} x exact's progress per second "
+            f"({_projected(c, cost)}; at each update position: {c['positions']}): " + ("clears the bar" if c["passes"]
+                                                                                      else why))

@@ -336,7 +336,7 @@ def check_metrics(out: Path, hints: RunHints = TRAIN) -> None:
 def outputs(out: Path) -> list[str]:
     """The run outputs present in ``out``, for the end-of-run line (only what exists)."""
     names = []
-    for name in ("metrics.jsonl", "tensorboard", "wandb", "reward_curve.png", "samples", "checkpoints"):
+    for name in ("metrics.jsonl", "tensorboard", "wandb", "reward_curve.png", "samples", "checkpoints", "preflight.json"):
         p = out / name
         if p.is_file() or (p.is_dir() and any(p.iterdir())):
             names.append(name + "/" * p.is_dir())
