@@ -30,7 +30,7 @@ import math
 from pathlib import Path
 
 from jagg.bench.common import default_config_path, spearman
-from jagg.bench.meter import kept_batch, layout_linearity, load_config, make_sampler, measure
+from jagg.bench.meter import kept_batch, layout_linearity, load_config, make_sampler, measure, spec_base
 
 SDE_NOISE = {"dance": (0.3, 0.7, 1.0), "flow_grpo": (0.3, 1.0), "cps": (0.3, 0.7)}
 WINDOWS = {10: [0, 8], 20: [0, 16]}                       # the trained (SDE) steps of each step count
@@ -61,7 +61,7 @@ def linearity(cfg, batches: int) -> dict:
     """Routing's linearity score of the config's layout over ``batches`` fresh rollouts
     (:func:`jagg.bench.meter.layout_linearity`), for a map whose estimators leave out ``config``."""
     sampler = make_sampler(cfg)
-    return layout_linearity([kept_batch(sampler, cfg)[0] for _ in range(batches)], cfg.estimator)
+    return layout_linearity([kept_batch(sampler, cfg)[0] for _ in range(batches)], spec_base(cfg))
 
 
 def run_regime(r: dict, config: str | None, sets: list[str], specs: list[str], batches: int, draws: int) -> list[dict]:

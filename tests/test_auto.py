@@ -108,6 +108,19 @@ def test_a_bad_candidate_list_is_refused_by_name_at_load(tmp_path, tiny_ckpt, ca
 
 
 # a seconds-long auto run: 2 updates per rollout, a reward with spread in every prompt group (tests/reward_plugins.py)
+def test_the_default_candidates_adapt_to_the_job_and_a_given_list_does_not():
+    """A default candidate whose layout does not fit the trained steps is left out, with why; the same candidate in a
+    list the config gives is refused by name."""
+    from jagg.trainers.sections import auto_candidates
+
+    fitting, left_out = auto_candidates(EstimatorConfig(mode="auto"), 4, "sample.num_steps=4")
+    assert list(fitting) == ["exact", "g4", "s4", "g4u"] and list(left_out) == ["s5u"]
+    assert "estimator.window=5 is more than the 4 trained steps" in left_out["s5u"]
+    assert list(auto_candidates(EstimatorConfig(mode="auto"), 8, "")[0]) == ["exact", "g4", "s4", "g4u", "s5u"]
+    with pytest.raises(ValueError, match="estimator.candidates: 's5:window=5'"):
+        auto_candidates(EstimatorConfig(mode="auto", candidates=["s5:window=5"]), 4, "sample.num_steps=4")
+
+
 AUTO = ["estimator.mode=auto", "estimator.preflight_batches=3", "estimator.preflight_share=1",
         "estimator.candidates=[\"g4:window=4\", \"u4:window=4,correction_p=0.5\"]", "grpo.updates_per_epoch=2",
         "sample.prompts_per_iter=2", "sample.group_size=4", "reward.name=reward_plugins:brightness", "sample.num_steps=6"]
@@ -216,3 +229,16 @@ def test_bench_meter_prints_the_verdict_and_quick_none(tmp_path, tiny_ckpt, caps
     assert main(argv[:-2 * len(sets)] + ["--quick", "--overwrite", *[a for s in sets for a in ("--set", s)]]) == 0
     text = capsys.readouterr().out
     assert "--quick is a smoke test of the command" in text and "train with" not in text
+
+
+def test_the_main_job_runs_auto_and_the_benches_of_one_estimator_refuse_it(capsys):
+    """The main job ships with estimator.mode auto; a bench that measures the config's estimator as it is (signal,
+    fidelity) refuses auto by name, before any model loads."""
+    from jagg.infra import config_loader as configuration
+    from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
+
+    assert configuration.load(ShapesTrainConfig, main_job_path()).estimator.mode == "auto"
+    for bench in ("signal", "fidelity"):
+        assert main(["bench", bench, "--quick"]) == 2
+        err = capsys.readouterr().err
+        assert f"jagg bench {bench}: error: estimator.mode is 'auto'" in err and "--set estimator.mode=jagg" in err

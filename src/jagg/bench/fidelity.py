@@ -58,7 +58,7 @@ from ..trajectory import Trajectory, VelocityFn, sample_trajectories
 from ..shapes import from_tensor, tokenizer
 from ..audit import cosine, flat_grad, rel_err
 from .common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
-from .meter import Sampler, TrainConfig, load_config, make_sampler, restore_params
+from .meter import Sampler, TrainConfig, check_fixed_estimator, load_config, make_sampler, restore_params
 
 ADVANTAGES = ("reward", "random")
 SCORES = ("cosine",)            # routing's one linearity score (jagg.routing), the column name of the report
@@ -420,7 +420,7 @@ def load_train_config(args: argparse.Namespace) -> TrainConfig:
                                  "instead (--set)")
         if args.seed is not None:
             sets.append(f"seed={args.seed}")
-    return load_config(args.config, sets)
+    return check_fixed_estimator(load_config(args.config, sets), "jagg bench fidelity")
 
 
 def _run(args: argparse.Namespace) -> int:

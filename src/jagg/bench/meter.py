@@ -165,6 +165,15 @@ def make_sampler(cfg: TrainConfig) -> Sampler:
     return ShapesSampler(cfg)
 
 
+def check_fixed_estimator(cfg: TrainConfig, bench: str) -> TrainConfig:
+    """Refuse ``estimator.mode: auto`` (the main job's) for a bench that measures the config's estimator as it is:
+    the trainers resolve auto at a run's start, and a bench has no run. Returns ``cfg``."""
+    if cfg.estimator.mode == AUTO:
+        raise ValueError(f"estimator.mode is 'auto', which the trainers resolve at a run's start; {bench} measures a "
+                         "fixed estimator: --set estimator.mode=jagg (or exact, subsample)")
+    return cfg
+
+
 def check_kl(cfg: TrainConfig) -> None:
     """Refuse ``estimator.kl_beta > 0`` on the shapes world (before any model loads): its sampler carries no KL
     reference (a diffusers config's does: the adapters off, or the frozen copy)."""

@@ -32,6 +32,7 @@ from ..estimator_config import EstimatorConfig
 from ..infra.distributed import gather_objects
 from ..verdict import position_failure, verdict
 from .metering import measure_positions, restore_params
+from .sections import auto_candidates, steps_source, trained_steps
 
 SEED_OFFSET = 7_777_777          # the pre-flight's batches: seed + this, never a training stream of a nearby seed
 RECORD_KEYS = ("estimator", "update", "rows_per_sample", "error_to_noise", "error_to_noise_se", "bias_to_noise",
@@ -63,10 +64,13 @@ def preflight(sampler, cfg, budget_note: list | None = None) -> dict:
     (:func:`jagg.verdict.verdict`'s), the measurement's size (``batches``, ``draws``, ``updates``, ``measured_updates``,
     ``seed``), ``command`` (:func:`meter_command`) and ``records`` (the meter's, per candidate and position)."""
     c, e = cfg, cfg.estimator
-    ests = e.candidate_configs()
+    pipeline = getattr(c, "pipeline", None)                # a diffusers config's steps are the pipeline's
+    num_steps, key = (pipeline.num_steps, "pipeline.num_steps") if pipeline else (c.sample.num_steps, "sample.num_steps")
+    ests, left_out = auto_candidates(e, trained_steps(c.sample, num_steps), steps_source(c.sample, key, num_steps))
     updates = c.grpo.inner_epochs * c.grpo.updates_per_epoch
     seed = preflight_seed(c.seed)
     out = {"batches": e.preflight_batches, "draws": e.preflight_draws, "updates": updates, "seed": seed,
+           "left_out": left_out,
            "margin": e.preflight_margin, "command": meter_command(c, seed), "records": [], "measured_updates": 0}
     if len(ests) == 1 or c.grpo.iterations * e.preflight_share < e.preflight_batches:
         why = ("no candidate besides exact (estimator.candidates)" if len(ests) == 1 else
@@ -152,6 +156,8 @@ class AutoEstimator:
                     "in the run's clocks)")
         for line in decision["lines"]:
             self._print(f"  {line}")
+        for name, why in decision.get("left_out", {}).items():
+            self._print(f"  {name}: left out of the default candidates here: {why}")
         self._print(decision["line"])
         if decision["measured_updates"]:
             self._print(f"  the same measurement: {decision['command']}")

@@ -124,13 +124,8 @@ def check_layout(e: EstimatorConfig, K: int, steps: str) -> None:
     steps every step runs exact, whatever the window: nothing to check."""
     from ..knots import intervals_of
 
-    if e.mode == "auto":                                # mode auto: every candidate, named
-        specs = {spec.partition(":")[0]: spec for spec in e.candidates}
-        for name, cand in e.candidate_configs().items():
-            try:
-                check_layout(cand, K, steps)
-            except ValueError as err:
-                raise ValueError(f"estimator.candidates: {specs.get(name, name)!r}: {err}") from None
+    if e.mode == "auto":                                # mode auto: every candidate, named (auto_candidates)
+        auto_candidates(e, K, steps)
         return
     if e.mode != "jagg" or K <= 2:                      # 1 or 2 trained steps: every step exact, whatever the window
         return
@@ -150,6 +145,27 @@ def check_layout(e: EstimatorConfig, K: int, steps: str) -> None:
         raise ValueError(f"estimator.correction_rates has {len(e.correction_rates)} rate"
                          f"{'s' * (len(e.correction_rates) != 1)}, but the layout has {len(intervals)} intervals "
                          f"({layout}); give one rate per interval, in order")
+
+
+def auto_candidates(e: EstimatorConfig, K: int, steps: str) -> tuple[dict[str, EstimatorConfig], dict[str, str]]:
+    """``estimator.mode: auto``'s estimators for a run of ``K`` trained steps (``steps``: where ``K`` comes from):
+    ``({name: config}`` of exact and the candidates whose layout fits (:func:`check_layout`), ``{name: why}`` of the
+    others``)``. The default list (:data:`jagg.estimator_config.DEFAULT_CANDIDATES`) adapts to the job: a default
+    candidate that does not fit is left out, with why; a list the config gives is checked: one that does not fit is an
+    error naming it."""
+    from ..estimator_config import DEFAULT_CANDIDATES
+
+    specs = {spec.partition(":")[0]: spec for spec in e.candidates}
+    fitting, left_out = {}, {}
+    for name, cand in e.candidate_configs().items():
+        try:
+            check_layout(cand, K, steps)
+            fitting[name] = cand
+        except ValueError as err:
+            if e.candidates != list(DEFAULT_CANDIDATES):
+                raise ValueError(f"estimator.candidates: {specs.get(name, name)!r}: {err}") from None
+            left_out[name] = str(err)
+    return fitting, left_out
 
 
 def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:
