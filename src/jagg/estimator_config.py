@@ -129,8 +129,9 @@ class EstimatorConfig:
                                     "position; else the run trains exact."})
     preflight_share: float = field(default=0.2, metadata={"help": "mode='auto': the pre-flight's budget, a share of the "
                                    "run's projected CPU time (grpo.iterations exact iterations): a run shorter than "
-                                   "preflight_batches / preflight_share iterations trains exact without a pre-flight, "
-                                   "and the update positions not measured within the budget count as unknown."})
+                                   "preflight_batches / preflight_share iterations trains exact without a pre-flight; "
+                                   "the first update position is measured in full, each further one only if projected "
+                                   "to fit, else it counts as unknown."})
 
     def __post_init__(self):
         if self.mode not in (*MODES, AUTO):
