@@ -41,6 +41,11 @@ deterministic estimator). Per estimator:
   (:func:`prediction`); with several updates per rollout, the mean over the ``--update`` positions predicts the
   job's per-update rate: ``--update all`` measures each position in turn and prints it (:func:`job_prediction`,
   records of ``kind`` ``job`` in ``--json``), ``unknown`` where any position's answer is;
+- the **verdict** (:func:`jagg.verdict.verdict`, printed last, ``kind`` ``verdict`` in ``--json``; none with
+  ``--quick``, a smoke test): ``train with <estimator>`` where a candidate's range is known and its low end times the
+  iteration ratio clears ``1 + estimator.preflight_margin`` at every update position of the job, else ``train with
+  exact: <the reason>``, the rule ``estimator.mode: auto`` trains with; on an auto config the estimators measured by
+  default are its candidates;
 - ``linearity`` and ``linearity_min``: routing's linearity score of a JAGG estimator's layout on the measured
   rollouts (:func:`layout_linearity`; NaN for one that interpolates nothing), the regime's rule of thumb that needs
   no backward pass;
@@ -520,7 +525,8 @@ def add_parser(sub) -> None:
                         "policy, as the updates before it would; every estimator and exact are then compared there "
                         "(off-policy for N > 0, where intermediate interp's extrapolation enters the inner steps' "
                         "ratios); 'all': each of the job's grpo.inner_epochs x grpo.updates_per_epoch positions in "
-                        "turn (that many times the time), then the job's answer, the mean of their ranges "
+                        "turn on the same batches (each as --update N measures it; about that many times the "
+                        "gradients), then the job's answer, the mean of their ranges, and the verdict over them "
                         "[default: 0, on-policy]")
     p.add_argument("--by-tensor", nargs="?", const="config", metavar="NAME",
                    help="also list where this estimator's error lives by parameter tensor (the 10 with the largest "
