@@ -97,7 +97,7 @@ def restore_threads():
 
 
 # what these smoke tests assume instead of the main job's layout and reward (step groups of 4 everywhere, geneval)
-GENERIC = ["estimator.window=4", "estimator.exact_last_intervals=0", "reward.weights=null"]
+GENERIC = ["estimator.mode=jagg", "estimator.window=4", "estimator.exact_last_intervals=0", "reward.weights=null"]
 
 
 @pytest.fixture(scope="session")
@@ -153,8 +153,9 @@ def real_model_config(tmp_path, model_dir: str = "model"):
 
 
 def tiny_train_args(ckpt: str, out, iterations: int = 3, *extra: str) -> list[str]:
-    """`jagg train` arguments for a seconds-long run."""
-    sets = [f"model.checkpoint={ckpt}", f"grpo.iterations={iterations}", "sample.num_steps=4",
+    """`jagg train` arguments for a seconds-long run of a JAGG estimator (the main job's ``mode: auto`` chooses at a
+    run's start: tests/test_auto.py)."""
+    sets = ["estimator.mode=jagg", f"model.checkpoint={ckpt}", f"grpo.iterations={iterations}", "sample.num_steps=4",
             "sample.prompts_per_iter=2", "sample.group_size=2", "sample.sde_window=null", "eval.every=2", "eval.num_prompts=4",
             "eval.images_per_prompt=1", "eval.num_steps=3", "eval.grid_size=4", "log.checkpoint_every=1",
             "log.progress=false", "estimator.micro_batch=4", "estimator.window=2", "grpo.drop_zero_spread=false",

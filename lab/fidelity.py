@@ -58,7 +58,8 @@ from jagg.trajectory import Trajectory, VelocityFn, sample_trajectories
 from jagg.shapes import from_tensor, tokenizer
 from jagg.audit import cosine, flat_grad, rel_err
 from jagg.bench.common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
-from jagg.bench.meter import Sampler, TrainConfig, load_config, make_sampler, num_steps_of, restore_params
+from jagg.bench.meter import (Sampler, TrainConfig, check_fixed_estimator, load_config, make_sampler, num_steps_of,
+                              restore_params)
 from jagg.trainers.sections import steps_source, trained_steps
 
 ADVANTAGES = ("reward", "random")
@@ -431,7 +432,7 @@ def load_train_config(args: argparse.Namespace) -> TrainConfig:
                                  "instead (--set)")
         if args.seed is not None:
             sets.append(f"seed={args.seed}")
-    return load_config(args.config, sets)
+    return check_fixed_estimator(load_config(args.config, sets), "python -m lab fidelity")
 
 
 def _run(args: argparse.Namespace) -> int:

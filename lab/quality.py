@@ -75,7 +75,7 @@ from jagg.bench.common import default_config_path, table, write_json
 from jagg.trainers.diffusers_config import has_pipeline_section
 from jagg.bench.projection import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
 from lab.quality_compare import CLOCKS, TARGETS, compare
-from lab.quality_report import RUN_COLUMNS, plot, print_report
+from lab.quality_report import RUN_COLUMNS, plot, print_report, run_rows
 from lab.quality_runs import QUICK_SETS, QualityConfig, parse_variants, quick_sets, run_one
 from lab.statistics import PLATEAU_EVALS
 
@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
     records = run_quality(q, args.clock, args.train_only, args.target, cost, args.plateau_evals)
     runs = [r for r in records if r["kind"] == "run"]
     if args.train_only is not None:
-        print(table(runs, RUN_COLUMNS))
+        print(table(run_rows(runs), RUN_COLUMNS))
         print("trained; run the same command without --train-only to compare the variants")
         return 0
     summary = [r for r in records if r["kind"] == "variant"]

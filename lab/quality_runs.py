@@ -50,6 +50,9 @@ RECORDS_SAME = tuple(k for k in RESUMABLE_CHANGES if k not in ("eval.", "threads
 METER = ("audits", "error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio",
          "predicted_efficiency", "predicted_time_efficiency", "predicted_adam_efficiency",
          "predicted_adam_time_efficiency", "predicted_adam_tensor_efficiency", "predicted_adam_tensor_time_efficiency")
+# what it keeps of the pre-flight of estimator.mode auto (its decision and cost, in the run's clocks from the start)
+PREFLIGHT = ("train_with", "reason", "preflight_s", "preflight_cpu_s", "measured_updates", "best_candidate",
+             "best_time_rate_lo", "best_time_rate_hi")
 # ... and of every audit record, along the run (does the error or the bias grow as the policy sharpens?)
 METER_CURVE = ("iteration", "error_to_noise", "bias_to_noise", "bias_z")
 # what a run's result.json holds, by kind (jagg.checks.check_fields): what the comparison reads in every one, the rest
@@ -164,6 +167,8 @@ def summarize(records: list[dict], cfg: TrainConfig, variant: str, seed: int) ->
         "rows_per_update": sum(r.get("backward_items", 0) for r in train) / max(updates, 1),
         "nograd_per_update": sum(r.get("forward_nograd_items", 0) for r in train) / max(updates, 1),
         "meter": {k: audits[-1].get(k) for k in METER} if audits else None,
+        "preflight": ({k: pre[0].get(k) for k in PREFLIGHT} if (pre := [r for r in records if r.get("kind") ==
+                                                                       "preflight"]) else None),   # estimator.mode auto
         "meter_curve": [[r.get(k) for k in METER_CURVE] for r in audits],                                  # along the run
         "train_curve": [[r["iteration"], r["wall_s"], r["reward_mean"], r.get("cpu_s")] for r in train],   # TRAIN_CURVE
         "test_curve": [[r["iteration"], r["wall_s"], r["reward_mean"]] for r in evals],                    # TEST_CURVE

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from jagg.bench.common import default_config_path, json_safe, spearman
 from jagg.bench.meter import (BUILT_IN, check_estimators, kept_batch, layout_linearity, load_config, make_sampler,
-                              measure)
+                              measure, spec_base)
 from jagg.checks import check_fields, check_unique_names, read_json_lines
 from jagg.infra.config_loader import differences, to_dict
 
@@ -68,7 +68,7 @@ def linearity(cfg, batches: int) -> dict:
     """Routing's linearity score of the config's layout over ``batches`` fresh rollouts
     (:func:`jagg.bench.meter.layout_linearity`), for a map whose estimators leave out ``config``."""
     sampler = make_sampler(cfg)
-    return layout_linearity([kept_batch(sampler, cfg)[0] for _ in range(batches)], cfg.estimator)
+    return layout_linearity([kept_batch(sampler, cfg)[0] for _ in range(batches)], spec_base(cfg))
 
 
 def regime_config(r: dict, config: str | None, sets: list[str]):

@@ -49,7 +49,7 @@ from jagg.estimator import policy_gradient, reference_velocities
 from jagg.rewards.registry import get_reward
 from jagg.trainers.base import rollout_batch, take
 from jagg.trainers.diffusers_config import DiffusersTrainConfig
-from jagg.bench.meter import TrainConfig, check_kl, load_config, make_sampler
+from jagg.bench.meter import TrainConfig, check_fixed_estimator, check_kl, load_config, make_sampler
 from jagg.checks import check_no_repeats, number_arg
 from jagg.bench.common import default_config_path, json_if_asked, table
 
@@ -228,7 +228,7 @@ ESTIMATORS = ("config", "exact")
 
 def _run(args: argparse.Namespace) -> int:
     sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
-    cfg = load_config(args.config, sets)
+    cfg = check_fixed_estimator(load_config(args.config, sets), "python -m lab signal")
     check_kl(cfg)
     rewards = args.rewards or default_rewards(cfg)
     batches = args.batches if args.batches is not None else (3 if args.quick else 8)

@@ -254,8 +254,8 @@ def test_the_memory_estimate_passes_what_the_main_job_and_the_real_configs_need(
     (["eval.num_prompts=70"], "eval.num_prompts=70"),
 ])
 def test_counts_larger_than_what_they_count_are_refused_at_load(sets, culprit, tmp_path, capsys):
-    """The main job's layout: 8 trained steps (sde_window [0, 8]) in step groups of 4, two intervals."""
-    _both(sets, capsys, tmp_path, culprit)
+    """The main job's layout in mode jagg: 8 trained steps (sde_window [0, 8]) in step groups of 4, two intervals."""
+    _both(["estimator.mode=jagg", *sets], capsys, tmp_path, culprit)
 
 
 def test_counts_that_fit_still_load_and_the_diffusers_config_checks_them_too(tmp_path):

@@ -34,11 +34,14 @@ def test_an_update_position_the_job_does_not_have_is_refused(sets, update, count
 def test_the_positions_the_job_has_are_measured(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(bench_meter, "measure", lambda cfg, specs, b, d, t, cost, update: seen.append(update) or [])
+    monkeypatch.setattr(bench_meter, "measure_job", lambda cfg, *a: seen.append(
+        list(range(cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch))) or [])
     monkeypatch.setattr(bench_meter, "_report", lambda *a: None)
     monkeypatch.setattr(bench_meter, "job_prediction", lambda per_update: [])
+    monkeypatch.setattr(bench_meter, "_print_verdict", lambda *a: {})
     assert main(["bench", "meter", "--quick", "--update", "3"]) == 0          # the main job: 4 per rollout
     assert main(["bench", "meter", "--quick", "--update", "all"]) == 0
-    assert seen == [3, 0, 1, 2, 3]
+    assert seen == [3, [0, 1, 2, 3]]
 
 
 @pytest.mark.parametrize("extra,culprits", [

@@ -211,14 +211,15 @@ def test_stale_takes_the_rollout_velocities_at_inner_steps():
 
 
 def _main_job_audits(monkeypatch, sets: list[str]) -> list[dict]:
-    """Four iterations of the shipped main job, smaller (4 prompts x 4, 4 updates per rollout as shipped; lr 1e-3 so
+    """Four iterations of the shipped main job in mode jagg (its JAGG layout, what its auto candidates build on),
+    smaller (4 prompts x 4, 4 updates per rollout as shipped; lr 1e-3 so
     that four iterations move the policy enough to clip), with an audit every iteration: the audits run before updates
     0, 1, 2 and 3 of their rollouts."""
     from jagg.trainers.shapes_config import main_job_path
 
-    return _audits_of(monkeypatch, main_job_path(), ["sample.prompts_per_iter=4", "estimator.meter_every=1",
-                                                     "estimator.meter_samples=8", "threads=1", "optim.lr=1e-3",
-                                                     *sets], 4)
+    return _audits_of(monkeypatch, main_job_path(), ["estimator.mode=jagg", "sample.prompts_per_iter=4",
+                                                     "estimator.meter_every=1", "estimator.meter_samples=8", "threads=1",
+                                                     "optim.lr=1e-3", *sets], 4)
 
 
 def test_the_shipped_main_job_clips_as_exact_at_every_update(monkeypatch):

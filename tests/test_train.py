@@ -164,7 +164,7 @@ def test_default_config_loads_and_round_trips():
     cfg = configuration.load(ShapesTrainConfig, Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
     again = configuration.from_dict(ShapesTrainConfig, configuration.to_dict(cfg))
     assert again == cfg
-    assert cfg.estimator.mode == "jagg"
+    assert cfg.estimator.mode == "auto" and len(cfg.estimator.candidate_configs()) == 5    # exact and 4 candidates
 
 
 def test_shipped_shapes_configs_load_and_the_authors_recipe_trains(tmp_path):

@@ -74,7 +74,7 @@ def test_bench_signal_row_of_a_reward_does_not_depend_on_the_other_rewards(tmp_p
     from jagg.infra import config_loader as configuration
 
     cfg = configuration.load(ShapesTrainConfig, main_job_path(), [
-        "sample.prompts_per_iter=2", "sample.group_size=4", "threads=1", "log.progress=false",
+        "sample.prompts_per_iter=2", "sample.group_size=4", "threads=1", "log.progress=false", "estimator.mode=jagg",
         "log.tensorboard=false", "estimator.correction_p=0.5", f"log.output_dir={tmp_path / 'scratch'}"])
     assert cfg.estimator.mode == "jagg" and cfg.model.checkpoint == "builtin:tiny_dit"
 

@@ -162,6 +162,9 @@ def check_call(velocity_fn, traj, config, loss_scale: float = 1.0, generator=Non
     if not isinstance(config, EstimatorConfig):
         raise TypeError(f"config must be a jagg.EstimatorConfig (EstimatorConfig.from_dict(d) for a dict); "
                         f"got {type(config).__name__}")
+    if config.mode == "auto":
+        raise ValueError("config.mode 'auto' is the trainers' choice at a run's start (jagg.trainers.auto); give "
+                         "policy_gradient the estimator it chose: mode 'exact', 'jagg' or 'subsample'")
     if not is_finite_number(loss_scale):
         raise ValueError(f"loss_scale must be a finite number; got {loss_scale!r}")
     if generator is not None and not isinstance(generator, torch.Generator):

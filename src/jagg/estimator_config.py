@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
-from .checks import check_probabilities, first_non_finite
+from .checks import check_probabilities, first_non_finite, parse_spec
 
 MODES = ("exact", "jagg", "subsample")
+AUTO = "auto"                     # mode auto: the trainers choose among MODES at a run's start (jagg.trainers.auto)
 INTERMEDIATES = ("interp", "fresh", "stale")    # what an update runs; also "auto" (interp on-policy, else fresh)
 INTERMEDIATE_CHOICES = (*INTERMEDIATES, AUTO_INTERMEDIATE := "auto")
 KNOTS = ("groups", "shared")
@@ -20,17 +22,28 @@ NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac", "interval_fra
 RETIRED_CORRECTION_P = {"auto": "was retired (the rate the meter chose fell 12-15% short of the best fixed rate in 2 of "
                                 "3 regimes); give a fixed rate in [0, 1] instead, e.g. 0 (plain JAGG) or 0.25, chosen "
                                 "with jagg bench meter"}
+# mode auto's default candidates, from the paired seeds (docs/benchmarks.md "estimator.mode: auto"): the paper's
+# step groups and shared knots plain, and the two unbiased layouts that paid at an equal budget on the 20-step JPEG job
+DEFAULT_CANDIDATES = ("g4:knots=groups,window=4,correction_p=0", "s4:knots=shared,window=4,correction_p=0",
+                      "g4u:knots=groups,window=4,correction_p=0.25", "s5u:knots=shared,window=5,correction_p=0.1")
+# what a candidate may not set: the mode auto chooses, the loss every candidate shares, and the pre-flight's own keys
+NOT_CANDIDATE_KEYS = ("candidates", "clip_range", "kl_beta", "meter_every", "meter_samples", "preflight_batches",
+                      "preflight_draws", "preflight_margin", "preflight_share")
 
 
 @dataclass
 class EstimatorConfig:
     """How the policy gradient of one Flow-GRPO update is computed (docs/design.md §2-3; its words: §0)."""
 
-    mode: str = field(default="jagg", metadata={"help": f"Gradient estimator, one of {MODES}. 'exact' runs one "
-                      "backward per trained step (the Flow-GRPO baseline); 'jagg' one joint backward of the two "
+    mode: str = field(default="jagg", metadata={"help": f"Gradient estimator, one of {(*MODES, AUTO)}. 'exact' runs "
+                      "one backward per trained step (the Flow-GRPO baseline); 'jagg' one joint backward of the two "
                       "knots of each interval; "
                       "'subsample' trains a fresh random subset of each sample's steps, scaled up (DanceGRPO's "
-                      "timestep_fraction: the baseline JAGG must beat at equal rows)."})
+                      "timestep_fraction: the baseline JAGG must beat at equal rows); 'auto' (trainers only): a "
+                      "pre-flight at the run's start measures exact and the candidates on the run's own model and "
+                      "reward (jagg bench meter's measurement and verdict) and trains with the one it recommends, "
+                      "exact unless a candidate's projected progress per second clears exact's by preflight_margin at "
+                      "every update position of a rollout."})
     window: int = field(default=4, metadata={"help": "W: the trained steps of one interval, its two knots included "
                         "(knots='groups': disjoint step groups of W; 'shared': consecutive intervals share their end "
                         "knot, a knot every W-1 steps). 1 (or 2) gives the exact gradient."})
@@ -114,13 +127,34 @@ class EstimatorConfig:
                              "so the off-policy updates are audited too. 0 = off."})
     meter_samples: int = field(default=4, metadata={"was": "audit_samples", "help": "Trainers only: samples (whole prompt groups, at least "
                                "two) the audit uses."})
+    candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES), metadata={"help": "mode='auto': "
+                                  "the estimators the pre-flight measures beside exact (always measured, and chosen "
+                                  "unless a candidate wins), each 'NAME:KEY=VALUE,...' of estimator keys on top of this "
+                                  "section's in mode 'jagg' (e.g. 's5u:knots=shared,window=5,correction_p=0.1'; "
+                                  "'mode=subsample' for subsampling); 'exact' may be listed. Every name once. Defaults: "
+                                  "plain step groups and shared knots of 4, unbiased step groups of 4 (p 0.25) and "
+                                  "unbiased shared knots of 5 (p 0.1)."})
+    preflight_batches: int = field(default=6, metadata={"help": "mode='auto': independent rollout batches (>= 3) the "
+                                   "pre-flight measures every candidate on, at each update position of a rollout "
+                                   "(jagg bench meter --batches)."})
+    preflight_draws: int = field(default=1, metadata={"help": "mode='auto': draws per batch of a random candidate "
+                                 "(unbiased JAGG, subsampling) in the pre-flight (jagg bench meter --draws)."})
+    preflight_margin: float = field(default=0.1, metadata={"help": "mode='auto': a candidate is chosen only when the low "
+                                    "end of its projected progress per second (the meter's per-update rate range times "
+                                    "the measured iteration ratio) is at least 1 + this times exact's at every update "
+                                    "position; else the run trains exact."})
+    preflight_share: float = field(default=0.2, metadata={"help": "mode='auto': the pre-flight's budget, a share of the "
+                                   "run's projected CPU time (grpo.iterations exact iterations): a run shorter than "
+                                   "preflight_batches / preflight_share iterations trains exact without a pre-flight; "
+                                   "the first update position is measured in full, each further one only if projected "
+                                   "to fit, else it counts as unknown."})
 
     def __post_init__(self):
         for f in fields(self):                        # numpy scalars (np.int64(4), np.float32(0.5)) as Python numbers
             if isinstance(getattr(self, f.name), np.generic):
                 setattr(self, f.name, getattr(self, f.name).item())
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}; got {self.mode!r}")
+        if self.mode not in (*MODES, AUTO):
+            raise ValueError(f"mode must be one of {(*MODES, AUTO)}; got {self.mode!r}")
         bad = first_non_finite({name: getattr(self, name) for name in NUMBERS})
         if bad is not None:
             raise ValueError(f"{bad} must be a finite number; got {getattr(self, bad)!r}")
@@ -167,6 +201,27 @@ class EstimatorConfig:
             raise ValueError(f"clip_range must be > 0; got {self.clip_range}")
         if self.kl_beta < 0:
             raise ValueError(f"kl_beta must be >= 0; got {self.kl_beta}")
+        self._check_preflight()
+        if self.mode == AUTO:
+            self.candidate_configs()                     # a bad candidate is refused here, by name
+
+    def _check_preflight(self) -> None:
+        """The pre-flight's keys (mode auto's), checked in every mode so that a saved config always loads."""
+        if not isinstance(self.preflight_batches, int) or isinstance(self.preflight_batches, bool) \
+                or self.preflight_batches < 3:
+            raise ValueError(f"preflight_batches must be an integer >= 3 (a variance and a bias across batches); got "
+                             f"{self.preflight_batches!r}")
+        if not isinstance(self.preflight_draws, int) or isinstance(self.preflight_draws, bool) \
+                or self.preflight_draws < 1:
+            raise ValueError(f"preflight_draws must be an integer >= 1; got {self.preflight_draws!r}")
+        bad = first_non_finite({"preflight_margin": self.preflight_margin, "preflight_share": self.preflight_share})
+        if bad is not None or self.preflight_margin < 0 or self.preflight_share <= 0:
+            raise ValueError(f"preflight_margin must be a finite number >= 0 and preflight_share one > 0; got "
+                             f"{self.preflight_margin!r} and {self.preflight_share!r}")
+        if not isinstance(self.candidates, (list, tuple)) or not all(isinstance(c, str) for c in self.candidates):
+            raise ValueError(f"candidates must be a list of 'NAME:KEY=VALUE,...' strings, e.g. "
+                             f"[{DEFAULT_CANDIDATES[0]!r}]; got {self.candidates!r}")
+        self.candidates = list(self.candidates)
 
     @property
     def rates(self) -> list[float]:
@@ -193,6 +248,42 @@ class EstimatorConfig:
         ``jagg`` the paper's plain JAGG, whose error the correction removes."""
         return replace(self, correction_p=0.0, correction_rates=None)
 
+    def candidate_base(self) -> "EstimatorConfig":
+        """This section in mode ``jagg`` without candidates: what mode auto's candidates (and ``jagg bench meter``'s
+        ``--estimator`` specs on an auto config) build on."""
+        return replace(self, mode="jagg", candidates=[])
+
+    def candidate_configs(self) -> dict[str, "EstimatorConfig"]:
+        """mode auto's estimators, ``{name: config}``: ``exact`` (this section's loss in mode ``exact``) first, then each
+        of :attr:`candidates` (``NAME:KEY=VALUE,...``: its keys on top of this section's in mode ``jagg``). A
+        candidate that does not parse, repeats a name, sets a key it may not (:data:`NOT_CANDIDATE_KEYS`, mode auto) or
+        makes an invalid estimator is an error naming it."""
+        base = self.candidate_base()
+        out = {"exact": base.exact()}
+        for spec in self.candidates:
+            name, defines, _ = spec.partition(":")
+            where = f"estimator.candidates: {spec!r}"
+            if name in out or not name.strip() or name != name.strip():
+                raise ValueError(f"{where}: {'the name is given twice' if name in out else 'give it a name'}; each "
+                                 f"candidate is NAME:KEY=VALUE,... with a name of its own, e.g. {DEFAULT_CANDIDATES[0]!r}")
+            if name == "exact" and not defines:
+                continue
+            if not defines or name == "exact":
+                split = " (a YAML list splits at commas: quote each candidate, e.g. --set 'estimator.candidates=[" \
+                        "\"s4:knots=shared,window=4\"]')" if "=" in name else ""
+                raise ValueError(f"{where}: give its estimator keys, NAME:KEY=VALUE,... (only 'exact' stands alone, "
+                                 f"and it is always measured), e.g. {DEFAULT_CANDIDATES[0]!r}{split}")
+            keys = {k.removeprefix("estimator."): _spec_value(v) for k, v in parse_spec(spec, where)[1].items()}
+            barred = [k for k in keys if k in NOT_CANDIDATE_KEYS] + (["mode"] if keys.get("mode") == AUTO else [])
+            if barred:
+                raise ValueError(f"{where}: {barred[0]!r} is not a candidate's to set (the loss and the pre-flight's "
+                                 "keys are the section's, for every candidate); set it in estimator: itself")
+            try:
+                out[name] = EstimatorConfig.from_dict({**base.to_dict(), **keys})
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{where}: {e}") from None
+        return out
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -206,3 +297,11 @@ class EstimatorConfig:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ValueError(f"unknown EstimatorConfig key {key!r}{hint} (valid keys: {', '.join(known)})")
         return cls(**d)
+
+
+def _spec_value(text: str):
+    """A value of a ``KEY=VALUE`` spec: a JSON number, ``true``/``false``, ``null`` or list, else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

@@ -208,6 +208,21 @@ class StepLoss:
 CLIP_OWN, CLIP_KEEP, CLIP_DROP = -1, 0, 1
 
 
+def _check_loss_args(v, x, sigma, sigma_next, sigma_one, eta, old_log_prob, advantages, clip_range, kl_beta) -> None:
+    """:func:`step_loss`'s arguments checked, each named: the step's tensors (:func:`check_step`), finite numbers, one
+    stored log-prob and advantage per item."""
+    check_step(x, v, sigma, sigma_next)
+    bad = first_non_finite({"clip_range": clip_range, "kl_beta": kl_beta, "eta": eta, "sigma_one": sigma_one})
+    if bad is not None or clip_range <= 0 or kl_beta < 0:
+        raise ValueError(f"clip_range must be a finite number > 0, kl_beta one >= 0, eta and sigma_one finite "
+                         f"numbers; got clip_range={clip_range!r}, kl_beta={kl_beta!r}, eta={eta!r}, "
+                         f"sigma_one={sigma_one!r}")
+    for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):
+        if not isinstance(t, Tensor) or t.numel() != (x.shape[0] if x.ndim else 1):
+            raise ValueError(f"{name} must be a tensor [n] = [{x.shape[0]}] (one per item); got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+
+
 def step_loss(
     v: Tensor,
     x: Tensor,
@@ -241,16 +256,7 @@ def step_loss(
             :data:`CLIP_DROP` (the same value, no policy gradient); e.g. :func:`group_clip` for a prompt group's
             items. The KL term is never clipped.
     """
-    check_step(x, v, sigma, sigma_next)
-    bad = first_non_finite({"clip_range": clip_range, "kl_beta": kl_beta, "eta": eta, "sigma_one": sigma_one})
-    if bad is not None or clip_range <= 0 or kl_beta < 0:
-        raise ValueError(f"clip_range must be a finite number > 0, kl_beta one >= 0, eta and sigma_one finite "
-                         f"numbers; got clip_range={clip_range!r}, kl_beta={kl_beta!r}, eta={eta!r}, "
-                         f"sigma_one={sigma_one!r}")
-    for name, t in (("old_log_prob", old_log_prob), ("advantages", advantages)):
-        if not isinstance(t, Tensor) or t.numel() != (x.shape[0] if x.ndim else 1):
-            raise ValueError(f"{name} must be a tensor [n] = [{x.shape[0]}] (one per item); got "
-                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+    _check_loss_args(v, x, sigma, sigma_next, sigma_one, eta, old_log_prob, advantages, clip_range, kl_beta)
     log_prob, mean, std = step_log_prob(x, v, x_next, sigma, sigma_next, sigma_one, eta, sde_type, reduction)
     ratio = torch.exp(log_prob - old_log_prob.to(log_prob.dtype))
     adv = advantages.to(log_prob.dtype)

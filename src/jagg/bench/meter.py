@@ -41,6 +41,11 @@ deterministic estimator). Per estimator:
   (:func:`prediction`); with several updates per rollout, the mean over the ``--update`` positions predicts the
   job's per-update rate: ``--update all`` measures each position in turn and prints it (:func:`job_prediction`,
   records of ``kind`` ``job`` in ``--json``), ``unknown`` where any position's answer is;
+- the **verdict** (:func:`jagg.verdict.verdict`, printed last, ``kind`` ``verdict`` in ``--json``; none with
+  ``--quick``, a smoke test): ``train with <estimator>`` where a candidate's range is known and its low end times the
+  iteration ratio clears ``1 + estimator.preflight_margin`` at every update position of the job, else ``train with
+  exact: <the reason>``, the rule ``estimator.mode: auto`` trains with; on an auto config the estimators measured by
+  default are its candidates;
 - ``linearity`` and ``linearity_min``: routing's linearity score of a JAGG estimator's layout on the measured
   rollouts (:func:`layout_linearity`; NaN for one that interpolates nothing), the regime's rule of thumb that needs
   no backward pass;
@@ -63,27 +68,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
-import time
-from dataclasses import dataclass
 
 import torch
 import yaml
-from torch import Tensor
 
 from ..audit import clip_flag, flat_grad
-from ..meter import adam_efficiency, error_noise_stats, extrapolate, predicted_efficiency
+from ..meter import error_noise_stats
 from ..checks import check_unique_names, number_arg, parse_spec
-from ..estimator import policy_gradient, reference_velocities
-from ..estimator_config import EstimatorConfig
-from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals, plan_update
-from ..routing import linearity_scores
-from ..trainers.base import rollout_batch, take
+from ..estimator import policy_gradient
+from ..estimator_config import AUTO, EstimatorConfig
+from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals
 from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
+from ..trainers.metering import (Batch, Sampler, bias_z, draw_batches, efficiencies, expected_rows,  # noqa: F401
+                                 gradients, kept_batch, layout_linearity, measure_positions, measure_records,
+                                 projected_efficiencies, restore_params, step_to_update, training_batch,
+                                 with_subsample)
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..infra import config_loader as configuration
-from ..trajectory import Trajectory
+from ..verdict import MAX_RANGE, job_prediction, prediction, rate_range, verdict  # noqa: F401  (their former home)
 from .common import default_config_path, json_if_asked, set_threads, table
 from .projection import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
 
@@ -140,7 +143,7 @@ def check_estimators(specs: list[str], cfg, flag: str = "--estimator") -> None:
     K, steps = trained_steps(s, n), steps_source(s, key, n)
     for spec in specs:
         try:
-            est = parse_estimator(spec, cfg.estimator, flag)[1]
+            est = parse_estimator(spec, spec_base(cfg), flag)[1]
             if est is not None:
                 check_layout(est, K, steps)
         except ValueError as e:
@@ -160,15 +163,6 @@ def check_update(update: int | str, cfg) -> None:
                          "updates per rollout (--set grpo.updates_per_epoch=...)")
 
 
-def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) -> float:
-    """Rows with grad per sample of ``cfg`` on ``traj``, the mean over ``draws`` plans (no network call)."""
-    gen = torch.Generator().manual_seed(0)
-    n = draws if cfg.random else 1
-    rows = [plan_update(traj, cfg, prompt_groups, generator=gen).rows for _ in range(n)]
-    return statistics.fmean(rows) / traj.batch_size
-
-
-Sampler = ShapesSampler        # or jagg.trainers.diffusers.DiffusersSampler: the same interface
 TrainConfig = ShapesTrainConfig | DiffusersTrainConfig
 
 
@@ -189,6 +183,15 @@ def make_sampler(cfg: TrainConfig) -> Sampler:
     return ShapesSampler(cfg)
 
 
+def check_fixed_estimator(cfg: TrainConfig, bench: str) -> TrainConfig:
+    """Refuse ``estimator.mode: auto`` (the main job's) for a bench that measures the config's estimator as it is:
+    the trainers resolve auto at a run's start, and a bench has no run. Returns ``cfg``."""
+    if cfg.estimator.mode == AUTO:
+        raise ValueError(f"estimator.mode is 'auto', which the trainers resolve at a run's start; {bench} measures a "
+                         "fixed estimator: --set estimator.mode=jagg (or exact, subsample)")
+    return cfg
+
+
 def check_kl(cfg: TrainConfig) -> None:
     """Refuse ``estimator.kl_beta > 0`` on the shapes world (before any model loads): its sampler carries no KL
     reference (a diffusers config's does: the adapters off, or the frozen copy)."""
@@ -204,25 +207,6 @@ def num_steps_of(cfg: TrainConfig) -> tuple[int, str]:
     return cfg.sample.num_steps, "sample.num_steps"
 
 
-def training_batch(sampler: Sampler, cfg: TrainConfig):
-    """One training batch through the trainer's own pipeline (:func:`jagg.trainers.base.rollout_batch`): ``(traj,
-    conditioning, advantages, prompt_groups, rollout CPU seconds)`` of the kept samples."""
-    t0 = time.process_time()
-    batch = rollout_batch(sampler.sample, sampler.score, cfg)
-    seconds = time.process_time() - t0
-    idx, ro = batch.keep_idx, batch.rollout
-    return ro.traj.select(idx), take(ro.conditioning, idx), batch.advantages[idx], batch.prompt_groups[idx], seconds
-
-
-def kept_batch(sampler: Sampler, cfg: TrainConfig) -> tuple[Batch, float]:
-    """One :func:`training_batch` as a :class:`Batch`, with the KL reference's velocities when
-    ``estimator.kl_beta > 0`` (as the trainers compute them once per rollout), and its rollout CPU seconds."""
-    traj, cond, adv, prompt_groups, seconds = training_batch(sampler, cfg)
-    e = cfg.estimator
-    ref_v = reference_velocities(sampler.reference(cond), traj, e.micro_batch) if e.kl_beta > 0 else None
-    return Batch(traj, cond, adv, prompt_groups, ref_v), seconds
-
-
 def check_sizes(batches: int, draws: int, target_batch: int | None = None) -> None:
     """Raise unless ``--batches`` >= 3 (a variance and a bias across batches), ``--draws`` >= 1 and
     ``--target-batch`` (when given) >= 1."""
@@ -232,24 +216,6 @@ def check_sizes(batches: int, draws: int, target_batch: int | None = None) -> No
         raise ValueError(f"--draws must be >= 1; got {draws}")
     if target_batch is not None and target_batch < 1:
         raise ValueError(f"--target-batch must be >= 1; got {target_batch}")
-
-
-def bias_z(bias_to_noise: float, se: float) -> float:
-    """The repeating error in standard errors (0 for an estimator without one, NaN when its SE is unknown)."""
-    if bias_to_noise == 0:
-        return 0.0
-    return bias_to_noise / se if se > 0 else math.nan
-
-
-def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float, tensor_factor: float) -> dict:
-    """The six efficiencies (module docstring) of an estimator with these work ratios against exact, this error and
-    this per-update factor of Adam's per-tensor model (:func:`jagg.meter.adam_tensor_factor`)."""
-    return {"efficiency": predicted_efficiency(rows_ratio, error_to_noise),
-            "time_efficiency": predicted_efficiency(time_ratio, error_to_noise),
-            "adam_efficiency": adam_efficiency(rows_ratio, error_to_noise),
-            "adam_time_efficiency": adam_efficiency(time_ratio, error_to_noise),
-            "adam_tensor_efficiency": rows_ratio * tensor_factor,
-            "adam_tensor_time_efficiency": time_ratio * tensor_factor}
 
 
 def budget_rates_of(cfg: TrainConfig, name: str, est: EstimatorConfig, batches: int,
@@ -273,60 +239,25 @@ def budget_rates_of(cfg: TrainConfig, name: str, est: EstimatorConfig, batches: 
     return dataclasses.replace(est, correction_rates=[round(r, 4) for r in rates])
 
 
-@dataclass
-class Batch:
-    """One batch as :func:`training_batch` drew it, kept so that every estimator runs on the same batches."""
-
-    traj: Trajectory
-    tokens: Tensor
-    adv: Tensor
-    prompt_groups: Tensor
-    ref_v: Tensor | None = None       # the KL reference's velocities [B, T, *S] when estimator.kl_beta > 0
-
-
-def _gradients(sampler: Sampler, batch: Batch, est: EstimatorConfig, seeds: list[int],
-               on_policy: bool = True) -> tuple[Tensor, list]:
-    """``[len(seeds), P]`` gradients of ``est`` on ``batch`` (one per pick seed) and per draw ``(CPU seconds, rows
-    with grad, no-grad rows)`` per sample and its clip fraction; ``on_policy``: whether the parameters are the batch's
-    sampling ones (:func:`step_to_update`)."""
-    vf = sampler.velocity(batch.tokens)
-    out, costs = [], []
-    for seed in seeds:
-        sampler.zero_grad()
-        c0 = time.process_time()
-        with torch.enable_grad():
-            st = policy_gradient(vf, batch.traj, batch.adv, est, ref_velocities=batch.ref_v,
-                                 prompt_groups=batch.prompt_groups, generator=torch.Generator().manual_seed(seed),
-                                 on_policy=on_policy)
-        B = batch.traj.batch_size
-        costs.append((time.process_time() - c0, st.backward_items / B, st.forward_nograd_items / B, st.clip_frac))
-        out.append(flat_grad(sampler.params).double())
-    return torch.stack(out), costs
+def measured_estimators(cfg: TrainConfig, specs: list[str], batches: int) -> dict[str, EstimatorConfig | None]:
+    """``exact`` and the ``--estimator`` specs -> ``{name: config}`` (:func:`parse_estimators` on the base
+    :func:`spec_base`), with ``correction_rates=by_interval`` resolved (:func:`budget_rates_of`)."""
+    ests = parse_estimators(specs, spec_base(cfg))
+    pilots: dict = {}
+    for spec in specs:
+        if wants_budget_rates(spec):
+            name = spec.partition(":")[0]
+            ests[name] = budget_rates_of(cfg, name, ests[name], batches, pilots)
+            print(f"{name}: correction_rates {ests[name].correction_rates} (budget_rates on {batches} batches of "
+                  f"seed {cfg.seed + 1})")
+    return ests
 
 
-def step_to_update(sampler: Sampler, cfg: TrainConfig, preceding: list[Batch]) -> None:
-    """Move the sampler's trainable parameters by one AdamW step (``cfg.optim``, a fresh optimizer) on the exact
-    gradient of each batch of ``preceding`` in turn, clipped as the trainer clips it: to where the
-    ``len(preceding) + 1``-th optimizer update of a rollout starts, the updates before it made on other samples of the
-    same policy's rollouts (the trainer's on the other minibatches of its rollout). The caller restores them."""
-    o = cfg.optim
-    opt = o.optimizer(sampler.params)
-    for batch in preceding:
-        sampler.zero_grad()
-        with torch.enable_grad():
-            policy_gradient(sampler.velocity(batch.tokens), batch.traj, batch.adv, cfg.estimator.exact(),
-                            ref_velocities=batch.ref_v, prompt_groups=batch.prompt_groups)
-        if o.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(sampler.params, o.max_grad_norm)
-        opt.step()
-
-
-def restore_params(sampler: Sampler, values: list[Tensor]) -> None:
-    """Copy ``values`` (saved with ``[p.detach().clone() for p in sampler.params]``) back into the sampler's
-    trainable parameters, after :func:`step_to_update` or another in-place step."""
-    with torch.no_grad():
-        for p, v in zip(sampler.params, values):
-            p.copy_(v)
+def spec_base(cfg: TrainConfig) -> EstimatorConfig:
+    """What ``--estimator`` specs build on: the config's estimator, or for ``estimator.mode: auto`` the same in mode
+    ``jagg`` (as its candidates are built: :meth:`jagg.EstimatorConfig.candidate_configs`)."""
+    e = cfg.estimator
+    return e.candidate_base() if e.mode == AUTO else e
 
 
 def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
@@ -336,161 +267,36 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
     ``update + 1``-th optimizer update, at the parameters :func:`step_to_update` reaches with ``update`` batches
     drawn after the measured ones (0: on-policy, at the sampling parameters)."""
     check_sizes(batches, draws, target_batch)
-    ests = parse_estimators(specs, cfg.estimator)
-    pilots: dict = {}
-    for spec in specs:
-        if wants_budget_rates(spec):
-            name = spec.partition(":")[0]
-            ests[name] = budget_rates_of(cfg, name, ests[name], batches, pilots)
-            print(f"{name}: correction_rates {ests[name].correction_rates} (budget_rates on {batches} batches of "
-                  f"seed {cfg.seed + 1})")
+    ests = measured_estimators(cfg, specs, batches)
     sampler = make_sampler(cfg)
-    sizes = [p.numel() for p in sampler.params]
-    tensor_names = sampler.param_names                                                     # sampler.params' order
-    grads = {name: [] for name in ests}        # name -> per batch [draws, P]
-    costs = {name: [] for name in ests}        # name -> per draw (CPU seconds, rows, no-grad rows) per sample
-    rollout_s, kept = [], []
-
-    def run(b: int, name: str, est: EstimatorConfig, e_i: int) -> None:
-        seeds = [cfg.seed * 1_000_003 + b * 1009 + d * 31 + e_i for d in range(draws if est.random else 1)]
-        g, c = _gradients(sampler, kept[b], est, seeds, on_policy=not update)
-        grads[name].append(g)
-        costs[name] += c
-
-    for _ in range(batches):
-        batch, seconds = kept_batch(sampler, cfg)
-        rollout_s.append(seconds)
-        kept.append(batch)
+    kept, rollout_s = draw_batches(sampler, cfg, batches)
     sampling_params = [p.detach().clone() for p in sampler.params] if update else None
     if update:                                     # off-policy: every batch measured where update `update` starts
-        step_to_update(sampler, cfg, [kept_batch(sampler, cfg)[0] for _ in range(update)])
-    if ests.get("subsample", 0) is None:           # subsample at the config's rows, fixed from the first batch
-        first, base = kept[0], cfg.estimator
-        frac = min(1.0, expected_rows(first.traj, base, first.prompt_groups) / first.traj.train_steps.numel())
-        ests["subsample"] = dataclasses.replace(base, mode="subsample", subsample_frac=frac, interval_frac=1.0)
-    for b in range(batches):                       # side by side: every estimator on a batch, then the next batch
-        for e_i, (name, est) in enumerate(ests.items()):
-            run(b, name, est, e_i)
-    exact = torch.stack([g[0] for g in grads["exact"]])                      # [batches, P]
-    t_roll = statistics.median(rollout_s)
-    t_exact = statistics.median(c[0] for c in costs["exact"])
-    r_exact = statistics.fmean(c[1] for c in costs["exact"])
-    if sampling_params is not None:
-        restore_params(sampler, sampling_params)
-    n_samples = statistics.fmean(b.traj.batch_size for b in kept)
-    target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
-    cost = cost or config_structure(cfg)
-    nograd_exact = statistics.fmean(c[2] for c in costs["exact"])
-    clip_exact = statistics.fmean(c[3] for c in costs["exact"])
-    records = []
-    for name, est in ests.items():
-        st = error_noise_stats(exact, grads[name], sizes)
-        r = statistics.fmean(c[1] for c in costs[name])
-        t = statistics.median(c[0] for c in costs[name])
-        nograd = statistics.fmean(c[2] for c in costs[name]) - nograd_exact
-        time_ratio = (t_roll + t_exact) / (t_roll + t)
-        tensors = [{"tensor": n, **t} for n, t in zip(tensor_names, st.pop("tensors"))]
-        rec = {"estimator": name, "mode": est.mode, "batches": batches, "draws": draws if est.random else 1,
-               "samples_per_batch": n_samples, "target_batch": target, "rows_per_sample": r,
-               "nograd_per_sample": nograd, "rows_ratio": r_exact / r, "train_s": t, "rollout_s": t_roll,
-               "iter_ratio": time_ratio, "update": update, "clip_frac": statistics.fmean(c[3] for c in costs[name]),
-               "clip_frac_exact": clip_exact, **st, "bias_z": bias_z(st["bias_to_noise"], st["bias_to_noise_se"]),
-               **efficiencies(r_exact / r, time_ratio, st["error_to_noise"], st["adam_tensor_factor"]),
-               **projected_efficiencies(cost.iteration_ratio(r / r_exact, nograd / r_exact), st["error_to_noise"],
-                                        st["adam_tensor_factor"]),
-               **layout_linearity(kept, est), "estimator_config": est.to_dict(), "tensors": tensors}
-        at = extrapolate({**st, "tensors": tensors}, n_samples, target)
-        rec.update({f"{k}_at_target": v for k, v in at.items()})
-        at_eff = efficiencies(r_exact / r, time_ratio, at["error_to_noise"], at["adam_tensor_factor"])
-        rec.update({f"{k}_at_target": v for k, v in at_eff.items()})
-        records.append({**rec, **prediction(rec)})
-    return records
+        step_to_update(sampler, cfg, draw_batches(sampler, cfg, update)[0])
+    ests = with_subsample(ests, kept[0], spec_base(cfg))
+    try:
+        return measure_records(sampler, cfg, ests, kept, rollout_s, draws, update, cfg.seed, target_batch, cost)
+    finally:
+        if sampling_params is not None:
+            restore_params(sampler, sampling_params)
 
 
-def layout_linearity(batches: list[Batch], est: EstimatorConfig) -> dict:
-    """Routing's linearity score (:func:`jagg.routing.linearity_scores`, the paper's test, what ``jagg_frac`` ranks
-    by) of a JAGG estimator's own layout on the measured rollouts, from their velocities alone (no backward pass):
-    ``linearity``, the mean over samples and intervals of three or more steps (shorter ones are exact under JAGG),
-    and ``linearity_min``, the lowest; NaN for an estimator that interpolates nothing. Across 17 sampling regimes
-    the error against the noise fell as it rose (lab/NOTEBOOK.md §9.6)."""
-    scores = []
-    for batch in batches:
-        intervals, _, jagg = layout_intervals(batch.traj, est)
-        if jagg:
-            sc = linearity_scores(batch.traj.velocities, intervals)
-            scores.append(sc[torch.isfinite(sc)].double().cpu())
-    s = torch.cat(scores) if scores else torch.zeros(0, dtype=torch.float64)
-    return {"linearity": float(s.mean()) if s.numel() else math.nan,
-            "linearity_min": float(s.min()) if s.numel() else math.nan}
+def measure_job(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
+                cost: CostStructure | None = None, each=None) -> list[list[dict]]:
+    """:func:`measure` at every update position of the job's rollout (``grpo.inner_epochs x
+    grpo.updates_per_epoch``) on the same batches (:func:`jagg.trainers.metering.measure_positions`: each position's
+    records are :func:`measure`'s at ``update=u``); ``each(u, records)`` is called as each position is measured."""
+    check_sizes(batches, draws, target_batch)
+    ests = measured_estimators(cfg, specs, batches)
+    updates = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
 
+    def after(u, records, measured):
+        if each is not None:
+            each(u, records)
+        return measured
 
-# the widest range of a per-update rate the meter still answers with (docs/design.md §3.8): a wider one cannot tell
-# an estimator that keeps most of exact's learning from one that loses most of it
-MAX_RANGE = 0.5
-
-
-def rate_range(error_to_noise: float, se: float) -> tuple[float, float]:
-    """The per-update rate (of exact's) an unbiased error ``E|e|^2/V_b = error_to_noise`` (jackknife SE ``se``) leaves:
-    from SGD's variance model at the error's upper end ``+ 2 SE`` to Adam's first-order model at its lower end
-    ``- 2 SE`` (clamped at 0). Paired seeds fell between the two models and on both of their sides (lab/NOTEBOOK.md
-    §9.5), so neither alone is the prediction."""
-    return predicted_efficiency(1.0, error_to_noise + 2 * se), adam_efficiency(1.0, max(error_to_noise - 2 * se, 0.0))
-
-
-def prediction(rec: dict) -> dict:
-    """The meter's answer for one estimator's record: the per-update rate between SGD's model at the error's upper end
-    and Adam's at its lower end (:func:`rate_range`: ``rate_lo``, ``rate_hi``; times the iteration ratio
-    ``time_rate_lo``, ``time_rate_hi``) and ``prediction``: ``range``, or ``unknown`` where the models do not hold, a
-    significant repeating error (``bias_z >= 2``), or where the range is wider than :data:`MAX_RANGE` (a heavy-tailed
-    error that these batches do not resolve: more ``--batches`` narrow it). ``prediction_range`` prints it. For a job
-    of ``U`` updates per rollout the per-update rate is the mean of the ranges at ``--update 0 .. U-1``
-    (lab/NOTEBOOK.md §9.5)."""
-    lo, hi = rate_range(rec["error_to_noise"], rec["error_to_noise_se"])
-    ratio, z = rec["iter_ratio"], rec["bias_z"]
-    if z is not None and math.isfinite(z) and z >= 2:
-        why = "unknown: a significant repeating error (bias z >= 2)"
-    elif not hi - lo <= MAX_RANGE:
-        why = f"unknown: the error is not resolved (the range is wider than {MAX_RANGE}: measure more --batches)"
-    else:
-        why = "range"
-    return {"rate_lo": lo, "rate_hi": hi, "time_rate_lo": ratio * lo, "time_rate_hi": ratio * hi, "prediction": why,
-            "prediction_range": f"{lo:.2f}-{hi:.2f}" if why == "range" else "unknown"}
-
-
-def job_prediction(per_update: list[list[dict]]) -> list[dict]:
-    """The meter's answer for a job of ``U`` optimizer updates per rollout, from its records at ``--update 0 .. U-1``
-    (``per_update[u]``: :func:`measure`'s records at position ``u``, the same estimators in the same order). Per
-    estimator: ``rate_lo``, ``rate_hi`` (and ``time_rate_lo``, ``time_rate_hi``), the means of the positions'
-    :func:`prediction` ranges, for the job's per-update rate is the mean of its updates'; ``prediction`` is ``range``
-    only where every position's is, else the first position's reason, with ``unknown_at`` listing the positions;
-    ``positions`` prints each position's range (lab/NOTEBOOK.md §9.5)."""
-    if not per_update:
-        raise ValueError("job_prediction: no update positions given")
-    names = [r["estimator"] for r in per_update[0]]
-    for u, recs in enumerate(per_update):
-        if [r["estimator"] for r in recs] != names:
-            raise ValueError(f"job_prediction: update {u} measured the estimators {[r['estimator'] for r in recs]}, "
-                             f"update 0 measured {names}")
-    out = []
-    for i, name in enumerate(names):
-        preds = [prediction(recs[i]) for recs in per_update]
-        unknown = [u for u, p in enumerate(preds) if p["prediction"] != "range"]
-        mean = {k: statistics.fmean(p[k] for p in preds) for k in ("rate_lo", "rate_hi", "time_rate_lo", "time_rate_hi")}
-        out.append({"kind": "job", "estimator": name, "updates": len(per_update), **mean,
-                    "prediction": preds[unknown[0]]["prediction"] if unknown else "range", "unknown_at": unknown,
-                    "prediction_range": "unknown" if unknown else f"{mean['rate_lo']:.2f}-{mean['rate_hi']:.2f}",
-                    "positions": " ".join(p["prediction_range"] for p in preds)})
-    return out
-
-
-def projected_efficiencies(iter_ratio: float, error_to_noise: float, tensor_factor: float) -> dict:
-    """``projected_iter_ratio`` (a :class:`~jagg.bench.projection.CostStructure`'s) and the per-update efficiencies
-    times it: ``projected_time_efficiency`` (SGD's model), ``projected_adam_time_efficiency``,
-    ``projected_adam_tensor_time_efficiency``."""
-    return {"projected_iter_ratio": iter_ratio,
-            "projected_time_efficiency": predicted_efficiency(iter_ratio, error_to_noise),
-            "projected_adam_time_efficiency": adam_efficiency(iter_ratio, error_to_noise),
-            "projected_adam_tensor_time_efficiency": iter_ratio * tensor_factor}
+    return measure_positions(make_sampler(cfg), cfg, ests, batches, draws, updates, cfg.seed, target_batch, cost,
+                             after)
 
 
 def tensor_breakdown(record: dict, top: int = 10) -> list[dict]:
@@ -516,7 +322,7 @@ def by_interval_estimator(spec: str, base: EstimatorConfig) -> tuple[str, Estima
 
 def by_interval(cfg: TrainConfig, spec: str, batches: int, draws: int) -> list[dict]:
     """``--by-interval SPEC``: :func:`interval_errors` of the JAGG estimator ``spec`` (:func:`by_interval_estimator`)."""
-    return interval_errors(cfg, *by_interval_estimator(spec, cfg.estimator), batches, draws)
+    return interval_errors(cfg, *by_interval_estimator(spec, spec_base(cfg)), batches, draws)
 
 
 def interval_errors(cfg: TrainConfig, name: str, est: EstimatorConfig, batches: int, draws: int) -> list[dict]:
@@ -596,7 +402,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, sets)
     check_update(args.update, cfg)
     set_threads(cfg.threads)
-    specs = args.estimator or ["config", "plain", "subsample"]
+    specs = args.estimator or default_specs(cfg)
     batches = args.batches if args.batches is not None else (3 if args.quick else 6)
     draws = args.draws if args.draws is not None else (2 if args.quick else 4)
     names = [s.partition(":")[0] for s in ["exact", *specs]]
@@ -607,7 +413,7 @@ def _run(args: argparse.Namespace) -> int:
     check_estimators(specs, cfg)
     if args.by_interval is not None:
         check_sizes(batches, draws, args.target_batch)
-        by_interval_estimator(args.by_interval, cfg.estimator)
+        by_interval_estimator(args.by_interval, spec_base(cfg))
         check_estimators([args.by_interval], cfg, "--by-interval")       # its window within the trained steps
         if args.update not in (0, "all"):
             raise ValueError(f"--by-interval measures the on-policy update (0) only; give it without --update "
@@ -615,20 +421,24 @@ def _run(args: argparse.Namespace) -> int:
     if args.update == "all" and (args.by_tensor is not None or args.by_interval is not None):
         raise ValueError("--by-tensor and --by-interval break one update position down: give --update N with them, "
                          "not --update all")
-    positions = range(cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch) if args.update == "all" else [args.update]
-    per_update = []
-    for update in positions:
-        if args.update == "all":
-            print(f"== update {update} of {len(positions)} per rollout")
-        per_update.append(measure(cfg, specs, batches, draws, args.target_batch, cost, update))
-        _report(per_update[-1], batches, draws, update, cost_line)
+    updates = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
+    if args.update == "all":
+        def each(u: int, recs: list[dict]) -> None:
+            print(f"== update {u} of {updates} per rollout")
+            _report(recs, batches, draws, u, cost_line)
+
+        per_update = measure_job(cfg, specs, batches, draws, args.target_batch, cost, each)
+    else:
+        per_update = [measure(cfg, specs, batches, draws, args.target_batch, cost, args.update)]
+        _report(per_update[0], batches, draws, args.update, cost_line)
     records = [r for recs in per_update for r in recs]
     if args.update == "all":
         job = job_prediction(per_update)
-        print(f"\nthe job's per-update rate of exact's ({len(positions)} updates per rollout): the mean of the "
+        print(f"\nthe job's per-update rate of exact's ({updates} updates per rollout): the mean of the "
               "positions' ranges, 'unknown' where any position's is")
         print(table(job, JOB_COLUMNS))
         records += job
+    records.append(_print_verdict(records, cfg, args, cost))
     extra = []
     if args.by_tensor is not None:
         rec = per_update[0][names.index(args.by_tensor)]
@@ -645,6 +455,37 @@ def _run(args: argparse.Namespace) -> int:
         extra += [{**r, "kind": "interval"} for r in parts]
     json_if_asked(args.json, records + extra)
     return 0
+
+
+def default_specs(cfg: TrainConfig) -> list[str]:
+    """The estimators measured without ``--estimator``: ``config``, ``plain`` and ``subsample``; for
+    ``estimator.mode: auto`` its candidates (what its pre-flight measures)."""
+    e = cfg.estimator
+    if e.mode == AUTO:
+        return [c for c in e.candidates if c != "exact"]
+    return ["config", "plain", "subsample"]
+
+
+def _print_verdict(records: list[dict], cfg: TrainConfig, args: argparse.Namespace, cost: CostStructure) -> dict:
+    """Print the verdict of the measured records (:func:`jagg.verdict.verdict` at the config's
+    ``estimator.preflight_margin``; none with ``--quick``) and return its record for the JSON (``kind`` ``verdict``)."""
+    updates = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
+    if args.quick:
+        print("\n--quick is a smoke test of the command (3 batches of 16 samples): no verdict; run without --quick "
+              "for one")
+        return {"kind": "verdict", "train_with": None, "reason": "--quick: a smoke test, no verdict"}
+    margin = cfg.estimator.preflight_margin
+    v = verdict([r for r in records if r.get("kind") is None], updates, margin, cost.name,
+                "--update all measures every position")
+    print(f"\nverdict (the rule of estimator.mode: auto): a candidate only where the low end of its per-update rate "
+          f"range times the iteration ratio measured here clears 1 + {margin:g} (estimator.preflight_margin) x exact's "
+          + (f"at each of the job's {updates} update positions" if updates > 1 else "per update")
+          + "; unknown or not measured counts as exact's")
+    for line in v["lines"]:
+        print(f"  {line}")
+    print(v["line"])
+    return {"kind": "verdict", "train_with": v["estimator"], **{k: v[k] for k in ("reason", "line", "margin", "updates")},
+            "candidates": v["candidates"]}
 
 
 def _report(records: list[dict], batches: int, draws: int, update: int, cost_line: str) -> None:
@@ -702,7 +543,8 @@ def add_parser(sub) -> None:
                         "policy, as the updates before it would; every estimator and exact are then compared there "
                         "(off-policy for N > 0, where intermediate interp's extrapolation enters the inner steps' "
                         "ratios); 'all': each of the job's grpo.inner_epochs x grpo.updates_per_epoch positions in "
-                        "turn (that many times the time), then the job's answer, the mean of their ranges "
+                        "turn on the same batches (each as --update N measures it; about that many times the "
+                        "gradients), then the job's answer, the mean of their ranges, and the verdict over them "
                         "[default: 0, on-policy]")
     p.add_argument("--by-tensor", nargs="?", const="config", metavar="NAME",
                    help="also list where this estimator's error lives by parameter tensor (the 10 with the largest "

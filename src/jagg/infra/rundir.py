@@ -392,7 +392,8 @@ def discard_new_run(out: Path, before: set[str] | None) -> list[str]:
 def outputs(out: Path) -> list[str]:
     """The run outputs present in ``out``, for the end-of-run line (only what exists)."""
     names = []
-    for name in ("metrics.jsonl", "tensorboard", "wandb", "reward_curve.png", "samples", "checkpoints", "final"):
+    for name in ("metrics.jsonl", "tensorboard", "wandb", "reward_curve.png", "samples", "checkpoints", "final",
+                 "preflight.json"):
         p = out / name
         if p.is_file() or (p.is_dir() and any(p.iterdir())):
             names.append(name + "/" * p.is_dir())

@@ -35,7 +35,7 @@ from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import audit_flag, audit_parts, clip_flag
 from ..meter import Meter, meter_flag
 from ..estimator import reference_velocities
-from ..estimator_config import RETIRED_CORRECTION_P, EstimatorConfig
+from ..estimator_config import AUTO, RETIRED_CORRECTION_P, EstimatorConfig
 from ..infra.distributed import gather, init_process_group_from_env
 from ..infra.config_loader import to_dict
 from ..infra.metrics import MetricsLogger
@@ -51,7 +51,9 @@ RESUMABLE_CHANGES = ("grpo.iterations", "grpo.max_consecutive_skips", "grpo.max_
 # config keys added after checkpoints (and bench results) were written with configs that lack them: a saved config
 # without one ran as its default, so it reads as that default (a key the current config lacks is not filled in)
 ADDED_KEYS = {"optim.lr_schedule": "constant", "optim.warmup_steps": 0, "eval.dense_iterations": 0,
-              "eval.dense_every": 0, "pipeline.sigma_grid": "dance"}
+              "eval.dense_every": 0, "pipeline.sigma_grid": "dance",
+              **{f"estimator.{k}": v for k, v in EstimatorConfig().to_dict().items()
+                 if k == "candidates" or k.startswith("preflight_")}}
 # retired estimator options, with the value that meant "off": a saved config holding that value ran as today's code
 # runs it, so the key is dropped; any other value was an estimator that no longer exists
 RETIRED_KEYS = {"estimator.control_variate": 0.0, "estimator.correction": "interval",
@@ -299,6 +301,10 @@ class GRPO(ABC):
         self.empty_iteration = self._empty_warned = False    # whether the last iteration had nothing to learn from
         self.logger: MetricsLogger | None = None             # a GRPOTrainer's, on its main process
         self.meter: Meter | None = None                 # the efficiency meter, from the first audit on
+        # the estimator the updates use: the config's, or with estimator.mode auto the pre-flight's decision (None
+        # until decide_estimator() made it, before the first iteration; a resumed run's from its checkpoint)
+        self.estimator: EstimatorConfig | None = None if cfg.estimator.mode == AUTO else cfg.estimator
+        self.decision: dict | None = None
         self.before_setup()
         self.setup()
 
@@ -343,6 +349,12 @@ class GRPO(ABC):
     def after_step(self) -> None:
         """Called after each optimizer step that was taken (e.g. an EMA of the weights)."""
 
+    def decide_estimator(self) -> None:
+        """``estimator.mode: auto``: set :attr:`estimator` (and :attr:`decision`) before the first iteration; a
+        trainer provides it with :class:`jagg.trainers.auto.AutoEstimator`."""
+        raise ValueError(f"estimator.mode auto needs a trainer with the pre-flight (jagg.trainers.auto.AutoEstimator); "
+                         f"{type(self).__name__} has none: choose estimator.mode")
+
     @abstractmethod
     def record(self, it: Iteration) -> dict:
         """The iteration's ``train`` record (of ``metrics.jsonl``, in a :class:`GRPOTrainer`)."""
@@ -359,6 +371,8 @@ class GRPO(ABC):
         """One GRPO iteration: sample, reward, advantages (:func:`rollout_batch`), updates. Returns the metrics
         record."""
         c = self.cfg
+        if self.estimator is None:                               # mode auto, not decided yet
+            self.decide_estimator()
         self._updating = False
         t0, c0 = time.perf_counter(), time.process_time()
         draw = self.draw_batch()
@@ -509,7 +523,7 @@ class GRPO(ABC):
         sub = sorted(chosen)
         idx = torch.tensor(sub, device=traj.latents.device)
         g_sub = prompt_groups[torch.tensor(sub)]
-        a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], c.estimator, params,
+        a, exact, est = audit_parts(make_velocity(sub), traj.select(idx), adv[idx], self.estimator, params,
                                     None if ref_v is None else ref_v[idx], g_sub, gen, split=g_sub,
                                     on_policy=update == 0)
         a["update"] = update
@@ -519,7 +533,7 @@ class GRPO(ABC):
         last = self.logger.records("train")[-1:] if self.logger is not None else []
         share = last[0]["train_s"] / last[0]["iter_s"] if last and last[0].get("iter_s") else None
         a.update(self.meter.update(exact, est, a["rows_exact"], a["rows_estimator"], per_update, share))
-        flags = [f for f in (audit_flag(a, c.estimator), meter_flag(a), clip_flag(a)) if f]
+        flags = [f for f in (audit_flag(a, self.estimator), meter_flag(a), clip_flag(a)) if f]
         if self.logger is not None:
             self.logger.log({"kind": "audit", "iteration": self.iteration + 1, "samples": len(sub), **a,
                              "flagged": int(bool(flags))})
@@ -636,7 +650,7 @@ class GRPOTrainer(GRPO):
         audit), so that a resumed run goes on as the run would have."""
         return {"iteration": self.iteration, "wall": self.wall, "cpu": self.cpu,
                 "skipped_updates": self.skipped_updates,
-                "meter": None if self.meter is None else self.meter.state_dict()}
+                "meter": None if self.meter is None else self.meter.state_dict(), "estimator_decision": self.decision}
 
     def load_loop_state(self, state: dict) -> None:
         """Restore :meth:`loop_state` (a checkpoint without ``cpu``, from a diffusers run before it was kept: 0; without
@@ -645,6 +659,7 @@ class GRPOTrainer(GRPO):
         self.iteration, self.wall, self.cpu = state["iteration"], state["wall"], state.get("cpu", 0.0)
         self.skipped_updates = state["skipped_updates"]
         self.meter = Meter.from_state(state["meter"]) if state.get("meter") is not None else None
+        self.decision = state.get("estimator_decision")      # estimator.mode auto's (decide_estimator applies it)
 
     @abstractmethod
     def rng_state(self) -> dict:
@@ -721,6 +736,8 @@ class GRPOTrainer(GRPO):
         handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         failed = False
         try:
+            if self.cfg.estimator.mode == AUTO:
+                self.decide_estimator()                 # before the first screen's evaluation; counted in the clocks
             self.before_training()
             bar = tqdm(total=c.grpo.iterations, initial=self.iteration, disable=not (c.log.progress and self.main),
                        dynamic_ncols=True, desc=self.progress_label)

@@ -73,6 +73,7 @@ from ..infra.distributed import gather_objects, loss_scale, shard
 from ..infra.engine import EngineSettings, make_engine, resolve_engine
 from ..infra.launch import LaunchSettings, read_launch
 from ..infra.metrics import plot_reward_curve, save_grid
+from .auto import AutoEstimator
 from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
                    draw_prompts_and_noise, update_summary)
 from .diffusers_config import TRAINER_TAG, DiffusersTrainConfig
@@ -212,7 +213,7 @@ class DiffusersSampler:
             p.grad = None
 
 
-class DiffusersTrainer(GRPOTrainer):
+class DiffusersTrainer(AutoEstimator, GRPOTrainer):
     """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX/Qwen-Image model (:class:`~jagg.trainers.base.GRPOTrainer`:
     the run directory, ``resume``, ``overwrite``, ``require_checkpoint`` and the loop). Launch with torchrun /
     accelerate for several processes (``WORLD_SIZE > 1``): the engine (:mod:`jagg.infra.engine`: DDP or FSDP2) comes
@@ -489,7 +490,7 @@ class DiffusersTrainer(GRPOTrainer):
         local = [0.0] * (len(names) + len(counts))
         with self.engine.update() as backward_context:
             if n:
-                st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
+                st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                      ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
                                      backward_context=backward_context, prompt_groups=mb.prompt_groups,
                                      generator=self.pick_gen, on_policy=mb.on_policy)

@@ -122,7 +122,31 @@ def check_layout(e: EstimatorConfig, K: int, steps: str) -> None:
     would fail after run.json, metrics.jsonl and tensorboard/ were written)."""
     from ..knots import check_layout as check_counts
 
+    if e.mode == "auto":                                # mode auto: every candidate, named (auto_candidates)
+        auto_candidates(e, K, steps)
+        return
     check_counts(e, K, steps, "estimator.")
+
+
+def auto_candidates(e: EstimatorConfig, K: int, steps: str) -> tuple[dict[str, EstimatorConfig], dict[str, str]]:
+    """``estimator.mode: auto``'s estimators for a run of ``K`` trained steps (``steps``: where ``K`` comes from):
+    ``({name: config}`` of exact and the candidates whose layout fits (:func:`check_layout`), ``{name: why}`` of the
+    others``)``. The default list (:data:`jagg.estimator_config.DEFAULT_CANDIDATES`) adapts to the job: a default
+    candidate that does not fit is left out, with why; a list the config gives is checked: one that does not fit is an
+    error naming it."""
+    from ..estimator_config import DEFAULT_CANDIDATES
+
+    specs = {spec.partition(":")[0]: spec for spec in e.candidates}
+    fitting, left_out = {}, {}
+    for name, cand in e.candidate_configs().items():
+        try:
+            check_layout(cand, K, steps)
+            fitting[name] = cand
+        except ValueError as err:
+            if e.candidates != list(DEFAULT_CANDIDATES):
+                raise ValueError(f"estimator.candidates: {specs.get(name, name)!r}: {err}") from None
+            left_out[name] = str(err)
+    return fitting, left_out
 
 
 def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:

@@ -34,6 +34,7 @@ from ..infra.config_loader import to_dict
 from ..infra.metrics import plot_reward_curve, save_grid
 from ..trajectory import sample_trajectories
 from .ema import EMA
+from .auto import AutoEstimator
 from .base import (GRPO, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, draw_prompts_and_noise,
                    update_summary)
 from .shapes_config import ShapesTrainConfig
@@ -109,7 +110,7 @@ class ShapesSampler:
             p.grad = None
 
 
-class ShapesGRPO(GRPO):
+class ShapesGRPO(AutoEstimator, GRPO):
     """GRPO on the shapes world, one iteration at a time, in memory (:class:`~jagg.trainers.base.GRPO`): the hooks
     on a :class:`ShapesSampler`, AdamW, the KL reference (``estimator.kl_beta > 0``), an optional EMA and the RNG of
     unbiased JAGG's picks."""
@@ -149,7 +150,7 @@ class ShapesGRPO(GRPO):
         return [mb for mb in perm.tensor_split(self.cfg.grpo.updates_per_epoch) if mb.numel()]
 
     def gradient(self, mb: Minibatch) -> dict:
-        return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.cfg.estimator,
+        return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
                                ref_velocities=mb.ref_velocities, prompt_groups=mb.prompt_groups,
                                generator=self.pick_gen, on_policy=mb.on_policy).to_dict()
 

@@ -1,0 +1,244 @@
+"""``estimator.mode: auto`` and the meter's verdict: the rule on constructed meter results (unknown, a low end below the
+margin, an off-policy position that fails, a position not measured: exact; a clear win: the candidate), the candidate
+list refused by name at load, and the pre-flight in the shapes trainer: the decision recorded (first screen,
+preflight.json, metrics), its seconds in the run's clocks, a resume that keeps it without measuring, and a pre-flight
+that picks exact leaving the run identical to an exact run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_train_args
+from jagg import EstimatorConfig
+from jagg.cli import main
+from jagg.verdict import position_failure, prediction, verdict
+
+
+def rec(name: str, err: float, se: float = 0.0, ratio: float = 1.5, z: float = 0.0, update: int = 0,
+        projected: float | None = 1.4) -> dict:
+    """A meter record as ``jagg bench meter`` writes it: the terms :func:`jagg.verdict.prediction` reads."""
+    return {"estimator": name, "update": update, "error_to_noise": err, "error_to_noise_se": se, "iter_ratio": ratio,
+            "bias_z": z, "projected_iter_ratio": projected}
+
+
+def job(*per_position: list[dict]) -> list[dict]:
+    return [{**r, "update": u} for u, recs in enumerate(per_position) for r in recs]
+
+
+def test_a_clear_win_is_the_candidate_with_the_highest_low_end():
+    """Two candidates clear 1 + margin at every position: the one whose low end (rate range x iteration ratio, mean
+    over the positions) is higher is recommended, with its projected range and the reason on one line."""
+    u0 = [rec("exact", 0.0, ratio=1.0), rec("a", 0.05, 0.01, ratio=1.6), rec("b", 0.02, 0.005, ratio=1.3)]
+    u1 = [rec("exact", 0.0, ratio=1.0), rec("a", 0.08, 0.01, ratio=1.7), rec("b", 0.03, 0.005, ratio=1.3)]
+    v = verdict(job(u0, u1), updates=2, margin=0.1, cost="flow_grpo_sd35")
+    a = next(c for c in v["candidates"] if c["estimator"] == "a")
+    lo = (prediction(u0[1])["time_rate_lo"] + prediction(u1[1])["time_rate_lo"]) / 2
+    assert v["estimator"] == "a" and a["passes"] and a["time_rate_lo"] == pytest.approx(lo)
+    assert a["projected_lo"] == pytest.approx((prediction(u0[1])["rate_lo"] + prediction(u1[1])["rate_lo"]) / 2 * 1.4)
+    assert v["line"].startswith(f"train with a: projected {a['time_rate_lo']:.2f}-{a['time_rate_hi']:.2f} x exact's "
+                                "progress per second on this machine (flow_grpo_sd35 projected: ")
+    assert "clears 1.10" in v["line"] and "\n" not in v["line"]
+    assert [line.split(":")[0] for line in v["lines"]] == ["a", "b"] and all("clears the bar" in x for x in v["lines"])
+
+
+@pytest.mark.parametrize("case, why", [
+    ("unknown", "unknown (a significant repeating error)"),
+    ("unresolved", "unknown (the error is not resolved)"),
+    ("below", "low end"),
+    ("off_policy", "update 1: low end"),
+    ("off_policy_unknown", "update 1: unknown"),
+    ("missing", "update 1: not measured (the budget ran out)"),
+])
+def test_any_doubt_gives_exact(case, why):
+    """unknown (a repeating error, an unresolved one), a low end below 1 + margin, an off-policy position that fails
+    while the on-policy one clears, and a position not measured: each gives exact, with the reason named."""
+    win = rec("a", 0.02, 0.005, ratio=1.6)                               # clears 1.1 easily: 1.6 x 0.96
+    u0 = {"unknown": rec("a", 0.02, 0.005, ratio=1.6, z=2.5), "unresolved": rec("a", 1.0, 0.5, ratio=3.0),
+          "below": rec("a", 0.02, 0.005, ratio=1.1)}.get(case, win)
+    u1 = {"off_policy": rec("a", 0.9, 0.05, ratio=1.6), "off_policy_unknown": rec("a", 5.0, 4.0, ratio=1.6)}.get(case, win)
+    recs = job([rec("exact", 0.0, ratio=1.0), u0], [rec("exact", 0.0, ratio=1.0), u1])
+    if case == "missing":
+        recs = [r for r in recs if not (r["estimator"] == "a" and r["update"] == 1)]
+    v = verdict(recs, updates=2, margin=0.1, missing="the budget ran out")
+    assert v["estimator"] == "exact" and v["line"].startswith("train with exact: ")
+    assert why in v["reason"], v["reason"]
+    assert position_failure(win) is None and verdict(job([rec("exact", 0.0), win], [rec("exact", 0.0), win]),
+                                                     2)["estimator"] == "a"
+
+
+def test_the_margin_and_the_sizes_of_the_verdict():
+    """The bar is 1 + margin on the low end: a candidate just below it is refused, just above it chosen; a job of one
+    update per rollout needs that one position; no candidate means exact."""
+    lo = prediction(rec("a", 0.1, 0.0))["rate_lo"]                            # SGD's model at 0.1: 1 / 1.1
+    for ratio, chosen in ((1.2 / lo * 0.999, "exact"), (1.2 / lo * 1.001, "a")):
+        assert verdict([rec("exact", 0.0), rec("a", 0.1, ratio=ratio)], 1, margin=0.2)["estimator"] == chosen
+    assert verdict([rec("exact", 0.0)], 1)["reason"] == "no candidate was measured"
+    assert verdict([rec("exact", 0.0), rec("a", 0.02, update=1, ratio=2.0)], 1)["estimator"] == "exact"
+    nan = verdict([rec("exact", math.nan), rec("a", math.nan, math.nan)], 1)
+    assert nan["estimator"] == "exact" and nan["lines"] == ["a: unknown (the error is not resolved)"]
+    with pytest.raises(ValueError, match="updates must be >= 1"):
+        verdict([], 0)
+
+
+@pytest.mark.parametrize("candidates, culprit", [
+    ('["g4:window=4", "g4:window=5"]', "'g4:window=5': the name is given twice"),
+    ('["a:kl_beta=0.1"]', "'a:kl_beta=0.1': 'kl_beta' is not a candidate's to set"),
+    ('["a:mode=auto"]', "'mode' is not a candidate's"),
+    ('["a:windw=4"]', "did you mean 'window'"),
+    ('["a:knots=curved"]', "knots must be one of"),
+    ('[a:window=4,knots=shared]', "a YAML list splits at commas"),
+    ('["w9:window=9"]', "'w9:window=9': estimator.window=9 is more than the 4 trained steps"),
+])
+def test_a_bad_candidate_list_is_refused_by_name_at_load(tmp_path, tiny_ckpt, capsys, candidates, culprit):
+    out = tmp_path / "run"
+    argv = tiny_train_args(tiny_ckpt, out, 2, "estimator.mode=auto", f"estimator.candidates={candidates}")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "estimator.candidates" in err and culprit in err, err
+    assert not out.exists()                                   # refused before the run directory is written
+    with pytest.raises(ValueError, match="preflight_batches must be an integer >= 3"):
+        EstimatorConfig(mode="auto", preflight_batches=2)
+    with pytest.raises(ValueError, match="preflight_margin must be a finite number >= 0"):
+        EstimatorConfig(preflight_margin=-0.1)
+
+
+# a seconds-long auto run: 2 updates per rollout, a reward with spread in every prompt group (tests/reward_plugins.py)
+def test_the_default_candidates_adapt_to_the_job_and_a_given_list_does_not():
+    """A default candidate whose layout does not fit the trained steps is left out, with why; the same candidate in a
+    list the config gives is refused by name."""
+    from jagg.trainers.sections import auto_candidates
+
+    fitting, left_out = auto_candidates(EstimatorConfig(mode="auto"), 4, "sample.num_steps=4")
+    assert list(fitting) == ["exact", "g4", "s4", "g4u"] and list(left_out) == ["s5u"]
+    assert "estimator.window=5 is more than the 4 trained steps" in left_out["s5u"]
+    assert list(auto_candidates(EstimatorConfig(mode="auto"), 8, "")[0]) == ["exact", "g4", "s4", "g4u", "s5u"]
+    with pytest.raises(ValueError, match="estimator.candidates: 's5:window=5'"):
+        auto_candidates(EstimatorConfig(mode="auto", candidates=["s5:window=5"]), 4, "sample.num_steps=4")
+
+
+AUTO = ["estimator.mode=auto", "estimator.preflight_batches=3", "estimator.preflight_share=1",
+        "estimator.candidates=[\"g4:window=4\", \"u4:window=4,correction_p=0.5\"]", "grpo.updates_per_epoch=2",
+        "sample.prompts_per_iter=2", "sample.group_size=4", "reward.name=reward_plugins:brightness", "sample.num_steps=6"]
+
+
+def auto_args(ckpt: str, out, iterations: int, *extra: str) -> list[str]:
+    """:func:`tiny_train_args` with :data:`AUTO` and ``extra`` (a later key replaces an earlier one)."""
+    sets = {s.split("=", 1)[0]: s for s in [*AUTO, *extra]}
+    return tiny_train_args(ckpt, out, iterations, *sets.values())
+
+
+def weights(out) -> dict:
+    return torch.load(sorted((out / "checkpoints").glob("ckpt_*.pt"))[-1], weights_only=False)["model"]
+
+
+def records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def test_auto_that_picks_exact_trains_exactly_as_exact_and_pays_its_time(tmp_path, bench_ckpt, capsys):
+    """A pre-flight that picks exact (a margin no candidate clears) leaves the run identical to an exact run of the
+    same seed: the same rewards and bit-identical weights (its batches come from RNGs of its own, restored after); its
+    seconds are in the run's clocks from the first record on; the decision is on the first screen, in preflight.json
+    and in a preflight metrics record."""
+    auto, exact = tmp_path / "auto", tmp_path / "exact"
+    assert main(auto_args(bench_ckpt, exact, 4, "estimator.mode=exact")) == 0
+    capsys.readouterr()
+    assert main(auto_args(bench_ckpt, auto, 4, "estimator.preflight_margin=100")) == 0
+    screen = capsys.readouterr().out
+    assert "estimator.mode auto: the pre-flight measures" in screen and "\ntrain with exact: " in screen
+    assert screen.index("train with exact") < screen.index("iteration 0: test reward")     # before training starts
+    decision = json.loads((auto / "preflight.json").read_text())
+    assert decision["train_with"] == "exact" and decision["measured_updates"] == 1 and decision["updates"] == 2
+    assert {r["estimator"] for r in decision["records"]} == {"exact", "g4", "u4"}
+    assert not any(c["passes"] for c in decision["candidates"])     # a margin of 100: refused at update 0
+    a, e = records(auto), records(exact)
+    pre = [r for r in a if r["kind"] == "preflight"]
+    assert len(pre) == 1 and pre[0]["train_with"] == "exact" and pre[0]["preflight_cpu_s"] > 0
+    train_a, train_e = [r for r in a if r["kind"] == "train"], [r for r in e if r["kind"] == "train"]
+    for ra, re_ in zip(train_a, train_e, strict=True):
+        assert ra["reward_mean"] == re_["reward_mean"] and ra["backward_items"] == re_["backward_items"]
+    assert train_a[0]["cpu_s"] >= pre[0]["preflight_cpu_s"] + train_a[0]["iter_cpu_s"] - 1e-9
+    assert train_a[0]["wall_s"] >= pre[0]["preflight_s"]
+    evals_a = [r for r in a if r["kind"] == "eval"]
+    assert evals_a[0]["iteration"] == 0 and evals_a[0]["wall_s"] == pytest.approx(pre[0]["preflight_s"])
+    wa, we = weights(auto), weights(exact)
+    assert wa.keys() == we.keys() and all(torch.equal(wa[k], we[k]) for k in wa)
+
+
+def test_auto_trains_with_the_chosen_candidate_and_a_resume_keeps_it(tmp_path, bench_ckpt, capsys, monkeypatch):
+    """When the verdict picks a candidate the updates use it (its rows per update), the checkpoint keeps the decision,
+    and a resumed run trains on with it without a second pre-flight."""
+    import jagg.trainers.auto as auto_mod
+
+    real = auto_mod.verdict
+
+    def picks_g4(records, updates, *a, **k):                   # the rule itself is tested on constructed results
+        v = real(records, updates, *a, **k)
+        return {**v, "estimator": "g4", "reason": "test", "line": "train with g4: test"}
+
+    monkeypatch.setattr(auto_mod, "verdict", picks_g4)
+    out = tmp_path / "run"
+    argv = auto_args(bench_ckpt, out, 3)
+    assert main(argv) == 0
+    assert "train with g4: test" in capsys.readouterr().out
+    first = [r for r in records(out) if r["kind"] == "train"]
+    assert all(r["backward_items"] == 8 * 4 for r in first)     # 6 steps in groups of 4 and 2: 2 + 2 rows of 8 samples
+
+    def no_second(*a, **k):
+        raise AssertionError("a resumed run measured again")
+
+    monkeypatch.setattr(auto_mod, "preflight", no_second)
+    argv[argv.index("grpo.iterations=3")] = "grpo.iterations=4"
+    assert main(argv + ["--resume"]) == 0
+    screen = capsys.readouterr().out
+    assert "training with g4, the pre-flight's decision at the run's start (kept on resume)" in screen
+    train = [r for r in records(out) if r["kind"] == "train"]
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4] and train[-1]["backward_items"] == 8 * 4
+    assert len([r for r in records(out) if r["kind"] == "preflight"]) == 1
+
+
+def test_a_run_too_short_for_a_pre_flight_trains_exact_unmeasured(tmp_path, bench_ckpt, capsys, monkeypatch):
+    import jagg.trainers.auto as auto_mod
+
+    monkeypatch.setattr(auto_mod, "measure_positions", lambda *a, **k: pytest.fail("measured a too-short run"))
+    out = tmp_path / "run"
+    assert main(auto_args(bench_ckpt, out, 2, "estimator.preflight_share=0.2")) == 0   # 2 x 0.2 < 3 batches
+    assert "train with exact: the run (2 iterations) is too short for a pre-flight" in capsys.readouterr().out
+    assert json.loads((out / "preflight.json").read_text())["measured_updates"] == 0
+
+
+def test_bench_meter_prints_the_verdict_and_quick_none(tmp_path, tiny_ckpt, capsys):
+    """``jagg bench meter`` ends with a line per candidate and the recommendation (the JSON's ``verdict`` record);
+    ``--quick`` says it is a smoke test and gives none; on an auto config it measures the candidates."""
+    sets = [f"model.checkpoint={tiny_ckpt}", "sample.num_steps=6", "sample.sde_window=null", "sample.prompts_per_iter=2",
+            "sample.group_size=2", "estimator.micro_batch=4", "grpo.drop_zero_spread=false", "threads=1",
+            "model.trainable=all", "reward.weights=null", "estimator.exact_last_intervals=0", "grpo.updates_per_epoch=1",
+            "estimator.mode=auto", "estimator.candidates=[\"g4:window=4\"]"]
+    argv = ["bench", "meter", "--batches", "3", "--draws", "1", "--json", str(tmp_path / "m.json"),
+            *[a for s in sets for a in ("--set", s)]]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "verdict (the rule of estimator.mode: auto)" in text and "\n  g4: " in text and "\ntrain with " in text
+    v = [r for r in json.loads((tmp_path / "m.json").read_text()) if r.get("kind") == "verdict"]
+    assert len(v) == 1 and v[0]["train_with"] in ("exact", "g4") and v[0]["line"] in text
+    assert main(argv[:-2 * len(sets)] + ["--quick", "--overwrite", *[a for s in sets for a in ("--set", s)]]) == 0
+    text = capsys.readouterr().out
+    assert "--quick is a smoke test of the command" in text and "train with" not in text
+
+
+def test_the_main_job_runs_auto_and_the_benches_of_one_estimator_refuse_it(capsys):
+    """The main job ships with estimator.mode auto; a lab tool that measures the config's estimator as it is (signal,
+    fidelity) refuses auto by name, before any model loads."""
+    from jagg.infra import config_loader as configuration
+    from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
+    from lab.__main__ import main as lab
+
+    assert configuration.load(ShapesTrainConfig, main_job_path()).estimator.mode == "auto"
+    for tool in ("signal", "fidelity"):
+        assert lab([tool, "--quick"]) == 2
+        err = capsys.readouterr().err
+        assert f"python -m lab {tool}: error: estimator.mode is 'auto'" in err and "--set estimator.mode=jagg" in err
