@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from jagg.arguments import config_arguments
 from jagg.infra import config_loader as configuration
 from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.checks import check_no_repeats, number_arg
-from jagg.bench.common import default_config_path, json_if_asked, table
+from jagg.bench.common import json_if_asked, table
 from jagg.bench.projection import estimator_limit
 
 VARIANTS = {
@@ -106,10 +107,7 @@ def _run(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("e2e", help="whole GRPO iterations exact vs JAGG, round-robin: ratio vs its ideal",
                        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=default_config_path(),
-                   help="trainer YAML [default: the main job, jagg/shapes/main_job.yaml]")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a trainer config key for every variant (repeatable)")
+    config_arguments(p, "the job every variant runs")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS),
                    help="variants besides exact (always included) [default: exact jagg_interp]")
     p.add_argument("--iterations", type=number_arg(int, 1),

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from jagg.arguments import config_arguments
 from jagg.checks import number_arg
 from jagg.shapes.weights import load_model
 from jagg.audit import audit_gradient
@@ -57,9 +58,9 @@ from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.trajectory import Trajectory, VelocityFn, sample_trajectories
 from jagg.shapes import from_tensor, tokenizer
 from jagg.audit import cosine, flat_grad, rel_err
-from jagg.bench.common import default_config_path, json_if_asked, resolve_device, set_threads, spearman, table
-from jagg.bench.meter import (Sampler, TrainConfig, check_fixed_estimator, load_config, make_sampler, num_steps_of,
-                              restore_params)
+from jagg.bench.common import json_if_asked, resolve_device, set_threads, spearman, table
+from jagg.bench.meter import TrainConfig, check_fixed_estimator, load_config, make_sampler, num_steps_of
+from jagg.trainers.metering import Sampler, restore_params
 from jagg.trainers.sections import steps_source, trained_steps
 
 ADVANTAGES = ("reward", "random")
@@ -461,13 +462,9 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint", action="append",
                    help="a trained shapes-world checkpoint (builtin:tiny_dit, .safetensors, training .pt or run dir); "
                         "repeatable; not with a diffusers config [default: builtin:tiny_dit]")
-    p.add_argument("--config", default=default_config_path(),
-                   help="trainer YAML whose sample/reward/grpo/estimator/optim settings define the rollout and "
-                        "the loss; one with a pipeline: section measures that diffusers model with the diffusers "
-                        "trainer's sampler (as jagg bench meter) [default: the main job, "
-                        "jagg/shapes/main_job.yaml]")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a trainer config key (repeatable), e.g. sample.prompts_per_iter=16")
+    config_arguments(p, "its sample/reward/grpo/estimator/optim settings define the rollout and the loss; one with a "
+                        "pipeline: section measures that diffusers model with the diffusers trainer's sampler",
+                     "sample.prompts_per_iter=16")
     p.add_argument("--quick", action="store_true",
                    help=f"a smaller study: {' '.join(QUICK_SETS)}, --fracs {' '.join(map(str, QUICK_FRACS))}")
     p.add_argument("--windows", nargs="+", type=number_arg(int, 2), help=f"[default: {' '.join(map(str, d.windows))}]")

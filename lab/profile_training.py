@@ -30,8 +30,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from jagg import policy_gradient
 from jagg.infra import config_loader as configuration
 from jagg.advantages import group_advantages
-from jagg.arguments import overwrite_argument
-from jagg.bench.common import default_config_path, write_json
+from jagg.arguments import config_arguments, overwrite_argument
+from jagg.bench.common import write_json
 from jagg.checks import check_output_file
 from jagg.estimator_config import EstimatorConfig
 from jagg.trainers.shapes import ShapesSampler
@@ -100,8 +100,7 @@ def profile_mode(sampler: ShapesSampler, batch, est: EstimatorConfig, repeats: i
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lab profile-training", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=default_config_path())
-    ap.add_argument("--set", action="append", metavar="KEY=VALUE", default=[])
+    config_arguments(ap, "the job whose training phase is profiled")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="also write the records to this JSON file")
     overwrite_argument(ap, "--json")

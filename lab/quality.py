@@ -70,8 +70,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from jagg.arguments import config_arguments
 from jagg.checks import SEED_MAX, check_output_file, number_arg
-from jagg.bench.common import default_config_path, table, write_json
+from jagg.bench.common import table, write_json
 from jagg.trainers.diffusers_config import has_pipeline_section
 from jagg.bench.projection import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
 from lab.quality_compare import CLOCKS, TARGETS, compare
@@ -186,11 +187,8 @@ def _run(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("quality", help="paired GRPO runs exact vs JAGG variants x seeds: time to reward, final reward",
                        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=default_config_path(),
-                   help="trainer YAML shared by every run; one with a pipeline: section trains that diffusers model "
-                        "with the diffusers trainer (no held-out evaluation: --target train) [default: the main job]")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a trainer config key for every run (repeatable), e.g. grpo.iterations=200")
+    config_arguments(p, "shared by every run; one with a pipeline: section trains that diffusers model with the "
+                        "diffusers trainer", "grpo.iterations=200")
     p.add_argument("--variant", action="append", metavar="NAME[:KEY=VALUE,...]",
                    help="a variant (repeatable): exact, config, jagg_fresh, jagg_interp, or NAME:KEY=VALUE,... of "
                         "estimator keys (a name of its own: each name once) [default: exact config]")

@@ -33,9 +33,10 @@ import json
 import math
 from pathlib import Path
 
+from jagg.arguments import config_arguments
 from jagg.bench.common import default_config_path, json_safe, spearman
-from jagg.bench.meter import (BUILT_IN, check_estimators, kept_batch, layout_linearity, load_config, make_sampler,
-                              measure, spec_base)
+from jagg.bench.meter import BUILT_IN, check_estimators, load_config, make_sampler, measure, spec_base
+from jagg.trainers.metering import kept_batch, layout_linearity
 from jagg.checks import check_fields, check_unique_names, read_json_lines
 from jagg.infra.config_loader import differences, to_dict
 
@@ -176,7 +177,7 @@ def load(path: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab regime-map", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="trainer YAML [default: the main job]")
+    config_arguments(p, "the job whose regimes are mapped", main_job=False)
     p.add_argument("--steps", type=int, nargs="+", choices=sorted(WINDOWS), default=sorted(WINDOWS))
     p.add_argument("--sde", nargs="+", choices=sorted(SDE_NOISE), default=list(SDE_NOISE))
     p.add_argument("--no-cuts", action="store_true", help="leave out the regimes with a cut trained window")
@@ -184,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"an estimator, as jagg bench meter's (repeatable) [default: {' '.join(ESTIMATORS)}]")
     p.add_argument("--batches", type=int, default=6, help="independent batches per regime (>= 3) [default: 6]")
     p.add_argument("--draws", type=int, default=3, help="draws of a random estimator per batch [default: 3]")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="trainer config override")
     p.add_argument("--json", required=True, help="records (JSON lines; regimes already there are skipped)")
     p.add_argument("--summary", action="store_true", help="only print the table of the records in --json")
     args = p.parse_args(argv)

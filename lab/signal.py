@@ -43,6 +43,7 @@ import statistics
 import numpy as np
 import torch
 
+from jagg.arguments import config_arguments
 from jagg.audit import flat_grad
 from jagg.meter import jackknife_se
 from jagg.estimator import policy_gradient, reference_velocities
@@ -51,7 +52,7 @@ from jagg.trainers.base import rollout_batch, take
 from jagg.trainers.diffusers_config import DiffusersTrainConfig
 from jagg.bench.meter import TrainConfig, check_fixed_estimator, check_kl, load_config, make_sampler
 from jagg.checks import check_no_repeats, number_arg
-from jagg.bench.common import default_config_path, json_if_asked, table
+from jagg.bench.common import json_if_asked, table
 
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
 
@@ -246,11 +247,8 @@ def _run(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("signal", help="gradient agreement between independent batches: is there a signal to learn?",
                        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=default_config_path(),
-                   help="trainer YAML; one with a pipeline: section measures that diffusers model (as jagg train "
-                        "loads it) [default: the main job, jagg/shapes/main_job.yaml]")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a trainer config key (repeatable), e.g. model.trainable=all")
+    config_arguments(p, "the job measured; one with a pipeline: section measures that diffusers model (as jagg train "
+                        "loads it)", "model.trainable=all")
     p.add_argument("--rewards", nargs="+", metavar="REWARD",
                    help="rewards to compare on the same trajectories: registry names or module:function (a diffusers "
                         "config's server: reward_server) [default: the config's reward.name, or the components of its "

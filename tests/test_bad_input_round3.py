@@ -61,36 +61,36 @@ def test_wandb_start_up_passes_offline_or_with_a_key(tmp_path, capsys, monkeypat
     import fake_wandb
 
     from jagg.infra.wandb_run import check_start
-    from jagg.trainers.sections import LogConfig
+    from jagg.trainers.sections import LogSection
 
     fake_wandb.install(monkeypatch)
     for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_ANONYMOUS"):
         monkeypatch.delenv(name, raising=False)
     config_dir = tmp_path / "wandb_config"
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(config_dir))
-    check_start(LogConfig(wandb=True, wandb_mode="offline"))
-    check_start(LogConfig(wandb=True, wandb_mode="disabled"))
+    check_start(LogSection(wandb=True, wandb_mode="offline"))
+    check_start(LogSection(wandb=True, wandb_mode="disabled"))
     monkeypatch.setenv("WANDB_MODE", "offline")
-    check_start(LogConfig(wandb=True))
+    check_start(LogSection(wandb=True))
     monkeypatch.delenv("WANDB_MODE")
     netrc = tmp_path / "netrc"
     netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
     netrc.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc))
-    check_start(LogConfig(wandb=True))                                          # `wandb login`'s entry
+    check_start(LogSection(wandb=True))                                          # `wandb login`'s entry
     monkeypatch.delenv("NETRC")
     with pytest.raises(ValueError, match="needs a W&B API key"):
-        check_start(LogConfig(wandb=True))
+        check_start(LogSection(wandb=True))
     config_dir.mkdir()
     (config_dir / "settings").write_text("[default]\napi_key = " + "k" * 40 + "\n")
-    check_start(LogConfig(wandb=True))                                          # wandb's settings file
+    check_start(LogSection(wandb=True))                                          # wandb's settings file
 
 
 def test_a_wandb_init_failure_is_one_line_naming_log_wandb(monkeypatch):
     import fake_wandb
 
     from jagg.infra.wandb_run import WandbRun
-    from jagg.trainers.sections import LogConfig
+    from jagg.trainers.sections import LogSection
 
     fake_wandb.install(monkeypatch)
 
@@ -102,7 +102,7 @@ def test_a_wandb_init_failure_is_one_line_naming_log_wandb(monkeypatch):
 
     monkeypatch.setattr(sys.modules["wandb"], "init", refuse)
     with pytest.raises(ValueError) as e:
-        WandbRun(LogConfig(wandb=True, wandb_mode="offline"), "id", Path("."), {})
+        WandbRun(LogSection(wandb=True, wandb_mode="offline"), "id", Path("."), {})
     assert str(e.value).startswith("log.wandb: wandb could not start (UsageError: Invalid project name with")
     assert "\n" not in str(e.value)
 
@@ -237,9 +237,9 @@ def test_the_memory_estimate_passes_what_the_main_job_and_the_real_configs_need(
 
 
 @pytest.mark.parametrize("sets,culprit", [
-    (["estimator.correction_rates=[0.1, 0.2, 0.3]"], "estimator.correction_rates has 3 rates, but the layout has 2"),
-    (["estimator.correction_rates=[0.1]"], "estimator.correction_rates has 1 rate, but the layout has 2"),
-    (["estimator.knots=shared", "estimator.correction_rates=[0.5, 0.5]"], "the layout has 3 intervals"),
+    (["estimator.correction_probs=[0.1, 0.2, 0.3]"], "estimator.correction_probs has 3 rates, but the layout has 2"),
+    (["estimator.correction_probs=[0.1]"], "estimator.correction_probs has 1 rate, but the layout has 2"),
+    (["estimator.knots=shared", "estimator.correction_probs=[0.5, 0.5]"], "the layout has 3 intervals"),
     (["estimator.window=100"], "estimator.window=100 is more than the 8 trained steps"),
     (["estimator.window=9"], "estimator.window=9"),
     (["sample.sde_window=[0, 10]", "estimator.window=11"], "the 10 trained steps"),
@@ -264,7 +264,7 @@ def test_counts_that_fit_still_load_and_the_diffusers_config_checks_them_too(tmp
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
 
     main_job = str(main_job_path())
-    for sets in (["estimator.correction_rates=[0.4, 0.1]"], ["estimator.window=8"], ["estimator.exact_first_intervals=2"],
+    for sets in (["estimator.correction_probs=[0.4, 0.1]"], ["estimator.window=8"], ["estimator.exact_first_intervals=2"],
                  ["estimator.mode=exact", "estimator.window=100"], ["eval.num_prompts=69"],
                  ["sample.sde_window_schedule=sliding", "sample.sde_window_size=4", "sample.sde_window_stride=4"]):
         configuration.load(ShapesTrainConfig, main_job, sets)
@@ -272,16 +272,16 @@ def test_counts_that_fit_still_load_and_the_diffusers_config_checks_them_too(tmp
     load_config(cfg, ["estimator.window=4"])
     with pytest.raises(ValueError, match=r"estimator.window=5 is more than the 4 trained steps .*pipeline.num_steps=4"):
         load_config(cfg, ["estimator.window=5"])
-    with pytest.raises(ValueError, match="correction_rates has 2 rates, but the layout has 1 interval"):
-        load_config(cfg, ["estimator.correction_rates=[0.5, 0.5]"])
+    with pytest.raises(ValueError, match="correction_probs has 2 rates, but the layout has 1 interval"):
+        load_config(cfg, ["estimator.correction_probs=[0.5, 0.5]"])
 
 
 def test_bench_efficiency_names_the_estimator_whose_rates_do_not_fit(tmp_path, capsys, monkeypatch):
     from jagg.bench import meter as efficiency
 
     monkeypatch.setattr(efficiency, "measure", lambda *a, **k: pytest.fail("measured before the estimators' checks"))
-    _refused(["bench", "meter", "--quick", "--estimator", "r3:correction_rates=[0.1,0.2,0.3]"], capsys,
-             "--estimator 'r3:correction_rates=[0.1,0.2,0.3]'", "correction_rates has 3 rates")
+    _refused(["bench", "meter", "--quick", "--estimator", "r3:correction_probs=[0.1,0.2,0.3]"], capsys,
+             "--estimator 'r3:correction_probs=[0.1,0.2,0.3]'", "correction_probs has 3 rates")
 
 
 def test_eval_refuses_more_prompts_than_the_test_split_and_records_its_count(tmp_path, tiny_ckpt, capsys):

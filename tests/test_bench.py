@@ -27,13 +27,13 @@ def test_cost_model_and_spearman():
     assert cost_limit(4, "interp", steps=10, knots="shared") == pytest.approx(10 / 4)    # knots 0, 3, 6, 9
     assert cost_limit(4, "fresh", steps=10, knots="shared") == pytest.approx(30 / (12 + 6))
     assert cost_limit(4, "interp", steps=8, correction_p=0.25) == pytest.approx(8 / (4 + 0.25 * 4))
-    assert cost_limit(4, "interp", steps=8, correction_rates=[0.25, 0.0]) == pytest.approx(8 / (4 + 0.25 * 2))
+    assert cost_limit(4, "interp", steps=8, correction_probs=[0.25, 0.0]) == pytest.approx(8 / (4 + 0.25 * 2))
     assert cost_limit(4, "interp", steps=10, exact_last=1) == pytest.approx(10 / 8)  # the last group JAGG could take
     # interval subsampling: m of n intervals kept; exact's is n / m; a knot shared with a drawn neighbour counts once
     assert cost_limit(5, "interp", steps=20, interval_frac=0.6) == pytest.approx(20 / 4)      # 2 of 4 step groups
     assert cost_limit(4, "interp", steps=10, jagg_frac=0.0, interval_frac=0.5) == pytest.approx(1.5)
     assert cost_limit(4, "interp", steps=10, knots="shared", interval_frac=0.67) == pytest.approx(10 / (10 / 3))
-    assert cost_limit(4, "interp", steps=8, correction_rates=[0.5, 0.0]) == pytest.approx(8 / (4 + 0.5 * 2))
+    assert cost_limit(4, "interp", steps=8, correction_probs=[0.5, 0.0]) == pytest.approx(8 / (4 + 0.5 * 2))
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 1, 2, 3], [5, 5, 6, 7]) == pytest.approx(1.0)       # ties get average ranks
@@ -43,7 +43,7 @@ def test_cost_model_and_spearman():
     dict(mode="jagg", window=4, knots="shared", interval_frac=0.5, correction_p=0.25),
     dict(mode="jagg", window=4, knots="shared", interval_frac=0.67, correction_p=0.0, intermediate="fresh"),
     dict(mode="jagg", window=5, interval_frac=0.6, correction_p=0.5, exact_last_intervals=1),
-    dict(mode="jagg", window=4, correction_rates=[0.5, 0.25, 1.0, 0.0], intermediate="fresh"),
+    dict(mode="jagg", window=4, correction_probs=[0.5, 0.25, 1.0, 0.0], intermediate="fresh"),
     dict(mode="jagg", window=4, knots="shared", correction_p=0.5, interval_frac=0.5),
     dict(mode="exact", window=4, knots="shared", interval_frac=0.4),
 ])

@@ -187,7 +187,7 @@ def test_print_config_of_a_real_model_config_round_trips(tmp_path, capsys):
     data = yaml.safe_load(printed.read_text())
     assert data["pipeline"]["family"] == "sd3" and data["grpo"]["iterations"] == 3
     assert data["reward"]["name"] == "jpeg_compressibility" and data["reward_server"] is None
-    assert data["log"]["output_dir"] == "runs/real"                          # DiffusersLogConfig's default, not TinyDiT's
+    assert data["log"]["output_dir"] == "runs/real"                          # DiffusersLogSection's default, not TinyDiT's
     assert main(["train", "--config", str(printed), "--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out) == data
 

@@ -1,4 +1,4 @@
-"""Unbiased JAGG's per-interval rates (``correction_rates``, :func:`jagg.knots.budget_rates`) beside ``correction_p``:
+"""Unbiased JAGG's per-interval rates (``correction_probs``, :func:`jagg.knots.budget_probs`) beside ``correction_p``:
 the mean of many draws is exact, rate 1 is exact, a zero rate leaves plain JAGG (float64 toys); and the retired
 options are unknown keys."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jagg import EstimatorConfig
-from jagg.knots import budget_rates
+from jagg.knots import budget_probs
 from conftest import meter_sets
 from test_interval_subsampling import assert_mean_is
 from toy import Nonlinear, perturb, run, sampled_traj
@@ -38,18 +38,18 @@ def _draws(model, traj, adv, cfg, n, seed=0, **kw):
 
 
 def test_rates_of_one_everywhere_are_exact_and_a_zero_rate_leaves_plain_jagg_there():
-    """correction_rates [1, 1, 1] (three step groups of 4) is exact; [0.5, 0, 1] corrects the first and the last step
+    """correction_probs [1, 1, 1] (three step groups of 4) is exact; [0.5, 0, 1] corrects the first and the last step
     group and leaves the middle one plain: its mean over draws is exact on steps 0-3 and 8-11, plain JAGG on 4-7."""
     model, traj, adv = _case()
     exact, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.05))
-    g1, _ = run(model, traj, adv, EstimatorConfig(**_base(correction_rates=[1.0, 1.0, 1.0])),
+    g1, _ = run(model, traj, adv, EstimatorConfig(**_base(correction_probs=[1.0, 1.0, 1.0])),
                 generator=torch.Generator().manual_seed(0))
     assert torch.allclose(g1, exact, **TIGHT)
     middle = list(range(4, 8))
     ex_mid, _ = run(model, traj, adv, EstimatorConfig(mode="exact", clip_range=0.05), only_steps=middle)
     plain_mid, _ = run(model, traj, adv, EstimatorConfig(**_base(correction_p=0.0)), only_steps=middle)
     target = exact - ex_mid + plain_mid
-    cfg = EstimatorConfig(**_base(correction_rates=[0.5, 0.0, 1.0]))
+    cfg = EstimatorConfig(**_base(correction_probs=[0.5, 0.0, 1.0]))
     grads = _draws(model, traj, adv, cfg, 300)
     assert_mean_is(grads, target, exact)
     st = run(model, traj, adv, cfg, generator=torch.Generator().manual_seed(3))[1]
@@ -58,32 +58,32 @@ def test_rates_of_one_everywhere_are_exact_and_a_zero_rate_leaves_plain_jagg_the
 
 def test_rates_must_fit_the_layout_and_be_probabilities():
     model, traj, adv = _case()
-    with pytest.raises(ValueError, match="correction_rates has 2 rates.*3 intervals"):
-        run(model, traj, adv, EstimatorConfig(**_base(correction_rates=[0.5, 0.5])))
-    for bad, match in (([1.5], r"correction_rates\[0\]"), ([], "non-empty"), ("0.5", "non-empty"),
-                       ([0.2, float("nan")], r"correction_rates\[1\]")):
+    with pytest.raises(ValueError, match="correction_probs has 2 rates.*3 intervals"):
+        run(model, traj, adv, EstimatorConfig(**_base(correction_probs=[0.5, 0.5])))
+    for bad, match in (([1.5], r"correction_probs\[0\]"), ([], "non-empty"), ("0.5", "non-empty"),
+                       ([0.2, float("nan")], r"correction_probs\[1\]")):
         with pytest.raises(ValueError, match=match):
-            EstimatorConfig(correction_rates=bad)
+            EstimatorConfig(correction_probs=bad)
     # exact mode ignores rates laid out for JAGG's intervals (K single steps there)
-    run(model, traj, adv, EstimatorConfig(mode="exact", correction_rates=[0.5, 0.5]))
+    run(model, traj, adv, EstimatorConfig(mode="exact", correction_probs=[0.5, 0.5]))
 
 
-def test_budget_rates_minimise_the_variance_at_the_budget():
+def test_budget_probs_minimise_the_variance_at_the_budget():
     D, r = [4.0, 1.0, 0.0], [2.0, 2.0, 2.0]
-    p = budget_rates(D, r, 2.0)
+    p = budget_probs(D, r, 2.0)
     assert p == pytest.approx([2 / 3, 1 / 3, 0.0]) and sum(a * b for a, b in zip(p, r)) == pytest.approx(2.0)
     cost = lambda q: sum((1 / x - 1) * d for x, d in zip(q, D) if d > 0)
     grid = [(x, (2.0 - 2 * x) / 2) for x in (i / 1000 for i in range(1, 1000)) if 0 < (2.0 - 2 * x) / 2 <= 1]
     best = min(grid, key=lambda q: cost(q))
     assert cost(p) <= cost(best) + 1e-9 and p[0] == pytest.approx(best[0], abs=2e-3)
-    assert budget_rates([100.0, 1.0], [1.0, 1.0], 1.5) == pytest.approx([1.0, 0.5])       # capped, budget passed on
-    assert budget_rates([3.0, 1.0], [2.0, 1.0], 10.0) == [1.0, 1.0]
-    assert budget_rates([0.0, 0.0], [2.0, 2.0], 1.0) == [0.0, 0.0]
-    assert budget_rates([2.0, -0.1], [2.0, 0.0], 1.0) == pytest.approx([0.5, 0.0])
+    assert budget_probs([100.0, 1.0], [1.0, 1.0], 1.5) == pytest.approx([1.0, 0.5])       # capped, budget passed on
+    assert budget_probs([3.0, 1.0], [2.0, 1.0], 10.0) == [1.0, 1.0]
+    assert budget_probs([0.0, 0.0], [2.0, 2.0], 1.0) == [0.0, 0.0]
+    assert budget_probs([2.0, -0.1], [2.0, 0.0], 1.0) == pytest.approx([0.5, 0.0])
     for args, match in ((([1.0], [1.0, 2.0], 1.0), "one error per interval"), (([1.0], [-1.0], 1.0), ">= 0"),
                         (([math.nan], [1.0], 1.0), "finite")):
         with pytest.raises(ValueError, match=match):
-            budget_rates(*args)
+            budget_probs(*args)
 
 
 # ----------------------------------------------------------------------------- in the trainers
@@ -95,7 +95,7 @@ def test_trainer_trains_with_rates_and_interval_subsampling(tmp_path, tiny_ckpt)
     from test_train import _records
     from jagg.cli import main
 
-    for name, sets in (("rates", ("estimator.correction_rates=[0.5]",)),
+    for name, sets in (("rates", ("estimator.correction_probs=[0.5]",)),
                        ("frac", ("estimator.window=3", "estimator.correction_p=0", "estimator.interval_frac=0.5"))):
         out = tmp_path / name
         assert main(tiny_train_args(tiny_ckpt, out, 2, "estimator.window=4", "estimator.correction_p=0.5", *sets)) == 0
@@ -105,7 +105,7 @@ def test_trainer_trains_with_rates_and_interval_subsampling(tmp_path, tiny_ckpt)
             assert all(4 <= r["backward_items"] <= 8 for r in train)
 
 
-@pytest.mark.parametrize("key, close", [("control_variate", None), ("correction_intervals", "correction_rates"),
+@pytest.mark.parametrize("key, close", [("control_variate", None), ("correction_intervals", "correction_probs"),
                                         ("correction", "correction_p"), ("score", None)])
 def test_retired_estimator_keys_are_unknown(tmp_path, key, close):
     """The retired options (the control variate, the step correction, correction_intervals, the routing scores) are
@@ -125,18 +125,18 @@ def test_retired_estimator_keys_are_unknown(tmp_path, key, close):
 # ----------------------------------------------------------------------------- in jagg bench meter
 
 
-def test_estimator_specs_take_lists_and_budget_rates():
-    from jagg.bench.meter import parse_estimator, wants_budget_rates
+def test_estimator_specs_take_lists_and_budget_probs():
+    from jagg.bench.meter import parse_estimator, wants_budget_probs
     from jagg.checks import parse_spec
 
-    assert parse_spec("r:correction_rates=[0.4,0.1],window=5", "--estimator") == (
-        "r", {"correction_rates": "[0.4,0.1]", "window": "5"})
-    name, est = parse_estimator("r:correction_rates=[0.4, 0.1],window=5", EstimatorConfig())
-    assert name == "r" and est.correction_rates == [0.4, 0.1] and est.window == 5
-    assert wants_budget_rates("r:correction_rates=by_interval,window=5")
-    assert not wants_budget_rates("r:correction_rates=[0.5]") and not wants_budget_rates("config")
-    assert parse_estimator("r:correction_rates=by_interval", EstimatorConfig())[1].correction_rates is None
-    assert parse_estimator("plain", EstimatorConfig(correction_rates=[0.2]))[1].corrects is False
+    assert parse_spec("r:correction_probs=[0.4,0.1],window=5", "--estimator") == (
+        "r", {"correction_probs": "[0.4,0.1]", "window": "5"})
+    name, est = parse_estimator("r:correction_probs=[0.4, 0.1],window=5", EstimatorConfig())
+    assert name == "r" and est.correction_probs == [0.4, 0.1] and est.window == 5
+    assert wants_budget_probs("r:correction_probs=by_interval,window=5")
+    assert not wants_budget_probs("r:correction_probs=[0.5]") and not wants_budget_probs("config")
+    assert parse_estimator("r:correction_probs=by_interval", EstimatorConfig())[1].correction_probs is None
+    assert parse_estimator("plain", EstimatorConfig(correction_probs=[0.2]))[1].corrects is False
 
 
 def test_bench_meter_measures_the_new_estimators(tmp_path, bench_ckpt, capsys):
@@ -149,16 +149,16 @@ def test_bench_meter_measures_the_new_estimators(tmp_path, bench_ckpt, capsys):
     out = tmp_path / "eff.json"
     sets = meter_sets(bench_ckpt)
     args = ["bench", "meter", "--batches", "3", "--draws", "2",
-            "--estimator", "rates:correction_rates=by_interval", "--estimator", "half:interval_frac=0.5",
+            "--estimator", "rates:correction_probs=by_interval", "--estimator", "half:interval_frac=0.5",
             "--json", str(out)]
     assert main(args + [a for s in sets for a in ("--set", s)]) == 0
     recs = {r["estimator"]: r for r in json.loads(out.read_text()) if r.get("kind") is None}
     assert list(recs) == ["exact", "rates", "half"]
     # 8 steps, step groups of 4: 4 knot rows
     assert 2 <= recs["half"]["rows_per_sample"] <= 3           # one group's 2 knots, + 2 inner rows if corrected
-    rates = recs["rates"]["estimator_config"]["correction_rates"]
+    rates = recs["rates"]["estimator_config"]["correction_probs"]
     assert len(rates) == 2 and sum(rates) * 2 == pytest.approx(0.25 * 4, abs=1e-3)      # the uniform rate's rows
-    assert "rates: correction_rates" in capsys.readouterr().out
+    assert "rates: correction_probs" in capsys.readouterr().out
     assert all(math.isfinite(r["error_to_noise"]) for r in recs.values())
 
 

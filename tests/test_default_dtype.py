@@ -76,7 +76,7 @@ CASES = {
     "shared_fresh_plain": dict(knots="shared", intermediate="fresh", correction_p=0.0),
     "route_half_cosine": dict(jagg_frac=0.5, correction_p=0.25),
     "route_third_plain": dict(jagg_frac=0.3, correction_p=0.0),
-    "correction_rates": dict(correction_rates=[0.5, 0.0, 1.0]),
+    "correction_probs": dict(correction_probs=[0.5, 0.0, 1.0]),
     "correction_p1": dict(correction_p=1.0),
     "exact_first_last": dict(exact_first_intervals=1, exact_last_intervals=1, window=3, correction_p=0.25),
     "kl": dict(kl_beta=0.2, correction_p=0.25),

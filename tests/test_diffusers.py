@@ -548,8 +548,8 @@ def test_shipped_yaml_configs_load(name, family, rank, tmp_path):
     fails with the download hint."""
     import yaml
 
-    from jagg.trainers.diffusers_config import DiffusersSampleConfig
-    from jagg.trainers.sections import GRPOConfig, OptimConfig
+    from jagg.trainers.diffusers_config import DiffusersSampleSection
+    from jagg.trainers.sections import GRPOSection, OptimSection
     from jagg.infra.config_loader import from_dict
     from jagg.rewards import RewardClient
 
@@ -561,8 +561,8 @@ def test_shipped_yaml_configs_load(name, family, rank, tmp_path):
     data = yaml.safe_load(path.read_text())
     (tmp_path / "prompts.txt").write_text("a red cube\n")
     data["sample"]["prompts_file"] = str(tmp_path / "prompts.txt")      # the shipped configs leave it to the user
-    for section, cls in (("sample", DiffusersSampleConfig), ("estimator", jagg.EstimatorConfig),
-                         ("optim", OptimConfig), ("grpo", GRPOConfig)):
+    for section, cls in (("sample", DiffusersSampleSection), ("estimator", jagg.EstimatorConfig),
+                         ("optim", OptimSection), ("grpo", GRPOSection)):
         from_dict(cls, data[section], section)
     if "reward_server" in data:
         RewardClient(**data["reward_server"])

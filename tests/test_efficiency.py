@@ -53,7 +53,7 @@ def test_the_meter_gives_a_range_or_says_unknown():
     """#32: the prediction spans SGD's model at the error's upper end (+ 2 SE) to Adam's at its lower end (- 2 SE),
     per update and times the iteration ratio, and is 'unknown' where no model holds: a significant repeating error,
     or a range wider than MAX_RANGE (an error the batches do not resolve)."""
-    from jagg.bench.meter import MAX_RANGE, prediction
+    from jagg.verdict import MAX_RANGE, prediction
 
     rec = {"error_to_noise": 0.5, "error_to_noise_se": 0.1, "iter_ratio": 1.2, "bias_z": 0.3, "update": 0}
     out = prediction(rec)
@@ -78,7 +78,7 @@ def test_the_meter_gives_a_range_or_says_unknown():
 def test_job_prediction_is_the_mean_of_the_positions_ranges():
     """#32: a job of U updates per rollout learns at the mean of its updates' rates: the job's range is the mean of
     the positions' ranges (rate and times the iteration ratio), and 'unknown' where any position's is."""
-    from jagg.bench.meter import job_prediction, prediction
+    from jagg.verdict import job_prediction, prediction
 
     def rec(name, err, se=0.0, z=0.0):
         return {"estimator": name, "error_to_noise": err, "error_to_noise_se": se, "iter_ratio": 1.5, "bias_z": z}
@@ -314,7 +314,7 @@ def test_bench_efficiency_off_policy_update(tmp_path, bench_ckpt, capsys):
 def test_bench_efficiency_update_all(tmp_path, bench_ckpt, capsys):
     """--update all measures each of the job's update positions (inner_epochs x updates_per_epoch) in turn and adds the
     job's answer (:func:`job_prediction` of those very records) to the table and the JSON."""
-    from jagg.bench.meter import job_prediction
+    from jagg.verdict import job_prediction
 
     out = tmp_path / "eff.json"
     sets = meter_sets(bench_ckpt) + ["grpo.updates_per_epoch=2", "sample.group_size=4", "optim.lr=1e-3"]

@@ -33,7 +33,7 @@ def test_interval_frac_one_reproduces_every_layout_before_it(name):
     model, ref, traj, adv = _golden_case()
     ref_v = jagg.reference_velocities(ref, traj) if case["config"].get("kl_beta") else None
     cfg = EstimatorConfig(**{"intermediate": "interp", **case["config"]}, interval_frac=1.0,  # the default of its day
-                          correction_rates=None)
+                          correction_probs=None)
     g, st = run(model, traj, adv, cfg, ref_velocities=ref_v, prompt_groups=[0, 0, 1, 1, 2, 2],
                 generator=torch.Generator().manual_seed(3))
     assert_matches_golden(g, case["grad"])

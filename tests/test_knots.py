@@ -206,13 +206,13 @@ def test_unbiased_jagg_is_exact_in_expectation_and_p1_is_exact():
         assert rows == pytest.approx(sj.backward_items + 0.5 * inner, rel=0.1)
 
 
-def test_correction_rates_limit_the_picks_to_the_noisiest():
-    """What the retired correction_intervals=1 did: correction_rates [1, 0, 0] corrects only the first interval."""
+def test_correction_probs_limit_the_picks_to_the_noisiest():
+    """What the retired correction_intervals=1 did: correction_probs [1, 0, 0] corrects only the first interval."""
     torch.manual_seed(8)
     model = Nonlinear(batch=4)
     traj = sampled_traj(model, B=4, T=12)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
-    cfg = EstimatorConfig(mode="jagg", window=4, correction_rates=[1.0, 0.0, 0.0])
+    cfg = EstimatorConfig(mode="jagg", window=4, correction_probs=[1.0, 0.0, 0.0])
     plan = plan_update(traj, cfg)
     corrected_steps = {t.step for b in plan.bundles for t in b.terms if not t.counted}
     assert corrected_steps == {1, 2} and plan.corrected == 4

@@ -87,8 +87,8 @@ def _empty(traj):
     (lambda m, t, a: dict(backward_fn=3), TypeError, "backward_fn must be callable"),
     (lambda m, t, a: dict(config=EstimatorConfig(window=40)), ValueError,
      r"window=40 is more than the 6 trained steps .*lower window to at most 6"),
-    (lambda m, t, a: dict(config=EstimatorConfig(window=3, correction_rates=[0.5])), ValueError,
-     "correction_rates has 1 rate, but the layout has 2 intervals"),
+    (lambda m, t, a: dict(config=EstimatorConfig(window=3, correction_probs=[0.5])), ValueError,
+     "correction_probs has 1 rate, but the layout has 2 intervals"),
     (lambda m, t, a: dict(traj=dict(vars(t), latents=t.latents.tolist())), TypeError, "traj must be a jagg.Trajectory"),
 ])
 def test_policy_gradient_names_the_bad_argument_before_any_work(change, err, culprit, setup):
@@ -242,7 +242,7 @@ def test_numpy_scalars_count_as_the_numbers_they_hold(setup):
     (lambda: knots.interval_alphas(jagg.flow_sigmas(4), torch.zeros(3), "sigma"), TypeError, "interval must be a"),
     (lambda: knots.interval_alphas(jagg.flow_sigmas(4), [3, 9], "sigma"), ValueError, r"steps in \[0, 4\]"),
     (lambda: knots.shared_knots(0, 4), ValueError, "num_steps must be an integer >= 1"),
-    (lambda: knots.budget_rates(1.0, [1.0], 1.0), TypeError, "errors must be a sequence"),
+    (lambda: knots.budget_probs(1.0, [1.0], 1.0), TypeError, "errors must be a sequence"),
     (lambda: knots.plan_update({"latents": 0}, CFG), TypeError, "traj must be a jagg.Trajectory"),
     (lambda: meter.predicted_efficiency(0.0, 0.1), ValueError, "work_ratio must be a finite number > 0"),
     (lambda: meter.adam_efficiency(2.0, "0.1"), TypeError, "error_to_noise must be a number"),

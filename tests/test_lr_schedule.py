@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_train_args
 from jagg.cli import main
 from jagg.trainers.lr_schedule import lr_factor
-from jagg.trainers.sections import OptimConfig
+from jagg.trainers.sections import OptimSection
 from jagg.trainers.shapes import ShapesTrainer
 from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.infra import config_loader as configuration
@@ -39,7 +39,7 @@ def test_bad_values_name_the_key(sets, key):
 
 
 def test_the_defaults_are_constant_without_warmup():
-    o = OptimConfig()
+    o = OptimSection()
     assert (o.lr_schedule, o.warmup_steps) == ("constant", 0)
 
 

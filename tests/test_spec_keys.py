@@ -13,8 +13,8 @@ from jagg.cli import main
 
 
 def test_the_parser_refuses_a_repeated_key_and_keeps_brackets_whole():
-    assert parse_spec("r:correction_rates=[0.4,0.1],window=5", "--estimator") == (
-        "r", {"correction_rates": "[0.4,0.1]", "window": "5"})
+    assert parse_spec("r:correction_probs=[0.4,0.1],window=5", "--estimator") == (
+        "r", {"correction_probs": "[0.4,0.1]", "window": "5"})
     with pytest.raises(ValueError, match=r"--estimator 'w:window=4,window=5': option 'window' is given twice"):
         parse_spec("w:window=4,window=5", "--estimator")
     with pytest.raises(ValueError, match="option 'window' is given twice"):

@@ -133,12 +133,26 @@ def _wandb_file_records(path: Path) -> list:
     return records
 
 
-def _offline_run(run_dir: Path) -> dict:
-    """An offline run directory's id, config and history rows (name -> value, images as their sub-keys)."""
+def _offline_run(run_dir: Path, wait_s: float = 20.0) -> dict:
+    """An offline run directory's id, config and history rows (name -> value, images as their sub-keys). wandb's
+    service process may still be writing the file when the run has ended: read it again until it holds the run's exit
+    record (at most ``wait_s`` seconds)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = _read_offline_run(run_dir)
+        if out["exited"] or time.monotonic() > deadline:
+            return out
+        time.sleep(0.2)
+
+
+def _read_offline_run(run_dir: Path) -> dict:
     (path,) = run_dir.glob("run-*.wandb")
-    out = {"id": None, "config": {}, "history": []}
+    out = {"id": None, "config": {}, "history": [], "exited": False}
     for r in _wandb_file_records(path):
         kind = r.WhichOneof("record_type")
+        out["exited"] |= kind == "exit"
         if kind == "run":
             out["id"] = r.run.run_id
             out["config"] = {c.key: json.loads(c.value_json) for c in r.run.config.update}

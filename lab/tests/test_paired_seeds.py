@@ -197,7 +197,7 @@ def test_bench_quality_checks_every_variant_before_training(tmp_path, capsys):
 def test_variant_specs_take_lists():
     from lab.quality_runs import parse_variant
 
-    assert parse_variant("r:correction_rates=[0.4, 0.1],window=5")[1] == [
-        "estimator.mode=jagg", "estimator.correction_rates=[0.4, 0.1]", "estimator.window=5"]
+    assert parse_variant("r:correction_probs=[0.4, 0.1],window=5")[1] == [
+        "estimator.mode=jagg", "estimator.correction_probs=[0.4, 0.1]", "estimator.window=5"]
     with pytest.raises(ValueError, match="--variant 'r:window': 'window' is not KEY=VALUE"):
         parse_variant("r:window")

@@ -55,6 +55,20 @@ def os_error(e: OSError) -> str:
             "or directory) and is writable, or choose another --output-dir / --out")
 
 
+def config_arguments(p, what: str, example: str = "sample.eta=0.3", main_job: bool = True) -> None:
+    """The ``--config`` / ``--set`` pair of every command that reads a trainer config (``jagg bench meter | speed`` and
+    the lab's tools), one definition: ``--config PATH`` a trainer YAML, ``what`` saying what the command does with it
+    (one with a ``pipeline:`` section is a real model's); ``--set KEY=VALUE`` overrides a key, repeatable (``example``
+    in its help). ``main_job``: without ``--config``, the main job (jagg/shapes/main_job.yaml); else none."""
+    from .trainers.shapes_config import main_job_path
+
+    default = str(main_job_path()) if main_job else None
+    shown = " [default: the main job, jagg/shapes/main_job.yaml]" if main_job else ""
+    p.add_argument("--config", default=default, metavar="PATH", help=f"trainer YAML: {what}{shown}")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"override a config key (repeatable), e.g. {example}")
+
+
 def main_job_defaults(args, eval_seed: bool) -> None:
     """Fill the sampling options left unset (None) with the main job's evaluation settings (``jagg sample``,
     ``jagg eval``, ``python -m lab paired``); the seed is the main job's ``eval.seed`` when ``eval_seed``, else 0."""

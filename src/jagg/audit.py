@@ -28,7 +28,7 @@ FLAG_BELOW = 0.8     # a step range whose same-batch cosine falls below this fla
 def audit_flag(result: dict, config: EstimatorConfig) -> str | None:
     """A warning when a biased estimator (JAGG without the unbiased correction) has a step range whose cosine to
     exact is below :data:`FLAG_BELOW`, else None. (With the correction on, ``correction_p > 0`` or a rate of
-    ``correction_rates``, the estimate is unbiased: a low same-batch cosine is then noise, which averages out over
+    ``correction_probs``, the estimate is unbiased: a low same-batch cosine is then noise, which averages out over
     updates.)"""
     if config.mode != "jagg" or config.corrects:
         return None

@@ -95,11 +95,11 @@ class EstimatorConfig:
                                       "cost ~0.06 of held-out reward (lab/NOTEBOOK.md §9). Choose it with jagg bench "
                                       "efficiency ('auto' was retired: lab/NOTEBOOK.md §8.6).",
                                       "retired": RETIRED_CORRECTION_P})
-    correction_rates: list[float] | None = field(default=None, metadata={"help": "Per-interval correction "
-                                                 "probabilities p_j in [0, 1], one per interval of the layout in order "
+    correction_probs: list[float] | None = field(default=None, metadata={"was": "correction_rates", "help":
+                                                 "Per-interval correction probabilities p_j in [0, 1], one per interval of the layout in order "
                                                  "(e.g. [0.4, 0.1] for two step groups), used instead of correction_p; "
-                                                 "the rate of an interval that runs exact is unused. "
-                                                 "jagg.knots.budget_rates sets p_j proportional to sqrt(D_j / r_j) at a "
+                                                 "the probability of an interval that runs exact is unused. "
+                                                 "jagg.knots.budget_probs sets p_j proportional to sqrt(D_j / r_j) at a "
                                                  "row budget from each interval's error D_j (jagg bench meter "
                                                  "--by-interval) and inner rows r_j. null = correction_p everywhere."})
     interval_frac: float = field(default=1.0, metadata={"help": "Interval subsampling (the JAGG authors' "
@@ -119,13 +119,15 @@ class EstimatorConfig:
     clip_range: float = field(default=1e-4, metadata={"help": "PPO clip range eps of the ratio (Flow-GRPO: 1e-4)."})
     kl_beta: float = field(default=0.0, metadata={"help": "Weight of the KL to the reference policy (Flow-GRPO "
                            "uses 0.04 on GenEval); > 0 needs reference velocities."})
-    meter_every: int = field(default=0, metadata={"was": "audit_every", "help": "Trainers only: every N iterations, compute the exact "
+    meter_every: int = field(default=0, metadata={"was": "audit_every", "help": "Trainers only: every N iterations, "
+                             "compute the exact "
                              "gradient of a few samples next to this estimator's and log their cosine, in total and per "
                              "third of the trained steps, both clip fractions, and the efficiency meter's running "
                              "estimates (audit/* in metrics and TensorBoard). The j-th "
                              "audit runs before update j mod U of its rollout (U = inner_epochs x updates_per_epoch), "
                              "so the off-policy updates are audited too. 0 = off."})
-    meter_samples: int = field(default=4, metadata={"was": "audit_samples", "help": "Trainers only: samples (whole prompt groups, at least "
+    meter_samples: int = field(default=4, metadata={"was": "audit_samples", "help": "Trainers only: samples (whole "
+                               "prompt groups, at least "
                                "two) the audit uses."})
     candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES), metadata={"help": "mode='auto': "
                                   "the estimators the pre-flight measures beside exact (always measured, and chosen "
@@ -179,8 +181,8 @@ class EstimatorConfig:
         if first_non_finite({"correction_p": self.correction_p}) is not None or not 0.0 <= self.correction_p <= 1.0:
             raise ValueError(f"correction_p must be a finite number in [0, 1] (0 = plain JAGG); got "
                              f"{self.correction_p!r}")
-        if self.correction_rates is not None:
-            self.correction_rates = check_probabilities(self.correction_rates, "correction_rates")
+        if self.correction_probs is not None:
+            self.correction_probs = check_probabilities(self.correction_probs, "correction_probs")
         if not 0.0 < float(self.interval_frac) <= 1.0:
             raise ValueError(f"interval_frac must be in (0, 1] (the fraction of each sample's intervals it trains); "
                              f"got {self.interval_frac}")
@@ -224,14 +226,14 @@ class EstimatorConfig:
         self.candidates = list(self.candidates)
 
     @property
-    def rates(self) -> list[float]:
-        """The correction's probabilities: ``correction_rates``, or ``[correction_p]`` for every interval."""
-        return list(self.correction_rates) if self.correction_rates is not None else [float(self.correction_p)]
+    def probs(self) -> list[float]:
+        """The correction's probabilities: ``correction_probs``, or ``[correction_p]`` for every interval."""
+        return list(self.correction_probs) if self.correction_probs is not None else [float(self.correction_p)]
 
     @property
     def corrects(self) -> bool:
         """Whether unbiased JAGG's correction runs: mode ``jagg`` with a rate > 0."""
-        return self.mode == "jagg" and any(r > 0 for r in self.rates)
+        return self.mode == "jagg" and any(r > 0 for r in self.probs)
 
     @property
     def random(self) -> bool:
@@ -244,9 +246,9 @@ class EstimatorConfig:
         return replace(self, mode="exact", interval_frac=1.0)
 
     def plain(self) -> "EstimatorConfig":
-        """The same estimator without unbiased JAGG's correction (``correction_p`` 0, no ``correction_rates``): in mode
+        """The same estimator without unbiased JAGG's correction (``correction_p`` 0, no ``correction_probs``): in mode
         ``jagg`` the paper's plain JAGG, whose error the correction removes."""
-        return replace(self, correction_p=0.0, correction_rates=None)
+        return replace(self, correction_p=0.0, correction_probs=None)
 
     def candidate_base(self) -> "EstimatorConfig":
         """This section in mode ``jagg`` without candidates: what mode auto's candidates (and ``jagg bench meter``'s

@@ -16,10 +16,10 @@ docs/design.md §0):
 - *unit*: what routing and the correction decide on: (prompt group, interval) when the prompt group of each sample
   is given (``prompt_groups``), else (sample, interval) (:func:`unit_rows`).
 - *routing* (``jagg_frac``, :func:`route`): the most linear units (:mod:`jagg.routing` scores them) go through JAGG;
-  a unit routed exact makes all its steps knots. *Unbiased JAGG* (``correction_p = p``, or ``correction_rates`` per
+  a unit routed exact makes all its steps knots. *Unbiased JAGG* (``correction_p = p``, or ``correction_probs`` per
   interval): each routed unit is also *picked* with probability ``p`` (:func:`pick_corrections`): its inner steps then
   also run exactly and add ``(exact - interpolated) / p``, so the expected gradient is the exact one;
-  :func:`budget_rates` spreads a row budget over the intervals.
+  :func:`budget_probs` spreads a row budget over the intervals.
 - *interval subsampling* (``interval_frac``): each unit trains a random ``m`` of the ``n`` intervals (:func:`draw`;
   with ``prompt_groups`` a prompt group's samples draw alike, which keeps the cancellation of their zero-sum
   advantages: drawn per sample, JAGG's per-sample error, larger than the group's, did not cancel), every term of a drawn
@@ -172,7 +172,7 @@ def check_layout(config: EstimatorConfig, K: int, steps: str = "the trajectory's
     count of the estimator is larger than what it counts on trajectories of ``K`` trained steps (``steps`` says where
     ``K`` comes from): ``window`` more than ``K`` (one interval would hold every step: the layout is clamped, never what
     was asked for), ``exact_first_intervals`` / ``exact_last_intervals`` more than the intervals JAGG may take,
-    ``correction_rates`` not one rate per interval of the layout. Only where a layout applies: mode ``jagg`` (or
+    ``correction_probs`` not one rate per interval of the layout. Only where a layout applies: mode ``jagg`` (or
     ``exact`` with ``interval_frac < 1``, which draws the layout's intervals) and 3 or more trained steps (with 1 or 2
     every step runs exact, whatever the window)."""
     if not isinstance(config, EstimatorConfig):
@@ -192,9 +192,9 @@ def check_layout(config: EstimatorConfig, K: int, steps: str = "the trajectory's
         if getattr(config, name) > inner:
             raise ValueError(f"{prefix}{name}={getattr(config, name)} is more than the {inner} interval"
                              f"{'s' * (inner != 1)} with inner steps ({layout}); lower it to at most {inner}")
-    rates = config.correction_rates
+    rates = config.correction_probs
     if rates is not None and len(rates) != len(intervals):
-        raise ValueError(f"{prefix}correction_rates has {len(rates)} rate{'s' * (len(rates) != 1)}, but the layout "
+        raise ValueError(f"{prefix}correction_probs has {len(rates)} rate{'s' * (len(rates) != 1)}, but the layout "
                          f"has {len(intervals)} intervals ({layout}); give one rate per interval, in order")
 
 
@@ -305,24 +305,24 @@ def _pick(candidates: Tensor, p: float, generator: torch.Generator | None) -> Te
     return out.view_as(candidates)
 
 
-def interval_rates(eligible: Tensor, config: EstimatorConfig) -> list[float]:
-    """``[G]`` the correction probability of each interval: ``correction_p`` (or ``correction_rates[j]``) for the
+def interval_probs(eligible: Tensor, config: EstimatorConfig) -> list[float]:
+    """``[G]`` the correction probability of each interval: ``correction_p`` (or ``correction_probs[j]``) for the
     eligible intervals, 0 elsewhere."""
     G = eligible.numel()
     if not bool(eligible.any()):
         return [0.0] * G
-    if config.correction_rates is not None and len(config.correction_rates) != G:
-        raise ValueError(f"correction_rates has {len(config.correction_rates)} rates, one per interval of the layout, "
+    if config.correction_probs is not None and len(config.correction_probs) != G:
+        raise ValueError(f"correction_probs has {len(config.correction_probs)} rates, one per interval of the layout, "
                          f"but this update's layout has {G} intervals")
-    rates = config.correction_rates if config.correction_rates is not None else [float(config.correction_p)] * G
+    rates = config.correction_probs if config.correction_probs is not None else [float(config.correction_p)] * G
     return [float(rates[j]) if eligible[j] else 0.0 for j in range(G)]
 
 
 def pick_corrections(routed: Tensor, rates: list[float], units: Tensor, config: EstimatorConfig,
                      generator: torch.Generator | None) -> Tensor:
     """Unbiased JAGG's picks ``[B, G]``: each routed unit (``units``: :func:`unit_rows`) is picked with the probability
-    of its interval (``rates``: :func:`interval_rates`): one :func:`_pick` over every interval at ``correction_p``, or
-    one per interval, in order, at ``correction_rates[j]``."""
+    of its interval (``rates``: :func:`interval_probs`): one :func:`_pick` over every interval at ``correction_p``, or
+    one per interval, in order, at ``correction_probs[j]``."""
     B, G = routed.shape
     if not any(r > 0 for r in rates) or not bool(routed.any()):
         return torch.zeros(B, G, dtype=torch.bool)
@@ -330,7 +330,7 @@ def pick_corrections(routed: Tensor, rates: list[float], units: Tensor, config: 
     U = int(units.max()) + 1
     unit_routed = torch.zeros(U, G, dtype=torch.int64).index_add_(0, units, routed.long()) > 0      # [U, G]
     candidates = unit_routed & scope[None]
-    if config.correction_rates is None:
+    if config.correction_probs is None:
         picked = _pick(candidates, float(config.correction_p), generator)
     else:
         picked = torch.stack([_pick(candidates[:, j], rates[j], generator) for j in range(G)], 1)
@@ -351,7 +351,7 @@ def drawn_count(n: int, frac: float) -> int:
     return max(1, min(n, round(frac * n)))
 
 
-def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) -> list[float]:
+def budget_probs(errors: Sequence[float], rows: Sequence[float], budget: float) -> list[float]:
     """Per-interval correction rates ``p_j`` that minimise the correction's variance ``sum_j (1/p_j - 1) D_j`` at the
     row budget ``sum_j p_j r_j = budget``: ``p_j = min(1, c sqrt(D_j / r_j))`` with ``c`` set by the budget (capped
     rates at 1, the rest of the budget shared again). An interval without error or without rows gets 0; a budget of at
@@ -366,16 +366,16 @@ def budget_rates(errors: Sequence[float], rows: Sequence[float], budget: float) 
     """
     for name, values in (("errors", errors), ("rows", rows)):
         if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-            raise TypeError(f"budget_rates: {name} must be a sequence of numbers, one per interval; got "
+            raise TypeError(f"budget_probs: {name} must be a sequence of numbers, one per interval; got "
                             f"{type(values).__name__}")
     if len(errors) != len(rows):
-        raise ValueError(f"budget_rates needs one error per interval and one row count per interval (errors, rows); "
+        raise ValueError(f"budget_probs needs one error per interval and one row count per interval (errors, rows); "
                          f"got {len(errors)} errors and {len(rows)} rows")
     for name, values in (("errors", errors), ("rows", rows), ("budget", [budget])):
         if not all(is_finite_number(v) for v in values):
-            raise ValueError(f"budget_rates: {name} must be finite numbers; got {list(values)}")
+            raise ValueError(f"budget_probs: {name} must be finite numbers; got {list(values)}")
     if budget < 0 or any(r < 0 for r in rows):
-        raise ValueError(f"budget_rates: rows and budget must be >= 0; got rows {list(rows)}, budget {budget}")
+        raise ValueError(f"budget_probs: rows and budget must be >= 0; got rows {list(rows)}, budget {budget}")
     D = [max(float(d), 0.0) for d in errors]
     live = [j for j in range(len(D)) if D[j] > 0 and rows[j] > 0]
     p = [0.0] * len(D)
@@ -427,7 +427,7 @@ def plan_update(traj: Trajectory, config: EstimatorConfig, prompt_groups: Tensor
         scores = torch.zeros(B, G, dtype=torch.float32)
     routed = route(scores, config.jagg_frac, eligible, prompt_groups)                  # [B, G]
     units = unit_rows(prompt_groups, B)
-    rates = interval_rates(eligible, config)
+    rates = interval_probs(eligible, config)
     picked = pick_corrections(routed, rates, units, config, generator)
     fixes = _corrected_steps(picked, intervals, rates)
     m = drawn_count(G, config.interval_frac)
@@ -443,7 +443,7 @@ def plan_update(traj: Trajectory, config: EstimatorConfig, prompt_groups: Tensor
 
 
 def _corrected_steps(picked: Tensor, intervals, rates: list[float]) -> dict[tuple[int, int], dict[int, float]]:
-    """``{(sample, interval): {inner step: f}}`` of the picked intervals (``rates``: :func:`interval_rates`): every
+    """``{(sample, interval): {inner step: f}}`` of the picked intervals (``rates``: :func:`interval_probs`): every
     inner step at ``f = 1 / p_j``; a corrected step's interpolated term is scaled by ``1 - f`` and its own row enters
     at ``f``."""
     pairs = [(int(i), int(j)) for i, j in torch.nonzero(picked).tolist()]

@@ -74,38 +74,37 @@ import yaml
 
 from ..audit import clip_flag, flat_grad
 from ..meter import error_noise_stats
+from ..arguments import config_arguments
 from ..checks import check_unique_names, number_arg, parse_spec
 from ..estimator import policy_gradient
 from ..estimator_config import AUTO, EstimatorConfig
-from ..knots import budget_rates, eligible_intervals, interval_rates, layout_intervals
+from ..knots import budget_probs, eligible_intervals, interval_probs, layout_intervals
 from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
-from ..trainers.metering import (Batch, Sampler, bias_z, draw_batches, efficiencies, expected_rows,  # noqa: F401
-                                 gradients, kept_batch, layout_linearity, measure_positions, measure_records,
-                                 projected_efficiencies, restore_params, step_to_update, training_batch,
-                                 with_subsample)
+from ..trainers.metering import (Sampler, draw_batches, kept_batch, measure_positions, measure_records, restore_params,
+                                 step_to_update, with_subsample)
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..infra import config_loader as configuration
-from ..verdict import MAX_RANGE, job_prediction, prediction, rate_range, verdict  # noqa: F401  (their former home)
-from .common import default_config_path, json_if_asked, set_threads, table
+from ..verdict import job_prediction, verdict
+from .common import json_if_asked, set_threads, table
 from .projection import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
 
 BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
 
 
-BUDGET_RATES = "by_interval"         # correction_rates=by_interval: rates from the per-interval error (budget_rates)
+BUDGET_RATES = "by_interval"         # correction_probs=by_interval: rates from the per-interval error (budget_probs)
 
 
-def wants_budget_rates(spec: str) -> bool:
-    """Whether ``spec`` asks for ``correction_rates=by_interval`` (:func:`budget_rates_of`)."""
+def wants_budget_probs(spec: str) -> bool:
+    """Whether ``spec`` asks for ``correction_probs=by_interval`` (:func:`budget_probs_of`)."""
     items = parse_spec(spec, "--estimator")[1]
-    return any(k.removeprefix("estimator.") == "correction_rates" and v == BUDGET_RATES for k, v in items.items())
+    return any(k.removeprefix("estimator.") == "correction_probs" and v == BUDGET_RATES for k, v in items.items())
 
 
 def parse_estimator(spec: str, base: EstimatorConfig, flag: str = "--estimator") -> tuple[str, EstimatorConfig | None]:
     """``NAME`` (built in) or ``NAME:KEY=VALUE,...`` -> (name, config); ``subsample`` is resolved later (None), and so
-    is ``correction_rates=by_interval`` (left out here; :func:`wants_budget_rates`); errors name the option ``flag``."""
+    is ``correction_probs=by_interval`` (left out here; :func:`wants_budget_probs`); errors name the option ``flag``."""
     name, _, rest = spec.partition(":")
     if not name:
         raise ValueError(f"{flag} {spec!r}: give a name, e.g. w8:window=8")
@@ -122,7 +121,7 @@ def parse_estimator(spec: str, base: EstimatorConfig, flag: str = "--estimator")
     kv = {}
     for key, value in parse_spec(spec, flag)[1].items():
         key = key.removeprefix("estimator.")
-        kv[key] = None if key == "correction_rates" and value == BUDGET_RATES else yaml.safe_load(value)
+        kv[key] = None if key == "correction_probs" and value == BUDGET_RATES else yaml.safe_load(value)
     return name, configuration.from_dict(EstimatorConfig, {**base.to_dict(), **kv}, "estimator")
 
 
@@ -135,7 +134,7 @@ def parse_estimators(specs: list[str], base: EstimatorConfig) -> dict[str, Estim
 
 def check_estimators(specs: list[str], cfg, flag: str = "--estimator") -> None:
     """Every ``--estimator`` spec (or ``flag``'s) parsed and its layout checked against the job's trained steps
-    (:func:`jagg.trainers.sections.check_layout`: ``correction_rates`` one per interval, ``window`` and
+    (:func:`jagg.trainers.sections.check_layout`: ``correction_probs`` one per interval, ``window`` and
     ``exact_*_intervals`` within what they count) before the first batch; an error names the spec."""
     from ..trainers.sections import check_layout, steps_source, trained_steps
 
@@ -218,9 +217,9 @@ def check_sizes(batches: int, draws: int, target_batch: int | None = None) -> No
         raise ValueError(f"--target-batch must be >= 1; got {target_batch}")
 
 
-def budget_rates_of(cfg: TrainConfig, name: str, est: EstimatorConfig, batches: int,
+def budget_probs_of(cfg: TrainConfig, name: str, est: EstimatorConfig, batches: int,
                     pilots: dict | None = None) -> EstimatorConfig:
-    """``est`` with ``correction_rates`` from :func:`jagg.knots.budget_rates`: ``D_j`` = plain JAGG's error against the
+    """``est`` with ``correction_probs`` from :func:`jagg.knots.budget_probs`: ``D_j`` = plain JAGG's error against the
     noise in each interval (:func:`interval_errors`, on ``batches`` batches of their own: seed ``seed + 1``; kept in
     ``pilots`` for the next estimator of the same plain JAGG), ``r_j`` = the rows one correction runs (the inner
     steps), at the rows of ``est``'s uniform ``correction_p`` over the intervals it corrects."""
@@ -232,23 +231,23 @@ def budget_rates_of(cfg: TrainConfig, name: str, est: EstimatorConfig, batches: 
     parts = pilots[key]
     inner = [r["inner_steps"] for r in parts]
     eligible = eligible_intervals([list(range(n + 2)) for n in inner], True, est)      # the intervals JAGG may take
-    scope = interval_rates(eligible, dataclasses.replace(est, correction_p=1.0))         # 1 where corrected
+    scope = interval_probs(eligible, dataclasses.replace(est, correction_p=1.0))         # 1 where corrected
     rows = [float(n) * scope[j] for j, n in enumerate(inner)]
     errors = [r["error_to_noise"] * scope[j] for j, r in enumerate(parts)]
-    rates = budget_rates(errors, rows, est.correction_p * sum(rows))
-    return dataclasses.replace(est, correction_rates=[round(r, 4) for r in rates])
+    rates = budget_probs(errors, rows, est.correction_p * sum(rows))
+    return dataclasses.replace(est, correction_probs=[round(r, 4) for r in rates])
 
 
 def measured_estimators(cfg: TrainConfig, specs: list[str], batches: int) -> dict[str, EstimatorConfig | None]:
     """``exact`` and the ``--estimator`` specs -> ``{name: config}`` (:func:`parse_estimators` on the base
-    :func:`spec_base`), with ``correction_rates=by_interval`` resolved (:func:`budget_rates_of`)."""
+    :func:`spec_base`), with ``correction_probs=by_interval`` resolved (:func:`budget_probs_of`)."""
     ests = parse_estimators(specs, spec_base(cfg))
     pilots: dict = {}
     for spec in specs:
-        if wants_budget_rates(spec):
+        if wants_budget_probs(spec):
             name = spec.partition(":")[0]
-            ests[name] = budget_rates_of(cfg, name, ests[name], batches, pilots)
-            print(f"{name}: correction_rates {ests[name].correction_rates} (budget_rates on {batches} batches of "
+            ests[name] = budget_probs_of(cfg, name, ests[name], batches, pilots)
+            print(f"{name}: correction_probs {ests[name].correction_probs} (budget_probs on {batches} batches of "
                   f"seed {cfg.seed + 1})")
     return ests
 
@@ -520,11 +519,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("meter", help="each estimator's error against the update's own noise: efficiency vs exact "
                        "and vs random timestep subsampling", description=__doc__.replace("``", ""),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=default_config_path(),
-                   help="trainer YAML; one with a pipeline: section measures that diffusers model (as jagg train "
-                        "loads it) [default: the main job, jagg/shapes/main_job.yaml]")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a trainer config key (repeatable), e.g. sample.eta=0.3")
+    config_arguments(p, "the job measured; one with a pipeline: section measures that diffusers model (as jagg train "
+                        "loads it)")
     p.add_argument("--estimator", action="append", metavar="NAME[:KEY=VALUE,...]",
                    help="an estimator (repeatable): config, plain, subsample, or NAME:KEY=VALUE,... of estimator "
                         "keys on top of the config's; exact is always measured [default: config plain subsample]")

@@ -261,7 +261,7 @@ def add_cost_arguments(parser, what: str) -> None:
 def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: float = 1.0,
                backward: float = 2.0, steps: int | None = None, jagg_frac: float = 1.0,
                exact_first: int = 0, exact_last: int = 0, knots: str = "groups", correction_p: float = 0.0,
-               correction_rates=None, interval_frac: float = 1.0, off_policy_share: float = 0.0) -> float:
+               correction_probs=None, interval_frac: float = 1.0, off_policy_share: float = 0.0) -> float:
     """Ideal speed-up of JAGG over exact: exact cost / JAGG cost of the trained steps, per sample (expected rows where
     the estimator draws).
 
@@ -273,7 +273,7 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
     ``steps=K`` the ``K`` trained steps are laid out as the estimator lays them out: step groups of ``window`` (the last
     may be shorter), or shared knots every ``window - 1`` steps. Routing: the fraction ``jagg_frac`` of each
     eligible interval (>= 3 steps, not among the first ``exact_first`` / last ``exact_last`` eligible ones) goes
-    through JAGG; unbiased JAGG adds, per routed interval, ``p_j`` (``correction_p``, or ``correction_rates[j]``) x its
+    through JAGG; unbiased JAGG adds, per routed interval, ``p_j`` (``correction_p``, or ``correction_probs[j]``) x its
     inner rows. Interval subsampling (``interval_frac``, ``m`` of the ``n`` intervals per sample) keeps each interval with
     probability ``m / n``; a knot shared by two intervals is a row when the interval that owns its term is drawn or
     the other one is drawn and routed. ``jagg_frac = 0`` with ``interval_frac`` is exact's interval subsampling,
@@ -293,7 +293,7 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
     out_in = keep - (m * (m - 1) / (n * (n - 1)) if n > 1 else 0.0)              # P(one undrawn, a given other drawn)
     eligible = [j for j, iv in enumerate(intervals) if len(iv) >= 3]
     eligible = eligible[exact_first: len(eligible) - exact_last]
-    rates = list(correction_rates) if correction_rates is not None else [correction_p] * n
+    rates = list(correction_probs) if correction_probs is not None else [correction_p] * n
     routed = [jagg_frac if j in eligible else 0.0 for j in range(n)]
     rows, nograd = 0.0, 0.0
     for j, iv in enumerate(intervals):
@@ -322,5 +322,5 @@ def estimator_limit(est, steps: int, f_grad: float = 1.0, f_nograd: float = 1.0,
     return cost_limit(est.window, est.intermediate, f_grad, f_nograd, backward, steps=steps,
                       jagg_frac=est.jagg_frac if est.mode == "jagg" else 0.0, exact_first=est.exact_first_intervals,
                       exact_last=est.exact_last_intervals, knots=est.knots, correction_p=est.correction_p,
-                      correction_rates=est.correction_rates, interval_frac=est.interval_frac,
+                      correction_probs=est.correction_probs, interval_frac=est.interval_frac,
                       off_policy_share=off_policy_share)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..arguments import config_arguments
 from ..checks import check_count, number_arg
 from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
@@ -334,7 +335,7 @@ def bench_subject(s: Subject, cfg: SpeedConfig, device: torch.device) -> list[di
             "guidance_scale": cfg.guidance_scale if s.guidance is None else s.guidance, "repeats": cfg.repeats,
             "mode": est.mode, "knots": kn, "intermediate": inter, "window": w, "variant": variant,
             "exact_s": ex, "jagg_s": jg, "speedup": ex / jg,
-            "limit": lim, "limit_measured": lim_meas, "efficiency": (ex / jg) / lim_meas,
+            "limit": lim, "limit_measured": lim_meas, "of_limit": (ex / jg) / lim_meas,
             "network_exact_s": net(st_exact), "network_jagg_s": net(st_jagg),
             "overhead_exact": ex / net(st_exact), "overhead_jagg": jg / net(st_jagg),
             "exact_times": t_exact, "jagg_times": t_jagg, **costs,
@@ -358,7 +359,7 @@ COLUMNS = [
     ("model", "model", ""), ("knots", "knots", ""), ("window", "W", ""), ("intermediate", "interm.", ""),
     ("variant", "variant", ""),
     ("exact_s", "exact s", ".3f"), ("jagg_s", "jagg s", ".3f"), ("speedup", "speed-up", ".2f"),
-    ("limit", "limit B=2F", ".2f"), ("limit_measured", "limit meas.", ".2f"), ("efficiency", "eff.", ".2f"),
+    ("limit", "limit B=2F", ".2f"), ("limit_measured", "limit meas.", ".2f"), ("of_limit", "of limit", ".2f"),
     ("overhead_exact", "ovh ex", ".2f"), ("overhead_jagg", "ovh jg", ".2f"),
     ("backward_items_exact", "bwd ex", ""), ("backward_items_jagg", "bwd jg", ""),
     ("forward_nograd_items_jagg", "fwd-ng jg", ""),
@@ -441,12 +442,9 @@ def add_parser(sub) -> None:
     p.add_argument("--models", nargs="+", choices=MODELS,
                    help=f"models to time; config: the model of --config [default: {' '.join(d.models)}, and config "
                         "with --config]")
-    p.add_argument("--config", metavar="PATH",
-                   help="a trainer YAML: also time its model at its real size as the trainer builds it (with a "
-                        "pipeline: section the diffusers transformer with its trainable weights, on pipeline.device) "
-                        "on one of its rollouts (its steps, not --steps)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a key of --config (repeatable), e.g. pipeline.path=/models/sd35")
+    config_arguments(p, "also time its model at its real size as the trainer builds it (with a pipeline: section the "
+                        "diffusers transformer with its trainable weights, on pipeline.device) on one of its rollouts "
+                        "(its steps, not --steps)", "pipeline.path=/models/sd35", main_job=False)
     p.add_argument("--windows", nargs="+", type=number_arg(int, 2),
                    help=f"JAGG windows [default: {' '.join(map(str, d.windows))}]")
     p.add_argument("--knots", nargs="+", choices=KNOTS, help=f"knot layouts [default: {' '.join(d.knots)}]")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 def parse_spec(spec: str, flag: str, example: str = "") -> tuple[str, dict[str, str]]:
     """``NAME`` or ``NAME:KEY=VALUE,...`` (``--estimator``, ``--variant``, ``--cost``) -> ``(name, {key: value})``,
-    the items split at the commas outside brackets (``r:correction_rates=[0.4,0.1],window=5`` is two items), keys and
+    the items split at the commas outside brackets (``r:correction_probs=[0.4,0.1],window=5`` is two items), keys and
     values stripped, empty items skipped; an item that is not ``KEY=VALUE``, or a key given twice, is an error naming
     ``flag`` (with ``example``, options shown as a user would write them)."""
     name, _, rest = spec.partition(":")

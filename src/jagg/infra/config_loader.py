@@ -25,6 +25,12 @@ import yaml
 from ..checks import check_float32, check_int64, check_seed, shown
 
 
+def helped(text: str) -> dict:
+    """A config field's metadata holding its help (``field(default=..., metadata=helped("..."))``): what ``jagg train
+    --help``, ``--print-config`` and the docs show for the key."""
+    return {"help": text}
+
+
 def _suggest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ..checks import Keys, check_eta
-from ..infra.config_loader import from_dict, read_yaml
+from ..infra.config_loader import from_dict, helped, read_yaml
 
 FAMILIES = ("sd3", "flux", "qwen_image", "wan", "flux2", "flux2_klein")
 VIDEO_FAMILIES = ("wan",)                   # latents [C, F, H/8, W/8] with a frame axis; decoded to videos
@@ -60,10 +60,6 @@ FLOW_GRPO_LORA = {"sd3": (32, 64.0, SD3_TARGET_MODULES), "flux": (64, 128.0, FLU
                   "flux2": (64, 128.0, FLUX2_TARGET_MODULES), "flux2_klein": (64, 128.0, FLUX2_TARGET_MODULES)}
 QWEN_MAX_SEQUENCE_LENGTH = 1024           # QwenImagePipeline refuses longer prompts
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
-
-
-def _help(text: str) -> dict:
-    return {"help": text}
 
 
 # the guidance keys that PipelineConfig passes on to VelocityConfig
@@ -94,15 +90,15 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 class VelocityConfig:
     """How a transformer is turned into a velocity callable (:func:`jagg.integrations.velocity_adapter`)."""
 
-    cfg_scale: float = field(default=1.0, metadata=_help(
+    cfg_scale: float = field(default=1.0, metadata=helped(
         "Classifier-free guidance weight w in v = v_u + w (v_c - v_u); 1 = no CFG (one forward). Flow-GRPO SD3.5: "
         "4.5; FLUX.1-dev (guidance-distilled): 1. Qwen-Image (QwenImagePipeline's true_cfg_scale): the combination "
         "is rescaled to the conditional velocity's norm per 2x2 latent patch."))
-    guidance_embed: float | None = field(default=None, metadata=_help(_HELP["guidance_embed"]))
-    detach_uncond: bool = field(default=False, metadata=_help(_HELP["detach_uncond"]))
-    uncond_forward: str = field(default="separate", metadata=_help(_HELP["uncond_forward"]))
-    autocast: str | None = field(default=None, metadata=_help(_HELP["autocast"]))
-    output_dtype: str = field(default="fp32", metadata=_help("Dtype of the returned velocity: 'fp32' or 'model' (the "
+    guidance_embed: float | None = field(default=None, metadata=helped(_HELP["guidance_embed"]))
+    detach_uncond: bool = field(default=False, metadata=helped(_HELP["detach_uncond"]))
+    uncond_forward: str = field(default="separate", metadata=helped(_HELP["uncond_forward"]))
+    autocast: str | None = field(default=None, metadata=helped(_HELP["autocast"]))
+    output_dtype: str = field(default="fp32", metadata=helped("Dtype of the returned velocity: 'fp32' or 'model' (the "
                               "network's own dtype). The core computes the SDE step in fp32 either way."))
 
     def __post_init__(self):
@@ -120,22 +116,22 @@ class VelocityConfig:
 class LoraSettings:
     """LoRA or full fine-tuning. Unset rank / alpha / target_modules take Flow-GRPO's values for the family."""
 
-    enabled: bool = field(default=True, metadata=_help("Train LoRA adapters (true) or all transformer weights "
+    enabled: bool = field(default=True, metadata=helped("Train LoRA adapters (true) or all transformer weights "
                           "(false: full fine-tuning; the KL reference is then a frozen copy)."))
-    rank: int | None = field(default=None, metadata=_help("LoRA rank r (Flow-GRPO: SD3 and Wan 32, FLUX and "
+    rank: int | None = field(default=None, metadata=helped("LoRA rank r (Flow-GRPO: SD3 and Wan 32, FLUX and "
                                                                  "Qwen-Image 64)."))
-    alpha: float | None = field(default=None, metadata=_help("LoRA alpha; scale = alpha / r (Flow-GRPO: 2 r)."))
-    target_modules: list[str] | None = field(default=None, metadata=_help("Module-name suffixes that get adapters "
+    alpha: float | None = field(default=None, metadata=helped("LoRA alpha; scale = alpha / r (Flow-GRPO: 2 r)."))
+    target_modules: list[str] | None = field(default=None, metadata=helped("Module-name suffixes that get adapters "
                                              "(default: Flow-GRPO's list for the family, see "
                                              "jagg.integrations.config)."))
-    init: str = field(default="gaussian", metadata=_help("peft init_lora_weights: 'gaussian' (Flow-GRPO) or 'default' "
+    init: str = field(default="gaussian", metadata=helped("peft init_lora_weights: 'gaussian' (Flow-GRPO) or 'default' "
                       "(kaiming A); B starts at zero either way, so the policy starts at the base model."))
-    dropout: float = field(default=0.0, metadata=_help("LoRA dropout."))
-    fp32_params: bool = field(default=True, metadata=_help("Keep trainable parameters in fp32 (master weights: AdamW "
+    dropout: float = field(default=0.0, metadata=helped("LoRA dropout."))
+    fp32_params: bool = field(default=True, metadata=helped("Keep trainable parameters in fp32 (master weights: AdamW "
                               "updates below bf16's resolution are not lost). LoRA: the adapters, on the bf16 base. "
                               "Full fine-tuning: the whole transformer, so set pipeline.autocast: bf16 to compute in "
                               "bf16; the KL reference copy stays in pipeline.dtype."))
-    path: str | None = field(default=None, metadata=_help("Resume from a saved adapter directory "
+    path: str | None = field(default=None, metadata=helped("Resume from a saved adapter directory "
                              f"(containing {LORA_WEIGHT_NAME})."))
 
     def __post_init__(self):
@@ -166,56 +162,56 @@ class LoraSettings:
 class PipelineConfig:
     """A real text-to-image (or text-to-video) model to fine-tune (defaults: Flow-GRPO's SD3.5-Medium settings)."""
 
-    family: str = field(default="sd3", metadata=_help(f"Model family, one of {FAMILIES} (SD3/SD3.5, FLUX.1, "
+    family: str = field(default="sd3", metadata=helped(f"Model family, one of {FAMILIES} (SD3/SD3.5, FLUX.1, "
                                                       "Qwen-Image, Wan 2.1 text-to-video, FLUX.2 [dev] "
                                                       "(Flux2Pipeline) or FLUX.2 [klein] (Flux2KleinPipeline))."))
-    path: str = field(default="", metadata=_help("Local diffusers model directory (model_index.json + transformer/)."))
-    dtype: str = field(default="bf16", metadata=_help("Transformer / text-encoder weights dtype: bf16, fp16 or fp32."))
-    vae_dtype: str = field(default="fp32", metadata=_help("VAE dtype (Flow-GRPO decodes in fp32)."))
-    device: str = field(default="auto", metadata=_help("'auto' (cuda if available, else cpu), 'cuda', 'cuda:1', "
+    path: str = field(default="", metadata=helped("Local diffusers model directory (model_index.json + transformer/)."))
+    dtype: str = field(default="bf16", metadata=helped("Transformer / text-encoder weights dtype: bf16, fp16 or fp32."))
+    vae_dtype: str = field(default="fp32", metadata=helped("VAE dtype (Flow-GRPO decodes in fp32)."))
+    device: str = field(default="auto", metadata=helped("'auto' (cuda if available, else cpu), 'cuda', 'cuda:1', "
                                                        "'cpu'."))
-    resolution: int = field(default=512, metadata=_help("Image (or video) height in pixels, and its width unless "
+    resolution: int = field(default=512, metadata=helped("Image (or video) height in pixels, and its width unless "
                             "pipeline.width is set (multiple of 16)."))
-    width: int | None = field(default=None, metadata=_help("Width in pixels (multiple of 16); null = resolution, "
+    width: int | None = field(default=None, metadata=helped("Width in pixels (multiple of 16); null = resolution, "
                               "square (Flow-GRPO's Wan 2.1: 240 x 416)."))
-    num_frames: int | None = field(default=None, metadata=_help("Video frames (family wan: 4k + 1, the VAE compresses "
+    num_frames: int | None = field(default=None, metadata=helped("Video frames (family wan: 4k + 1, the VAE compresses "
                                    "4 frames into one latent frame; Flow-GRPO's Wan 2.1: 33); null = WanPipeline's 81 "
                                    "for wan, one image for the image families (which take only null or 1)."))
-    num_steps: int = field(default=10, metadata=_help("Sampling steps of a training rollout (Flow-GRPO SD3: 10)."))
-    eval_num_steps: int = field(default=40, metadata=_help("Steps of the evaluation sampler (Flow-GRPO SD3: 40)."))
-    shift: float | None = field(default=None, metadata=_help("Static timestep shift (SD3's rule); null = the "
+    num_steps: int = field(default=10, metadata=helped("Sampling steps of a training rollout (Flow-GRPO SD3: 10)."))
+    eval_num_steps: int = field(default=40, metadata=helped("Steps of the evaluation sampler (Flow-GRPO SD3: 40)."))
+    shift: float | None = field(default=None, metadata=helped("Static timestep shift (SD3's rule); null = the "
                                 "model's own, as its scheduler config says: SD3 the scheduler's shift (3.0), Wan its "
                                 "flow_shift (3.0 for 480p), FLUX and Qwen-Image the resolution-dependent exp(mu), "
                                 "Qwen-Image then stretched to its shift_terminal (0.02), FLUX.2 exp(mu) of the image "
                                 "tokens and the number of steps."))
-    sigma_grid: str = field(default="pipeline", metadata=_help(
+    sigma_grid: str = field(default="pipeline", metadata=helped(
         "The sigmas of a rollout and an evaluation: 'pipeline', the grid the family's diffusers pipeline samples on "
         "at the same steps and resolution (its scheduler called as the pipeline calls it: SD3's set_timesteps(N), "
         "FLUX.1 / Qwen-Image / FLUX.2's explicit sigmas with their dynamic shift and terminal stretch, Wan's "
         "scheduler), as Flow-GRPO samples; or 'dance', DanceGRPO's and the JAGG authors' shift(linspace(1, 0, N + 1)) "
         "(jagg.integrations.schedules)."))
-    eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO: SD3 0.7, FLUX 0.9)."))
-    cfg_scale: float = field(default=4.5, metadata=_help("Classifier-free guidance weight in sampling and training "
+    eta: float = field(default=0.7, metadata=helped("SDE noise level (Flow-GRPO: SD3 0.7, FLUX 0.9)."))
+    cfg_scale: float = field(default=4.5, metadata=helped("Classifier-free guidance weight in sampling and training "
                              "(Flow-GRPO SD3.5 and Wan 2.1: 4.5; FLUX.1-dev: 1, it is guidance-distilled)."))
-    guidance_embed: float | None = field(default=None, metadata=_help(_HELP["guidance_embed"]))
-    negative_prompt: str = field(default="", metadata=_help("Negative prompt of classifier-free guidance "
+    guidance_embed: float | None = field(default=None, metadata=helped(_HELP["guidance_embed"]))
+    negative_prompt: str = field(default="", metadata=helped("Negative prompt of classifier-free guidance "
                                  "(Flow-GRPO: '' for SD3, ' ' for Qwen-Image)."))
-    detach_uncond: bool = field(default=False, metadata=_help(_HELP["detach_uncond"]))
-    uncond_forward: str = field(default="separate", metadata=_help(_HELP["uncond_forward"]))
-    autocast: str | None = field(default=None, metadata=_help(_HELP["autocast"]))
-    max_sequence_length: int = field(default=128, metadata=_help("Text tokens per prompt: T5's for SD3 and FLUX "
+    detach_uncond: bool = field(default=False, metadata=helped(_HELP["detach_uncond"]))
+    uncond_forward: str = field(default="separate", metadata=helped(_HELP["uncond_forward"]))
+    autocast: str | None = field(default=None, metadata=helped(_HELP["autocast"]))
+    max_sequence_length: int = field(default=128, metadata=helped("Text tokens per prompt: T5's for SD3 and FLUX "
                                      "(Flow-GRPO: 128), Qwen2.5-VL's for Qwen-Image (QwenImagePipeline: 512, at most "
                                      f"{QWEN_MAX_SEQUENCE_LENGTH}), where shorter prompts keep their own length; "
                                      "UMT5's for Wan (Flow-GRPO and WanPipeline: 512, zero-padded)."))
-    prompt_cache: str | None = field(default=None, metadata=_help("Precomputed prompt-embedding cache (.safetensors "
+    prompt_cache: str | None = field(default=None, metadata=helped("Precomputed prompt-embedding cache (.safetensors "
                                      "or .pt); with it the text encoders are not loaded."))
-    load_text_encoders: bool | None = field(default=None, metadata=_help("Load the text encoders (needed to embed "
+    load_text_encoders: bool | None = field(default=None, metadata=helped("Load the text encoders (needed to embed "
                                             "prompts missing from the cache); null = only without prompt_cache."))
-    gradient_checkpointing: bool = field(default=False, metadata=_help("Recompute transformer activations in the "
+    gradient_checkpointing: bool = field(default=False, metadata=helped("Recompute transformer activations in the "
                                          "backward (enable_gradient_checkpointing): less memory, ~30% more time."))
-    keep_reference: bool = field(default=False, metadata=_help("Full fine-tuning only: keep a frozen copy of the "
+    keep_reference: bool = field(default=False, metadata=helped("Full fine-tuning only: keep a frozen copy of the "
                                  "initial transformer as the KL reference (one more model in memory)."))
-    lora: LoraSettings = field(default_factory=LoraSettings, metadata=_help("LoRA settings (see LoraSettings)."))
+    lora: LoraSettings = field(default_factory=LoraSettings, metadata=helped("LoRA settings (see LoraSettings)."))
 
     def __post_init__(self):
         if isinstance(self.lora, dict):

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .adapters import load_adapter, load_lora, save_adapter, save_lora  # noqa: F401  (load_lora, save_lora: re-exported)
+from .adapters import load_adapter, save_adapter
 from .config import DTYPES, LoraSettings, PipelineConfig
 from .pipeline import TEXT_COMPONENTS, load_pipeline
 from .schedules import dance_sigmas, pipeline_sigmas
@@ -58,7 +58,8 @@ def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
 def add_lora(transformer: nn.Module, settings: LoraSettings, family: str | None = None) -> list[nn.Parameter]:
     """Freeze ``transformer`` and add a trainable LoRA adapter ("default"). Returns the trainable parameters.
 
-    With ``settings.path`` the adapter is loaded from a directory saved by :func:`save_lora` instead.
+    With ``settings.path`` the adapter is loaded from a directory saved by
+    :func:`jagg.integrations.adapters.save_adapter` (or any diffusers or peft LoRA of the family) instead.
     """
     model = unwrap_model(transformer)
     return _add_lora(model, settings, family or model_family(model))

@@ -59,7 +59,8 @@ ADDED_KEYS = {"optim.lr_schedule": "constant", "optim.warmup_steps": 0, "eval.de
 RETIRED_KEYS = {"estimator.control_variate": 0.0, "estimator.correction": "interval",
                 "estimator.correction_intervals": 0, "estimator.score": "cosine"}
 # renamed keys (old name -> new name): a saved config with the old name resumes under the new one
-RENAMED_KEYS = {"estimator.audit_every": "estimator.meter_every", "estimator.audit_samples": "estimator.meter_samples"}
+RENAMED_KEYS = {"estimator.audit_every": "estimator.meter_every", "estimator.audit_samples": "estimator.meter_samples",
+                "estimator.correction_rates": "estimator.correction_probs"}
 # retired values of kept options, each with what to use instead: a checkpoint trained with one cannot be continued
 RETIRED_VALUES = {"estimator.correction_p": RETIRED_CORRECTION_P}
 

@@ -3,9 +3,9 @@
 A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``,
 ``configs/qwen_image.yaml``) is a real-model config (:func:`has_pipeline_section`); :func:`load_config` reads it with
 ``--set`` overrides. Sections:
-``pipeline:`` (:class:`jagg.integrations.config.PipelineConfig`, the model), ``sample:`` (:class:`DiffusersSampleConfig`,
+``pipeline:`` (:class:`jagg.integrations.config.PipelineConfig`, the model), ``sample:`` (:class:`DiffusersSampleSection`,
 the prompts file and the batch), ``estimator:``, ``optim:``, ``grpo:``, ``reward:`` or ``reward_server:``, ``log:``
-(:class:`DiffusersLogConfig`), ``distributed:`` (:class:`DistributedConfig`, several processes), and ``seed``,
+(:class:`DiffusersLogSection`), ``distributed:`` (:class:`DistributedSection`, several processes), and ``seed``,
 ``threads``. Each value is checked when the config is built, with an error
 naming the key; the trainer is :mod:`jagg.trainers.diffusers`.
 """
@@ -21,40 +21,22 @@ from ..integrations.config import VIDEO_FAMILIES, PipelineConfig
 from ..rewards.client import RewardClient
 from ..infra import config_loader as configuration
 from ..infra.prompt_sets import PromptSet, eval_set_beside, read_prompt_set
-from .sections import LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_run, sde_window_field
+from ..infra.config_loader import helped
+from .sections import LogSection, RewardSection, SampleBatch, TrainerSections, check_run
 
 
 TRAINER_TAG = "jagg.trainers.diffusers"          # written into the trainer's checkpoints (a shapes run's carry none)
 
 
 @dataclass
-class DiffusersSampleConfig(SampleBatch):
+class DiffusersSampleSection(SampleBatch):
     """Rollouts of a real model. Steps, eta, shift and guidance are the model's and live in ``pipeline:``; the
-    shapes trainer's ``SampleConfig`` does not fit (its prompt file must parse in the shapes-world grammar)."""
+    shapes trainer's ``SampleSection`` does not fit (its prompt file must parse in the shapes-world grammar)."""
 
-    prompts_file: str | None = field(default=None, metadata=_help(
+    prompts_file: str | None = field(default=None, metadata=helped(
         "Required: the training prompts, a .txt (one prompt a line, blank lines skipped) or a .jsonl (Flow-GRPO's "
         "train_metadata.jsonl: one JSON object a line with a 'prompt' and any fields the reward reads, passed to it as "
         "that prompt's metadata)."))
-    prompts_per_iter: int = field(default=8, metadata=_help(
-        "Distinct prompts per iteration, over all processes (Flow-GRPO: 48 on 32 GPUs)."))
-    group_size: int = field(default=8, metadata=_help("Images per prompt: the size of a prompt group (Flow-GRPO: 24)."))
-    shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt group."))
-    timestep_fraction: float = field(default=1.0, metadata=_help(
-        "Train the first fraction of the pipeline.num_steps steps (all steps are SDE steps)."))
-    sde_window: list[int] | None = sde_window_field("sde_window")
-    sde_window_schedule: str = sde_window_field("sde_window_schedule")
-    sde_window_size: int | None = sde_window_field("sde_window_size")
-    sde_window_stride: int = sde_window_field("sde_window_stride")
-    sde_window_every: int = sde_window_field("sde_window_every")
-    sde_type: str = field(default="flow_grpo", metadata=_help(
-        "SDE of the sampled steps, with pipeline.eta: 'flow_grpo' (Flow-GRPO), 'dance' (DanceGRPO and the JAGG "
-        "authors: constant eta sqrt(-dt) noise) or 'cps' (coefficients-preserving, 0 < eta <= 1, last step outside "
-        "the sde_window); docs/design.md §2."))
-    micro_batch: int = field(default=8, metadata=_help(
-        "Trajectories per transformer call while sampling; also the sampling piece whose SDE noise is seeded by "
-        "(seed, iteration, position), so that a rollout does not depend on the number of processes when each "
-        "process's shard is a multiple of it."))
 
     def __post_init__(self):
         self.prompt_set = PromptSet("", [])                        # the file's prompts and metadata, read at load
@@ -73,21 +55,21 @@ class DiffusersSampleConfig(SampleBatch):
 
 
 @dataclass
-class DiffusersEvalConfig:
+class DiffusersEvalSection:
     """Evaluation on a test prompt set, as Flow-GRPO evaluates: every ``every`` iterations (and at the start and the
     end), the deterministic ODE sampler at ``pipeline.eval_num_steps`` on the run's sigma grid, fixed noise, the run's
     guidance and reward, the EMA weights when ``optim.ema_decay > 0``."""
 
-    prompts_file: str | None = field(default=None, metadata=_help(
+    prompts_file: str | None = field(default=None, metadata=helped(
         "Test prompts, .txt or .jsonl as sample.prompts_file; null: the test set beside sample.prompts_file in "
         "Flow-GRPO's dataset layout (train.txt -> test.txt, train_metadata.jsonl -> test_metadata.jsonl) when that "
         "file exists, else no evaluation (the run's header says so)."))
-    every: int = field(default=10, metadata=_help(
+    every: int = field(default=10, metadata=helped(
         "Evaluate every N iterations, at the start and at the end (0 = off)."))
-    num_prompts: int = field(default=0, metadata=_help("Test prompts evaluated: the first N of the set (0 = all)."))
-    images_per_prompt: int = field(default=1, metadata=_help("Images per test prompt, each from its own fixed noise."))
-    seed: int = field(default=1234, metadata=_help("Seed of the evaluation noise (the same at every evaluation)."))
-    grid_size: int = field(default=16, metadata=_help(
+    num_prompts: int = field(default=0, metadata=helped("Test prompts evaluated: the first N of the set (0 = all)."))
+    images_per_prompt: int = field(default=1, metadata=helped("Images per test prompt, each from its own fixed noise."))
+    seed: int = field(default=1234, metadata=helped("Seed of the evaluation noise (the same at every evaluation)."))
+    grid_size: int = field(default=16, metadata=helped(
         "Images in each evaluation's grid samples/eval_<n>.png (videos: .gif), captioned with prompt and reward."))
 
     def __post_init__(self):
@@ -129,12 +111,12 @@ class DiffusersEvalConfig:
 
 
 @dataclass
-class DiffusersLogConfig(LogConfig):
-    """:class:`jagg.trainers.sections.LogConfig` with its own default run directory."""
+class DiffusersLogSection(LogSection):
+    """:class:`jagg.trainers.sections.LogSection` with its own default run directory."""
 
-    output_dir: str = field(default="runs/real", metadata=_help(
+    output_dir: str = field(default="runs/real", metadata=helped(
         "Run directory: metrics, sample images, checkpoints and LoRA adapters."))
-    sample_images: int = field(default=8, metadata=_help(
+    sample_images: int = field(default=8, metadata=helped(
         "Rollout images saved as samples/iter_<n>.png at each checkpoint (videos: an animated .gif; 0 = none)."))
 
     def __post_init__(self):
@@ -144,22 +126,22 @@ class DiffusersLogConfig(LogConfig):
 
 
 @dataclass
-class DistributedConfig:
+class DistributedSection:
     """How several processes (``torchrun`` / ``accelerate launch``) share the trainable transformer
     (:mod:`jagg.infra.engine`). Under ``accelerate launch`` its config's settings apply as well
     (:mod:`jagg.infra.launch`); a key set both here and there must agree."""
 
-    strategy: str = field(default="auto", metadata=_help(
+    strategy: str = field(default="auto", metadata=helped(
         "'ddp': the transformer replicated on every process (DistributedDataParallel; LoRA, or a model that fits one "
         "GPU); 'fsdp': FSDP2 fully_shard per transformer block, parameters, gradients and AdamW state sharded (full "
         "fine-tuning of a model that does not fit one GPU; the KL reference copy sharded too); 'auto': the accelerate "
         "config's distributed_type under accelerate launch, else ddp. One process: neither."))
-    wrap_classes: list[str] | None = field(default=None, metadata=_help(
+    wrap_classes: list[str] | None = field(default=None, metadata=helped(
         "fsdp: the module classes sharded as one unit each; null = the accelerate config's "
         "fsdp_transformer_layer_cls_to_wrap, else the transformer's own blocks (its _no_split_modules: SD3 "
         "JointTransformerBlock; FLUX FluxTransformerBlock, FluxSingleTransformerBlock; Qwen-Image "
         "QwenImageTransformerBlock)."))
-    reshard_after_forward: bool | None = field(default=None, metadata=_help(
+    reshard_after_forward: bool | None = field(default=None, metadata=helped(
         "fsdp: free each block's gathered weights after its forward (true: the least memory) or keep them until its "
         "backward (false: less communication; with the sharded gradients and optimizer state, as ZeRO-2); null = the "
         "accelerate config's fsdp_reshard_after_forward, else true."))
@@ -185,23 +167,23 @@ class DiffusersTrainConfig(TrainerSections):
     keys both trainers share (:class:`jagg.trainers.sections.TrainerSections`)."""
 
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    sample: DiffusersSampleConfig = field(default_factory=DiffusersSampleConfig)
-    reward: RewardConfig | None = field(default=None, metadata=_help(
+    sample: DiffusersSampleSection = field(default_factory=DiffusersSampleSection)
+    reward: RewardSection | None = field(default=None, metadata=helped(
         "Local reward, {name: <registry name | package.module:function>} or {weights: {name: w, ...}} "
-        "(jagg.trainers.sections.RewardConfig); the function takes (images uint8 [N,H,W,3], prompts, metadata). "
+        "(jagg.trainers.sections.RewardSection); the function takes (images uint8 [N,H,W,3], prompts, metadata). "
         "Set this or reward_server."))
-    reward_server: RewardClient | None = field(default=None, metadata=_help(
+    reward_server: RewardClient | None = field(default=None, metadata=helped(
         "HTTP reward server, jagg.rewards.RewardClient arguments {"
         + ", ".join(f.name for f in dataclasses.fields(RewardClient))
         + "} (token: better in $JAGG_REWARD_TOKEN, every checkpoint saves the config). Set this or reward."))
-    eval: DiffusersEvalConfig = field(default_factory=DiffusersEvalConfig)
-    log: DiffusersLogConfig = field(default_factory=DiffusersLogConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig, metadata=_help(
-        "Several processes: DDP or FSDP2 sharding (see DistributedConfig); ignored by a single process."))
+    eval: DiffusersEvalSection = field(default_factory=DiffusersEvalSection)
+    log: DiffusersLogSection = field(default_factory=DiffusersLogSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection, metadata=helped(
+        "Several processes: DDP or FSDP2 sharding (see DistributedSection); ignored by a single process."))
 
     def __post_init__(self):
         if isinstance(self.reward, dict):
-            self.reward = configuration.from_dict(RewardConfig, self.reward, "reward")
+            self.reward = configuration.from_dict(RewardSection, self.reward, "reward")
         if isinstance(self.reward_server, dict):
             if "url" not in self.reward_server:
                 raise ValueError("reward_server.url is required, e.g. http://127.0.0.1:8000 (start a server with "

@@ -12,15 +12,12 @@ from ..checks import (FLOAT32_MAX, Keys, check_group_size, check_positive, check
                       check_sde_window_schedule, check_threads)
 from ..estimator_config import EstimatorConfig
 from ..rewards.registry import check_spec
+from ..infra.config_loader import helped
 from ..infra.wandb_run import WANDB_MODES
 from ..trajectory import select_train_steps, sliding_sde_window
 from .lr_schedule import SCHEDULES
 
 SAMPLE_KEYS = Keys("sample.")                 # how the checks name the sample: section's keys
-
-
-def _help(text: str) -> dict:
-    return {"help": text}
 
 
 # the SDE window's keys, which both trainers' sample: sections declare (sde_window_field): key -> (default, help)
@@ -41,13 +38,38 @@ SDE_WINDOW_KEYS = {
 def sde_window_field(key: str):
     """The dataclass field of the SDE window's key ``key`` (:data:`SDE_WINDOW_KEYS`)."""
     default, text = SDE_WINDOW_KEYS[key]
-    return field(default=default, metadata=_help(text))
+    return field(default=default, metadata=helped(text))
 
 
+@dataclass
 class SampleBatch:
-    """What both trainers' ``sample:`` sections share (a mixin of the two dataclasses, no fields of its own): the
-    batch of ``prompts_per_iter`` prompt groups of ``group_size`` samples, the SDE steps of each iteration (a fixed or
-    sliding SDE window, or a timestep fraction), and the checks of their keys."""
+    """The keys both trainers' ``sample:`` sections share, one definition each (the shapes trainer's
+    :class:`jagg.trainers.shapes_config.SampleSection` adds its sampler's steps, noise and guidance, which a real model
+    keeps in ``pipeline:``): the batch of ``prompts_per_iter`` prompt groups of ``group_size`` samples, the SDE steps of
+    each iteration (a fixed or sliding SDE window, or a timestep fraction), the SDE, the rows per sampling call, and the
+    checks of these keys."""
+
+    prompts_per_iter: int = field(default=8, metadata=helped(
+        "Distinct prompts per iteration, over all processes (Flow-GRPO: 48 on 32 GPUs)."))
+    group_size: int = field(default=8, metadata=helped(
+        "Images per prompt: the size of a prompt group, at least 2 (Flow-GRPO: 24)."))
+    shared_noise: bool = field(default=False, metadata=helped("Share the initial noise within a prompt group."))
+    timestep_fraction: float = field(default=1.0, metadata=helped(
+        "Train the first fraction of the sampling steps (all steps are SDE steps)."))
+    sde_window: list[int] | None = sde_window_field("sde_window")
+    sde_window_schedule: str = sde_window_field("sde_window_schedule")
+    sde_window_size: int | None = sde_window_field("sde_window_size")
+    sde_window_stride: int = sde_window_field("sde_window_stride")
+    sde_window_every: int = sde_window_field("sde_window_every")
+    sde_type: str = field(default="flow_grpo", metadata=helped(
+        "SDE of the sampled steps, with the noise level eta (sample.eta; a real model's pipeline.eta): 'flow_grpo' "
+        "(Flow-GRPO: std eta sqrt(s/(1-s)) sqrt(-dt) per step), 'dance' (DanceGRPO and the JAGG authors: a constant "
+        "eta sqrt(-dt) per step) or 'cps' (coefficients-preserving: std sigma_next sin(eta pi/2), 0 < eta <= 1, last "
+        "step outside the sde_window); docs/design.md §2."))
+    micro_batch: int = field(default=8, metadata=helped(
+        "Rows per network call while sampling (a row: one trajectory at one step). A real model also seeds each "
+        "piece's SDE noise by (seed, iteration, position), so that a rollout does not depend on the number of "
+        "processes when each process's shard is a multiple of it."))
 
     @property
     def batch_size(self) -> int:
@@ -157,19 +179,19 @@ def check_updates_divide_batch(batch_size: int, updates_per_epoch: int) -> None:
 
 
 @dataclass
-class OptimConfig:
-    lr: float = field(default=3e-4, metadata=_help("AdamW learning rate."))
-    betas: list[float] = field(default_factory=[0.9, 0.999].copy, metadata=_help("AdamW betas."))
-    weight_decay: float = field(default=1e-4, metadata=_help("AdamW weight decay."))
-    max_grad_norm: float = field(default=1.0, metadata=_help("Gradient-norm clipping (0 = off)."))
-    ema_decay: float = field(default=0.0, metadata=_help(
+class OptimSection:
+    lr: float = field(default=3e-4, metadata=helped("AdamW learning rate."))
+    betas: list[float] = field(default_factory=[0.9, 0.999].copy, metadata=helped("AdamW betas."))
+    weight_decay: float = field(default=1e-4, metadata=helped("AdamW weight decay."))
+    max_grad_norm: float = field(default=1.0, metadata=helped("Gradient-norm clipping (0 = off)."))
+    ema_decay: float = field(default=0.0, metadata=helped(
         "EMA of the trained weights, updated after each optimizer step, saved in every checkpoint and used by "
         "evaluation; a real model's checkpoints also export it (adapter_<n>/ema/, transformer_<n>/ema/). 0 = off."))
-    lr_schedule: str = field(default="constant", metadata=_help(
+    lr_schedule: str = field(default="constant", metadata=helped(
         "Learning-rate schedule over the run's optimizer updates (grpo.iterations x inner_epochs x updates_per_epoch): "
         "constant, cosine (to 0 at the end) or linear (to 0 at the end), after the warm-up; resumes bit-identically "
         "(a decay keeps its grpo.iterations). Logged as lr."))
-    warmup_steps: int = field(default=0, metadata=_help(
+    warmup_steps: int = field(default=0, metadata=helped(
         "Optimizer updates of linear warm-up (update k < warmup_steps uses lr x (k + 1) / warmup_steps), counted in "
         "updates, not iterations; 0 = none."))
 
@@ -205,18 +227,18 @@ class OptimConfig:
 
 
 @dataclass
-class GRPOConfig:
-    iterations: int = field(default=100, metadata=_help("Sampling + training iterations (epochs)."))
-    inner_epochs: int = field(default=1, metadata=_help("Passes of optimizer updates over each iteration's samples."))
-    updates_per_epoch: int = field(default=2, metadata=_help(
+class GRPOSection:
+    iterations: int = field(default=100, metadata=helped("Sampling + training iterations (epochs)."))
+    inner_epochs: int = field(default=1, metadata=helped("Passes of optimizer updates over each iteration's samples."))
+    updates_per_epoch: int = field(default=2, metadata=helped(
         "Optimizer updates per inner epoch; the samples are split into this many minibatches."))
-    adv_clip_max: float = field(default=5.0, metadata=_help("Advantages are clipped to [-adv_clip_max, adv_clip_max]."))
-    global_std: bool = field(default=False, metadata=_help("Normalise advantages by the batch std, not per prompt."))
-    drop_zero_spread: bool = field(default=True, metadata=_help(
+    adv_clip_max: float = field(default=5.0, metadata=helped("Advantages are clipped to [-adv_clip_max, adv_clip_max]."))
+    global_std: bool = field(default=False, metadata=helped("Normalise advantages by the batch std, not per prompt."))
+    drop_zero_spread: bool = field(default=True, metadata=helped(
         "Skip training on prompt groups whose rewards are all equal (no signal)."))
-    max_consecutive_skips: int = field(default=5, metadata=_help(
+    max_consecutive_skips: int = field(default=5, metadata=helped(
         "Abort after this many consecutive updates skipped for a non-finite loss or gradient (0 = never)."))
-    max_empty_iterations: int = field(default=10, metadata=_help(
+    max_empty_iterations: int = field(default=10, metadata=helped(
         "Abort after this many consecutive iterations that trained no sample (no prompt group with reward spread, "
         "e.g. every reward weight 0); the first is warned about with its reason (0 = never abort)."))
 
@@ -231,12 +253,12 @@ class GRPOConfig:
 
 
 @dataclass
-class RewardConfig:
-    name: str | None = field(default=None, metadata=_help(
+class RewardSection:
+    name: str | None = field(default=None, metadata=helped(
         "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility, and the preference models "
         "clip_score, pickscore, hpsv2, aesthetic), its options after a colon (pickscore:path=/models/PickScore_v1,"
         "batch_size=16; jagg.rewards.registry), or module:function (geneval when neither name nor weights is set)."))
-    weights: dict[str, float] | None = field(default=None, metadata=_help(
+    weights: dict[str, float] | None = field(default=None, metadata=helped(
         "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1} (a key may carry options: "
         "'pickscore:path=/models/PickScore_v1'); a component of weight 0 is computed and reported (reward/<name>, the "
         "name without its options) but not trained. Set this or name, not both."))
@@ -262,18 +284,18 @@ class RewardConfig:
 
 
 @dataclass
-class LogConfig:
-    output_dir: str = field(default="runs/default", metadata=_help("Run directory: metrics, plots, checkpoints."))
-    checkpoint_every: int = field(default=25, metadata=_help("Save a checkpoint every N iterations (0 = only at the end)."))
-    keep_last: int = field(default=2, metadata=_help("Checkpoints kept (older ones are deleted)."))
-    tensorboard: bool = field(default=True, metadata=_help("Write TensorBoard events (needs the tensorboard package)."))
-    progress: bool = field(default=True, metadata=_help("Show a progress bar."))
-    wandb: bool = field(default=False, metadata=_help(
+class LogSection:
+    output_dir: str = field(default="runs/default", metadata=helped("Run directory: metrics, plots, checkpoints."))
+    checkpoint_every: int = field(default=25, metadata=helped("Save a checkpoint every N iterations (0 = only at the end)."))
+    keep_last: int = field(default=2, metadata=helped("Checkpoints kept (older ones are deleted)."))
+    tensorboard: bool = field(default=True, metadata=helped("Write TensorBoard events (needs the tensorboard package)."))
+    progress: bool = field(default=True, metadata=helped("Show a progress bar."))
+    wandb: bool = field(default=False, metadata=helped(
         "Also log to Weights & Biases (pip install 'jagg[wandb]'): the config, every metric under its TensorBoard name, "
         "the sample grids; --resume continues the same wandb run (its id is run.json's run_id)."))
-    wandb_project: str = field(default="jagg", metadata=_help("wandb project of the run."))
-    wandb_entity: str | None = field(default=None, metadata=_help("wandb entity (user or team; null: wandb's default)."))
-    wandb_mode: str | None = field(default=None, metadata=_help(
+    wandb_project: str = field(default="jagg", metadata=helped("wandb project of the run."))
+    wandb_entity: str | None = field(default=None, metadata=helped("wandb entity (user or team; null: wandb's default)."))
+    wandb_mode: str | None = field(default=None, metadata=helped(
         "wandb mode: online, offline (files only, `wandb sync` later) or disabled; null: wandb's own choice "
         "($WANDB_MODE, else online)."))
 
@@ -296,12 +318,12 @@ class TrainerSections:
     :class:`jagg.trainers.diffusers_config.DiffusersTrainConfig` extend it with their own model, sampling, reward and
     logging sections (which must include ``sample.batch_size`` and ``sample.group_size``)."""
 
-    seed: int = field(default=0, metadata=_help(
+    seed: int = field(default=0, metadata=helped(
         "Seed of prompts, noise, initialisation, minibatches and unbiased JAGG's picks."))
-    threads: int = field(default=0, metadata=_help("torch CPU threads (0 = torch's default)."))
+    threads: int = field(default=0, metadata=helped("torch CPU threads (0 = torch's default)."))
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    optim: OptimSection = field(default_factory=OptimSection)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
 
     def __post_init__(self):
         check_threads(self.threads, "threads")

@@ -15,8 +15,8 @@ from .. import shapes                      # noqa: F401  registers the 'geneval'
 from ..checks import check_eta, check_positive, is_finite_number
 from ..schedule import SHIFT_HINT, check_schedule
 from ..infra import config_loader as configuration
-from .sections import (SAMPLE_KEYS, LogConfig, RewardConfig, SampleBatch, TrainerSections, _help, check_run,
-                       sde_window_field)
+from ..infra.config_loader import helped
+from .sections import SAMPLE_KEYS, LogSection, RewardSection, SampleBatch, TrainerSections, check_run
 
 DEFAULT_CHECKPOINT = "builtin:tiny_dit"
 
@@ -49,11 +49,11 @@ def read_prompts(path: str) -> list[str]:
 
 
 @dataclass
-class ModelConfig:
-    checkpoint: str = field(default=DEFAULT_CHECKPOINT, metadata=_help(
+class ModelSection:
+    checkpoint: str = field(default=DEFAULT_CHECKPOINT, metadata=helped(
         "Pretrained TinyDiT .safetensors to fine-tune; 'builtin:tiny_dit' is the checkpoint shipped with jagg."))
 
-    trainable: str = field(default="all", metadata=_help(
+    trainable: str = field(default="all", metadata=helped(
         "Parameters GRPO updates: 'all', or a regular expression over parameter names (re.search), e.g. "
         "'ada|final' for the adaLN modulation and output layers only; the rest stay frozen."))
 
@@ -70,28 +70,16 @@ class ModelConfig:
 
 
 @dataclass
-class SampleConfig(SampleBatch):
-    num_steps: int = field(default=10, metadata=_help("Sampling steps T per trajectory."))
-    shift: float = field(default=1.0, metadata=_help("SD3 timestep shift of the sigma schedule (1 = none)."))
-    eta: float = field(default=0.7, metadata=_help("SDE noise level (Flow-GRPO's noise_level); its meaning depends on "
+class SampleSection(SampleBatch):
+    """Rollouts of the TinyDiT: the keys both trainers share (:class:`jagg.trainers.sections.SampleBatch`) and the
+    sampler's own steps, shift, noise level and guidance (a real model's live in ``pipeline:``)."""
+
+    num_steps: int = field(default=10, metadata=helped("Sampling steps T per trajectory."))
+    shift: float = field(default=1.0, metadata=helped("SD3 timestep shift of the sigma schedule (1 = none)."))
+    eta: float = field(default=0.7, metadata=helped("SDE noise level (Flow-GRPO's noise_level); its meaning depends on "
                                                    "sde_type."))
-    sde_type: str = field(default="flow_grpo", metadata=_help(
-        "SDE of the sampled steps: 'flow_grpo' (std eta sqrt(s/(1-s)) sqrt(-dt) per step), 'dance' (DanceGRPO and the JAGG "
-        "authors: constant eta sqrt(-dt) per step) or 'cps' (coefficients-preserving: std sigma_next sin(eta pi/2), "
-        "0 < eta <= 1, last step outside the sde_window); docs/design.md §2."))
-    guidance_scale: float = field(default=3.0, metadata=_help("Classifier-free guidance scale w (1 = off)."))
-    prompts_per_iter: int = field(default=8, metadata=_help("Distinct prompts sampled per iteration."))
-    group_size: int = field(default=4, metadata=_help("Images per prompt: the size of a prompt group (at least 2)."))
-    shared_noise: bool = field(default=False, metadata=_help("Share the initial noise within a prompt group."))
-    timestep_fraction: float = field(default=1.0, metadata=_help(
-        "Train the first fraction of the steps (all steps are SDE steps)."))
-    sde_window: list[int] | None = sde_window_field("sde_window")
-    sde_window_schedule: str = sde_window_field("sde_window_schedule")
-    sde_window_size: int | None = sde_window_field("sde_window_size")
-    sde_window_stride: int = sde_window_field("sde_window_stride")
-    sde_window_every: int = sde_window_field("sde_window_every")
-    micro_batch: int = field(default=32, metadata=_help("Rows per network call while sampling."))
-    prompts_file: str | None = field(default=None, metadata=_help(
+    guidance_scale: float = field(default=3.0, metadata=helped("Classifier-free guidance scale w (1 = off)."))
+    prompts_file: str | None = field(default=None, metadata=helped(
         "Text file of training prompts, one per line (default: the world's train split)."))
 
     def __post_init__(self):
@@ -114,26 +102,26 @@ class SampleConfig(SampleBatch):
 
 
 @dataclass
-class EvalConfig:
-    every: int = field(default=25, metadata=_help("Evaluate every N iterations (and at the start and end); 0 = off."))
-    dense_iterations: int = field(default=0, metadata=_help(
+class EvalSection:
+    every: int = field(default=25, metadata=helped("Evaluate every N iterations (and at the start and end); 0 = off."))
+    dense_iterations: int = field(default=0, metadata=helped(
         "Also evaluate every dense_every iterations up to this iteration, where the reward curve rises (more points "
         "to read it from, one evaluation's cost each); 0 = off."))
-    dense_every: int = field(default=0, metadata=_help(
+    dense_every: int = field(default=0, metadata=helped(
         "Iterations between the evaluations up to dense_iterations (with dense_iterations > 0); 0 = off."))
-    num_prompts: int = field(default=0, metadata=_help("Test prompts evaluated (0 = all of the test split)."))
-    images_per_prompt: int = field(default=2, metadata=_help("Images per test prompt (fixed seeds)."))
-    num_steps: int = field(default=10, metadata=_help("ODE steps of the deterministic evaluation sampler."))
-    seed: int = field(default=1234, metadata=_help("Seed of the evaluation noise (the same at every evaluation)."))
-    grid_size: int = field(default=16, metadata=_help(
+    num_prompts: int = field(default=0, metadata=helped("Test prompts evaluated (0 = all of the test split)."))
+    images_per_prompt: int = field(default=2, metadata=helped("Images per test prompt (fixed seeds)."))
+    num_steps: int = field(default=10, metadata=helped("ODE steps of the deterministic evaluation sampler."))
+    seed: int = field(default=1234, metadata=helped("Seed of the evaluation noise (the same at every evaluation)."))
+    grid_size: int = field(default=16, metadata=helped(
         "Images in the saved sample grids: each evaluation's, and the before/after comparison of the first grid_size "
         "test prompts written at the end of the run (samples/comparison.png; a multiple of 8)."))
-    warn_drop: float = field(default=0.05, metadata=_help(
+    warn_drop: float = field(default=0.05, metadata=helped(
         "Warn (once) when the held-out reward falls more than this below its best so far; 0 = off."))
-    warn_empty: float = field(default=0.1, metadata=_help(
+    warn_empty: float = field(default=0.1, metadata=helped(
         "Warn (once) when the fraction of evaluation images with no detected object rises more than this above the "
         "starting model's; 0 = off."))
-    warn_background: float = field(default=5.0, metadata=_help(
+    warn_background: float = field(default=5.0, metadata=helped(
         "Warn (once) when the background measure (background_rms: RMS distance of the background pixels from the "
         "flat background colour, 0-255 RGB) rises more than this above the starting model's; 0 = off."))
 
@@ -168,11 +156,11 @@ class EvalConfig:
 class ShapesTrainConfig(TrainerSections):
     """Everything one ``jagg train`` run on the shapes world needs (saved into every checkpoint)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    sample: SampleConfig = field(default_factory=SampleConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    log: LogConfig = field(default_factory=LogConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    sample: SampleSection = field(default_factory=SampleSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self):
         super().__post_init__()

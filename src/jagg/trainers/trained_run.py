@@ -25,7 +25,7 @@ from ..infra import config_loader as configuration
 from ..infra.checkpoint import list_checkpoints, read_checkpoint
 from ..infra.prompt_sets import read_prompt_set
 from ..integrations.config import VIDEO_FAMILIES, PipelineConfig
-from .diffusers_config import TRAINER_TAG, DiffusersEvalConfig
+from .diffusers_config import TRAINER_TAG, DiffusersEvalSection
 from .weights_export import EMA_DIR, export_name
 
 
@@ -142,8 +142,8 @@ def eval_run(path: Path, args) -> dict:
 
     saved = read_checkpoint(path)["config"]
     section = {k: v for k, v in (saved.get("eval") or {}).items() if k in {f.name for f in
-                                                                           dataclasses.fields(DiffusersEvalConfig)}}
-    ev = configuration.from_dict(DiffusersEvalConfig, section, "the checkpoint's eval")
+                                                                           dataclasses.fields(DiffusersEvalSection)}}
+    ev = configuration.from_dict(DiffusersEvalSection, section, "the checkpoint's eval")
     if args.images_per_prompt is not None:
         ev.images_per_prompt = args.images_per_prompt
     ev.num_prompts = args.num_prompts or 0
