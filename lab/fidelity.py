@@ -51,7 +51,7 @@ from jagg.rewards.registry import get_reward
 from jagg.knots import step_groups
 from jagg.routing import linearity_scores
 from jagg.schedule import flow_sigmas
-from jagg.trainers.base import Batch, Rollout, draw_prompts_and_noise, rollout_batch, take
+from jagg.trainers.base import Batch, Rollout, rollout_inputs, rollout_batch, take
 from jagg.trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
 from jagg.trainers.shapes import mark_trainable
 from jagg.trainers.shapes_config import ShapesTrainConfig
@@ -140,7 +140,7 @@ def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) ->
     zero-spread prompt groups dropped and prompt groups as in training (``--advantages random``: N(0, 1), all kept)."""
     c, t = cfg.train.sample, cfg.train
     shape = (model.config.channels, model.config.image_size, model.config.image_size)
-    draw = draw_prompts_and_noise(c, c.prompts(), shape, c.num_steps, np.random.default_rng(cfg.seed),
+    draw = rollout_inputs(c, c.prompts(), shape, c.num_steps, np.random.default_rng(cfg.seed),
                                   torch.Generator().manual_seed(cfg.seed))
     tokens = tokenizer.encode(draw.prompts, max_len=model.config.max_text_len).to(device)
 

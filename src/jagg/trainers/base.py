@@ -132,10 +132,10 @@ def take(items, index) -> Any:
 
 
 @dataclass
-class Draw:
-    """An iteration's draw of the global batch (:func:`draw_prompts_and_noise`): the prompts, prompt group after prompt group;
-    the initial noise ``[N, *S]``; the trained steps ``[K]`` and the SDE mask ``[T]``; each sample's position in the
-    prompt list it was drawn from ``[N]`` (its metadata's, for the reward)."""
+class RolloutInputs:
+    """What an iteration's rollout starts from, drawn at random (:func:`rollout_inputs`): the prompts, prompt group after
+    prompt group; the initial noise ``[N, *S]``; the trained steps ``[K]`` and the SDE mask ``[T]``; each sample's
+    position in the prompt list it was drawn from ``[N]`` (its metadata's, for the reward)."""
 
     prompts: list[str]
     noise: Tensor
@@ -144,8 +144,8 @@ class Draw:
     indices: list[int] | None = None
 
 
-def draw_prompts_and_noise(c, prompts: Sequence[str], latent_shape: tuple[int, ...], num_steps: int,
-                           np_rng: np.random.Generator, gen: torch.Generator, iteration: int = 0) -> Draw:
+def rollout_inputs(c, prompts: Sequence[str], latent_shape: tuple[int, ...], num_steps: int,
+                   np_rng: np.random.Generator, gen: torch.Generator, iteration: int = 0) -> RolloutInputs:
     """The global batch of iteration ``iteration`` (counted from 0) by the ``sample:`` section ``c``:
     ``c.prompts_per_iter`` of ``prompts`` drawn with ``np_rng``, each repeated ``c.group_size`` times (its prompt
     group); the initial noise ``[N, *latent_shape]`` from ``gen`` (shared within a prompt group with
@@ -158,7 +158,7 @@ def draw_prompts_and_noise(c, prompts: Sequence[str], latent_shape: tuple[int, .
     else:
         noise = torch.randn(len(batch), *latent_shape, generator=gen)
     train_steps, sde_mask = c.sde_steps(num_steps, iteration)
-    return Draw(batch, noise, train_steps, sde_mask, [int(i) for i in idx for _ in range(c.group_size)])
+    return RolloutInputs(batch, noise, train_steps, sde_mask, [int(i) for i in idx for _ in range(c.group_size)])
 
 
 @dataclass
@@ -323,7 +323,7 @@ class GRPO(ABC):
         run directory is decided and before a checkpoint is restored."""
 
     @abstractmethod
-    def rollout(self, draw: Draw) -> Rollout:
+    def rollout(self, draw: RolloutInputs) -> Rollout:
         """Sample this process's trajectories of the iteration's draw (its share of the global batch)."""
 
     @abstractmethod
@@ -362,10 +362,10 @@ class GRPO(ABC):
 
     # ------------------------------------------------------------------ one iteration
 
-    def draw_batch(self) -> Draw:
-        """The coming iteration's global batch (:func:`draw_prompts_and_noise`) from ``self.prompts`` with
+    def draw_batch(self) -> RolloutInputs:
+        """The coming iteration's global batch (:func:`rollout_inputs`) from ``self.prompts`` with
         ``self.np_rng`` and ``self.gen``, of latents ``self.latent_shape`` and ``self.num_steps`` sampling steps."""
-        return draw_prompts_and_noise(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
+        return rollout_inputs(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
                                       self.gen, self.iteration)
 
     def step(self) -> dict:

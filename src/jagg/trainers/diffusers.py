@@ -74,8 +74,8 @@ from ..infra.engine import EngineSettings, make_engine, resolve_engine
 from ..infra.launch import LaunchSettings, read_launch
 from ..infra.metrics import plot_reward_curve, save_grid
 from .auto import AutoEstimator
-from .base import (RESUMABLE_CHANGES, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable,
-                   draw_prompts_and_noise, update_summary)
+from .base import (RESUMABLE_CHANGES, GRPOTrainer, Iteration, Minibatch, Rollout, RolloutInputs, check_resumable,
+                   rollout_inputs, update_summary)
 from .diffusers_config import TRAINER_TAG, DiffusersTrainConfig
 from .diffusers_eval import evaluate_policy
 from .ema import EMA
@@ -157,13 +157,13 @@ class DiffusersSampler:
         self.last_images: np.ndarray | None = None             # the last scored rollout's decoded images
         self.sampled = 0                                       # batches sample() drew
 
-    def draw(self, iteration: int = 0) -> Draw:
+    def draw(self, iteration: int = 0) -> RolloutInputs:
         """The prompts, initial noise, trained steps and SDE mask of iteration ``iteration`` (it decides a sliding SDE
-        window: :func:`~jagg.trainers.base.draw_prompts_and_noise`)."""
-        return draw_prompts_and_noise(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
+        window: :func:`~jagg.trainers.base.rollout_inputs`)."""
+        return rollout_inputs(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
                                       self.gen, iteration)
 
-    def rollout(self, draw: Draw, iteration: int) -> Rollout:
+    def rollout(self, draw: RolloutInputs, iteration: int) -> Rollout:
         """This process's shard of ``draw``'s trajectories (the global batch's prompts, local trajectories), in pieces
         whose SDE noise is seeded by (seed, ``iteration``, global position), not by rank; the conditioning is the
         shard's prompts."""
@@ -412,7 +412,7 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         return path
 
     # ------------------------------------------------------------------ one iteration
-    def rollout(self, draw: Draw) -> Rollout:
+    def rollout(self, draw: RolloutInputs) -> Rollout:
         """Sample this rank's shard of the global batch (:meth:`DiffusersSampler.rollout`, SDE noise of this
         iteration), in a region of the engine (its pieces may differ in number between ranks)."""
         with self.engine.region():

@@ -35,7 +35,7 @@ from ..infra.metrics import plot_reward_curve, save_grid
 from ..trajectory import sample_trajectories
 from .ema import EMA
 from .auto import AutoEstimator
-from .base import (GRPO, Draw, GRPOTrainer, Iteration, Minibatch, Rollout, check_resumable, draw_prompts_and_noise,
+from .base import (GRPO, GRPOTrainer, Iteration, Minibatch, Rollout, RolloutInputs, check_resumable, rollout_inputs,
                    update_summary)
 from .shapes_config import ShapesTrainConfig
 
@@ -73,13 +73,13 @@ class ShapesSampler:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.np_rng = np.random.default_rng(cfg.seed)
 
-    def draw(self, iteration: int = 0) -> Draw:
+    def draw(self, iteration: int = 0) -> RolloutInputs:
         """The prompts, initial noise, trained steps and SDE mask of iteration ``iteration`` (counted from 0; it decides
-        a sliding SDE window: :func:`~jagg.trainers.base.draw_prompts_and_noise`)."""
-        return draw_prompts_and_noise(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
+        a sliding SDE window: :func:`~jagg.trainers.base.rollout_inputs`)."""
+        return rollout_inputs(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
                                       self.gen, iteration)
 
-    def rollout(self, draw: Draw) -> Rollout:
+    def rollout(self, draw: RolloutInputs) -> Rollout:
         """The trajectories of ``draw`` (SDE noise from :attr:`gen`); the conditioning is the prompt tokens ``[B, L]``."""
         c = self.cfg.sample
         tokens = tokenizer.encode(draw.prompts, max_len=self.model.config.max_text_len)
@@ -133,7 +133,7 @@ class ShapesGRPO(AutoEstimator, GRPO):
         # that runs of one seed with different estimators sample the same prompts and noise streams
         self.pick_gen = torch.Generator().manual_seed(cfg.seed + 1_000_003)
 
-    def rollout(self, draw: Draw) -> Rollout:
+    def rollout(self, draw: RolloutInputs) -> Rollout:
         return self.sampler.rollout(draw)
 
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
