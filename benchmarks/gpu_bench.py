@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 import jagg
-from jagg.bench.projection import cost_limit
+from jagg.cost import cost_limit
 from jagg.bench.speed import Subject, measure_costs
 from jagg.integrations import LoraSettings, PromptEmbeddings, VelocityConfig, add_lora, velocity_adapter
 

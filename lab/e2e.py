@@ -24,7 +24,7 @@ from jagg.infra import config_loader as configuration
 from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.checks import check_no_repeats, number_arg
 from jagg.bench.common import json_if_asked, table
-from jagg.bench.projection import estimator_limit
+from jagg.cost import estimator_limit
 
 VARIANTS = {
     "exact": ["estimator.mode=exact"],
@@ -36,7 +36,7 @@ QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompt groups 
 
 
 def routed_limit(cfg: ShapesTrainConfig) -> float:
-    """:func:`~jagg.bench.projection.estimator_limit` (``B = 2F``) of the config's estimator on its trained steps: knot
+    """:func:`~jagg.cost.estimator_limit` (``B = 2F``) of the config's estimator on its trained steps: knot
     layout, window, routed fraction, exact first/last intervals, the correction and interval subsampling; with
     ``intermediate: auto`` all but the first of a rollout's updates run ``fresh``."""
     steps = cfg.sample.sde_steps(cfg.sample.num_steps)[0]     # a sliding SDE window has the same size throughout

@@ -26,7 +26,8 @@ from jagg.shapes import test_prompts
 from jagg.shapes.evaluation import generate
 from jagg.shapes.scene import uses_held_out
 from jagg.shapes.weights import load_model
-from jagg.bench.common import set_threads, write_json
+from jagg.bench.common import set_threads
+from jagg.infra.atomic import write_json
 from lab.statistics import BOOTSTRAP, interval, resamples
 
 

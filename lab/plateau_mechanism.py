@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from jagg.arguments import overwrite_argument
-from jagg.bench.common import fmt, table, write_json
+from jagg.bench.common import fmt, table
+from jagg.infra.atomic import write_json
 from jagg.checks import check_output_file
 from jagg.infra.config_loader import differences
 from lab.quality_compare import Curves, compare, curves

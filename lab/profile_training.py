@@ -31,7 +31,7 @@ from jagg import policy_gradient
 from jagg.infra import config_loader as configuration
 from jagg.advantages import group_advantages
 from jagg.arguments import config_arguments, overwrite_argument
-from jagg.bench.common import write_json
+from jagg.infra.atomic import write_json
 from jagg.checks import check_output_file
 from jagg.estimator_config import EstimatorConfig
 from jagg.trainers.shapes import ShapesSampler

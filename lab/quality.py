@@ -72,9 +72,10 @@ from pathlib import Path
 
 from jagg.arguments import config_arguments
 from jagg.checks import SEED_MAX, check_output_file, number_arg
-from jagg.bench.common import table, write_json
+from jagg.bench.common import table
+from jagg.infra.atomic import write_json
 from jagg.trainers.diffusers_config import has_pipeline_section
-from jagg.bench.projection import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
+from jagg.cost import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
 from lab.quality_compare import CLOCKS, TARGETS, compare
 from lab.quality_report import RUN_COLUMNS, plot, print_report, run_rows
 from lab.quality_runs import QUICK_SETS, QualityConfig, parse_variants, quick_sets, run_one

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lab import statistics as stats
-from jagg.bench.projection import CostStructure
+from jagg.cost import CostStructure
 from lab.statistics import LEVELS, PLATEAU_EVALS, interval, resamples, time_to_target, time_to_test_target
 
 CLOCKS = ("wall", "cpu", "iterations")
@@ -294,7 +294,7 @@ def _meter(runs: list[dict]) -> dict:
 
 def _projected(rec: dict, exact: dict, cost: CostStructure) -> dict:
     """The iteration ratio ``cost`` projects for the variant's rows and no-grad rows against exact's
-    (:meth:`~jagg.bench.projection.CostStructure.iteration_ratio`), ``projected_time_efficiency`` (with its
+    (:meth:`~jagg.cost.CostStructure.iteration_ratio`), ``projected_time_efficiency`` (with its
     interval) = ``efficiency_to_lower_final`` x that ratio, and ``projected_rate`` = the rising-phase efficiency x
     that ratio."""
     rows = exact["rows_per_update"]

@@ -20,7 +20,7 @@ from jagg.trainers.diffusers_config import DiffusersTrainConfig
 from jagg.trainers.shapes import ShapesTrainer
 from jagg.infra.config_loader import to_dict
 from jagg.infra.rundir import RunHints
-from jagg.bench.common import write_json
+from jagg.infra.atomic import write_json
 from jagg.bench.meter import TrainConfig, load_config
 
 BUILTIN = {

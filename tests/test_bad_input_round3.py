@@ -186,7 +186,7 @@ GOOD = {"costs": [{"model": "sd35m", "resolution": 512, "b_over_f": 1.7}], "conf
 ])
 def test_gpu_bench_json_is_checked_by_key_in_both_benches(data, culprit, tmp_path, capsys, monkeypatch):
     from jagg.bench import meter as efficiency
-    from jagg.bench.projection import PRESETS, resolve
+    from jagg.cost import PRESETS, resolve
 
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps(data))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jagg.bench.common import spearman
-from jagg.bench.projection import cost_limit
+from jagg.cost import cost_limit
 from jagg.cli import main
 
 
@@ -51,7 +51,7 @@ def test_cost_model_expects_the_rows_the_plans_run(est):
     """estimator_limit's expected rows (B = 2F) against the mean over 400 plans of what they run (rows with grad,
     no-grad inner rows), for interval subsampling and the corrections on 14 trained steps."""
     from jagg import EstimatorConfig
-    from jagg.bench.projection import estimator_limit
+    from jagg.cost import estimator_limit
     from jagg.knots import plan_update
     from toy import Nonlinear, sampled_traj
 

@@ -108,7 +108,7 @@ def test_speed_times_the_config_model(tmp_path, sd3_dir, capsys):
 def test_cost_defaults_to_the_family_preset(family, lora, preset):
     from types import SimpleNamespace
 
-    from jagg.bench.projection import DEFAULT, default_cost
+    from jagg.cost import DEFAULT, default_cost
 
     cfg = SimpleNamespace(pipeline=SimpleNamespace(family=family, lora=SimpleNamespace(enabled=lora)))
     assert default_cost(cfg) == preset and default_cost(SimpleNamespace(sample=None)) == DEFAULT

@@ -158,7 +158,7 @@ def test_bench_efficiency_end_to_end(tmp_path, bench_ckpt, capsys):
     assert "Adam time eff." in out_text
     assert recs["exact"]["bias_z"] == 0 and recs["exact"]["adam_efficiency"] == 1
     # Adam per tensor, beside the global model; the projected columns of the default cost structure
-    from jagg.bench.projection import DEFAULT, PRESETS
+    from jagg.cost import DEFAULT, PRESETS
 
     cost = PRESETS[DEFAULT]
     for r in recs.values():

@@ -53,7 +53,7 @@ def test_scaled_down_run_writes_table_and_json(bench, tmp_path, capsys):
     assert set(costs) == {(m, r) for m in ("sd35m", "flux", "qwen_image") for r in (512, 1024)}
     for c in costs.values():
         assert c["f_grad_s"] > 0 and c["backward_s"] > 0 and c["b_over_f"] == pytest.approx(c["backward_s"] / c["f_grad_s"])
-    from jagg.bench.projection import gpu_bench_b_over_f
+    from jagg.cost import gpu_bench_b_over_f
 
     assert gpu_bench_b_over_f(out, "sd35m", 512)[0] == costs[("sd35m", 512)]["b_over_f"]
     assert "B/F" in text

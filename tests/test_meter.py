@@ -13,7 +13,7 @@ from conftest import tiny_train_args
 from jagg import EstimatorConfig
 from jagg.audit import audit_parts
 from jagg.meter import Meter, adam_efficiency, adam_tensor_factor, error_noise_stats, extrapolate, tensor_weights
-from jagg.bench.projection import PRESETS, CostStructure, gpu_bench_b_over_f, parse_cost, resolve
+from jagg.cost import PRESETS, CostStructure, gpu_bench_b_over_f, parse_cost, resolve
 from jagg.cli import main
 from toy import Nonlinear, perturb, run, sampled_traj
 

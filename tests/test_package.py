@@ -85,6 +85,22 @@ def test_the_core_imports_no_trainer_model_reward_or_tool():
     assert not offenders, offenders
 
 
+@pytest.mark.parametrize("layer,above", [
+    ("infra", ("trainers", "bench", "integrations", "shapes")),
+    ("rewards", ("trainers", "bench", "integrations", "shapes", "infra")),
+    ("integrations", ("trainers", "bench", "shapes")),
+    ("shapes", ("trainers", "bench", "integrations")),
+    ("trainers", ("bench",)),
+])
+def test_each_layer_imports_only_the_layers_below(layer, above):
+    """The layers of docs/architecture.md, bottom up: core, infra, rewards, the model families (integrations, shapes),
+    trainers, benches, the command line. A layer imports none of the ones above it (nor its sibling family)."""
+    forbidden = tuple(f"jagg.{a}" for a in above) + ("jagg.cli", "jagg.arguments")
+    offenders = [f"{m} -> {n}" for m, targets in _graph().items() if m.startswith(f"jagg.{layer}")
+                 for n in targets if n.startswith(forbidden)]
+    assert not offenders, offenders
+
+
 def test_nothing_in_the_package_imports_the_cli_or_the_lab():
     """`jagg.cli` is the entry point only (the shared arguments live in jagg.arguments), and the lab (lab/, not
     installed) imports the package, never the reverse."""

@@ -371,7 +371,7 @@ def test_shipped_wan_config_resolves(tmp_path, capsys):
 def test_cost_preset():
     """--cost flow_grpo_wan: Flow-GRPO's Wan 2.1 as configs/wan_t2v.yaml trains it (LoRA + gradient checkpointing: B/F
     2; both CFG branches with grad; 19 of 20 steps trained); JAGG's 2 of 4 rows per group project to this ratio."""
-    from jagg.bench.projection import PRESETS
+    from jagg.cost import PRESETS
 
     cost = PRESETS["flow_grpo_wan"]
     assert (cost.B_F, cost.cfg_rollout, cost.cfg_train, cost.rollout_steps, cost.train_steps) == (2.0, 2, 2, 20, 19)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import GENERIC
-from jagg.bench.projection import PRESETS
+from jagg.cost import PRESETS
 from lab.__main__ import main
 
 

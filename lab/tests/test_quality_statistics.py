@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lab import statistics as st
-from jagg.bench.projection import PRESETS
+from jagg.cost import PRESETS
 from lab.quality_compare import compare
 from lab.quality_report import RATE_COLUMNS, rate_rows
 from jagg.bench.common import table

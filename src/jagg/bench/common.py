@@ -6,7 +6,6 @@ Nothing here computes a gradient: every benchmark calls :func:`jagg.policy_gradi
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from ..checks import check_threads
-from ..infra.atomic import atomic_write_text
+from ..infra.atomic import write_json
 
 # ----------------------------------------------------------------------------- devices, timing, memory
 
@@ -169,23 +168,6 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-def json_safe(v):
-    """``v`` with every non-finite float (NaN, infinity: a figure that could not be computed) as None, JSON's null."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [json_safe(x) for x in v]
-    return v
-
-
-def write_json(path: str | Path, records) -> None:
-    """Write ``records`` as indented JSON (NaN and infinity become null), atomically
-    (:func:`jagg.infra.atomic.atomic_write_text`)."""
-    atomic_write_text(path, json.dumps(json_safe(records), indent=1) + "\n")
 
 
 def json_if_asked(path: str | Path | None, records) -> None:

@@ -51,7 +51,7 @@ deterministic estimator). Per estimator:
   no backward pass;
 - ``projected_iter_ratio`` and ``projected_time_efficiency``, ``projected_adam_time_efficiency``,
   ``projected_adam_tensor_time_efficiency``: the per-update efficiencies times the iteration ratio of a named cost
-  structure (``--cost``, :mod:`jagg.bench.projection`; ``--gpu-bench-json``: B/F measured on a GPU), labelled
+  structure (``--cost``, :mod:`jagg.cost`; ``--gpu-bench-json``: B/F measured on a GPU), labelled
   projected, with the structure printed;
 - the same extrapolated to ``--target-batch`` samples per update (default: the config's, samples per optimizer
   update): ``V_b`` and the unbiased part of the error fall as ``1 / B``, a bias does not.
@@ -87,7 +87,7 @@ from ..trainers.shapes_config import ShapesTrainConfig
 from ..infra import config_loader as configuration
 from ..verdict import job_prediction, verdict
 from .common import json_if_asked, set_threads, table
-from .projection import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
+from ..cost import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
 
 BUILT_IN = ("exact", "config", "plain", "subsample")
 QUICK_SETS = ["sample.prompts_per_iter=4", "sample.group_size=4"]
@@ -262,7 +262,7 @@ def spec_base(cfg: TrainConfig) -> EstimatorConfig:
 def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
             cost: CostStructure | None = None, update: int = 0) -> list[dict]:
     """One record per estimator (module docstring); ``cost``: the structure of the projected columns (None: the
-    job's own, :func:`jagg.bench.projection.config_structure`); ``update``: measure each batch as its rollout's
+    job's own, :func:`jagg.cost.config_structure`); ``update``: measure each batch as its rollout's
     ``update + 1``-th optimizer update, at the parameters :func:`step_to_update` reaches with ``update`` batches
     drawn after the measured ones (0: on-policy, at the sampling parameters)."""
     check_sizes(batches, draws, target_batch)

@@ -40,7 +40,7 @@ from ..schedule import flow_sigmas
 from ..trainers.base import take
 from ..trajectory import Trajectory, VelocityFn, sample_trajectories
 from .common import (PeakMemory, json_if_asked, median, resolve_device, set_threads, table, timed)
-from .projection import estimator_limit
+from ..cost import estimator_limit
 
 BUILT_IN_MODELS = ("tiny_dit", "sd3")
 MODELS = BUILT_IN_MODELS + ("config",)            # config: the model of --config

@@ -6,6 +6,8 @@ replace a user's file is decided before the work, by :func:`jagg.checks.check_ou
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import tempfile
@@ -57,3 +59,19 @@ def replace_dir(path: str | Path, write: Callable[[Path], object]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def json_safe(v):
+    """``v`` with every non-finite float (NaN, infinity: a figure that could not be computed) as None, JSON's null."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    return v
+
+
+def write_json(path: str | Path, records) -> None:
+    """Write ``records`` as indented JSON (NaN and infinity become null), atomically (:func:`atomic_write_text`)."""
+    atomic_write_text(path, json.dumps(json_safe(records), indent=1) + "\n")

@@ -25,8 +25,8 @@ import time
 import numpy as np
 import torch
 
-from ..bench.common import write_json
-from ..bench.projection import config_structure, default_cost, resolve
+from ..infra.atomic import write_json
+from ..cost import config_structure, default_cost, resolve
 from ..checks import SEED_MAX
 from ..estimator_config import EstimatorConfig
 from ..infra.distributed import gather_objects

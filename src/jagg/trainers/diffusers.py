@@ -9,7 +9,7 @@ trainer fills its hooks and asks one object for everything model specific, the
 files); the rollouts (model, trainable weights, prompts, reward, sampling) are :class:`DiffusersSampler`'s, which
 ``jagg bench meter`` and ``python -m lab signal`` draw their batches with too. One iteration:
 
-Before the model loads (and before the run directory is touched) :func:`jagg.trainers.preflight.preflight` checks
+Before the model loads (and before the run directory is touched) :func:`jagg.trainers.load_checks.check_before_loading` checks
 the model directory against the config, the starting adapter and the reward server; the first screen is a header of
 what runs (:mod:`jagg.trainers.run_header`). One iteration:
 
@@ -79,7 +79,7 @@ from .base import (RESUMABLE_CHANGES, GRPOTrainer, Iteration, Minibatch, Rollout
 from .diffusers_config import TRAINER_TAG, DiffusersTrainConfig
 from .diffusers_eval import evaluate_policy
 from .ema import EMA
-from .preflight import preflight
+from .load_checks import check_before_loading
 from .run_header import header, loading_note, quiet_loading
 from .weights_export import export_weights, prune_exports, write_weights
 
@@ -135,7 +135,7 @@ class DiffusersSampler:
     def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None, checked: bool = False,
                  place: bool = True):
         if not checked:                                        # before anything loads (jagg train: before_setup)
-            preflight(cfg)
+            check_before_loading(cfg)
         self.cfg = cfg
         self.local = slice(0, cfg.sample.batch_size) if local is None else local
         self.prompts = cfg.sample.prompt_lines                 # read (and checked) when the config was loaded
@@ -224,9 +224,9 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
 
     def before_setup(self) -> None:
         """What can be checked before the model loads and the run directory is used: the model directory against the
-        config, the starting adapter, the reward server (:func:`jagg.trainers.preflight.preflight`), then the
+        config, the starting adapter, the reward server (:func:`jagg.trainers.load_checks.check_before_loading`), then the
         launcher's settings and the engine (:func:`engine_for`)."""
-        preflight(self.cfg)
+        check_before_loading(self.cfg)
         self.engine_settings = engine_for(self.cfg, read_launch(), self.world)
         super().before_setup()
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..audit import flat_grad
-from ..bench.projection import config_structure
+from ..cost import config_structure
 from ..estimator import policy_gradient, reference_velocities
 from ..estimator_config import EstimatorConfig
 from ..knots import layout_intervals, plan_update
@@ -92,7 +92,7 @@ def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float, te
 
 
 def projected_efficiencies(iter_ratio: float, error_to_noise: float, tensor_factor: float) -> dict:
-    """``projected_iter_ratio`` (a :class:`~jagg.bench.projection.CostStructure`'s) and the per-update efficiencies
+    """``projected_iter_ratio`` (a :class:`~jagg.cost.CostStructure`'s) and the per-update efficiencies
     times it: ``projected_time_efficiency`` (SGD's model), ``projected_adam_time_efficiency``,
     ``projected_adam_tensor_time_efficiency``."""
     return {"projected_iter_ratio": iter_ratio,
@@ -190,7 +190,7 @@ def measure_records(sampler: Sampler, cfg: TrainConfig, ests: dict[str, Estimato
     batch, then the next batch (side by side), ``draws`` per batch of a random one, each with the pick seed of
     ``seed``, the batch and its ``index`` (default: its place in ``ests``); ``rollout_s``: the batches' rollout CPU
     seconds; ``target_batch``: the samples per update to extrapolate to (default: the config's per optimizer update);
-    ``cost``: the :class:`jagg.bench.projection.CostStructure` of the projected columns (None: the job's own)."""
+    ``cost``: the :class:`jagg.cost.CostStructure` of the projected columns (None: the job's own)."""
     index = index or {name: i for i, name in enumerate(ests)}
     grads = {name: [] for name in ests}        # name -> per batch [draws, P]
     costs = {name: [] for name in ests}        # name -> per draw (CPU seconds, rows, no-grad rows) per sample

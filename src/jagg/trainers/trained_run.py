@@ -138,7 +138,7 @@ def eval_run(path: Path, args) -> dict:
     from ..rewards.client import RewardClient
     from ..rewards.registry import get_reward
     from .diffusers_eval import evaluate_policy
-    from .preflight import check_reward_server
+    from .load_checks import check_reward_server
 
     saved = read_checkpoint(path)["config"]
     section = {k: v for k, v in (saved.get("eval") or {}).items() if k in {f.name for f in

@@ -27,9 +27,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checks import check_count, check_positive, is_finite_number, parse_spec, shown
-from ..knots import drawn_count, intervals_of
-from ..trajectory import select_train_steps
+from .checks import check_count, check_positive, is_finite_number, parse_spec, shown
+from .knots import drawn_count, intervals_of
+from .trajectory import select_train_steps
 
 
 @dataclass(frozen=True)
@@ -126,11 +126,10 @@ def config_structure(cfg) -> CostStructure:
     p = getattr(cfg, "pipeline", None)
     if p is None:
         return job_structure(cfg.sample)
-    from ..trainers.sections import trained_steps
-
     guided = 2 if p.cfg_scale > 1 else 1
+    trained = int(cfg.sample.sde_steps(p.num_steps, 0)[0].numel())     # an iteration's trained steps (the same in each)
     return CostStructure("custom", B_F=2.0, cfg_rollout=guided, cfg_train=1 if p.detach_uncond else guided,
-                         rollout_steps=p.num_steps, train_steps=trained_steps(cfg.sample, p.num_steps))
+                         rollout_steps=p.num_steps, train_steps=trained)
 
 
 def default_cost(cfg) -> str:

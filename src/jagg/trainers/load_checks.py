@@ -34,7 +34,7 @@ def check_reward_server(client: RewardClient, timeout: float = HEALTH_TIMEOUT) -
     return answer
 
 
-def preflight(cfg) -> ModelFiles:
+def check_before_loading(cfg) -> ModelFiles:
     """The checks of the module docstring on a :class:`jagg.trainers.diffusers_config.DiffusersTrainConfig`;
     returns the model directory's config files."""
     p = cfg.pipeline
