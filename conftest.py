@@ -1,6 +1,12 @@
 """Shared fixtures of both test folders (tests/: the package; lab/tests/: the lab), and what keeps the suite
 hermetic: every test runs in its own temporary directory, with a temporary home, and the suite fails when a test
-leaves anything in the checkout (`git status`, or the checkout's runs/, which git ignores)."""
+leaves anything in the checkout (`git status`, or the checkout's runs/, which git ignores).
+
+The fixtures: tiny TinyDiT checkpoints (``tiny_ckpt``, ``bench_ckpt``) and tiny random diffusers pipelines saved as
+model directories (``sd3_dir``, ``qwen_dir``). The helpers the tests share are modules of tests/, never test files:
+tiny_runs.py (arguments of seconds-long runs, a run's records), tiny_pipelines.py and tiny_clip.py (tiny random
+models), toy.py (float64 stand-in models), gradient_checks.py (how a gradient is judged), command_line.py (how a
+command ends), reward_plugins.py and fake_wandb.py."""
 
 import os
 import shutil
@@ -13,7 +19,7 @@ from pathlib import Path
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "tests"), HERE]     # tests/toy.py, tests/reward_plugins.py; the lab (lab/)
+sys.path[:0] = [os.path.join(HERE, "tests"), HERE]     # the helpers of tests/ (toy.py, ...); the lab (lab/)
 torch.set_num_threads(1)  # tiny models: threads only add contention (30-60x slower on a busy 2-core box)
 
 import pytest
@@ -96,10 +102,6 @@ def restore_threads():
     torch.set_num_threads(n)
 
 
-# what these smoke tests assume instead of the main job's layout and reward (step groups of 4 everywhere, geneval)
-GENERIC = ["estimator.mode=jagg", "estimator.window=4", "estimator.exact_last_intervals=0", "reward.weights=null"]
-
-
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """A tiny random TinyDiT checkpoint (fast to sample and train)."""
@@ -132,34 +134,23 @@ def bench_ckpt(tmp_path_factory):
     return str(path)
 
 
-def meter_sets(ckpt: str) -> list[str]:
-    """``--set`` strings for a seconds-long `jagg bench meter` on ``ckpt`` (:func:`bench_ckpt`): unbiased JAGG with
-    step groups of 4 on 8 steps, 2 prompts x 4, a brightness reward with spread in every prompt group."""
-    return ["estimator.exact_last_intervals=0", "estimator.correction_p=0.25", "reward.weights=null",
-            f"model.checkpoint={ckpt}", "sample.num_steps=8", "sample.prompts_per_iter=2", "sample.group_size=4",
-            "estimator.micro_batch=8", "threads=1", "sample.sde_window=null", "estimator.window=4",
-            "grpo.drop_zero_spread=false", "reward.name=reward_plugins:brightness"]
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory) -> Path:
+    """A tiny random SD3 pipeline (2 tiny CLIP text encoders, no T5) saved as a local diffusers directory (one per
+    test module; tests/tiny_pipelines.py)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    from tiny_pipelines import save_sd3_pipeline
+
+    return save_sd3_pipeline(tmp_path_factory.mktemp("models") / "sd3")
 
 
-def real_model_config(tmp_path, model_dir: str = "model"):
-    """A real-model (`pipeline:`) trainer config whose model directory ``tmp_path/model_dir`` does not exist: enough
-    for the CLI's parsing, help and run-directory paths, which come before the model is loaded."""
-    (tmp_path / "prompts.txt").write_text("a red cube\na blue ball\n")
-    cfg = tmp_path / "real.yaml"
-    cfg.write_text(f"pipeline: {{family: sd3, path: {tmp_path / model_dir}, num_steps: 4}}\n"
-                   f"reward: {{name: jpeg_compressibility}}\n"
-                   f"sample: {{prompts_file: {tmp_path / 'prompts.txt'}, prompts_per_iter: 2, group_size: 2}}\n")
-    return cfg
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen-Image pipeline with its text encoder and tokenizer, saved as a local diffusers directory
+    (one per test module; tests/tiny_pipelines.py)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    from tiny_pipelines import save_qwen_pipeline
 
-
-def tiny_train_args(ckpt: str, out, iterations: int = 3, *extra: str) -> list[str]:
-    """`jagg train` arguments for a seconds-long run of a JAGG estimator (the main job's ``mode: auto`` chooses at a
-    run's start: tests/test_auto.py)."""
-    sets = ["estimator.mode=jagg", f"model.checkpoint={ckpt}", f"grpo.iterations={iterations}", "sample.num_steps=4",
-            "sample.prompts_per_iter=2", "sample.group_size=2", "sample.sde_window=null", "eval.every=2", "eval.num_prompts=4",
-            "eval.images_per_prompt=1", "eval.num_steps=3", "eval.grid_size=4", "log.checkpoint_every=1",
-            "log.progress=false", "estimator.micro_batch=4", "estimator.window=2", "grpo.drop_zero_spread=false",
-            "optim.lr=0.01", "threads=1", "model.trainable=all", "reward.weights=null", "estimator.exact_last_intervals=0",
-            "grpo.updates_per_epoch=1", "optim.ema_decay=0",
-            *extra]
-    return ["train", "--output-dir", str(out)] + [a for s in sets for a in ("--set", s)]
+    return save_qwen_pipeline(tmp_path_factory.mktemp("models") / "qwen_image")

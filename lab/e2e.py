@@ -38,7 +38,7 @@ QUICK_SETS = ["sample.prompts_per_iter=2"]           # --quick: 2 prompt groups 
 def routed_limit(cfg: ShapesTrainConfig) -> float:
     """:func:`~jagg.cost.estimator_limit` (``B = 2F``) of the config's estimator on its trained steps: knot
     layout, window, routed fraction, exact first/last intervals, the correction and interval subsampling; with
-    ``intermediate: auto`` all but the first of a rollout's updates run ``fresh``."""
+    ``intermediate: auto`` all but the first of an iteration's updates run ``fresh``."""
     steps = cfg.sample.sde_steps(cfg.sample.num_steps)[0]     # a sliding SDE window has the same size throughout
     updates = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
     return estimator_limit(cfg.estimator, int(steps.numel()), off_policy_share=(updates - 1) / updates)

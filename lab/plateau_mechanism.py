@@ -1,4 +1,4 @@
-"""Which mechanism sets JAGG's plateau gap: a noise floor or a biased fixed point (#32)?
+"""Which mechanism sets JAGG's plateau gap: the lag of its rate, a noise floor or a biased fixed point?
 
 Reads the runs of one ``python -m lab quality`` output directory (``OUT/<variant>/seed<k>/result.json``) and compares
 variants in pairs, each against its own reference (the same seeds, paired), with the bench's own statistics
@@ -16,13 +16,13 @@ The two mechanisms predict different contrasts against plain JAGG's gap at a con
 
 With ``--predict VARIANT:REFERENCE=LO:HI`` (or ``=RATE``, ``=RATE:LO:HI``, ``=unknown``) it also sets a predicted
 per-update rate of that pair (the meter's range, ``jagg bench meter``'s ``rate/update``) against the measured
-one, and the plateau gap that rate predicts where the gap is a lag (§9.1: the variant's own plateau 0, the gap the
+one, and the plateau gap that rate predicts where the gap is a lag (the variant's own plateau 0, the gap the
 reference's curve read at the rate times its updates, :func:`lag_gap`), each marked inside or outside the measured
 95% interval (a point inside it, a range overlapping it; ``unknown``: no judgement).
 
-Usage (the experiments of lab/NOTEBOOK.md §9; the runs are trained by the commands there)::
+Usage (the runs are trained by ``python -m lab quality``: lab/README.md)::
 
-    python -m lab plateau --out runs/q32_align --seeds 5 \
+    python -m lab plateau --out runs/q_main --seeds 5 \
         --pair plain:exact --pair plain_cos:exact_cos --pair plain_big:exact --pair unb:exact
 """
 

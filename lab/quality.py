@@ -31,13 +31,12 @@ Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy
   evaluation), reached where the seed-mean test curve first crosses it (linear between evaluations). Always reported
   too: the updates-to-target ratio with its interval, and ``time_ratio_estimate`` = updates-to-target ratio times the
   CPU-seconds iteration ratio of the same runs (the load of the machine taken out), and the held-out gain of each
-  variant over its start (``test_gain``, with its interval). Also ``efficiency_to_lower_final`` (formerly
-  ``measured_efficiency``) = the updates exact needs to reach the highest held-out reward both reach (the lower of
+  variant over its start (``test_gain``, with its interval). Also ``efficiency_to_lower_final`` = the updates exact needs to reach the highest held-out reward both reach (the lower of
   the two seed-mean final rewards) over the updates the variant needs, with its interval, and
   ``time_efficiency_to_lower_final`` = that times the CPU-seconds iteration ratio. A variant that levels off lower
   reaches that level at its own end, so this figure mixes the rate with the plateau: read the two below apart.
 - **rate and plateau** (held-out reward; intervals as above, every resample of seeds paired across variants):
-  - ``rate_25``, ``rate_50``, ``rate_75``: the rising-phase efficiency, the updates exact needs to gain 25%, 50%,
+  - ``rate_25``, ``rate_50``, ``rate_75``: the rate (learning per update against exact's), the updates exact needs to gain 25%, 50%,
     75% of the *smaller* of the two held-out gains (a gain: the plateau minus the first evaluation) over the updates
     the variant needs (each curve's seed mean, read between evaluations); ``rate``: their geometric mean (compare the
     meter's per-update prediction). Where the smaller gain is not > 0 (a variant that never rises) they are

@@ -1,4 +1,4 @@
-"""Where JAGG is nearly exact: ``jagg bench meter`` over a grid of sampling regimes (lab/NOTEBOOK.md §6.1).
+"""Where JAGG is nearly exact: ``jagg bench meter`` over a grid of sampling regimes (lab/README.md).
 
 A regime is a step count, an SDE type with its noise level, and a trained (SDE) window. In each, on the job's own
 checkpoint and batch (the main job, or ``--config``, with ``--set`` on top), :func:`jagg.bench.meter.measure`

@@ -31,7 +31,7 @@ With both estimators it also reports the **bias consistency**: the agreement ``m
 estimator's errors ``e_i = g_config_i - g_exact_i`` on independent batches, next to the agreement of the exact
 gradients. An error whose direction repeats from batch to batch is a bias that Adam integrates like signal; if its
 repeating part ``sqrt(c_e) |e|`` is comparable to the exact gradient's ``sqrt(c) |g|`` (``bias_to_signal``), the
-estimator can drive training somewhere the reward does not want (lab/NOTEBOOK.md).
+estimator can drive training somewhere the reward does not want (docs/results.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How often the real-model trainer's path changes source file, from ``jagg train`` to the first optimizer step.
 
-Builds a tiny random SD3 pipeline (two tiny CLIP text encoders, no T5; the builders of tests/test_diffusers.py) in a
+Builds a tiny random SD3 pipeline (two tiny CLIP text encoders, no T5; the builders of tests/tiny_pipelines.py) in a
 temporary directory, writes a LoRA training config for it, and runs ``jagg train --config <it>`` under
 ``sys.setprofile``. A call of a function defined inside the ``jagg`` package moves "the current file" to
 that function's file, its return moves it back to the file of the nearest ``jagg`` caller; each move to another
@@ -11,12 +11,11 @@ Tracing stops at the first ``optimizer.step()``.
 
     python -m lab trace-file-changes [--correction-p P] [--skip-checks] [--path] [--json out.json]
 
-``--skip-checks`` makes ``jagg/checks.py`` transparent too (its calls move nothing), as the held-out trace of #34
-counts: the shared checks aside.
+``--skip-checks`` makes ``jagg.checks`` transparent too (its calls move nothing): the shared checks aside.
 
 Prints the number of file changes, the number of distinct files visited, and the files most often entered;
 ``--path`` also prints every change (the JSON always holds them, as ``path``).
-Needs the test extras (diffusers, peft, transformers). CPU only, a few seconds (4 s as measured on 2026-12-01).
+Needs the test extras (diffusers, peft, transformers). CPU only, a few seconds.
 """
 
 from __future__ import annotations
@@ -39,18 +38,9 @@ class _FirstStep(Exception):
 
 
 def tiny_sd3_dir(path: Path) -> Path:
-    import diffusers
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from test_diffusers import _tiny_clip, tiny_sd3, tiny_vae
+    from tiny_pipelines import save_sd3_pipeline          # tests/tiny_pipelines.py (ROOT/tests is on sys.path)
 
-    tok, te = _tiny_clip(0)
-    tok2, te2 = _tiny_clip(1)
-    pipe = diffusers.StableDiffusion3Pipeline(transformer=tiny_sd3(), vae=tiny_vae(),
-                                              scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                                              text_encoder=te, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok2,
-                                              text_encoder_3=None, tokenizer_3=None)
-    pipe.save_pretrained(path)
-    return path
+    return save_sd3_pipeline(path)
 
 
 def write_config(tmp: Path, model_dir: Path, correction_p: float = 0.0) -> Path:
@@ -85,11 +75,11 @@ def trace(config: Path, imports: bool = False, skip_checks: bool = False) -> dic
     entered = collections.Counter()
     path: list[str] = []  # one "file:function" per change, the function that moved the current file
 
-    checks = str(Path(pkg) / "checks.py")
+    checks = str(Path(pkg) / "checks") + "/"                     # the package jagg.checks
 
     def in_jagg(frame) -> bool:
         f = frame.f_code.co_filename
-        return f.startswith(pkg) and not (skip_checks and f == checks)
+        return f.startswith(pkg) and not (skip_checks and f.startswith(checks))
 
     def importing(frame) -> bool:
         while frame is not None:
@@ -145,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="also print every change: '->' FILE:FUNCTION for a call into another file, '<-' FILE:FUNCTION "
                         "for a return to the caller FUNCTION in FILE")
     p.add_argument("--skip-checks", action="store_true",
-                   help="leave the calls into jagg/checks.py out (transparent, as torch is): the shared checks aside")
+                   help="leave the calls into jagg.checks out (transparent, as torch is): the shared checks aside")
     p.add_argument("--correction-p", type=float, default=0.0,
-                   help="estimator.correction_p of the traced run [default: 0, plain JAGG: the estimator the count "
-                        "before the layout change (284) traced; 0.25 adds the correction's calls]")
+                   help="estimator.correction_p of the traced run [default: 0, plain JAGG; 0.25 adds the correction's "
+                        "calls]")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:

@@ -1,4 +1,4 @@
-"""Which of a GRPO run's weight changes carry its gain, and which its artifacts (lab/NOTEBOOK.md §7).
+"""Which of a GRPO run's weight changes carry its gain, and which its artifacts (lab/README.md).
 
 Loads a shapes-trainer checkpoint and the model it started from, then evaluates the start, the trained weights, and,
 for each --keep REGEX, the start with only the changes of the parameters whose names match REGEX applied (the others

@@ -1,5 +1,6 @@
 """How the tests run a command line in this process and check how it ends (``jagg`` and ``python -m lab`` alike): a
-refusal is one error line naming its culprit (after argparse's usage lines, for a refused option), never a traceback."""
+refusal is one error line naming its culprit (after argparse's usage lines, for a refused option), never a traceback,
+and the same refusal whichever path reaches it (``jagg train --print-config`` and a run)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,21 @@ def refused(main, argv: list[str], capsys, *culprits: str, code: int = 2, prog: 
     for c in culprits:
         assert c in line, (c, line)
     return line
+
+
+def one_line_error(capsys, command: str) -> str:
+    """What ``jagg <command>`` just printed to stderr: one line ``jagg <command>: error: ...``, never a traceback."""
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"jagg {command}: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def train_refused_alike(main, sets: list[str], capsys, tmp_path: Path, *culprits: str) -> str:
+    """``jagg train`` with ``--set`` ``sets`` refused the same by ``--print-config`` and by a run into
+    ``tmp_path/run`` (which writes nothing): one line naming every one of ``culprits``."""
+    argv = ["train", *[a for s in sets for a in ("--set", s)]]
+    printed = refused(main, [*argv, "--print-config"], capsys, *culprits)
+    out = tmp_path / "run"
+    assert refused(main, [*argv, "--output-dir", str(out)], capsys, *culprits) == printed
+    assert not out.exists()
+    return printed

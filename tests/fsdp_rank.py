@@ -21,7 +21,7 @@ def main(out: Path) -> None:
     import jagg
     from jagg.integrations import LoraSettings, VelocityConfig, add_lora, reference_velocity, velocity_adapter
     from jagg.infra.distributed import loss_scale, no_sync_except_last, shard
-    from test_diffusers import tiny_sd3
+    from tiny_pipelines import tiny_sd3
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_train_args
+from tiny_runs import records, tiny_train_args
 from jagg import EstimatorConfig
 from jagg.cli import main
 from jagg.verdict import position_failure, prediction, verdict
@@ -72,7 +72,7 @@ def test_any_doubt_gives_exact(case, why):
 
 def test_the_margin_and_the_sizes_of_the_verdict():
     """The bar is 1 + margin on the low end: a candidate just below it is refused, just above it chosen; a job of one
-    update per rollout needs that one position; no candidate means exact."""
+    update per iteration needs that one position; no candidate means exact."""
     lo = prediction(rec("a", 0.1, 0.0))["rate_lo"]                            # SGD's model at 0.1: 1 / 1.1
     for ratio, chosen in ((1.2 / lo * 0.999, "exact"), (1.2 / lo * 1.001, "a")):
         assert verdict([rec("exact", 0.0), rec("a", 0.1, ratio=ratio)], 1, margin=0.2)["estimator"] == chosen
@@ -106,7 +106,7 @@ def test_a_bad_candidate_list_is_refused_by_name_at_load(tmp_path, tiny_ckpt, ca
         EstimatorConfig(preflight_margin=-0.1)
 
 
-# a seconds-long auto run: 2 updates per rollout, a reward with spread in every prompt group (tests/reward_plugins.py)
+# a seconds-long auto run: 2 updates per iteration, a reward with spread in every prompt group (tests/reward_plugins.py)
 def test_the_default_candidates_adapt_to_the_job_and_a_given_list_does_not():
     """A default candidate whose layout does not fit the trained steps is left out, with why; the same candidate in a
     list the config gives is refused by name."""
@@ -133,10 +133,6 @@ def auto_args(ckpt: str, out, iterations: int, *extra: str) -> list[str]:
 
 def weights(out) -> dict:
     return torch.load(sorted((out / "checkpoints").glob("ckpt_*.pt"))[-1], weights_only=False)["model"]
-
-
-def records(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
 
 
 def test_auto_that_picks_exact_trains_exactly_as_exact_and_pays_its_time(tmp_path, bench_ckpt, capsys):

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from test_real_train import records, sd3_dir, write_sd3_config  # noqa: E402,F401  (the fixture: a tiny SD3)
+from tiny_runs import records, write_sd3_config  # noqa: E402
 
 from jagg.cli import main  # noqa: E402
 

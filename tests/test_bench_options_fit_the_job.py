@@ -1,5 +1,5 @@
 """The benches measure what the job does and what was asked, or refuse before any work: ``bench meter --update N``
-at or past the job's optimizer updates per rollout is refused with the job's count (it measured an off-policy
+at or past the job's optimizer updates per iteration is refused with the job's count (it measured an off-policy
 position of a job that never makes one, and a large N ran for minutes); ``--by-interval`` refuses a window longer
 than the trained steps and an ``--update`` it does not measure; ``bench speed`` never ignores ``--set`` or
 ``--config``."""
@@ -22,8 +22,8 @@ def no_work(monkeypatch):
 
 
 @pytest.mark.parametrize("sets,update,count", [
-    ([], "4", "4 optimizer updates per rollout (grpo.inner_epochs=1 x grpo.updates_per_epoch=4), at positions 0 to 3"),
-    (["grpo.updates_per_epoch=1"], "1", "1 optimizer update per rollout"),
+    ([], "4", "4 optimizer updates per iteration (grpo.inner_epochs=1 x grpo.updates_per_epoch=4), at positions 0 to 3"),
+    (["grpo.updates_per_epoch=1"], "1", "1 optimizer update per iteration"),
     ([], "1000000", "give --update below 4 or --update all"),
 ])
 def test_an_update_position_the_job_does_not_have_is_refused(sets, update, count, no_work, capsys):
@@ -39,7 +39,7 @@ def test_the_positions_the_job_has_are_measured(monkeypatch, capsys):
     monkeypatch.setattr(bench_meter, "_report", lambda *a: None)
     monkeypatch.setattr(bench_meter, "job_prediction", lambda per_update: [])
     monkeypatch.setattr(bench_meter, "_print_verdict", lambda *a: {})
-    assert main(["bench", "meter", "--quick", "--update", "3"]) == 0          # the main job: 4 per rollout
+    assert main(["bench", "meter", "--quick", "--update", "3"]) == 0          # the main job: 4 per iteration
     assert main(["bench", "meter", "--quick", "--update", "all"]) == 0
     assert seen == [3, [0, 1, 2, 3]]
 

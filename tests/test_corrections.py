@@ -9,8 +9,8 @@ import torch
 
 from jagg import EstimatorConfig
 from jagg.knots import budget_probs
-from conftest import meter_sets
-from test_interval_subsampling import assert_mean_is
+from tiny_runs import meter_sets
+from gradient_checks import assert_mean_is
 from toy import Nonlinear, perturb, run, sampled_traj
 
 TIGHT = dict(rtol=1e-10, atol=1e-13)
@@ -91,15 +91,14 @@ def test_budget_probs_minimise_the_variance_at_the_budget():
 
 def test_trainer_trains_with_rates_and_interval_subsampling(tmp_path, tiny_ckpt):
     """Per-interval rates and interval subsampling with the correction train through `jagg train`."""
-    from conftest import tiny_train_args
-    from test_train import _records
+    from tiny_runs import records, tiny_train_args
     from jagg.cli import main
 
     for name, sets in (("rates", ("estimator.correction_probs=[0.5]",)),
                        ("frac", ("estimator.window=3", "estimator.correction_p=0", "estimator.interval_frac=0.5"))):
         out = tmp_path / name
         assert main(tiny_train_args(tiny_ckpt, out, 2, "estimator.window=4", "estimator.correction_p=0.5", *sets)) == 0
-        train = [r for r in _records(out) if r["kind"] == "train"]
+        train = [r for r in records(out) if r["kind"] == "train"]
         assert len(train) == 2 and all(r["backward_items"] > 0 for r in train)
         if name == "frac":                       # step groups 0-2 and 3: one of the two per sample, 1 or 2 rows
             assert all(4 <= r["backward_items"] <= 8 for r in train)
@@ -176,3 +175,32 @@ def test_runs_saved_with_retired_options_off_still_resume():
         bad = {"estimator": {**saved["estimator"], key: value}}
         with pytest.raises(ValueError, match=f"estimator.{key}, an option since retired"):
             check_resumable(bad, now)
+
+
+def test_correction_p_auto_is_retired_with_a_clear_error(tmp_path):
+    """``correction_p: auto`` is refused by name wherever it can come from (the library's config, a config file,
+    --set, a checkpoint to resume), saying it was retired and what to give instead; other words stay number errors."""
+    from jagg.trainers.base import check_resumable
+    from jagg.infra import config_loader as configuration
+    from jagg.trainers.shapes_config import ShapesTrainConfig
+
+    retired = "'auto' was retired \\(the probability the meter chose learned 12-15% less.*give a fixed probability in \\[0, 1\\] instead, e.g. 0 .* or 0.25, " \
+              "chosen with jagg bench meter"
+    with pytest.raises(ValueError, match="^correction_p " + retired):
+        EstimatorConfig(correction_p="auto")
+    with pytest.raises(ValueError, match="^estimator.correction_p: " + retired):
+        configuration.load(ShapesTrainConfig, None, ["estimator.correction_p=auto", "estimator.meter_every=2"])
+    path = tmp_path / "old.yaml"
+    path.write_text("estimator:\n  correction_p: auto\n  meter_every: 1\n")
+    with pytest.raises(ValueError, match="^estimator.correction_p: " + retired):
+        configuration.load(ShapesTrainConfig, str(path))
+    with pytest.raises(ValueError, match="correction_p must be a finite number in \\[0, 1\\]"):
+        EstimatorConfig(correction_p="sometimes")
+    with pytest.raises(ValueError, match="estimator.correction_p: expected a number, got 'sometimes'"):
+        configuration.load(ShapesTrainConfig, None, ["estimator.correction_p=sometimes"])
+    assert configuration.load(ShapesTrainConfig, None, ["estimator.correction_p=0.5"]).estimator.correction_p == 0.5
+    now = {"estimator": {"correction_p": 0.25, "meter_every": 1}}
+    with pytest.raises(ValueError, match="^cannot resume: the checkpoint was trained with estimator.correction_p "
+                                         "'auto', which was retired .*fixed probability.*start a new run in another directory"):
+        check_resumable({"estimator": {"correction_p": "auto", "meter_every": 1}}, now)
+    assert check_resumable({"estimator": {"correction_p": 0.25, "meter_every": 1}}, now) == []

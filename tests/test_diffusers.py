@@ -3,7 +3,8 @@
 SD3Transformer2DModel, FluxTransformer2DModel and QwenImageTransformer2DModel with 1-2 layers on 16x16 latents:
 on-policy ratio 1, JAGG with 2-step groups equals exact, LoRA trains only adapters, the reference is the base model,
 saved adapters load back through diffusers' own ``load_lora_weights``, the loader's errors, and a full load from a
-local directory. Qwen-Image against its own pipeline: tests/test_qwen_image.py.
+local directory. Qwen-Image against its own pipeline: tests/test_qwen_image.py. The tiny models:
+tests/tiny_pipelines.py.
 """
 
 from __future__ import annotations
@@ -19,84 +20,25 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel  # noqa: E402
-from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel, SD3Transformer2DModel  # noqa: E402
+from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
+from gradient_checks import assert_rel, assert_window_two_is_exact  # noqa: E402
+from tiny_pipelines import (C, D, DP, H, L, W, embeds, save_sd3_pipeline, tiny_flux, tiny_qwen, tiny_sd3,  # noqa: E402
+                            tiny_vae)
+from toy import flat_grad  # noqa: E402
 
 import jagg  # noqa: E402
 from jagg.integrations import (LoraSettings, PipelineConfig, PromptEmbeddings, RealModel, VelocityConfig,  # noqa: E402
                                adapters_disabled, add_lora, check_model_dir, load_lora, load_model,
-                               load_pipeline_config, pack_latents, reference_velocity, save_lora, unpack_latents,
+                               load_pipeline_config, pack_latents, reference_velocity, unpack_latents,
                                velocity_adapter, adapter_format, save_adapter)
 from jagg.integrations import decode_latents  # noqa: E402
 from jagg.integrations import pipeline  # noqa: E402
 from jagg.integrations.policy import default_shift  # noqa: E402
 
-C, H, W = 4, 16, 16          # latent channels and size
-L, D, DP = 5, 16, 8          # text tokens, text width, pooled width
-B, T = 4, 6
-
-
-def tiny_sd3(seed=0) -> SD3Transformer2DModel:
-    torch.manual_seed(seed)
-    return SD3Transformer2DModel(sample_size=H, patch_size=2, in_channels=C, num_layers=2, attention_head_dim=8,
-                                 num_attention_heads=2, joint_attention_dim=D, caption_projection_dim=16,
-                                 pooled_projection_dim=DP, out_channels=C, pos_embed_max_size=16,
-                                 dual_attention_layers=(0,), qk_norm="rms_norm")
-
-
-def tiny_flux(seed=0) -> FluxTransformer2DModel:
-    torch.manual_seed(seed)
-    return FluxTransformer2DModel(patch_size=1, in_channels=4 * C, num_layers=1, num_single_layers=1,
-                                  attention_head_dim=8, num_attention_heads=2, joint_attention_dim=D,
-                                  pooled_projection_dim=DP, guidance_embeds=True, axes_dims_rope=(2, 2, 4))
-
-
-def tiny_qwen(seed=0) -> QwenImageTransformer2DModel:
-    torch.manual_seed(seed)
-    return QwenImageTransformer2DModel(patch_size=2, in_channels=4 * C, out_channels=C, num_layers=2,
-                                       attention_head_dim=8, num_attention_heads=2, joint_attention_dim=D,
-                                       axes_dims_rope=(2, 2, 4))
-
-
-def tiny_qwen_vae() -> AutoencoderKLQwenImage:
-    """Qwen-Image's video VAE at 8x (3 spatial downsamplings, as the real one), with its per-channel normalisation."""
-    torch.manual_seed(0)
-    return AutoencoderKLQwenImage(base_dim=8, z_dim=C, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                                  temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
-                                  latents_std=[1.5, 0.7, 1.1, 0.9])
-
-
-# Qwen/Qwen-Image's scheduler/scheduler_config.json (dynamic exponential shift, stretched to 0.02)
-QWEN_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
-                      shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)
-
-
-def tiny_vae() -> AutoencoderKL:
-    torch.manual_seed(0)
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8,) * 4, layers_per_block=1,
-                         latent_channels=C, norm_num_groups=4, sample_size=32, scaling_factor=1.5305,
-                         shift_factor=0.0609)
-
+B, T = 4, 6                  # samples, steps
 
 MODELS = {"sd3": (tiny_sd3, VelocityConfig(cfg_scale=4.5)), "flux": (tiny_flux, VelocityConfig(guidance_embed=3.5)),
           "qwen_image": (tiny_qwen, VelocityConfig(cfg_scale=4.0))}
-
-
-def embeds(seed=0, prompts=("a red cube", "a blue ball"), family="sd3") -> tuple[PromptEmbeddings, PromptEmbeddings]:
-    """One row per sample (each prompt twice) and the negative prompt. SD3 / FLUX: L tokens each, pooled embeddings;
-    Qwen-Image: no pooled embedding and a token count of each prompt's own (L, L - 2, ...; the negative prompt 2),
-    padded with a mask."""
-    g = torch.Generator().manual_seed(seed)
-    if family == "qwen_image":
-        cond = PromptEmbeddings.cat([PromptEmbeddings(torch.randn(1, L - 2 * (i % 2), D, generator=g), None, [p])
-                                     for i, p in enumerate(prompts)])
-        neg = PromptEmbeddings(torch.randn(1, 2, D, generator=g), None, [" "])
-    else:
-        cond = PromptEmbeddings(torch.randn(len(prompts), L, D, generator=g),
-                                torch.randn(len(prompts), DP, generator=g), list(prompts))
-        neg = PromptEmbeddings(torch.randn(1, L, D, generator=g), torch.randn(1, DP, generator=g), [""])
-    return cond.select([0, 0, 1, 1]), neg
 
 
 def rollout(v, seed=0, T=T):
@@ -105,37 +47,9 @@ def rollout(v, seed=0, T=T):
                                     generator=g)
 
 
-def grads(model) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
-                      for p in model.parameters() if p.requires_grad])
-
-
-def assert_window_two_is_exact(model, v, traj) -> None:
-    """On-policy (``traj`` sampled by ``v``) every ratio is 1 and nothing clips, and JAGG with groups of 2 steps (every
-    trained step a knot) gives exact's gradient of ``model``: the exactness test every diffusers family passes."""
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    out = []
-    for cfg in (jagg.EstimatorConfig(mode="exact", micro_batch=4),
-                jagg.EstimatorConfig(correction_p=0.0, mode="jagg", window=2, micro_batch=4)):
-        model.zero_grad(set_to_none=True)
-        stats = jagg.policy_gradient(v, traj, adv, cfg)
-        assert abs(stats.ratio_mean - 1.0) < 1e-5 and stats.approx_kl < 1e-10 and stats.clip_frac == 0.0
-        out.append(grads(model))
-    assert out[0].norm() > 0
-    assert_rel(out[1], out[0])
-
-
-def assert_rel(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
-    """``||a - b|| <= tol ||b||``: fp32 gradients summed in a different order agree to ~1e-6 relative."""
-    err = float((a - b).norm() / b.norm().clamp_min(1e-30))
-    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
-
-
 @pytest.fixture(params=["sd3", "flux", "qwen_image"])
 def family(request):
     return request.param
-
-
 
 
 def test_on_policy_ratio_is_one_and_jagg_pairs_equal_exact(family):
@@ -163,7 +77,7 @@ def test_jagg_group_gradient_is_the_endpoint_vjp(family, intermediate):
     model.zero_grad(set_to_none=True)
     stats = jagg.policy_gradient(v, traj, adv, cfg)
     assert stats.jagg_frac_routed == 1.0 and stats.backward_items == B * 2 * 2
-    got = grads(model)
+    got = flat_grad(model)
 
     model.zero_grad(set_to_none=True)
     lat, sig, K = traj.latents, traj.sigmas, traj.train_steps.numel()
@@ -191,7 +105,7 @@ def test_jagg_group_gradient_is_the_endpoint_vjp(family, intermediate):
                 Gb += al[j] * g
             (v_ab[0] * Ga).sum().backward(retain_graph=True)
             (v_ab[1] * Gb).sum().backward()
-    assert_rel(got, grads(model))
+    assert_rel(got, flat_grad(model))
 
 
 def test_cfg_gradient_both_branches_by_default_and_detached_variant():
@@ -206,7 +120,7 @@ def test_cfg_gradient_both_branches_by_default_and_detached_variant():
         model.zero_grad(set_to_none=True)
         v = velocity_adapter(model, c, u, cfg)(x, s, i)
         (v * weight).sum().backward()
-        return v.detach(), grads(model)
+        return v.detach(), flat_grad(model)
 
     v_both, g_both = grad_of(VelocityConfig(cfg_scale=4.5))
     _, g_cond = grad_of(VelocityConfig(), cond, None)
@@ -256,7 +170,7 @@ def test_gradient_checkpointing_gives_the_same_gradient():
             model.enable_gradient_checkpointing()
         v = velocity_adapter(model, cond, neg, VelocityConfig(cfg_scale=4.5))(x, s, i)
         v.square().sum().backward()
-        out.append(grads(model))
+        out.append(flat_grad(model))
     assert_rel(out[1], out[0])
 
 
@@ -441,44 +355,10 @@ def test_loader_errors_name_the_problem(tmp_path):
         load_pipeline_config(tmp_path / "bad.yaml")
 
 
-def tiny_clip_tokenizer(cls, vocab: dict, tmp_dir: Path | None = None):
-    """A character-level CLIP tokenizer (transformers >= 5 takes the vocab directly; 4.x reads files)."""
-    try:
-        return cls(vocab=vocab, merges=[], model_max_length=77)
-    except TypeError:
-        import tempfile
-
-        d = Path(tmp_dir or tempfile.mkdtemp())
-        (d / "vocab.json").write_text(json.dumps(vocab))
-        (d / "merges.txt").write_text("#version: 0.2\n")
-        return cls(vocab_file=str(d / "vocab.json"), merges_file=str(d / "merges.txt"), model_max_length=77)
-
-
-def _tiny_clip(vocab_size_seed=0):
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for ch in "abcdefghijklmnopqrstuvwxyz":
-        vocab[ch] = len(vocab)
-        vocab[ch + "</w>"] = len(vocab)
-    tok = tiny_clip_tokenizer(CLIPTokenizer, vocab)
-    cfg = CLIPTextConfig(vocab_size=len(vocab), hidden_size=D // 2, intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=77, projection_dim=DP // 2,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    torch.manual_seed(vocab_size_seed)
-    return tok, CLIPTextModelWithProjection(cfg)
-
-
 def test_load_model_from_a_local_directory(tmp_path, capsys):
     """A tiny SD3 pipeline saved to disk: load with text encoders (encode_prompt), build a prompt cache, load without
     them from the cache, sample a rollout, decode it and compute the KL reference."""
-    tok, te = _tiny_clip(0)
-    tok2, te2 = _tiny_clip(1)
-    pipe = diffusers.StableDiffusion3Pipeline(transformer=tiny_sd3(),
-                                              scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                                              vae=tiny_vae(), text_encoder=te, tokenizer=tok, text_encoder_2=te2,
-                                              tokenizer_2=tok2, text_encoder_3=None, tokenizer_3=None)
-    pipe.save_pretrained(tmp_path / "sd3")
+    save_sd3_pipeline(tmp_path / "sd3")
     yaml_text = (f"pipeline:\n  family: sd3\n  path: {tmp_path / 'sd3'}\n  dtype: fp32\n  device: cpu\n"
                  "  resolution: 128\n  num_steps: 4\n  max_sequence_length: 8\n  lora: {rank: 2}\n"
                  "sample: {group_size: 4}\n")

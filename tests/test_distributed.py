@@ -172,7 +172,7 @@ def test_fsdp2_two_cpu_processes_equal_one_process(tmp_path):
     import sys
     from pathlib import Path
 
-    from test_diffusers import embeds, tiny_sd3
+    from tiny_pipelines import embeds, tiny_sd3
 
     from jagg.integrations import (LoraSettings, VelocityConfig, add_lora, reference_velocity,
                                    velocity_adapter)

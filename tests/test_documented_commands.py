@@ -1,5 +1,5 @@
-"""Every command shown in README.md and docs/*.md works as written, in a fast form (issue #18: documented commands
-should fail a test before they fail a user).
+"""Every command shown in README.md and docs/*.md works as written, in a fast form: a documented command fails a test
+before it fails a user.
 
 The commands are found, not listed: every line of a ```bash / ```sh / plain ``` block and every inline `code` span
 that starts with ``jagg``, ``python``, ``python3``, ``make``, ``torchrun`` or ``accelerate launch``. Shell syntax is
@@ -76,9 +76,10 @@ SKIP = [
                                                      "GPU (loaded with --print-config instead)"),
     (r"^jagg pretrain(?!.*--help)", "10,000 steps: about an hour (its keys are loaded instead)"),
     (r"^jagg (sample|eval) .*--checkpoint (runs/|CKPT)", "needs a trained run directory or checkpoint"),
-    (r"^jagg bench speed(?!.*--help)", "a benchmark: a minute (--quick) to an hour of CPU, or a GPU"),
+    (r"^jagg bench speed(?!.*--help)", "a benchmark: a minute (--quick) to an hour of CPU, or a GPU (its smoke run "
+                                       "is tests/test_bench_speed.py)"),
     (r"^jagg bench meter(?!.*--help)", "batches x estimators x draws of the main job: minutes of CPU (--quick: "
-                                       "10 s idle; its smoke run is tests/test_efficiency.py)"),
+                                       "10 s idle; its smoke run is tests/test_bench_meter.py)"),
     (r"benchmarks/gpu_bench\.py --scaled-down", "the same command runs in tests/test_gpu_bench.py"),
     (r"benchmarks/gpu_bench\.py(?!.*--scaled-down)", "full-size models on a GPU, or minutes of CPU (--small)"),
     (r"-m lab (quality|fidelity|signal|e2e|regime-map|profile-training)(?!.*--help)",

@@ -6,7 +6,6 @@ AttributeError or KeyError; a run's own files are never replaced."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -118,7 +117,7 @@ def test_a_lone_run_json_is_kept_aside_never_replaced(tmp_path, capsys):
 def test_reward_model_files_of_the_wrong_shape_are_named(tmp_path):
     pytest.importorskip("transformers")
     from jagg.rewards import get_reward
-    from test_preference_rewards import save_tiny_clip
+    from tiny_clip import save_tiny_clip
 
     clip = save_tiny_clip(tmp_path / "clip")
     odd = tmp_path / "odd"

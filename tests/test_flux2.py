@@ -20,9 +20,10 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
-from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel  # noqa: E402
-from test_diffusers import assert_window_two_is_exact  # noqa: E402
-from test_real_train import records  # noqa: E402
+from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
+from gradient_checks import assert_window_two_is_exact  # noqa: E402
+from tiny_pipelines import FLUX2_SCHEDULER, tiny_flux2, tiny_flux2_vae  # noqa: E402
+from tiny_runs import records  # noqa: E402
 
 import jagg  # noqa: E402
 from jagg.cli import main  # noqa: E402
@@ -31,27 +32,10 @@ from jagg.integrations import (LoraSettings, PipelineConfig, Policy, PromptEmbed
 from jagg.integrations.policy import flux2_mu  # noqa: E402
 from jagg.trainers import diffusers as real_train  # noqa: E402
 
-Z, L, D = 4, 5, 16                    # VAE channels (patchified: 4 Z = 16), text tokens, text width
+Z, L, D = 4, 5, 16                    # VAE channels (patchified: 4 Z = 16), text tokens, text width (tiny_pipelines')
 HEIGHT, WIDTH = 128, 96               # latents [16, 8, 6]
 LATENT = (4 * Z, HEIGHT // 16, WIDTH // 16)
 PROMPTS = ["a red cube", "a blue ball"]
-SCHEDULER = dict(use_dynamic_shifting=True, time_shift_type="exponential", shift=3.0)   # FLUX.2's: mu from the pipeline
-
-
-def tiny_flux2(seed=0, guidance=True) -> Flux2Transformer2DModel:
-    torch.manual_seed(seed)
-    return Flux2Transformer2DModel(patch_size=1, in_channels=4 * Z, num_layers=1, num_single_layers=1,
-                                   attention_head_dim=8, num_attention_heads=2, joint_attention_dim=D,
-                                   timestep_guidance_channels=16, axes_dims_rope=(2, 2, 2, 2), guidance_embeds=guidance)
-
-
-def tiny_flux2_vae() -> AutoencoderKLFlux2:
-    """FLUX.2's VAE at 8x, its batch norm over the 2x2-patchified latents given non-trivial running statistics."""
-    torch.manual_seed(0)
-    vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), latent_channels=Z, norm_num_groups=4, layers_per_block=1)
-    vae.bn.running_mean.copy_(torch.linspace(-0.5, 0.5, 4 * Z))
-    vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, 4 * Z))
-    return vae.eval()
 
 
 def embeds(seed=0) -> tuple[PromptEmbeddings, PromptEmbeddings]:
@@ -72,7 +56,7 @@ def test_euler_steps_and_images_equal_the_pipeline(family):
     the same noise, jagg's Euler steps with the policy's sigmas and velocity equal the pipeline's loop and its
     decoded images the pipeline's."""
     cond, neg = embeds()
-    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER)
     parts = dict(transformer=tiny_flux2(guidance=family == "flux2"), vae=tiny_flux2_vae(), scheduler=scheduler,
                  text_encoder=None, tokenizer=None)
     pipe = diffusers.Flux2Pipeline(**parts) if family == "flux2" else diffusers.Flux2KleinPipeline(**parts)
@@ -118,7 +102,7 @@ def test_on_policy_ratio_is_one_and_jagg_pairs_equal_exact():
 def flux2_dir(tmp_path_factory) -> Path:
     """A tiny random FLUX.2 [dev] directory without text encoder, and a prompt cache beside it."""
     pipe = diffusers.Flux2Pipeline(transformer=tiny_flux2(), vae=tiny_flux2_vae(),
-                                   scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), text_encoder=None,
+                                   scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), text_encoder=None,
                                    tokenizer=None)
     path = tmp_path_factory.mktemp("models") / "flux2"
     pipe.save_pretrained(path)

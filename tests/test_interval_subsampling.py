@@ -13,7 +13,7 @@ import torch
 import jagg
 from jagg import EstimatorConfig
 from jagg.knots import owners, plan_update
-from test_knots import _golden_case, assert_matches_golden
+from gradient_checks import assert_matches_golden, assert_mean_is, golden_case
 from toy import Nonlinear, perturb, run, sampled_traj
 
 GOLDEN = Path(__file__).parent / "data" / "layouts_golden.pt"
@@ -30,7 +30,7 @@ def test_interval_frac_one_reproduces_every_layout_before_it(name):
     existed: shared knots, the correction with its picks,
     chains split by micro_batch, subsampling (golden file written by tests/data/make_layouts_golden.py at f4a6ced)."""
     case = torch.load(GOLDEN)[name]
-    model, ref, traj, adv = _golden_case()
+    model, ref, traj, adv = golden_case()
     ref_v = jagg.reference_velocities(ref, traj) if case["config"].get("kl_beta") else None
     cfg = EstimatorConfig(**{"intermediate": "interp", **case["config"]}, interval_frac=1.0,  # the default of its day
                           correction_probs=None)
@@ -102,29 +102,6 @@ def test_the_mean_over_every_draw_with_every_interval_corrected_is_exact(monkeyp
                               clip_range=0.05)
         mean = torch.stack([run(model, traj, adv, cfg)[0] for _ in range(total)]).mean(0)
         assert torch.allclose(mean, exact, **TIGHT)
-
-
-def chi2(grads: torch.Tensor, target: torch.Tensor) -> float:
-    """``|mean - target|^2`` over the squared standard error of the mean (summed over coordinates): about 1 (often
-    less: few effective directions) when the draws ``[N, P]`` have expectation ``target``."""
-    n = grads.shape[0]
-    return float(((grads.mean(0) - target) ** 2).sum() / (grads.var(0).sum() / n))
-
-
-def z_toward(grads: torch.Tensor, target: torch.Tensor, other: torch.Tensor) -> float:
-    """How far the draws' mean lies from ``target`` along the direction to ``other``, in standard errors: within a
-    few when the expectation is ``target``; large when it is ``other``."""
-    u = (other - target) / (other - target).norm()
-    proj = grads @ u
-    return float((proj.mean() - target @ u) / (proj.std() / grads.shape[0] ** 0.5))
-
-
-def assert_mean_is(grads: torch.Tensor, target: torch.Tensor, other: torch.Tensor) -> None:
-    """The draws average to ``target`` (within 4 standard errors in total and along the way to ``other``), and not
-    to ``other`` (more than 10 standard errors away along that direction)."""
-    assert chi2(grads, target) < 4
-    assert abs(z_toward(grads, target, other)) < 4
-    assert abs(z_toward(grads, other, target)) > 10
 
 
 @pytest.mark.parametrize("knots", ["groups", "shared"])

@@ -1,6 +1,5 @@
 """Knot layouts (groups, shared), alpha by sigma or index, and unbiased JAGG: exactness facts (float64)."""
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -9,21 +8,11 @@ import torch
 import jagg
 from jagg import EstimatorConfig
 from jagg.knots import plan_update, shared_knots
+from gradient_checks import assert_matches_golden, golden_case
 from toy import AffineInSigma, LinearXSigma, Nonlinear, perturb, run, sampled_traj, traj_from_latents
 
 TIGHT = dict(rtol=1e-10, atol=1e-13)
 GOLDEN = Path(__file__).parent / "data" / "groups_golden.pt"
-
-
-def _golden_case():
-    torch.manual_seed(0)
-    model = Nonlinear(batch=6)
-    ref = copy.deepcopy(model)
-    traj = sampled_traj(model, B=6, T=11)
-    perturb(model, 0.05)
-    return model, ref, traj, torch.linspace(-1.5, 1.5, 6, dtype=torch.float64)
-
-
 # the file's w4_route_half routed by the retired 'chord' score; routing by the one score left is pinned in test_estimator
 GOLDEN_NAMES = ["w4_interp", "w3_fresh", "w5_first_exact", "exact"]
 # the golden file records each case's config as written at 3fb7ec0, where exact_first_intervals was still called so
@@ -36,20 +25,12 @@ def _golden_config(case: dict) -> dict:
     return {"intermediate": "interp", **{GOLDEN_KEYS.get(k, k): v for k, v in case["config"].items()}}
 
 
-def assert_matches_golden(g, golden):
-    """A gradient against one stored on another machine: float64, within ``rtol=1e-12`` of each entry plus ``1e-12``
-    of the largest (another CPU's BLAS rounds differently, by ~1e-18 on |g| ~ 5e-3: never compare bit for bit
-    across machines). A wrong weight or a dropped term moves the gradient by far more (test below)."""
-    assert g.dtype == golden.dtype == torch.float64 and g.shape == golden.shape
-    torch.testing.assert_close(g, golden, rtol=1e-12, atol=1e-12 * float(golden.abs().max()))
-
-
 @pytest.mark.parametrize("name", GOLDEN_NAMES)
 def test_groups_reproduce_the_estimator_before_knots(name):
     """knots='groups' (the default) gives the gradient of the estimator as it was before knots existed, to rounding
     (golden file written by tests/data/make_groups_golden.py at commit 3fb7ec0; bit for bit only on that machine)."""
     case = torch.load(GOLDEN)[name]
-    model, ref, traj, adv = _golden_case()
+    model, ref, traj, adv = golden_case()
     ref_v = jagg.reference_velocities(ref, traj) if case["config"].get("kl_beta") else None
     g, st = run(model, traj, adv, EstimatorConfig(correction_p=0.0, **_golden_config(case)), ref_velocities=ref_v,
                 prompt_groups=[0, 0, 1, 1, 2, 2])
@@ -286,7 +267,7 @@ def test_trainer_audit_logs_per_range_cosines_and_changes_nothing(tmp_path, tiny
     metrics.jsonl; the trained weights are those of the same run without the audit."""
     import json
 
-    from conftest import tiny_train_args
+    from tiny_runs import tiny_train_args
     from jagg.cli import main
     from jagg.shapes.weights import load_model
 

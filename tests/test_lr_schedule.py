@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_train_args
+from tiny_runs import tiny_train_args
 from jagg.cli import main
 from jagg.trainers.lr_schedule import lr_factor
 from jagg.trainers.sections import OptimSection

@@ -164,7 +164,7 @@ def _audits_of(monkeypatch, path, sets: list[str], iterations: int) -> list[dict
 
 
 def _audited_run(monkeypatch, intermediate: str) -> list[dict]:
-    """Two iterations of a tiny shapes run with an audit every iteration and 2 updates per rollout: the audits' results
+    """Two iterations of a tiny shapes run with an audit every iteration and 2 updates per iteration: the audits' results
     (the first before update 0, the second before update 1)."""
     return _audits_of(monkeypatch, None, [
         "sample.prompts_per_iter=4", "sample.group_size=2", "sample.num_steps=6", "sample.sde_window=[0,6]",
@@ -212,7 +212,7 @@ def test_stale_takes_the_rollout_velocities_at_inner_steps():
 
 def _main_job_audits(monkeypatch, sets: list[str]) -> list[dict]:
     """Four iterations of the shipped main job in mode jagg (its JAGG layout, what its auto candidates build on),
-    smaller (4 prompts x 4, 4 updates per rollout as shipped; lr 1e-3 so
+    smaller (4 prompts x 4, 4 updates per iteration as shipped; lr 1e-3 so
     that four iterations move the policy enough to clip), with an audit every iteration: the audits run before updates
     0, 1, 2 and 3 of their rollouts."""
     from jagg.trainers.shapes_config import main_job_path
@@ -223,9 +223,9 @@ def _main_job_audits(monkeypatch, sets: list[str]) -> list[dict]:
 
 
 def test_the_shipped_main_job_clips_as_exact_at_every_update(monkeypatch):
-    """The main job as shipped, audited before each update of an epoch: its clip fraction is exact's (within 1.5x,
-    the issue's bound; here equal to rounding), on-policy and off. With ``intermediate: interp``, as shipped before,
-    the off-policy updates clip far more (the second half of the test)."""
+    """The main job as shipped, audited before each update of an epoch: its clip fraction is exact's (within 1.5x;
+    here equal to rounding), on-policy and off. With ``intermediate: interp`` the off-policy updates clip far more
+    (the second half of the test)."""
     audits = _main_job_audits(monkeypatch, [])
     assert [a["on_policy"] for a in audits] == [True, False, False, False]
     for a in audits:

@@ -1,4 +1,5 @@
-"""The preference-model rewards (jagg.rewards.preference) on a tiny random CLIP built offline and saved to tmp.
+"""The preference-model rewards (jagg.rewards.preference) on a tiny random CLIP built offline and saved to tmp
+(tests/tiny_clip.py).
 
 Registered by name with options (``pickscore:path=...``): the torch preprocessing against CLIPProcessor, scores
 against transformers' own CLIPModel forward, batching, prompt sensitivity, the trainer's device and dtype, a weighted
@@ -23,44 +24,7 @@ transformers = pytest.importorskip("transformers")
 from jagg.rewards import RewardClient, get_reward, open_clip_to_transformers  # noqa: E402
 from jagg.rewards.preference import ClipImages  # noqa: E402
 from jagg.rewards.server import load_reward, make_server  # noqa: E402
-
-WIDTH, EMBED, SIDE, PATCH = 16, 8, 32, 8
-
-
-def tiny_vocab() -> dict:
-    """Characters, then CLIP's start and end tokens with the highest ids (as in CLIP's vocabulary, where open_clip pools
-    the text at the highest id, the end token)."""
-    vocab = {}
-    for ch in "abcdefghijklmnopqrstuvwxyz":
-        vocab[ch] = len(vocab)
-        vocab[ch + "</w>"] = len(vocab)
-    vocab["<|startoftext|>"] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
-    return vocab
-
-
-def save_tiny_clip(path, seed=0, model_type_clip=True):
-    """A tiny random CLIPModel (exact GELU and a 4x MLP: open_clip's ViT) with its CLIPProcessor, saved to ``path``."""
-    vocab = tiny_vocab()
-    n = len(vocab)
-    try:                                                # transformers >= 5 takes the vocab, 4.x reads files
-        tok = transformers.CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
-    except TypeError:
-        (path / "vocab.json").write_text(json.dumps(vocab))
-        (path / "merges.txt").write_text("#version: 0.2\n")
-        tok = transformers.CLIPTokenizer(vocab_file=str(path / "vocab.json"), merges_file=str(path / "merges.txt"),
-                                         model_max_length=77)
-    proc = transformers.CLIPProcessor(image_processor=transformers.CLIPImageProcessor(
-        size={"shortest_edge": SIDE}, crop_size={"height": SIDE, "width": SIDE}), tokenizer=tok)
-    layer = dict(hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=2, num_attention_heads=2,
-                 hidden_act="gelu")
-    cfg = transformers.CLIPConfig(text_config=dict(layer, vocab_size=n, max_position_embeddings=77,
-                                                   bos_token_id=n - 2, eos_token_id=n - 1, pad_token_id=n - 1),
-                                  vision_config=dict(layer, image_size=SIDE, patch_size=PATCH), projection_dim=EMBED)
-    torch.manual_seed(seed)
-    transformers.CLIPModel(cfg).save_pretrained(path)
-    proc.save_pretrained(path)
-    return path
+from tiny_clip import EMBED, PATCH, SIDE, WIDTH, save_tiny_clip, tiny_vocab  # noqa: E402
 
 
 @pytest.fixture(scope="module")

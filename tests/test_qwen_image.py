@@ -3,8 +3,8 @@
 The sampler's sigmas (dynamic shift, ``shift_terminal``), the packed latents, the timestep, the text mask of prompts
 of different lengths and the norm-rescaled true CFG: jagg's Euler steps through the adapter equal the pipeline's
 denoising loop, and its decoded images equal the pipeline's. With a tiny random Qwen2.5-VL text encoder and
-tokenizer built offline: prompt embeddings equal the pipeline's ``encode_prompt``, the prompt-cache builder writes
-them and a policy without text encoders reads them back.
+tokenizer built offline (the ``qwen_dir`` fixture): prompt embeddings equal the pipeline's ``encode_prompt``, the
+prompt-cache builder writes them and a policy without text encoders reads them back.
 """
 
 from __future__ import annotations
@@ -20,35 +20,14 @@ pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
-from test_diffusers import C, D, L, QWEN_SCHEDULER, assert_rel, embeds, tiny_qwen, tiny_qwen_vae  # noqa: E402
+from gradient_checks import assert_rel  # noqa: E402
+from tiny_pipelines import C, L, QWEN_SCHEDULER, embeds, tiny_qwen, tiny_qwen_vae  # noqa: E402
 
 from jagg.integrations import (LoraSettings, PipelineConfig, Policy, PromptEmbeddings, VelocityConfig,  # noqa: E402
                                load_model, pack_latents, unpack_latents, velocity_adapter)
 from jagg.integrations import pipeline  # noqa: E402
 
 RES = 128                                           # 16x16 latents (the tiny VAE downsamples 8x, as Qwen-Image's)
-
-
-def tiny_text_encoder():
-    """A byte-level Qwen2 tokenizer (the 256 byte symbols, no merges) and a 1-layer Qwen2.5-VL of width D."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
-    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
-        vocab[special] = len(vocab)
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[])
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    n = len(vocab)
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=D, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=n,
-                         rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=D),
-        vocab_size=n, vision_start_token_id=n, vision_end_token_id=n + 1, vision_token_id=n + 2, image_token_id=n + 3,
-        video_token_id=n + 4)
-    torch.manual_seed(0)
-    return tok, Qwen2_5_VLForConditionalGeneration(cfg).eval()
 
 
 def qwen_config(path="unused", **kw) -> PipelineConfig:
@@ -117,17 +96,6 @@ def test_older_diffusers_is_refused(monkeypatch):
     monkeypatch.setattr(diffusers, "__version__", "0.36.0")
     with pytest.raises(RuntimeError, match="Qwen-Image needs diffusers >= 0.37.*found 0.36.0"):
         velocity_adapter(tiny_qwen(), embeds(family="qwen_image")[0])
-
-
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
-    """A tiny random Qwen-Image pipeline with its text encoder and tokenizer, saved as a local diffusers directory."""
-    tok, te = tiny_text_encoder()
-    pipe = diffusers.QwenImagePipeline(transformer=tiny_qwen(), vae=tiny_qwen_vae(), text_encoder=te, tokenizer=tok,
-                                       scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER))
-    path = tmp_path_factory.mktemp("models") / "qwen_image"
-    pipe.save_pretrained(path)
-    return path
 
 
 def test_text_encoder_prompt_cache_and_a_policy_without_it(qwen_dir, tmp_path, capsys):

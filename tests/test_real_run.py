@@ -2,13 +2,12 @@
 prompt set whose metadata reaches the reward through a reward server, a test set beside it evaluated with the EMA
 weights (records, captioned grids, TensorBoard images), a bit-identical resume with the EMA, adapters that diffusers'
 and peft's loaders read, a peft adapter as the starting point, ``jagg eval`` / ``jagg sample`` on the run directory,
-and the refusals that come before the model's weights load and leave nothing behind (issue 47's model-directory
-cases among them)."""
+and the refusals that come before the model's weights load and leave nothing behind (model-directory files of the
+wrong shape among them)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from pathlib import Path
 
@@ -21,7 +20,7 @@ pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
 from diffusers import SD3Transformer2DModel  # noqa: E402
-from test_real_train import _free_port, sd3_dir  # noqa: E402,F401  (the fixture: a tiny SD3 directory)
+from tiny_runs import free_port  # noqa: E402
 
 from jagg.cli import main  # noqa: E402
 from jagg.integrations.model_dir import check_model  # noqa: E402
@@ -207,7 +206,7 @@ def test_failures_before_the_weights_load_name_the_culprit_and_leave_nothing(tmp
     cfg = write_config(tmp_path, sd3_dir, "reward: {name: jpeg_compressibility}", iterations=1)
     out = tmp_path / "run"
     args = ["train", "--config", str(cfg), "--output-dir", str(out), "--set", "eval.every=0"]
-    for sets, culprit in ((["reward=null", f"reward_server.url=http://127.0.0.1:{_free_port()}"],
+    for sets, culprit in ((["reward=null", f"reward_server.url=http://127.0.0.1:{free_port()}"],
                            "reward_server.url"),
                           (["pipeline.resolution=512"], "pipeline.resolution=512 is more than this SD3 transformer"),
                           ([f"pipeline.lora.path={tmp_path / 'no_adapter'}"], "pipeline.lora.path")):
@@ -249,7 +248,7 @@ def _model_dir(root: Path, family: str, transformer: dict, index: dict | list | 
 
 
 def test_model_directory_settings_are_checked_before_loading(tmp_path, capsys):
-    """Issue 47: model_index.json, transformer and scheduler configs of the wrong shape are named with what was
+    """model_index.json, transformer and scheduler configs of the wrong shape are named with what was
     expected; FLUX.2 [dev] without pipeline.guidance_embed is refused naming the key and FLUX.2's 4.0; Wan frames
     beyond the transformer's rotary positions are refused naming pipeline.num_frames; and the frame count is part of
     the memory estimate (--print-config refuses num_frames=400001)."""

@@ -2,17 +2,15 @@
 
 SD3 with LoRA: metrics, diffusers-loadable adapters, only the adapters train, ``--resume`` continues exactly as an
 uninterrupted run. FLUX with full fine-tuning, the KL reference and an HTTP reward server. Qwen-Image with LoRA, its
-text encoder, true CFG, DanceGRPO's SDE and index-interpolated step groups (the JAGG authors' recipe, scaled down). Clear errors for bad model
-paths, prompt files, prompt caches and rewards; SIGTERM saves and exits; non-finite updates are skipped, then the run
-aborts. Two CPU processes launched by accelerate keep identical replicas and make the one-process update.
+text encoder, true CFG, DanceGRPO's SDE and index-interpolated step groups (the JAGG authors' recipe, scaled down).
+Clear errors for bad model paths, prompt files, prompt caches and rewards; SIGTERM saves and exits; non-finite
+updates are skipped, then the run aborts. Two CPU processes launched by accelerate keep identical replicas and make
+the one-process update.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import socket
 import threading
 from pathlib import Path
 
@@ -24,63 +22,14 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
+import reward_plugins  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: E402
-from test_diffusers import _tiny_clip, embeds, tiny_flux, tiny_sd3, tiny_vae  # noqa: E402
-from test_qwen_image import qwen_dir  # noqa: E402,F401  (the fixture: a tiny Qwen-Image directory)
+from tiny_pipelines import embeds, tiny_flux, tiny_vae  # noqa: E402
+from tiny_runs import SD3_PROMPTS, free_port, records, write_sd3_config  # noqa: E402
 
 from jagg.cli import main  # noqa: E402
 from jagg.integrations import VelocityConfig, velocity_adapter  # noqa: E402
 from jagg.trainers import diffusers as real_train, diffusers_config as train_config  # noqa: E402
-
-PROMPTS = ["a red cube", "a blue ball", "a green cone"]
-
-
-@pytest.fixture(scope="module")
-def sd3_dir(tmp_path_factory) -> Path:
-    """A tiny random SD3 pipeline (2 tiny CLIP text encoders, no T5) saved as a local diffusers directory."""
-    tok, te = _tiny_clip(0)
-    tok2, te2 = _tiny_clip(1)
-    pipe = diffusers.StableDiffusion3Pipeline(transformer=tiny_sd3(), vae=tiny_vae(),
-                                              scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                                              text_encoder=te, tokenizer=tok, text_encoder_2=te2, tokenizer_2=tok2,
-                                              text_encoder_3=None, tokenizer_3=None)
-    path = tmp_path_factory.mktemp("models") / "sd3"
-    pipe.save_pretrained(path)
-    return path
-
-
-def write_sd3_config(tmp_path: Path, model_dir: Path | str) -> Path:
-    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n\n")
-    cfg = tmp_path / "sd3.yaml"
-    cfg.write_text(f"""\
-pipeline:
-  family: sd3
-  path: {model_dir}
-  dtype: fp32
-  device: cpu
-  resolution: 128
-  num_steps: 4
-  cfg_scale: 4.5
-  max_sequence_length: 8
-  lora: {{enabled: true, rank: 2}}
-reward:
-  name: jpeg_compressibility
-sample:
-  prompts_file: {tmp_path / "prompts.txt"}
-  prompts_per_iter: 2
-  group_size: 2
-  micro_batch: 4
-estimator: {{mode: jagg, window: 3, intermediate: interp, micro_batch: 4, clip_range: 0.2, kl_beta: 0.01, correction_p: 0.0}}
-optim: {{lr: 0.01}}
-grpo: {{iterations: 2, updates_per_epoch: 2, drop_zero_spread: false}}
-log: {{output_dir: {tmp_path / "default_run"}, checkpoint_every: 1, keep_last: 2, tensorboard: false, progress: false}}
-threads: 1
-""")
-    return cfg
-
-
-def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
 
 
 @pytest.fixture
@@ -140,7 +89,7 @@ def test_sd3_lora_train_adapters_and_resume(tmp_path, sd3_dir, captured):
         transformer=SD3Transformer2DModel.from_pretrained(sd3_dir / "transformer"), scheduler=None, vae=None,
         text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None, tokenizer_3=None)
     pipe.load_lora_weights(str(ck / "adapter_000002"))
-    cond = trainer.policy.embeddings(PROMPTS[:2])
+    cond = trainer.policy.embeddings(SD3_PROMPTS[:2])
     neg = trainer.policy.negative()
     x, s, i = torch.randn(2, 4, 16, 16), torch.tensor([0.9, 0.4]), torch.tensor([0, 1])
     with torch.no_grad():
@@ -218,25 +167,13 @@ def test_shipped_configs_reach_the_model_check(tmp_path, capsys):
             assert "never downloads weights" in capsys.readouterr().err
 
 
-CALLS = {"n": 0}
-
-
-def sigterm_reward(images, prompts, metadata):
-    """A `module:function` reward that sends this process SIGTERM during its first call."""
-    from jagg.rewards.registry import jpeg_compressibility
-
-    CALLS["n"] += 1
-    if CALLS["n"] == 1:
-        os.kill(os.getpid(), signal.SIGTERM)
-    return jpeg_compressibility(images, prompts, metadata)
-
-
-def test_sigterm_finishes_the_iteration_and_saves(tmp_path, sd3_dir, capsys):
+def test_sigterm_finishes_the_iteration_and_saves(tmp_path, sd3_dir, capsys, monkeypatch):
     cfg = write_sd3_config(tmp_path, sd3_dir)
     out = tmp_path / "run"
-    CALLS["n"] = 0
+    monkeypatch.setattr(reward_plugins, "CALLS", 0)
+    monkeypatch.setattr(reward_plugins, "SIGTERM_AT", 1)                 # SIGTERM during the first iteration
     assert main(["train", "--config", str(cfg), "--output-dir", str(out), "--set", "grpo.iterations=5",
-                 "--set", "log.checkpoint_every=0", "--set", "reward.name=test_real_train:sigterm_reward"]) == 0
+                 "--set", "log.checkpoint_every=0", "--set", "reward.name=reward_plugins:sigterm_at"]) == 0
     assert "continue with --resume" in capsys.readouterr().out
     assert [r["iteration"] for r in records(out)] == [1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["adapter_000001", "ckpt_000001.pt"]
@@ -319,26 +256,6 @@ threads: 1
         server.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def red_is_dark(images, prompts, metadata):
-    """Brightness, but 0 for 'a red cube': that prompt's group has zero spread (dropped with grpo.drop_zero_spread)."""
-    from reward_plugins import brightness
-
-    return np.where([p == "a red cube" for p in prompts], 0.0, brightness(images, prompts, metadata)).astype(np.float32)
-
-
-def blue_is_dark(images, prompts, metadata):
-    """Brightness, but 0 for 'a blue ball' (the other prompt group of red_is_dark's two drops out)."""
-    from reward_plugins import brightness
-
-    return np.where([p == "a blue ball" for p in prompts], 0.0, brightness(images, prompts, metadata)).astype(np.float32)
-
-
 def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_dir):
     """`accelerate launch --multi_gpu --num_processes 2` of `jagg train` on a CPU-only machine (torchrun under the hood,
     gloo, DDP): 2 real processes, each sampling half of the global batch, end with identical replicas that made the same
@@ -352,7 +269,7 @@ def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_
     (tmp_path / "two_prompts.txt").write_text("a red cube\na blue ball\n")
     sets = ["grpo.iterations=1", "grpo.updates_per_epoch=1", "grpo.drop_zero_spread=true", "sample.micro_batch=2",
             f"sample.prompts_file={tmp_path / 'two_prompts.txt'}", "log.sample_images=0",
-            "reward.name=test_real_train:blue_is_dark"]
+            "reward.name=reward_plugins:blue_is_dark"]
     args = ["train", "--config", str(cfg)] + [a for s in sets for a in ("--set", s)]
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(args + ["--output-dir", str(one)]) == 0
@@ -360,7 +277,7 @@ def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_
     # runs torch.distributed.run, which on a machine without CUDA gives 2 CPU processes on gloo
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port()), str(Path(__file__).parent / "real_train_launch.py")]
+              "--main_process_port", str(free_port()), str(Path(__file__).parent / "real_train_launch.py")]
     audited = ["--set", "estimator.meter_every=1", "--set", "estimator.meter_samples=2"]   # process 0's own audit
     proc = subprocess.run(launch + args + audited + ["--output-dir", str(two)],
                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
@@ -426,7 +343,7 @@ def test_qwen_image_lora_train_with_text_encoder_and_true_cfg(tmp_path, qwen_dir
     true CFG 4 in sampling and training, DanceGRPO's SDE, 4 of 5 steps trained in step groups of 2 interpolated by
     index, a weighted mix of PickScore (a tiny CLIP, in-process) and JPEG compressibility; the LoRA adapter it saves
     loads into QwenImagePipeline and gives the trained policy's velocity."""
-    from test_preference_rewards import save_tiny_clip
+    from tiny_clip import save_tiny_clip
 
     (tmp_path / "clip").mkdir()
     clip = save_tiny_clip(tmp_path / "clip")

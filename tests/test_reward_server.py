@@ -27,20 +27,7 @@ from jagg.rewards.protocol import TOKEN_ENV
 from jagg.rewards.server import load_reward, make_server
 from jagg.rewards.images import to_uint8
 from jagg.infra.config_loader import from_dict
-
-
-def echo_reward(images, prompts, metadata=None):
-    """Test reward: mean brightness + prompt length; sleeps on 'sleep', fails on 'fail', NaN on 'nan'."""
-    if any("fail" in p for p in prompts):
-        raise ValueError("this prompt always fails")
-    if any("sleep" in p for p in prompts):
-        time.sleep(1.0)
-    scores = images.reshape(len(images), -1).mean(1) / 255.0 + np.array([len(p) for p in prompts])
-    scores[[i for i, p in enumerate(prompts) if "nan" in p]] = np.nan
-    info = {"n_chars": [len(p) for p in prompts], "tag": [m.get("tag") if m else None for m in (metadata or
-                                                                                              [None] * len(prompts))],
-            "batch": len(prompts)}
-    return scores.astype(np.float32), info
+from reward_plugins import echo_reward
 
 
 @contextlib.contextmanager
@@ -302,7 +289,7 @@ def test_refused_connection():
 def test_cli_serves_module_function_with_a_token_from_the_environment(monkeypatch):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
                **{TOKEN_ENV: "s3cret"})
-    proc = subprocess.Popen([sys.executable, "-m", "jagg.rewards.server", "--reward", "test_reward_server:echo_reward",
+    proc = subprocess.Popen([sys.executable, "-m", "jagg.rewards.server", "--reward", "reward_plugins:echo_reward",
                              "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline().strip()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import jagg
-from conftest import real_model_config, tiny_train_args
+from tiny_runs import real_model_config, tiny_train_args
 from jagg import EstimatorConfig
 from jagg.cli import main
 from jagg.trainers.diffusers_config import load_config

@@ -11,7 +11,6 @@ gathered adapter exported. The DDP launch of LoRA (replicated) is in tests/test_
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -26,8 +25,8 @@ pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: E402
-from test_diffusers import embeds, tiny_flux, tiny_vae  # noqa: E402
-from test_real_train import _free_port, records, sd3_dir, write_sd3_config  # noqa: E402,F401  (sd3_dir: a fixture)
+from tiny_pipelines import embeds, tiny_flux, tiny_vae  # noqa: E402
+from tiny_runs import free_port, records, write_sd3_config  # noqa: E402
 
 from jagg.cli import main  # noqa: E402
 from jagg.infra.engine import EngineSettings, resolve_engine  # noqa: E402
@@ -53,7 +52,7 @@ def _launch(prefix: list[str], args: list[str]) -> None:
 
 def _accelerate(config: str, *extra: str) -> list[str]:
     return ["accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "accelerate" / config),
-            "--num_processes", "2", "--main_process_port", str(_free_port()), *extra]
+            "--num_processes", "2", "--main_process_port", str(free_port()), *extra]
 
 
 TORCHRUN = ["torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -77,7 +76,7 @@ def _from_checkpoint_1(src: Path, dst: Path) -> None:
 
 FULL_FT = ["pipeline.lora.enabled=false", "pipeline.keep_reference=true", "estimator.kl_beta=0.1",
            "grpo.updates_per_epoch=1", "grpo.drop_zero_spread=true", "sample.micro_batch=2", "log.sample_images=0",
-           "reward.name=test_real_train:red_is_dark", "optim.lr=0.001"]
+           "reward.name=reward_plugins:red_is_dark", "optim.lr=0.001"]
 
 
 def test_fsdp_full_finetune_shards_equals_one_process_and_resumes(tmp_path, sd3_dir):
@@ -289,7 +288,7 @@ def test_fsdp_engine_in_bf16_mixed_precision_on_one_sharded_process(tmp_path):
     gathered weights export as the plain diffusers class."""
     import torch.distributed as dist
 
-    from test_diffusers import tiny_sd3
+    from tiny_pipelines import tiny_sd3
 
     from jagg.infra.engine import make_engine
     from jagg.integrations import PipelineConfig, save_transformer

@@ -19,9 +19,8 @@ pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler  # noqa: E402
-from test_diffusers import QWEN_SCHEDULER, embeds, tiny_flux, tiny_qwen, tiny_qwen_vae, tiny_sd3, tiny_vae  # noqa: E402
-from test_flux2 import SCHEDULER as FLUX2_SCHEDULER, tiny_flux2, tiny_flux2_vae  # noqa: E402
-from test_wan import tiny_wan, tiny_wan_vae  # noqa: E402
+from tiny_pipelines import (FLUX2_SCHEDULER, QWEN_SCHEDULER, embeds, tiny_flux, tiny_flux2,  # noqa: E402
+                            tiny_flux2_vae, tiny_qwen, tiny_qwen_vae, tiny_sd3, tiny_vae, tiny_wan, tiny_wan_vae)
 
 import jagg  # noqa: E402
 from jagg.integrations import LoraSettings, PipelineConfig, Policy  # noqa: E402

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_train_args
+from tiny_runs import tiny_train_args
 from jagg import EstimatorConfig
 from jagg.cli import main
 from jagg.knots import plan_update

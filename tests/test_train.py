@@ -9,15 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import tiny_train_args
+from tiny_runs import records, tiny_train_args
 from jagg.infra import config_loader as configuration
 from jagg.infra.checkpoint import list_checkpoints, load_latest
 from jagg.cli import main
 from jagg.trainers.shapes_config import ShapesTrainConfig
-
-
-def _records(out):
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def _params(out):
@@ -27,7 +23,7 @@ def _params(out):
 
 def test_train_smoke(tmp_path, tiny_ckpt):
     assert main(tiny_train_args(tiny_ckpt, tmp_path, 3, "estimator.mode=jagg")) == 0
-    recs = _records(tmp_path)
+    recs = records(tmp_path)
     train = [r for r in recs if r["kind"] == "train"]
     evals = [r for r in recs if r["kind"] == "eval"]
     assert [r["iteration"] for r in train] == [1, 2, 3]
@@ -65,7 +61,7 @@ def test_a_run_reports_hacking_signs_warns_once_and_draws_a_before_after_compari
 
     monkeypatch.setattr(shapes, "collapse_warnings", fake_warnings)
     assert main(tiny_train_args(tiny_ckpt, tmp_path, 4, "eval.every=1", "eval.warn_empty=0.2")) == 0
-    evals = [r for r in _records(tmp_path) if r["kind"] == "eval"]
+    evals = [r for r in records(tmp_path) if r["kind"] == "eval"]
     for r in evals:
         assert {"empty_frac", "objects_mean", "asked_mean", "count_error", "background_rms"} <= set(r)
         assert 0 <= r["empty_frac"] <= 1 and r["background_rms"] >= 0
@@ -83,8 +79,8 @@ def test_training_changes_weights_and_is_deterministic(tmp_path, tiny_ckpt):
     jpeg = "reward.name=jpeg_compressibility"  # a random model scores 0 on geneval: no advantage, no gradient
     assert main(tiny_train_args(tiny_ckpt, a, 2, jpeg)) == 0
     assert main(tiny_train_args(tiny_ckpt, b, 2, jpeg)) == 0
-    ra = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in _records(a)]
-    rb = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in _records(b)]
+    ra = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in records(a)]
+    rb = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in records(b)]
     assert ra == rb
     from jagg.shapes.dit import load_pretrained
 
@@ -108,8 +104,8 @@ def test_resume_continues_as_if_never_stopped(tmp_path, tiny_ckpt, extra):
     p1, p2 = _params(straight), _params(split)
     for k in p1:
         assert torch.allclose(p1[k], p2[k], rtol=1e-5, atol=1e-7), k
-    r1 = [r["reward_mean"] for r in _records(straight) if r["kind"] == "train"]
-    r2 = [r["reward_mean"] for r in _records(split) if r["kind"] == "train"]
+    r1 = [r["reward_mean"] for r in records(straight) if r["kind"] == "train"]
+    r2 = [r["reward_mean"] for r in records(split) if r["kind"] == "train"]
     assert r1 == r2 and len(r1) == 4
 
 
@@ -184,12 +180,12 @@ def test_shipped_shapes_configs_load_and_the_authors_recipe_trains(tmp_path):
     out = tmp_path / "recipe"
     assert main(["train", "--config", str(root / "authors_recipe.yaml"), "--set", "grpo.iterations=2", "--set",
                  "eval.every=0", "--set", "threads=1", "--set", "log.progress=false", "--output-dir", str(out)]) == 0
-    train = [r for r in _records(out) if r["kind"] == "train"]
+    train = [r for r in records(out) if r["kind"] == "train"]
     assert len(train) == 2 and all(r["backward_items"] == 4 * r["trained_samples"] for r in train)
 
 
 def test_the_main_job_trains_the_geneval_like_reward_through_the_text_encoder(tmp_path, tiny_ckpt):
-    """Issue #25: the shipped main job is prompt alignment. It trains the GenEval-like reward (a score in [0, 1],
+    """The shipped main job is prompt alignment. It trains the GenEval-like reward (a score in [0, 1],
     no JPEG term) and changes the text encoder's weights only; the JPEG job trains minus kB (negative)."""
     from safetensors.torch import load_file
     from jagg.trainers.shapes_config import main_job_path
@@ -201,7 +197,7 @@ def test_the_main_job_trains_the_geneval_like_reward_through_the_text_encoder(tm
              "optim.lr=0.01", "log.checkpoint_every=1", "log.tensorboard=false"]
     out = tmp_path / "main"
     assert main(["train", "--output-dir", str(out)] + [a for s in small for a in ("--set", s)]) == 0
-    train = [r for r in _records(out) if r["kind"] == "train"]
+    train = [r for r in records(out) if r["kind"] == "train"]
     assert len(train) == 2 and all(0.0 <= r["reward_mean"] <= 1.0 and r["trained_samples"] > 0 for r in train)
     before, after = load_file(tiny_ckpt), _params(out)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
@@ -212,7 +208,7 @@ def test_the_main_job_trains_the_geneval_like_reward_through_the_text_encoder(tm
     root = Path(__file__).resolve().parents[1] / "configs"
     assert main(["train", "--config", str(root / "jpeg_compressibility.yaml"), "--output-dir", str(jpeg)]
                 + [a for s in small[:1] + ["grpo.iterations=1"] + small[2:] for a in ("--set", s)]) == 0
-    assert all(r["reward_mean"] < 0 for r in _records(jpeg) if r["kind"] == "train")
+    assert all(r["reward_mean"] < 0 for r in records(jpeg) if r["kind"] == "train")
 
 
 def test_train_help_lists_every_key(capsys):

@@ -20,9 +20,11 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
-from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel  # noqa: E402
-from test_diffusers import assert_window_two_is_exact  # noqa: E402
-from test_real_train import records  # noqa: E402
+from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
+from gradient_checks import assert_window_two_is_exact  # noqa: E402
+from tiny_pipelines import tiny_wan, tiny_wan_vae  # noqa: E402
+from reward_plugins import video_brightness  # noqa: E402
+from tiny_runs import records  # noqa: E402
 
 import jagg  # noqa: E402
 from jagg.cli import main  # noqa: E402
@@ -33,26 +35,10 @@ from jagg.rewards.registry import get_reward, jpeg_compressibility  # noqa: E402
 from jagg.trainers import diffusers as real_train  # noqa: E402
 from jagg.infra.metrics import save_grid  # noqa: E402
 
-C, L, D = 4, 5, 16                     # latent channels, text tokens, text width
+C, L, D = 4, 5, 16                     # latent channels, text tokens, text width (tiny_pipelines')
 HEIGHT, WIDTH, FRAMES = 64, 96, 5      # pixels; 5 frames = 2 latent frames: latents [C, 2, 8, 12]
 LATENT = (C, 2, 8, 12)
 PROMPTS = ["a red cube", "a blue ball"]
-
-
-def tiny_wan(seed=0) -> WanTransformer3DModel:
-    torch.manual_seed(seed)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=C,
-                                 out_channels=C, text_dim=D, freq_dim=16, ffn_dim=32, num_layers=2,
-                                 rope_max_seq_len=32)
-
-
-def tiny_wan_vae() -> AutoencoderKLWan:
-    """Wan's video VAE at 8x spatial and 4x temporal compression (as the real one), with its per-channel
-    normalisation."""
-    torch.manual_seed(0)
-    return AutoencoderKLWan(base_dim=8, z_dim=C, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                            temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
-                            latents_std=[1.5, 0.7, 1.1, 0.9])
 
 
 def embeds(seed=0, prompts=tuple(PROMPTS)) -> tuple[PromptEmbeddings, PromptEmbeddings]:
@@ -201,12 +187,6 @@ def test_config_frames_width_and_shift():
     assert default_shift("wan", 99, {"shift": 3.0}) == 3.0
 
 
-def video_brightness(images, prompts, metadata):
-    """A `module:function` video reward: it gets the videos uint8 [N, F, H, W, 3] themselves."""
-    assert images.ndim == 5 and images.shape[-1] == 3 and len(prompts) == len(images)
-    return images.reshape(len(images), -1).mean(1).astype(np.float32) / 255
-
-
 def test_image_rewards_score_videos_frame_by_frame(tmp_path):
     """A registered image reward (and each image reward of a weighted sum) scores every frame and averages per
     video, its per-frame info too; a module:function gets the videos; save_grid writes them as an animated GIF."""
@@ -219,8 +199,8 @@ def test_image_rewards_score_videos_frame_by_frame(tmp_path):
     per_frame = np.stack([jpeg_compressibility(videos[:, f], prompts)[0] for f in range(4)], 1)
     np.testing.assert_allclose(scores, per_frame.mean(1), rtol=1e-6)
     assert info["jpeg_kb"].shape == (3,) and scores[1] > scores[0]
-    mixed, parts = get_reward({"jpeg_compressibility": 1.0, "test_wan:video_brightness": 2.0})(videos, prompts)
-    np.testing.assert_allclose(parts["scores/test_wan:video_brightness"], video_brightness(videos, prompts, None))
+    mixed, parts = get_reward({"jpeg_compressibility": 1.0, "reward_plugins:video_brightness": 2.0})(videos, prompts)
+    np.testing.assert_allclose(parts["scores/reward_plugins:video_brightness"], video_brightness(videos, prompts, None))
     np.testing.assert_allclose(mixed, scores + 2 * video_brightness(videos, prompts, None), rtol=1e-5)
     save_grid(videos, tmp_path / "v.gif", ncol=2, scale=1, prompts=prompts)
     gif = Image.open(tmp_path / "v.gif")
@@ -337,7 +317,7 @@ def test_exact_train_two_iterations_with_a_video_reward(tmp_path, wan_dir, captu
     cfg = write_config(tmp_path, wan_dir, mode="exact")
     out = tmp_path / "exact"
     assert main(["train", "--config", str(cfg), "--output-dir", str(out),
-                 "--set", "reward.name=test_wan:video_brightness", "--set", "log.wandb=true"]) == 0
+                 "--set", "reward.name=reward_plugins:video_brightness", "--set", "log.wandb=true"]) == 0
     rec = records(out)
     assert [r["iteration"] for r in rec] == [1, 2]
     for r in rec:

@@ -1,5 +1,7 @@
 """wandb logging (``log.wandb``): what jagg sends (a stand-in module records it, with or without wandb installed), the
-error without the package, the settings' checks, and a real offline wandb run read back from its files."""
+error without the package, the settings' checks, a real offline wandb run read back from its files, and wandb's
+start-up (a bad project or entity, no API key, an unknown WANDB_MODE, a failing init) refused in one line naming
+the key before anything is written."""
 
 import json
 import math
@@ -10,16 +12,13 @@ from pathlib import Path
 import pytest
 
 import fake_wandb
-from conftest import tiny_train_args
+from command_line import train_refused_alike
+from tiny_runs import records, tiny_train_args
 from jagg.cli import main
 from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.infra import config_loader as configuration
 from jagg.infra.checkpoint import load_latest
 from jagg.infra.wandb_run import redacted
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
 
 
 def _expected_log(record: dict) -> dict:
@@ -43,10 +42,10 @@ def test_wandb_gets_the_config_every_scalar_and_the_grids_and_resume_continues_i
     assert main(_wandb_args(tiny_ckpt, out, 4) + ["--resume"]) == 0
     first, second = fake_wandb.sessions(calls)
     run_id = json.loads((out / "run.json").read_text())["run_id"]
-    records = _records(out)
-    assert {r["kind"] for r in records} == {"train", "eval", "audit"}
-    for session, iterations, logged in ((first, 3, [r for r in records if r["iteration"] <= 3]),
-                                        (second, 4, [r for r in records if r["iteration"] == 4])):
+    recs = records(out)
+    assert {r["kind"] for r in recs} == {"train", "eval", "audit"}
+    for session, iterations, logged in ((first, 3, [r for r in recs if r["iteration"] <= 3]),
+                                        (second, 4, [r for r in recs if r["iteration"] == 4])):
         init = session[0][1]
         # the same wandb run both times: its id is the run directory's run id
         assert init["id"] == run_id and init["resume"] == "allow"
@@ -125,12 +124,12 @@ def _wandb_file_records(path: Path) -> list:
         pending = piece if kind in (1, 2) else pending + piece
         if kind in (1, 4):
             chunks.append(pending)
-    records = []
+    found = []
     for chunk in chunks:
         r = wandb_internal_pb2.Record()
         r.ParseFromString(chunk)
-        records.append(r)
-    return records
+        found.append(r)
+    return found
 
 
 def _offline_run(run_dir: Path, wait_s: float = 20.0) -> dict:
@@ -178,9 +177,9 @@ def test_an_offline_wandb_run_holds_the_metrics_and_grids_and_resume_reuses_its_
     assert first["id"] == second["id"] == run_id                  # --resume continued the same wandb run
     assert first["config"]["run_dir"] == str(out.resolve()) and first["config"]["grpo"]["iterations"] == 2
     assert second["config"]["grpo"]["iterations"] == 3
-    records = _records(out)
-    for run_dir, run, logged in ((runs[0], first, [r for r in records if r["iteration"] <= 2]),
-                                 (runs[1], second, [r for r in records if r["iteration"] == 3])):
+    recs = records(out)
+    for run_dir, run, logged in ((runs[0], first, [r for r in recs if r["iteration"] <= 2]),
+                                 (runs[1], second, [r for r in recs if r["iteration"] == 3])):
         rows = [{k: v for k, v in h.items() if not k.startswith("_")} for h in run["history"]]
         images = [row for row in rows if any(k.endswith("/_type") for k in row)]
         # every record of metrics.jsonl, in order, under the names TensorBoard shows
@@ -192,3 +191,74 @@ def test_an_offline_wandb_run_holds_the_metrics_and_grids_and_resume_reuses_its_
             path = next(v for k, v in row.items() if k.endswith("/path"))
             assert {v for k, v in row.items() if k.endswith("/_type")} == {"image-file"}
             assert (run_dir / "files" / path).is_file() and path.endswith(".png")
+
+
+@pytest.mark.parametrize("sets,env,culprit", [
+    (["log.wandb_project=a/b:c"], {"WANDB_API_KEY": "x" * 40}, "log.wandb_project 'a/b:c'"),
+    ([f"log.wandb_project={'p' * 129}"], {"WANDB_API_KEY": "x" * 40}, "log.wandb_project"),
+    (["log.wandb_entity=team#1"], {"WANDB_API_KEY": "x" * 40}, "log.wandb_entity"),
+    ([], {"WANDB_MODE": "bogus"}, "WANDB_MODE='bogus'"),
+    ([], {}, "needs a W&B API key"),                                         # online, no key, no netrc
+    (["log.wandb_mode=online"], {"WANDB_MODE": "offline"}, "needs a W&B API key"),
+])
+def test_wandb_start_up_errors_are_one_line_before_anything_is_written(sets, env, culprit, tmp_path, capsys,
+                                                                        monkeypatch):
+    import fake_wandb
+
+    fake_wandb.install(monkeypatch)
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_BASE_URL", "WANDB_ANONYMOUS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))      # no settings file with a key
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    train_refused_alike(main, ["log.wandb=true", *sets], capsys, tmp_path, culprit)
+
+
+def test_wandb_start_up_passes_offline_or_with_a_key(tmp_path, capsys, monkeypatch):
+    import fake_wandb
+
+    from jagg.infra.wandb_run import check_start
+    from jagg.trainers.sections import LogSection
+
+    fake_wandb.install(monkeypatch)
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_ANONYMOUS"):
+        monkeypatch.delenv(name, raising=False)
+    config_dir = tmp_path / "wandb_config"
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(config_dir))
+    check_start(LogSection(wandb=True, wandb_mode="offline"))
+    check_start(LogSection(wandb=True, wandb_mode="disabled"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_start(LogSection(wandb=True))
+    monkeypatch.delenv("WANDB_MODE")
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    check_start(LogSection(wandb=True))                                          # `wandb login`'s entry
+    monkeypatch.delenv("NETRC")
+    with pytest.raises(ValueError, match="needs a W&B API key"):
+        check_start(LogSection(wandb=True))
+    config_dir.mkdir()
+    (config_dir / "settings").write_text("[default]\napi_key = " + "k" * 40 + "\n")
+    check_start(LogSection(wandb=True))                                          # wandb's settings file
+
+
+def test_a_wandb_init_failure_is_one_line_naming_log_wandb(monkeypatch):
+    import fake_wandb
+
+    from jagg.infra.wandb_run import WandbRun
+    from jagg.trainers.sections import LogSection
+
+    fake_wandb.install(monkeypatch)
+
+    class UsageError(Exception):
+        pass
+
+    def refuse(**kwargs):
+        raise UsageError("Invalid project name\nwith a second line")
+
+    monkeypatch.setattr(sys.modules["wandb"], "init", refuse)
+    with pytest.raises(ValueError) as e:
+        WandbRun(LogSection(wandb=True, wandb_mode="offline"), "id", Path("."), {})
+    assert str(e.value).startswith("log.wandb: wandb could not start (UsageError: Invalid project name with")
+    assert "\n" not in str(e.value)

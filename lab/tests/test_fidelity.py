@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import GENERIC
+from tiny_runs import GENERIC
 from lab.__main__ import main
 
 

@@ -11,7 +11,7 @@ import pytest
 from command_line import files_under, refused
 from lab.__main__ import main
 from lab.quality_runs import read_result
-from test_quality_statistics import exact_curve, run
+from constructed_runs import constructed_run, exact_curve
 
 PROG = "python -m lab"
 
@@ -22,7 +22,7 @@ def out(tmp_path):
         for seed in range(2):
             d = tmp_path / "out" / variant / f"seed{seed}"
             d.mkdir(parents=True)
-            (d / "result.json").write_text(json.dumps(run(variant, seed, exact_curve)))
+            (d / "result.json").write_text(json.dumps(constructed_run(variant, seed, exact_curve)))
     return tmp_path / "out"
 
 
@@ -30,9 +30,10 @@ def out(tmp_path):
     ('{"iterations": 60, "train_cu', "is not valid JSON (line 1, column"),               # torn by a crash
     ("[]", "must hold an object (key: value); it holds a list"),
     ("{}", "has no 'iterations' (an integer)"),
-    (json.dumps({**run("slow", 1, exact_curve), "train_curve": [[1, 2.0]]}), "'train_curve' must be a list of rows of 4"),
-    (json.dumps({**run("slow", 1, exact_curve), "wall_s": "long"}), "'wall_s' must be a finite number; it holds a "
-                                                                     "string"),
+    (json.dumps({**constructed_run("slow", 1, exact_curve), "train_curve": [[1, 2.0]]}),
+     "'train_curve' must be a list of rows of 4"),
+    (json.dumps({**constructed_run("slow", 1, exact_curve), "wall_s": "long"}),
+     "'wall_s' must be a finite number; it holds a string"),
 ])
 def test_a_torn_or_foreign_result_is_named_by_the_plateau_tool(text, culprit, out, capsys):
     path = out / "slow" / "seed1" / "result.json"

@@ -12,7 +12,7 @@ import pytest
 from command_line import files_under, refused
 from lab import regime_map as rm
 from lab.__main__ import main
-from test_quality_statistics import exact_curve, run
+from constructed_runs import constructed_run, exact_curve
 
 PROG = "python -m lab"
 SMALL = ["--steps", "10", "--sde", "cps", "--no-cuts", "--batches", "3", "--draws", "1"]     # 2 regimes
@@ -96,7 +96,7 @@ def _results(tmp_path, config_of) -> str:
         for seed in range(3):
             d = tmp_path / "out" / variant / f"seed{seed}"
             d.mkdir(parents=True)
-            r = run(variant, seed, exact_curve, offset=0.01 * seed)
+            r = constructed_run(variant, seed, exact_curve, offset=0.01 * seed)
             r["config"] = config_of(variant, seed, r["config"])
             (d / "result.json").write_text(json.dumps(r))
     return str(tmp_path / "out")

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from test_real_train import sd3_dir, write_sd3_config  # noqa: E402,F401  (the fixture: a tiny SD3 directory)
+from tiny_runs import write_sd3_config  # noqa: E402
 
 from lab.__main__ import main  # noqa: E402
 

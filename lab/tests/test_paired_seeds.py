@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import GENERIC
+from tiny_runs import GENERIC
 from jagg.cost import PRESETS
 from lab.__main__ import main
 
@@ -158,11 +158,10 @@ def test_quality_intervals_skip_undefined_resamples():
 
 
 def test_bench_quality_sets_the_meter_and_the_projection_beside_the_measurement():
-    """Synthetic runs (tests/test_efficiency.py): a variant that learns at half exact's speed per update with half
+    """Synthetic runs (:func:`_run`): a variant that learns at half exact's speed per update with half
     its rows; its runs' last audits predicted 0.6 per update; the projection multiplies the measured 0.5 by the
     structure's iteration ratio for half the rows."""
     from lab.quality_compare import compare
-    from test_paired_seeds import _run
 
     runs = []
     for s in (0, 1, 2):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from test_quality_statistics import exact_curve, run
+from constructed_runs import constructed_run, exact_curve
 
 from lab import plateau_mechanism as pm
 
@@ -20,7 +20,7 @@ def out(tmp_path):
         for seed in range(3):
             d = tmp_path / "out" / variant / f"seed{seed}"
             d.mkdir(parents=True)
-            (d / "result.json").write_text(json.dumps(run(variant, seed, curve, offset=0.01 * seed)))
+            (d / "result.json").write_text(json.dumps(constructed_run(variant, seed, curve, offset=0.01 * seed)))
     return tmp_path / "out"
 
 
@@ -89,7 +89,7 @@ def test_an_undefined_measured_rate_is_never_judged(tmp_path, capsys):
         for seed in range(3):
             d = tmp_path / "out" / variant / f"seed{seed}"
             d.mkdir(parents=True)
-            (d / "result.json").write_text(json.dumps(run(variant, seed, lambda i: 0.5, offset=0.01 * seed)))
+            (d / "result.json").write_text(json.dumps(constructed_run(variant, seed, lambda i: 0.5, offset=0.01 * seed)))
     path = tmp_path / "rec.json"
     assert pm.main(["--out", str(tmp_path / "out"), "--seeds", "3", "--pair", "flat_b:flat_a",
                     "--predict", "flat_b:flat_a=0.5", "--json", str(path)]) == 0

@@ -11,34 +11,14 @@ from jagg.cost import PRESETS
 from lab.quality_compare import compare
 from lab.quality_report import RATE_COLUMNS, rate_rows
 from jagg.bench.common import table
-
-EVALS = list(range(0, 61, 2))                  # evaluations every 2 iterations, 60 iterations
-
-
-def exact_curve(i, stretch=1.0, top=0.7):
-    """0.5 at the start, rising 0.01 per iteration (``stretch`` x slower), level from ``top`` on."""
-    return min(0.5 + 0.01 * i / stretch, top)
-
-
-def run(variant, seed, curve, per_iter=1.0, rows=8, offset=0.0, iterations=60):
-    """A bench-quality run whose held-out reward follows ``curve(iteration)`` (+ ``offset``, the seed's), each
-    iteration ``per_iter`` seconds (wall and CPU)."""
-    its = range(1, iterations + 1)
-    test = [[i, i * per_iter, curve(i) + offset] for i in EVALS if i <= iterations]
-    config = {"seed": seed, "estimator": {"mode": variant}, "eval": {"every": 10}, "log": {"output_dir": f"{seed}"}}
-    return {"kind": "run", "variant": variant, "seed": seed, "updates": iterations, "iterations": iterations,
-            "config": config,
-            "train_curve": [[i, i * per_iter, curve(i) + offset, i * per_iter] for i in its],
-            "test_curve": test, "final_test_reward": test[-1][2], "final_test_reward_std": 0.1, "eval_images": 100,
-            "sample_s": 0.5, "reward_s": 0.0, "train_s": per_iter - 0.5, "iter_s": per_iter, "iter_cpu_s": per_iter,
-            "rows_per_update": rows, "nograd_per_update": 0, "wall_s": iterations * per_iter}
+from constructed_runs import constructed_run, exact_curve
 
 
 def compared(curves, seeds=(0, 1, 2), offsets=None, **kw):
     """``compare`` of variants ``{name: (curve, per_iter, rows)}`` (exact first), each seed shifted alike in every
     variant by its offset (paired)."""
     offsets = offsets or {s: 0.01 * s for s in seeds}
-    runs = [run(v, s, c, p, r, offsets[s]) for s in seeds for v, (c, p, r) in curves.items()]
+    runs = [constructed_run(v, s, c, p, r, offsets[s]) for s in seeds for v, (c, p, r) in curves.items()]
     return {r["variant"]: r for r in compare(runs, list(curves), list(seeds), "cpu", "test", bootstrap=300, **kw)}
 
 
@@ -81,8 +61,8 @@ def test_intervals_cover_the_value_when_seeds_differ():
     speeds = {0: 0.8, 1: 1.0, 2: 1.3, 3: 0.9, 4: 1.1}
     runs = []
     for s, k in speeds.items():
-        runs.append(run("exact", s, lambda i, k=k: exact_curve(i * k)))
-        runs.append(run("slow", s, lambda i, k=k: exact_curve(i * k * (0.5 if s % 2 else 0.7), top=0.69), 0.5, 4))
+        runs.append(constructed_run("exact", s, lambda i, k=k: exact_curve(i * k)))
+        runs.append(constructed_run("slow", s, lambda i, k=k: exact_curve(i * k * (0.5 if s % 2 else 0.7), top=0.69), 0.5, 4))
     out = {r["variant"]: r for r in compare(runs, ["exact", "slow"], list(speeds), "cpu", "test",
                                                               bootstrap=300)}["slow"]
     for key in ("rate", "rate_50", "plateau_gap", "budget_diff"):
@@ -96,8 +76,8 @@ def test_the_reward_at_an_equal_budget():
     exact is at iteration 10 (0.60), the variant at its end (0.70). Projected: the variant's iteration costs 1 / r of
     exact's, so the budget is 20 / r of exact's iterations."""
     line = lambda i: 0.5 + 0.01 * i
-    runs = [run("exact", s, line, 1.0, 8, iterations=20) for s in (0, 1)] + \
-        [run("cheap", s, line, 0.5, 4, iterations=20) for s in (0, 1)]
+    runs = [constructed_run("exact", s, line, 1.0, 8, iterations=20) for s in (0, 1)] + \
+        [constructed_run("cheap", s, line, 0.5, 4, iterations=20) for s in (0, 1)]
     cost = PRESETS["flow_grpo_sd35_full"]
     out = {r["variant"]: r for r in compare(runs, ["exact", "cheap"], [0, 1], "cpu", "test", cost,
                                                              bootstrap=300)}
@@ -127,7 +107,7 @@ def test_a_variant_that_never_rises_and_a_gain_of_0_read_unreached():
 
 
 def test_one_evaluation_gives_no_rate():
-    runs = [run(v, s, exact_curve) for s in (0, 1) for v in ("exact", "b")]
+    runs = [constructed_run(v, s, exact_curve) for s in (0, 1) for v in ("exact", "b")]
     for r in runs:
         r["test_curve"] = r["test_curve"][:1]
     out = {r["variant"]: r for r in compare(runs, ["exact", "b"], [0, 1], "cpu", "train", bootstrap=300)}["b"]
@@ -165,7 +145,7 @@ def test_a_runs_summary_keeps_its_evaluations_their_cost_and_the_meter_along_the
 
 
 def test_late_rise_tells_a_levelled_curve_from_one_still_rising():
-    """#32: a plateau read where the curve still rises is no plateau; the late rise (the last 3 evaluations - the 3
+    """A plateau read where the curve still rises is no plateau; the late rise (the last 3 evaluations - the 3
     before them) is 0 on a levelled curve and the curve's rise over 6 iterations on one still rising."""
     out = compared({"exact": EXACT, "rising": (lambda i: exact_curve(i, stretch=10.0), 1.0, 8)})
     assert out["exact"]["late_rise"] == pytest.approx(0.0, abs=1e-12)
@@ -178,7 +158,7 @@ def test_late_rise_tells_a_levelled_curve_from_one_still_rising():
 
 
 def test_the_gap_splits_into_the_lag_a_rate_explains_and_a_plateau_of_its_own():
-    """#32: a curve that is exact's stretched 2x while exact still rises ends lower by exactly what the rate explains
+    """A curve that is exact's stretched 2x while exact still rises ends lower by exactly what the rate explains
     (lag = gap, own plateau 0); a curve that rises as fast and levels off 0.02 lower has no lag and its own plateau
     -0.02."""
     rising = lambda i, stretch=1.0: exact_curve(i, stretch=10.0 * stretch)      # 0.001 per iteration, never level

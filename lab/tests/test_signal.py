@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import GENERIC
+from tiny_runs import GENERIC
 from lab.__main__ import main
 
 
@@ -66,9 +66,9 @@ def test_bench_signal_compares_estimators_on_the_same_batches(tmp_path, bench_ck
 
 
 def test_bench_signal_row_of_a_reward_does_not_depend_on_the_other_rewards(tmp_path, monkeypatch):
-    """Issue #18: adding a second reward changed the geneval row (cos 0.0098 -> -0.0160 on the main job) with the
-    same batches: unbiased JAGG's picks drew from torch's global RNG, which the second reward's gradients advanced.
-    Each (reward, batch) now draws its picks from an RNG of the seed and the batch alone."""
+    """Adding a second reward leaves the first reward's row unchanged on the same batches: each (reward, batch) draws
+    unbiased JAGG's picks from an RNG of the seed and the batch alone, never from torch's global RNG (which the second
+    reward's gradients would advance: the geneval row moved from cos 0.0098 to -0.0160 on the main job)."""
     from lab import signal
     from jagg.trainers.shapes_config import ShapesTrainConfig, main_job_path
     from jagg.infra import config_loader as configuration

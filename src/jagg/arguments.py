@@ -125,7 +125,7 @@ def sampling_arguments(q, checkpoint: bool = True) -> None:
                    help="noise seed, 0 to 2**32 - 1 [default: 0; eval and bench paired: the main job's eval.seed]")
 
 
-MAIN_JOB_REWARD = "geneval"      # the main job's reward.name; tests/test_bad_input_round3.py checks it against the file
+MAIN_JOB_REWARD = "geneval"      # the main job's reward.name; tests/test_commands_show_what_runs.py checks it against the file
 
 
 def evaluation_arguments(q) -> None:

@@ -267,7 +267,7 @@ def cost_limit(window: int, intermediate: str, f_grad: float = 1.0, f_nograd: fl
     Exact: ``K (F_grad + B)``. JAGG: ``rows (F_grad + B) + nograd F_nograd``, where the rows are the knots plus the
     inner steps of the intervals that run exact, and ``nograd`` the inner steps of the routed intervals under
     ``fresh`` (none under ``interp`` and ``stale``; ``auto`` runs ``fresh`` in the share ``off_policy_share`` of the
-    updates: off-policy, ``(U - 1) / U`` with ``U`` updates per rollout). With ``steps=None`` the limit is for one full interval of ``window`` steps: the defaults
+    updates: off-policy, ``(U - 1) / U`` with ``U`` updates per iteration). With ``steps=None`` the limit is for one full interval of ``window`` steps: the defaults
     (``B = 2F``, ``F_grad = F_nograd``) give docs/design.md's ``3W / (W + 4)`` (fresh) and ``W / 2`` (interp). With
     ``steps=K`` the ``K`` trained steps are laid out as the estimator lays them out: step groups of ``window`` (the last
     may be shorter), or shared knots every ``window - 1`` steps. Routing: the fraction ``jagg_frac`` of each

@@ -19,8 +19,9 @@ INNER_CLIPS = ("step", "none", "group")         # how PPO's clip treats a JAGG i
 ALPHAS = ("sigma", "index")
 NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac", "interval_frac")  # finite, first
 # correction_p's retired values, with what to do instead; the config loader refuses them by key too
-RETIRED_CORRECTION_P = {"auto": "was retired (the rate the meter chose fell 12-15% short of the best fixed rate in 2 of "
-                                "3 regimes); give a fixed rate in [0, 1] instead, e.g. 0 (plain JAGG) or 0.25, chosen "
+RETIRED_CORRECTION_P = {"auto": "was retired (the probability the meter chose learned 12-15% less than the best fixed "
+                                "one in 2 of 3 regimes); give a fixed probability in [0, 1] instead, e.g. 0 (plain "
+                                "JAGG) or 0.25, chosen "
                                 "with jagg bench meter"}
 # mode auto's default candidates, from the paired seeds (docs/benchmarks.md "estimator.mode: auto"): the paper's
 # step groups and shared knots plain, and the two unbiased layouts that paid at an equal budget on the 20-step JPEG job
@@ -68,7 +69,7 @@ class EstimatorConfig:
                             "exact clips them; ratios and KL stay exact at every step). 'step' = per term, as exact "
                             "(the default). Off-policy a clipped inner term drops its sample's share of the "
                             "interpolation error a prompt group's samples share, which then no longer cancels in "
-                            "their zero-sum advantages (docs/RESULTS.md §9.2); 'none' = inner terms unclipped; "
+                            "their zero-sum advantages (docs/results.md); 'none' = inner terms unclipped; "
                             "'group' = one decision per prompt group (policy_gradient's prompt_groups; without them "
                             "each sample is its own group, which is 'step') and inner step: every member's term is "
                             "dropped when the group's advantage-weighted ratio 1 + sum A (r - 1) / sum |A| exceeds "
@@ -90,10 +91,10 @@ class EstimatorConfig:
                                       "its inner steps exactly and adds (exact - interpolated) / p, so the expected "
                                       "gradient is exact. Costs p x the inner rows and adds variance (1/p - 1)|e|^2. 0 "
                                       "(the default) = plain JAGG (the paper), biased where the Jacobian is not linear. "
-                                      "On an on-policy job with a repeating error (the JPEG job, lab/NOTEBOOK.md §6.4) "
-                                      "the correction paid; with several updates per rollout (the main job) p = 0.25 "
-                                      "cost ~0.06 of held-out reward (lab/NOTEBOOK.md §9). Choose it with jagg bench "
-                                      "efficiency ('auto' was retired: lab/NOTEBOOK.md §8.6).",
+                                      "It pays where JAGG's error repeats and the updates are on-policy; off-policy "
+                                      "(several updates per iteration, the main job) it multiplies JAGG's heavy-tailed "
+                                      "error by 1/p (docs/results.md). Choose p with jagg bench meter, a few fixed "
+                                      "probabilities side by side ('auto' is refused).",
                                       "retired": RETIRED_CORRECTION_P})
     correction_probs: list[float] | None = field(default=None, metadata={"was": "correction_rates", "help":
                                                  "Per-interval correction probabilities p_j in [0, 1], one per interval of the layout in order "
@@ -122,9 +123,9 @@ class EstimatorConfig:
     meter_every: int = field(default=0, metadata={"was": "audit_every", "help": "Trainers only: every N iterations, "
                              "compute the exact "
                              "gradient of a few samples next to this estimator's and log their cosine, in total and per "
-                             "third of the trained steps, both clip fractions, and the efficiency meter's running "
+                             "third of the trained steps, both clip fractions, and the meter's running "
                              "estimates (audit/* in metrics and TensorBoard). The j-th "
-                             "audit runs before update j mod U of its rollout (U = inner_epochs x updates_per_epoch), "
+                             "audit runs before update j mod U of its iteration (U = inner_epochs x updates_per_epoch), "
                              "so the off-policy updates are audited too. 0 = off."})
     meter_samples: int = field(default=4, metadata={"was": "audit_samples", "help": "Trainers only: samples (whole "
                                "prompt groups, at least "

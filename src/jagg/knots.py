@@ -352,7 +352,7 @@ def drawn_count(n: int, frac: float) -> int:
 
 
 def budget_probs(errors: Sequence[float], rows: Sequence[float], budget: float) -> list[float]:
-    """Per-interval correction rates ``p_j`` that minimise the correction's variance ``sum_j (1/p_j - 1) D_j`` at the
+    """Per-interval correction probabilities ``p_j`` that minimise the correction's variance ``sum_j (1/p_j - 1) D_j`` at the
     row budget ``sum_j p_j r_j = budget``: ``p_j = min(1, c sqrt(D_j / r_j))`` with ``c`` set by the budget (capped
     rates at 1, the rest of the budget shared again). An interval without error or without rows gets 0; a budget of at
     least the rows of every interval with an error gives them 1.

@@ -235,7 +235,7 @@ def extrapolate(stats: dict, batch: float, target: float) -> dict:
 
 
 class Meter:
-    """The training-time efficiency meter: running estimates, over the audits of one run, of the configured
+    """The training-time meter: running estimates, over the audits of one run, of the configured
     estimator's error against the noise of one update, from the audit's per-prompt-group gradients.
 
     Each audit gives ``m >= 2`` prompt groups' exact gradients ``g_j`` and errors ``e_j`` (estimate - exact, each a
@@ -289,7 +289,7 @@ class Meter:
     @classmethod
     def from_state(cls, state: dict) -> "Meter":
         """The meter of a :meth:`state_dict` (checked to hold :data:`STATE_FIELDS`, else a ValueError naming the key)."""
-        check_fields(state, cls.STATE_FIELDS, "the efficiency meter's state")
+        check_fields(state, cls.STATE_FIELDS, "the meter's state")
         meter = cls()
         for key in cls.STATE:
             setattr(meter, key, copy.deepcopy(state[key]))
@@ -413,8 +413,8 @@ class Meter:
 def meter_flag(result: dict, min_audits: int = 4) -> str | None:
     """A warning when, after ``min_audits`` audits, the estimator's error repeats from batch to batch (its
     ``bias_to_noise`` more than 3 standard errors above 0), else None. There is no warning on the predicted
-    efficiencies: they model an unbiased estimator, so a repeating error is outside what they can see (what the two
-    signs told in the measured runs: lab/NOTEBOOK.md)."""
+    efficiencies: they model an unbiased estimator, so a repeating error is outside what they can see (what a repeating
+    error costs in the measured runs: docs/results.md)."""
     if not isinstance(result, dict):
         raise TypeError(f"result must be the dict of Meter.update; got {type(result).__name__}")
     if result.get("audits", 0) < min_audits:

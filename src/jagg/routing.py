@@ -2,8 +2,7 @@
 
 Routing (``jagg_frac < 1``) sends the highest-scoring units through JAGG; the decision itself, like the interval
 layout it scores, belongs to the plan (:func:`jagg.knots.route`). A score needs no forward pass; higher = more linear.
-The score is the one that ranked the true per-interval gradient cosine best in ``python -m lab fidelity`` (lab/NOTEBOOK.md
-§2; the other candidates measured there are retired).
+Of the scores ``python -m lab fidelity`` compares, this one ranks the true per-interval gradient cosine best.
 """
 
 from __future__ import annotations

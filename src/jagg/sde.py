@@ -285,7 +285,7 @@ def group_clip(ratio: Tensor, advantages: Tensor, group: Tensor, clip_range: flo
     A group is dropped when its advantage-weighted ratio ``1 + sum A (r - 1) / sum |A|`` exceeds ``1 + clip_range``:
     its surrogate has already improved beyond the trust region. For a group of one item this is PPO's own rule (the
     gradient of ``max(-A r, -A clip(r))`` is zero exactly when ``A (r - 1) > clip_range |A|``). A group whose items
-    share an error in proportion to their zero-sum advantages (JAGG's interpolation error, docs/RESULTS.md §9.2) keeps
+    share an error in proportion to their zero-sum advantages (JAGG's interpolation error, docs/results.md) keeps
     it cancelling: its items are dropped or kept together.
 
     Args:

@@ -27,8 +27,8 @@ MARGIN = 0.1
 def rate_range(error_to_noise: float, se: float) -> tuple[float, float]:
     """The per-update rate (of exact's) an unbiased error ``E|e|^2/V_b = error_to_noise`` (jackknife SE ``se``) leaves:
     from SGD's variance model at the error's upper end ``+ 2 SE`` to Adam's first-order model at its lower end
-    ``- 2 SE`` (clamped at 0). Paired seeds fell between the two models and on both of their sides (docs/RESULTS.md
-    §9.5), so neither alone is the prediction."""
+    ``- 2 SE`` (clamped at 0). Paired seeds fell between the two models and on both of their sides
+    (docs/results.md), so neither alone is the prediction."""
     return predicted_efficiency(1.0, error_to_noise + 2 * se), adam_efficiency(1.0, max(error_to_noise - 2 * se, 0.0))
 
 
@@ -38,8 +38,7 @@ def prediction(rec: dict) -> dict:
     ``time_rate_lo``, ``time_rate_hi``) and ``prediction``: ``range``, or ``unknown`` where the models do not hold, a
     significant repeating error (``bias_z >= 2``), or where the range is wider than :data:`MAX_RANGE` (a heavy-tailed
     error that these batches do not resolve: more ``--batches`` narrow it). ``prediction_range`` prints it. For a job
-    of ``U`` updates per rollout the per-update rate is the mean of the ranges at ``--update 0 .. U-1``
-    (docs/RESULTS.md §9.5)."""
+    of ``U`` updates per iteration the per-update rate is the mean of the ranges at ``--update 0 .. U-1``."""
     lo, hi = rate_range(rec["error_to_noise"], rec["error_to_noise_se"])
     ratio, z = rec["iter_ratio"], rec["bias_z"]
     if z is not None and math.isfinite(z) and z >= 2:
@@ -53,12 +52,12 @@ def prediction(rec: dict) -> dict:
 
 
 def job_prediction(per_update: list[list[dict]]) -> list[dict]:
-    """The meter's answer for a job of ``U`` optimizer updates per rollout, from its records at ``--update 0 .. U-1``
+    """The meter's answer for a job of ``U`` optimizer updates per iteration, from its records at ``--update 0 .. U-1``
     (``per_update[u]``: the records at position ``u``, the same estimators in the same order). Per estimator:
     ``rate_lo``, ``rate_hi`` (and ``time_rate_lo``, ``time_rate_hi``), the means of the positions' :func:`prediction`
     ranges, for the job's per-update rate is the mean of its updates'; ``prediction`` is ``range`` only where every
     position's is, else the first position's reason, with ``unknown_at`` listing the positions; ``positions`` prints
-    each position's range (docs/RESULTS.md §9.5)."""
+    each position's range."""
     if not per_update:
         raise ValueError("job_prediction: no update positions given")
     names = [r["estimator"] for r in per_update[0]]
@@ -118,7 +117,7 @@ def verdict(records: list[dict], updates: int, margin: float = MARGIN, cost: str
             missing: str = "--update all measures every position") -> dict:
     """Which estimator to train with, from the meter's records (each with ``estimator``, ``update`` and the terms
     :func:`prediction` reads; ``exact`` is the reference and may be among them) for a job of ``updates`` optimizer
-    updates per rollout. A candidate passes when every position ``0 .. updates-1`` was measured and clears the bar
+    updates per iteration. A candidate passes when every position ``0 .. updates-1`` was measured and clears the bar
     (:func:`position_failure`); the recommendation is the passing one with the highest low end (mean over the
     positions), else exact, with the reason. ``cost`` names the cost structure of the records'
     ``projected_iter_ratio``; ``missing`` says why a position has no record.

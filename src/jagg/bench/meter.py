@@ -23,7 +23,7 @@ deterministic estimator). Per estimator:
 - ``bias_to_noise`` = ``|b|^2 / V_b`` with its standard error: ``|b|^2`` is the agreement of the errors' means
   across batches, ``mean_{i != j} <e_i, e_j>``, an unbiased estimate of the squared norm of the error that repeats
   from batch to batch (the bias Adam integrates like a signal). 0 for an unbiased estimator up to its SE;
-  ``bias_z`` = ``bias_to_noise / bias_to_noise_se`` (what it told about training: lab/NOTEBOOK.md);
+  ``bias_z`` = ``bias_to_noise / bias_to_noise_se`` (what it told about training: docs/results.md);
 - ``bias_to_signal`` = ``|b|^2 / |E g|^2`` (the signal's squared norm estimated the same way from the exact
   gradients) and ``bias_signal_cos``: a bias is harmless only when it is small against the signal Adam follows;
 - ``efficiency``, ``time_efficiency``, ``adam_efficiency`` and ``adam_time_efficiency`` as above (times: medians
@@ -38,7 +38,7 @@ deterministic estimator). Per estimator:
   ``E|e|^2/V_b + 2 SE`` and Adam's at its lower end ``- 2 SE`` (paired seeds fell between the two models), or
   ``unknown`` where no model holds: a repeating error (``bias_z >= 2``), or an error these batches do not resolve
   (the range wider than 0.5: heavy-tailed, one batch of a few can carry most of it; more ``--batches`` narrow it)
-  (:func:`prediction`); with several updates per rollout, the mean over the ``--update`` positions predicts the
+  (:func:`prediction`); with several updates per iteration, the mean over the ``--update`` positions predicts the
   job's per-update rate: ``--update all`` measures each position in turn and prints it (:func:`job_prediction`,
   records of ``kind`` ``job`` in ``--json``), ``unknown`` where any position's answer is;
 - the **verdict** (:func:`jagg.verdict.verdict`, printed last, ``kind`` ``verdict`` in ``--json``; none with
@@ -156,10 +156,10 @@ def check_update(update: int | str, cfg) -> None:
     g = cfg.grpo
     U = g.inner_epochs * g.updates_per_epoch
     if update != "all" and update >= U:
-        raise ValueError(f"--update {update}: the job makes {U} optimizer update{'s' * (U != 1)} per rollout "
+        raise ValueError(f"--update {update}: the job makes {U} optimizer update{'s' * (U != 1)} per iteration "
                          f"(grpo.inner_epochs={g.inner_epochs} x grpo.updates_per_epoch={g.updates_per_epoch}), at "
                          f"positions 0 to {U - 1}; give --update below {U} or --update all, or measure a job with more "
-                         "updates per rollout (--set grpo.updates_per_epoch=...)")
+                         "updates per iteration (--set grpo.updates_per_epoch=...)")
 
 
 TrainConfig = ShapesTrainConfig | DiffusersTrainConfig
@@ -423,7 +423,7 @@ def _run(args: argparse.Namespace) -> int:
     updates = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
     if args.update == "all":
         def each(u: int, recs: list[dict]) -> None:
-            print(f"== update {u} of {updates} per rollout")
+            print(f"== update {u} of {updates} per iteration")
             _report(recs, batches, draws, u, cost_line)
 
         per_update = measure_job(cfg, specs, batches, draws, args.target_batch, cost, each)
@@ -433,7 +433,7 @@ def _run(args: argparse.Namespace) -> int:
     records = [r for recs in per_update for r in recs]
     if args.update == "all":
         job = job_prediction(per_update)
-        print(f"\nthe job's per-update rate of exact's ({updates} updates per rollout): the mean of the "
+        print(f"\nthe job's per-update rate of exact's ({updates} updates per iteration): the mean of the "
               "positions' ranges, 'unknown' where any position's is")
         print(table(job, JOB_COLUMNS))
         records += job
@@ -505,10 +505,10 @@ def _report(records: list[dict], batches: int, draws: int, update: int, cost_lin
           "whose repeating error is not significant (bias z < 2); all predict from this checkpoint's gradients, paired "
           "seeds measure (docs/design.md §3.8); rate/update: the meter's prediction, the rate per update of exact's "
           "between SGD's model at E|e|^2/V_b + 2 jackknife SE and Adam's at - 2 SE, 'unknown' where no model holds "
-          "(bias z >= 2) or the range is wider than 0.5 (measure more --batches); with U updates per rollout the "
-          "job's per-update rate is the mean over --update 0 .. U-1 (--update all; lab/NOTEBOOK.md §9.5); linearity: "
+          "(bias z >= 2) or the range is wider than 0.5 (measure more --batches); with U updates per iteration the "
+          "job's per-update rate is the mean over --update 0 .. U-1 (--update all); linearity: "
           "routing's score of the estimator's layout on these rollouts (the paper's linearity test, no backward pass; "
-          "over 17 regimes of the shapes world, >= 0.6 went with an error <= 0.24 of the noise: lab/NOTEBOOK.md §9.6)")
+          "over 17 regimes of the shapes world, >= 0.6 went with an error <= 0.24 of the noise: docs/results.md)")
     print(f"\nprojected, not measured: the per-update efficiency times the iteration ratio of {cost_line}")
     print(table(records, PROJECTED_COLUMNS))
     for r in records:

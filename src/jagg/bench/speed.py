@@ -455,7 +455,7 @@ def add_parser(sub) -> None:
                    help="also time interval subsampling (interval_frac) at these fractions, on every layout and window "
                         f"> 2; none: skip [default: {' '.join(map(str, d.interval_fracs))}]")
     p.add_argument("--corrections", nargs="*", type=float, metavar="P",
-                   help="also time unbiased JAGG's correction at these rates (correction_p) on every layout and "
+                   help="also time unbiased JAGG's correction at these probabilities (correction_p) on every layout and "
                         f"window > 2; none: skip [default: {' '.join(map(str, d.corrections))}]")
     p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES,
                    help=f"inner-step velocities [default: {' '.join(d.intermediates)}]")

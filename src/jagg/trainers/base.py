@@ -107,8 +107,8 @@ def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUM
     for key, off in RETIRED_KEYS.items():
         if key in a and key not in b:
             if a.pop(key) != off:
-                raise ValueError(f"cannot resume: the checkpoint was trained with {key}, an option since retired "
-                                 "(lab/NOTEBOOK.md keeps what it measured); start a new run in another directory")
+                raise ValueError(f"cannot resume: the checkpoint was trained with {key}, an option since retired; "
+                                 "start a new run in another directory")
     for key, retired in RETIRED_VALUES.items():
         if isinstance(a.get(key), str) and a[key] in retired:
             raise ValueError(f"cannot resume: the checkpoint was trained with {key} {a[key]!r}, which "
@@ -301,7 +301,7 @@ class GRPO(ABC):
         self.skipped_updates = self.consecutive_skips = self.consecutive_empty = 0
         self.empty_iteration = self._empty_warned = False    # whether the last iteration had nothing to learn from
         self.logger: MetricsLogger | None = None             # a GRPOTrainer's, on its main process
-        self.meter: Meter | None = None                 # the efficiency meter, from the first audit on
+        self.meter: Meter | None = None                 # the meter, from the first audit on
         # the estimator the updates use: the config's, or with estimator.mode auto the pre-flight's decision (None
         # until decide_estimator() made it, before the first iteration; a resumed run's from its checkpoint)
         self.estimator: EstimatorConfig | None = None if cfg.estimator.mode == AUTO else cfg.estimator
@@ -647,7 +647,7 @@ class GRPOTrainer(GRPO):
 
     def loop_state(self) -> dict:
         """What every checkpoint keeps of the loop, in both trainers: the iterations done, their seconds and CPU
-        seconds (across resumes), the skipped updates and the efficiency meter's measurements (None before the first
+        seconds (across resumes), the skipped updates and the meter's measurements (None before the first
         audit), so that a resumed run goes on as the run would have."""
         return {"iteration": self.iteration, "wall": self.wall, "cpu": self.cpu,
                 "skipped_updates": self.skipped_updates,

@@ -154,7 +154,7 @@ def layout_linearity(batches: list[Batch], est: EstimatorConfig) -> dict:
     by) of a JAGG estimator's own layout on the measured rollouts, from their velocities alone (no backward pass):
     ``linearity``, the mean over samples and intervals of three or more steps (shorter ones are exact under JAGG),
     and ``linearity_min``, the lowest; NaN for an estimator that interpolates nothing. Across 17 sampling regimes
-    the error against the noise fell as it rose (docs/RESULTS.md §9.6)."""
+    the error against the noise fell as it rose (docs/results.md)."""
     scores = []
     for batch in batches:
         intervals, _, jagg = layout_intervals(batch.traj, est)

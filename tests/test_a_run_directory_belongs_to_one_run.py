@@ -1,10 +1,14 @@
-"""A run directory belongs to one run (issue #18): the three ways a user's results were lost or mixed without a word,
-each refused with a message and exit 2, and the filesystem errors on the output directory as one line.
+"""A run directory belongs to one run: the three ways a user's results could be lost or mixed without a word, each
+refused with a message and exit 2, the filesystem errors on the output directory as one line, and a resume that
+would continue a run under another reward refused by name.
 
-1. a new `jagg train` into a directory that holds a run (it overwrote metrics.jsonl, pruning deleted the new run's
-   final checkpoint, and a later --resume continued the old run);
-2. `--resume` where no checkpoint is readable (it started from scratch over the old run);
-3. `jagg pretrain` without --out (it wrote over the shipped model in src/jagg/shapes/assets/).
+1. a new `jagg train` into a directory that holds a run (it would overwrite metrics.jsonl, pruning would delete the
+   new run's final checkpoint, and a later --resume would continue the old run): refused; --overwrite moves the old
+   run aside;
+2. `--resume` where no checkpoint is readable (it would start from scratch over the old run): refused, naming every
+   file;
+3. `jagg pretrain` without --out (it would write over the shipped model in src/jagg/shapes/assets/): --out is
+   required and never inside the installed package.
 """
 
 import errno
@@ -19,19 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import real_model_config, tiny_train_args
+from command_line import one_line_error
+from tiny_runs import real_model_config, tiny_train_args
 from jagg.cli import main
 from jagg.infra.checkpoint import list_checkpoints, load_latest, prune_checkpoints, save_checkpoint
 from jagg.infra.rundir import RUN_FILE, read_run_file
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "src" / "jagg" / "shapes" / "assets" / "tiny_dit.safetensors"
-
-
-def _one_line_error(capsys, command: str = "train") -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.startswith(f"jagg {command}: error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 def _snapshot(run: Path) -> dict:
@@ -58,7 +57,7 @@ def test_a_new_run_into_a_run_directory_is_refused_and_changes_nothing(tmp_path,
     run_id = read_run_file(run)["run_id"]
     capsys.readouterr()
     assert _train(tiny_ckpt, run, 2) == 2                                  # no --resume, no --overwrite
-    err = _one_line_error(capsys)
+    err = one_line_error(capsys, "train")
     assert str(run) in err and "metrics.jsonl with 3 records" in err and "ckpt_000003.pt" in err
     assert "--resume" in err and "--output-dir" in err and "--overwrite" in err
     assert _snapshot(run) == before                                       # metrics, checkpoints, run.json untouched
@@ -95,8 +94,8 @@ def test_overwrite_and_resume_are_mutually_exclusive(capsys):
 
 
 def test_pruning_keeps_the_newest_checkpoint_of_this_run_and_never_another_runs(tmp_path):
-    """The issue's mix: another run's ckpt_000025 and ckpt_000030 beside this run's ckpt 1..3, keep_last 2. Before,
-    pruning deleted this run's final ckpt_000003 and kept the other run's two."""
+    """A mixed directory: another run's ckpt_000025 and ckpt_000030 beside this run's ckpt 1..3, keep_last 2. Pruning
+    by iteration alone would delete this run's final ckpt_000003 and keep the other run's two."""
     d = tmp_path / "checkpoints"
     for it in (25, 30):
         save_checkpoint({"model": {}, "run_id": "old-run"}, d, it, keep_last=2)
@@ -122,7 +121,7 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, tiny_ckpt, capsys)
     before = _snapshot(a)
     capsys.readouterr()
     assert _train(tiny_ckpt, a, 3, flags=["--resume"]) == 2
-    err = _one_line_error(capsys)
+    err = one_line_error(capsys, "train")
     assert "ckpt_000002.pt belongs to run " + read_run_file(b)["run_id"] in err
     assert read_run_file(a)["run_id"] in err and "mixes two runs" in err
     assert _snapshot(a) == before
@@ -141,7 +140,7 @@ def test_resume_without_a_readable_checkpoint_names_every_file_and_changes_nothi
     capsys.readouterr()
     for flag in ("--resume", "--resume-or-start"):
         assert _train(tiny_ckpt, run, 4, flags=[flag]) == 2
-        err = _one_line_error(capsys)
+        err = one_line_error(capsys, "train")
         assert "no readable checkpoint" in err and "nothing was changed" in err
         for name in ("ckpt_000001.pt", "ckpt_000002.pt"):
             assert re.search(rf"{name} is not a loadable checkpoint, it may be truncated or corrupt \(\w+", err)
@@ -154,7 +153,7 @@ def test_resume_needs_a_run_and_starting_fresh_needs_an_explicit_flag(tmp_path, 
     empty.mkdir()
     for run, why in ((absent, "does not exist"), (empty, "holds no checkpoint")):
         assert _train(tiny_ckpt, run, 1, flags=["--resume"]) == 2
-        err = _one_line_error(capsys)
+        err = one_line_error(capsys, "train")
         assert f"no run in {run} (it {why})" in err and "--resume-or-start" in err
     assert not absent.exists() and not any(empty.iterdir())
     assert _train(tiny_ckpt, absent, 1, flags=["--resume-or-start"]) == 0
@@ -176,7 +175,7 @@ def test_resume_needs_a_run_and_starting_fresh_needs_an_explicit_flag(tmp_path, 
     stopped.mkdir()
     (stopped / "metrics.jsonl").write_text('{"kind": "train", "iteration": 1}\n')
     assert _train(tiny_ckpt, stopped, 1, flags=["--resume"]) == 2
-    err = _one_line_error(capsys)
+    err = one_line_error(capsys, "train")
     assert "metrics.jsonl with 1 record but no checkpoint" in err and "--overwrite" in err
     assert (stopped / "metrics.jsonl").read_text() == '{"kind": "train", "iteration": 1}\n'
     assert _train(tiny_ckpt, stopped, 1, flags=["--resume-or-start"]) == 0
@@ -216,12 +215,12 @@ def test_pretrain_requires_out_and_never_writes_into_the_package(tmp_path, monke
     for out in ("src/jagg/shapes/assets/tiny_dit.safetensors", str(ASSET), "src/jagg/shapes/assets/new.safetensors",
                 "src/jagg/../jagg/shapes/assets/tiny_dit.safetensors"):
         assert main(["pretrain", "--out", out, "--set", "train.steps=1"]) == 2
-        err = _one_line_error(capsys, "pretrain")
+        err = one_line_error(capsys, "pretrain")
         assert out in err and "inside the installed jagg package" in err and "--out runs/pretrain/" in err
     assert hashlib.sha256(ASSET.read_bytes()).hexdigest() == digest and ASSET.stat().st_mtime_ns == mtime
     assert not (ASSET.parent / "new.safetensors").exists()
     assert main(["pretrain", "--out", str(tmp_path), "--set", "train.steps=1"]) == 2
-    assert "is a directory" in _one_line_error(capsys, "pretrain")
+    assert "is a directory" in one_line_error(capsys, "pretrain")
     with pytest.raises(SystemExit):
         main(["pretrain", "--help"])
     text = capsys.readouterr().out
@@ -235,14 +234,15 @@ def test_a_file_where_the_run_directory_should_be_is_one_line(tmp_path, tiny_ckp
     file = tmp_path / "file"
     file.write_text("not a directory")
     assert _train(tiny_ckpt, file, 1) == 2
-    assert f"the run directory {file} is a file, not a directory; use another --output-dir" in _one_line_error(capsys)
+    err = one_line_error(capsys, "train")
+    assert f"the run directory {file} is a file, not a directory; use another --output-dir" in err
     run = tmp_path / "run"
     run.mkdir()
     (run / "checkpoints").write_text("a file")
     assert _train(tiny_ckpt, run, 1) == 2
-    assert "checkpoints is a file, not a directory" in _one_line_error(capsys)
+    assert "checkpoints is a file, not a directory" in one_line_error(capsys, "train")
     assert _train(tiny_ckpt, file / "sub", 1) == 2                          # a file where a parent should be
-    assert "sub" in _one_line_error(capsys) and file.read_text() == "not a directory"
+    assert "sub" in one_line_error(capsys, "train") and file.read_text() == "not a directory"
 
 
 def _refuse_under(root: Path, code: int, only: str = ""):
@@ -263,20 +263,20 @@ def test_a_read_only_run_directory_is_one_line_and_exit_2(tmp_path, tiny_ckpt, c
         run.chmod(0o555)
         try:
             assert _train(tiny_ckpt, run, 1) == 2
-            err = _one_line_error(capsys)
+            err = one_line_error(capsys, "train")
             assert str(run) in err and "--output-dir" in err
         finally:
             run.chmod(0o755)
     with monkeypatch.context() as m:                      # EROFS as a read-only mount gives it
         m.setattr(tempfile, "mkstemp", _refuse_under(run, errno.EROFS))
         assert _train(tiny_ckpt, run, 1) == 2
-    err = _one_line_error(capsys)
+    err = one_line_error(capsys, "train")
     assert "cannot write the run directory" in err and "read-only file system" in err and str(run) in err
     assert "use another --output-dir, a writable one" in err
     with monkeypatch.context() as m:                      # permission denied
         m.setattr(tempfile, "mkstemp", _refuse_under(run, errno.EACCES))
         assert _train(tiny_ckpt, run, 1) == 2
-    assert "Permission denied" in _one_line_error(capsys)
+    assert "Permission denied" in one_line_error(capsys, "train")
 
 
 def test_a_checkpoint_write_failing_mid_run_is_one_line_and_keeps_the_metrics(tmp_path, tiny_ckpt, capsys,
@@ -284,7 +284,7 @@ def test_a_checkpoint_write_failing_mid_run_is_one_line_and_keeps_the_metrics(tm
     run = tmp_path / "run"
     monkeypatch.setattr(tempfile, "mkstemp", _refuse_under(run, errno.ENOSPC, only="checkpoints"))
     assert _train(tiny_ckpt, run, 2) == 2
-    err = _one_line_error(capsys)
+    err = one_line_error(capsys, "train")
     assert "No space left on device" in err and "checkpoints" in err
     assert [r["iteration"] for r in _train_records(run)] == [1]
 
@@ -323,18 +323,18 @@ def test_the_real_model_trainer_applies_the_same_rules_before_loading_a_model(tm
     (run / "metrics.jsonl").write_text('{"kind": "train", "iteration": 1}\n')
     torch.save({"model": {}, "manifest": {}, "run_id": "x"}, run / "checkpoints" / "ckpt_000001.pt")
     assert main(["train", "--config", str(cfg), "--output-dir", str(run)]) == 2
-    assert "already holds a run" in _one_line_error(capsys)
+    assert "already holds a run" in one_line_error(capsys, "train")
     assert main(["train", "--config", str(cfg), "--output-dir", str(tmp_path / "none"), "--resume"]) == 2
-    assert "no run in" in _one_line_error(capsys)
+    assert "no run in" in one_line_error(capsys, "train")
     (run / "checkpoints" / "ckpt_000001.pt").write_bytes(b"cut")
     assert main(["train", "--config", str(cfg), "--output-dir", str(run), "--resume"]) == 2
-    assert "ckpt_000001.pt is not a loadable checkpoint" in _one_line_error(capsys)
+    assert "ckpt_000001.pt is not a loadable checkpoint" in one_line_error(capsys, "train")
     assert main(["train", "--config", str(cfg), "--output-dir", str(run), "--overwrite",
                  "--set", f"pipeline.path={tmp_path / 'missing'}"]) == 2
-    assert "jagg never downloads weights" in _one_line_error(capsys)
+    assert "jagg never downloads weights" in one_line_error(capsys, "train")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]    # the model first: nothing moved
     assert main(["train", "--config", str(cfg), "--output-dir", str(run), "--overwrite"]) == 2   # moved, no weights
-    assert "no_model" in _one_line_error(capsys)
+    assert "no_model" in one_line_error(capsys, "train")
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
     assert (aside / "metrics.jsonl").is_file() and (aside / "checkpoints" / "ckpt_000001.pt").read_bytes() == b"cut"
     assert not (run / RUN_FILE).exists()                                   # nothing written before the model loads
@@ -375,3 +375,17 @@ def test_a_run_directory_in_use_by_another_process_is_refused_and_changes_nothin
     assert lock_holder(out) is None                    # released by the operating system when the process ended
     args = tiny_train_args(tiny_ckpt, out, 2)
     assert main(args[:3] + ["--resume"] + args[3:]) == 0
+
+
+def test_a_changed_reward_stops_a_resume_by_name():
+    from jagg.trainers.base import check_resumable
+
+    weights = {"jpeg_compressibility": 1.0, "geneval": 0.0}
+    saved = {"reward": {"name": None, "weights": weights}, "grpo": {"iterations": 10}}
+    assert check_resumable(saved, {"reward": {"name": None, "weights": weights}, "grpo": {"iterations": 20}}) == [
+        "grpo.iterations: 10 in the checkpoint, 20 now"]
+    with pytest.raises(ValueError, match="reward.weights"):
+        check_resumable(saved, {"reward": {"name": None, "weights": {"jpeg_compressibility": 1.0}},
+                                "grpo": {"iterations": 10}})
+    with pytest.raises(ValueError, match="reward.name"):
+        check_resumable({"reward": {"name": "geneval", "weights": None}}, {"reward": {"name": "x:y", "weights": None}})

@@ -1,4 +1,8 @@
-"""Failures lose nothing: signals, SIGKILL mid-checkpoint, non-finite updates, failing rewards, bad prompt files."""
+"""A run that fails or is stopped loses nothing and ends with one line: SIGKILL mid-checkpoint keeps the previous
+checkpoint and the resumed run matches an uninterrupted one; SIGTERM finishes the iteration, saves and exits 0;
+Ctrl-C anywhere is one line and exit 130; non-finite updates are skipped, then the run aborts; a failing reward saves
+the last iteration, says how to continue (and that a changed key needs a new run), and the resume retries it; a run
+that has nothing to learn from says why, saves and stops."""
 
 import json
 import os
@@ -12,10 +16,11 @@ import pytest
 import torch
 
 import reward_plugins
-from conftest import tiny_train_args
+from command_line import run as run_cli
 from jagg.infra import config_loader as configuration
 from jagg.infra.checkpoint import list_checkpoints, load_latest
 from jagg.cli import main
+from tiny_runs import no_eval_train_args, pretrain_args, tiny_train_args
 from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.trainers.shapes import ShapesTrainer
 
@@ -136,22 +141,58 @@ def test_failing_reward_saves_and_resume_retries_the_iteration(tmp_path, tiny_ck
     assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
 
 
-def test_prompt_files_are_checked_at_load(tmp_path):
-    good = tmp_path / "good.txt"
-    good.write_text("a red circle\n\nthree blue squares\n")
-    cfg = configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={good}"])
-    assert cfg.sample.prompts() == ["a red circle", "three blue squares"]
-    empty = tmp_path / "empty.txt"
-    empty.write_text("\n \n")
-    with pytest.raises(ValueError, match="holds no prompt"):
-        configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={empty}"])
-    with pytest.raises(ValueError, match="does not exist"):
-        configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={tmp_path / 'missing.txt'}"])
-    bad = tmp_path / "bad.txt"
-    bad.write_text("a red circle\na purple circle\n")
-    with pytest.raises(ValueError, match="line 2.*purple"):
-        configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={bad}"])
-    binary = tmp_path / "bin.txt"
-    binary.write_bytes(b"\xff\xfe\x00bad")
-    with pytest.raises(ValueError, match="bin.txt' is not a UTF-8 text file"):
-        configuration.load(ShapesTrainConfig, None, [f"sample.prompts_file={binary}"])
+@pytest.mark.parametrize("sets,reason", [
+    (["reward.name=null", "reward.weights={jpeg_compressibility: 0.0, geneval: 0.0}"], "every reward weight is 0"),
+    (["reward.name=reward_plugins:constant"], "no prompt group had any reward spread"),
+    (["sample.sde_type=dance", "sample.eta=1e30"], "no prompt group had any reward spread"),     # NaN images
+])
+def test_a_run_that_trains_nothing_says_why_and_stops(sets, reason, tmp_path, tiny_ckpt, capsys):
+    """A run that cannot learn never finishes with exit 0 and no word: the first iteration that trains no sample
+    is warned about once, with its reason, and after grpo.max_empty_iterations in a row the run saves and stops with
+    exit 1 and one line; 0 = never stop."""
+    run = tmp_path / "run"
+    code, line, out = run_cli(main, no_eval_train_args(tiny_ckpt, run, 5, *sets, "grpo.max_empty_iterations=2"), capsys)
+    assert code == 1 and line.startswith("jagg train: aborted: 2 iterations in a row had nothing to learn from: ")
+    assert reason in line
+    assert out.count("nothing to learn from: every advantage was 0 (the 4 samples trained with "
+                     "grpo.drop_zero_spread=false") == 1 and reason in out and "grpo.max_empty_iterations" in out
+    assert [json.loads(l)["iteration"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (run / "checkpoints" / "ckpt_000002.pt").is_file()                 # saved: nothing lost
+    never = tmp_path / "never"
+    code, _, out = run_cli(main, no_eval_train_args(tiny_ckpt, never, 3, *sets, "grpo.max_empty_iterations=0"), capsys)
+    assert code == 0 and out.count("nothing to learn from") == 1
+
+
+def _interrupt(*a, **k):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where,target", [
+    ("train", "jagg.trainers.shapes.load_model"),                       # the trainer's setup
+    ("eval", "jagg.shapes.evaluation.evaluate"),
+    ("sample", "jagg.shapes.evaluation.generate"),
+    ("pretrain", "jagg.shapes.pretrain.pretrain"),
+    ("bench meter", "jagg.bench.meter.ShapesSampler"),
+])
+def test_ctrl_c_anywhere_is_one_line_and_exit_130(where, target, tmp_path, tiny_ckpt, capsys, monkeypatch):
+    """Ctrl-C in a trainer's setup, an evaluation, sampling, pretraining and the benches: one line
+    `jagg ...: interrupted`, exit 130, never a traceback."""
+    monkeypatch.setattr(target, _interrupt)
+    argv = {"train": no_eval_train_args(tiny_ckpt, tmp_path / "run", 1),
+            "eval": ["eval", "--checkpoint", tiny_ckpt],
+            "sample": ["sample", "--checkpoint", tiny_ckpt, "--prompt", "a red circle"],
+            "pretrain": pretrain_args("w.safetensors"),
+            "bench meter": ["bench", "meter", "--quick"]}[where]
+    code, line, _ = run_cli(main, argv, capsys)
+    assert code == 130 and line == f"jagg {where}: interrupted"
+
+
+def test_a_failed_iteration_says_that_a_changed_key_needs_a_new_run(tmp_path, tiny_ckpt, capsys, monkeypatch):
+    import reward_plugins
+
+    monkeypatch.setattr(reward_plugins, "CALLS", 0)
+    monkeypatch.setattr(reward_plugins, "FAIL_AT", 2)              # in iteration 2: iteration 1 is kept
+    code, line, out = run_cli(main, no_eval_train_args(tiny_ckpt, tmp_path / "run", 2, "reward.weights=null",
+                                   "reward.name=reward_plugins:flaky_geneval"), capsys)
+    assert code == 2 and "reward server went away" in line
+    assert "continue with --resume" in out and "needs a new run: start over with --overwrite" in out

@@ -3,8 +3,6 @@ not read as the new one; an old config key gets the usual unknown-key error, wit
 
 import importlib
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -50,34 +48,3 @@ def test_old_keywords_statistics_and_modules_are_gone():
     for module in ("jagg.loss", "jagg.deprecation"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(module)
-
-
-def test_a_changed_reward_stops_a_resume_by_name():
-    from jagg.trainers.base import check_resumable
-
-    weights = {"jpeg_compressibility": 1.0, "geneval": 0.0}
-    saved = {"reward": {"name": None, "weights": weights}, "grpo": {"iterations": 10}}
-    assert check_resumable(saved, {"reward": {"name": None, "weights": weights}, "grpo": {"iterations": 20}}) == [
-        "grpo.iterations: 10 in the checkpoint, 20 now"]
-    with pytest.raises(ValueError, match="reward.weights"):
-        check_resumable(saved, {"reward": {"name": None, "weights": {"jpeg_compressibility": 1.0}},
-                                "grpo": {"iterations": 10}})
-    with pytest.raises(ValueError, match="reward.name"):
-        check_resumable({"reward": {"name": "geneval", "weights": None}}, {"reward": {"name": "x:y", "weights": None}})
-
-
-def test_reward_name_and_weights_together_are_refused_by_name():
-    from jagg.trainers.shapes_config import main_job_path
-
-    main_job = str(main_job_path())                                                  # it sets reward.name
-    jpeg = str(Path(__file__).resolve().parents[1] / "configs" / "jpeg_compressibility.yaml")   # reward.weights
-    with pytest.raises(ValueError, match="reward.name or reward.weights, not both.*reward.weights=null"):
-        configuration.load(ShapesTrainConfig, jpeg, ["reward.name=geneval"])
-    with pytest.raises(ValueError, match="reward.name or reward.weights, not both.*reward.weights=null"):
-        configuration.load(ShapesTrainConfig, main_job, ["reward.weights={geneval: 1.0}"])
-    cfg = configuration.load(ShapesTrainConfig, main_job, ["reward.name=null", "reward.weights={geneval: 1.0}"])
-    assert cfg.reward.name is None and cfg.reward.weights == {"geneval": 1.0}
-    cfg = configuration.load(ShapesTrainConfig, jpeg, ["reward.weights=null", "reward.name=jpeg_compressibility"])
-    assert cfg.reward.name == "jpeg_compressibility" and cfg.reward.weights is None
-    cfg = configuration.load(ShapesTrainConfig, jpeg, ["reward.weights=null"])
-    assert cfg.reward.name == "geneval"                                               # neither set: geneval
