@@ -78,9 +78,10 @@ class EstimatorConfig:
                             "forwards run first), 'stale' ones (ratio 1, kept); with 'interp' (intermediate 'auto' "
                             "on-policy, where every ratio is 1) it keeps them all, as 'none'."})
     jagg_frac: float = field(default=1.0, metadata={"help": "Fraction in [0, 1] of the units (prompt group, or "
-                             "sample, x interval) routed through JAGG, the most linear first (mean cosine of consecutive velocity "
-                             "increments with the interval's chord, from the stored velocities); the rest run exact. 0 = exact. Only intervals of >= 3 steps count (JAGG is exact and no cheaper on 1- "
-                             "or 2-step intervals)."})
+                             "sample, x interval) routed through JAGG, the most linear first (mean cosine of "
+                             "consecutive velocity increments with the interval's chord, from the stored velocities); "
+                             "the rest run exact. 0 = exact. Only intervals of >= 3 steps count (JAGG is exact and no "
+                             "cheaper on 1- or 2-step intervals)."})
     exact_first_intervals: int = field(default=0, metadata={"help": "Always run the first N intervals with inner "
                                        "steps (the noisiest) exact. Where JAGG's error lives (often not there): jagg "
                                        "bench meter --by-interval."})
