@@ -278,3 +278,23 @@ def test_every_position_on_the_same_batches_is_the_measurement_of_that_position_
         for r in job[u]:
             for key in ("error_to_noise", "bias_to_noise", "noise", "clip_frac", "rows_per_sample"):
                 assert r[key] == alone[r["estimator"]][key], (u, r["estimator"], key)
+
+
+def test_a_signal_during_the_pre_flight_stops_it_at_once(tmp_path, bench_ckpt, monkeypatch):
+    """The trainer's SIGINT/SIGTERM handlers (finish the iteration, save, exit) are installed after the pre-flight:
+    during it nothing has trained, so a signal stops the run at once instead of after a whole measurement."""
+    import signal
+
+    import jagg.trainers.auto as auto_mod
+
+    seen = []
+    real = auto_mod.preflight
+
+    def spy(*a, **k):
+        seen.append((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+        return real(*a, **k)
+
+    monkeypatch.setattr(auto_mod, "preflight", spy)
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    assert main(auto_args(bench_ckpt, tmp_path / "run", 3)) == 0
+    assert seen == [before]                                                   # the process's own, not the trainer's

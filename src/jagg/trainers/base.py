@@ -721,10 +721,11 @@ class GRPOTrainer(GRPO):
             self._print(f"the run in {self.out} is at iteration {self.iteration} of grpo.iterations="
                         f"{c.grpo.iterations}: nothing to train (raise grpo.iterations to continue it, or "
                         f"{self.hints.start_over})")
-        handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {}
         try:
-            if self.cfg.estimator.mode == AUTO:
-                self.decide_estimator()                 # before the first screen's evaluation; counted in the clocks
+            if self.cfg.estimator.mode == AUTO:       # before the first screen's evaluation, counted in the clocks, and
+                self.decide_estimator()                 # before the handlers: a signal stops it at once (nothing trained)
+            handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
             self.before_training()
             bar = tqdm(total=c.grpo.iterations, initial=self.iteration, disable=not (c.log.progress and self.main),
                        dynamic_ncols=True, desc=self.progress_label)
