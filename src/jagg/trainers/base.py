@@ -634,8 +634,9 @@ class GRPOTrainer(GRPO):
 
     def loop_state(self) -> dict:
         """What every checkpoint keeps of the loop, in both trainers: the iterations done, their seconds and CPU
-        seconds (across resumes), the skipped updates and the efficiency meter's measurements (None before the first
-        audit), so that a resumed run goes on as the run would have."""
+        seconds (across resumes), the skipped updates, the efficiency meter's measurements (None before the first
+        audit) and ``estimator.mode: auto``'s decision (None in another mode), so that a resumed run goes on as the run
+        would have."""
         return {"iteration": self.iteration, "wall": self.wall, "cpu": self.cpu,
                 "skipped_updates": self.skipped_updates,
                 "meter": None if self.meter is None else self.meter.state_dict(), "estimator_decision": self.decision}
