@@ -238,3 +238,59 @@ def test_the_main_job_runs_auto_and_the_benches_of_one_estimator_refuse_it(capsy
         assert lab([tool, "--quick"]) == 2
         err = capsys.readouterr().err
         assert f"python -m lab {tool}: error: estimator.mode is 'auto'" in err and "--set estimator.mode=jagg" in err
+
+
+def _tiny_config(ckpt: str, *extra: str):
+    from jagg.infra import config_loader as configuration
+    from jagg.trainers.shapes_config import ShapesTrainConfig
+
+    sets = {s.split("=", 1)[0]: s for s in [*tiny_train_args(ckpt, "unused", 300)[4::2], *AUTO, *extra]}
+    return configuration.load(ShapesTrainConfig, None, [s for k, s in sets.items() if not k.startswith("log.")])
+
+
+def test_the_budget_stops_the_pre_flight_and_a_position_not_reached_is_unknown(bench_ckpt, monkeypatch):
+    """With every candidate clearing update 0 (the bar patched away) and a budget smaller than one position's cost,
+    the pre-flight stops after update 0, and the verdict counts update 1 as not measured: exact, saying why."""
+    import jagg.trainers.auto as auto_mod
+    from jagg.trainers.shapes import ShapesSampler
+
+    monkeypatch.setattr(auto_mod, "position_failure", lambda rec, margin: None)
+    cfg = _tiny_config(bench_ckpt, "estimator.preflight_share=0.01")       # 300 x 0.01 = 3 batches: measured
+    d = auto_mod.preflight(ShapesSampler(cfg), cfg)
+    assert d["measured_updates"] == 1 and d["train_with"] == "exact"
+    assert "update 1: not measured (the pre-flight's budget, estimator.preflight_share=0.01" in d["reason"]
+
+
+def test_every_position_on_the_same_batches_is_the_measurement_of_that_position_alone(bench_ckpt):
+    """``--update all`` draws the batches once: each position's records are those ``--update N`` gives alone (same
+    batches, same seeds, the same AdamW steps before it), timings aside."""
+    from jagg.bench.meter import measure, measure_job
+
+    cfg = _tiny_config(bench_ckpt, "estimator.mode=jagg", "estimator.window=4", "estimator.correction_p=0.5",
+                       "optim.lr=1e-3")
+    job = measure_job(cfg, ["config"], 3, 2, None)
+    for u in (0, 1):
+        alone = {r["estimator"]: r for r in measure(cfg, ["config"], 3, 2, None, update=u)}
+        for r in job[u]:
+            for key in ("error_to_noise", "bias_to_noise", "noise", "clip_frac", "rows_per_sample"):
+                assert r[key] == alone[r["estimator"]][key], (u, r["estimator"], key)
+
+
+def test_a_signal_during_the_pre_flight_stops_it_at_once(tmp_path, bench_ckpt, monkeypatch):
+    """The trainer's SIGINT/SIGTERM handlers (finish the iteration, save, exit) are installed after the pre-flight:
+    during it nothing has trained, so a signal stops the run at once instead of after a whole measurement."""
+    import signal
+
+    import jagg.trainers.auto as auto_mod
+
+    seen = []
+    real = auto_mod.preflight
+
+    def spy(*a, **k):
+        seen.append((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+        return real(*a, **k)
+
+    monkeypatch.setattr(auto_mod, "preflight", spy)
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    assert main(auto_args(bench_ckpt, tmp_path / "run", 3)) == 0
+    assert seen == [before]                                                   # the process's own, not the trainer's

@@ -647,8 +647,9 @@ class GRPOTrainer(GRPO):
 
     def loop_state(self) -> dict:
         """What every checkpoint keeps of the loop, in both trainers: the iterations done, their seconds and CPU
-        seconds (across resumes), the skipped updates and the meter's measurements (None before the first
-        audit), so that a resumed run goes on as the run would have."""
+        seconds (across resumes), the skipped updates, the meter's measurements (None before the first measurement)
+        and ``estimator.mode: auto``'s decision (None in another mode), so that a resumed run goes on as the run would
+        have."""
         return {"iteration": self.iteration, "wall": self.wall, "cpu": self.cpu,
                 "skipped_updates": self.skipped_updates,
                 "meter": None if self.meter is None else self.meter.state_dict(), "estimator_decision": self.decision}
@@ -734,11 +735,12 @@ class GRPOTrainer(GRPO):
             self._print(f"the run in {self.out} is at iteration {self.iteration} of grpo.iterations="
                         f"{c.grpo.iterations}: nothing to train ({how_to_continue(c)}, or "
                         f"{self.hints.start_over})")
-        handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {}
         failed = False
         try:
-            if self.cfg.estimator.mode == AUTO:
-                self.decide_estimator()                 # before the first screen's evaluation; counted in the clocks
+            if self.cfg.estimator.mode == AUTO:       # before the first screen's evaluation, counted in the clocks, and
+                self.decide_estimator()                 # before the handlers: a signal stops it at once (nothing trained)
+            handlers = {s: signal.signal(s, self._handle_signal) for s in (signal.SIGINT, signal.SIGTERM)}
             self.before_training()
             bar = tqdm(total=c.grpo.iterations, initial=self.iteration, disable=not (c.log.progress and self.main),
                        dynamic_ncols=True, desc=self.progress_label)

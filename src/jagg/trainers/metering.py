@@ -81,7 +81,7 @@ def bias_z(bias_to_noise: float, se: float) -> float:
 
 
 def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float, tensor_factor: float) -> dict:
-    """The six efficiencies (module docstring) of an estimator with these work ratios against exact, this error and
+    """The six efficiencies (:mod:`jagg.bench.meter`'s docstring) of an estimator with these work ratios against exact, this error and
     this per-update factor of Adam's per-tensor model (:func:`jagg.meter.adam_tensor_factor`)."""
     return {"efficiency": predicted_efficiency(rows_ratio, error_to_noise),
             "time_efficiency": predicted_efficiency(time_ratio, error_to_noise),
@@ -102,7 +102,7 @@ def projected_efficiencies(iter_ratio: float, error_to_noise: float, tensor_fact
 
 
 def gradients(sampler: Sampler, batch: Batch, est: EstimatorConfig, seeds: list[int],
-               on_policy: bool = True) -> tuple[Tensor, list]:
+              on_policy: bool = True) -> tuple[Tensor, list]:
     """``[len(seeds), P]`` gradients of ``est`` on ``batch`` (one per pick seed) and per draw ``(CPU seconds, rows
     with grad, no-grad rows)`` per sample and its clip fraction; ``on_policy``: whether the parameters are the batch's
     sampling ones (:func:`step_to_update`)."""
