@@ -380,9 +380,10 @@ def clip_decisions(inputs: UpdateInputs, chunks: list[Chunk], fresh: list[list[t
     if mode == "none" or inputs.inner == "interp":
         return out
     ratio = inner_ratios(inputs, chunks, fresh if fresh is not None else [[] for _ in chunks])
-    units = unit_rows(prompt_groups, out.shape[0]).to(sample.device)
-    group = units[sample] * out.shape[1] + step                                  # one group per (unit, step)
-    drop = group_clip(ratio, inputs.advantages[sample], group, inputs.config.clip_range)
+    units = unit_rows(prompt_groups, out.shape[0])                                # [B] on the CPU
+    group = units.to(sample.device)[sample] * out.shape[1] + step                # one group per (unit, step)
+    drop = group_clip(ratio, inputs.advantages[sample], group, inputs.config.clip_range,
+                      (int(units.max()) + 1) * out.shape[1])
     out[sample, step] = torch.where(drop, CLIP_DROP, CLIP_KEEP).to(torch.int8)
     return out
 

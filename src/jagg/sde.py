@@ -278,7 +278,7 @@ def step_loss(
     return StepLoss(loss, log_prob, ratio.detach(), (ratio - 1).abs().detach() > clip_range, kl.detach(), dropped)
 
 
-def group_clip(ratio: Tensor, advantages: Tensor, group: Tensor, clip_range: float) -> Tensor:
+def group_clip(ratio: Tensor, advantages: Tensor, group: Tensor, clip_range: float, groups: int | None = None) -> Tensor:
     """One PPO clip decision per group of items: ``[n]`` bool, True where the item's group is dropped (no policy
     gradient for any of its items), False where all are kept unclipped.
 
@@ -292,8 +292,9 @@ def group_clip(ratio: Tensor, advantages: Tensor, group: Tensor, clip_range: flo
         ratio, advantages: ``[n]`` each item's ratio ``pi / pi_old`` and advantage.
         group: ``[n]`` long, each item's group in ``0 .. G-1``.
         clip_range: PPO's ``eps``.
+        groups: ``G`` when known (saves a device sync), else ``group.max() + 1``.
     """
-    G = int(group.max()) + 1 if group.numel() else 0
+    G = groups if groups is not None else int(group.max()) + 1 if group.numel() else 0
     adv = advantages.to(ratio.dtype)
     gain = torch.zeros(G, dtype=ratio.dtype, device=ratio.device).index_add_(0, group, adv * (ratio - 1))
     scale = torch.zeros(G, dtype=ratio.dtype, device=ratio.device).index_add_(0, group, adv.abs())
