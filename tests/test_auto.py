@@ -252,9 +252,11 @@ def test_the_budget_stops_the_pre_flight_and_a_position_not_reached_is_unknown(b
     """With every candidate clearing update 0 (the bar patched away) and a budget smaller than one position's cost,
     the pre-flight stops after update 0, and the verdict counts update 1 as not measured: exact, saying why."""
     import jagg.trainers.auto as auto_mod
+    import jagg.verdict
     from jagg.trainers.shapes import ShapesSampler
 
-    monkeypatch.setattr(auto_mod, "position_failure", lambda rec, margin: None)
+    for module in (auto_mod, jagg.verdict):        # every measured position passes, whatever this machine's timings
+        monkeypatch.setattr(module, "position_failure", lambda rec, margin=None: None)
     cfg = _tiny_config(bench_ckpt, "estimator.preflight_share=0.01")       # 300 x 0.01 = 3 batches: measured
     d = auto_mod.preflight(ShapesSampler(cfg), cfg)
     assert d["measured_updates"] == 1 and d["train_with"] == "exact"
