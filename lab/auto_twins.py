@@ -24,9 +24,8 @@ import numpy as np
 
 from jagg.arguments import overwrite_argument
 from jagg.bench.common import fmt
-from jagg.checks import check_output_file
 from jagg.infra.atomic import write_json
-from lab.plateau_mechanism import load_runs
+from lab.plateau_mechanism import checked_seeds, load_runs
 from lab.quality_compare import TRAIN_CURVE, compare
 
 SAME = 1e-9          # how far two held-out curves may differ and still be one training
@@ -80,12 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the records to this JSON file")
     overwrite_argument(p, "--json")
     args = p.parse_args(argv)
-    if args.seeds < 2:
-        raise ValueError("--seeds must be >= 2: the intervals are over seeds")
-    if args.json is not None:
-        check_output_file(args.json, "--json", args.overwrite, (".json",))
+    seeds, out = checked_seeds(args), Path(args.out)
     twins = {"exact": "exact", **dict(parse_twin(s) for s in args.twin)}
-    seeds, out = list(range(args.seeds)), Path(args.out)
     runs = load_runs(out, {"exact", args.auto}, seeds)
     records, read = [], []
     for s in seeds:
@@ -93,11 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         pre = decision(own, own["path"])
         twin, how = twins.get(pre["train_with"]), "own run (no --twin for its decision)"
         if twin is not None:
-            path = out / twin / f"seed{s}" / "result.json"
-            if not path.is_file():
+            if (twin, s) not in runs and not (out / twin / f"seed{s}" / "result.json").is_file():
                 twin, how = None, f"own run ({twin} seed {s} not trained)"
             else:
-                fixed = load_runs(out, {twin}, [s])[(twin, s)]
+                fixed = runs.get((twin, s)) or load_runs(out, {twin}, [s])[(twin, s)]     # exact's: read above
                 if same_training(own, fixed):
                     how = f"{twin}'s run, shifted by the pre-flight"
                 else:

@@ -64,6 +64,16 @@ def load_runs(out: Path, variants: set[str], seeds: list[int]) -> dict[tuple[str
     return runs
 
 
+def checked_seeds(args: argparse.Namespace) -> list[int]:
+    """The seeds ``0 .. --seeds - 1`` of a script that reads stored runs, after checking what can be checked before
+    any run is read: at least 2 seeds (the intervals are over seeds) and ``--json`` a file it may write."""
+    if args.seeds < 2:
+        raise ValueError("--seeds must be >= 2: the intervals are over seeds")
+    if args.json is not None:
+        check_output_file(args.json, "--json", args.overwrite, (".json",))
+    return list(range(args.seeds))
+
+
 def check_settings(runs: dict, pairs: list[tuple[str, str]], seeds: list[int]) -> None:
     """Results made under other settings are never compared as if they were one experiment: a variant's seeds must
     have been trained with one config but for the seed (and ``log.*``), and the two runs of a pair evaluated alike
@@ -176,17 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the records to this JSON file")
     overwrite_argument(p, "--json")
     args = p.parse_args(argv)
-    if args.seeds < 2:
-        raise ValueError("--seeds must be >= 2: the intervals are over seeds")
-    if args.json is not None:
-        check_output_file(args.json, "--json", args.overwrite, (".json",))
+    seeds = checked_seeds(args)
     pairs = [parse_pair(s) for s in (args.pair or ["plain:exact", "plain_cos:exact_cos", "plain_big:exact",
                                                     "unb:exact"])]
     predictions = dict(parse_prediction(s) for s in args.predict)
     unknown = set(predictions) - set(pairs)
     if unknown:
         raise ValueError(f"--predict names pairs that no --pair compares: {sorted(':'.join(u) for u in unknown)}")
-    seeds = list(range(args.seeds))
     runs = load_runs(Path(args.out), {v for pair in pairs for v in pair}, seeds)
     check_settings(runs, pairs, seeds)
     boots = resamples(len(seeds), BOOTSTRAP)
