@@ -4,7 +4,8 @@
 Reads ``<dir>/setup.pt`` (a tiny SD3 with LoRA, one trajectory batch, advantages, prompt embeddings), shards the
 transformer with ``fully_shard`` (one unit per ``JointTransformerBlock`` plus the root), takes this rank's half of the
 batch, computes the policy gradient with CFG (both branches), the KL term to the adapters-off reference and
-``no_sync_except_last``, makes one SGD step and (rank 0) writes the full trainable weights to ``<dir>/fsdp.pt``.
+``no_sync_except_last``, makes one SGD step and (rank 0) writes the full trainable weights to ``<dir>/fsdp.pt``;
+then leaves as ``jagg`` does after a run on CPU processes (:func:`jagg.infra.distributed.exit_process`).
 """
 
 import sys
@@ -20,7 +21,7 @@ def main(out: Path) -> None:
 
     import jagg
     from jagg.integrations import LoraSettings, VelocityConfig, add_lora, reference_velocity, velocity_adapter
-    from jagg.infra.distributed import loss_scale, no_sync_except_last, shard
+    from jagg.infra.distributed import end_process_group, loss_scale, no_sync_except_last, shard
     from tiny_pipelines import tiny_sd3
 
     torch.set_num_threads(1)
@@ -50,8 +51,11 @@ def main(out: Path) -> None:
             torch.save(full, out / "fsdp.pt")
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 if __name__ == "__main__":
+    from jagg.infra.distributed import exit_process
+
     main(Path(sys.argv[1]))
+    exit_process(0)                      # FSDP2 keeps the gloo group alive past destroy_process_group

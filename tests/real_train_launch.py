@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from jagg.cli import main
+from jagg.infra.distributed import exit_process
 from jagg.trainers.diffusers import DiffusersTrainer
 
 _train = DiffusersTrainer.train
@@ -42,4 +43,4 @@ def _train_and_save(self):
 
 if __name__ == "__main__":
     DiffusersTrainer.train = _train_and_save
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

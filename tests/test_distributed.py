@@ -211,3 +211,34 @@ def test_fsdp2_two_cpu_processes_equal_one_process(tmp_path):
     assert max(float((want[n] - start[n]).abs().max()) for n in want) > 1e-3     # the step moved the weights
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+EXIT_SCRIPT = """
+import atexit, sys, torch.distributed as dist
+from jagg.infra.distributed import end_process_group, exit_process
+atexit.register(lambda: open(sys.argv[1], "w").write("exit handler ran"))
+if sys.argv[2] == "gloo":
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".rdv", rank=0, world_size=1)
+    group = dist.group.WORLD                     # held past the end, as DDP and FSDP2 hold it
+    end_process_group()
+    assert not dist.is_initialized()
+    import threading                             # a finalizing interpreter would wait for it forever
+    threading.Thread(target=threading.Event().wait).start()
+print("unterminated output", end="")
+exit_process(int(sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("group", ["gloo", "none"])
+def test_exit_process_runs_the_exit_handlers_and_keeps_the_status(tmp_path, group):
+    """``exit_process`` (the ``jagg`` command's end): after a gloo group ended it leaves without finalizing the
+    interpreter (the group's threads outlive it: a thread that never ends does not hold the process), and still runs
+    the exit handlers, flushes the output and exits with the status; without one it is ``sys.exit``."""
+    import subprocess
+    import sys
+
+    flag = tmp_path / "flag"
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(flag), group, "3"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stdout.endswith("unterminated output") and flag.read_text() == "exit handler ran"

@@ -14,6 +14,7 @@ from .arguments import (check_sampling, eval_prompts, evaluation_arguments, main
                         run_command, sampling_arguments)
 from .checks import check_output_file, check_threads, number_arg
 from .infra import config_loader as configuration
+from .infra.distributed import exit_process
 from .shapes.pretrain import PretrainConfig
 from .trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section, load_config
 from .trainers.shapes_config import ShapesTrainConfig, main_job_path
@@ -425,5 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(command, run, args)
 
 
+def console() -> None:
+    """The ``jagg`` command (and ``python -m jagg.cli``): :func:`main`, its status the process's exit status
+    (:func:`jagg.infra.distributed.exit_process`: a process that ran on several CPU processes leaves without
+    finalizing the interpreter)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

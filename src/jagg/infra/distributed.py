@@ -27,9 +27,11 @@ stat tracker). Sampling itself may split a prompt group across ranks freely.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
-from typing import Callable, ContextManager, Sequence
+import sys
+from typing import Callable, ContextManager, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,6 +60,34 @@ def init_process_group_from_env(backend: str | None = None) -> tuple[int, int]:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return rank_and_world()
+
+
+_gloo_outlives_destroy = False      # a gloo group of this process ended by end_process_group (see exit_process)
+
+
+def end_process_group() -> None:
+    """``dist.destroy_process_group()`` of an initialised group, noting a gloo one for :func:`exit_process`."""
+    global _gloo_outlives_destroy
+    if is_distributed():
+        _gloo_outlives_destroy |= dist.get_backend() == "gloo"
+        dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with exit status ``code`` (the ``jagg`` command's last call).
+
+    After :func:`end_process_group` ended a gloo group (processes on CPU), the group itself outlives
+    ``destroy_process_group``: DDP and FSDP2 keep references to it, and gloo only joins its worker threads when the
+    last one goes. A worker thread still releasing the tensors of the last collective then takes the GIL while the
+    interpreter finalizes, and the process aborts (``terminate called without an active exception``, SIGABRT):
+    torchrun reports a finished run as failed. Such a process runs its exit handlers (``atexit``), flushes its
+    output and leaves without finalizing the interpreter; any other exits as usual."""
+    if not _gloo_outlives_destroy:
+        sys.exit(code)
+    atexit._run_exitfuncs()                 # what a normal exit runs before finalizing, with the interpreter alive
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def shard(n: int, rank: int | None = None, world_size: int | None = None) -> slice:

@@ -36,7 +36,7 @@ from ..audit import audit_flag, audit_parts, clip_flag
 from ..meter import Meter, meter_flag
 from ..estimator import reference_velocities
 from ..estimator_config import AUTO, RETIRED_CORRECTION_P, EstimatorConfig
-from ..infra.distributed import gather, init_process_group_from_env
+from ..infra.distributed import end_process_group, gather, init_process_group_from_env
 from ..infra.config_loader import to_dict
 from ..infra.metrics import MetricsLogger
 from ..infra.rundir import (TRAIN, RunHints, discard_new_run, lock_run, open_run, outputs, read_run_file, snapshot,
@@ -621,8 +621,8 @@ class GRPOTrainer(GRPO):
             trainer = cls(cfg, resume=resume, overwrite=overwrite, require_checkpoint=require_checkpoint)
             records = trainer.train()
         finally:
-            if owns_group and dist.is_initialized():
-                dist.destroy_process_group()
+            if owns_group:
+                end_process_group()
         if trainer.main:
             trainer.report(records)
         return records
