@@ -377,6 +377,29 @@ def test_a_run_directory_in_use_by_another_process_is_refused_and_changes_nothin
     assert main(args[:3] + ["--resume"] + args[3:]) == 0
 
 
+def test_the_processes_of_one_run_probing_the_lock_at_once_do_not_refuse_each_other(tmp_path):
+    """Every process of a run on several processes asks whether the directory is in use at the same moment: one
+    probe in progress (a shared lock, held here) does not make another answer "in use"; a training process's lock
+    does, and a probe in progress does not stop a training process from taking it afterwards."""
+    import fcntl
+
+    from jagg.infra.rundir import LOCK_FILE, lock_holder, lock_run
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_FILE).write_text("4242\n")                 # left by a run that ended
+    with open(out / LOCK_FILE) as probe:
+        fcntl.flock(probe.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)      # another process's probe, mid-way
+        assert lock_holder(out) is None
+        fcntl.flock(probe.fileno(), fcntl.LOCK_UN)
+    held = lock_run(out)
+    try:
+        assert lock_holder(out) == str(os.getpid())
+    finally:
+        held.close()
+    assert lock_holder(out) is None
+
+
 def test_a_changed_reward_stops_a_resume_by_name():
     from jagg.trainers.base import check_resumable
 

@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import jagg
-from jagg.infra.distributed import (distributed_advantages, gather, gather_objects, loss_scale, no_sync_except_last,
-                                    shard)
+from jagg.infra.distributed import (distributed_advantages, end_process_group, exit_process, gather, gather_objects,
+                                    loss_scale, no_sync_except_last, shard)
 
 S = (2, 3, 3)
 N_PROMPTS, GROUP = 4, 2
@@ -122,7 +122,8 @@ def _worker(rank, world, traj, out_dir):
             torch.save({"results": results, "adv": all_adv}, os.path.join(out_dir, "rank0.pt"))
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        end_process_group()
+    exit_process(0)                      # as jagg ends a process on gloo: DDP keeps the group alive past its end
 
 
 def test_shard_and_loss_scale_without_process_group():

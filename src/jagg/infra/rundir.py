@@ -189,14 +189,16 @@ def move_aside(out: Path, hints: RunHints = TRAIN) -> Path:
 
 
 def _flock(f, exclusive_now: bool) -> bool:
-    """Try to take an exclusive lock on the open file ``f`` without waiting; True when taken (and kept, unless
-    ``exclusive_now`` is False, then released at once). Where ``fcntl`` is missing (not POSIX): always True."""
+    """Try to lock the open file ``f`` without waiting; True when taken. ``exclusive_now``: an exclusive lock, kept
+    (a training process's); else a probe: a shared lock, released at once, which only a training process's lock
+    refuses (the probes of a run's several processes, made at the same moment, never refuse each other). Where
+    ``fcntl`` is missing (not POSIX): always True."""
     try:
         import fcntl
     except ImportError:
         return True
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f.fileno(), (fcntl.LOCK_EX if exclusive_now else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except OSError:
         return False
     if not exclusive_now:
