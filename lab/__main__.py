@@ -3,8 +3,7 @@
 Tools with a ``--json`` result (``quality``, ``fidelity``, ``signal``, ``e2e``, ``paired``) share one parser and the
 ``jagg`` commands' conventions (``--quick``, ``--json`` checked before any work, ``--overwrite``); the scripts
 (``plateau``, ``regime-map``, ``weight-changes``, ``trace-file-changes``, ``profile-training``,
-``auto-twins``) parse their own
-arguments. Every tool ends as a ``jagg`` command does: a refusal is one line and exit 2, Ctrl-C one line and 130.
+``auto-twins``) parse their own arguments. Every tool ends as a ``jagg`` command does: a refusal is one line and exit 2, Ctrl-C one line and 130.
 """
 
 from __future__ import annotations

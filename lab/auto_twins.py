@@ -44,8 +44,8 @@ def decision(run: dict, where: str) -> dict:
     """The pre-flight's record of an auto run (``train_with``, ``preflight_s``, ``preflight_cpu_s``)."""
     pre = run.get("preflight")
     if not isinstance(pre, dict) or not {"train_with", "preflight_s", "preflight_cpu_s"} <= set(pre):
-        raise ValueError(f"{where} holds no pre-flight decision (train_with, preflight_s, preflight_cpu_s): is it a run "
-                         "of estimator.mode auto? name auto's variant with --auto")
+        raise ValueError(f"{where} holds no pre-flight decision (train_with, preflight_s, preflight_cpu_s): is it a "
+                         "run of estimator.mode auto? name auto's variant with --auto")
     return pre
 
 

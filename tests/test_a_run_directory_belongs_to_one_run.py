@@ -379,8 +379,8 @@ def test_a_run_directory_in_use_by_another_process_is_refused_and_changes_nothin
 
 def test_the_processes_of_one_run_probing_the_lock_at_once_do_not_refuse_each_other(tmp_path):
     """Every process of a run on several processes asks whether the directory is in use at the same moment: one
-    probe in progress (a shared lock, held here) does not make another answer "in use"; a training process's lock
-    does, and a probe in progress does not stop a training process from taking it afterwards."""
+    probe in progress (a shared lock, held here) does not make another answer "in use"; once it is over a training
+    process takes the lock, and then a probe answers with that process's pid."""
     import fcntl
 
     from jagg.infra.rundir import LOCK_FILE, lock_holder, lock_run

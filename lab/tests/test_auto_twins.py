@@ -25,8 +25,8 @@ def auto_run(seed, chose, curve, per_iter):
     """An auto run that trained as ``curve`` at ``per_iter`` CPU seconds an iteration after a pre-flight of PRE."""
     run = constructed_run("auto", seed, curve, per_iter=per_iter)
     for row in run["train_curve"]:
-        row[1] += PRE
-        row[3] += PRE
+        row[at.TRAIN_CURVE.index("wall")] += PRE
+        row[at.TRAIN_CURVE.index("cpu")] += PRE
     run["preflight"] = {"train_with": chose, "preflight_s": PRE, "preflight_cpu_s": PRE}
     return run
 

@@ -517,8 +517,8 @@ def _report(records: list[dict], batches: int, draws: int, update: int, cost_lin
 
 def add_parser(sub) -> None:
     p = sub.add_parser("meter", help="each estimator's error against the update's own noise, its projected "
-                       "progress per second against exact's, and the verdict: which estimator to train with", description=__doc__.replace("``", ""),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       "progress per second against exact's, and the verdict: which estimator to train with",
+                       description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     config_arguments(p, "the job measured; one with a pipeline: section measures that diffusers model (as jagg train "
                         "loads it)")
     p.add_argument("--estimator", action="append", metavar="NAME[:KEY=VALUE,...]",
