@@ -75,3 +75,17 @@ def assert_mean_is(grads: torch.Tensor, target: torch.Tensor, other: torch.Tenso
     assert chi2(grads, target) < 4
     assert abs(z_toward(grads, target, other)) < 4
     assert abs(z_toward(grads, other, target)) > 10
+
+
+def assert_on_scale(got: float, want: float, scale: float, tol: float, what: str = "") -> None:
+    """A near-cancelling number (a GRPO loss: advantages that sum to zero per prompt group times ratios of about 1)
+    against another on the scale of its terms: ``|got - want| <= tol * scale``. Never at a relative tolerance: the sum
+    cancels to a residual of rounding, which another CPU (or another process count) rounds differently."""
+    err = abs(float(got) - float(want))
+    assert err <= tol * scale, f"{what}: |{got} - {want}| = {err:.2e} > {tol:.0e} x {scale:.3g} (the terms' scale)"
+
+
+def assert_close_on_scale(got: torch.Tensor, want: torch.Tensor, tol: float, msg: str = "") -> None:
+    """Two tensors whose entries may cancel to rounding (gradients: sums of advantage-weighted terms): within ``tol``
+    of each entry plus ``tol`` of the largest entry, so an entry that cancels to ~0 is judged on the tensor's scale."""
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()), msg=msg or None)

@@ -8,7 +8,7 @@ import torch
 import jagg
 from jagg import EstimatorConfig
 from jagg.knots import plan_update, shared_knots
-from gradient_checks import assert_matches_golden, golden_case
+from gradient_checks import assert_matches_golden, assert_on_scale, golden_case
 from toy import AffineInSigma, LinearXSigma, Nonlinear, perturb, run, sampled_traj, traj_from_latents
 
 TIGHT = dict(rtol=1e-10, atol=1e-13)
@@ -36,7 +36,7 @@ def test_groups_reproduce_the_estimator_before_knots(name):
                 prompt_groups=[0, 0, 1, 1, 2, 2])
     assert_matches_golden(g, case["grad"])
     assert st.backward_items == case["backward_items"] and st.forward_nograd_items == case["forward_nograd_items"]
-    assert st.loss == pytest.approx(case["loss"], rel=1e-12)
+    assert_on_scale(st.loss, case["loss"], float(adv.abs().mean()), 1e-12, "loss")     # a near-cancelling sum
 
 
 @pytest.mark.parametrize("name", GOLDEN_NAMES)

@@ -8,8 +8,12 @@ import json
 import socket
 from pathlib import Path
 
+import pytest
+from gradient_checks import assert_on_scale
+
 # what the lab's smoke tests assume instead of the main job's layout and reward (step groups of 4 everywhere, geneval)
 GENERIC = ["estimator.mode=jagg", "estimator.window=4", "estimator.exact_last_intervals=0", "reward.weights=null"]
+ADVANTAGE_SCALE = 1.0        # group-normalised advantages: the size of one term of a record's loss
 SD3_PROMPTS = ["a red cube", "a blue ball", "a green cone"]         # the prompts of :func:`write_sd3_config`
 
 
@@ -93,6 +97,16 @@ threads: 1
 def records(out: Path) -> list[dict]:
     """The records of the run directory ``out`` (its metrics.jsonl), in order."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def assert_same_update(got: dict, want: dict, tol: float = 1e-4) -> None:
+    """Two runs' records of the same update (another process count, engine or float path): the reward, the KL and the
+    gradient norm within ``tol`` relative; the loss, ``surrogate + kl_beta x KL`` where the on-policy surrogate is a
+    sum of normalised advantages (terms of size ~1) times ratios of ~1 that cancels to rounding, within ``tol`` of that
+    scale (its relative difference is the noise of a cancellation: 30% between 1 and 2 processes on some CPUs)."""
+    for k in ("reward_mean", "kl", "grad_norm"):
+        assert got[k] == pytest.approx(want[k], rel=tol, abs=1e-9), k
+    assert_on_scale(got["loss"], want["loss"], ADVANTAGE_SCALE, tol, "loss")
 
 
 def free_port() -> int:
