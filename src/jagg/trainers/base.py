@@ -339,8 +339,10 @@ class GRPO(ABC):
         """The KL reference's velocity callable of those samples (called when ``estimator.kl_beta > 0``)."""
 
     @abstractmethod
-    def minibatches(self, n: int) -> list[Tensor]:
-        """One epoch's minibatches: positions into this process's ``n`` kept samples (advances an RNG)."""
+    def minibatches(self, prompt_groups: Tensor) -> list[Tensor]:
+        """One epoch's minibatches, cut by ``grpo.minibatches`` (:func:`jagg.trainers.minibatches.cut_minibatches`):
+        positions into this process's kept samples, whose prompt groups are ``prompt_groups`` ``[n]`` (advances an
+        RNG)."""
 
     @abstractmethod
     def gradient(self, mb: Minibatch) -> dict:
@@ -413,7 +415,7 @@ class GRPO(ABC):
         per_update, u = [], 0
         self._update_index = 0                                  # the update's place in the iteration (the lr schedule)
         for _ in range(c.grpo.inner_epochs):
-            for mb in self.minibatches(n):
+            for mb in self.minibatches(prompt_groups):
                 if u == audit_at:
                     audit_s, audit_cpu = self._audit_update(cond, traj, adv, ref_v, prompt_groups, u)
                 rows = mb.tolist()

@@ -79,6 +79,7 @@ from .base import (RESUMABLE_CHANGES, GRPOTrainer, Iteration, Minibatch, Rollout
 from .diffusers_config import TRAINER_TAG, DiffusersTrainConfig
 from .diffusers_eval import evaluate_policy
 from .ema import EMA
+from .minibatches import GROUPS, check_groups_fit, cut_minibatches
 from .load_checks import check_before_loading
 from .run_header import header, loading_note, quiet_loading
 from .weights_export import export_weights, prune_exports, write_weights
@@ -227,6 +228,8 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         config, the starting adapter, the reward server (:func:`jagg.trainers.load_checks.check_before_loading`), then the
         launcher's settings and the engine (:func:`engine_for`)."""
         check_before_loading(self.cfg)
+        if self.cfg.minibatch_cut == GROUPS:                  # a prompt group never straddles two processes
+            check_groups_fit(self.cfg.sample.prompts_per_iter, self.cfg.grpo.updates_per_epoch, self.world)
         self.engine_settings = engine_for(self.cfg, read_launch(), self.world)
         super().before_setup()
 
@@ -473,9 +476,9 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         with self.engine.local():
             return super().audit(*args, **kwargs)
 
-    def minibatches(self, n: int) -> list[torch.Tensor]:
-        perm = torch.randperm(n, generator=self.perm_gen)
-        return [mb.sort().values for mb in perm.tensor_split(self.cfg.grpo.updates_per_epoch)]   # sets, in order
+    def minibatches(self, prompt_groups: torch.Tensor) -> list[torch.Tensor]:
+        cut = cut_minibatches(prompt_groups, self.cfg.grpo.updates_per_epoch, self.cfg.minibatch_cut, self.perm_gen)
+        return [mb.sort().values for mb in cut]          # sets, in order; every process makes every update
 
     def gradient(self, mb: Minibatch) -> dict:
         """This rank's gradient of its part of the minibatch (possibly empty), averaged over the ranks by the engine

@@ -16,6 +16,7 @@ from ..infra.config_loader import helped
 from ..infra.wandb_run import WANDB_MODES
 from ..trajectory import select_train_steps, sliding_sde_window
 from .lr_schedule import SCHEDULES
+from .minibatches import GROUPS, check_groups_fit, resolve_cut
 
 SAMPLE_KEYS = Keys("sample.")                 # how the checks name the sample: section's keys
 
@@ -232,6 +233,11 @@ class GRPOSection:
     inner_epochs: int = field(default=1, metadata=helped("Passes of optimizer updates over each iteration's samples."))
     updates_per_epoch: int = field(default=2, metadata=helped(
         "Optimizer updates per inner epoch; the samples are split into this many minibatches."))
+    minibatches: str = field(default="auto", metadata=helped(
+        "How the samples are split into the minibatches: samples (shuffled samples, Flow-GRPO's habit: a prompt group "
+        "spreads over several updates), groups (whole prompt groups per update, shuffled by group: JAGG's error, "
+        "shared within a group, cancels there) or auto (groups for mode jagg and auto, samples for exact and "
+        "subsample); jagg.trainers.minibatches."))
     adv_clip_max: float = field(default=5.0, metadata=helped("Advantages are clipped to [-adv_clip_max, adv_clip_max]."))
     global_std: bool = field(default=False, metadata=helped("Normalise advantages by the batch std, not per prompt."))
     drop_zero_spread: bool = field(default=True, metadata=helped(
@@ -246,6 +252,7 @@ class GRPOSection:
         for name in ("iterations", "inner_epochs", "updates_per_epoch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"grpo.{name} must be >= 1; got {getattr(self, name)}")
+        resolve_cut(self.minibatches, "exact")                  # a known value
         for name in ("max_consecutive_skips", "max_empty_iterations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"grpo.{name} must be >= 0 (0 = never); got {getattr(self, name)}")
@@ -325,9 +332,16 @@ class TrainerSections:
     optim: OptimSection = field(default_factory=OptimSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)
 
+    @property
+    def minibatch_cut(self) -> str:
+        """``samples`` or ``groups``: ``grpo.minibatches`` with ``auto`` resolved for ``estimator.mode``."""
+        return resolve_cut(self.grpo.minibatches, self.estimator.mode)
+
     def __post_init__(self):
         check_threads(self.threads, "threads")
         check_updates_divide_batch(self.sample.batch_size, self.grpo.updates_per_epoch)
+        if self.minibatch_cut == GROUPS:
+            check_groups_fit(self.sample.prompts_per_iter, self.grpo.updates_per_epoch)
         updates = self.grpo.iterations * self.grpo.inner_epochs * self.grpo.updates_per_epoch
         if self.optim.warmup_steps >= updates:
             raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be below the run's optimizer "

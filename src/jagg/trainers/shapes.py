@@ -34,6 +34,7 @@ from ..infra.config_loader import to_dict
 from ..infra.metrics import plot_reward_curve, save_grid
 from ..trajectory import sample_trajectories
 from .ema import EMA
+from .minibatches import cut_minibatches, minibatch_line
 from .auto import AutoEstimator
 from .base import (GRPO, GRPOTrainer, Iteration, Minibatch, Rollout, RolloutInputs, check_resumable, rollout_inputs,
                    update_summary)
@@ -145,9 +146,9 @@ class ShapesGRPO(AutoEstimator, GRPO):
     def reference(self, tokens) -> GuidedVelocity:
         return GuidedVelocity(self.ref_model, tokens, self.cfg.sample.guidance_scale)
 
-    def minibatches(self, n: int) -> list[torch.Tensor]:
-        perm = torch.randperm(n, generator=self.sampler.gen)
-        return [mb for mb in perm.tensor_split(self.cfg.grpo.updates_per_epoch) if mb.numel()]
+    def minibatches(self, prompt_groups: torch.Tensor) -> list[torch.Tensor]:
+        cut = cut_minibatches(prompt_groups, self.cfg.grpo.updates_per_epoch, self.cfg.minibatch_cut, self.sampler.gen)
+        return [mb for mb in cut if mb.numel()]
 
     def gradient(self, mb: Minibatch) -> dict:
         return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
@@ -264,6 +265,7 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         return means
 
     def before_training(self) -> None:
+        self._print(minibatch_line(self.cfg))
         if self.iteration == 0 and self.cfg.eval.every:
             first = self.evaluate()
             print(f"iteration 0: test reward {first['reward_mean']:.3f}")
