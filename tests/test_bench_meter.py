@@ -24,7 +24,10 @@ def test_bench_meter_end_to_end(tmp_path, bench_ckpt, capsys):
     assert list(recs) == ["exact", "config", "plain", "subsample", "w8"]
     ex = recs["exact"]
     assert ex["rows_per_sample"] == 8 and ex["error_to_noise"] == 0 and ex["efficiency"] == 1
-    assert ex["iter_ratio"] == 1 and ex["samples_per_batch"] == 8 and ex["target_batch"] == 32
+    assert ex["iter_ratio"] == 1 and ex["target_batch"] == 32
+    # measured on what one update trains: a minibatch cut as the trainer cuts it (8 samples, 4 updates; 2 prompt
+    # groups cannot fill 4 updates, so auto's batching is shuffled samples here)
+    assert ex["samples_per_batch"] == 2 and ex["minibatches"] == "samples"
     # W = 4 groups on 8 steps: 4 rows plain, 4 + 0.25 x 4 on average with the config's correction (meter_sets)
     assert recs["plain"]["rows_per_sample"] == 4 and recs["plain"]["draws"] == 1
     assert 4 <= recs["config"]["rows_per_sample"] <= 8 and recs["config"]["draws"] == 2

@@ -44,8 +44,9 @@ def test_samples_cut_is_a_shuffled_split_that_splits_groups():
 
 
 def test_auto_resolves_by_estimator_and_bad_values_are_refused():
-    assert [resolve_cut("auto", m) for m in ("exact", "subsample", "jagg", "auto")] == ["samples", "samples",
-                                                                                        "groups", "groups"]
+    assert [resolve_cut("auto", m, 8, 4) for m in ("exact", "subsample", "jagg", "auto")] == ["samples", "samples",
+                                                                                              "groups", "groups"]
+    assert resolve_cut("auto", "jagg", 2, 4) == resolve_cut("auto", "jagg", 3, 1, processes=2) == "samples"   # no fit
     assert resolve_cut("samples", "jagg") == "samples" and resolve_cut("groups", "exact") == "groups"
     with pytest.raises(ValueError, match="grpo.minibatches must be one of samples, groups, auto; got 'group'"):
         resolve_cut("group", "exact")
@@ -57,9 +58,9 @@ def test_auto_resolves_by_estimator_and_bad_values_are_refused():
     with pytest.raises(ValueError, match="grpo.minibatches must be one of"):
         load_config(None, ["grpo.minibatches=whole"])
     with pytest.raises(ValueError, match="grpo.updates_per_epoch = 4 minibatches of whole groups"):
-        load_config(None, ["estimator.mode=jagg", "sample.prompts_per_iter=2", "grpo.updates_per_epoch=4"])
-    assert load_config(None, ["estimator.mode=exact", "sample.prompts_per_iter=2", "grpo.updates_per_epoch=4"]
-                       ).minibatch_cut == "samples"
+        load_config(None, ["grpo.minibatches=groups", "sample.prompts_per_iter=2", "grpo.updates_per_epoch=4"])
+    assert load_config(None, ["estimator.mode=jagg", "sample.prompts_per_iter=2", "grpo.updates_per_epoch=4"]
+                       ).minibatch_cut == "samples"                  # auto where the groups do not fit
 
 
 def load_config(path, sets):

@@ -150,6 +150,21 @@ def verdict(records: list[dict], updates: int, margin: float = MARGIN, cost: str
             "candidates": cands, "margin": margin, "updates": updates}
 
 
+def signal_note(records: list[dict]) -> str | None:
+    """``signal not resolved`` and what it means for the choice, when exact's ``|E g|^2 / V_b`` (its records'
+    ``signal_to_noise`` with ``signal_to_noise_se``) reaches 0 within 2 standard errors at some measured position; None
+    when it is resolved everywhere (or not measured)."""
+    low = [(r["update"], r["signal_to_noise"], r["signal_to_noise_se"]) for r in records
+           if r.get("estimator") == "exact" and r.get("signal_to_noise") is not None
+           and math.isfinite(r["signal_to_noise"]) and not r["signal_to_noise"] - 2 * r["signal_to_noise_se"] > 0]
+    if not low:
+        return None
+    where = ", ".join(f"update {u}: {s:.2f} +- {se:.2f}" for u, s, se in low)
+    return (f"signal not resolved: exact's |E g|^2 / V_b reaches 0 within 2 SE ({where}); these batches cannot tell "
+            "the gradient's direction from its noise, so a repeating error cannot be weighed against the signal it "
+            "would deflect: the choice rests on the error against the noise alone (more batches resolve it)")
+
+
 def _projected(c: dict, cost: str | None) -> str:
     if "projected_lo" not in c:
         return "no projection"

@@ -85,7 +85,7 @@ from ..trainers.metering import (Sampler, draw_batches, kept_batch, measure_posi
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..infra import config_loader as configuration
-from ..verdict import job_prediction, verdict
+from ..verdict import job_prediction, signal_note, verdict
 from .common import json_if_asked, set_threads, table
 from ..cost import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
 
@@ -470,8 +470,8 @@ def _print_verdict(records: list[dict], cfg: TrainConfig, args: argparse.Namespa
     ``estimator.preflight_margin``; none with ``--quick``) and return its record for the JSON (``kind`` ``verdict``)."""
     updates = cfg.grpo.inner_epochs * cfg.grpo.updates_per_epoch
     if args.quick:
-        print("\n--quick is a smoke test of the command (3 batches of 16 samples): no verdict; run without --quick "
-              "for one")
+        print(f"\n--quick is a smoke test of the command (3 batches, {' '.join(QUICK_SETS)} instead of the config's "
+              "batch sizes): no verdict; run without --quick for one")
         return {"kind": "verdict", "train_with": None, "reason": "--quick: a smoke test, no verdict"}
     margin = cfg.estimator.preflight_margin
     v = verdict([r for r in records if r.get("kind") is None], updates, margin, cost.name,
@@ -480,17 +480,20 @@ def _print_verdict(records: list[dict], cfg: TrainConfig, args: argparse.Namespa
           f"range times the iteration ratio measured here clears 1 + {margin:g} (estimator.preflight_margin) x exact's "
           + (f"at each of the job's {updates} update positions" if updates > 1 else "per update")
           + "; unknown or not measured counts as exact's")
-    for line in v["lines"]:
+    note = signal_note([r for r in records if r.get("kind") is None])
+    for line in v["lines"] + ([note] if note else []):
         print(f"  {line}")
     print(v["line"])
     return {"kind": "verdict", "train_with": v["estimator"], **{k: v[k] for k in ("reason", "line", "margin", "updates")},
-            "candidates": v["candidates"]}
+            "candidates": v["candidates"], "signal": note or "resolved", "minibatches": cfg.minibatch_cut}
 
 
 def _report(records: list[dict], batches: int, draws: int, update: int, cost_line: str) -> None:
     """Print one update position's measurement: the header line, the table, clip warnings and the projection."""
     r0 = records[0]
-    print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples, up to {draws} draws per estimator; V_b = "
+    print(f"{batches} batches of {r0['samples_per_batch']:.0f} samples (one update's minibatch of "
+          f"{'whole prompt groups' if r0['minibatches'] == 'groups' else 'shuffled samples'}, as the trainer cuts it), "
+          f"up to {draws} draws per estimator; V_b = "
           f"{r0['noise']:.3e} (|g| = {r0['grad_norm']:.3e}), signal |E g|^2 / V_b = {r0['signal_to_noise']:.4f} +- "
           f"{r0['signal_to_noise_se']:.4f}; @T = extrapolated to {r0['target_batch']} samples per "
           f"update; rollout {r0['rollout_s']:.2f} s, exact training phase {r0['train_s']:.2f} s (medians)"

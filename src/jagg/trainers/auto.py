@@ -1,192 +1,387 @@
-"""``estimator.mode: auto``: at a run's start, a pre-flight decides which estimator the run trains with.
+"""``estimator.mode: auto``: the run decides which estimator it trains with while it trains.
 
-The pre-flight (:func:`preflight`) measures exact and the config's candidates (``estimator.candidates``) on the run's
-own sampler, model and reward, with the meter's measurement (:func:`jagg.trainers.metering.measure_positions`: the
-same records as ``jagg bench meter --update all``) at every update position of a rollout, and decides with the meter's
-verdict (:func:`jagg.verdict.verdict`): a candidate only when its range is known and the low end of its projected
-progress per second clears exact's by ``estimator.preflight_margin`` at every position; otherwise exact. A candidate
-that fails a position is not measured at the next ones. The pre-flight stays within ``estimator.preflight_share`` of
-the run's projected CPU time: a run too short for it trains exact unmeasured, and positions the budget does not reach
-count as unknown (exact's side).
+Its first ``estimator.preflight_batches`` iterations are exact's own: exact's updates on their own rollouts and
+minibatches (``grpo.minibatches``, the cut the candidates would train on), and beside each update, on the same minibatch
+at the same parameters, the gradients of the candidates (``estimator.candidates``). Exact's gradients train, so the
+measurement costs only the candidates' rows and no exact progress is lost: a run whose measurement picks exact is,
+update for update, an exact run from iteration 0. Every update position of the rollout (the on-policy first update and
+the off-policy ones after it) is measured once per iteration, and the meter's records of each position
+(:func:`jagg.trainers.metering.position_records`: the error against the update's noise across the measured
+iterations, and the iteration ratio measured beside it) go to the meter's verdict (:func:`jagg.verdict.verdict`): a
+candidate only when its range is known and its low end clears exact's progress per second by
+``estimator.preflight_margin`` at every position; otherwise exact.
 
-It draws its batches with RNGs of its own (the run's seed moved by :data:`SEED_OFFSET`) and restores every RNG and
-parameter it touched, so a run whose pre-flight chose exact trains exactly as an exact run of the same seed; its
-seconds are added to the run's clocks (``wall_s``, ``cpu_s``). :class:`AutoEstimator` is the trainers' part:
-the decision on the first screen, in ``preflight.json`` of the run directory and in a ``preflight`` metrics record,
-and kept in the checkpoints, so that a resumed run trains on with it without measuring again.
+The measurement is sized to the run: after its first iteration it goes on only while what is left of it costs less
+than a candidate that clears the margin could win back in the run's remaining iterations, and at most
+``estimator.preflight_share`` of the run's projected time; otherwise the run trains exact, saying why. A chosen
+candidate is re-measured beside exact every ``estimator.meter_every`` iterations (0: never), on the last
+``preflight_batches`` measured iterations, and dropped for exact, with a record, when it no longer clears the bar.
+
+The decision is on the first screen, in ``preflight.json`` of the run directory and in a ``preflight`` metrics record
+(a switch back to exact in an ``auto_switch`` record), and kept in the checkpoints, so that a resumed run trains on with
+it; a run stopped while measuring measures again from where it resumes. The candidates' picks (unbiased JAGG's) use a
+generator of their own, so the trained updates' random streams are the trained estimator's alone.
 """
 
 from __future__ import annotations
 
-import random
 import shlex
+import statistics
 import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
-import numpy as np
 import torch
+from torch import Tensor
 
-from ..infra.atomic import write_json
+from ..audit import flat_grad
 from ..cost import config_structure, default_cost, resolve
-from ..checks import SEED_MAX
 from ..estimator_config import EstimatorConfig
+from ..infra.atomic import write_json
 from ..infra.distributed import gather_objects
-from ..verdict import position_failure, verdict
-from .metering import measure_positions, restore_params
+from ..verdict import position_failure, signal_note, verdict
+from .metering import layout_linearity, position_records
 from .sections import auto_candidates, steps_source, trained_steps
 
-SEED_OFFSET = 7_777_777          # the pre-flight's batches: seed + this, never a training stream of a nearby seed
 RECORD_KEYS = ("estimator", "update", "rows_per_sample", "error_to_noise", "error_to_noise_se", "bias_to_noise",
-               "bias_to_noise_se", "bias_z", "iter_ratio", "projected_iter_ratio", "train_s", "rollout_s", "clip_frac",
-               "rate_lo", "rate_hi", "time_rate_lo", "time_rate_hi", "prediction", "prediction_range")
+               "bias_to_noise_se", "bias_z", "signal_to_noise", "signal_to_noise_se", "iter_ratio",
+               "projected_iter_ratio", "train_s", "rollout_s", "clip_frac", "rate_lo", "rate_hi", "time_rate_lo",
+               "time_rate_hi", "prediction", "prediction_range")
+PICK_SEED = 7_777_777                     # the candidates' picks: seed + this, never a training stream of a nearby seed
 
 
-def preflight_seed(seed: int) -> int:
-    """The seed of the pre-flight's own batches and picks for a run of ``seed``."""
-    return (seed + SEED_OFFSET) % (SEED_MAX + 1)
-
-
-def meter_command(cfg, seed: int) -> str:
-    """The ``jagg bench meter`` command that makes the same measurement (its default size unless the pre-flight's is
-    given; on the shapes world the same batches)."""
+def meter_command(cfg) -> str:
+    """The ``jagg bench meter`` command that measures the same candidates on the same batching before a run (to
+    decide once for a job trained many times)."""
     e = cfg.estimator
-    parts = ["jagg", "bench", "meter", "--set", f"seed={seed}", "--update", "all", "--batches",
-             str(e.preflight_batches), "--draws", str(e.preflight_draws)]
+    parts = ["jagg", "bench", "meter", "--update", "all", "--batches", str(e.preflight_batches), "--draws",
+             str(e.preflight_draws)]
     for spec in e.candidates:
         if spec != "exact":
             parts += ["--estimator", spec]
     return " ".join(shlex.quote(p) for p in parts) + " (with this run's --config and --set)"
 
 
-def preflight(sampler, cfg, budget_note: list | None = None) -> dict:
-    """Measure ``cfg.estimator``'s candidates on ``sampler`` (the run's own) and decide (module docstring). The
-    sampler's RNGs are reseeded for it (:func:`preflight_seed`); the caller restores them. Returns the decision:
-    ``train_with`` (a name), ``estimator`` (its config as a dict), ``reason``, ``line``, ``lines``, ``candidates``
-    (:func:`jagg.verdict.verdict`'s), the measurement's size (``batches``, ``draws``, ``updates``, ``measured_updates``,
-    ``seed``), ``command`` (:func:`meter_command`) and ``records`` (the meter's, per candidate and position)."""
-    c, e = cfg, cfg.estimator
-    pipeline = getattr(c, "pipeline", None)                # a diffusers config's steps are the pipeline's
-    num_steps, key = (pipeline.num_steps, "pipeline.num_steps") if pipeline else (c.sample.num_steps, "sample.num_steps")
-    ests, left_out = auto_candidates(e, trained_steps(c.sample, num_steps), steps_source(c.sample, key, num_steps))
-    updates = c.grpo.inner_epochs * c.grpo.updates_per_epoch
-    seed = preflight_seed(c.seed)
-    out = {"batches": e.preflight_batches, "draws": e.preflight_draws, "updates": updates, "seed": seed,
-           "left_out": left_out,
-           "margin": e.preflight_margin, "command": meter_command(c, seed), "records": [], "measured_updates": 0}
-    if len(ests) == 1 or c.grpo.iterations * e.preflight_share < e.preflight_batches:
-        why = ("no candidate besides exact (estimator.candidates)" if len(ests) == 1 else
-               f"the run ({c.grpo.iterations} iterations) is too short for a pre-flight of {e.preflight_batches} "
-               f"batches within estimator.preflight_share={e.preflight_share:g} of its time: raise grpo.iterations or "
-               "estimator.preflight_share, or choose estimator.mode")
-        return {**out, "train_with": "exact", "estimator": ests["exact"].to_dict(), "reason": why,
-                "line": f"train with exact: {why}", "lines": [], "candidates": []}
-    sampler.gen.manual_seed(seed)
-    sampler.np_rng.bit_generator.state = np.random.default_rng(seed).bit_generator.state
-    cost = resolve(None, config_structure(c), None, default_cost(c))[0]
-    c0, ran_out = time.process_time(), []
+@dataclass
+class Measurement:
+    """What auto has measured: per update position ``u``, per estimator, one entry per measured iteration.
 
-    def after(u: int, records: list[dict], alive: dict) -> dict | None:
-        """The candidates that cleared update ``u``, if the budget allows the next position, else None."""
-        by_name = {r["estimator"]: r for r in records}
-        keep = {n: est for n, est in alive.items() if n == "exact" or position_failure(by_name[n], e.preflight_margin)
-                is None}
-        if len(keep) == 1 or u + 1 == updates:
-            return None
-        ex = by_name["exact"]
-        run = c.grpo.iterations * (ex["rollout_s"] + ex["train_s"])       # the run's projected CPU seconds, exact
-        spent = time.process_time() - c0
-        coming = spent / (u + 1) * len(keep) / len(alive)                  # a position's cost, for the survivors
-        if spent + coming > e.preflight_share * run:
-            ran_out.append(u + 1)
-            return None
-        return keep
+    Attributes:
+        ests: the estimators measured, exact first (``{name: config}``).
+        trained: the name of the estimator whose gradients train (exact while deciding, the chosen one after).
+        grads: ``[U]`` of ``{name: [[draws, P] float32, ...]}``, the flat gradients on each measured minibatch.
+        costs: ``[U]`` of ``{name: [[(CPU seconds, rows, no-grad rows per sample, clip fraction) per draw], ...]}``.
+        sizes, linearity: ``[U]`` the measured minibatches' sizes, and per estimator their layouts' linearity.
+        rollout_s: the measured iterations' rollout CPU seconds per update.
+        beside_s: the CPU seconds the estimators measured beside the trained one cost, per measured iteration.
+        iterations: the measured iterations (0-based).
+    """
 
-    per_update = measure_positions(sampler, c, ests, e.preflight_batches, e.preflight_draws, updates, seed,
-                                   cost=cost, after=after)
-    records = [r for recs in per_update for r in recs]
-    missing = (f"the pre-flight's budget, estimator.preflight_share={e.preflight_share:g} of the run's projected "
-               f"time, ran out before update {ran_out[0]}" if ran_out else "not measured")
-    v = verdict(records, updates, e.preflight_margin, cost.name, missing)
-    return {**out, "train_with": v["estimator"], "estimator": ests[v["estimator"]].to_dict(),
-            **{k: v[k] for k in ("reason", "line", "lines", "candidates")}, "measured_updates": len(per_update),
-            "records": [{k: r.get(k) for k in RECORD_KEYS} for r in records]}
+    ests: dict[str, EstimatorConfig]
+    trained: str
+    updates: int
+    grads: list[dict] = field(default_factory=list)
+    costs: list[dict] = field(default_factory=list)
+    sizes: list[list[int]] = field(default_factory=list)
+    linearity: list[dict] = field(default_factory=list)
+    rollout_s: list[float] = field(default_factory=list)
+    beside_s: list[float] = field(default_factory=list)
+    iterations: list[int] = field(default_factory=list)
+    measured: list[list[int]] = field(default_factory=list)      # [U] the iteration of each measured minibatch
+
+    def __post_init__(self):
+        for _ in range(self.updates):
+            self.measured.append([])
+            self.grads.append({n: [] for n in self.ests})
+            self.costs.append({n: [] for n in self.ests})
+            self.sizes.append([])
+            self.linearity.append({n: [] for n in self.ests})
+
+    def keep_last(self, k: int) -> None:
+        """Forget all but the last ``k`` measured iterations (a re-measurement's rolling window)."""
+        drop = max(len(self.iterations) - k, 0)
+        if not drop:
+            return
+        old = set(self.iterations[:drop])
+        self.iterations, self.rollout_s, self.beside_s = (x[drop:] for x in (self.iterations, self.rollout_s,
+                                                                              self.beside_s))
+        for u in range(self.updates):
+            keep = [i for i, it in enumerate(self.measured[u]) if it not in old]
+            self.measured[u] = [self.measured[u][i] for i in keep]
+            self.sizes[u] = [self.sizes[u][i] for i in keep]
+            for n in self.ests:
+                for part in (self.grads, self.costs, self.linearity):
+                    part[u][n] = [part[u][n][i] for i in keep]
+
+    def add(self, u: int, iteration: int, name: str, grads: Tensor, costs: list[tuple], size: int,
+            linearity: dict) -> None:
+        """One estimator's measurement on the minibatch of update ``u`` in ``iteration`` (exact's first)."""
+        if name == next(iter(self.ests)):
+            self.measured[u].append(iteration)
+            self.sizes[u].append(size)
+        self.grads[u][name].append(grads)
+        self.costs[u][name].append(costs)
+        self.linearity[u][name].append(linearity)
+
+    def records(self, cfg, params: tuple[list, list[str]], cost) -> list[dict]:
+        """The meter's records of every position measured on at least 3 minibatches."""
+        out = []
+        for u in range(self.updates):
+            if len(self.sizes[u]) < 3:
+                continue
+            lin = {n: {k: _nanmean([x[k] for x in self.linearity[u][n]]) for k in ("linearity", "linearity_min")}
+                   for n in self.ests}
+            share = statistics.median(self.rollout_s) if self.rollout_s else 0.0
+            costs = {n: [c for per in self.costs[u][n] for c in per] for n in self.ests}
+            out += position_records(cfg, self.ests, self.grads[u], costs, [share], self.sizes[u], lin, u, params,
+                                    1, round(statistics.fmean(self.sizes[u])), cost)
+        return out
+
+
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if v == v]
+    return statistics.fmean(finite) if finite else float("nan")
 
 
 class AutoEstimator:
-    """``estimator.mode: auto`` in a trainer (a :class:`jagg.trainers.base.GRPO` with a ``sampler``, mixed in before
-    it): :meth:`decide_estimator`, which the loop calls before the first iteration."""
+    """``estimator.mode: auto`` in a trainer (a :class:`jagg.trainers.base.GRPO`, mixed in before it): the hooks the
+    loop calls: :meth:`decide_estimator` before the first iteration, :meth:`beside` after each update's gradient and
+    :meth:`iteration_done` after each iteration (module docstring)."""
+
+    measurement: Measurement | None = None
 
     def decide_estimator(self) -> None:
-        """Set :attr:`estimator` (the estimator the run trains with) and :attr:`decision`: a resumed run's, kept from
-        its checkpoint; else the :func:`preflight`'s on this run's sampler (every RNG, parameter and gradient it
-        touches restored; on several processes every one measures its share and the main process decides), its
-        seconds added to the run's clocks, and the decision shown and recorded (:meth:`record_decision`)."""
+        """Set :attr:`estimator`: a resumed run's decision, kept from its checkpoint; else exact, measured beside the
+        candidates from this iteration on (or unmeasured where the run is too short or nothing is to be measured)."""
+        c, e = self.cfg, self.cfg.estimator
         if self.decision is not None:
             self.estimator = EstimatorConfig.from_dict(self.decision["estimator"])
-            self._print(f"estimator.mode auto: training with {self.decision['train_with']}, the pre-flight's decision "
-                        "at the run's start (kept on resume)")
+            self._print(f"estimator.mode auto: training with {self.decision['train_with']}, the decision of the run's "
+                        "measurement (kept on resume)")
+            if self.decision["train_with"] != "exact" and e.meter_every:
+                self.measurement = self._new_measurement(self.decision["train_with"])
             return
-        self._print("estimator.mode auto: the pre-flight measures exact and the candidates on this run's model and "
-                    "reward ...")
-        t0, c0 = time.perf_counter(), time.process_time()
-        saved = _rng_state(self.sampler)
-        params = [p.detach().clone() for p in self.params]
+        pipeline = getattr(c, "pipeline", None)            # a diffusers config's steps are the pipeline's
+        num_steps, key = (pipeline.num_steps, "pipeline.num_steps") if pipeline else (c.sample.num_steps,
+                                                                                      "sample.num_steps")
+        self._ests, self._left_out = auto_candidates(e, trained_steps(c.sample, num_steps),
+                                                     steps_source(c.sample, key, num_steps))
+        self.estimator = self._ests["exact"]
+        self._measure_cpu = 0.0
+        left = c.grpo.iterations - self.iteration
+        if len(self._ests) == 1 or left <= e.preflight_batches:
+            why = ("no candidate besides exact (estimator.candidates)" if len(self._ests) == 1 else
+                   f"the run's {left} remaining iterations leave none to train a candidate in after measuring "
+                   f"{e.preflight_batches} (estimator.preflight_batches): raise grpo.iterations, or choose "
+                   "estimator.mode")
+            self._decide({"train_with": "exact", "reason": why, "line": f"train with exact: {why}", "lines": [],
+                          "candidates": []}, [])
+            return
+        self.measurement = self._new_measurement("exact")
+        self._print(f"estimator.mode auto: the first {e.preflight_batches} iterations train exact and measure "
+                    f"{', '.join(n for n in self._ests if n != 'exact')} beside each of exact's updates, on the same "
+                    f"minibatches ({self.cfg.minibatch_cut}); only the candidates' rows are extra")
+
+    def _new_measurement(self, trained: str) -> Measurement:
+        if not hasattr(self, "_ests"):
+            c = self.cfg
+            pipeline = getattr(c, "pipeline", None)
+            num_steps = pipeline.num_steps if pipeline else c.sample.num_steps
+            self._ests, self._left_out = auto_candidates(c.estimator, trained_steps(c.sample, num_steps), "")
+        ests = self._ests if trained == "exact" else {"exact": self._ests["exact"], trained: self._ests[trained]}
+        g = self.cfg.grpo
+        self._pick_gen = torch.Generator().manual_seed(self.cfg.seed + PICK_SEED)
+        return Measurement(ests, trained, g.inner_epochs * g.updates_per_epoch)
+
+    def audit_due(self) -> bool:
+        """mode auto re-measures its choice itself (``estimator.meter_every``): no separate audit."""
+        return False if self.cfg.estimator.mode == "auto" else super().audit_due()
+
+    def measuring_now(self) -> bool:
+        """Whether this iteration's updates are measured: every iteration until the decision, then every
+        ``estimator.meter_every``-th while a candidate trains."""
+        m = self.measurement
+        if m is None:
+            return False
+        if m.trained == "exact":
+            return True
+        every = self.cfg.estimator.meter_every
+        return bool(every) and (self.iteration + 1) % every == 0
+
+    def beside(self, mb, stats: dict, cpu: float) -> None:
+        """After the trained estimator's gradient of ``mb`` (in ``.grad``; ``stats``, ``cpu``: its statistics and
+        CPU seconds): in a measured iteration, every other measured estimator's gradient of the same minibatch at the
+        same parameters, then the trained gradient restored."""
+        if not self.measuring_now() or mb.traj is None:
+            return
+        m, c0 = self.measurement, time.process_time()
+        kept = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        n = max(mb.size, 1)
+        per = {m.trained: (flat_grad(self.params).float()[None], [(cpu, stats["backward_items"] / n,
+                                                                   stats["forward_nograd_items"] / n,
+                                                                   stats["clip_frac"])])}
+        trained_est, trained_gen = self.estimator, self.pick_gen
         try:
-            decision = preflight(self.sampler, self.cfg)
+            for name, est in m.ests.items():
+                if name == m.trained:
+                    continue
+                gs, cs = [], []
+                for _ in range(self.cfg.estimator.preflight_draws if est.random else 1):
+                    self.opt.zero_grad(set_to_none=True)
+                    self.estimator, self.pick_gen = est, self._pick_gen
+                    c1 = time.process_time()
+                    st = self.gradient(mb)
+                    cs.append((time.process_time() - c1, st["backward_items"] / n, st["forward_nograd_items"] / n,
+                               st["clip_frac"]))
+                    gs.append(flat_grad(self.params).float())
+                per[name] = (torch.stack(gs), cs)
         finally:
-            restore_params(self.sampler, params)
-            for p in self.params:
-                p.grad = None
-            _set_rng_state(self.sampler, saved)
+            self.estimator, self.pick_gen = trained_est, trained_gen
+            for p, g in zip(self.params, kept):
+                p.grad = g
+        u = mb.position
+        for name in m.ests:                                  # exact first
+            lin = layout_linearity([SimpleNamespace(traj=mb.traj)], m.ests[name])
+            m.add(u, self.iteration, name, *per[name], mb.size, lin)
+        self._measure_cpu += time.process_time() - c0
+        self._measured_this = True
+
+    def iteration_done(self, rollout_cpu: float, iteration_cpu: float) -> None:
+        """After an iteration (its rollout's and its own CPU seconds): note what it measured; decide when the
+        measurement is complete, stop it when the run cannot win its cost back, and re-check a chosen candidate."""
+        m = self.measurement
+        if m is None or not getattr(self, "_measured_this", False):
+            return
+        self._measured_this = False
+        e, g = self.cfg.estimator, self.cfg.grpo
+        self._last_iteration_cpu = iteration_cpu
+        m.iterations.append(self.iteration - 1)
+        m.rollout_s.append(rollout_cpu / (g.inner_epochs * g.updates_per_epoch))
+        m.beside_s.append(self._measure_cpu)
+        self._measure_cpu = 0.0
+        if m.trained == "exact":
+            if len(m.iterations) == 1 and (why := self._too_costly()) is not None:
+                self._decide({"train_with": "exact", "reason": why, "line": f"train with exact: {why}", "lines": [],
+                              "candidates": []}, [])
+            elif len(m.iterations) >= e.preflight_batches:
+                self._decide_from_records()
+            return
+        m.keep_last(e.preflight_batches)
+        self._recheck()
+
+    def _too_costly(self) -> str | None:
+        """Why the rest of the measurement cannot pay for itself (from its first iteration), or None."""
+        e, m = self.cfg.estimator, self.measurement
+        spent = m.beside_s[0]
+        iteration = self._last_iteration_cpu - spent                # exact's own CPU seconds of that iteration
+        rest = (e.preflight_batches - 1) * spent
+        remaining = self.cfg.grpo.iterations - self.iteration - (e.preflight_batches - 1)
+        win = e.preflight_margin / (1 + e.preflight_margin) * remaining * iteration
+        budget = e.preflight_share * self.cfg.grpo.iterations * iteration
+        if rest <= win and rest + spent <= budget:
+            return None
+        return (f"measuring the candidates costs {spent:.1f} CPU s per iteration beside exact's {iteration:.1f} s; "
+                f"the {e.preflight_batches - 1} more iterations it needs ({rest:.0f} s) cost more than a candidate "
+                f"{1 + e.preflight_margin:.2f} x as fast could win back in the run's {remaining} remaining iterations "
+                f"({win:.0f} s), or than estimator.preflight_share={e.preflight_share:g} of the run ({budget:.0f} s): "
+                "a longer run measures, or decide once with jagg bench meter")
+
+    def _params(self) -> tuple[list, list[str]]:
+        return self.params, self.sampler.param_names
+
+    def _records(self) -> tuple[list[dict], object]:
+        cost = resolve(None, config_structure(self.cfg), None, default_cost(self.cfg))[0]
+        return self.measurement.records(self.cfg, self._params(), cost), cost
+
+    def _decide_from_records(self) -> None:
+        records, cost = self._records()
+        m = self.measurement
+        v = verdict(records, m.updates, self.cfg.estimator.preflight_margin, cost.name, "fewer than 3 minibatches "
+                    "measured there")
+        self._decide(v, records)
+
+    def _decide(self, v: dict, records: list[dict]) -> None:
+        """Train with ``v["train_with"]`` (or the verdict's ``estimator``) from the next iteration on; show and
+        record the decision (the main process's, on every process)."""
+        m, e = self.measurement, self.cfg.estimator
+        name = v.get("train_with") or v["estimator"]
+        note = signal_note(records)
+        decision = {"train_with": name, "estimator": self._ests[name].to_dict(), "reason": v["reason"],
+                    "line": v["line"], "lines": v["lines"] + ([note] if note else []), "candidates": v["candidates"],
+                    "measured_iterations": len(m.iterations) if m else 0, "updates": m.updates if m else
+                    self.cfg.grpo.inner_epochs * self.cfg.grpo.updates_per_epoch,
+                    "measured_updates": len({r["update"] for r in records}), "minibatches": self.cfg.minibatch_cut,
+                    "estimators": list(self._ests), "left_out": self._left_out, "margin": e.preflight_margin,
+                    "cpu_seconds": sum(m.beside_s) if m else 0.0, "iteration": self.iteration,
+                    "command": meter_command(self.cfg), "records": [{k: r.get(k) for k in RECORD_KEYS}
+                                                                    for r in records]}
         decision = gather_objects([decision])[0] if self.world > 1 else decision      # the main process decides
-        decision["seconds"], decision["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - c0
-        self.wall += decision["seconds"]                 # the pre-flight is part of the run's cost
-        self.cpu += decision["cpu_seconds"]
         self.estimator = EstimatorConfig.from_dict(decision["estimator"])
         self.decision = {k: v for k, v in decision.items() if k not in ("records", "lines", "candidates")}
+        self.measurement = self._new_measurement(name) if name != "exact" and e.meter_every else None
+        if self.measurement is not None:                     # the re-measurement starts from what was measured
+            self.measurement = _carry(m, self.measurement)
         self.record_decision(decision)
 
+    def _recheck(self) -> None:
+        """Re-measure the chosen candidate: drop it for exact when a position no longer clears the bar."""
+        m = self.measurement
+        if len(m.iterations) < 3:
+            return
+        records, _ = self._records()
+        fail = next(((r["update"], why) for r in records if r["estimator"] == m.trained
+                     and (why := position_failure(r, self.cfg.estimator.preflight_margin)) is not None), None)
+        fail = gather_objects([fail])[0] if self.world > 1 else fail
+        if fail is None:
+            return
+        why = f"{m.trained} re-measured at iteration {self.iteration}: update {fail[0]}: {fail[1]}"
+        self._print(f"estimator.mode auto: training with exact from now on: {why}")
+        self.estimator = self._ests["exact"]
+        self.decision = {**self.decision, "train_with": "exact", "estimator": self.estimator.to_dict(),
+                         "switched": {"iteration": self.iteration, "from": m.trained, "why": why}}
+        self.measurement = None
+        if getattr(self, "logger", None) is not None:
+            self.logger.log({"kind": "auto_switch", "iteration": self.iteration, "from": m.trained,
+                             "train_with": "exact", "reason": why, "wall_s": self.wall, "cpu_s": self.cpu})
+
     def record_decision(self, decision: dict) -> None:
-        """The decision on the first screen, in ``preflight.json`` of the run directory and as the ``preflight``
-        metrics record (iteration 0; main process)."""
+        """The decision on the screen, in ``preflight.json`` of the run directory and as the ``preflight`` metrics
+        record (main process)."""
         if not self.main:
             return
-        size = (f"{decision['batches']} batches x {decision['draws']} draws, {decision['measured_updates']} of "
-                f"{decision['updates']} update position(s)" if decision["measured_updates"] else "nothing measured")
-        self._print(f"pre-flight: {size}, {decision['seconds']:.0f} s ({decision['cpu_seconds']:.0f} CPU s, counted "
-                    "in the run's clocks)")
+        k = decision["measured_iterations"]
+        size = (f"{k} iterations x {decision['measured_updates']} of {decision['updates']} update position(s), "
+                f"on minibatches of {decision['minibatches']}" if k else "nothing measured")
+        self._print(f"estimator.mode auto: measured {size}; the candidates beside exact cost "
+                    f"{decision['cpu_seconds']:.0f} CPU s (counted in the run's clocks)")
         for line in decision["lines"]:
             self._print(f"  {line}")
         for name, why in decision.get("left_out", {}).items():
             self._print(f"  {name}: left out of the default candidates here: {why}")
-        self._print(decision["line"])
-        if decision["measured_updates"]:
-            self._print(f"  the same measurement: {decision['command']}")
+        self._print(decision["line"] + (f" (from iteration {decision['iteration'] + 1})" if k else ""))
         out = getattr(self, "out", None)
         if out is not None:
             write_json(out / "preflight.json", decision)
         if getattr(self, "logger", None) is not None:
             best = max(decision["candidates"], key=lambda c: c.get("time_rate_lo", -1.0), default={})
             self.logger.log({"kind": "preflight", "iteration": self.iteration, "train_with": decision["train_with"],
-                             "reason": decision["reason"], "preflight_s": decision["seconds"],
-                             "preflight_cpu_s": decision["cpu_seconds"], "measured_updates": decision["measured_updates"],
+                             "reason": decision["reason"], "preflight_cpu_s": decision["cpu_seconds"],
+                             "measured_iterations": k, "measured_updates": decision["measured_updates"],
+                             "minibatches": decision["minibatches"],
                              "best_candidate": best.get("estimator"), "best_time_rate_lo": best.get("time_rate_lo"),
                              "best_time_rate_hi": best.get("time_rate_hi"), "wall_s": self.wall, "cpu_s": self.cpu})
 
 
-def _rng_state(sampler) -> dict:
-    """Every RNG the pre-flight may move: the sampler's prompt and noise RNGs, its count of batches drawn (a
-    diffusers sampler's SDE noise), and the global ones."""
-    return {"gen": sampler.gen.get_state(), "numpy": sampler.np_rng.bit_generator.state,
-            "sampled": getattr(sampler, "sampled", None), "torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def _set_rng_state(sampler, state: dict) -> None:
-    sampler.gen.set_state(state["gen"])
-    sampler.np_rng.bit_generator.state = state["numpy"]
-    if state["sampled"] is not None:
-        sampler.sampled = state["sampled"]
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if state["cuda"] is not None:
-        torch.cuda.set_rng_state_all(state["cuda"])
+def _carry(old: Measurement | None, new: Measurement) -> Measurement:
+    """``new`` (exact and the chosen candidate) holding what ``old`` measured of them."""
+    if old is None:
+        return new
+    for u in range(new.updates):
+        for n in new.ests:
+            new.grads[u][n] = list(old.grads[u][n])
+            new.costs[u][n] = list(old.costs[u][n])
+            new.linearity[u][n] = list(old.linearity[u][n])
+        new.sizes[u] = list(old.sizes[u])
+        new.measured[u] = list(old.measured[u])
+    new.iterations, new.rollout_s, new.beside_s = list(old.iterations), list(old.rollout_s), list(old.beside_s)
+    return new

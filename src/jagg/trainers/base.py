@@ -192,6 +192,7 @@ class Minibatch:
     prompt_groups: Tensor                    # [n] prompt group of each sample
     size: int
     on_policy: bool = False                  # the rollout's first update: the parameters it was sampled with
+    position: int = 0                        # the update's place in its rollout's updates (0: on-policy)
 
 
 @dataclass
@@ -355,8 +356,16 @@ class GRPO(ABC):
     def decide_estimator(self) -> None:
         """``estimator.mode: auto``: set :attr:`estimator` (and :attr:`decision`) before the first iteration; a
         trainer provides it with :class:`jagg.trainers.auto.AutoEstimator`."""
-        raise ValueError(f"estimator.mode auto needs a trainer with the pre-flight (jagg.trainers.auto.AutoEstimator); "
+        raise ValueError(f"estimator.mode auto needs a trainer that measures (jagg.trainers.auto.AutoEstimator); "
                          f"{type(self).__name__} has none: choose estimator.mode")
+
+    def beside(self, mb: Minibatch, stats: dict, cpu: float) -> None:
+        """Called after each update's gradient of ``mb`` is in ``.grad`` (its statistics and CPU seconds), before the
+        step: ``estimator.mode: auto`` measures other estimators on the same minibatch here."""
+
+    def iteration_done(self, rollout_cpu: float, iteration_cpu: float) -> None:
+        """Called at the end of each iteration with its rollout's and its own CPU seconds (``estimator.mode: auto``
+        decides here)."""
 
     @abstractmethod
     def record(self, it: Iteration) -> dict:
@@ -380,6 +389,7 @@ class GRPO(ABC):
         t0, c0 = time.perf_counter(), time.process_time()
         draw = self.draw_batch()
         batch = rollout_batch(lambda: self.rollout(draw), self.score, c, self.device)
+        rollout_cpu = time.process_time() - c0
         self.empty_iteration = not batch.spread                 # no advantage but 0: nothing to learn from
         t2 = time.perf_counter()
         self._updating = True
@@ -395,6 +405,7 @@ class GRPO(ABC):
                                     per_update, times, cpu))
         if c.sample.sde_window_schedule == "sliding":
             rec["sde_window_start"] = int(draw.train_steps[0])
+        self.iteration_done(rollout_cpu, cpu)
         return rec
 
     def train_on(self, rollout: Rollout, adv: Tensor, keep_idx: Tensor, all_kept: bool) -> tuple[list[dict], float,
@@ -422,7 +433,7 @@ class GRPO(ABC):
                 dev = mb.to(self.device)
                 sub = traj if rows == list(range(n)) else traj.select(dev) if rows else None   # no copy of the whole
                 stats = self.update(Minibatch(sub, take(cond, mb), adv[dev], None if ref_v is None else ref_v[dev],
-                                              prompt_groups[mb.cpu()], len(rows), on_policy=u == 0))
+                                              prompt_groups[mb.cpu()], len(rows), on_policy=u == 0, position=u))
                 u += 1
                 if stats:
                     per_update.append(stats)
@@ -449,9 +460,11 @@ class GRPO(ABC):
         """One optimizer update: the trainer's gradient of the minibatch, clipped to ``optim.max_grad_norm``, and the
         guarded step (:meth:`guarded_step`); returns its statistics (``{}`` when no process had a sample)."""
         self.opt.zero_grad(set_to_none=True)
+        c0 = time.process_time()
         stats = self.gradient(mb)
         if not stats:
             return {}
+        self.beside(mb, stats, time.process_time() - c0)
         grads = [p for p in self.params if p.grad is not None]
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
         stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0

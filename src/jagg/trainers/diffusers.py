@@ -228,7 +228,7 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         config, the starting adapter, the reward server (:func:`jagg.trainers.load_checks.check_before_loading`), then the
         launcher's settings and the engine (:func:`engine_for`)."""
         check_before_loading(self.cfg)
-        if self.cfg.minibatch_cut == GROUPS:                  # a prompt group never straddles two processes
+        if self.cfg.grpo.minibatches == GROUPS:               # a prompt group never straddles two processes
             check_groups_fit(self.cfg.sample.prompts_per_iter, self.cfg.grpo.updates_per_epoch, self.world)
         self.engine_settings = engine_for(self.cfg, read_launch(), self.world)
         super().before_setup()
@@ -477,7 +477,8 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
             return super().audit(*args, **kwargs)
 
     def minibatches(self, prompt_groups: torch.Tensor) -> list[torch.Tensor]:
-        cut = cut_minibatches(prompt_groups, self.cfg.grpo.updates_per_epoch, self.cfg.minibatch_cut, self.perm_gen)
+        cut = cut_minibatches(prompt_groups, self.cfg.grpo.updates_per_epoch, self.cfg.cut_for(self.world),
+                              self.perm_gen)
         return [mb.sort().values for mb in cut]          # sets, in order; every process makes every update
 
     def gradient(self, mb: Minibatch) -> dict:

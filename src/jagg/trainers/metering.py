@@ -30,6 +30,7 @@ from ..routing import linearity_scores
 from ..trajectory import Trajectory
 from ..verdict import prediction
 from .base import rollout_batch, take
+from .minibatches import cut_minibatches
 
 Sampler = Any          # a ShapesSampler or a DiffusersSampler (module docstring)
 TrainConfig = Any      # a ShapesTrainConfig or a DiffusersTrainConfig
@@ -47,12 +48,16 @@ class Batch:
 
 
 def training_batch(sampler: Sampler, cfg: TrainConfig):
-    """One training batch through the trainer's own pipeline (:func:`jagg.trainers.base.rollout_batch`): ``(traj,
-    conditioning, advantages, prompt_groups, rollout CPU seconds)`` of the kept samples."""
+    """One update's training batch through the trainer's own pipeline (:func:`jagg.trainers.base.rollout_batch`), cut
+    as the trainer cuts its minibatches (``grpo.minibatches``, :func:`jagg.trainers.minibatches.cut_minibatches`: one
+    of the rollout's ``grpo.updates_per_epoch``, drawn with the sampler's generator): ``(traj, conditioning,
+    advantages, prompt_groups, rollout CPU seconds)`` of its kept samples."""
     t0 = time.process_time()
     batch = rollout_batch(sampler.sample, sampler.score, cfg)
     seconds = time.process_time() - t0
     idx, ro = batch.keep_idx, batch.rollout
+    cut = cut_minibatches(batch.prompt_groups[idx], cfg.grpo.updates_per_epoch, cfg.minibatch_cut, sampler.gen)
+    idx = idx[max(cut, key=lambda mb: mb.numel())]                  # one of the update's minibatches (not empty)
     return ro.traj.select(idx), take(ro.conditioning, idx), batch.advantages[idx], batch.prompt_groups[idx], seconds
 
 
@@ -200,16 +205,29 @@ def measure_records(sampler: Sampler, cfg: TrainConfig, ests: dict[str, Estimato
             g, c = gradients(sampler, batch, est, seeds, on_policy=not update)
             grads[name].append(g)
             costs[name] += c
+    linearity = {name: layout_linearity(kept, est) for name, est in ests.items()}
+    target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
+    return position_records(cfg, ests, grads, costs, rollout_s, [b.traj.batch_size for b in kept], linearity, update,
+                            (sampler.params, sampler.param_names), draws, target, cost)
+
+
+def position_records(cfg: TrainConfig, ests: dict[str, EstimatorConfig], grads: dict[str, list[Tensor]],
+                     costs: dict[str, list[tuple]], rollout_s: list[float], batch_sizes: list[int], linearity: dict,
+                     update: int, params: tuple[list, list[str]], draws: int, target: int, cost=None) -> list[dict]:
+    """The records of one update position from what was measured there: per estimator of ``ests``, its gradients
+    ``grads[name]`` (per batch ``[draws, P]``, exact's first draw the reference), ``costs[name]`` (per draw ``(CPU
+    seconds, rows, no-grad rows, clip fraction)``, rows per sample), the batches' rollout CPU seconds and sizes, and its
+    layout's ``linearity`` (:func:`layout_linearity`); ``params``: the trainable parameters and their names;
+    ``target``: the samples per update the error is extrapolated to (the batches' own size: none)."""
     exact = torch.stack([g[0] for g in grads["exact"]])                      # [batches, P]
     t_roll = statistics.median(rollout_s)
     t_exact = statistics.median(c[0] for c in costs["exact"])
     r_exact = statistics.fmean(c[1] for c in costs["exact"])
-    n_samples = statistics.fmean(b.traj.batch_size for b in kept)
-    target = target_batch or cfg.sample.batch_size // cfg.grpo.updates_per_epoch
+    n_samples = statistics.fmean(batch_sizes)
     cost = cost or config_structure(cfg)
     nograd_exact = statistics.fmean(c[2] for c in costs["exact"])
     clip_exact = statistics.fmean(c[3] for c in costs["exact"])
-    sizes, tensor_names = [p.numel() for p in sampler.params], sampler.param_names          # sampler.params' order
+    sizes, tensor_names = [p.numel() for p in params[0]], params[1]                          # the parameters' order
     records = []
     for name, est in ests.items():
         st = error_noise_stats(exact, grads[name], sizes)
@@ -218,7 +236,8 @@ def measure_records(sampler: Sampler, cfg: TrainConfig, ests: dict[str, Estimato
         nograd = statistics.fmean(c[2] for c in costs[name]) - nograd_exact
         time_ratio = (t_roll + t_exact) / (t_roll + t)
         tensors = [{"tensor": n, **t} for n, t in zip(tensor_names, st.pop("tensors"))]
-        rec = {"estimator": name, "mode": est.mode, "batches": len(kept), "draws": draws if est.random else 1,
+        rec = {"estimator": name, "mode": est.mode, "minibatches": cfg.minibatch_cut, "batches": len(batch_sizes),
+               "draws": draws if est.random else 1,
                "samples_per_batch": n_samples, "target_batch": target, "rows_per_sample": r,
                "nograd_per_sample": nograd, "rows_ratio": r_exact / r, "train_s": t, "rollout_s": t_roll,
                "iter_ratio": time_ratio, "update": update, "clip_frac": statistics.fmean(c[3] for c in costs[name]),
@@ -226,7 +245,7 @@ def measure_records(sampler: Sampler, cfg: TrainConfig, ests: dict[str, Estimato
                **efficiencies(r_exact / r, time_ratio, st["error_to_noise"], st["adam_tensor_factor"]),
                **projected_efficiencies(cost.iteration_ratio(r / r_exact, nograd / r_exact), st["error_to_noise"],
                                         st["adam_tensor_factor"]),
-               **layout_linearity(kept, est), "estimator_config": est.to_dict(), "tensors": tensors}
+               **linearity[name], "estimator_config": est.to_dict(), "tensors": tensors}
         at = extrapolate({**st, "tensors": tensors}, n_samples, target)
         rec.update({f"{k}_at_target": v for k, v in at.items()})
         at_eff = efficiencies(r_exact / r, time_ratio, at["error_to_noise"], at["adam_tensor_factor"])

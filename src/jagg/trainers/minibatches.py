@@ -7,8 +7,8 @@ cut the trainers, ``estimator.mode: auto``'s measurement and ``jagg bench meter`
   group, whose advantages sum to zero: it cancels in an update that holds the whole group, and not in one that holds
   part of it.
 - ``auto``: ``groups`` for a JAGG estimator and for ``estimator.mode: auto`` (whose candidates are JAGG estimators,
-  measured on the minibatches they would train on), ``samples`` for ``exact`` and ``subsample`` (exact learned more per
-  update from shuffled samples: docs/results.md).
+  measured on the minibatches they would train on) where the prompt groups fill the updates, else ``samples``; always
+  ``samples`` for ``exact`` and ``subsample`` (exact learned more per update from shuffled samples: docs/results.md).
 
 Under several processes each process cuts its own samples, which are whole prompt groups
 (:func:`check_groups_fit`), so every update's global minibatch is whole prompt groups too.
@@ -23,26 +23,37 @@ SAMPLES, GROUPS, AUTO = "samples", "groups", "auto"
 CUTS = (SAMPLES, GROUPS, AUTO)
 
 
-def resolve_cut(cut: str, estimator_mode: str) -> str:
-    """``samples`` or ``groups``: ``cut`` (``grpo.minibatches``), with ``auto`` resolved for ``estimator_mode``."""
+def resolve_cut(cut: str, estimator_mode: str, prompts_per_iter: int = 0, updates_per_epoch: int = 0,
+                processes: int = 1) -> str:
+    """``samples`` or ``groups``: ``cut`` (``grpo.minibatches``), with ``auto`` resolved for ``estimator_mode`` and a
+    batch of ``prompts_per_iter`` prompt groups cut into ``updates_per_epoch`` updates on ``processes`` processes."""
     if cut not in CUTS:
         raise ValueError(f"grpo.minibatches must be one of {', '.join(CUTS)}; got {cut!r}")
     if cut != AUTO:
         return cut
-    return GROUPS if estimator_mode in ("jagg", "auto") else SAMPLES
+    fits = groups_fit(prompts_per_iter, updates_per_epoch, processes) is None
+    return GROUPS if estimator_mode in ("jagg", "auto") and fits else SAMPLES
+
+
+def groups_fit(prompts_per_iter: int, updates_per_epoch: int, processes: int = 1) -> str | None:
+    """Why ``prompts_per_iter`` prompt groups cannot fill ``updates_per_epoch`` minibatches of whole groups split
+    evenly over ``processes`` (a group never straddles two processes), or None when they can."""
+    if prompts_per_iter < updates_per_epoch:
+        return (f"sample.prompts_per_iter = {prompts_per_iter} prompt groups cannot fill grpo.updates_per_epoch = "
+                f"{updates_per_epoch} minibatches of whole groups")
+    if prompts_per_iter % processes:
+        return (f"sample.prompts_per_iter = {prompts_per_iter} prompt groups do not split evenly over {processes} "
+                "processes (a group would straddle two)")
+    return None
 
 
 def check_groups_fit(prompts_per_iter: int, updates_per_epoch: int, processes: int = 1) -> None:
-    """Raise, naming the keys, unless ``prompts_per_iter`` prompt groups fill ``updates_per_epoch`` minibatches of
-    whole groups and split evenly over ``processes`` (a group never straddles two processes)."""
-    if prompts_per_iter < updates_per_epoch:
-        raise ValueError(f"grpo.minibatches groups: sample.prompts_per_iter = {prompts_per_iter} prompt groups cannot "
-                         f"fill grpo.updates_per_epoch = {updates_per_epoch} minibatches of whole groups; lower "
-                         "grpo.updates_per_epoch, raise sample.prompts_per_iter, or set grpo.minibatches: samples")
-    if prompts_per_iter % processes:
-        raise ValueError(f"grpo.minibatches groups: sample.prompts_per_iter = {prompts_per_iter} prompt groups do not "
-                         f"split evenly over {processes} processes (a group would straddle two); make it a multiple "
-                         "of the process count, or set grpo.minibatches: samples")
+    """Raise, naming the keys, unless the prompt groups fit the updates and processes (:func:`groups_fit`)."""
+    why = groups_fit(prompts_per_iter, updates_per_epoch, processes)
+    if why is not None:
+        raise ValueError(f"grpo.minibatches groups: {why}; lower grpo.updates_per_epoch, make "
+                         "sample.prompts_per_iter a multiple of the process count and at least the updates, or set "
+                         "grpo.minibatches: samples")
 
 
 def cut_minibatches(prompt_groups: Tensor, updates: int, cut: str, generator: torch.Generator) -> list[Tensor]:
@@ -60,9 +71,10 @@ def cut_minibatches(prompt_groups: Tensor, updates: int, cut: str, generator: to
     return [torch.nonzero(torch.isin(prompt_groups.cpu(), part)).flatten() for part in order.tensor_split(updates)]
 
 
-def minibatch_line(cfg) -> str:
-    """How a trainer config ``cfg`` cuts its updates' minibatches, as the first screen says it."""
+def minibatch_line(cfg, processes: int = 1) -> str:
+    """How a trainer config ``cfg`` cuts its updates' minibatches on ``processes`` processes, as the first screen
+    says it."""
     g = cfg.grpo
-    what = "whole prompt groups" if cfg.minibatch_cut == GROUPS else "shuffled samples"
+    what = "whole prompt groups" if cfg.cut_for(processes) == GROUPS else "shuffled samples"
     how = f"grpo.minibatches {g.minibatches}" + (f" for mode {cfg.estimator.mode}" if g.minibatches == AUTO else "")
     return f"{g.inner_epochs * g.updates_per_epoch} update(s) per iteration on minibatches of {what} ({how})"

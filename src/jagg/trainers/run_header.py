@@ -88,7 +88,7 @@ def header(cfg, policy, out, run_id: str, resumed: bool, world: int) -> list[str
              f"  batch      {s.prompts_per_iter} prompts x {s.group_size} images = {s.batch_size} samples per "
              f"iteration{f' over {world} processes' if world > 1 else ''}; {g.inner_epochs * g.updates_per_epoch} "
              f"updates each; {g.iterations} iterations; lr {cfg.optim.lr:g}"
-             + (f"; EMA {cfg.optim.ema_decay:g}" if cfg.optim.ema_decay else "") + f"; {minibatch_line(cfg)}",
+             + (f"; EMA {cfg.optim.ema_decay:g}" if cfg.optim.ema_decay else "") + f"; {minibatch_line(cfg, world)}",
              f"  prompts    {s.prompts_file}: {len(s.prompt_set)} prompts"
              + (" with metadata" if s.prompt_set.metadata is not None else "")]
     if ev.enabled:

@@ -334,13 +334,19 @@ class TrainerSections:
 
     @property
     def minibatch_cut(self) -> str:
-        """``samples`` or ``groups``: ``grpo.minibatches`` with ``auto`` resolved for ``estimator.mode``."""
-        return resolve_cut(self.grpo.minibatches, self.estimator.mode)
+        """``samples`` or ``groups``: ``grpo.minibatches`` with ``auto`` resolved for ``estimator.mode`` (one process)."""
+        return self.cut_for(1)
+
+    def cut_for(self, processes: int) -> str:
+        """:attr:`minibatch_cut` on ``processes`` processes."""
+        g = self.grpo
+        return resolve_cut(g.minibatches, self.estimator.mode, self.sample.prompts_per_iter, g.updates_per_epoch,
+                           processes)
 
     def __post_init__(self):
         check_threads(self.threads, "threads")
         check_updates_divide_batch(self.sample.batch_size, self.grpo.updates_per_epoch)
-        if self.minibatch_cut == GROUPS:
+        if self.grpo.minibatches == GROUPS:
             check_groups_fit(self.sample.prompts_per_iter, self.grpo.updates_per_epoch)
         updates = self.grpo.iterations * self.grpo.inner_epochs * self.grpo.updates_per_epoch
         if self.optim.warmup_steps >= updates:
