@@ -1,8 +1,8 @@
 """``estimator.mode: auto`` and the meter's verdict: the rule on constructed meter results (unknown, a low end below the
 margin, an off-policy position that fails, a position not measured: exact; a clear win: the candidate), the candidate
-list refused by name at load, and the pre-flight in the shapes trainer: the decision recorded (first screen,
-preflight.json, metrics), its seconds in the run's clocks, a resume that keeps it without measuring, and a pre-flight
-that picks exact leaving the run identical to an exact run."""
+list refused by name at load, and the measurement while training in the shapes trainer: the decision recorded
+(screen, preflight.json, metrics), its seconds in the run's clocks, a measurement that picks exact leaving the run
+identical to an exact run, sized to the run, re-checked, kept on resume."""
 
 from __future__ import annotations
 
@@ -135,39 +135,53 @@ def weights(out) -> dict:
     return torch.load(sorted((out / "checkpoints").glob("ckpt_*.pt"))[-1], weights_only=False)["model"]
 
 
-def test_auto_that_picks_exact_trains_exactly_as_exact_and_pays_its_time(tmp_path, bench_ckpt, capsys):
-    """A pre-flight that picks exact (a margin no candidate clears) leaves the run identical to an exact run of the
-    same seed: the same rewards and bit-identical weights (its batches come from RNGs of its own, restored after); its
-    seconds are in the run's clocks from the first record on; the decision is on the first screen, in preflight.json
-    and in a preflight metrics record."""
+def test_auto_that_picks_exact_trains_exactly_as_exact_and_pays_its_time(tmp_path, bench_ckpt, capsys, monkeypatch):
+    """A measurement that picks exact (a margin no candidate clears) is, update for update, an exact run on the same
+    batching: the same rewards and rows and bit-identical weights (the candidates run beside exact's updates on the
+    same minibatches, their picks on a generator of their own, exact's gradient restored before each step); the
+    candidates' seconds are in the run's clocks; the decision is on the screen, in preflight.json and in a preflight
+    metrics record, with every position measured on every measured iteration."""
+    import jagg.trainers.auto as auto_mod
+
+    monkeypatch.setattr(auto_mod.AutoEstimator, "_too_costly", lambda self: None)   # sized by the next test
     auto, exact = tmp_path / "auto", tmp_path / "exact"
-    assert main(auto_args(bench_ckpt, exact, 4, "estimator.mode=exact")) == 0
+    assert main(auto_args(bench_ckpt, exact, 5, "estimator.mode=exact", "grpo.minibatches=groups")) == 0
     capsys.readouterr()
-    assert main(auto_args(bench_ckpt, auto, 4, "estimator.preflight_margin=100")) == 0
+    assert main(auto_args(bench_ckpt, auto, 5, "estimator.preflight_margin=100")) == 0
     screen = capsys.readouterr().out
-    assert "estimator.mode auto: the pre-flight measures" in screen and "\ntrain with exact: " in screen
-    assert screen.index("train with exact") < screen.index("iteration 0: test reward")     # before training starts
+    assert "the first 3 iterations train exact and measure g4, u4 beside each of exact's updates" in screen
+    assert "measured 3 iterations x 2 of 2 update position(s), on minibatches of groups" in screen
+    assert "\ntrain with exact: " in screen
     decision = json.loads((auto / "preflight.json").read_text())
-    assert decision["train_with"] == "exact" and decision["measured_updates"] == 1 and decision["updates"] == 2
-    assert {r["estimator"] for r in decision["records"]} == {"exact", "g4", "u4"}
-    assert not any(c["passes"] for c in decision["candidates"])     # a margin of 100: refused at update 0
+    assert decision["train_with"] == "exact" and decision["measured_iterations"] == 3 and decision["updates"] == 2
+    assert decision["minibatches"] == "groups" and decision["cpu_seconds"] > 0
+    assert sorted((r["estimator"], r["update"]) for r in decision["records"]) == sorted(
+        (n, u) for n in ("exact", "g4", "u4") for u in (0, 1))
+    assert not any(c["passes"] for c in decision["candidates"])     # a margin of 100
     a, e = records(auto), records(exact)
     pre = [r for r in a if r["kind"] == "preflight"]
     assert len(pre) == 1 and pre[0]["train_with"] == "exact" and pre[0]["preflight_cpu_s"] > 0
     train_a, train_e = [r for r in a if r["kind"] == "train"], [r for r in e if r["kind"] == "train"]
     for ra, re_ in zip(train_a, train_e, strict=True):
-        assert ra["reward_mean"] == re_["reward_mean"] and ra["backward_items"] == re_["backward_items"]
-    assert train_a[0]["cpu_s"] >= pre[0]["preflight_cpu_s"] + train_a[0]["iter_cpu_s"] - 1e-9
-    assert train_a[0]["wall_s"] >= pre[0]["preflight_s"]
-    evals_a = [r for r in a if r["kind"] == "eval"]
-    assert evals_a[0]["iteration"] == 0 and evals_a[0]["wall_s"] == pytest.approx(pre[0]["preflight_s"])
+        assert (ra["reward_mean"], ra["loss"], ra["grad_norm"], ra["backward_items"]) == (
+            re_["reward_mean"], re_["loss"], re_["grad_norm"], re_["backward_items"])
+    assert pre[0]["cpu_s"] >= pre[0]["preflight_cpu_s"]
     wa, we = weights(auto), weights(exact)
     assert wa.keys() == we.keys() and all(torch.equal(wa[k], we[k]) for k in wa)
 
 
-def test_auto_trains_with_the_chosen_candidate_and_a_resume_keeps_it(tmp_path, bench_ckpt, capsys, monkeypatch):
-    """When the verdict picks a candidate the updates use it (its rows per update), the checkpoint keeps the decision,
-    and a resumed run trains on with it without a second pre-flight."""
+def test_a_measurement_the_run_cannot_win_back_stops_after_its_first_iteration(tmp_path, bench_ckpt, capsys):
+    """Sized to the run: with a budget of 1% of the run, what the candidates cost in the first measured iteration
+    stops the measurement there: the run trains exact, saying why."""
+    out = tmp_path / "run"
+    assert main(auto_args(bench_ckpt, out, 5, "estimator.preflight_share=0.01")) == 0
+    screen = capsys.readouterr().out
+    assert "train with exact: measuring the candidates costs" in screen and "preflight_share=0.01" in screen
+    decision = json.loads((out / "preflight.json").read_text())
+    assert decision["train_with"] == "exact" and decision["measured_iterations"] == 1 and decision["records"] == []
+
+
+def _picks_g4(monkeypatch):
     import jagg.trainers.auto as auto_mod
 
     real = auto_mod.verdict
@@ -177,34 +191,65 @@ def test_auto_trains_with_the_chosen_candidate_and_a_resume_keeps_it(tmp_path, b
         return {**v, "estimator": "g4", "reason": "test", "line": "train with g4: test"}
 
     monkeypatch.setattr(auto_mod, "verdict", picks_g4)
+    monkeypatch.setattr(auto_mod.AutoEstimator, "_too_costly", lambda self: None)
+    return auto_mod
+
+
+def test_auto_trains_with_the_chosen_candidate_and_a_resume_keeps_it(tmp_path, bench_ckpt, capsys, monkeypatch):
+    """When the verdict picks a candidate the updates after the measurement use it (its rows per update), the
+    checkpoint keeps the decision, and a resumed run trains on with it without measuring again."""
+    auto_mod = _picks_g4(monkeypatch)
     out = tmp_path / "run"
-    argv = auto_args(bench_ckpt, out, 3)
+    argv = auto_args(bench_ckpt, out, 5)
     assert main(argv) == 0
-    assert "train with g4: test" in capsys.readouterr().out
-    first = [r for r in records(out) if r["kind"] == "train"]
-    assert all(r["backward_items"] == 8 * 4 for r in first)     # 6 steps in groups of 4 and 2: 2 + 2 rows of 8 samples
+    assert "train with g4: test (from iteration 4)" in capsys.readouterr().out
+    first = [r["backward_items"] for r in records(out) if r["kind"] == "train"]
+    assert first == [8 * 6] * 3 + [8 * 4] * 2    # exact: 6 steps; g4: 6 steps in groups of 4 and 2: 2 + 2 rows
 
-    def no_second(*a, **k):
-        raise AssertionError("a resumed run measured again")
-
-    monkeypatch.setattr(auto_mod, "preflight", no_second)
-    argv[argv.index("grpo.iterations=3")] = "grpo.iterations=4"
+    monkeypatch.setattr(auto_mod.Measurement, "add", lambda *a, **k: pytest.fail("a resumed run measured again"))
+    argv[argv.index("grpo.iterations=5")] = "grpo.iterations=6"
     assert main(argv + ["--resume"]) == 0
-    screen = capsys.readouterr().out
-    assert "training with g4, the pre-flight's decision at the run's start (kept on resume)" in screen
+    assert "training with g4, the decision of the run's measurement (kept on resume)" in capsys.readouterr().out
     train = [r for r in records(out) if r["kind"] == "train"]
-    assert [r["iteration"] for r in train] == [1, 2, 3, 4] and train[-1]["backward_items"] == 8 * 4
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4, 5, 6] and train[-1]["backward_items"] == 8 * 4
     assert len([r for r in records(out) if r["kind"] == "preflight"]) == 1
 
 
-def test_a_run_too_short_for_a_pre_flight_trains_exact_unmeasured(tmp_path, bench_ckpt, capsys, monkeypatch):
+def test_a_chosen_candidate_that_no_longer_clears_the_bar_is_dropped_for_exact(tmp_path, bench_ckpt, capsys,
+                                                                              monkeypatch):
+    """estimator.meter_every: the chosen candidate is re-measured beside exact (on the last measured iterations), and
+    dropped for exact, with an auto_switch record, when a position fails the bar."""
+    auto_mod = _picks_g4(monkeypatch)
+    calls = []
+
+    def fails(rec, margin=None):
+        calls.append(rec["estimator"])
+        return "low end 0.50 x exact's progress per second, below 1.10"
+
+    monkeypatch.setattr(auto_mod, "position_failure", fails)
+    out = tmp_path / "run"
+    assert main(auto_args(bench_ckpt, out, 6, "estimator.meter_every=1")) == 0
+    assert "training with exact from now on: g4 re-measured at iteration 4: update 0: low end 0.50" in (
+        capsys.readouterr().out)
+    rec = records(out)
+    switch = [r for r in rec if r["kind"] == "auto_switch"]
+    assert len(switch) == 1 and switch[0]["from"] == "g4" and switch[0]["iteration"] == 4
+    assert [r["backward_items"] for r in rec if r["kind"] == "train"] == [48] * 3 + [32] + [48] * 2
+    assert set(calls) == {"g4"}
+    saved = torch.load(sorted((out / "checkpoints").glob("ckpt_*.pt"))[-1], weights_only=False)
+    assert saved["estimator_decision"]["train_with"] == "exact"
+    assert saved["estimator_decision"]["switched"]["from"] == "g4"
+
+
+def test_a_run_too_short_to_measure_trains_exact_unmeasured(tmp_path, bench_ckpt, capsys, monkeypatch):
     import jagg.trainers.auto as auto_mod
 
-    monkeypatch.setattr(auto_mod, "measure_positions", lambda *a, **k: pytest.fail("measured a too-short run"))
+    monkeypatch.setattr(auto_mod.Measurement, "add", lambda *a, **k: pytest.fail("measured a too-short run"))
     out = tmp_path / "run"
-    assert main(auto_args(bench_ckpt, out, 2, "estimator.preflight_share=0.2")) == 0   # 2 x 0.2 < 3 batches
-    assert "train with exact: the run (2 iterations) is too short for a pre-flight" in capsys.readouterr().out
-    assert json.loads((out / "preflight.json").read_text())["measured_updates"] == 0
+    assert main(auto_args(bench_ckpt, out, 3)) == 0                    # 3 iterations, 3 to measure: none left
+    assert "train with exact: the run's 3 remaining iterations leave none to train a candidate in" in (
+        capsys.readouterr().out)
+    assert json.loads((out / "preflight.json").read_text())["measured_iterations"] == 0
 
 
 def test_bench_meter_prints_the_verdict_and_quick_none(tmp_path, tiny_ckpt, capsys):
@@ -248,21 +293,6 @@ def _tiny_config(ckpt: str, *extra: str):
     return configuration.load(ShapesTrainConfig, None, [s for k, s in sets.items() if not k.startswith("log.")])
 
 
-def test_the_budget_stops_the_pre_flight_and_a_position_not_reached_is_unknown(bench_ckpt, monkeypatch):
-    """With every candidate clearing update 0 (the bar patched away) and a budget smaller than one position's cost,
-    the pre-flight stops after update 0, and the verdict counts update 1 as not measured: exact, saying why."""
-    import jagg.trainers.auto as auto_mod
-    import jagg.verdict
-    from jagg.trainers.shapes import ShapesSampler
-
-    for module in (auto_mod, jagg.verdict):        # every measured position passes, whatever this machine's timings
-        monkeypatch.setattr(module, "position_failure", lambda rec, margin=None: None)
-    cfg = _tiny_config(bench_ckpt, "estimator.preflight_share=0.01")       # 300 x 0.01 = 3 batches: measured
-    d = auto_mod.preflight(ShapesSampler(cfg), cfg)
-    assert d["measured_updates"] == 1 and d["train_with"] == "exact"
-    assert "update 1: not measured (the pre-flight's budget, estimator.preflight_share=0.01" in d["reason"]
-
-
 def test_every_position_on_the_same_batches_is_the_measurement_of_that_position_alone(bench_ckpt):
     """``--update all`` draws the batches once: each position's records are those ``--update N`` gives alone (same
     batches, same seeds, the same AdamW steps before it), timings aside."""
@@ -278,21 +308,22 @@ def test_every_position_on_the_same_batches_is_the_measurement_of_that_position_
                 assert r[key] == alone[r["estimator"]][key], (u, r["estimator"], key)
 
 
-def test_a_signal_during_the_pre_flight_stops_it_at_once(tmp_path, bench_ckpt, monkeypatch):
-    """The trainer's SIGINT/SIGTERM handlers (finish the iteration, save, exit) are installed after the pre-flight:
-    during it nothing has trained, so a signal stops the run at once instead of after a whole measurement."""
-    import signal
-
+def test_a_run_stopped_while_measuring_measures_again_where_it_resumes(tmp_path, bench_ckpt, capsys,
+                                                                        monkeypatch):
+    """A signal during the measurement stops the run after its iteration like any other (checkpoint saved); the
+    resumed run measures from where it resumes and decides after as many measured iterations."""
     import jagg.trainers.auto as auto_mod
+    from jagg.trainers.base import GRPOTrainer
 
-    seen = []
-    real = auto_mod.preflight
-
-    def spy(*a, **k):
-        seen.append((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
-        return real(*a, **k)
-
-    monkeypatch.setattr(auto_mod, "preflight", spy)
-    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
-    assert main(auto_args(bench_ckpt, tmp_path / "run", 3)) == 0
-    assert seen == [before]                                                   # the process's own, not the trainer's
+    monkeypatch.setattr(auto_mod.AutoEstimator, "_too_costly", lambda self: None)
+    real = GRPOTrainer.stop_requested
+    monkeypatch.setattr(GRPOTrainer, "stop_requested", lambda self: self.iteration == 2 or real(self))
+    out = tmp_path / "run"
+    argv = auto_args(bench_ckpt, out, 6)
+    assert main(argv) == 0
+    assert not (out / "preflight.json").exists()                       # stopped after 2 of 3 measured iterations
+    monkeypatch.setattr(GRPOTrainer, "stop_requested", real)
+    assert main(argv + ["--resume"]) == 0
+    assert "the first 3 iterations train exact and measure" in capsys.readouterr().out
+    decision = json.loads((out / "preflight.json").read_text())
+    assert decision["measured_iterations"] == 3 and decision["iteration"] == 5    # iterations 3-5 (1-based)
