@@ -27,7 +27,7 @@ RETIRED_CORRECTION_P = {"auto": "was retired (the probability the meter chose le
 # step groups and shared knots plain, and the two unbiased layouts that paid at an equal budget on the 20-step JPEG job
 DEFAULT_CANDIDATES = ("g4:knots=groups,window=4,correction_p=0", "s4:knots=shared,window=4,correction_p=0",
                       "g4u:knots=groups,window=4,correction_p=0.25", "s5u:knots=shared,window=5,correction_p=0.1")
-# what a candidate may not set: the mode auto chooses, the loss every candidate shares, and the pre-flight's own keys
+# what a candidate may not set: the mode auto chooses, the loss every candidate shares, and the measurement's own keys
 NOT_CANDIDATE_KEYS = ("candidates", "clip_range", "kl_beta", "meter_every", "meter_samples", "preflight_batches",
                       "preflight_draws", "preflight_margin", "preflight_share")
 
@@ -40,9 +40,9 @@ class EstimatorConfig:
                       "one backward per trained step (the Flow-GRPO baseline); 'jagg' one joint backward of the two "
                       "knots of each interval; "
                       "'subsample' trains a fresh random subset of each sample's steps, scaled up (DanceGRPO's "
-                      "timestep_fraction: the baseline JAGG must beat at equal rows); 'auto' (trainers only): a "
-                      "pre-flight at the run's start measures exact and the candidates on the run's own model and "
-                      "reward (jagg bench meter's measurement and verdict) and trains with the one it recommends, "
+                      "timestep_fraction: the baseline JAGG must beat at equal rows); 'auto' (trainers only): the "
+                      "run's first preflight_batches iterations train exact and measure the candidates beside each "
+                      "update on the same minibatches (the meter's verdict), then train with the one it recommends, "
                       "exact unless a candidate's projected progress per second clears exact's by preflight_margin at "
                       "every update position of a rollout."})
     window: int = field(default=4, metadata={"help": "W: the trained steps of one interval, its two knots included "
@@ -127,31 +127,33 @@ class EstimatorConfig:
                              "third of the trained steps, both clip fractions, and the meter's running "
                              "estimates (audit/* in metrics and TensorBoard). The j-th "
                              "audit runs before update j mod U of its iteration (U = inner_epochs x updates_per_epoch), "
-                             "so the off-policy updates are audited too. 0 = off."})
+                             "so the off-policy updates are audited too. With mode 'auto': the chosen candidate is "
+                             "re-measured beside exact instead, and dropped for exact when it no longer clears the bar. "
+                             "0 = off."})
     meter_samples: int = field(default=4, metadata={"was": "audit_samples", "help": "Trainers only: samples (whole "
                                "prompt groups, at least "
                                "two) the audit uses."})
     candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES), metadata={"help": "mode='auto': "
-                                  "the estimators the pre-flight measures beside exact (always measured, and chosen "
+                                  "the estimators measured beside exact (always measured, and chosen "
                                   "unless a candidate wins), each 'NAME:KEY=VALUE,...' of estimator keys on top of this "
                                   "section's in mode 'jagg' (e.g. 's5u:knots=shared,window=5,correction_p=0.1'; "
                                   "'mode=subsample' for subsampling); 'exact' may be listed. Every name once. Defaults: "
                                   "plain step groups and shared knots of 4, unbiased step groups of 4 (p 0.25) and "
                                   "unbiased shared knots of 5 (p 0.1)."})
-    preflight_batches: int = field(default=6, metadata={"help": "mode='auto': independent rollout batches (>= 3) the "
-                                   "pre-flight measures every candidate on, at each update position of a rollout "
-                                   "(jagg bench meter --batches)."})
-    preflight_draws: int = field(default=1, metadata={"help": "mode='auto': draws per batch of a random candidate "
-                                 "(unbiased JAGG, subsampling) in the pre-flight (jagg bench meter --draws)."})
+    preflight_batches: int = field(default=6, metadata={"help": "mode='auto': the iterations (>= 3) whose updates are "
+                                   "measured, every candidate beside exact's update at each update position of a "
+                                   "rollout (jagg bench meter --batches)."})
+    preflight_draws: int = field(default=1, metadata={"help": "mode='auto': draws per update of a random candidate "
+                                 "(unbiased JAGG, subsampling) in the measurement (jagg bench meter --draws)."})
     preflight_margin: float = field(default=0.1, metadata={"help": "mode='auto': a candidate is chosen only when the low "
                                     "end of its projected progress per second (the meter's per-update rate range times "
                                     "the measured iteration ratio) is at least 1 + this times exact's at every update "
                                     "position; else the run trains exact."})
-    preflight_share: float = field(default=0.2, metadata={"help": "mode='auto': the pre-flight's budget, a share of the "
-                                   "run's projected CPU time (grpo.iterations exact iterations): a run shorter than "
-                                   "preflight_batches / preflight_share iterations trains exact without a pre-flight; "
-                                   "the first update position is measured in full, each further one only if projected "
-                                   "to fit, else it counts as unknown."})
+    preflight_share: float = field(default=0.2, metadata={"help": "mode='auto': the measurement's budget, a share of the "
+                                   "run's projected CPU time (grpo.iterations exact iterations, timed by the first "
+                                   "measured one); after that iteration the measurement also stops, and the run trains "
+                                   "exact, when its rest costs more than a candidate clearing the margin could win back "
+                                   "in the remaining iterations."})
 
     def __post_init__(self):
         for f in fields(self):                        # numpy scalars (np.int64(4), np.float32(0.5)) as Python numbers
@@ -210,7 +212,7 @@ class EstimatorConfig:
             self.candidate_configs()                     # a bad candidate is refused here, by name
 
     def _check_preflight(self) -> None:
-        """The pre-flight's keys (mode auto's), checked in every mode so that a saved config always loads."""
+        """The measurement's keys (mode auto's), checked in every mode so that a saved config always loads."""
         if not isinstance(self.preflight_batches, int) or isinstance(self.preflight_batches, bool) \
                 or self.preflight_batches < 3:
             raise ValueError(f"preflight_batches must be an integer >= 3 (a variance and a bias across batches); got "
@@ -280,7 +282,7 @@ class EstimatorConfig:
             keys = {k.removeprefix("estimator."): _spec_value(v) for k, v in parse_spec(spec, where)[1].items()}
             barred = [k for k in keys if k in NOT_CANDIDATE_KEYS] + (["mode"] if keys.get("mode") == AUTO else [])
             if barred:
-                raise ValueError(f"{where}: {barred[0]!r} is not a candidate's to set (the loss and the pre-flight's "
+                raise ValueError(f"{where}: {barred[0]!r} is not a candidate's to set (the loss and the measurement's "
                                  "keys are the section's, for every candidate); set it in estimator: itself")
             try:
                 out[name] = EstimatorConfig.from_dict({**base.to_dict(), **keys})

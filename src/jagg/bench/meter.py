@@ -458,7 +458,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def default_specs(cfg: TrainConfig) -> list[str]:
     """The estimators measured without ``--estimator``: ``config``, ``plain`` and ``subsample``; for
-    ``estimator.mode: auto`` its candidates (what its pre-flight measures)."""
+    ``estimator.mode: auto`` its candidates (what the run measures)."""
     e = cfg.estimator
     if e.mode == AUTO:
         return [c for c in e.candidates if c != "exact"]

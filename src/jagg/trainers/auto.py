@@ -217,7 +217,7 @@ class AutoEstimator:
         m, c0 = self.measurement, time.process_time()
         kept = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
         n = max(mb.size, 1)
-        per = {m.trained: (flat_grad(self.params).float()[None], [(cpu, stats["backward_items"] / n,
+        per = {m.trained: (flat_grad(self.params).float().cpu()[None], [(cpu, stats["backward_items"] / n,
                                                                    stats["forward_nograd_items"] / n,
                                                                    stats["clip_frac"])])}
         trained_est, trained_gen = self.estimator, self.pick_gen
@@ -233,7 +233,7 @@ class AutoEstimator:
                     st = self.gradient(mb)
                     cs.append((time.process_time() - c1, st["backward_items"] / n, st["forward_nograd_items"] / n,
                                st["clip_frac"]))
-                    gs.append(flat_grad(self.params).float())
+                    gs.append(flat_grad(self.params).float().cpu())   # held on the host
                 per[name] = (torch.stack(gs), cs)
         finally:
             self.estimator, self.pick_gen = trained_est, trained_gen

@@ -303,7 +303,7 @@ class GRPO(ABC):
         self.empty_iteration = self._empty_warned = False    # whether the last iteration had nothing to learn from
         self.logger: MetricsLogger | None = None             # a GRPOTrainer's, on its main process
         self.meter: Meter | None = None                 # the meter, from the first audit on
-        # the estimator the updates use: the config's, or with estimator.mode auto the pre-flight's decision (None
+        # the estimator the updates use: the config's, or with estimator.mode auto exact while measuring, then the decision (None
         # until decide_estimator() made it, before the first iteration; a resumed run's from its checkpoint)
         self.estimator: EstimatorConfig | None = None if cfg.estimator.mode == AUTO else cfg.estimator
         self.decision: dict | None = None

@@ -1,7 +1,7 @@
 """The meter's measurement on a sampler: the batches, every estimator's gradients on them side by side at an update
 position of a rollout, and one record per estimator of its error against the update's noise, its cost and the meter's
 answer (:func:`jagg.verdict.prediction`). ``jagg bench meter`` measures with it on a sampler of its own (the module
-docstring of :mod:`jagg.bench.meter` says what each record holds); ``estimator.mode: auto``'s pre-flight
+docstring of :mod:`jagg.bench.meter` says what each record holds); ``estimator.mode: auto`` keeps its records per update position (:func:`position_records`)
 (:mod:`jagg.trainers.auto`) on the run's own sampler, at the run's start.
 
 A sampler is :class:`jagg.trainers.shapes.ShapesSampler` or :class:`jagg.trainers.diffusers.DiffusersSampler`: its
