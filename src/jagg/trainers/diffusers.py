@@ -477,9 +477,18 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
             return super().audit(*args, **kwargs)
 
     def minibatches(self, prompt_groups: torch.Tensor) -> list[torch.Tensor]:
-        cut = cut_minibatches(prompt_groups, self.cfg.grpo.updates_per_epoch, self.cfg.cut_for(self.world),
-                              self.perm_gen)
-        return [mb.sort().values for mb in cut]          # sets, in order; every process makes every update
+        """Shuffled samples from this process's generator; whole prompt groups from one global cut of every
+        process's kept groups, drawn by (seed, iteration, epoch) alike on every process: each update's global minibatch
+        is the same for any process count."""
+        U, cut = self.cfg.grpo.updates_per_epoch, self.cfg.cut_for(self.world)
+        if cut != GROUPS:
+            return [mb.sort().values for mb in cut_minibatches(prompt_groups, U, cut, self.perm_gen)]  # sets, in order
+        if getattr(self, "_cut_iteration", None) != self.iteration:
+            self._cut_iteration, self._cut_epoch = self.iteration, 0
+        self._cut_epoch += 1
+        gen = torch.Generator().manual_seed(_seed(self.cfg.seed, 5, self.iteration, self._cut_epoch))
+        kept = sorted(set(gather_objects(prompt_groups.unique().tolist())))           # every process's groups
+        return cut_minibatches(prompt_groups, U, cut, gen, torch.tensor(kept, dtype=prompt_groups.dtype))
 
     def gradient(self, mb: Minibatch) -> dict:
         """This rank's gradient of its part of the minibatch (possibly empty), averaged over the ranks by the engine

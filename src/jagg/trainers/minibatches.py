@@ -56,17 +56,20 @@ def check_groups_fit(prompts_per_iter: int, updates_per_epoch: int, processes: i
                          "grpo.minibatches: samples")
 
 
-def cut_minibatches(prompt_groups: Tensor, updates: int, cut: str, generator: torch.Generator) -> list[Tensor]:
+def cut_minibatches(prompt_groups: Tensor, updates: int, cut: str, generator: torch.Generator,
+                    all_groups: Tensor | None = None) -> list[Tensor]:
     """One epoch's ``updates`` minibatches of the ``n`` samples whose prompt groups are ``prompt_groups`` ``[n]``:
     positions ``[m_u]`` into them (some may be empty), drawn with ``generator``. ``cut`` is ``samples`` (a random
     permutation of the positions, split) or ``groups`` (a random permutation of the groups, split; a minibatch's
-    positions in ascending order)."""
+    positions in ascending order). ``all_groups``: the sorted ids of every process's groups, permuted with a generator
+    in the same state on every process, so that each update's global minibatch is the same for any process count
+    (default: this process's own groups)."""
     n = int(prompt_groups.numel())
     if cut == SAMPLES:
         return list(torch.randperm(n, generator=generator).tensor_split(updates))
     if cut != GROUPS:
         raise ValueError(f"cut must be {SAMPLES!r} or {GROUPS!r}; got {cut!r}")
-    groups = torch.unique(prompt_groups.cpu())                                   # [G] sorted group ids
+    groups = torch.unique(prompt_groups.cpu()) if all_groups is None else all_groups   # [G] sorted group ids
     order = groups[torch.randperm(len(groups), generator=generator)]             # [G] shuffled
     return [torch.nonzero(torch.isin(prompt_groups.cpu(), part)).flatten() for part in order.tensor_split(updates)]
 
