@@ -106,10 +106,10 @@ def ocr_pixels(lines: list[tuple[str, int]], side: int = 16) -> np.ndarray:
 
 class StubOcr:
     """An OCR engine for tests (the ocr reward's ``engine=reward_plugins:StubOcr``): reads what :func:`ocr_pixels`
-    wrote; an image whose last pixel is 255 in every channel makes it raise."""
+    wrote; an image whose last pixel is (1, 2, 3) makes it raise."""
 
     def __call__(self, image):
-        if (image[-1, -1] == 255).all():
+        if image[-1, -1].tolist() == [1, 2, 3]:
             raise RuntimeError("engine crashed")
         lines = []
         for row in image:
