@@ -25,13 +25,13 @@ install command. ``engine=package.module:attribute`` uses another engine: a call
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import importlib.util
 
 import numpy as np
 
 from .images import to_uint8
+from .user_code import instantiated
 
 PADDLE = "paddleocr"
 INSTALL = "pip install 'jagg[ocr]'"
@@ -107,18 +107,9 @@ def _engine(engine, use_gpu: bool):
         return engine
     if engine == PADDLE:
         return PaddleEngine(use_gpu)
-    module, _, attr = str(engine).partition(":")
-    if not module or not attr:
-        raise ValueError(f"engine must be {PADDLE!r} or 'package.module:attribute'; got {engine!r}")
-    try:
-        obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load the OCR engine {engine!r}: {e}") from None
-    obj = obj() if isinstance(obj, type) else obj
-    if not callable(obj):
-        raise ValueError(f"the OCR engine {engine!r} is a {type(obj).__name__}, not a callable (image) -> lines")
-    return obj
-
+    if not isinstance(engine, str):
+        raise ValueError(f"engine must be {PADDLE!r}, 'package.module:attribute' or a callable; got {engine!r}")
+    return instantiated(engine, "the OCR engine", "(image uint8 [H, W, 3]) -> [(text, confidence), ...]")
 
 class OcrReward:
     """Reward callable: Flow-GRPO's OCR reward (module docstring). ``engine``: ``"paddleocr"``,

@@ -31,7 +31,6 @@ is each info entry with one number per frame); a ``package.module:function`` (or
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import io
 import itertools
@@ -49,6 +48,7 @@ from .flow_grpo import FlowGrpoRemote
 from .images import to_uint8
 from .ocr import OcrReward
 from .preference import AestheticReward, ClipScoreReward, HPSv2Reward, PickScoreReward
+from .user_code import instantiated, resolve
 from .vlm_judge import VlmJudge
 
 RewardFn = Callable[..., "tuple[np.ndarray, dict] | np.ndarray"]
@@ -335,28 +335,18 @@ class WeightedSum:
         return total, info
 
 
+USER_REWARD = ("user reward", "(images, prompts, metadata)")
+
+
 def _resolve(path: str):
     """The attribute ``package.module:attribute`` names (imported, not called); a ValueError when it cannot be
     loaded or is not callable."""
-    module, _, attr = path.partition(":")
-    if not module or not attr:
-        raise ValueError(f"user reward {path!r} must look like 'package.module:function'")
-    try:
-        obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load user reward {path!r}: {e}") from e
-    if not callable(obj):
-        raise ValueError(f"user reward {path!r} is a {type(obj).__name__}, not a callable (images, prompts, metadata)")
-    return obj
+    return resolve(path, *USER_REWARD)
 
 
 def _import(path: str) -> RewardFn:
     """The user reward ``package.module:attribute``: a function, or a class instantiated with no arguments."""
-    obj = _resolve(path)
-    obj = obj() if isinstance(obj, type) else obj
-    if not callable(obj):
-        raise ValueError(f"user reward {path!r} is a {type(obj).__name__}, not a callable (images, prompts, metadata)")
-    return obj
+    return instantiated(path, *USER_REWARD)
 
 
 def available_rewards() -> list[str]:
