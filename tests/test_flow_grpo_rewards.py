@@ -169,6 +169,24 @@ def test_anything_else_is_refused_by_name(value, refused):
         loads_plain(pickle.dumps(value))
 
 
+class _Reduces:
+    def __init__(self, *reduced):
+        self.reduced = reduced
+
+    def __reduce__(self):
+        return self.reduced
+
+
+def test_numpys_names_cannot_allocate_a_huge_array():
+    """numpy.ndarray is only a name for numpy's own array pickles: called with a shape it fails, and _reconstruct
+    takes only numpy's empty start (the data must come from the pickle's bytes)."""
+    with pytest.raises(TypeError):
+        loads_plain(pickle.dumps(_Reduces(np.ndarray, ((10**12,),))))
+    reconstruct = np.zeros(1).__reduce__()[0]
+    with pytest.raises(UnsafePickleError, match=r"shape \(1000000000000,\)"):
+        loads_plain(pickle.dumps(_Reduces(reconstruct, (np.ndarray, (10**12,), b"b"))))
+
+
 # -- vlm_judge ---------------------------------------------------------------------------------------------------
 
 

@@ -123,7 +123,7 @@ class FlowGrpoRemote:
             raise (_Retryable if status >= 500 or status == 429 else _Final)(text)
         try:
             out = loads_plain(raw)
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as e:
+        except Exception as e:                                # any pickle that is not plain data
             raise _Final(f"bad response: not a plain pickle ({type(e).__name__}: {e}); the first bytes: "
                          f"{raw[:60]!r}") from None
         if not isinstance(out, dict):

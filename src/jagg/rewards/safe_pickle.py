@@ -1,13 +1,14 @@
 """Reading a pickle that an untrusted peer wrote, admitting plain data only.
 
 ``pickle.loads`` runs whatever callable the pickle names (``os.system``, ``builtins.exec``, ...): reading an answer with
-it hands the peer the reading process. :func:`loads_plain` reads with an unpickler whose only globals are those that
-rebuild numeric numpy arrays and scalars (``numpy.dtype`` of a bool, integer or float kind, ``ndarray`` and its
-``_reconstruct`` / ``_frombuffer``, numpy's ``scalar``, under numpy 1's ``numpy.core`` and numpy 2's ``numpy._core``
-names), and the set, frozenset and latin-1 bytes of pickle protocols 0-2. Plain containers (dict, list, tuple),
-numbers, strings, bytes, bools and None need no global. Any other
-global is refused by name before it is looked up, so nothing it names runs; an array or scalar of another dtype
-(object, string, structured) is refused too.
+it hands the peer the reading process. :func:`loads_plain` reads with an unpickler whose only globals are wrappers
+that rebuild numeric numpy arrays and scalars as numpy pickles them (``numpy.dtype`` of a bool, integer or float
+kind; ``ndarray`` as a name only, not a constructor; ``_reconstruct`` of numpy's empty start and ``_frombuffer``;
+numpy's ``scalar``; under numpy 1's ``numpy.core`` and numpy 2's ``numpy._core`` names), and the set, frozenset and
+latin-1 bytes of pickle protocols 0-2. Plain containers (dict, list, tuple), numbers, strings, bytes, bools and None
+need no global. Any other global is refused by name before it is looked up, so nothing it names runs; an array or
+scalar of another dtype (object, string, structured) is refused too. An array's data comes from the pickle's own
+bytes, so an answer costs about the memory of its size.
 """
 
 from __future__ import annotations
@@ -35,9 +36,17 @@ def _dtype(*args) -> np.dtype:
     return _numeric(np.dtype(*args))
 
 
+class _NdarrayName:
+    """What the pickle gets for ``numpy.ndarray``: a name for :func:`_reconstruct`, not a constructor it could call
+    with a huge shape."""
+
+
 def _reconstruct(subtype, shape, dtype_code):
-    if subtype is not np.ndarray:
-        raise UnsafePickleError(f"the pickle rebuilds an array of type {subtype!r}; only numpy.ndarray is read")
+    """numpy's ``_reconstruct(ndarray, (0,), b'b')``: an empty array that the pickle's state then fills (its data
+    comes from the pickle's own bytes)."""
+    if subtype is not _NdarrayName or shape != (0,):
+        raise UnsafePickleError(f"the pickle rebuilds an array as {subtype!r} of shape {shape!r}; only numpy's own "
+                                "ndarray pickles are read")
     return np.ndarray.__new__(np.ndarray, shape, _dtype(dtype_code))
 
 
@@ -66,7 +75,7 @@ def _empty_bytes(*args) -> bytes:
     return b""
 
 
-ALLOWED_GLOBALS = {("numpy", "dtype"): _dtype, ("numpy", "ndarray"): np.ndarray, ("_codecs", "encode"): _latin1,
+ALLOWED_GLOBALS = {("numpy", "dtype"): _dtype, ("numpy", "ndarray"): _NdarrayName, ("_codecs", "encode"): _latin1,
                    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
                    ("builtins", "bytes"): _empty_bytes}
 for _core in ("numpy.core", "numpy._core"):                    # numpy 1 and numpy 2 pickles
@@ -98,7 +107,7 @@ def _check(value, depth: int = 0):
     elif isinstance(value, (list, tuple, set, frozenset)):
         for v in value:
             _check(v, depth + 1)
-    elif not (value is None or isinstance(value, (bool, int, float, complex, str, bytes, bytearray))):
+    elif not (value is None or isinstance(value, (bool, int, float, str, bytes))):
         raise UnsafePickleError(f"the pickle holds a {type(value).__name__}; only plain data is read")
 
 
