@@ -19,9 +19,10 @@ TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_
 
 
 @contextlib.contextmanager
-def serving(answer):
+def serving(answer, get=None):
     """An HTTP server on 127.0.0.1 (a thread) answering every POST with ``answer(path, headers, body) -> (status,
-    bytes)``; yields ``(url, requests)``, each request a ``(path, headers, body)``. Handlers end by themselves."""
+    bytes)`` and every GET with ``get(path, headers)`` (None: 501, as a server that takes POST only); yields ``(url,
+    requests)``, each POST a ``(path, headers, body)``. Handlers end by themselves."""
     requests: list = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -39,6 +40,16 @@ def serving(answer):
                 self.wfile.write(out)
             except OSError:                                      # the client gave up (a timeout test)
                 pass
+
+        def do_GET(self):
+            if get is None:
+                self.send_error(501)
+                return
+            status, out = get(self.path, self.headers)
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True

@@ -11,6 +11,7 @@ import importlib.util
 import io
 import json
 import pickle
+import socket
 import threading
 import time
 
@@ -88,7 +89,38 @@ def test_a_config_names_the_remote_reward_with_its_options():
         with pytest.raises(ValueError, match=f"reward.name: reward '{spec.split(':')[0]}.*{culprit}"):
             from_dict(RewardSection, {"name": spec}, "reward")
     with pytest.raises(ValueError, match="server=geneval needs each prompt's GenEval metadata.*jsonl"):
-        FlowGrpoRemote(url="http://127.0.0.1:9")(images(1), ["a"], None)
+        FlowGrpoRemote(url="http://127.0.0.1:9", probe=False)(images(1), ["a"], None)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_server_that_is_not_up_is_found_when_the_reward_is_built():
+    """Before a model loads (the trainer builds its reward first): nothing at the URL, a judge that refuses the key or
+    does not serve the model. A server that only takes POST (GenEval's Flask app: 405/501 to a GET) is up."""
+    url = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(ValueError, match=f"flow_grpo_remote \\(server=deqa\\): nothing answers at {url} .*probe=false"):
+        get_reward(f"flow_grpo_remote:server=deqa,url={url}")
+    with pytest.raises(ValueError, match=f"vlm_judge: nothing answers at {url}/v1/models"):
+        get_reward(f"vlm_judge:base_url={url}/v1")
+    get_reward(f"vlm_judge:base_url={url}/v1,probe=false")                # the first batch will find out
+    models = {"object": "list", "data": [{"id": "Qwen2-VL"}, {"id": "UnifiedReward-7b-v1.5"}]}
+
+    def listing(path, headers):
+        if headers.get("Authorization") != "Bearer flowgrpo":
+            return 401, b'{"error": "bad key"}'
+        return (200, json.dumps(models).encode()) if path == "/v1/models" else (404, b"")
+
+    with serving(lambda *a: (200, b""), get=listing) as (url, _):
+        FlowGrpoRemote(server="deqa", url=url)                              # a 401 is an answer: it is up
+        VlmJudge(base_url=url + "/v1", api_key="flowgrpo")
+        with pytest.raises(ValueError, match=r"model 'UnifiedReward-7b-v2' is not served .*\['Qwen2-VL', 'Unif"):
+            VlmJudge(base_url=url + "/v1", api_key="flowgrpo", model="UnifiedReward-7b-v2")
+        with pytest.raises(ValueError, match=r"refused the API key \(HTTP 401\).*OPENAI_API_KEY"):
+            VlmJudge(base_url=url + "/v1", api_key="wrong")
 
 
 def _marker_pickle(marker) -> bytes:

@@ -226,6 +226,19 @@ def http_request(url: str, method: str, path: str, body: bytes | None, headers: 
         conn.close()
 
 
+PROBE_TIMEOUT = 10.0                     # seconds a start-up probe of a reward's server may take
+
+
+def probe_server(url: str, path: str, headers: dict, timeout: float, what: str) -> tuple[int, bytes]:
+    """One ``GET`` of ``url`` + ``path`` when a reward is built, before a model loads -> ``(status, body)``;
+    nothing answering within ``min(timeout, PROBE_TIMEOUT)`` seconds is a ValueError naming ``what`` and the URL."""
+    try:
+        return http_request(url, "GET", path, None, headers, min(timeout, PROBE_TIMEOUT))
+    except _Retryable as e:
+        raise ValueError(f"{what}: nothing answers at {url}{path} ({e}); start the server, fix the URL, or give "
+                         "probe=false to let the first batch find out") from None
+
+
 def _answer(status: int, raw: bytes) -> dict:
     """An HTTP answer -> its JSON object if 2xx; else :class:`_Retryable` (5xx, 429) or :class:`_Final` (4xx)."""
     try:

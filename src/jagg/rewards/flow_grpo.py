@@ -43,7 +43,7 @@ from PIL import Image
 
 from ..checks import check_count
 from .client import (RequestFailed, RewardServerError, _Final, _Retryable, check_seconds, check_url, http_request,
-                     retried)
+                     probe_server, retried)
 from .images import to_uint8
 from .safe_pickle import loads_plain
 
@@ -80,11 +80,14 @@ class FlowGrpoRemote:
     backoff: float = field(default=1.0, metadata={"help": "Seconds before the first retry; doubles each retry."})
     only_strict: bool = field(default=True, metadata={"help": "geneval: score the strict reward only (Flow-GRPO's "
                               "training); false also computes GenEval's accuracy (info 'correct'), as its evaluation."})
+    probe: bool = field(default=True, metadata={"help": "When the reward is built (before the model loads), check that "
+                        "an HTTP server answers at url (any answer: these servers take POST only); false: the first "
+                        "batch finds out."})
 
     @classmethod
     def check_options(cls, options: dict) -> None:
         """The spec's options checked at config load (nothing is sent)."""
-        cls(**options)
+        cls(**{**options, "probe": False})
 
     def __post_init__(self):
         if self.server not in SERVERS:
@@ -98,8 +101,11 @@ class FlowGrpoRemote:
         self.retries = check_count(self.retries, "retries", 0)
         self.timeout = check_seconds(self.timeout, "timeout")
         self.backoff = check_seconds(self.backoff, "backoff", positive=False)
-        if not isinstance(self.only_strict, bool):
-            raise ValueError(f"only_strict must be true or false; got {self.only_strict!r}")
+        for name in ("only_strict", "probe"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
+        if self.probe:
+            probe_server(self.url, "", {}, self.timeout, f"flow_grpo_remote (server={self.server})")
 
     def request(self, images: np.ndarray, prompts: list[str], metadata: list | None) -> dict:
         """The request body of one chunk, as Flow-GRPO sends it to this kind of server."""

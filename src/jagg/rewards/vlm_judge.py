@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image
 
 from ..checks import check_count
-from .client import RequestFailed, _Final, _Retryable, check_seconds, check_url, http_request, retried
+from .client import RequestFailed, _Final, _Retryable, check_seconds, check_url, http_request, probe_server, retried
 from .images import to_uint8
 
 API_KEY_ENV = "OPENAI_API_KEY"
@@ -82,11 +82,14 @@ class VlmJudge:
                                                            "(Flow-GRPO: 512); 0 sends them as they are."})
     max_tokens: int = field(default=0, metadata={"help": "The answer's token limit; 0 leaves it to the server (as "
                                                          "Flow-GRPO)."})
+    probe: bool = field(default=True, metadata={"help": "When the reward is built (before the model loads), ask "
+                        "<base_url>/models whether the server answers, takes the key and serves model; false: the "
+                        "first batch finds out."})
 
     @classmethod
     def check_options(cls, options: dict) -> None:
         """The spec's options checked at config load (nothing is sent)."""
-        cls(**options)
+        cls(**{**options, "probe": False})
 
     def __post_init__(self):
         self.base_url = check_url(self.base_url, "base_url")
@@ -100,6 +103,29 @@ class VlmJudge:
         self.max_tokens = check_count(self.max_tokens, "max_tokens", 0)
         self.timeout = check_seconds(self.timeout, "timeout")
         self.backoff = check_seconds(self.backoff, "backoff", positive=False)
+        if not isinstance(self.probe, bool):
+            raise ValueError(f"probe must be true or false; got {self.probe!r}")
+        if self.probe:
+            self.check_server()
+
+    def headers(self) -> dict:
+        key = self.api_key or os.environ.get(API_KEY_ENV)
+        return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+    def check_server(self) -> None:
+        """``GET <base_url>/models``: a ValueError when nothing answers, the key is refused (401/403) or the list of
+        served models lacks ``model``; a server without that list passes."""
+        status, raw = probe_server(self.base_url, "/models", self.headers(), self.timeout, "vlm_judge")
+        if status in (401, 403):
+            raise ValueError(f"vlm_judge: {self.base_url}/models refused the API key (HTTP {status}); give the "
+                             f"server's key (sglang --api-key) as ${API_KEY_ENV} or api_key=")
+        try:
+            served = [m["id"] for m in json.loads(raw)["data"]] if status == 200 else None
+        except (ValueError, KeyError, TypeError):
+            served = None
+        if served is not None and self.model not in served:
+            raise ValueError(f"vlm_judge: model {self.model!r} is not served at {self.base_url}; it serves {served} "
+                             "(set model=)")
 
     @property
     def endpoint(self) -> str:
@@ -115,11 +141,7 @@ class VlmJudge:
         return body
 
     def _post(self, body: bytes) -> str:
-        headers = {"Content-Type": "application/json"}
-        key = self.api_key or os.environ.get(API_KEY_ENV)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        status, raw = http_request(self.endpoint, "POST", "", body, headers, self.timeout)
+        status, raw = http_request(self.endpoint, "POST", "", body, self.headers(), self.timeout)
         try:
             out = json.loads(raw)
         except ValueError:
