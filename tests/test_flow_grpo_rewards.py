@@ -72,6 +72,12 @@ def test_deqa_and_unifiedreward_servers_get_what_flow_grpo_sends():
         scores, _ = get_reward(f"flow_grpo_remote:server=unifiedreward,url={url}")(images(3), ["a", "bb", "ccc"])
         assert pickle.loads(requests[-1][2])["prompts"] == ["a", "bb", "ccc"]
         np.testing.assert_allclose(scores, [0.1, 0.2, 0.3])
+        n = len(requests)
+        for fn in (get_reward(f"flow_grpo_remote:server=deqa,url={url}"), OcrReward(engine=StubOcr()),
+                   VlmJudge(base_url=url, probe=False)):
+            scores, _ = fn(images(0), [])                                     # a process with nothing to score
+            assert scores.shape == (0,) and scores.dtype == np.float32
+        assert len(requests) == n
 
 
 def test_a_config_names_the_remote_reward_with_its_options():

@@ -170,8 +170,9 @@ class FlowGrpoRemote:
                              f"{'no' if metadata is None else len(metadata)} metadata entries")
         parts = [self._score_chunk(images[r.start:r.stop], list(prompts[r.start:r.stop]),
                                    None if metadata is None else list(metadata[r.start:r.stop]), r)
-                 for r in even_chunks(n, self.batch_size)]
-        return np.concatenate([p[0] for p in parts]).astype(np.float32), _joined([p[1] for p in parts])
+                 for r in even_chunks(n, self.batch_size)]          # none for a process with no image to score
+        scores = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0)
+        return scores.astype(np.float32), _joined([p[1] for p in parts])
 
 
 def numbers_of(out: dict, key, n: int, where: str = "") -> np.ndarray:
