@@ -17,6 +17,7 @@ from .vlm_judge import VlmJudge
 
 __all__ = [
     "REWARDS", "AestheticReward", "CheckedReward", "ClipScoreReward", "FlowGrpoRemote", "HPSv2Reward", "OcrReward",
-    "PickScoreReward", "RewardClient", "RewardServerError", "VlmJudge", "WeightedSum", "available_rewards", "build_reward", "get_reward", "jpeg_compressibility",
-    "jpeg_incompressibility", "jpeg_size_kb", "open_clip_to_transformers", "parse_spec", "register_reward",
+    "PickScoreReward", "RewardClient", "RewardServerError", "VlmJudge", "WeightedSum", "available_rewards",
+    "build_reward", "get_reward", "jpeg_compressibility", "jpeg_incompressibility", "jpeg_size_kb",
+    "open_clip_to_transformers", "parse_spec", "register_reward",
 ]

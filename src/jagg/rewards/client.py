@@ -77,8 +77,8 @@ class RewardClient:
 
     def __post_init__(self):
         self.url = check_url(self.url, "reward server url")
-        for name in ("batch_size", "concurrency", "retries"):
-            setattr(self, name, check_count(getattr(self, name), f"reward server {name}", 0 if name == "retries" else 1))
+        for name, low in (("batch_size", 1), ("concurrency", 1), ("retries", 0)):
+            setattr(self, name, check_count(getattr(self, name), f"reward server {name}", low))
         self.timeout = check_seconds(self.timeout, "reward server timeout")
         self.backoff = check_seconds(self.backoff, "reward server backoff", positive=False)
         if self.image_format not in IMAGE_FORMATS:

@@ -8,8 +8,9 @@ under gunicorn, and UnifiedReward's) speak Flow-GRPO's protocol, not jagg's (:mo
                                  "meta_datas": [metadata dict, ...],    geneval: each prompt's .jsonl object
                                  "only_strict": bool,                   geneval
                                  "prompts": [str, ...]}                 unifiedreward
-           ->  200 pickle of {"scores", "rewards", "strict_rewards", "group_rewards", "group_strict_rewards"}  geneval
-                             {"outputs": [score, ...]}                                                   deqa, unifiedreward
+           ->  200 pickle of {"scores", "rewards", "strict_rewards", "group_rewards",
+                              "group_strict_rewards"}                       geneval
+                             {"outputs": [score, ...]}                      deqa, unifiedreward
            ->  500 the server's traceback as text
 
 The images are JPEG-encoded with Pillow's default quality (75) and sent in even chunks of at most ``batch_size`` (as
@@ -28,6 +29,8 @@ answer cannot run code, but it still decides the rewards you train on: point ``u
 Failures: a timeout (``timeout`` is a deadline for the whole request), a connection error, a broken answer or a
 5xx/429 is retried with exponential backoff; a 4xx, an answer that is not a plain pickle, or one without the keys or
 lengths above is not. Each raises :class:`jagg.rewards.client.RewardServerError` naming the URL and the samples.
+When the reward is built (the trainer builds it before the model loads), one ``GET`` checks that something answers at
+``url`` (``probe``; any HTTP answer: these servers take POST only).
 """
 
 from __future__ import annotations

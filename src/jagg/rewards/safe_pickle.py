@@ -80,7 +80,8 @@ ALLOWED_GLOBALS = {("numpy", "dtype"): _dtype, ("numpy", "ndarray"): _NdarrayNam
                    ("builtins", "bytes"): _empty_bytes}
 for _core in ("numpy.core", "numpy._core"):                    # numpy 1 and numpy 2 pickles
     ALLOWED_GLOBALS.update({(f"{_core}.multiarray", "_reconstruct"): _reconstruct,
-                            (f"{_core}.multiarray", "scalar"): _scalar, (f"{_core}.numeric", "_frombuffer"): _frombuffer})
+                            (f"{_core}.multiarray", "scalar"): _scalar,
+                            (f"{_core}.numeric", "_frombuffer"): _frombuffer})
 
 class PlainUnpickler(pickle.Unpickler):
     """An unpickler that admits :data:`ALLOWED_GLOBALS` only (module docstring)."""

@@ -152,7 +152,8 @@ class VlmJudge:
         try:
             return out["choices"][0]["message"]["content"]
         except (TypeError, KeyError, IndexError):
-            raise _Final(f"bad response: not a chat completion with choices[0].message.content: {raw[:200]!r}") from None
+            raise _Final(f"bad response: not a chat completion with choices[0].message.content: "
+                         f"{raw[:200]!r}") from None
 
     def judge(self, i: int, image: np.ndarray, prompt: str) -> tuple[float, str]:
         """Sample ``i``'s ``(reward, the judge's text)``; a :class:`JudgeError` names the sample."""
