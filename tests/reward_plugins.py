@@ -1,6 +1,7 @@
 """User rewards (``module:function``) the tests name in their configs and commands, in this process or in the
 processes they launch: rewards with a clear signal, with none or with no spread, one that fails, one that signals its
-own process mid-run, rewards that zero one prompt's group, a video reward, and the reward server's echo."""
+own process mid-run, rewards that zero one prompt's group, a video reward, the reward server's echo, and an OCR
+engine that reads text written into pixels."""
 
 import os
 import signal
@@ -91,3 +92,29 @@ def echo_reward(images, prompts, metadata=None):
                                                                                               [None] * len(prompts))],
             "batch": len(prompts)}
     return scores.astype(np.float32), info
+
+
+def ocr_pixels(lines: list[tuple[str, int]], side: int = 16) -> np.ndarray:
+    """An image that :class:`StubOcr` reads as ``lines`` (text, confidence 0 or 1): line k's characters in the red
+    channel of pixel row k, its confidence in the green channel of that row's first pixel."""
+    im = np.zeros((side, side, 3), np.uint8)
+    for k, (text, confidence) in enumerate(lines):
+        im[k, :len(text), 0] = np.frombuffer(text.encode("latin1"), np.uint8)
+        im[k, 0, 1] = confidence
+    return im
+
+
+class StubOcr:
+    """An OCR engine for tests (the ocr reward's ``engine=reward_plugins:StubOcr``): reads what :func:`ocr_pixels`
+    wrote; an image whose last pixel is (1, 2, 3) makes it raise."""
+
+    def __call__(self, image):
+        if image[-1, -1].tolist() == [1, 2, 3]:
+            raise RuntimeError("engine crashed")
+        lines = []
+        for row in image:
+            zeros = np.flatnonzero(row[:, 0] == 0)
+            codes = row[: zeros[0] if zeros.size else len(row), 0]
+            if codes.size:
+                lines.append((codes.tobytes().decode("latin1"), float(row[0, 1])))
+        return lines

@@ -354,7 +354,9 @@ def _user_files(args: list[str], scratch: Path) -> None:
         m = re.match(r"sample\.prompts_file=(.+)$", a)
         if m and not Path(m.group(1)).is_absolute() and not (scratch / m.group(1)).exists():
             (scratch / m.group(1)).parent.mkdir(parents=True, exist_ok=True)
-            (scratch / m.group(1)).write_text("a red circle\n")
+            line = ('{"prompt": "a red circle", "tag": "single_object", "include": [{"class": "circle", "count": 1}]}'
+                    if m.group(1).endswith(".jsonl") else "a red circle")       # Flow-GRPO's metadata prompt sets
+            (scratch / m.group(1)).write_text(line + "\n")
 
 
 def _load(cmd: Command, args: list[str], ns: argparse.Namespace, scratch: Path, capsys) -> None:

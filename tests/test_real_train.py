@@ -5,12 +5,15 @@ uninterrupted run. FLUX with full fine-tuning, the KL reference and an HTTP rewa
 text encoder, true CFG, DanceGRPO's SDE and index-interpolated step groups (the JAGG authors' recipe, scaled down).
 Clear errors for bad model paths, prompt files, prompt caches and rewards; SIGTERM saves and exits; non-finite
 updates are skipped, then the run aborts. Two CPU processes launched by accelerate keep identical replicas and make
-the one-process update.
+the one-process update. A run on a .jsonl prompt set rewarded by Flow-GRPO's GenEval server, OCR and VLM judge
+(stand-ins on loopback).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import threading
 from pathlib import Path
 
@@ -23,6 +26,7 @@ pytest.importorskip("peft")
 
 import diffusers  # noqa: E402
 import reward_plugins  # noqa: E402
+from flow_grpo_standins import geneval_answer, judge_server, serving  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: E402
 from tiny_pipelines import embeds, tiny_flux, tiny_vae  # noqa: E402
 from tiny_runs import SD3_PROMPTS, assert_same_update, free_port, records, write_sd3_config  # noqa: E402
@@ -424,3 +428,29 @@ def test_the_lr_schedule_runs_in_the_diffusers_trainer(tmp_path, sd3_dir):
     assert main(["train", "--config", str(cfg), "--output-dir", str(out), "--set", "optim.lr_schedule=linear",
                  "--set", "grpo.iterations=1"]) == 0
     assert [r["lr"] for r in records(out)] == pytest.approx([0.0075])
+
+
+def test_a_run_trains_on_flow_grpos_rewards_with_its_jsonl_metadata(tmp_path, sd3_dir):
+    """A tiny SD3 run on a .jsonl prompt set, rewarded by the GenEval server, the OCR reward and the VLM judge in a
+    weighted sum: the server gets each prompt's object as its metadata, and each reward is logged."""
+    lines = [{"prompt": 'a sign that says "HI"', "tag": "single_object", "include": [{"class": "sign", "count": 1}]},
+             {"prompt": 'a red "cube"', "tag": "color_attr", "include": [{"class": "cube", "count": 1}]}]
+    (tmp_path / "train_metadata.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    judge, _ = judge_server(lambda p: f"Final Score: {len(p) % 5 + 1}")
+    with serving(geneval_answer) as (geneval, sent), serving(judge) as (vlm, asked):
+        cfg.write_text(cfg.read_text().replace("reward:\n  name: jpeg_compressibility\n", f"""reward:
+  weights:
+    "flow_grpo_remote:url={geneval},batch_size=3": 1.0
+    "ocr:engine=reward_plugins:StubOcr": 0.5
+    "vlm_judge:base_url={vlm}/v1,image_size=16,concurrency=2": 0.25
+""").replace(str(tmp_path / "prompts.txt"), str(tmp_path / "train_metadata.jsonl")))
+        assert main(["train", "--config", str(cfg), "--output-dir", str(tmp_path / "run"), "--set",
+                     "grpo.iterations=1", "--set", "grpo.updates_per_epoch=1"]) == 0
+        metas = [m for _, _, body in sent for m in pickle.loads(body)["meta_datas"]]
+        assert len(metas) == 4 and all(m in lines for m in metas)              # 2 prompts x 2 images
+        assert len(asked) == 4
+    (r,) = records(tmp_path / "run")
+    assert {"reward/flow_grpo_remote", "reward/ocr", "reward/vlm_judge"} <= set(r)
+    assert all(np.isfinite(r[k]) for k in ("reward/flow_grpo_remote", "reward/ocr", "reward/vlm_judge", "loss"))
+    np.testing.assert_allclose(r["reward/vlm_judge"], np.mean([(len(x["prompt"]) % 5 + 1) / 5 for x in lines]))

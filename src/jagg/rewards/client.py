@@ -23,7 +23,7 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -76,17 +76,11 @@ class RewardClient:
                               "the environment variable: a config is saved into every checkpoint."})
 
     def __post_init__(self):
-        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"reward server url must start with http:// or https://; got {self.url!r}")
-        self.url = self.url.rstrip("/")
+        self.url = check_url(self.url, "reward server url")
         for name, low in (("batch_size", 1), ("concurrency", 1), ("retries", 0)):
             setattr(self, name, check_count(getattr(self, name), f"reward server {name}", low))
-        for name, positive in (("timeout", True), ("backoff", False)):
-            value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                    or value < 0 or (positive and value == 0)):
-                raise ValueError(f"reward server {name} must be a finite number {'>' if positive else '>='} 0 "
-                                 f"(seconds); got {value!r}")
+        self.timeout = check_seconds(self.timeout, "reward server timeout")
+        self.backoff = check_seconds(self.backoff, "reward server backoff", positive=False)
         if self.image_format not in IMAGE_FORMATS:
             raise ValueError(f"reward server image_format must be one of {IMAGE_FORMATS}; got {self.image_format!r}")
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
@@ -98,47 +92,11 @@ class RewardClient:
     def _request(self, method: str, path: str, body: bytes | None = None) -> dict:
         """One HTTP request that ends within ``timeout`` seconds -> the JSON answer of a 2xx.
         Raises :class:`_Retryable` or :class:`_Final` with the cause."""
-        parts = urllib.parse.urlsplit(self.url)
-        conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        deadline = time.monotonic() + self.timeout
-        conn = conn_cls(parts.hostname, parts.port, timeout=self.timeout)
-        expired = threading.Event()
-        timer = None
-        try:
-            conn.connect()
-            sock = conn.sock
-
-            def expire():                                   # the deadline: unblock any read or write at once
-                expired.set()
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-            timer = threading.Timer(max(deadline - time.monotonic(), 0.0), expire)
-            timer.daemon = True
-            timer.start()
-            headers = {"Content-Type": "application/json"}
-            token = self.token or os.environ.get(TOKEN_ENV)
-            if token:
-                headers["Authorization"] = auth_header(token)
-            try:
-                conn.request(method, parts.path + path, body=body, headers=headers)
-            except (BrokenPipeError, ConnectionResetError):
-                if expired.is_set():
-                    raise
-                # the server may have answered before reading the whole body (e.g. 413): read that answer
-            resp = conn.getresponse()
-            status, raw = resp.status, resp.read()
-        except (OSError, http.client.HTTPException) as e:
-            if expired.is_set() or isinstance(e, (TimeoutError, socket.timeout)):
-                raise _Retryable(f"timed out after {self.timeout:g} s") from e
-            raise _Retryable(f"connection error: {type(e).__name__}: {e}") from e
-        finally:
-            if timer is not None:
-                timer.cancel()
-            conn.close()
-        return _answer(status, raw)
+        headers = {"Content-Type": "application/json"}
+        token = self.token or os.environ.get(TOKEN_ENV)
+        if token:
+            headers["Authorization"] = auth_header(token)
+        return _answer(*http_request(self.url, method, path, body, headers, self.timeout))
 
     def health(self) -> dict:
         """``GET /health`` once (no retry) -> the server's answer; a :class:`RewardServerError` names the URL."""
@@ -150,24 +108,16 @@ class RewardClient:
     def _score_chunk(self, images: np.ndarray, prompts: list, metadata: list | None, indices: range) -> dict:
         body = json.dumps({"images": encode_images(images, self.image_format), "prompts": list(prompts),
                            "metadata": jsonable(metadata)}, allow_nan=False).encode()
-        cause, attempt = "", 0
-        for attempt in range(1, self.retries + 2):
-            try:
-                out = self._request("POST", "/score", body)
-            except _Retryable as e:
-                cause = str(e)
-                if attempt <= self.retries:
-                    time.sleep(self.backoff * 2 ** (attempt - 1))
-                continue
-            except _Final as e:
-                raise RewardServerError(self.url, indices, str(e), attempt) from e
-            problem = bad_scores(out.get("scores"), len(indices))
-            if not problem and not isinstance(out.get("info", {}), (dict, type(None))):
-                problem = f"'info' must be a JSON object; got {str(out['info'])[:100]}"
-            if problem:
-                raise RewardServerError(self.url, indices, f"bad response: {problem}", attempt)
-            return out
-        raise RewardServerError(self.url, indices, cause, attempt)
+        try:
+            out, attempt = retried(lambda: self._request("POST", "/score", body), self.retries, self.backoff)
+        except RequestFailed as e:
+            raise RewardServerError(self.url, indices, e.cause, e.attempts) from e
+        problem = bad_scores(out.get("scores"), len(indices))
+        if not problem and not isinstance(out.get("info", {}), (dict, type(None))):
+            problem = f"'info' must be a JSON object; got {str(out['info'])[:100]}"
+        if problem:
+            raise RewardServerError(self.url, indices, f"bad response: {problem}", attempt)
+        return out
 
     def __call__(self, images, prompts: Sequence[str], metadata: Sequence[dict] | None = None):
         images = to_uint8(images)
@@ -188,6 +138,105 @@ class RewardClient:
                 outs = list(pool.map(run, spans))
         scores = np.asarray([s for o in outs for s in o["scores"]], dtype=np.float32)
         return scores, _merge_info([o.get("info") or {} for o in outs], [len(r) for r in spans])
+
+
+def check_url(url, what: str) -> str:
+    """``url`` without its trailing slash; a ValueError naming ``what`` unless it is an http(s) URL."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{what} must start with http:// or https://; got {url!r}")
+    return url.rstrip("/")
+
+
+def check_seconds(value, what: str, positive: bool = True) -> float:
+    """``value`` as a finite number of seconds (> 0, or >= 0 unless ``positive``); a ValueError naming ``what``."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            or (positive and value == 0)):
+        raise ValueError(f"{what} must be a finite number {'>' if positive else '>='} 0 (seconds); got {value!r}")
+    return float(value)
+
+
+class RequestFailed(Exception):
+    """:func:`retried` gave up: ``cause`` of the last attempt, after ``attempts`` attempts."""
+
+    def __init__(self, cause: str, attempts: int):
+        self.cause, self.attempts = cause, attempts
+        super().__init__(cause)
+
+
+T = TypeVar("T")
+
+
+def retried(call: Callable[[], T], retries: int, backoff: float) -> tuple[T, int]:
+    """``call()`` -> ``(its value, the attempts it took)``: a :class:`_Retryable` failure is tried again up to
+    ``retries`` times, ``backoff`` seconds before the first retry, doubling; a :class:`_Final` one is not. What still
+    fails raises :class:`RequestFailed`."""
+    cause, attempt = "", 0
+    for attempt in range(1, retries + 2):
+        try:
+            return call(), attempt
+        except _Retryable as e:
+            cause = str(e)
+            if attempt <= retries:
+                time.sleep(backoff * 2 ** (attempt - 1))
+        except _Final as e:
+            raise RequestFailed(str(e), attempt) from e
+    raise RequestFailed(cause, attempt)
+
+
+def http_request(url: str, method: str, path: str, body: bytes | None, headers: dict, timeout: float
+                 ) -> tuple[int, bytes]:
+    """One HTTP request to ``url`` + ``path`` that ends within ``timeout`` seconds in all (connect, send, answer),
+    directly (no HTTP proxy) -> ``(status, body)``. A timeout, a connection error or a broken answer (truncated, not
+    HTTP) raises :class:`_Retryable` with the cause."""
+    parts = urllib.parse.urlsplit(url)
+    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    deadline = time.monotonic() + timeout
+    conn = conn_cls(parts.hostname, parts.port, timeout=timeout)
+    expired = threading.Event()
+    timer = None
+    try:
+        conn.connect()
+        sock = conn.sock
+
+        def expire():                                       # the deadline: unblock any read or write at once
+            expired.set()
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        timer = threading.Timer(max(deadline - time.monotonic(), 0.0), expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            conn.request(method, (parts.path + path) or "/", body=body, headers=headers)
+        except (BrokenPipeError, ConnectionResetError):
+            if expired.is_set():
+                raise
+            # the server may have answered before reading the whole body (e.g. 413): read that answer
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except (OSError, http.client.HTTPException) as e:
+        if expired.is_set() or isinstance(e, (TimeoutError, socket.timeout)):
+            raise _Retryable(f"timed out after {timeout:g} s") from e
+        raise _Retryable(f"connection error: {type(e).__name__}: {e}") from e
+    finally:
+        if timer is not None:
+            timer.cancel()
+        conn.close()
+
+
+PROBE_TIMEOUT = 10.0                     # seconds a start-up probe of a reward's server may take
+
+
+def probe_server(url: str, path: str, headers: dict, timeout: float, what: str) -> tuple[int, bytes]:
+    """One ``GET`` of ``url`` + ``path`` when a reward is built, before a model loads -> ``(status, body)``;
+    nothing answering within ``min(timeout, PROBE_TIMEOUT)`` seconds is a ValueError naming ``what`` and the URL."""
+    try:
+        return http_request(url, "GET", path, None, headers, min(timeout, PROBE_TIMEOUT))
+    except _Retryable as e:
+        raise ValueError(f"{what}: nothing answers at {url}{path} ({e}); start the server, fix the URL, or give "
+                         "probe=false to let the first batch find out") from None
 
 
 def _answer(status: int, raw: bytes) -> dict:

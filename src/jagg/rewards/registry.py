@@ -6,8 +6,11 @@ Every reward has the signature
 
 with images uint8 [N, H, W, 3] or a float tensor [N, 3, H, W] in [-1, 1]. `get_reward(spec)` accepts
   - a registered name: "jpeg_compressibility", "jpeg_incompressibility", the preference models "clip_score",
-    "pickscore", "hpsv2", "aesthetic" (:mod:`jagg.rewards.preference`), and what packages register with
-    `register_reward` when they are imported (`jagg.shapes` registers its GenEval-like "geneval");
+    "pickscore", "hpsv2", "aesthetic" (:mod:`jagg.rewards.preference`), the rewards Flow-GRPO users run:
+    "flow_grpo_remote" (a GenEval, DeQA or UnifiedReward server, :mod:`jagg.rewards.flow_grpo`), "vlm_judge" (a VLM
+    judge on an OpenAI-compatible endpoint, :mod:`jagg.rewards.vlm_judge`) and "ocr" (:mod:`jagg.rewards.ocr`), and
+    what packages register with `register_reward` when they are imported (`jagg.shapes` registers its GenEval-like
+    "geneval");
   - a registered name with options, "name:key=value,key=value" (e.g. "pickscore:path=/models/PickScore_v1,
     batch_size=16"): keyword arguments of the name's factory; a value is converted to the type of the factory's
     default for that keyword (int, float, bool), and may not contain a comma;
@@ -28,7 +31,6 @@ is each info entry with one number per frame); a ``package.module:function`` (or
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import io
 import itertools
@@ -42,8 +44,12 @@ from PIL import Image
 
 from .. import checks
 from ..checks import FLOAT32_MAX, check_float32, shown
+from .flow_grpo import FlowGrpoRemote
 from .images import to_uint8
+from .ocr import OcrReward
 from .preference import AestheticReward, ClipScoreReward, HPSv2Reward, PickScoreReward
+from .user_code import instantiated, resolve
+from .vlm_judge import VlmJudge
 
 RewardFn = Callable[..., "tuple[np.ndarray, dict] | np.ndarray"]
 
@@ -77,6 +83,9 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {  # name -> factory(**options)
     "pickscore": PickScoreReward,
     "hpsv2": HPSv2Reward,
     "aesthetic": AestheticReward,
+    "flow_grpo_remote": FlowGrpoRemote,
+    "vlm_judge": VlmJudge,
+    "ocr": OcrReward,
 }
 
 
@@ -326,28 +335,18 @@ class WeightedSum:
         return total, info
 
 
+USER_REWARD = ("user reward", "(images, prompts, metadata)")
+
+
 def _resolve(path: str):
     """The attribute ``package.module:attribute`` names (imported, not called); a ValueError when it cannot be
     loaded or is not callable."""
-    module, _, attr = path.partition(":")
-    if not module or not attr:
-        raise ValueError(f"user reward {path!r} must look like 'package.module:function'")
-    try:
-        obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load user reward {path!r}: {e}") from e
-    if not callable(obj):
-        raise ValueError(f"user reward {path!r} is a {type(obj).__name__}, not a callable (images, prompts, metadata)")
-    return obj
+    return resolve(path, *USER_REWARD)
 
 
 def _import(path: str) -> RewardFn:
     """The user reward ``package.module:attribute``: a function, or a class instantiated with no arguments."""
-    obj = _resolve(path)
-    obj = obj() if isinstance(obj, type) else obj
-    if not callable(obj):
-        raise ValueError(f"user reward {path!r} is a {type(obj).__name__}, not a callable (images, prompts, metadata)")
-    return obj
+    return instantiated(path, *USER_REWARD)
 
 
 def available_rewards() -> list[str]:

@@ -262,9 +262,10 @@ class GRPOSection:
 @dataclass
 class RewardSection:
     name: str | None = field(default=None, metadata=helped(
-        "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility, and the preference models "
-        "clip_score, pickscore, hpsv2, aesthetic), its options after a colon (pickscore:path=/models/PickScore_v1,"
-        "batch_size=16; jagg.rewards.registry), or module:function (geneval when neither name nor weights is set)."))
+        "Reward: a registry name (geneval, jpeg_compressibility, jpeg_incompressibility, the preference models "
+        "clip_score, pickscore, hpsv2, aesthetic, and Flow-GRPO's flow_grpo_remote, vlm_judge, ocr), its options after "
+        "a colon (pickscore:path=/models/PickScore_v1,batch_size=16; jagg.rewards.registry), or module:function "
+        "(geneval when neither name nor weights is set)."))
     weights: dict[str, float] | None = field(default=None, metadata=helped(
         "Weighted sum of registry rewards, e.g. {geneval: 1.0, jpeg_compressibility: 0.1} (a key may carry options: "
         "'pickscore:path=/models/PickScore_v1'); a component of weight 0 is computed and reported (reward/<name>, the "
