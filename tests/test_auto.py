@@ -327,3 +327,32 @@ def test_a_run_stopped_while_measuring_measures_again_where_it_resumes(tmp_path,
     assert "the first 3 iterations train exact and measure" in capsys.readouterr().out
     decision = json.loads((out / "preflight.json").read_text())
     assert decision["measured_iterations"] == 3 and decision["iteration"] == 5    # iterations 3-5 (1-based)
+
+
+def test_a_candidate_that_cannot_clear_the_bar_is_no_longer_measured(tmp_path, bench_ckpt, capsys, monkeypatch):
+    """From the third measured iteration on, a candidate whose high end of projected progress per second is below
+    the bar at some position is no longer measured (it cannot be chosen); when none is left the run decides at once,
+    exact, with every measured record kept."""
+    import jagg.trainers.auto as auto_mod
+
+    monkeypatch.setattr(auto_mod.AutoEstimator, "_too_costly", lambda self: None)
+    measured = []
+    real_add = auto_mod.Measurement.add
+
+    def add(self, u, iteration, name, *a):
+        measured.append((iteration, name))
+        return real_add(self, u, iteration, name, *a)
+
+    monkeypatch.setattr(auto_mod.Measurement, "add", add)
+    real_records = auto_mod.Measurement.records
+
+    def records_known(self, *a):                      # every range known, whatever the tiny batches resolve
+        return [{**r, "prediction": "range"} for r in real_records(self, *a)]
+
+    monkeypatch.setattr(auto_mod.Measurement, "records", records_known)
+    out = tmp_path / "run"
+    assert main(auto_args(bench_ckpt, out, 8, "estimator.preflight_batches=6", "estimator.preflight_margin=100")) == 0
+    decision = json.loads((out / "preflight.json").read_text())
+    assert decision["train_with"] == "exact" and decision["measured_iterations"] == 3      # not 6
+    assert {n for it, n in measured} == {"exact", "g4", "u4"} and max(it for it, _ in measured) == 2
+    assert {r["estimator"] for r in decision["records"]} == {"exact", "g4", "u4"}

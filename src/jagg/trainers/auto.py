@@ -124,17 +124,24 @@ class Measurement:
         self.linearity[u][name].append(linearity)
 
     def records(self, cfg, params: tuple[list, list[str]], cost) -> list[dict]:
-        """The meter's records of every position measured on at least 3 minibatches."""
+        """The meter's records of every position measured on at least 3 minibatches; an estimator no longer measured
+        (pruned) is judged on its own minibatches, against exact's on the same ones."""
         out = []
+        share = statistics.median(self.rollout_s) if self.rollout_s else 0.0
         for u in range(self.updates):
-            if len(self.sizes[u]) < 3:
-                continue
-            lin = {n: {k: _nanmean([x[k] for x in self.linearity[u][n]]) for k in ("linearity", "linearity_min")}
-                   for n in self.ests}
-            share = statistics.median(self.rollout_s) if self.rollout_s else 0.0
-            costs = {n: [c for per in self.costs[u][n] for c in per] for n in self.ests}
-            out += position_records(cfg, self.ests, self.grads[u], costs, [share], self.sizes[u], lin, u, params,
-                                    1, round(statistics.fmean(self.sizes[u])), cost)
+            counts = {n: len(self.grads[u][n]) for n in self.ests}
+            for k in sorted({c for c in counts.values() if c >= 3}, reverse=True):
+                names = ["exact"] + [n for n in self.ests if n != "exact" and counts[n] == k]
+                if k < counts["exact"] and len(names) == 1:
+                    continue
+                ests = {n: self.ests[n] for n in names}
+                lin = {n: {key: _nanmean([x[key] for x in self.linearity[u][n][:k]])
+                           for key in ("linearity", "linearity_min")} for n in names}
+                costs = {n: [c for per in self.costs[u][n][:k] for c in per] for n in names}
+                grads = {n: self.grads[u][n][:k] for n in names}
+                recs = position_records(cfg, ests, grads, costs, [share], self.sizes[u][:k], lin, u, params, 1,
+                                        round(statistics.fmean(self.sizes[u][:k])), cost)
+                out += [r for r in recs if r["estimator"] != "exact" or k == counts["exact"]]
         return out
 
 
@@ -223,7 +230,7 @@ class AutoEstimator:
         trained_est, trained_gen = self.estimator, self.pick_gen
         try:
             for name, est in m.ests.items():
-                if name == m.trained:
+                if name == m.trained or name in getattr(self, "_pruned", ()):
                     continue
                 gs, cs = [], []
                 for _ in range(self.cfg.estimator.preflight_draws if est.random else 1):
@@ -240,7 +247,7 @@ class AutoEstimator:
             for p, g in zip(self.params, kept):
                 p.grad = g
         u = mb.position
-        for name in m.ests:                                  # exact first
+        for name in (n for n in m.ests if n in per):         # exact first
             lin = layout_linearity([SimpleNamespace(traj=mb.traj)], m.ests[name])
             m.add(u, self.iteration, name, *per[name], mb.size, lin)
         self._measure_cpu += time.process_time() - c0
@@ -263,7 +270,7 @@ class AutoEstimator:
             if len(m.iterations) == 1 and (why := self._too_costly()) is not None:
                 self._decide({"train_with": "exact", "reason": why, "line": f"train with exact: {why}", "lines": [],
                               "candidates": []}, [])
-            elif len(m.iterations) >= e.preflight_batches:
+            elif len(m.iterations) >= e.preflight_batches or not self._prune():
                 self._decide_from_records()
             return
         m.keep_last(e.preflight_batches)
@@ -285,6 +292,21 @@ class AutoEstimator:
                 f"{1 + e.preflight_margin:.2f} x as fast could win back in the run's {remaining} remaining iterations "
                 f"({win:.0f} s), or than estimator.preflight_share={e.preflight_share:g} of the run ({budget:.0f} s): "
                 "a longer run measures, or decide once with jagg bench meter")
+
+    def _prune(self) -> bool:
+        """From the third measured iteration on, stop measuring the candidates whose projected progress per second
+        cannot clear the bar even at the high end of its range at some position (their measurements are kept for the
+        verdict); whether any candidate is still measured."""
+        m = self.measurement
+        if len(m.iterations) < 3:
+            return True
+        records, _ = self._records()
+        bar = 1 + self.cfg.estimator.preflight_margin
+        out = {r["estimator"] for r in records if r["estimator"] != "exact" and r["prediction"] == "range"
+               and not r["time_rate_hi"] >= bar}
+        out = gather_objects([sorted(out)])[0] if self.world > 1 else sorted(out)
+        self._pruned = sorted(set(getattr(self, "_pruned", [])) | set(out))
+        return any(n not in self._pruned for n in m.ests if n != "exact")
 
     def _params(self) -> tuple[list, list[str]]:
         return self.params, self.sampler.param_names
@@ -316,6 +338,7 @@ class AutoEstimator:
                     "command": meter_command(self.cfg), "records": [{k: r.get(k) for k in RECORD_KEYS}
                                                                     for r in records]}
         decision = gather_objects([decision])[0] if self.world > 1 else decision      # the main process decides
+        self._pruned = []
         self.estimator = EstimatorConfig.from_dict(decision["estimator"])
         self.decision = {k: v for k, v in decision.items() if k not in ("records", "lines", "candidates")}
         self.measurement = self._new_measurement(name) if name != "exact" and e.meter_every else None
