@@ -82,7 +82,7 @@ def test_euler_steps_and_videos_equal_the_pipeline():
     video = policy.decode(x)
     assert video.shape == (2, FRAMES, HEIGHT, WIDTH, 3) and video.dtype == np.uint8
     assert np.abs(video.astype(int) - np.round(want_video * 255).astype(int)).max() <= 1
-    with pytest.raises(ValueError, match=r"wan latents must be \[N, C, F, H, W\]"):
+    with pytest.raises(ValueError, match=r"Wan latents must be \[N, C, F, H, W\]"):
         v(x[:, :, 0], sigmas[:2], torch.arange(2))
 
 

@@ -37,9 +37,10 @@ from torch import Tensor, nn
 
 from .adapters import load_adapter, save_adapter
 from .config import DTYPES, LoraSettings, PipelineConfig
+from .families import family as family_record
 from .pipeline import TEXT_COMPONENTS, load_pipeline
 from .schedules import dance_sigmas, pipeline_sigmas
-from .velocity import (ADAPTERS, PackedVelocity, PromptEmbeddings, TransformerVelocity, encode_prompts, model_family,
+from .velocity import (PromptEmbeddings, TransformerVelocity, adapter_class, encode_prompts, model_family,
                        unwrap_model)
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -217,14 +218,14 @@ def default_shift(family: str, image_seq_len: int, scheduler_config: dict | None
                   num_steps: int | None = None) -> float:
     """The model's own timestep shift, as its scheduler config says: with ``use_dynamic_shifting`` (FLUX.1-dev,
     Qwen-Image, FLUX.2; the default of the packed families when the config does not say) :func:`dynamic_shift` of the
-    packed image sequence length ``(H/16)(W/16)`` (FLUX.2: ``exp`` of :func:`flux2_mu` of it and ``num_steps``, as
-    its pipelines pass ``mu``), else the static ``flow_shift`` (Wan 2.1's ``UniPCMultistepScheduler``: 3.0) or
-    ``shift`` (SD3: 3.0)."""
-    c = dict(scheduler_config or {})
-    if c.get("use_dynamic_shifting", issubclass(ADAPTERS[family], PackedVelocity)):
-        if family in ("flux2", "flux2_klein"):
+    packed image sequence length ``(H/16)(W/16)`` (a family whose shift rule is ``empirical_mu``, FLUX.2: ``exp`` of
+    :func:`flux2_mu` of it and ``num_steps``, as its pipelines pass ``mu``), else the static ``flow_shift`` (Wan
+    2.1's ``UniPCMultistepScheduler``: 3.0) or ``shift`` (SD3: 3.0)."""
+    c, record = dict(scheduler_config or {}), family_record(family)
+    if c.get("use_dynamic_shifting", record.packed):
+        if record.shift_rule == "empirical_mu":
             if num_steps is None:
-                raise ValueError("FLUX.2's shift depends on the number of steps: pass num_steps")
+                raise ValueError(f"{record.title}'s shift depends on the number of steps: pass num_steps")
             return math.exp(flux2_mu(image_seq_len, num_steps))
         return dynamic_shift(image_seq_len, c)
     return float(c.get("flow_shift", c.get("shift", 3.0)))
@@ -343,16 +344,13 @@ class Policy:
         self.refresh_params()
         if config.gradient_checkpointing:
             self.bare.enable_gradient_checkpointing()
-        self._adapter = ADAPTERS[config.family]
+        self._adapter = adapter_class(config.family)
         f = vae_scale_factor(vae) if vae is not None else 8
         h, w = (side // (f * self._adapter.latent_downsample) for side in config.size)
         frames = ((config.frames - 1) // vae_temporal_factor(vae) + 1,) if self._adapter.latent_dims == 5 else ()
         self.latent_shape: tuple[int, ...] = (self._adapter.latent_channels(self.bare.config), *frames, h, w)
         self.scheduler_config = dict(scheduler_config or {})
-        self.image_tokens = self._adapter.image_tokens(h, w)  # the sequence length a dynamic shift reads
-        if config.family == "sd3":                            # StableDiffusion3Pipeline counts the transformer's patches
-            p = getattr(self.bare.config, "patch_size", 2)
-            self.image_tokens = (h // p) * (w // p)
+        self.image_tokens = self._adapter.image_tokens(h, w, self.bare.config)  # what a dynamic shift reads
         # DanceGRPO's grid: an explicit pipeline.shift is a static shift; the model's own may end in a stretch
         self.shift = (config.shift if config.shift is not None
                       else default_shift(config.family, self.image_tokens, self.scheduler_config, config.num_steps))

@@ -38,13 +38,8 @@ from torch import Tensor
 
 from ..checks import check_sigmas
 from ..schedule import flow_sigmas, stretch_to_terminal
+from .families import family as family_record
 
-PACKED_FAMILIES = ("flux", "qwen_image", "flux2", "flux2_klein")   # their pipelines pass explicit sigmas and mu
-# the module of each family's pipeline, whose helpers (retrieve_timesteps, calculate_shift, compute_empirical_mu) say
-# how its __call__ calls the scheduler
-PIPELINE_MODULES = {"sd3": "stable_diffusion_3.pipeline_stable_diffusion_3", "flux": "flux.pipeline_flux",
-                    "qwen_image": "qwenimage.pipeline_qwenimage", "flux2": "flux2.pipeline_flux2",
-                    "flux2_klein": "flux2.pipeline_flux2_klein", "wan": "wan.pipeline_wan"}
 DEFAULT_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
 # the scheduler-config keys that an explicit pipeline.shift sets: a static shift, nothing dynamic, no stretch
 STATIC_SHIFT = {"use_dynamic_shifting": False, "shift_terminal": None}
@@ -53,7 +48,7 @@ STATIC_SHIFT = {"use_dynamic_shifting": False, "shift_terminal": None}
 def _pipeline_module(family: str):
     import importlib
 
-    return importlib.import_module(f"diffusers.pipelines.{PIPELINE_MODULES[family]}")
+    return importlib.import_module(f"diffusers.pipelines.{family_record(family).pipeline_module}")
 
 
 def make_scheduler(scheduler_config: dict | None, shift: float | None = None):
@@ -84,27 +79,19 @@ def pipeline_sigmas(family: str, num_steps: int, scheduler_config: dict | None, 
     pipeline calls it (the module docstring). A grid that is not strictly decreasing in [0, 1] ending at 0 is a
     ValueError naming the scheduler."""
     scheduler = make_scheduler(scheduler_config, shift)
-    module = _pipeline_module(family)
+    module, record = _pipeline_module(family), family_record(family)
     c = scheduler.config
-    if family in PACKED_FAMILIES:
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        if getattr(c, "use_flow_sigmas", False):
-            sigmas = None
-        if family in ("flux2", "flux2_klein"):
-            mu = module.compute_empirical_mu(image_seq_len=image_tokens, num_steps=num_steps)
-        else:
-            mu = module.calculate_shift(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                                        c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        module.retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
-    elif family == "sd3":
+    if record.packed:                                       # explicit sigmas and mu
+        sigmas = None if getattr(c, "use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+        module.retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas,
+                                  mu=_pipeline_mu(record.shift_rule, module, c, image_tokens, num_steps))
+    elif record.shift_rule == "scheduler":                  # e.g. WanPipeline: set_timesteps(N) on its scheduler
+        scheduler.set_timesteps(num_steps, device="cpu")
+    else:                                                   # e.g. StableDiffusion3Pipeline: mu if the config asks
         kwargs = {}
         if c.get("use_dynamic_shifting", None):
-            kwargs["mu"] = module.calculate_shift(image_tokens, c.get("base_image_seq_len", 256),
-                                                  c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
-                                                  c.get("max_shift", 1.16))
+            kwargs["mu"] = _pipeline_mu(record.shift_rule, module, c, image_tokens, num_steps)
         module.retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
-    else:                                                   # WanPipeline: set_timesteps(N) on its scheduler
-        scheduler.set_timesteps(num_steps, device="cpu")
     out = torch.as_tensor(scheduler.sigmas, dtype=torch.float32).flatten()
     try:
         if out.numel() != num_steps + 1 or float(out[-1]) != 0.0:
@@ -114,6 +101,15 @@ def pipeline_sigmas(family: str, num_steps: int, scheduler_config: dict | None, 
         raise ValueError(f"the model's scheduler ({type(scheduler).__name__}) does not give a flow-matching grid of "
                          f"{num_steps} steps: {e}; sample on DanceGRPO's grid (pipeline.sigma_grid: dance)") from None
     return out
+
+
+def _pipeline_mu(rule: str, module, c, image_tokens: int, num_steps: int) -> float:
+    """The ``mu`` a pipeline passes to its scheduler by the family's shift rule, with the pipeline module's own
+    helper."""
+    if rule == "empirical_mu":
+        return module.compute_empirical_mu(image_seq_len=image_tokens, num_steps=num_steps)
+    return module.calculate_shift(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                                  c.get("base_shift", 0.5), c.get("max_shift", 1.15))
 
 
 def dance_sigmas(num_steps: int, shift: float, terminal: float | None = None) -> Tensor:
@@ -132,5 +128,5 @@ def grid_name(sigma_grid: str, family: str, scheduler_config: dict | None, shift
         own = "the model's own shift" if shift is None else f"shift {shift:g}"
         return f"DanceGRPO's shift(linspace(1, 0, N + 1)), {own}"
     name = (scheduler_config or {}).get("_class_name") or DEFAULT_SCHEDULER
-    how = "explicit sigmas and mu" if family in PACKED_FAMILIES else "set_timesteps(N)"
+    how = "explicit sigmas and mu" if family_record(family).packed else "set_timesteps(N)"
     return f"the {family} pipeline's: {name} with {how}" + ("" if shift is None else f", static shift {shift:g}")
