@@ -30,7 +30,7 @@ import jagg  # noqa: E402
 from jagg.cli import main  # noqa: E402
 from jagg.integrations import (LoraSettings, PipelineConfig, Policy, PromptEmbeddings, VelocityConfig,  # noqa: E402
                                add_lora, save_lora, velocity_adapter)
-from jagg.integrations.policy import default_shift  # noqa: E402
+from jagg.integrations.schedules import default_shift  # noqa: E402
 from jagg.rewards.registry import get_reward, jpeg_compressibility  # noqa: E402
 from jagg.trainers import diffusers as real_train  # noqa: E402
 from jagg.infra.metrics import save_grid  # noqa: E402

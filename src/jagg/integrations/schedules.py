@@ -31,6 +31,7 @@ shift, and differs for SD3 (last step 0.25 -> 0 at 10 steps with shift 3, agains
 from __future__ import annotations
 
 import inspect
+import math
 
 import numpy as np
 import torch
@@ -110,6 +111,56 @@ def _pipeline_mu(rule: str, module, c, image_tokens: int, num_steps: int) -> flo
         return module.compute_empirical_mu(image_seq_len=image_tokens, num_steps=num_steps)
     return module.calculate_shift(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
                                   c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the model's own shift, for DanceGRPO's grid
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def dynamic_shift(image_seq_len: int, scheduler_config: dict | None = None) -> float:
+    """FLUX's and Qwen-Image's resolution-dependent shift: ``mu`` linear in the packed image sequence length
+    (diffusers' ``calculate_shift``, with the scheduler config's ``base_image_seq_len``, ``max_image_seq_len``,
+    ``base_shift``, ``max_shift``; the pipelines' defaults 256, 4096, 0.5, 1.15 where it has none), then ``exp(mu)``
+    (``time_shift_type: exponential``, the default) or ``mu`` (``linear``). The scheduler's ``exp(mu) / (exp(mu) +
+    1 / t - 1)`` is :func:`jagg.shift_sigmas` with this shift."""
+    c = scheduler_config or {}
+    lo, hi = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
+    b0, b1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
+    mu = b0 + (b1 - b0) * (image_seq_len - lo) / (hi - lo)
+    kind = c.get("time_shift_type", "exponential")
+    if kind not in ("exponential", "linear"):
+        raise ValueError(f"scheduler time_shift_type must be 'exponential' or 'linear'; got {kind!r}")
+    return math.exp(mu) if kind == "exponential" else mu
+
+
+def flux2_mu(image_seq_len: int, num_steps: int) -> float:
+    """FLUX.2's ``mu`` (``Flux2Pipeline``'s ``compute_empirical_mu``, from black-forest-labs/flux2): linear in the
+    image sequence length, interpolated between its fits for 10 and 200 steps up to 4300 tokens."""
+    a1, b1, a2, b2 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
+    m_200 = a2 * image_seq_len + b2
+    if image_seq_len > 4300:
+        return float(m_200)
+    m_10 = a1 * image_seq_len + b1
+    a = (m_200 - m_10) / 190.0
+    return float(a * num_steps + m_200 - 200.0 * a)
+
+
+def default_shift(family: str, image_seq_len: int, scheduler_config: dict | None = None,
+                  num_steps: int | None = None) -> float:
+    """The model's own timestep shift, as its scheduler config says: with ``use_dynamic_shifting`` (FLUX.1-dev,
+    Qwen-Image, FLUX.2; the default of the packed families when the config does not say) :func:`dynamic_shift` of the
+    packed image sequence length ``(H/16)(W/16)`` (a family whose shift rule is ``empirical_mu``, FLUX.2: ``exp`` of
+    :func:`flux2_mu` of it and ``num_steps``, as its pipelines pass ``mu``), else the static ``flow_shift`` (Wan
+    2.1's ``UniPCMultistepScheduler``: 3.0) or ``shift`` (SD3: 3.0)."""
+    c, record = dict(scheduler_config or {}), family_record(family)
+    if c.get("use_dynamic_shifting", record.packed):
+        if record.shift_rule == "empirical_mu":
+            if num_steps is None:
+                raise ValueError(f"{record.title}'s shift depends on the number of steps: pass num_steps")
+            return math.exp(flux2_mu(image_seq_len, num_steps))
+        return dynamic_shift(image_seq_len, c)
+    return float(c.get("flow_shift", c.get("shift", 3.0)))
 
 
 def dance_sigmas(num_steps: int, shift: float, terminal: float | None = None) -> Tensor:
