@@ -242,15 +242,11 @@ def resolve(spec: str | None, job: CostStructure, gpu_bench_json: str | None = N
 
 def add_cost_arguments(parser, what: str) -> None:
     """``--cost`` and ``--gpu-bench-json``, the cost structure of ``what`` (the projected columns), on ``parser``."""
-    parser.add_argument("--cost", metavar="PRESET[:KEY=VALUE,...] | KEY=VALUE,...",
-                        help=f"the cost structure of {what}: a preset ({', '.join(PRESETS)}), a preset with changes, "
-                             "or KEY=VALUE,... of B_F, cfg_rollout, cfg_train, rollout_steps, train_steps, model, "
-                             f"resolution on top of this job's own steps and guidance with B_F 2 [default: {DEFAULT}; "
-                             "a diffusers config: its family's (jagg.integrations.families), or "
-                             f"{DEFAULT}_full with full fine-tuning]")
+    parser.add_argument("--cost", metavar="SPEC",
+                        help=f"the cost structure of {what}: a preset ({', '.join(PRESETS)}), PRESET:KEY=VALUE,... "
+                             f"or KEY=VALUE,... [default: {DEFAULT}; a pipeline: config: its family's]")
     parser.add_argument("--gpu-bench-json", metavar="PATH",
-                        help="a results JSON of benchmarks/gpu_bench.py: its measured B/F for the cost structure's "
-                             "model and resolution replaces B_F")
+                        help="benchmarks/gpu_bench.py's results JSON: its measured B/F replaces B_F")
 
 
 # ----------------------------------------------------------------------------- the rows of an estimator (docs/design.md §3.7)
