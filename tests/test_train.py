@@ -172,7 +172,7 @@ def test_shipped_shapes_configs_load_and_the_authors_recipe_trains(tmp_path):
 
     root = Path(__file__).resolve().parents[1] / "configs"
     shapes = [p for p in sorted(root.glob("*.yaml")) if not has_pipeline_section(p)]
-    assert {p.name for p in shapes} >= {"default.yaml", "previous_main_job.yaml", "authors_recipe.yaml"}
+    assert {p.name for p in shapes} >= {"default.yaml", "geneval_flow_grpo.yaml", "authors_recipe.yaml"}
     for path in shapes:
         cfg = configuration.load(ShapesTrainConfig, path)
         assert configuration.from_dict(ShapesTrainConfig, configuration.to_dict(cfg)) == cfg, path.name
