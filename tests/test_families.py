@@ -32,14 +32,8 @@ def test_a_made_up_family_of_one_record_trains_end_to_end(tmp_path, sd3_dir, my_
     from jagg.cli import main
     from jagg.trainers import diffusers as real_train
 
-    seen = []
-    original = real_train.DiffusersTrainer.train
-
-    def train(self):
-        seen.append(self)
-        return original(self)
-
-    monkeypatch.setattr(real_train.DiffusersTrainer, "train", train)
+    seen, original = [], real_train.DiffusersTrainer.train
+    monkeypatch.setattr(real_train.DiffusersTrainer, "train", lambda self: seen.append(self) or original(self))
     cfg, out = write_sd3_config(tmp_path, sd3_dir), tmp_path / "run"
     assert main(["train", "--config", str(cfg), "--output-dir", str(out), "--set", "pipeline.family=my_dit",
                  "--set", "grpo.iterations=1"]) == 0
