@@ -87,7 +87,7 @@ class LoraSettings:
     alpha: float | None = field(default=None, metadata=helped("LoRA alpha; scale = alpha / r (Flow-GRPO: 2 r)."))
     target_modules: list[str] | None = field(default=None, metadata=helped("Module-name suffixes that get adapters "
                                              "(default: Flow-GRPO's list for the family, see "
-                                             "jagg.integrations.config)."))
+                                             "jagg.integrations.families)."))
     init: str = field(default="gaussian", metadata=helped("peft init_lora_weights: 'gaussian' (Flow-GRPO) or 'default' "
                       "(kaiming A); B starts at zero either way, so the policy starts at the base model."))
     dropout: float = field(default=0.0, metadata=helped("LoRA dropout."))
