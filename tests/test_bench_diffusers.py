@@ -109,6 +109,7 @@ def test_cost_defaults_to_the_family_preset(family, lora, preset):
     from types import SimpleNamespace
 
     from jagg.cost import DEFAULT, default_cost
+    from jagg.integrations import LoraSettings, PipelineConfig
 
-    cfg = SimpleNamespace(pipeline=SimpleNamespace(family=family, lora=SimpleNamespace(enabled=lora)))
+    cfg = SimpleNamespace(pipeline=PipelineConfig(family=family, lora=LoraSettings(enabled=lora)))
     assert default_cost(cfg) == preset and default_cost(SimpleNamespace(sample=None)) == DEFAULT

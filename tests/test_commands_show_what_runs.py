@@ -1,5 +1,6 @@
 """What a command shows is what runs: plain ``jagg train``, ``jagg eval`` and the benches run the one main job shipped
-in the package, from any directory; ``--help`` shows its values beside the dataclass defaults (or a given config's);
+in the package, from any directory; ``jagg train --help-config`` shows its values beside the dataclass defaults (or a
+given config's); every command's ``--help`` fits a screen or two;
 ``--print-config`` prints the config that would train, marks the inputs left to set, trains nothing and round-trips;
 image grids are captioned with each image's prompt and reward."""
 
@@ -87,10 +88,8 @@ def test_the_reward_help_of_eval_names_the_main_job_s_reward(capsys):
 
 
 def _help(argv: list[str], capsys) -> dict[str, str]:
-    """``jagg ... --help`` as {config key: its line}."""
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 0
+    """``jagg train ... --help-config`` as {config key: its line}."""
+    assert main(argv) == 0
     lines = {}
     for line in capsys.readouterr().out.splitlines():
         m = re.match(r"  ([a-z_][\w.]*)\s{2,}", line)
@@ -99,15 +98,28 @@ def _help(argv: list[str], capsys) -> dict[str, str]:
     return lines
 
 
-def test_train_help_shows_the_main_jobs_values_beside_the_dataclass_defaults(tmp_path, capsys):
-    """--help shows the value plain `jagg train` runs with (the main job's: lr 1e-4, eta 1.0, guidance 1.0, ...)
-    beside the dataclass default where they differ, or the values of the --config and --set given before it."""
+@pytest.mark.parametrize("command", [["train"], ["bench", "meter"], ["bench", "speed"], ["eval"], ["sample"],
+                                     ["pretrain"]])
+def test_each_help_fits_in_80_lines(command, capsys, monkeypatch):
+    """Usage, the options with a line or two each, the docs page for the rest: at most 80 lines at 80 columns."""
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: jagg {' '.join(command)}") and len(text.splitlines()) <= 80, \
+        f"jagg {' '.join(command)} --help is {len(text.splitlines())} lines"
+
+
+def test_help_config_shows_the_main_jobs_values_beside_the_dataclass_defaults(tmp_path, capsys):
+    """--help-config shows the value plain `jagg train` runs with (the main job's: lr 1e-4, eta 1.0, guidance 1.0,
+    ...) beside the dataclass default where they differ, or the values of the --config and --set given with it."""
     from jagg.cli import _value
     from jagg.rewards.client import RewardClient
     import dataclasses
 
     main_job = configuration.load(ShapesTrainConfig, main_job_path())
-    lines = _help(["train", "--help"], capsys)
+    lines = _help(["train", "--help-config"], capsys)
     for key, default, _ in configuration.describe(ShapesTrainConfig):
         value = repr(_value(main_job, key))
         assert lines[key].endswith(f"[{value}]" if value == default else f"[{value}; dataclass default: {default}]"), key
@@ -120,19 +132,19 @@ def test_train_help_shows_the_main_jobs_values_beside_the_dataclass_defaults(tmp
     assert all(f.name in lines["reward_server"] for f in dataclasses.fields(RewardClient))
     assert "token" in lines["reward_server"]
 
-    # --config and --set given before --help: that config's values
+    # --config and --set given with it: that config's values
     cfg = tmp_path / "mine.yaml"
     cfg.write_text("optim: {lr: 0.002}\nsample: {eta: 0.5}\n")
-    lines = _help(["train", "--config", str(cfg), "--set", "grpo.iterations=7", "--help"], capsys)
+    lines = _help(["train", "--help-config", "--config", str(cfg), "--set", "grpo.iterations=7"], capsys)
     assert lines["optim.lr"].endswith("[0.002; dataclass default: 0.0003]")
     assert lines["grpo.iterations"].endswith("[7; dataclass default: 100]")
     assert lines["sample.guidance_scale"].endswith("[3.0]")                    # left out: the dataclass default
-    lines = _help(["train", "--config", str(real_model_config(tmp_path)), "--help"], capsys)
+    lines = _help(["train", "--config", str(real_model_config(tmp_path)), "--help-config"], capsys)
     assert lines["pipeline.num_steps"].endswith("[4; dataclass default: 10]") and "model.trainable" not in lines
     # a config that does not load yet (no prompts file given): its values as written
-    lines = _help(["train", "--config", str(REPO / "configs" / "sd35_medium.yaml"), "--help"], capsys)
+    lines = _help(["train", "--config", str(REPO / "configs" / "sd35_medium.yaml"), "--help-config"], capsys)
     assert lines["pipeline.path"].endswith("['/models/stable-diffusion-3.5-medium'; dataclass default: '']")
-    lines = _help(["train", "--config", str(tmp_path / "missing.yaml"), "--help"], capsys)
+    lines = _help(["train", "--config", str(tmp_path / "missing.yaml"), "--help-config"], capsys)
     assert lines["optim.lr"].endswith("[default: 0.0003]")                     # unloadable: the defaults, said so
 
 

@@ -33,7 +33,7 @@ from jagg.integrations import (LoraSettings, PipelineConfig, PromptEmbeddings, R
                                velocity_adapter, adapter_format, save_adapter)
 from jagg.integrations import decode_latents  # noqa: E402
 from jagg.integrations import pipeline  # noqa: E402
-from jagg.integrations.policy import default_shift  # noqa: E402
+from jagg.integrations.schedules import default_shift  # noqa: E402
 
 B, T = 4, 6                  # samples, steps
 

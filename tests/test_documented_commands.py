@@ -418,7 +418,7 @@ def test_documented_command(cmd: Command, scratch, monkeypatch, capsys):
     if ns is None or kind == "make" or cmd.elided or cmd.synopsis:
         return                                                       # --help parsed and printed, or parse only
     if not cmd.fenced:                                               # a mention: its --help / --print-config run
-        if kind == "jagg" and any(a in ("--help", "-h", "--print-config") for a in args):
+        if kind == "jagg" and any(a in ("--help", "-h", "--print-config", "--help-config") for a in args):
             _run(cmd, kind, args, scratch, capsys)
         return
     if kind == "jagg":

@@ -13,6 +13,7 @@ from tiny_runs import records, tiny_train_args
 from jagg.infra import config_loader as configuration
 from jagg.infra.checkpoint import list_checkpoints, load_latest
 from jagg.cli import main
+from jagg.trainers.diffusers_config import DiffusersTrainConfig
 from jagg.trainers.shapes_config import ShapesTrainConfig
 
 
@@ -171,7 +172,7 @@ def test_shipped_shapes_configs_load_and_the_authors_recipe_trains(tmp_path):
 
     root = Path(__file__).resolve().parents[1] / "configs"
     shapes = [p for p in sorted(root.glob("*.yaml")) if not has_pipeline_section(p)]
-    assert {p.name for p in shapes} >= {"default.yaml", "previous_main_job.yaml", "authors_recipe.yaml"}
+    assert {p.name for p in shapes} >= {"default.yaml", "geneval_flow_grpo.yaml", "authors_recipe.yaml"}
     for path in shapes:
         cfg = configuration.load(ShapesTrainConfig, path)
         assert configuration.from_dict(ShapesTrainConfig, configuration.to_dict(cfg)) == cfg, path.name
@@ -211,9 +212,12 @@ def test_the_main_job_trains_the_geneval_like_reward_through_the_text_encoder(tm
     assert all(r["reward_mean"] < 0 for r in records(jpeg) if r["kind"] == "train")
 
 
-def test_train_help_lists_every_key(capsys):
+def test_train_help_config_lists_every_key_and_help_points_to_it(capsys):
+    assert main(["train", "--help-config"]) == 0
+    text = capsys.readouterr().out
+    for key, _, _ in configuration.describe(ShapesTrainConfig) + configuration.describe(DiffusersTrainConfig):
+        assert key in text
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
-    for key, _, _ in configuration.describe(ShapesTrainConfig):
-        assert key in text
+    assert "jagg train --help-config" in text and "estimator.window" not in text

@@ -30,7 +30,7 @@ import jagg  # noqa: E402
 from jagg.cli import main  # noqa: E402
 from jagg.integrations import (LoraSettings, PipelineConfig, Policy, PromptEmbeddings, VelocityConfig,  # noqa: E402
                                add_lora, save_lora, velocity_adapter)
-from jagg.integrations.policy import default_shift  # noqa: E402
+from jagg.integrations.schedules import default_shift  # noqa: E402
 from jagg.rewards.registry import get_reward, jpeg_compressibility  # noqa: E402
 from jagg.trainers import diffusers as real_train  # noqa: E402
 from jagg.infra.metrics import save_grid  # noqa: E402
@@ -82,7 +82,7 @@ def test_euler_steps_and_videos_equal_the_pipeline():
     video = policy.decode(x)
     assert video.shape == (2, FRAMES, HEIGHT, WIDTH, 3) and video.dtype == np.uint8
     assert np.abs(video.astype(int) - np.round(want_video * 255).astype(int)).max() <= 1
-    with pytest.raises(ValueError, match=r"wan latents must be \[N, C, F, H, W\]"):
+    with pytest.raises(ValueError, match=r"Wan latents must be \[N, C, F, H, W\]"):
         v(x[:, :, 0], sigmas[:2], torch.arange(2))
 
 

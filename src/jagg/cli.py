@@ -71,21 +71,9 @@ def _raw_value(data: dict, key: str):
     return node
 
 
-def _help_argv(argv: list[str] | None) -> tuple[str, list[str]]:
-    """The ``--config`` and ``--set`` overrides given before ``--help`` in ``jagg train ... --help``."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    pre.add_argument("--set", action="append", default=[])
-    pre.add_argument("--output-dir")
-    known, _ = pre.parse_known_args((argv or [])[1:])
-    sets = list(known.set) + ([f"log.output_dir={known.output_dir}"] if known.output_dir else [])
-    return known.config or str(main_job_path()), sets
-
-
-def _train_epilog(argv: list[str] | None) -> str:
-    """``jagg train --help``'s key lists: the resolved values of the config being run (the main job, or the --config
-    and --set given before --help) with the dataclass defaults where they differ, then the other trainer's keys."""
-    config, sets = _help_argv(argv)
+def _config_keys(config: str, sets: list[str]) -> str:
+    """``jagg train --help-config``: every config key with its help and the value ``config`` (after ``sets``) runs,
+    the dataclass default beside it where they differ; then the other trainer's keys."""
     where = "the main job, " + str(main_job_path()) if config == str(main_job_path()) else config
     after = f" and {len(sets)} --set" if sets else ""
     note = ""
@@ -152,6 +140,9 @@ def _train(args) -> int:
     if args.output_dir is not None:                  # '' is refused by log.output_dir's check, not ignored
         overrides.append(f"log.output_dir={args.output_dir}")
     config = str(main_job_path()) if args.config is None else args.config
+    if args.help_config:
+        print(_config_keys(config, overrides))
+        return 0
     data = configuration.read_yaml(config)       # read once
     real = "pipeline" in data                    # a real diffusers model (has_pipeline_section): jagg.trainers.diffusers
     load = lambda: configuration.load(DiffusersTrainConfig if real else ShapesTrainConfig, overrides=overrides,
@@ -304,33 +295,25 @@ def _eval(args) -> int:
     return 0
 
 
-def _add_train(sub, argv: list[str] | None) -> None:
+def _add_train(sub) -> None:
     """``jagg train``: the shapes trainer, or the diffusers trainer for a config with a ``pipeline:`` section."""
     t = sub.add_parser("train", help="GRPO training on the embedded shapes world, or on SD3/FLUX/Qwen-Image "
                        "(pipeline: config)",
-                       description="GRPO training. A --config whose YAML has a top-level `pipeline:` section "
-                       "(configs/sd35_medium.yaml, configs/flux_dev.yaml, configs/qwen_image.yaml) trains that "
-                       "diffusers model (SD3/SD3.5, FLUX.1, Qwen-Image) from its local directory with "
-                       "jagg.trainers.diffusers (its keys: the second list below; docs/real_models.md); any other "
-                       "config trains the embedded TinyDiT.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.epilog_fn = lambda: _train_epilog(argv)
-    t.add_argument("--config", help="YAML config (default: the main job shipped with jagg, jagg/shapes/main_job.yaml, "
-                   "from any directory; the repository's configs/default.yaml links to it); keys it leaves out take "
-                   "the dataclass defaults listed below. Given before --help, the list shows its values")
+                       description="GRPO training: the embedded TinyDiT (the main job by default), or, for a --config "
+                       "with a top-level `pipeline:` section (configs/sd35_medium.yaml), that diffusers model from its "
+                       "local directory (docs/real_models.md).",
+                       epilog="config keys: `jagg train --help-config` lists every one with its help and the value "
+                       "the config runs (after --config and --set); docs/usage.md#the-cli says more.")
+    t.add_argument("--config", help="YAML config [default: the main job, jagg/shapes/main_job.yaml]")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)")
-    t.add_argument("--output-dir", help="the run directory, shorthand for --set log.output_dir=DIR; a new run refuses "
-                   "a directory that holds a run (use --resume, --overwrite or another directory)")
+    t.add_argument("--output-dir", metavar="DIR", help="the run directory (log.output_dir); a new run refuses one "
+                   "holding a run")
     how = t.add_mutually_exclusive_group()
-    how.add_argument("--resume", action="store_true", help="continue the run in the run directory from its newest "
-                     "readable checkpoint; an error (exit 2, nothing changed) when there is none")
-    how.add_argument("--resume-or-start", action="store_true", help="continue the run in the run directory, or start "
-                     "a new run when it holds none (a run that saved no checkpoint is moved aside first; unreadable "
-                     "checkpoints are an error)")
-    how.add_argument("--overwrite", action="store_true", help="start a new run; an old run in the run directory is "
-                     "moved aside to DIR.old-<time> first (never deleted)")
-    t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML (after --config "
-                   "and every --set; loads back with --config) and exit without training")
+    how.add_argument("--resume", action="store_true", help="continue the run there from its newest checkpoint")
+    how.add_argument("--resume-or-start", action="store_true", help="continue the run there, or start one")
+    how.add_argument("--overwrite", action="store_true", help="start anew; an old run is moved to DIR.old-<time>")
+    t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    t.add_argument("--help-config", action="store_true", help="list every config key, its help and value; exit")
     t.set_defaults(func=_train)
 
 
@@ -388,7 +371,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = _Parser(prog="jagg", description="GRPO fine-tuning of flow-matching models with JAGG.")
     sub = p.add_subparsers(dest="command", required=True)
     wanted = lambda *names: argv is None or bool(set(argv[:1]) & {*names, "-h", "--help"})
-    _add_train(sub, argv)
+    _add_train(sub)
     if wanted("pretrain"):
         _add_pretrain(sub)
     else:

@@ -105,7 +105,6 @@ PRESETS = {
         "steps, timestep_fraction 0.99, 33 frames at 240 x 416"),
 }
 DEFAULT = "flow_grpo_sd35"
-FAMILY_PRESETS = {"wan": "flow_grpo_wan", "qwen_image": "jagg_authors_qwen_image"}   # others: SD3.5's
 KEYS = ("B_F", "cfg_rollout", "cfg_train", "rollout_steps", "train_steps", "model", "resolution")
 
 
@@ -134,12 +133,13 @@ def config_structure(cfg) -> CostStructure:
 
 def default_cost(cfg) -> str:
     """``--cost``'s default preset for a trainer config: for a diffusers one (a ``pipeline:`` section) its family's
-    (:data:`FAMILY_PRESETS`: Wan ``flow_grpo_wan``, Qwen-Image ``jagg_authors_qwen_image``; any other
-    ``flow_grpo_sd35``, or ``flow_grpo_sd35_full`` with full fine-tuning), :data:`DEFAULT` for the shapes world."""
+    (``pipeline.cost_preset``, from the family's record: Wan ``flow_grpo_wan``, Qwen-Image
+    ``jagg_authors_qwen_image``; where it names none ``flow_grpo_sd35``, or ``flow_grpo_sd35_full`` with full
+    fine-tuning), :data:`DEFAULT` for the shapes world."""
     p = getattr(cfg, "pipeline", None)
     if p is None:
         return DEFAULT
-    return FAMILY_PRESETS.get(p.family, DEFAULT if p.lora.enabled else "flow_grpo_sd35_full")
+    return p.cost_preset or (DEFAULT if p.lora.enabled else f"{DEFAULT}_full")
 
 
 def parse_cost(spec: str, job: CostStructure) -> CostStructure:
@@ -242,16 +242,11 @@ def resolve(spec: str | None, job: CostStructure, gpu_bench_json: str | None = N
 
 def add_cost_arguments(parser, what: str) -> None:
     """``--cost`` and ``--gpu-bench-json``, the cost structure of ``what`` (the projected columns), on ``parser``."""
-    parser.add_argument("--cost", metavar="PRESET[:KEY=VALUE,...] | KEY=VALUE,...",
-                        help=f"the cost structure of {what}: a preset ({', '.join(PRESETS)}), a preset with changes, "
-                             "or KEY=VALUE,... of B_F, cfg_rollout, cfg_train, rollout_steps, train_steps, model, "
-                             f"resolution on top of this job's own steps and guidance with B_F 2 [default: {DEFAULT}; "
-                             "a diffusers config: its family's, "
-                             + ", ".join(f"{f} {c}" for f, c in FAMILY_PRESETS.items())
-                             + f", {DEFAULT}_full with full fine-tuning]")
+    parser.add_argument("--cost", metavar="SPEC",
+                        help=f"the cost structure of {what}: a preset ({', '.join(PRESETS)}), PRESET:KEY=VALUE,... "
+                             f"or KEY=VALUE,... [default: {DEFAULT}; a pipeline: config: its family's]")
     parser.add_argument("--gpu-bench-json", metavar="PATH",
-                        help="a results JSON of benchmarks/gpu_bench.py: its measured B/F for the cost structure's "
-                             "model and resolution replaces B_F")
+                        help="benchmarks/gpu_bench.py's results JSON: its measured B/F replaces B_F")
 
 
 # ----------------------------------------------------------------------------- the rows of an estimator (docs/design.md §3.7)

@@ -18,11 +18,6 @@ KNOTS = ("groups", "shared")
 INNER_CLIPS = ("step", "none", "group")         # how PPO's clip treats a JAGG interval's inner terms
 ALPHAS = ("sigma", "index")
 NUMBERS = ("jagg_frac", "clip_range", "kl_beta", "subsample_frac", "interval_frac")  # finite, first
-# correction_p's retired values, with what to do instead; the config loader refuses them by key too
-RETIRED_CORRECTION_P = {"auto": "was retired (the probability the meter chose learned 12-15% less than the best fixed "
-                                "one in 2 of 3 regimes); give a fixed probability in [0, 1] instead, e.g. 0 (plain "
-                                "JAGG) or 0.25, chosen "
-                                "with jagg bench meter"}
 # mode auto's default candidates, from the paired seeds (docs/benchmarks.md "estimator.mode: auto"): the paper's
 # step groups and shared knots plain, and the two unbiased layouts that paid at an equal budget on the 20-step JPEG job
 DEFAULT_CANDIDATES = ("g4:knots=groups,window=4,correction_p=0", "s4:knots=shared,window=4,correction_p=0",
@@ -95,9 +90,8 @@ class EstimatorConfig:
                                       "It pays where JAGG's error repeats and the updates are on-policy; off-policy "
                                       "(several updates per iteration, the main job) it multiplies JAGG's heavy-tailed "
                                       "error by 1/p (docs/results.md). Choose p with jagg bench meter, a few fixed "
-                                      "probabilities side by side ('auto' is refused).",
-                                      "retired": RETIRED_CORRECTION_P})
-    correction_probs: list[float] | None = field(default=None, metadata={"was": "correction_rates", "help":
+                                      "probabilities side by side."})
+    correction_probs: list[float] | None = field(default=None, metadata={"help":
                                                  "Per-interval correction probabilities p_j in [0, 1], one per interval of the layout in order "
                                                  "(e.g. [0.4, 0.1] for two step groups), used instead of correction_p; "
                                                  "the probability of an interval that runs exact is unused. "
@@ -121,7 +115,7 @@ class EstimatorConfig:
     clip_range: float = field(default=1e-4, metadata={"help": "PPO clip range eps of the ratio (Flow-GRPO: 1e-4)."})
     kl_beta: float = field(default=0.0, metadata={"help": "Weight of the KL to the reference policy (Flow-GRPO "
                            "uses 0.04 on GenEval); > 0 needs reference velocities."})
-    meter_every: int = field(default=0, metadata={"was": "audit_every", "help": "Trainers only: every N iterations, "
+    meter_every: int = field(default=0, metadata={"help": "Trainers only: every N iterations, "
                              "compute the exact "
                              "gradient of a few samples next to this estimator's and log their cosine, in total and per "
                              "third of the trained steps, both clip fractions, and the meter's running "
@@ -130,7 +124,7 @@ class EstimatorConfig:
                              "so the off-policy updates are audited too. With mode 'auto': the chosen candidate is "
                              "re-measured beside exact instead, and dropped for exact when it no longer clears the bar. "
                              "0 = off."})
-    meter_samples: int = field(default=4, metadata={"was": "audit_samples", "help": "Trainers only: samples (whole "
+    meter_samples: int = field(default=4, metadata={"help": "Trainers only: samples (whole "
                                "prompt groups, at least "
                                "two) the audit uses."})
     candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES), metadata={"help": "mode='auto': "
@@ -180,8 +174,6 @@ class EstimatorConfig:
         if not 0.0 < float(self.subsample_frac) <= 1.0:
             raise ValueError(f"subsample_frac must be in (0, 1] (the fraction of trained steps each sample trains in "
                              f"mode='subsample'); got {self.subsample_frac}")
-        if isinstance(self.correction_p, str) and self.correction_p in RETIRED_CORRECTION_P:
-            raise ValueError(f"correction_p {self.correction_p!r} {RETIRED_CORRECTION_P[self.correction_p]}")
         if first_non_finite({"correction_p": self.correction_p}) is not None or not 0.0 <= self.correction_p <= 1.0:
             raise ValueError(f"correction_p must be a finite number in [0, 1] (0 = plain JAGG); got "
                              f"{self.correction_p!r}")

@@ -521,34 +521,28 @@ def _report(records: list[dict], batches: int, draws: int, update: int, cost_lin
 def add_parser(sub) -> None:
     p = sub.add_parser("meter", help="each estimator's error against the update's own noise, its projected "
                        "progress per second against exact's, and the verdict: which estimator to train with",
-                       description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
-    config_arguments(p, "the job measured; one with a pipeline: section measures that diffusers model (as jagg train "
-                        "loads it)")
+                       description="What an estimator's error costs against the noise an update already carries: "
+                       "exact and each estimator on --batches independent batches of the job (no optimizer step), "
+                       "one table per update position, the projected table, and the verdict (which estimator to "
+                       "train with, the rule of estimator.mode: auto).",
+                       epilog="Every column, the models behind them and the verdict's rule: "
+                       "docs/benchmarks.md#jagg-bench-meter.")
+    config_arguments(p, "the job measured (a pipeline: section: that model)")
     p.add_argument("--estimator", action="append", metavar="NAME[:KEY=VALUE,...]",
-                   help="an estimator (repeatable): config, plain, subsample, or NAME:KEY=VALUE,... of estimator "
-                        "keys on top of the config's; exact is always measured [default: config plain subsample]")
+                   help="config, plain, subsample or NAME:KEY=VALUE,... (repeatable) [default: config plain "
+                        "subsample; an auto config: its candidates]")
     p.add_argument("--batches", type=number_arg(int, 3), help="independent batches (>= 3) [default: 6; 3 with --quick]")
     p.add_argument("--draws", type=number_arg(int, 1),
                    help="draws of a random estimator per batch [default: 4; 2 with --quick]")
     p.add_argument("--target-batch", type=number_arg(int, 1),
-                   help="samples per update to extrapolate to [default: the config's "
-                   "sample.prompts_per_iter x sample.group_size / grpo.updates_per_epoch]")
+                   help="samples per update to extrapolate to [default: the config's]")
     p.add_argument("--by-interval", metavar="NAME[:KEY=VALUE,...]",
-                   help="also break this JAGG estimator's error down by the intervals of its layout (where does it "
-                        "live, and does it repeat there?), on the same batches")
+                   help="also break this JAGG estimator's error down by interval")
     p.add_argument("--update", type=update_arg, default=0, metavar="N|all",
-                   help="measure every batch as the (N+1)-th optimizer update of its rollout: the parameters first take "
-                        "N AdamW steps (the config's optim) on the exact gradients of N other batches of the same "
-                        "policy, as the updates before it would; every estimator and exact are then compared there "
-                        "(off-policy for N > 0, where intermediate interp's extrapolation enters the inner steps' "
-                        "ratios); 'all': each of the job's grpo.inner_epochs x grpo.updates_per_epoch positions in "
-                        "turn on the same batches (each as --update N measures it; about that many times the "
-                        "gradients), then the job's answer, the mean of their ranges, and the verdict over them "
-                        "[default: 0, on-policy]")
+                   help="measure at update position N of a rollout, or at each (all) [default: 0]")
     p.add_argument("--by-tensor", nargs="?", const="config", metavar="NAME",
-                   help="also list where this estimator's error lives by parameter tensor (the 10 with the largest "
-                        "share), with Adam's per-tensor weights [NAME default: config]")
-    add_cost_arguments(p, "the projected time columns")
+                   help="also list the 10 tensors with most of this estimator's error [default: config]")
+    add_cost_arguments(p, "the projected columns")
     p.add_argument("--json", help="also write the records to this JSON file")
     p.add_argument("--quick", action="store_true", help=f"a smoke-sized run: 3 batches, 2 draws, {' '.join(QUICK_SETS)}")
     p.set_defaults(func=_run)

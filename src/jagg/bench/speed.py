@@ -428,54 +428,47 @@ def _run(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "speed", help="time exact vs JAGG (knot layouts x windows x fresh/interp) against the cost model",
-        description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Cost model per interval of W trained steps (F forward, B backward): exact W(F+B); JAGG fresh "
-               "2F_grad + (W-2)F_nograd + 2B -> 3W/(W+4) with B=2F; interp 2(F+B) -> W/2. Shared "
-               "knots: 1 + ceil((K-1)/(W-1)) rows per sample instead of K. Interval subsampling (m of n intervals) "
-               "and the corrections: their expected rows (docs/design.md §3.7). With guidance, "
-               "F_grad includes the no-grad unconditional branch.")
+        description="exact against JAGG on the same model, batch, trajectory and micro-batch size: the median seconds "
+                    "of each mode's training phase, the speed-up, the cost model's limit (and the limit from this "
+                    "model's measured forward and backward times), rows and peak memory, per knot layout, window "
+                    "and intermediate mode.",
+        epilog="The models, what is timed and the cost model: docs/benchmarks.md#jagg-bench-speed.")
     d = SpeedConfig()
-    p.add_argument("--quick", action="store_true",
-                   help="tiny settings that finish in about a minute on 2 cores: "
-                        + ", ".join(f"{k}={v}" for k, v in QUICK.items() if k != "sd3")
-                        + ", a 2-layer SD3 (hidden 256) on 16x16 latents")
-    p.add_argument("--models", nargs="+", choices=MODELS,
-                   help=f"models to time; config: the model of --config [default: {' '.join(d.models)}, and config "
-                        "with --config]")
-    config_arguments(p, "also time its model at its real size as the trainer builds it (with a pipeline: section the "
-                        "diffusers transformer with its trainable weights, on pipeline.device) on one of its rollouts "
-                        "(its steps, not --steps)", "pipeline.path=/models/sd35", main_job=False)
-    p.add_argument("--windows", nargs="+", type=number_arg(int, 2),
+    p.add_argument("--quick", action="store_true", help="tiny settings, about a minute on 2 cores")
+    p.add_argument("--models", nargs="+", choices=MODELS, metavar="MODEL",
+                   help=f"of {', '.join(MODELS)} [default: {' '.join(d.models)}, and config with --config]")
+    config_arguments(p, "also time its model at its real size (models: config)", "pipeline.path=/models/sd35",
+                     main_job=False)
+    p.add_argument("--windows", nargs="+", type=number_arg(int, 2), metavar="W",
                    help=f"JAGG windows [default: {' '.join(map(str, d.windows))}]")
-    p.add_argument("--knots", nargs="+", choices=KNOTS, help=f"knot layouts [default: {' '.join(d.knots)}]")
+    p.add_argument("--knots", nargs="+", choices=KNOTS, metavar="LAYOUT",
+                   help=f"knot layouts of {', '.join(KNOTS)} [default: {' '.join(d.knots)}]")
     p.add_argument("--subsample", nargs="*", type=number_arg(float, 0, strict=True), metavar="FRAC",
-                   help=f"also time mode=subsample at these fractions of the trained steps (limit K / round(f K)); "
-                        f"none: skip [default: {' '.join(map(str, d.subsample))}]")
+                   help=f"also time mode=subsample at these fractions [default: {' '.join(map(str, d.subsample))}]")
     p.add_argument("--interval-fracs", nargs="*", type=float, metavar="FRAC",
-                   help="also time interval subsampling (interval_frac) at these fractions, on every layout and window "
-                        f"> 2; none: skip [default: {' '.join(map(str, d.interval_fracs))}]")
+                   help=f"also time interval subsampling [default: {' '.join(map(str, d.interval_fracs))}]")
     p.add_argument("--corrections", nargs="*", type=float, metavar="P",
-                   help="also time unbiased JAGG's correction at these probabilities (correction_p) on every layout and "
-                        f"window > 2; none: skip [default: {' '.join(map(str, d.corrections))}]")
-    p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES,
-                   help=f"inner-step velocities [default: {' '.join(d.intermediates)}]")
-    p.add_argument("--batch", type=number_arg(int, 1), help=f"trajectories B [default: {d.batch}]")
-    p.add_argument("--steps", type=number_arg(int, 1), help=f"sampling steps T, all trained [default: {d.steps}]")
-    p.add_argument("--micro-batch", type=number_arg(int, 2),
-                   help=f"rows per network call, every mode [default: {d.micro_batch}]")
-    p.add_argument("--repeats", type=number_arg(int, 1),
+                   help=f"also time unbiased JAGG at these correction_p [default: {' '.join(map(str, d.corrections))}]")
+    p.add_argument("--intermediates", nargs="+", choices=INTERMEDIATES, metavar="MODE",
+                   help=f"inner-step velocities of {', '.join(INTERMEDIATES)} [default: {' '.join(d.intermediates)}]")
+    p.add_argument("--batch", type=number_arg(int, 1), metavar="B", help=f"trajectories [default: {d.batch}]")
+    p.add_argument("--steps", type=number_arg(int, 1), metavar="T",
+                   help=f"sampling steps, all trained [default: {d.steps}]")
+    p.add_argument("--micro-batch", type=number_arg(int, 2), metavar="N",
+                   help=f"rows per network call [default: {d.micro_batch}]")
+    p.add_argument("--repeats", type=number_arg(int, 1), metavar="N",
                    help=f"timed calls of each mode per pair [default: {d.repeats}]")
-    p.add_argument("--guidance-scale", type=number_arg(float),
+    p.add_argument("--guidance-scale", type=number_arg(float), metavar="W",
                    help=f"CFG scale (1 = off) [default: {d.guidance_scale}]")
-    p.add_argument("--seed", type=number_arg(int, seed=True),
-                   help=f"seed of weights, noise, advantages [default: {d.seed}]")
+    p.add_argument("--seed", type=number_arg(int, seed=True), help=f"seed [default: {d.seed}]")
     p.add_argument("--device", help="cpu or cuda [default: cpu]")
-    p.add_argument("--threads", type=number_arg(int, 0), help="torch CPU threads, 0 = torch's default [default: 0]; "
-                                               "1 gives stable timings on a busy machine")
-    p.add_argument("--tiny-checkpoint", help="TinyDiT to time [default: builtin:tiny_dit, random weights if missing]")
-    p.add_argument("--sd3-layers", type=number_arg(int, 1), help=f"SD3 transformer layers [default: {d.sd3.layers}]")
-    p.add_argument("--sd3-heads", type=number_arg(int, 1), help=f"SD3 heads of 64 channels [default: {d.sd3.heads}]")
-    p.add_argument("--sd3-latent", type=number_arg(int, 2),
-                   help=f"SD3 latent side (16 channels) [default: {d.sd3.latent_size}]")
+    p.add_argument("--threads", type=number_arg(int, 0), help="torch CPU threads (1: stable timings) [default: 0]")
+    p.add_argument("--tiny-checkpoint", metavar="PATH", help="TinyDiT to time [default: builtin:tiny_dit]")
+    p.add_argument("--sd3-layers", type=number_arg(int, 1), metavar="N",
+                   help=f"SD3 transformer layers [default: {d.sd3.layers}]")
+    p.add_argument("--sd3-heads", type=number_arg(int, 1), metavar="N",
+                   help=f"SD3 heads of 64 channels [default: {d.sd3.heads}]")
+    p.add_argument("--sd3-latent", type=number_arg(int, 2), metavar="N",
+                   help=f"SD3 latent side [default: {d.sd3.latent_size}]")
     p.add_argument("--json", help="write the records to this JSON file")
     p.set_defaults(func=_run)

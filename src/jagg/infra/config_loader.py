@@ -23,6 +23,7 @@ import numpy as np
 import yaml
 
 from ..checks import check_float32, check_int64, check_seed, shown
+from .old_configs import renamed_key, retired_value
 
 
 def helped(text: str) -> dict:
@@ -130,16 +131,16 @@ def from_dict(cls, data: dict, where: str = ""):
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
-        renamed = next((f.name for f in fields.values() if f.metadata.get("was") == key), None)
+        renamed = renamed_key(path)                         # an older jagg's name (infra.old_configs)
         if key not in fields and renamed:
-            raise ValueError(f"config key {path!r} was renamed {renamed!r}: write "
-                             f"{(where + '.') if where else ''}{renamed}: {value!r} instead")
+            raise ValueError(f"config key {path!r} was renamed {renamed.rsplit('.', 1)[-1]!r}: write {renamed}: "
+                             f"{value!r} instead")
         if key not in fields:
             raise ValueError(f"unknown config key {path!r}{_suggest(key, list(fields))} "
                              f"(valid keys here: {', '.join(fields)})")
-        retired = fields[key].metadata.get("retired", {})   # a value since retired: what to use instead
-        if isinstance(value, str) and value in retired:
-            raise ValueError(f"{path}: {value!r} {retired[value]}")
+        retired = retired_value(path, value)                # a value since retired: what to give instead
+        if retired is not None:
+            raise ValueError(f"{path}: {value!r} {retired}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value or {}, path)

@@ -1,7 +1,8 @@
 """Real models through diffusers: SD3/SD3.5, FLUX, Qwen-Image, Wan 2.1 (video) and FLUX.2, LoRA (peft) or full
 fine-tuning, from a local path.
 
-Modules: :mod:`~jagg.integrations.config` (the ``pipeline:`` section: model, LoRA, guidance),
+Modules: :mod:`~jagg.integrations.families` (one record per model family: everything jagg knows about it),
+:mod:`~jagg.integrations.config` (the ``pipeline:`` section: model, LoRA, guidance),
 :mod:`~jagg.integrations.velocity` (prompt embeddings and the SD3 / FLUX / Qwen-Image / Wan / FLUX.2 velocity adapters),
 :mod:`~jagg.integrations.pipeline` (a local diffusers directory: checks, loading, the prompt-cache builder
 ``python -m jagg.integrations.pipeline cache``), :mod:`~jagg.integrations.schedules` (the sigma grid of each family's
@@ -15,8 +16,8 @@ Needs the ``diffusers`` extra (``pip install 'jagg[diffusers]'``: diffusers, pef
 diffusers and peft are imported only when a function needs them.
 """
 
-from .config import (FLUX2_TARGET_MODULES, FLUX_TARGET_MODULES, QWEN_IMAGE_TARGET_MODULES, SD3_TARGET_MODULES,
-                     WAN_TARGET_MODULES, LoraSettings, PipelineConfig, VelocityConfig, load_pipeline_config)
+from .config import LoraSettings, PipelineConfig, VelocityConfig, load_pipeline_config
+from .families import FAMILIES, Family, register_family
 from .adapters import adapter_format, load_adapter, load_lora, save_adapter, save_lora, save_peft
 from .pipeline import check_model_dir, load_pipeline
 from .policy import (Policy, RealModel, adapters_disabled, add_lora, decode_latents, frozen_copy, full_finetune,
@@ -26,12 +27,12 @@ from .velocity import (Flux2Velocity, FluxVelocity, PromptEmbeddings, QwenImageV
                        unwrap_model, velocity_adapter)
 
 __all__ = [
-    "FLUX_TARGET_MODULES", "FluxVelocity", "LoraSettings", "PipelineConfig", "Policy", "PromptEmbeddings",
-    "QWEN_IMAGE_TARGET_MODULES", "QwenImageVelocity", "RealModel", "SD3Velocity", "SD3_TARGET_MODULES",
+    "FAMILIES", "Family", "FluxVelocity", "LoraSettings", "PipelineConfig", "Policy", "PromptEmbeddings",
+    "QwenImageVelocity", "RealModel", "SD3Velocity",
     "TransformerVelocity", "VelocityConfig", "adapters_disabled", "add_lora", "check_model_dir", "decode_latents",
     "encode_prompts", "frozen_copy", "full_finetune", "load_lora", "load_model", "load_pipeline",
     "load_pipeline_config", "model_family", "pack_latents", "reference_velocity", "save_lora", "save_transformer",
     "unpack_latents",
-    "unwrap_model", "velocity_adapter", "WAN_TARGET_MODULES", "WanVelocity", "FLUX2_TARGET_MODULES",
+    "unwrap_model", "velocity_adapter", "WanVelocity", "register_family",
     "Flux2Velocity", "adapter_format", "load_adapter", "save_adapter", "save_peft",
 ]

@@ -5,31 +5,8 @@ LoRA or full fine-tuning) and :class:`VelocityConfig` (how :mod:`jagg.integratio
 a velocity callable; derived from the pipeline section). Every value is checked when the object is built, with an
 error naming the key. Plain dataclasses: nothing here imports diffusers.
 
-Flow-GRPO's LoRA settings (``scripts/train_sd3.py``, ``scripts/train_flux.py``, ``scripts/train_qwenimage_edit_plus.py``
-in yifan123/flow_grpo), the defaults:
-
-==========  ====  =====  ==========  ================================================================================
-family      rank  alpha  init        target modules
-==========  ====  =====  ==========  ================================================================================
-SD3/SD3.5   32    64     gaussian    ``attn.add_k_proj, attn.add_q_proj, attn.add_v_proj, attn.to_add_out, attn.to_k,
-                                     attn.to_out.0, attn.to_q, attn.to_v``
-FLUX.1      64    128    gaussian    the SD3 list plus ``ff.net.0.proj, ff.net.2, ff_context.net.0.proj,
-                                     ff_context.net.2``
-Qwen-Image  64    128    gaussian    the SD3 list (the joint attention of ``QwenImageTransformerBlock``: image
-                                     ``to_q/k/v``, ``to_out.0``; text ``add_q/k/v_proj``, ``to_add_out``) plus
-                                     ``img_mlp.net.0.proj, img_mlp.net.2, txt_mlp.net.0.proj, txt_mlp.net.2``
-Wan 2.1     32    64     gaussian    ``to_q, to_k, to_v, to_out.0``: self- (``attn1``) and cross-attention (``attn2``)
-                                     of every ``WanTransformerBlock`` (``scripts/train_wan2_1.py`` lists the SD3 names
-                                     without the ``attn.`` prefix; its ``add_*`` names exist only in the image-to-video
-                                     model)
-FLUX.2      64    128    gaussian    not Flow-GRPO's (it has no FLUX.2 script): FLUX.1's choice carried over, the SD3
-                                     list plus the MLPs ``ff.linear_in, ff.linear_out, ff_context.linear_in,
-                                     ff_context.linear_out`` of the double-stream blocks and the fused
-                                     ``attn.to_qkv_mlp_proj`` of the single-stream blocks (their ``attn.to_out`` is
-                                     not matched: the name also ends a double-stream block's ``ModuleList``)
-==========  ====  =====  ==========  ================================================================================
-
-(``attn.to_q`` matches ``transformer_blocks.i.attn.to_q`` but not SD3.5's second attention ``attn2``.)
+The family's own settings (LoRA defaults, guidance, video or not, ...) are its record in
+:mod:`jagg.integrations.families`.
 """
 
 from __future__ import annotations
@@ -41,24 +18,11 @@ import torch
 
 from ..checks import Keys, check_eta
 from ..infra.config_loader import from_dict, helped, read_yaml
+from .families import DEFAULT_FAMILY, FAMILIES, Family, family as family_record
 
-FAMILIES = ("sd3", "flux", "qwen_image", "wan", "flux2", "flux2_klein")
-VIDEO_FAMILIES = ("wan",)                   # latents [C, F, H/8, W/8] with a frame axis; decoded to videos
 UNCOND_FORWARDS = ("separate", "batched")
 SIGMA_GRIDS = ("pipeline", "dance")         # jagg.integrations.schedules makes them (it imports diffusers; this not)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SD3_TARGET_MODULES = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
-                      "attn.to_out.0", "attn.to_q", "attn.to_v")
-FLUX_TARGET_MODULES = SD3_TARGET_MODULES + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
-QWEN_IMAGE_TARGET_MODULES = SD3_TARGET_MODULES + ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
-                                                  "txt_mlp.net.2")
-WAN_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
-FLUX2_TARGET_MODULES = SD3_TARGET_MODULES + ("ff.linear_in", "ff.linear_out", "ff_context.linear_in",
-                                             "ff_context.linear_out", "attn.to_qkv_mlp_proj")
-FLOW_GRPO_LORA = {"sd3": (32, 64.0, SD3_TARGET_MODULES), "flux": (64, 128.0, FLUX_TARGET_MODULES),
-                  "qwen_image": (64, 128.0, QWEN_IMAGE_TARGET_MODULES), "wan": (32, 64.0, WAN_TARGET_MODULES),
-                  "flux2": (64, 128.0, FLUX2_TARGET_MODULES), "flux2_klein": (64, 128.0, FLUX2_TARGET_MODULES)}
-QWEN_MAX_SEQUENCE_LENGTH = 1024           # QwenImagePipeline refuses longer prompts
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
@@ -123,7 +87,7 @@ class LoraSettings:
     alpha: float | None = field(default=None, metadata=helped("LoRA alpha; scale = alpha / r (Flow-GRPO: 2 r)."))
     target_modules: list[str] | None = field(default=None, metadata=helped("Module-name suffixes that get adapters "
                                              "(default: Flow-GRPO's list for the family, see "
-                                             "jagg.integrations.config)."))
+                                             "jagg.integrations.families)."))
     init: str = field(default="gaussian", metadata=helped("peft init_lora_weights: 'gaussian' (Flow-GRPO) or 'default' "
                       "(kaiming A); B starts at zero either way, so the policy starts at the base model."))
     dropout: float = field(default=0.0, metadata=helped("LoRA dropout."))
@@ -150,9 +114,8 @@ class LoraSettings:
 
     def resolved(self, family: str) -> tuple[int, float, tuple[str, ...]]:
         """``(rank, alpha, target_modules)`` with the family's Flow-GRPO defaults filled in."""
-        if family not in FAMILIES:
-            raise ValueError(f"family must be one of {FAMILIES}; got {family!r}")
-        r0, a0, t0 = FLOW_GRPO_LORA[family]
+        record = family_record(family)
+        r0, a0, t0 = record.lora_rank, record.lora_alpha, record.lora_targets
         rank = self.rank or r0
         alpha = self.alpha if self.alpha is not None else (a0 if self.rank is None else 2.0 * rank)
         return rank, float(alpha), tuple(self.target_modules or t0)
@@ -162,9 +125,9 @@ class LoraSettings:
 class PipelineConfig:
     """A real text-to-image (or text-to-video) model to fine-tune (defaults: Flow-GRPO's SD3.5-Medium settings)."""
 
-    family: str = field(default="sd3", metadata=helped(f"Model family, one of {FAMILIES} (SD3/SD3.5, FLUX.1, "
-                                                      "Qwen-Image, Wan 2.1 text-to-video, FLUX.2 [dev] "
-                                                      "(Flux2Pipeline) or FLUX.2 [klein] (Flux2KleinPipeline))."))
+    family: str = field(default=DEFAULT_FAMILY, metadata=helped(f"Model family, one of {tuple(FAMILIES)} "
+                        f"({', '.join(dict.fromkeys(f.title for f in FAMILIES.values()))}: jagg.integrations.families "
+                        "holds each one's record)."))
     path: str = field(default="", metadata=helped("Local diffusers model directory (model_index.json + transformer/)."))
     dtype: str = field(default="bf16", metadata=helped("Transformer / text-encoder weights dtype: bf16, fp16 or fp32."))
     vae_dtype: str = field(default="fp32", metadata=helped("VAE dtype (Flow-GRPO decodes in fp32)."))
@@ -201,7 +164,7 @@ class PipelineConfig:
     autocast: str | None = field(default=None, metadata=helped(_HELP["autocast"]))
     max_sequence_length: int = field(default=128, metadata=helped("Text tokens per prompt: T5's for SD3 and FLUX "
                                      "(Flow-GRPO: 128), Qwen2.5-VL's for Qwen-Image (QwenImagePipeline: 512, at most "
-                                     f"{QWEN_MAX_SEQUENCE_LENGTH}), where shorter prompts keep their own length; "
+                                     "1024), where shorter prompts keep their own length; "
                                      "UMT5's for Wan (Flow-GRPO and WanPipeline: 512, zero-padded)."))
     prompt_cache: str | None = field(default=None, metadata=helped("Precomputed prompt-embedding cache (.safetensors "
                                      "or .pt); with it the text encoders are not loaded."))
@@ -216,8 +179,7 @@ class PipelineConfig:
     def __post_init__(self):
         if isinstance(self.lora, dict):
             self.lora = from_dict(LoraSettings, self.lora, "pipeline.lora")
-        if self.family not in FAMILIES:
-            raise ValueError(f"pipeline.family must be one of {FAMILIES}; got {self.family!r}")
+        record = family_record(self.family)                       # a ValueError naming pipeline.family
         for name in ("dtype", "vae_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"pipeline.{name} must be one of {tuple(DTYPES)}; got {getattr(self, name)!r}")
@@ -230,9 +192,10 @@ class PipelineConfig:
         for name in ("num_steps", "eval_num_steps", "max_sequence_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"pipeline.{name} must be >= 1; got {getattr(self, name)}")
-        if self.family == "qwen_image" and self.max_sequence_length > QWEN_MAX_SEQUENCE_LENGTH:
-            raise ValueError(f"pipeline.max_sequence_length must be <= {QWEN_MAX_SEQUENCE_LENGTH} for qwen_image "
-                             f"(QwenImagePipeline's limit); got {self.max_sequence_length}")
+        most = record.max_text_tokens
+        if most is not None and self.max_sequence_length > most:
+            raise ValueError(f"pipeline.max_sequence_length must be <= {most} for {self.family} "
+                             f"({record.pipeline_class}'s limit); got {self.max_sequence_length}")
         if self.sigma_grid not in SIGMA_GRIDS:
             raise ValueError(f"pipeline.sigma_grid must be one of {SIGMA_GRIDS} (the model's pipeline grid, or "
                              f"DanceGRPO's); got {self.sigma_grid!r}")
@@ -250,12 +213,13 @@ class PipelineConfig:
     def _check_frames(self) -> None:
         if self.num_frames is None:
             return
-        if self.family in VIDEO_FAMILIES:
+        if self.video:
             if isinstance(self.num_frames, bool) or self.num_frames < 1 or (self.num_frames - 1) % 4:
                 raise ValueError(f"pipeline.num_frames must be 4k + 1 for {self.family} (1, 5, ..., 33, ..., 81: its "
                                  f"VAE compresses 4 frames into one latent frame); got {self.num_frames}")
         elif self.num_frames != 1:
-            raise ValueError(f"pipeline.num_frames is for video families {VIDEO_FAMILIES}; family {self.family!r} "
+            videos = tuple(f.name for f in FAMILIES.values() if f.video)
+            raise ValueError(f"pipeline.num_frames is for video families {videos}; family {self.family!r} "
                              f"makes images: leave it null (got {self.num_frames})")
 
     @property
@@ -263,7 +227,22 @@ class PipelineConfig:
         """Frames per sample: ``num_frames``, or its default (81 for a video family, else 1)."""
         if self.num_frames is not None:
             return self.num_frames
-        return 81 if self.family in VIDEO_FAMILIES else 1
+        return 81 if self.video else 1
+
+    @property
+    def record(self) -> Family:
+        """The family's record (:mod:`jagg.integrations.families`)."""
+        return family_record(self.family)
+
+    @property
+    def video(self) -> bool:
+        """Whether the family makes videos (latents with a frame axis)."""
+        return self.record.video
+
+    @property
+    def cost_preset(self) -> str | None:
+        """The :mod:`jagg.cost` preset of the family, or None for the default (:func:`jagg.cost.default_cost`)."""
+        return self.record.cost_preset
 
     @property
     def size(self) -> tuple[int, int]:

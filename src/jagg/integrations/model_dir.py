@@ -17,11 +17,8 @@ from pathlib import Path
 
 from ..checks import check_json_files, read_json
 from .config import PipelineConfig
+from .families import FAMILIES, family as family_record
 
-PIPELINE_CLASSES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "qwen_image": "QwenImagePipeline",
-                    "wan": "WanPipeline", "flux2": "Flux2Pipeline", "flux2_klein": "Flux2KleinPipeline"}
-# the embedded guidance each family's pipeline passes by default (guidance_scale of FluxPipeline / Flux2Pipeline)
-GUIDANCE_DEFAULTS = {"flux": 3.5, "flux2": 4.0, "flux2_klein": 4.0}
 QWEN_ROPE_POSITIONS = 4096          # QwenEmbedRope's table (diffusers: torch.arange(4096)), image and text positions
 HINT = ("download it once on a machine with internet, e.g. `huggingface-cli download "
         "stabilityai/stable-diffusion-3.5-medium --local-dir /models/sd3.5-medium` (FLUX: "
@@ -75,7 +72,7 @@ def read_model_files(path: str | Path, family: str) -> ModelFiles:
                                 "are not flow-matching DiTs)")
     what = f"pipeline.path {p}"
     check_json_files(p, what)                        # a broken config.json, named before diffusers reads it
-    expected = PIPELINE_CLASSES[family]
+    expected = family_record(family).pipeline_class
     index = _object(p / "model_index.json", what, f"a JSON object with '_class_name' (the pipeline class, e.g. "
                     f"{expected!r}) and one [library, class] pair per component, e.g. \"transformer\": "
                     "[\"diffusers\", \"SD3Transformer2DModel\"]")
@@ -83,7 +80,9 @@ def read_model_files(path: str | Path, family: str) -> ModelFiles:
     if not isinstance(found, str) or not found:
         raise ValueError(f"{what}: {p / 'model_index.json'} has no '_class_name' naming the pipeline class (expected "
                          f"{expected!r} for pipeline.family {family!r}); repair the file or copy the model again")
-    known = {v: k for k, v in PIPELINE_CLASSES.items()}
+    known = {}
+    for f in FAMILIES.values():
+        known.setdefault(f.pipeline_class, f.name)
     if found in known and found != expected:
         raise ValueError(f"{p} holds a {found} but pipeline.family is {family!r}; set pipeline.family: "
                          f"{known[found]!r}")
@@ -119,48 +118,68 @@ def _size(config: PipelineConfig) -> str:
 
 def check_positions(config: PipelineConfig, files: ModelFiles) -> None:
     """Raise, naming the key, when the resolution (a video's frame count) needs more positions than the transformer's
-    position embeddings have (module docstring); FLUX.1 and FLUX.2 compute theirs for any size."""
-    t, where = files.transformer, files.path / "transformer" / "config.json"
-    spatial, temporal = _vae_factors(files.vae)
-    h, w = (side // spatial for side in config.size)                    # VAE latents
-    if config.family == "sd3" and isinstance(t.get("pos_embed_max_size"), int):
+    position embeddings have (module docstring; the family record's ``positions`` says which); FLUX.1 and FLUX.2
+    compute theirs for any size."""
+    check = _POSITION_CHECKS.get(config.record.positions)
+    if check is not None:
+        spatial, temporal = _vae_factors(files.vae)
+        h, w = (side // spatial for side in config.size)                # VAE latents
+        check(config, files.transformer, files.path / "transformer" / "config.json", (h, w, spatial, temporal))
+
+
+def _patch_grid(config: PipelineConfig, t: dict, where: Path, latents: tuple[int, int, int, int]) -> None:
+    """SD3's learned position embeddings: ``pos_embed_max_size`` patches a side."""
+    h, w, spatial, _ = latents
+    if isinstance(t.get("pos_embed_max_size"), int):
         patch, limit = int(t.get("patch_size", 2)), t["pos_embed_max_size"]
         if max(h, w) // patch > limit:
-            raise ValueError(f"{_size(config)} is more than this SD3 transformer takes: its position embeddings cover "
-                             f"{limit} x {limit} patches (pos_embed_max_size in {where}), {limit * patch * spatial} "
-                             f"pixels a side at patch size {patch} and VAE factor {spatial}; lower the resolution to "
-                             f"at most {limit * patch * spatial}")
-    elif config.family == "wan":
-        patch = t.get("patch_size", [1, 2, 2])
-        limit = int(t.get("rope_max_seq_len", 1024))
-        frames = (config.frames - 1) // temporal + 1
-        if frames // int(patch[0]) > limit:
-            most = (limit * int(patch[0]) - 1) * temporal + 1
-            raise ValueError(f"pipeline.num_frames={config.frames} ({frames} latent frames) is more than this Wan "
-                             f"transformer's {limit} rotary positions (rope_max_seq_len in {where}) take; lower it to "
-                             f"at most {most}")
-        if max(h // int(patch[1]), w // int(patch[2])) > limit:
-            raise ValueError(f"{_size(config)} is more than this Wan transformer's {limit} rotary positions a side "
-                             f"(rope_max_seq_len in {where}) take; lower it to at most "
-                             f"{limit * int(patch[1]) * spatial}")
-    elif config.family == "qwen_image":
-        side = max(h, w) // 2                                           # packed 2x2 latent tokens a side
-        if side // 2 + config.max_sequence_length > QWEN_ROPE_POSITIONS:
-            raise ValueError(f"{_size(config)} with pipeline.max_sequence_length={config.max_sequence_length} is more "
-                             f"than Qwen-Image's rotary table of {QWEN_ROPE_POSITIONS} positions takes (half the "
-                             "packed image side plus the text tokens); lower the resolution")
+            raise ValueError(f"{_size(config)} is more than this {config.record.title} transformer takes: its position "
+                             f"embeddings cover {limit} x {limit} patches (pos_embed_max_size in {where}), "
+                             f"{limit * patch * spatial} pixels a side at patch size {patch} and VAE factor {spatial}; "
+                             f"lower the resolution to at most {limit * patch * spatial}")
+
+
+def _rotary_axes(config: PipelineConfig, t: dict, where: Path, latents: tuple[int, int, int, int]) -> None:
+    """Wan's rotary positions: ``rope_max_seq_len`` per axis, latent frames included."""
+    h, w, spatial, temporal = latents
+    patch = t.get("patch_size", [1, 2, 2])
+    limit = int(t.get("rope_max_seq_len", 1024))
+    frames = (config.frames - 1) // temporal + 1
+    if frames // int(patch[0]) > limit:
+        most = (limit * int(patch[0]) - 1) * temporal + 1
+        raise ValueError(f"pipeline.num_frames={config.frames} ({frames} latent frames) is more than this "
+                         f"{config.record.title} transformer's {limit} rotary positions (rope_max_seq_len in {where}) "
+                         f"take; lower it to at most {most}")
+    if max(h // int(patch[1]), w // int(patch[2])) > limit:
+        raise ValueError(f"{_size(config)} is more than this {config.record.title} transformer's {limit} rotary "
+                         f"positions a side (rope_max_seq_len in {where}) take; lower it to at most "
+                         f"{limit * int(patch[1]) * spatial}")
+
+
+def _rotary_table(config: PipelineConfig, t: dict, where: Path, latents: tuple[int, int, int, int]) -> None:
+    """Qwen-Image's rotary table of 4096 positions, half the packed image side plus the text tokens."""
+    h, w, _, _ = latents
+    side = max(h, w) // 2                                               # packed 2x2 latent tokens a side
+    if side // 2 + config.max_sequence_length > QWEN_ROPE_POSITIONS:
+        raise ValueError(f"{_size(config)} with pipeline.max_sequence_length={config.max_sequence_length} is more "
+                         f"than {config.record.title}'s rotary table of {QWEN_ROPE_POSITIONS} positions takes (half "
+                         "the packed image side plus the text tokens); lower the resolution")
+
+
+_POSITION_CHECKS = {"patch_grid": _patch_grid, "rotary_axes": _rotary_axes, "rotary_table": _rotary_table}
 
 
 def check_guidance(config: PipelineConfig, files: ModelFiles) -> None:
     """Raise, naming ``pipeline.guidance_embed``, when a guidance-distilled transformer (``guidance_embeds: true`` in
     its config: FLUX.1-dev, FLUX.2 [dev]) is given none, or a transformer without guidance embedding is given one."""
-    if config.family not in GUIDANCE_DEFAULTS:
+    record = config.record
+    if record.guidance_embed is None:
         return
     distilled = bool(files.transformer.get("guidance_embeds", False))
     where = files.path / "transformer" / "config.json"
-    default = GUIDANCE_DEFAULTS[config.family]
+    default = record.guidance_embed
     if distilled and config.guidance_embed is None:
-        raise ValueError(f"pipeline.guidance_embed is required: this {PIPELINE_CLASSES[config.family]} transformer is "
+        raise ValueError(f"pipeline.guidance_embed is required: this {record.pipeline_class} transformer is "
                          f"guidance-distilled (guidance_embeds: true in {where}) and takes the guidance as an "
                          f"embedding; set pipeline.guidance_embed: {default} (the pipeline's default guidance_scale)")
     if not distilled and config.guidance_embed is not None:

@@ -25,10 +25,18 @@ from torch import nn
 from ..checks import check_output_file
 from ..infra.prompt_sets import read_prompt_set
 from .config import DTYPES, PipelineConfig, load_pipeline_config
-from .model_dir import PIPELINE_CLASSES, check_model, check_model_dir  # noqa: F401  (check_model_dir: re-exported)
+from .model_dir import check_model, check_model_dir  # noqa: F401  (check_model_dir: re-exported)
 from .velocity import encode_prompts
 
 TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
+
+
+def _components(config: PipelineConfig) -> tuple[type, set[str]]:
+    """The family's diffusers pipeline class and the components it takes."""
+    import diffusers
+
+    cls = getattr(diffusers, config.record.pipeline_class)
+    return cls, set(cls._get_signature_keys(cls)[0])
 
 
 def load_pipeline(config: PipelineConfig, skip: Sequence[str] = ()):
@@ -38,8 +46,7 @@ def load_pipeline(config: PipelineConfig, skip: Sequence[str] = ()):
     import diffusers
 
     index = check_model(config).index
-    cls = getattr(diffusers, PIPELINE_CLASSES[config.family])
-    expected, _ = cls._get_signature_keys(cls)
+    cls, expected = _components(config)
     load_text = config.load_text_encoders if config.load_text_encoders is not None else config.prompt_cache is None
     none = {name: None for name in expected if name not in index or index[name] in (None, [None, None])}
     none.update({name: None for name in skip if name in expected})
@@ -67,8 +74,9 @@ def build_prompt_cache(config: PipelineConfig, prompts: Sequence[str], out: str 
     """Embed ``prompts`` (plus the negative prompt) with the model's text encoders and write the cache file."""
     cfg = dataclasses.replace(config, prompt_cache=None, load_text_encoders=True)
     index = check_model_dir(cfg.path, cfg.family)
-    # SD3 without T5 reads the T5 width from the transformer config; otherwise the transformer is not needed
-    need_transformer = cfg.family == "sd3" and index.get("text_encoder_3") in (None, [None, None])
+    # a pipeline that takes a third text encoder (SD3's T5) the directory lacks reads its width from the transformer
+    # config; otherwise the transformer is not needed
+    need_transformer = "text_encoder_3" in _components(cfg)[1] and index.get("text_encoder_3") in (None, [None, None])
     pipe = load_pipeline(cfg, skip=("vae",) if need_transformer else ("vae", "transformer"))
     device = cfg.resolve_device()
     for name in TEXT_COMPONENTS:

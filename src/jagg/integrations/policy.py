@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -38,8 +37,8 @@ from torch import Tensor, nn
 from .adapters import load_adapter, save_adapter
 from .config import DTYPES, LoraSettings, PipelineConfig
 from .pipeline import TEXT_COMPONENTS, load_pipeline
-from .schedules import dance_sigmas, pipeline_sigmas
-from .velocity import (ADAPTERS, PackedVelocity, PromptEmbeddings, TransformerVelocity, encode_prompts, model_family,
+from .schedules import dance_sigmas, default_shift, pipeline_sigmas
+from .velocity import (PromptEmbeddings, TransformerVelocity, adapter_class, encode_prompts, model_family,
                        unwrap_model)
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -181,53 +180,8 @@ def _not_cached(missing: Sequence[str], where: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the sampler's shift, decoding
+# decoding
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def dynamic_shift(image_seq_len: int, scheduler_config: dict | None = None) -> float:
-    """FLUX's and Qwen-Image's resolution-dependent shift: ``mu`` linear in the packed image sequence length
-    (diffusers' ``calculate_shift``, with the scheduler config's ``base_image_seq_len``, ``max_image_seq_len``,
-    ``base_shift``, ``max_shift``; the pipelines' defaults 256, 4096, 0.5, 1.15 where it has none), then ``exp(mu)``
-    (``time_shift_type: exponential``, the default) or ``mu`` (``linear``). The scheduler's ``exp(mu) / (exp(mu) +
-    1 / t - 1)`` is :func:`jagg.shift_sigmas` with this shift."""
-    c = scheduler_config or {}
-    lo, hi = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
-    b0, b1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
-    mu = b0 + (b1 - b0) * (image_seq_len - lo) / (hi - lo)
-    kind = c.get("time_shift_type", "exponential")
-    if kind not in ("exponential", "linear"):
-        raise ValueError(f"scheduler time_shift_type must be 'exponential' or 'linear'; got {kind!r}")
-    return math.exp(mu) if kind == "exponential" else mu
-
-
-def flux2_mu(image_seq_len: int, num_steps: int) -> float:
-    """FLUX.2's ``mu`` (``Flux2Pipeline``'s ``compute_empirical_mu``, from black-forest-labs/flux2): linear in the
-    image sequence length, interpolated between its fits for 10 and 200 steps up to 4300 tokens."""
-    a1, b1, a2, b2 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
-    m_200 = a2 * image_seq_len + b2
-    if image_seq_len > 4300:
-        return float(m_200)
-    m_10 = a1 * image_seq_len + b1
-    a = (m_200 - m_10) / 190.0
-    return float(a * num_steps + m_200 - 200.0 * a)
-
-
-def default_shift(family: str, image_seq_len: int, scheduler_config: dict | None = None,
-                  num_steps: int | None = None) -> float:
-    """The model's own timestep shift, as its scheduler config says: with ``use_dynamic_shifting`` (FLUX.1-dev,
-    Qwen-Image, FLUX.2; the default of the packed families when the config does not say) :func:`dynamic_shift` of the
-    packed image sequence length ``(H/16)(W/16)`` (FLUX.2: ``exp`` of :func:`flux2_mu` of it and ``num_steps``, as
-    its pipelines pass ``mu``), else the static ``flow_shift`` (Wan 2.1's ``UniPCMultistepScheduler``: 3.0) or
-    ``shift`` (SD3: 3.0)."""
-    c = dict(scheduler_config or {})
-    if c.get("use_dynamic_shifting", issubclass(ADAPTERS[family], PackedVelocity)):
-        if family in ("flux2", "flux2_klein"):
-            if num_steps is None:
-                raise ValueError("FLUX.2's shift depends on the number of steps: pass num_steps")
-            return math.exp(flux2_mu(image_seq_len, num_steps))
-        return dynamic_shift(image_seq_len, c)
-    return float(c.get("flow_shift", c.get("shift", 3.0)))
 
 
 def vae_scale_factor(vae: nn.Module) -> int:
@@ -343,16 +297,13 @@ class Policy:
         self.refresh_params()
         if config.gradient_checkpointing:
             self.bare.enable_gradient_checkpointing()
-        self._adapter = ADAPTERS[config.family]
+        self._adapter = adapter_class(config.family)
         f = vae_scale_factor(vae) if vae is not None else 8
         h, w = (side // (f * self._adapter.latent_downsample) for side in config.size)
         frames = ((config.frames - 1) // vae_temporal_factor(vae) + 1,) if self._adapter.latent_dims == 5 else ()
         self.latent_shape: tuple[int, ...] = (self._adapter.latent_channels(self.bare.config), *frames, h, w)
         self.scheduler_config = dict(scheduler_config or {})
-        self.image_tokens = self._adapter.image_tokens(h, w)  # the sequence length a dynamic shift reads
-        if config.family == "sd3":                            # StableDiffusion3Pipeline counts the transformer's patches
-            p = getattr(self.bare.config, "patch_size", 2)
-            self.image_tokens = (h // p) * (w // p)
+        self.image_tokens = self._adapter.image_tokens(h, w, self.bare.config)  # what a dynamic shift reads
         # DanceGRPO's grid: an explicit pipeline.shift is a static shift; the model's own may end in a stretch
         self.shift = (config.shift if config.shift is not None
                       else default_shift(config.family, self.image_tokens, self.scheduler_config, config.num_steps))

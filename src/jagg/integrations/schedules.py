@@ -31,6 +31,7 @@ shift, and differs for SD3 (last step 0.25 -> 0 at 10 steps with shift 3, agains
 from __future__ import annotations
 
 import inspect
+import math
 
 import numpy as np
 import torch
@@ -38,13 +39,8 @@ from torch import Tensor
 
 from ..checks import check_sigmas
 from ..schedule import flow_sigmas, stretch_to_terminal
+from .families import family as family_record
 
-PACKED_FAMILIES = ("flux", "qwen_image", "flux2", "flux2_klein")   # their pipelines pass explicit sigmas and mu
-# the module of each family's pipeline, whose helpers (retrieve_timesteps, calculate_shift, compute_empirical_mu) say
-# how its __call__ calls the scheduler
-PIPELINE_MODULES = {"sd3": "stable_diffusion_3.pipeline_stable_diffusion_3", "flux": "flux.pipeline_flux",
-                    "qwen_image": "qwenimage.pipeline_qwenimage", "flux2": "flux2.pipeline_flux2",
-                    "flux2_klein": "flux2.pipeline_flux2_klein", "wan": "wan.pipeline_wan"}
 DEFAULT_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
 # the scheduler-config keys that an explicit pipeline.shift sets: a static shift, nothing dynamic, no stretch
 STATIC_SHIFT = {"use_dynamic_shifting": False, "shift_terminal": None}
@@ -53,7 +49,7 @@ STATIC_SHIFT = {"use_dynamic_shifting": False, "shift_terminal": None}
 def _pipeline_module(family: str):
     import importlib
 
-    return importlib.import_module(f"diffusers.pipelines.{PIPELINE_MODULES[family]}")
+    return importlib.import_module(f"diffusers.pipelines.{family_record(family).pipeline_module}")
 
 
 def make_scheduler(scheduler_config: dict | None, shift: float | None = None):
@@ -84,27 +80,19 @@ def pipeline_sigmas(family: str, num_steps: int, scheduler_config: dict | None, 
     pipeline calls it (the module docstring). A grid that is not strictly decreasing in [0, 1] ending at 0 is a
     ValueError naming the scheduler."""
     scheduler = make_scheduler(scheduler_config, shift)
-    module = _pipeline_module(family)
+    module, record = _pipeline_module(family), family_record(family)
     c = scheduler.config
-    if family in PACKED_FAMILIES:
-        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-        if getattr(c, "use_flow_sigmas", False):
-            sigmas = None
-        if family in ("flux2", "flux2_klein"):
-            mu = module.compute_empirical_mu(image_seq_len=image_tokens, num_steps=num_steps)
-        else:
-            mu = module.calculate_shift(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                                        c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        module.retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
-    elif family == "sd3":
+    if record.packed:                                       # explicit sigmas and mu
+        sigmas = None if getattr(c, "use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+        module.retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas,
+                                  mu=_pipeline_mu(record.shift_rule, module, c, image_tokens, num_steps))
+    elif record.shift_rule == "scheduler":                  # e.g. WanPipeline: set_timesteps(N) on its scheduler
+        scheduler.set_timesteps(num_steps, device="cpu")
+    else:                                                   # e.g. StableDiffusion3Pipeline: mu if the config asks
         kwargs = {}
         if c.get("use_dynamic_shifting", None):
-            kwargs["mu"] = module.calculate_shift(image_tokens, c.get("base_image_seq_len", 256),
-                                                  c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
-                                                  c.get("max_shift", 1.16))
+            kwargs["mu"] = _pipeline_mu(record.shift_rule, module, c, image_tokens, num_steps)
         module.retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
-    else:                                                   # WanPipeline: set_timesteps(N) on its scheduler
-        scheduler.set_timesteps(num_steps, device="cpu")
     out = torch.as_tensor(scheduler.sigmas, dtype=torch.float32).flatten()
     try:
         if out.numel() != num_steps + 1 or float(out[-1]) != 0.0:
@@ -114,6 +102,65 @@ def pipeline_sigmas(family: str, num_steps: int, scheduler_config: dict | None, 
         raise ValueError(f"the model's scheduler ({type(scheduler).__name__}) does not give a flow-matching grid of "
                          f"{num_steps} steps: {e}; sample on DanceGRPO's grid (pipeline.sigma_grid: dance)") from None
     return out
+
+
+def _pipeline_mu(rule: str, module, c, image_tokens: int, num_steps: int) -> float:
+    """The ``mu`` a pipeline passes to its scheduler by the family's shift rule, with the pipeline module's own
+    helper."""
+    if rule == "empirical_mu":
+        return module.compute_empirical_mu(image_seq_len=image_tokens, num_steps=num_steps)
+    return module.calculate_shift(image_tokens, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                                  c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the model's own shift, for DanceGRPO's grid
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def dynamic_shift(image_seq_len: int, scheduler_config: dict | None = None) -> float:
+    """FLUX's and Qwen-Image's resolution-dependent shift: ``mu`` linear in the packed image sequence length
+    (diffusers' ``calculate_shift``, with the scheduler config's ``base_image_seq_len``, ``max_image_seq_len``,
+    ``base_shift``, ``max_shift``; the pipelines' defaults 256, 4096, 0.5, 1.15 where it has none), then ``exp(mu)``
+    (``time_shift_type: exponential``, the default) or ``mu`` (``linear``). The scheduler's ``exp(mu) / (exp(mu) +
+    1 / t - 1)`` is :func:`jagg.shift_sigmas` with this shift."""
+    c = scheduler_config or {}
+    lo, hi = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
+    b0, b1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
+    mu = b0 + (b1 - b0) * (image_seq_len - lo) / (hi - lo)
+    kind = c.get("time_shift_type", "exponential")
+    if kind not in ("exponential", "linear"):
+        raise ValueError(f"scheduler time_shift_type must be 'exponential' or 'linear'; got {kind!r}")
+    return math.exp(mu) if kind == "exponential" else mu
+
+
+def flux2_mu(image_seq_len: int, num_steps: int) -> float:
+    """FLUX.2's ``mu`` (``Flux2Pipeline``'s ``compute_empirical_mu``, from black-forest-labs/flux2): linear in the
+    image sequence length, interpolated between its fits for 10 and 200 steps up to 4300 tokens."""
+    a1, b1, a2, b2 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
+    m_200 = a2 * image_seq_len + b2
+    if image_seq_len > 4300:
+        return float(m_200)
+    m_10 = a1 * image_seq_len + b1
+    a = (m_200 - m_10) / 190.0
+    return float(a * num_steps + m_200 - 200.0 * a)
+
+
+def default_shift(family: str, image_seq_len: int, scheduler_config: dict | None = None,
+                  num_steps: int | None = None) -> float:
+    """The model's own timestep shift, as its scheduler config says: with ``use_dynamic_shifting`` (FLUX.1-dev,
+    Qwen-Image, FLUX.2; the default of the packed families when the config does not say) :func:`dynamic_shift` of the
+    packed image sequence length ``(H/16)(W/16)`` (a family whose shift rule is ``empirical_mu``, FLUX.2: ``exp`` of
+    :func:`flux2_mu` of it and ``num_steps``, as its pipelines pass ``mu``), else the static ``flow_shift`` (Wan
+    2.1's ``UniPCMultistepScheduler``: 3.0) or ``shift`` (SD3: 3.0)."""
+    c, record = dict(scheduler_config or {}), family_record(family)
+    if c.get("use_dynamic_shifting", record.packed):
+        if record.shift_rule == "empirical_mu":
+            if num_steps is None:
+                raise ValueError(f"{record.title}'s shift depends on the number of steps: pass num_steps")
+            return math.exp(flux2_mu(image_seq_len, num_steps))
+        return dynamic_shift(image_seq_len, c)
+    return float(c.get("flow_shift", c.get("shift", 3.0)))
 
 
 def dance_sigmas(num_steps: int, shift: float, terminal: float | None = None) -> Tensor:
@@ -132,5 +179,5 @@ def grid_name(sigma_grid: str, family: str, scheduler_config: dict | None, shift
         own = "the model's own shift" if shift is None else f"shift {shift:g}"
         return f"DanceGRPO's shift(linspace(1, 0, N + 1)), {own}"
     name = (scheduler_config or {}).get("_class_name") or DEFAULT_SCHEDULER
-    how = "explicit sigmas and mu" if family in PACKED_FAMILIES else "set_timesteps(N)"
+    how = "explicit sigmas and mu" if family_record(family).packed else "set_timesteps(N)"
     return f"the {family} pipeline's: {name} with {how}" + ("" if shift is None else f", static shift {shift:g}")

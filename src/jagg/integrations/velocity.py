@@ -56,7 +56,8 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import parse_json
-from .config import FAMILIES, VelocityConfig, torch_dtype
+from .config import VelocityConfig, torch_dtype
+from .families import FAMILIES, Family, family as family_record
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -71,23 +72,20 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-TRANSFORMER_FAMILIES = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux",
-                        "QwenImageTransformer2DModel": "qwen_image", "WanTransformer3DModel": "wan",
-                        "Flux2Transformer2DModel": "flux2"}
-
-
 def model_family(transformer: nn.Module) -> str:
-    """``"sd3"``, ``"flux"``, ``"qwen_image"``, ``"wan"`` or ``"flux2"`` from the (unwrapped, possibly peft-wrapped)
-    transformer's class or a base class of it (FSDP2's ``fully_shard`` swaps the class for a subclass,
-    ``FSDPSD3Transformer2DModel``)."""
+    """The name of the first family (:data:`jagg.integrations.families.FAMILIES`) whose transformer class is the
+    (unwrapped, possibly peft-wrapped) transformer's class or a base class of it (FSDP2's ``fully_shard`` swaps the
+    class for a subclass, ``FSDPSD3Transformer2DModel``)."""
     m = unwrap_model(transformer)
     base = getattr(getattr(m, "base_model", None), "model", m)        # peft PeftModel -> LoraModel -> model
+    known = {}
+    for f in FAMILIES.values():
+        known.setdefault(f.transformer_class, f.name)
     for c in type(base).__mro__:
-        if c.__name__ in TRANSFORMER_FAMILIES:
-            return TRANSFORMER_FAMILIES[c.__name__]
+        if c.__name__ in known:
+            return known[c.__name__]
     raise TypeError(f"unsupported transformer class {type(base).__name__}; jagg adapts diffusers' "
-                    f"{', '.join(TRANSFORMER_FAMILIES)}. For your own DiT write a velocity callable "
-                    "(latents, sigma, index) -> v")
+                    f"{', '.join(known)}. For your own DiT write a velocity callable (latents, sigma, index) -> v")
 
 
 def _model_config(bare: nn.Module):
@@ -281,24 +279,11 @@ def encode_prompts(pipe, family: str, prompts: Sequence[str], max_sequence_lengt
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1; got {batch_size}")
     device = device or pipe.text_encoder.device
+    adapter = adapter_class(family)
     parts = []
     for s in range(0, len(prompts), batch_size):
         chunk = list(prompts[s:s + batch_size])
-        pooled = mask = None
-        if family == "sd3":
-            embeds, _, pooled, _ = pipe.encode_prompt(chunk, None, None, device=device,
-                                                      do_classifier_free_guidance=False,
-                                                      max_sequence_length=max_sequence_length)
-        elif family == "flux":
-            embeds, pooled, _ = pipe.encode_prompt(chunk, None, device=device, max_sequence_length=max_sequence_length)
-        elif family in ("flux2", "flux2_klein"):
-            embeds, _ = pipe.encode_prompt(chunk, device=device, max_sequence_length=max_sequence_length)
-        elif family == "wan":
-            embeds, _ = pipe.encode_prompt(chunk, do_classifier_free_guidance=False, device=device,
-                                           max_sequence_length=max_sequence_length)
-        else:
-            embeds, mask = pipe.encode_prompt(chunk, device=device, max_sequence_length=max_sequence_length)
-        parts.append(PromptEmbeddings(embeds, pooled, chunk, mask).to("cpu"))
+        parts.append(adapter.encode(pipe, chunk, device, max_sequence_length).to("cpu"))
     return PromptEmbeddings.cat(parts)
 
 
@@ -318,7 +303,7 @@ class TransformerVelocity:
         config: :class:`VelocityConfig`.
     """
 
-    family = ""
+    title = ""                     # the model in words, for messages
     takes_pooled = True            # the network takes pooled text embeddings (SD3, FLUX; not Qwen-Image, Wan)
     takes_mask = False             # the network takes a text mask, so prompts may differ in length (Qwen-Image)
     latent_dims = 4                # [N, C, H, W]; a video family's latents have a frame axis, [N, C, F, H, W]
@@ -343,11 +328,11 @@ class TransformerVelocity:
 
     def _check_text(self, name: str, emb: PromptEmbeddings) -> None:
         if self.takes_pooled != (emb.pooled is not None):
-            raise ValueError(f"{name}: the {self.family} transformer takes "
+            raise ValueError(f"{name}: the {self.title} transformer takes "
                              f"{'pooled embeddings; these have none' if self.takes_pooled else 'no pooled embeddings'}"
                              " (embeddings of another model family?)")
         if emb.mask is not None and not self.takes_mask:
-            raise ValueError(f"{name}: the {self.family} transformer takes no text mask, so every prompt must have the "
+            raise ValueError(f"{name}: the {self.title} transformer takes no text mask, so every prompt must have the "
                              "same length (its tokenizers pad them); these embeddings carry one")
 
     # -- family specific -----------------------------------------------------------------------------------------
@@ -358,9 +343,16 @@ class TransformerVelocity:
         return model_config.in_channels
 
     @classmethod
-    def image_tokens(cls, height: int, width: int) -> int:
+    def image_tokens(cls, height: int, width: int, model_config=None) -> int:
         """Image tokens of latents ``height x width``, the sequence length a dynamic shift depends on: 2x2 patches."""
         return (height // 2) * (width // 2)
+
+    @classmethod
+    def encode(cls, pipe, prompts: list[str], device, max_sequence_length: int) -> PromptEmbeddings:
+        """The prompts embedded by the pipeline's own ``encode_prompt``, as this transformer takes them (the base
+        class: the sequence embeddings alone, no pooled embedding, no mask)."""
+        embeds = pipe.encode_prompt(prompts, device=device, max_sequence_length=max_sequence_length)[0]
+        return PromptEmbeddings(embeds, None, prompts)
 
     def forward(self, latents: Tensor, sigma: Tensor, text: PromptEmbeddings) -> Tensor:
         """One network call: ``latents [n, C, H, W]``, ``sigma [n]`` fp32, ``text`` one row per latent (already in
@@ -408,7 +400,7 @@ class TransformerVelocity:
         of the latents' shape."""
         if latents.ndim != self.latent_dims:
             want = "[N, C, H, W]" if self.latent_dims == 4 else "[N, C, F, H, W] (a frame axis)"
-            raise ValueError(f"{self.family} latents must be {want}; got shape {tuple(latents.shape)}")
+            raise ValueError(f"{self.title} latents must be {want}; got shape {tuple(latents.shape)}")
         n, dt, dev = latents.shape[0], self.input_dtype, latents.device
         if sigma.shape != (n,) or sample_index.shape != (n,):
             raise ValueError(f"sigma and sample_index must be [N] = [{n}]; got {tuple(sigma.shape)} and "
@@ -439,7 +431,19 @@ class TransformerVelocity:
 class SD3Velocity(TransformerVelocity):
     """``SD3Transformer2DModel`` (SD3, SD3.5): ``timestep = sigma * 1000``; latents ``[N, 16, H/8, W/8]``."""
 
-    family = "sd3"
+    title = "SD3"
+
+    @classmethod
+    def image_tokens(cls, height, width, model_config=None):
+        """StableDiffusion3Pipeline counts the transformer's patches."""
+        p = getattr(model_config, "patch_size", 2)
+        return (height // p) * (width // p)
+
+    @classmethod
+    def encode(cls, pipe, prompts, device, max_sequence_length):
+        embeds, _, pooled, _ = pipe.encode_prompt(prompts, None, None, device=device, do_classifier_free_guidance=False,
+                                                  max_sequence_length=max_sequence_length)
+        return PromptEmbeddings(embeds, pooled, prompts)
 
     def forward(self, latents, sigma, text):
         return self.transformer(hidden_states=latents, timestep=sigma * 1000.0,
@@ -483,9 +487,9 @@ class PackedVelocity(TransformerVelocity):
         super().__init__(transformer, cond, uncond, config)
         self.guidance_embeds = bool(getattr(self.model_config, "guidance_embeds", False))
         if self.guidance_embeds and self.config.guidance_embed is None:
-            default = "4.0, Flux2Pipeline's default" if self.family.startswith("flux2") else "3.5 for FLUX.1-dev"
-            raise ValueError(f"this {self.family} transformer has guidance_embeds=True (guidance-distilled): set "
-                             f"pipeline.guidance_embed (VelocityConfig.guidance_embed), e.g. {default}")
+            raise ValueError(f"this {self.title} transformer has guidance_embeds=True (guidance-distilled): set "
+                             "pipeline.guidance_embed (VelocityConfig.guidance_embed), e.g. its pipeline's default guidance_scale "
+                             "(the family's guidance_embed in jagg.integrations.families)")
 
     @classmethod
     def latent_channels(cls, model_config) -> int:
@@ -509,7 +513,12 @@ class FluxVelocity(PackedVelocity):
     """``FluxTransformer2DModel`` (FLUX.1-dev / -schnell): packed latents with ``img_ids`` and all-zero ``txt_ids``,
     CLIP-L pooled embeddings, the distilled guidance embedding of FLUX.1-dev (3.5)."""
 
-    family = "flux"
+    title = "FLUX.1"
+
+    @classmethod
+    def encode(cls, pipe, prompts, device, max_sequence_length):
+        embeds, pooled, _ = pipe.encode_prompt(prompts, None, device=device, max_sequence_length=max_sequence_length)
+        return PromptEmbeddings(embeds, pooled, prompts)
 
     def __init__(self, transformer, cond, uncond=None, config=None):
         super().__init__(transformer, cond, uncond, config)
@@ -531,7 +540,7 @@ class QwenImageVelocity(PackedVelocity):
     ``img_shapes = [(1, H/16, W/16)]`` per sample, Qwen2.5-VL text embeddings with their text mask (prompts of
     different lengths), no pooled embedding; true CFG (:meth:`guide`) rescaled to the conditional norm."""
 
-    family = "qwen_image"
+    title = "Qwen-Image"
     takes_pooled = False
     takes_mask = True
     MIN_DIFFUSERS = (0, 37)        # from 0.37 the transformer masks the text padding (encoder_hidden_states_mask)
@@ -545,6 +554,12 @@ class QwenImageVelocity(PackedVelocity):
                                "QwenImageTransformer2DModel attends to the padding of shorter prompts); found "
                                f"{diffusers.__version__}: pip install -U 'diffusers>=0.37'")
         super().__init__(transformer, cond, uncond, config)
+
+    @classmethod
+    def encode(cls, pipe, prompts, device, max_sequence_length):
+        """Each prompt keeps its own length: the batch is padded to its longest prompt, with a mask."""
+        embeds, mask = pipe.encode_prompt(prompts, device=device, max_sequence_length=max_sequence_length)
+        return PromptEmbeddings(embeds, None, prompts, mask)
 
     def packed_forward(self, packed, sigma, text, guidance, height, width):
         return self.transformer(hidden_states=packed, timestep=sigma, guidance=guidance,
@@ -572,9 +587,15 @@ class WanVelocity(TransformerVelocity):
     W/8]`` as they are (the network patchifies them, 1x2x2), ``timestep = sigma * 1000``, UMT5 embeddings without
     pooled embedding or mask (zero-padded to ``max_sequence_length``), plain CFG."""
 
-    family = "wan"
+    title = "Wan"
     takes_pooled = False
     latent_dims = 5
+
+    @classmethod
+    def encode(cls, pipe, prompts, device, max_sequence_length):
+        embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, device=device,
+                                       max_sequence_length=max_sequence_length)
+        return PromptEmbeddings(embeds, None, prompts)
 
     def forward(self, latents, sigma, text):
         return self.transformer(hidden_states=latents, timestep=sigma * 1000.0,
@@ -599,7 +620,7 @@ class Flux2Velocity(PackedVelocity):
     (:func:`flux2_ids`), ``timestep = sigma``, [dev]'s guidance embedding or [klein]'s plain CFG; no pooled
     embedding, no mask."""
 
-    family = "flux2"
+    title = "FLUX.2"
     takes_pooled = False
     latent_downsample = 2
 
@@ -612,7 +633,7 @@ class Flux2Velocity(PackedVelocity):
         return model_config.in_channels
 
     @classmethod
-    def image_tokens(cls, height, width):
+    def image_tokens(cls, height, width, model_config=None):
         return height * width
 
     def forward(self, latents, sigma, text):
@@ -631,14 +652,21 @@ class Flux2Velocity(PackedVelocity):
         return out.transpose(1, 2).reshape(n, c, h, w)
 
 
-ADAPTERS = {"sd3": SD3Velocity, "flux": FluxVelocity, "qwen_image": QwenImageVelocity, "wan": WanVelocity,
-            "flux2": Flux2Velocity, "flux2_klein": Flux2Velocity}
+def adapter_class(family: str | Family) -> type[TransformerVelocity]:
+    """The velocity adapter class its record names for ``family`` (a name or a record); a ValueError when the record
+    names no adapter of this module or one whose packing disagrees with the record's ``packed``."""
+    record = family if isinstance(family, Family) else family_record(family)
+    cls = globals().get(record.adapter)
+    if not (isinstance(cls, type) and issubclass(cls, TransformerVelocity)):
+        raise ValueError(f"family {record.name}: adapter {record.adapter!r} is not a velocity adapter of "
+                         "jagg.integrations.velocity (e.g. 'SD3Velocity')")
+    if issubclass(cls, PackedVelocity) != record.packed:
+        raise ValueError(f"family {record.name}: packed={record.packed} but its adapter {record.adapter} "
+                         f"{'is' if issubclass(cls, PackedVelocity) else 'is not'} a PackedVelocity; make them agree")
+    return cls
 
 
 def velocity_adapter(transformer: nn.Module, cond: PromptEmbeddings, uncond: PromptEmbeddings | None = None,
                      config: VelocityConfig | None = None, family: str | None = None) -> TransformerVelocity:
     """The adapter for ``transformer``'s family (detected from its class unless ``family`` is given)."""
-    family = family or model_family(transformer)
-    if family not in ADAPTERS:
-        raise ValueError(f"family must be one of {FAMILIES}; got {family!r}")
-    return ADAPTERS[family](transformer, cond, uncond, config)
+    return adapter_class(family or model_family(transformer))(transformer, cond, uncond, config)

@@ -35,10 +35,11 @@ from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import audit_flag, audit_parts, clip_flag
 from ..meter import Meter, meter_flag
 from ..estimator import reference_velocities
-from ..estimator_config import AUTO, RETIRED_CORRECTION_P, EstimatorConfig
+from ..estimator_config import AUTO, EstimatorConfig
 from ..infra.distributed import end_process_group, gather, init_process_group_from_env
 from ..infra.config_loader import to_dict
 from ..infra.metrics import MetricsLogger
+from ..infra.old_configs import upgrade_saved_config
 from ..infra.rundir import (TRAIN, RunHints, discard_new_run, lock_run, open_run, outputs, read_run_file, snapshot,
                             write_run_file)
 from ..infra.wandb_run import WandbRun, check_start as check_wandb_start
@@ -48,21 +49,6 @@ from .lr_schedule import check_resumable_schedule, how_to_continue, lr_factor, s
 # config keys that may change between a checkpoint and its resumption (the aborts' limits change no gradient)
 RESUMABLE_CHANGES = ("grpo.iterations", "grpo.max_consecutive_skips", "grpo.max_empty_iterations", "log.", "eval.",
                      "threads")
-# config keys added after checkpoints (and bench results) were written with configs that lack them: a saved config
-# without one ran as its default, so it reads as that default (a key the current config lacks is not filled in)
-ADDED_KEYS = {"optim.lr_schedule": "constant", "optim.warmup_steps": 0, "eval.dense_iterations": 0,
-              "eval.dense_every": 0, "pipeline.sigma_grid": "dance",
-              **{f"estimator.{k}": v for k, v in EstimatorConfig().to_dict().items()
-                 if k == "candidates" or k.startswith("preflight_")}}
-# retired estimator options, with the value that meant "off": a saved config holding that value ran as today's code
-# runs it, so the key is dropped; any other value was an estimator that no longer exists
-RETIRED_KEYS = {"estimator.control_variate": 0.0, "estimator.correction": "interval",
-                "estimator.correction_intervals": 0, "estimator.score": "cosine"}
-# renamed keys (old name -> new name): a saved config with the old name resumes under the new one
-RENAMED_KEYS = {"estimator.audit_every": "estimator.meter_every", "estimator.audit_samples": "estimator.meter_samples",
-                "estimator.correction_rates": "estimator.correction_probs"}
-# retired values of kept options, each with what to use instead: a checkpoint trained with one cannot be continued
-RETIRED_VALUES = {"estimator.correction_p": RETIRED_CORRECTION_P}
 
 
 class TrainingAborted(RuntimeError):
@@ -97,22 +83,8 @@ def _shown(value) -> str:
 def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUMABLE_CHANGES) -> list[str]:
     """Raise a ValueError naming the first config key whose change would break continuation; return one line per
     key that changed and may (``allowed``), e.g. ``"grpo.iterations: 30 in the checkpoint, 200 now"``."""
-    a, b = _flatten(saved), _flatten(current)
-    for old, new in RENAMED_KEYS.items():
-        if old in a and new not in a:
-            a[new] = a.pop(old)
-    for key, default in ADDED_KEYS.items():
-        if key in b:
-            a.setdefault(key, default)
-    for key, off in RETIRED_KEYS.items():
-        if key in a and key not in b:
-            if a.pop(key) != off:
-                raise ValueError(f"cannot resume: the checkpoint was trained with {key}, an option since retired; "
-                                 "start a new run in another directory")
-    for key, retired in RETIRED_VALUES.items():
-        if isinstance(a.get(key), str) and a[key] in retired:
-            raise ValueError(f"cannot resume: the checkpoint was trained with {key} {a[key]!r}, which "
-                             f"{retired[a[key]]}, and start a new run in another directory")
+    b = _flatten(current)
+    a = upgrade_saved_config(_flatten(saved), b)          # an older jagg's keys read as today's (infra.old_configs)
     changed = []
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checks import Keys, check_seed
-from ..integrations.config import VIDEO_FAMILIES, PipelineConfig
+from ..integrations.config import PipelineConfig
 from ..rewards.client import RewardClient
 from ..infra import config_loader as configuration
 from ..infra.prompt_sets import PromptSet, eval_set_beside, read_prompt_set
@@ -216,7 +216,7 @@ class DiffusersTrainConfig(TrainerSections):
         if p.shift is not None:
             check_schedule(p.num_steps, p.shift, "pipeline.shift", "pipeline.num_steps")
             check_schedule(p.eval_num_steps, p.shift, "pipeline.shift", "pipeline.eval_num_steps")
-        (h, w), video = p.size, p.family in VIDEO_FAMILIES
+        (h, w), video = p.size, p.video
         latent = 16 * (h // 8) * (w // 8) * ((p.frames - 1) // 4 + 1 if video else 1)
         pixels = 3 * h * w * p.frames
         size = f"pipeline.resolution={p.resolution}" + (f", pipeline.width={p.width}" if p.width else "")

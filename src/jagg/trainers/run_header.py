@@ -19,7 +19,6 @@ from typing import Iterator
 
 import torch
 
-from ..integrations.config import VIDEO_FAMILIES
 from ..integrations.schedules import grid_name
 from ..knots import plan_update
 from ..trajectory import Trajectory
@@ -75,7 +74,7 @@ def header(cfg, policy, out, run_id: str, resumed: bool, world: int) -> list[str
     how = (f"LoRA {'from ' + p.lora.path if p.lora.path else 'rank %d alpha %g' % p.lora.resolved(p.family)[:2]}"
            if p.lora.enabled else "full fine-tuning")
     h, w = p.size
-    size = f"{h} x {w}" + (f" x {p.frames} frames" if p.family in VIDEO_FAMILIES else "")
+    size = f"{h} x {w}" + (f" x {p.frames} frames" if p.video else "")
     guidance = f"cfg {p.cfg_scale:g}" + (f", embedded guidance {p.guidance_embed:g}" if p.guidance_embed else "")
     lines = [f"jagg train: {'resuming' if resumed else 'new'} run {run_id} in {out}",
              f"  model      {p.family} at {p.path} ({p.dtype} on {policy.device}), {how}: "

@@ -24,7 +24,7 @@ import torch
 from ..infra import config_loader as configuration
 from ..infra.checkpoint import list_checkpoints, read_checkpoint
 from ..infra.prompt_sets import read_prompt_set
-from ..integrations.config import VIDEO_FAMILIES, PipelineConfig
+from ..integrations.config import PipelineConfig
 from .diffusers_config import TRAINER_TAG, DiffusersEvalSection
 from .weights_export import EMA_DIR, export_name
 
@@ -119,9 +119,9 @@ def sample_run(path: Path, args) -> int:
         raise ValueError("give at least one --prompt or a --prompt-file")
     out = Path(args.out)
     run = load_trained(path, args)
-    if (run.pipeline.family in VIDEO_FAMILIES) != (out.suffix.lower() == ".gif"):
+    if run.pipeline.video != (out.suffix.lower() == ".gif"):
         raise ValueError(f"--out {out}: a {run.pipeline.family} run's grid is "
-                         f"{'an animated .gif' if run.pipeline.family in VIDEO_FAMILIES else 'an image, not a .gif'}")
+                         f"{'an animated .gif' if run.pipeline.video else 'an image, not a .gif'}")
     batch = [p for p in prompts for _ in range(args.num_per_prompt)]
     steps = args.steps or run.pipeline.eval_num_steps
     noise = eval_noise(len(batch), run.policy.latent_shape, args.seed or 0)
