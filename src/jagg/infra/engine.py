@@ -199,10 +199,37 @@ class Engine:
 
         options = StateDictOptions(ignore_frozen_params=True)
         model, optim = get_state_dict(module, opt, options=options)
+        # the shards hold the trainable weights only (the frozen ones are the loaded model's): not strict
+        options = StateDictOptions(ignore_frozen_params=True, strict=False)
         state = {"model": model, "optimizer": optim, **entries}
         dcp.load(state, checkpoint_id=str(directory))
         set_state_dict(module, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=options)
+
+
+    def load_whole(self, params: dict[str, Tensor], opt: torch.optim.Optimizer, model: dict[str, Tensor],
+                   optim: dict) -> None:
+        """Read whole weights (``model``: {parameter name: tensor}, as one process or DDP saves them) into ``params``
+        and the optimizer's state ``optim`` (``opt.state_dict()`` of the same parameters, in order) into ``opt``, each
+        tensor laid out as its parameter (:func:`placed_like`: under FSDP every process takes its shard, a
+        collective), so a checkpoint of any number of processes resumes on this engine."""
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(placed_like(model[n], p))
+        order = [p for group in opt.param_groups for p in group["params"]]
+        state = {i: {k: placed_like(v, order[i]) if torch.is_tensor(v) and v.shape == order[i].shape else v
+                     for k, v in s.items()} for i, s in optim["state"].items()}
+        opt.load_state_dict({"state": state, "param_groups": optim["param_groups"]})
+
+
+def placed_like(whole: Tensor, like: Tensor) -> Tensor:
+    """``whole`` (a tensor of ``like``'s full shape) in ``like``'s dtype and layout: this process's shard of it when
+    ``like`` is sharded (a ``DTensor``; a collective), else on ``like``'s device."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(like, DTensor):
+        return distribute_tensor(whole.to(like.dtype), like.device_mesh, like.placements)
+    return whole.to(like.device, like.dtype)
 
 
 class DDPEngine(Engine):

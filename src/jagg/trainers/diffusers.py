@@ -85,7 +85,7 @@ from .weights_export import export_weights, prune_exports, write_weights
 
 # config keys that may differ between a checkpoint and its resumption, besides the shapes trainer's
 # (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient (how the
-# processes share the model: a checkpoint of FSDP shards reads into any engine, whole weights into DDP or one process)
+# processes share the model: a checkpoint of FSDP shards or of whole weights reads into any engine, resharded)
 RESUMABLE_REAL = ("pipeline.path", "pipeline.device", "pipeline.prompt_cache", "pipeline.load_text_encoders",
                   "pipeline.gradient_checkpointing", "reward_server", "distributed.")
 
@@ -319,18 +319,10 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
                              "pipeline.lora changed?")
         if isinstance(saved, str):                     # FSDP's shards, read into any layout (resharded)
             self.engine.load_shards(self.policy.bare, self.opt, self.state_entries(), self.ckpt_dir / saved)
-        elif self.engine.sharded:
-            raise ValueError(f"the checkpoint holds whole weights, written by {state['world_size']} process(es) "
-                             f"without FSDP ({state.get('engine', {}).get('strategy', 'single')}): resume it as it "
-                             "was written (distributed.strategy: ddp, or the accelerate config's distributed_type: "
-                             "MULTI_GPU), or start a new run with FSDP")
-        else:
-            with torch.no_grad():
-                for n, p in self.named_params.items():
-                    p.copy_(saved[n].to(p.device, p.dtype))
+        else:                                          # whole weights, each process taking its part (sharded)
             if self.ema is not None:
                 self.ema.load_state_dict(state.get("ema"))
-            self.opt.load_state_dict(state["optimizer"])
+            self.engine.load_whole(self.named_params, self.opt, saved, state["optimizer"])
         self.load_loop_state(state)
         rngs = state["rng"]
         if len(rngs) == self.world:
