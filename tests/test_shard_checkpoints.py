@@ -77,3 +77,81 @@ def test_fsdp_lora_shards_and_whole_weights_read_into_either_layout(tmp_path, gr
     got, want = _whole(p2, o2, ema2), _whole(p1, o1, ema1)
     assert {type(p).__name__ for p in p2.params} == {"DTensor"}
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+# ----------------------------------------------------------------------------- damaged shards
+
+
+def _sharded_run(tmp_path, run_id: str = "20270101-000000-aaaaaa") -> Path:
+    """A run directory with two FSDP-style checkpoints (``ckpt_<n>.pt`` naming ``ckpt_<n>.dcp/``) of run ``run_id``,
+    the shards written by torch.distributed.checkpoint in this one process."""
+    from jagg.infra.checkpoint import write_checkpoint, write_shards
+    from jagg.infra.rundir import write_run_file
+
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    ckpts.mkdir(parents=True)
+    write_run_file(out, run_id)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    engine = make_engine(EngineSettings("single"), 0, 1, torch.device("cpu"))
+    for it in (1, 2):
+        name = write_shards(lambda d: engine.save_shards(model, opt, {}, d), ckpts, it, True, lambda: None, run_id)
+        write_checkpoint({"model": name, "optimizer": name, "run_id": run_id, "config": {}, "iteration": it,
+                          "wall": 1.0, "skipped_updates": 0, "rng": []}, ckpts, it)
+    return out
+
+
+def _damage(dcp: Path, how: str) -> str:
+    """Damage the shard directory ``dcp`` as ``how`` says; the words of the refusal."""
+    (shard,) = dcp.glob("*.distcp")
+    if how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+        return "holds"
+    if how == "emptied":
+        shard.write_bytes(b"")
+        return "(truncated or emptied)"
+    if how == "missing":
+        shard.unlink()
+        return f"{shard.name} is missing"
+    if how == "corrupted":                        # overwritten in place, its length kept
+        shard.write_bytes(bytes(len(shard.read_bytes())))
+        return "is corrupt"
+    if how == "no metadata":
+        (dcp / ".metadata").unlink()
+        return "has no readable .metadata"
+    if how == "directory":
+        import shutil
+        shutil.rmtree(dcp)
+        return "which is not there beside it"
+    from jagg.infra.shards import mark_run          # another run's shards under this run's name
+    mark_run(dcp, "20270101-000000-bbbbbb")
+    return "was written by run 20270101-000000-bbbbbb, not by the checkpoint's run 20270101-000000-aaaaaa"
+
+
+DAMAGES = ["truncated", "emptied", "missing", "corrupted", "no metadata", "directory", "another run's"]
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_damaged_shards_are_refused_before_the_model_loads_and_the_older_checkpoint_resumes(tmp_path, how):
+    """A damaged newest shard directory makes its checkpoint unreadable (read_checkpoint names the file and the
+    problem, reading no tensor); resuming skips it with a warning and takes the older one; when none is left the
+    refusal names each."""
+    from jagg.infra.checkpoint import read_checkpoint
+    from jagg.infra.rundir import RunDirError, open_run
+
+    out = _sharded_run(tmp_path)
+    ckpts = out / "checkpoints"
+    assert read_checkpoint(ckpts / "ckpt_000002.pt", resume=True)["model"] == "ckpt_000002.dcp"
+    words = _damage(ckpts / "ckpt_000002.dcp", how)
+    with pytest.raises(ValueError, match="ckpt_000002.pt is not a loadable checkpoint: its 'model' ") as e:
+        read_checkpoint(ckpts / "ckpt_000002.pt", resume=True)
+    assert words in str(e.value) and str(e.value).endswith("; restore it, or resume from another checkpoint")
+    said = []
+    start = open_run(out, resume=True, log=said.append)
+    assert start.resumed[1] == ckpts / "ckpt_000001.pt" and start.resumed[0]["iteration"] == 1
+    assert len(said) == 1 and said[0].startswith("warning: skipping unreadable checkpoint") and words in said[0]
+    _damage(ckpts / "ckpt_000001.dcp", how)
+    with pytest.raises(RunDirError, match="cannot resume: no readable checkpoint") as e:
+        open_run(out, resume=True)
+    assert "ckpt_000001.pt" in str(e.value) and "ckpt_000002.pt" in str(e.value)

@@ -252,7 +252,7 @@ def test_an_unsupported_accelerate_setting_is_refused_by_name(change, key):
 
 def test_the_config_and_the_launcher_must_agree(tmp_path, sd3_dir):
     """A key set both in the jagg config and the accelerate config must agree; torchrun takes the config's; one
-    process runs no engine; FSDP refuses the main-process audit before anything loads."""
+    process runs no engine; FSDP refuses the main-process audit and estimator.mode: auto before anything loads."""
     cfg = write_sd3_config(tmp_path, sd3_dir)
     fsdp = read_launch(FSDP_ENV)
     assert fsdp == LaunchSettings(launcher="accelerate", strategy="fsdp", wrap="blocks", reshard_after_forward=True)
@@ -277,6 +277,10 @@ def test_the_config_and_the_launcher_must_agree(tmp_path, sd3_dir):
     with pytest.raises(ValueError, match="estimator.meter_every > 0 audits"):
         engine_for(load_config(cfg, ["estimator.meter_every=1"]), fsdp, 2)
     assert engine_for(load_config(cfg, ["estimator.meter_every=1"]), fsdp, 1).strategy == "single"
+    with pytest.raises(ValueError, match="estimator.mode: auto measures .* run jagg bench meter --config .one "
+                                         "process. and set the estimator it names"):
+        engine_for(load_config(cfg, ["estimator.mode=auto"]), fsdp, 2)
+    assert engine_for(load_config(cfg, ["estimator.mode=auto"]), torchrun, 2).strategy == "ddp"
 
 
 def test_fsdp_engine_in_bf16_mixed_precision_on_one_sharded_process(tmp_path):

@@ -110,8 +110,14 @@ def sampling_pieces(local: slice, size: int) -> list[slice]:
 def engine_for(cfg: DiffusersTrainConfig, launch: LaunchSettings, world: int) -> EngineSettings:
     """The engine of ``cfg`` under the launcher's settings with ``world`` processes
     (:func:`jagg.infra.engine.resolve_engine`, which applies the launcher's settings to ``cfg.pipeline``), refusing
-    what the trainer cannot run with it: the estimator audit (``estimator.meter_every``) under FSDP."""
+    what the trainer cannot run with it: ``estimator.mode: auto`` and the estimator audit (``estimator.meter_every``)
+    under FSDP, both measured on one process's whole gradient."""
     settings = resolve_engine(cfg, launch, world)
+    if settings.strategy == "fsdp" and cfg.estimator.mode == "auto":
+        raise ValueError("estimator.mode: auto measures the estimators on one process's whole gradient, which FSDP "
+                         "shards across the processes: run jagg bench meter --config (one process) and set the "
+                         "estimator it names (estimator.mode, estimator.window), or train with distributed.strategy: "
+                         "ddp")
     if settings.strategy == "fsdp" and cfg.estimator.meter_every:
         raise ValueError("estimator.meter_every > 0 audits the estimator on the main process's whole gradient, which "
                          "FSDP shards across the processes: set estimator.meter_every: 0 and measure with jagg bench "
@@ -318,7 +324,12 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
             raise ValueError(f"the checkpoint's trainable parameters differ from this model's (e.g. {diff}); was "
                              "pipeline.lora changed?")
         if isinstance(saved, str):                     # FSDP's shards, read into any layout (resharded)
-            self.engine.load_shards(self.policy.bare, self.opt, self.state_entries(), self.ckpt_dir / saved)
+            try:
+                self.engine.load_shards(self.policy.bare, self.opt, self.state_entries(), self.ckpt_dir / saved)
+            except Exception as e:                     # damaged beyond what check_shards sees
+                raise ValueError(f"the shard directory {self.ckpt_dir / saved} cannot be read ({type(e).__name__}: "
+                                 f"{str(e)[:300]}); move it and its .pt out of {self.ckpt_dir} to resume from the "
+                                 "checkpoint before it") from None
         else:                                          # whole weights, each process taking its part (sharded)
             if self.ema is not None:
                 self.ema.load_state_dict(state.get("ema"))
@@ -346,7 +357,7 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         if self.engine.sharded:
             shards = write_shards(lambda d: self.engine.save_shards(self.policy.bare, self.opt, self.state_entries(),
                                                                     d),
-                                  self.ckpt_dir, self.iteration, self.main, self._barrier)
+                                  self.ckpt_dir, self.iteration, self.main, self._barrier, self.run_id)
         path = None
         if self.main:
             export_weights(self.policy, self.ckpt_dir, self.iteration, *weights)   # adapter_<n>/ or transformer_<n>/
