@@ -330,3 +330,40 @@ def test_fsdp_engine_in_bf16_mixed_precision_on_one_sharded_process(tmp_path):
         assert {v.dtype for v in back.values()} == {torch.float32}
     finally:
         dist.destroy_process_group()
+
+
+def _at_checkpoint(src: Path, dst: Path, n: int) -> None:
+    """``dst``: the run ``src`` as it was after iteration ``n`` (its later checkpoints, exports and ranks gone)."""
+    shutil.copytree(src, dst)
+    later = [p for p in (dst / "checkpoints").iterdir() if int(p.name.split("_")[1].split(".")[0]) > n]
+    for p in [*later, dst / "final", *dst.glob("rank*.pt")]:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def test_fsdp_lora_resumes_resharded_two_one_two(tmp_path, sd3_dir):
+    """FSDP with LoRA (the shards hold the adapters only) on 2 processes, resumed from its first checkpoint on 1
+    process (the shards read into whole weights, which it saves), then from that one's checkpoint on 2 processes under
+    FSDP again (the whole weights sharded): the same run as the uninterrupted one, within float precision."""
+    from safetensors.torch import load_file
+
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    sets = ["distributed.strategy=fsdp", "grpo.updates_per_epoch=1", "sample.micro_batch=2", "log.sample_images=0",
+            "optim.ema_decay=0.5", "log.keep_last=3"]
+    whole = tmp_path / "whole"
+    _launch(TORCHRUN, _args(cfg, sets + ["grpo.iterations=3"]) + ["--output-dir", str(whole)])
+    assert torch.load(whole / "checkpoints" / "ckpt_000001.pt", weights_only=False)["model"] == "ckpt_000001.dcp"
+    run = tmp_path / "run"
+    _at_checkpoint(whole, run, 1)
+    assert main(_args(cfg, sets + ["grpo.iterations=2"]) + ["--output-dir", str(run), "--resume"]) == 0
+    assert isinstance(torch.load(run / "checkpoints" / "ckpt_000002.pt", weights_only=False)["model"], dict)
+    _launch(TORCHRUN, _args(cfg, sets + ["grpo.iterations=3"]) + ["--output-dir", str(run), "--resume"])
+    assert torch.load(run / "checkpoints" / "ckpt_000003.pt", weights_only=False)["engine"]["processes"] == 2
+    want, got = records(whole), records(run)
+    assert [r["iteration"] for r in got] == [1, 2, 3]
+    for a, b in zip(got, want):
+        assert_same_update(a, b)
+    for sub in ("", "ema/"):
+        a, b = (load_file(d / "final" / "adapter" / sub / "pytorch_lora_weights.safetensors") for d in (run, whole))
+        assert set(a) == set(b)
+        for k in b:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)

@@ -188,7 +188,8 @@ class Engine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         model, optim = get_state_dict(module, opt, options=StateDictOptions(ignore_frozen_params=True))
-        dcp.save({"model": model, "optimizer": optim, **entries}, checkpoint_id=str(directory))
+        dcp.save({"model": model, "optimizer": optim, **entries}, checkpoint_id=str(directory),
+                 no_dist=not dist.is_initialized())
 
     def load_shards(self, module: nn.Module, opt: torch.optim.Optimizer, entries: dict[str, dict[str, Tensor]],
                     directory: Path) -> None:
@@ -202,7 +203,7 @@ class Engine:
         # the shards hold the trainable weights only (the frozen ones are the loaded model's): not strict
         options = StateDictOptions(ignore_frozen_params=True, strict=False)
         state = {"model": model, "optimizer": optim, **entries}
-        dcp.load(state, checkpoint_id=str(directory))
+        dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
         set_state_dict(module, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=options)
 
