@@ -32,6 +32,7 @@ weights once, on the main process, for the final export.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
@@ -188,8 +189,9 @@ class Engine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         model, optim = get_state_dict(module, opt, options=StateDictOptions(ignore_frozen_params=True))
-        dcp.save({"model": model, "optimizer": optim, **entries}, checkpoint_id=str(directory),
-                 no_dist=not dist.is_initialized())
+        with one_process_quiet():
+            dcp.save({"model": model, "optimizer": optim, **entries}, checkpoint_id=str(directory),
+                     no_dist=not dist.is_initialized())
 
     def load_shards(self, module: nn.Module, opt: torch.optim.Optimizer, entries: dict[str, dict[str, Tensor]],
                     directory: Path) -> None:
@@ -203,7 +205,8 @@ class Engine:
         # the shards hold the trainable weights only (the frozen ones are the loaded model's): not strict
         options = StateDictOptions(ignore_frozen_params=True, strict=False)
         state = {"model": model, "optimizer": optim, **entries}
-        dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+        with one_process_quiet():
+            dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
         set_state_dict(module, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=options)
 
@@ -221,6 +224,15 @@ class Engine:
         state = {i: {k: placed_like(v, order[i]) if torch.is_tensor(v) and v.shape == order[i].shape else v
                      for k, v in s.items()} for i, s in optim["state"].items()}
         opt.load_state_dict({"state": state, "param_groups": optim["param_groups"]})
+
+
+@contextlib.contextmanager
+def one_process_quiet() -> Iterator[None]:
+    """``torch.distributed.checkpoint`` without a process group (one process), without its warning that it assumes
+    so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def placed_like(whole: Tensor, like: Tensor) -> Tensor:

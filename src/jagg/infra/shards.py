@@ -86,6 +86,9 @@ def read_whole(directory: Path, entry: str, like: dict[str, Tensor]) -> dict[str
     one per name of ``like`` (each of its shape, in float32), read without a process group."""
     import torch.distributed.checkpoint as dcp
 
+    from .engine import one_process_quiet
+
     state = {entry: {n: torch.empty(t.shape, dtype=torch.float32) for n, t in like.items()}}
-    dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    with one_process_quiet():
+        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
     return state[entry]
