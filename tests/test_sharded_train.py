@@ -32,7 +32,9 @@ from jagg.cli import main  # noqa: E402
 from jagg.infra.engine import EngineSettings, resolve_engine  # noqa: E402
 from jagg.infra.launch import HANDLED, LaunchSettings, read_launch  # noqa: E402
 from jagg.trainers.diffusers import engine_for  # noqa: E402
+from jagg.infra.shards import read_whole  # noqa: E402
 from jagg.trainers.diffusers_config import load_config  # noqa: E402
+from jagg.trainers.trained_run import load_trained  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = str(Path(__file__).parent / "real_train_launch.py")
@@ -125,6 +127,11 @@ def test_fsdp_full_finetune_shards_equals_one_process_and_resumes(tmp_path, sd3_
     assert max(float((ema_one[k] - want[k]).abs().max()) for k in want) > 1e-4      # an average, not the weights
     for k in ema_one:
         torch.testing.assert_close(ema[k], ema_one[k], rtol=0, atol=2e-5, msg=k)
+    # jagg eval / jagg sample read the shards whole on one process: the EMA's weights, or (--raw-weights) the trained
+    for raw, want_weights in ((False, ema), (True, got)):
+        run = load_trained(fsdp / "checkpoints" / "ckpt_000002.pt", _eval_args(raw))
+        assert run.weights == ("trained" if raw else "EMA")
+        assert all(torch.equal(p.detach(), want_weights[n]) for n, p in run.policy.named_params.items())
 
     # resume from the first checkpoint with torchrun: bit-identical to the uninterrupted run (keeping 1 checkpoint:
     # the first one's shards go with it)
@@ -146,6 +153,13 @@ def test_fsdp_full_finetune_shards_equals_one_process_and_resumes(tmp_path, sd3_
     final = SD3Transformer2DModel.from_pretrained(single / "final" / "transformer").state_dict()
     for k in got:
         torch.testing.assert_close(final[k], got[k], rtol=0, atol=2e-5, msg=k)
+
+
+def _eval_args(raw: bool = False):
+    """The options of `jagg eval` / `jagg sample` that load_trained reads."""
+    import argparse
+
+    return argparse.Namespace(raw_weights=raw, guidance_scale=None, shift=None)
 
 
 def test_fsdp_lora_on_flux_equals_one_process(tmp_path):
@@ -367,3 +381,10 @@ def test_fsdp_lora_resumes_resharded_two_one_two(tmp_path, sd3_dir):
         assert set(a) == set(b)
         for k in b:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    # jagg eval / jagg sample of the sharded run: its EMA (read whole from the shards: the adapters they load)
+    ema = read_whole(whole / "checkpoints" / "ckpt_000003.dcp", "ema", load_trained(
+        whole / "checkpoints" / "ckpt_000003.pt", _eval_args(True)).policy.named_params)
+    trained = load_trained(whole / "checkpoints" / "ckpt_000003.pt", _eval_args())
+    assert trained.weights == "EMA" and set(ema) == set(trained.policy.named_params)
+    for n, p in trained.policy.named_params.items():
+        torch.testing.assert_close(p.detach(), ema[n], rtol=0, atol=1e-7, msg=n)

@@ -4,9 +4,9 @@ trainer (its newest checkpoint) or one of its ``ckpt_<n>.pt``.
 The model is the run's own (``pipeline:`` of the config saved in the checkpoint: its local directory, sigma grid,
 guidance, size) with the checkpoint's trained weights: the EMA's when the run keeps one (``--raw-weights``: the
 trained weights themselves); with LoRA, the adapter exported beside the checkpoint (``adapter_<n>/``, its ``ema/``),
-with full fine-tuning the checkpoint's weights. ``jagg eval`` evaluates it as the trainer does
-(:func:`jagg.trainers.diffusers_eval.evaluate_policy`) on the run's test set (or ``--prompt-file``) with the run's
-reward (or ``--reward``); ``jagg sample`` writes a captioned grid of ``--prompt`` / ``--prompt-file``. Options left
+with full fine-tuning the checkpoint's weights (an FSDP run's shards, read whole on this one process). ``jagg eval``
+evaluates it as the trainer does (:func:`jagg.trainers.diffusers_eval.evaluate_policy`) on the run's test set (or
+``--prompt-file``) with the run's reward (or ``--reward``); ``jagg sample`` writes a captioned grid of ``--prompt`` / ``--prompt-file``. Options left
 unset take the run's values: ``--steps`` its ``pipeline.eval_num_steps``, ``--guidance-scale`` its
 ``pipeline.cfg_scale``, ``--shift`` its ``pipeline.shift``, ``--seed`` its ``eval.seed`` (``jagg sample``: 0),
 ``--images-per-prompt`` its ``eval.images_per_prompt``.
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from ..infra import config_loader as configuration
-from ..infra.checkpoint import list_checkpoints, read_checkpoint
+from ..infra.checkpoint import list_checkpoints, read_checkpoint, shard_names
+from ..infra.shards import read_whole
 from ..infra.prompt_sets import read_prompt_set
 from ..integrations.config import VIDEO_FAMILIES, PipelineConfig
 from .diffusers_config import TRAINER_TAG, DiffusersEvalSection
@@ -78,7 +79,9 @@ def load_trained(path: Path, args) -> TrainedRun:
     state = read_checkpoint(path)
     saved = state["config"]
     pipeline = _pipeline(saved, args)
-    ema = state.get("ema") is not None and not args.raw_weights
+    shards = path.parent / state["model"] if isinstance(state["model"], str) else None    # FSDP's, with the EMA's
+    ema = (state.get("ema") is not None or (shards is not None and bool(shard_names(shards, "ema")))) \
+        and not args.raw_weights
     if pipeline.lora.enabled:
         adapter = path.parent / export_name(True, state["iteration"])
         adapter = adapter / EMA_DIR if ema else adapter
@@ -92,7 +95,10 @@ def load_trained(path: Path, args) -> TrainedRun:
     if note:                                  # stderr: `jagg eval` prints its metrics as JSON on stdout
         print(note.strip(), file=sys.stderr)
     if not pipeline.lora.enabled:
-        weights = state["ema"] if ema else state["model"]
+        if shards is not None:                # the shards read whole, on this one process
+            weights = read_whole(shards, "ema" if ema else "model", policy.named_params)
+        else:
+            weights = state["ema"] if ema else state["model"]
         with torch.no_grad():
             for n, p in policy.named_params.items():
                 p.copy_(weights[n].to(p.device, p.dtype))
