@@ -155,3 +155,17 @@ def test_damaged_shards_are_refused_before_the_model_loads_and_the_older_checkpo
     with pytest.raises(RunDirError, match="cannot resume: no readable checkpoint") as e:
         open_run(out, resume=True)
     assert "ckpt_000001.pt" in str(e.value) and "ckpt_000002.pt" in str(e.value)
+
+
+def test_ddp_wraps_without_a_deprecation_warning(group):
+    """The DDP engine keeps buffers from being broadcast before each forward with the argument this torch takes,
+    so no process prints torch's deprecation warning."""
+    import warnings
+
+    policy = Policy(LORA, tiny_sd3(), place=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        make_engine(EngineSettings("ddp"), 0, 1, torch.device("cpu")).wrap(policy)
+    assert not [w for w in seen if "deprecated" in str(w.message)], [str(w.message) for w in seen]
+    assert policy.transformer.forward_sync_buffers is False if hasattr(policy.transformer, "forward_sync_buffers") \
+        else policy.transformer.broadcast_buffers is False

@@ -253,7 +253,7 @@ class DDPEngine(Engine):
 
         ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
             if self.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(policy.bare, device_ids=ids, broadcast_buffers=False)
+        self.ddp = DistributedDataParallel(policy.bare, device_ids=ids, **no_buffer_sync())
         policy.transformer = self.ddp                 # DDP broadcast rank 0's weights: the replicas start equal
         self.recorder = CallRecorder(policy.bare)
 
@@ -271,6 +271,19 @@ class DDPEngine(Engine):
 
     def local(self) -> ContextManager:
         return self.ddp.no_sync()
+
+
+def no_buffer_sync() -> dict[str, bool]:
+    """``DistributedDataParallel``'s argument that keeps it from broadcasting buffers before each forward (the
+    estimator's many calls): ``forward_sync_buffers=False`` from torch 2.13, which deprecates the
+    ``broadcast_buffers=False`` of earlier versions with a warning per process."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 class FSDPEngine(Engine):
