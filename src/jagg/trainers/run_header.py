@@ -14,8 +14,9 @@ import contextlib
 import logging
 import os
 import statistics
+import sys
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -23,6 +24,8 @@ from ..integrations.config import VIDEO_FAMILIES
 from ..integrations.schedules import grid_name
 from ..knots import plan_update
 from ..trajectory import Trajectory
+
+T = TypeVar("T")
 
 LIBRARIES = ("diffusers", "transformers")
 SHOW_ENV = "JAGG_LOAD_MESSAGES"
@@ -140,6 +143,17 @@ def loading_note(held: list[str]) -> str | None:
     first = " ".join(unique[0].split())
     return (f"  (loading: {len(unique)} message{'s' * (len(unique) != 1)} of diffusers / transformers held back, e.g. "
             f"{first[:150]}{'...' if len(first) > 150 else ''}; {SHOW_ENV}=1 shows them)")
+
+
+def loaded_quietly(load: Callable[[], T]) -> T:
+    """``load()`` under :func:`quiet_loading`, then its :func:`loading_note` on stderr (a command whose stdout may be
+    JSON: ``jagg eval``, ``jagg bench meter``); returns what ``load`` returned."""
+    with quiet_loading() as held:
+        loaded = load()
+    note = loading_note(held)
+    if note:
+        print(note.strip(), file=sys.stderr)
+    return loaded
 
 
 def _progress_bars(enabled) -> tuple[bool, bool] | None:

@@ -15,7 +15,6 @@ unset take the run's values: ``--steps`` its ``pipeline.eval_num_steps``, ``--gu
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +73,7 @@ def load_trained(path: Path, args) -> TrainedRun:
     """The run of checkpoint ``path`` with its trained weights (module docstring); ``args``: the command's options
     (``raw_weights``, ``guidance_scale``, ``shift``)."""
     from ..integrations.policy import load_model
-    from .run_header import loading_note, quiet_loading
+    from .run_header import loaded_quietly
 
     state = read_checkpoint(path)
     saved = state["config"]
@@ -89,11 +88,7 @@ def load_trained(path: Path, args) -> TrainedRun:
             raise FileNotFoundError(f"the LoRA adapter of {path.name} is not at {adapter}; the run exports it beside "
                                     "each checkpoint (was it moved?)")
         pipeline = dataclasses.replace(pipeline, lora=dataclasses.replace(pipeline.lora, path=str(adapter)))
-    with quiet_loading() as held:
-        policy = load_model(pipeline)
-    note = loading_note(held)
-    if note:                                  # stderr: `jagg eval` prints its metrics as JSON on stdout
-        print(note.strip(), file=sys.stderr)
+    policy = loaded_quietly(lambda: load_model(pipeline))    # its note on stderr: `jagg eval` prints JSON on stdout
     if not pipeline.lora.enabled:
         if shards is not None:                # the shards read whole, on this one process
             weights = read_whole(shards, "ema" if ema else "model", policy.named_params)
