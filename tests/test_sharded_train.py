@@ -26,7 +26,7 @@ pytest.importorskip("peft")
 import diffusers  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: E402
 from tiny_pipelines import embeds, tiny_flux, tiny_vae  # noqa: E402
-from tiny_runs import assert_same_update, free_port, records, write_sd3_config  # noqa: E402
+from tiny_runs import accelerate_env, assert_same_update, free_port, records, write_sd3_config  # noqa: E402
 
 from jagg.cli import main  # noqa: E402
 from jagg.infra.engine import EngineSettings, resolve_engine  # noqa: E402
@@ -206,24 +206,12 @@ threads: 1
     assert max(float(w.abs().max()) for n, w in weights.items() if "lora_B" in n) > 5e-4   # lora_B left 0
 
 
-def _accelerate_env(name: str, *extra: str) -> dict[str, str]:
-    """The environment `accelerate launch --config_file configs/accelerate/<name>.yaml` gives each process."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "configs" / "accelerate" / f"{name}.yaml"),
-                                               *extra, "x.py"])
-    args, _, _ = _validate_launch_command(args)
-    env = prepare_multi_gpu_env(args)
-    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_")) and k not in os.environ}
-
-
 def test_the_shipped_accelerate_configs_are_honoured(tmp_path, sd3_dir):
     """Every variable accelerate sets for a process is one jagg reads; ddp.yaml's bf16 is the autocast of a DDP run,
     fsdp.yaml's the MixedPrecisionPolicy of an FSDP run; the DeepSpeed config is refused naming its key."""
     cfg = write_sd3_config(tmp_path, sd3_dir)
     for name in ("ddp", "fsdp"):
-        env = _accelerate_env(name)
+        env = accelerate_env(ROOT / "configs" / "accelerate" / f"{name}.yaml")
         assert set(env) <= set(HANDLED), set(env) - set(HANDLED)
         launch = read_launch(env)
         c = load_config(cfg)
@@ -234,7 +222,8 @@ def test_the_shipped_accelerate_configs_are_honoured(tmp_path, sd3_dir):
             assert (settings.strategy, settings.param_dtype, settings.wrap, settings.wrap_classes) == \
                 ("fsdp", "bf16", "blocks", None)
             assert c.pipeline.autocast is None and settings.reshard_after_forward is True
-    env = _accelerate_env("fsdp", "--fsdp_reshard_after_forward", "false", "--fsdp_activation_checkpointing", "true")
+    env = accelerate_env(ROOT / "configs" / "accelerate" / "fsdp.yaml", "--fsdp_reshard_after_forward", "false",
+                         "--fsdp_activation_checkpointing", "true")
     c = load_config(cfg)
     assert resolve_engine(c, read_launch(env), 2).reshard_after_forward is False and c.pipeline.gradient_checkpointing
     with pytest.raises(ValueError, match="distributed_type: DEEPSPEED is not supported by jagg train"):
