@@ -377,3 +377,56 @@ def test_fsdp_lora_resumes_resharded_two_one_two(tmp_path, sd3_dir):
     assert trained.weights == "EMA" and set(ema) == set(trained.policy.named_params)
     for n, p in trained.policy.named_params.items():
         torch.testing.assert_close(p.detach(), ema[n], rtol=0, atol=1e-7, msg=n)
+
+
+def test_ctrl_c_under_torchrun_saves_once_on_every_rank_and_says_so_last(tmp_path, sd3_dir):
+    """Ctrl-C (SIGINT to the launcher and its processes, as a terminal sends it) under torchrun with 2 FSDP processes:
+    the first screen names the engine and what rank 0 holds; every rank finishes the iteration and writes its shards
+    once; what the user sees last, after torchrun's own report of the signal, is the checkpoint and how to resume."""
+    import signal
+    import time
+
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    out = tmp_path / "run"
+    args = _args(cfg, ["distributed.strategy=fsdp", "grpo.iterations=1000", "log.checkpoint_every=0",
+                       "log.sample_images=0"]) + ["--output-dir", str(out)]
+    with open(tmp_path / "stdout", "w") as so, open(tmp_path / "stderr", "w") as se:
+        proc = subprocess.Popen([sys.executable, "-m", *TORCHRUN, LAUNCHER, *args], env=ENV, stdout=so, stderr=se,
+                                start_new_session=True)
+        try:
+            while proc.poll() is None and not (out / "metrics.jsonl").is_file():   # an iteration done: the loop runs
+                time.sleep(0.2)
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+    for _ in range(100):                           # the line said after torchrun's exit comes from a detached process
+        if "jagg: stopped by a signal" in stderr:
+            break
+        time.sleep(0.1)
+        stderr = (tmp_path / "stderr").read_text()
+    assert "engine     FSDP2 (sharded) on 2 processes; rank 0 holds" in stdout
+    assert stdout.count("received signal 2: finishing this iteration") == 1
+    (pt,) = (out / "checkpoints").glob("ckpt_*.pt")
+    assert sorted(p.name for p in (out / "checkpoints" / pt.name.replace(".pt", ".dcp")).glob("*.distcp")) == \
+        ["__0_0.distcp", "__1_0.distcp"]                            # both ranks saved their shards, once
+    assert {r["iteration"] for r in records(out)} == set(range(1, int(pt.stem.split("_")[1]) + 1))
+    last = stderr.strip().splitlines()[-1]
+    assert last == (f"jagg: stopped by a signal after iteration {int(pt.stem.split('_')[1])}, every process saved: "
+                    f"{pt}; continue with --resume (the same launch command)"), stderr[-3000:]
+
+
+def test_a_refusal_under_torchrun_is_the_last_line(tmp_path, sd3_dir):
+    """A refusal before the model loads (estimator.mode: auto under FSDP) under torchrun: every process exits 2 with
+    the one line, and after torchrun's own report of the failed processes the line comes again, last."""
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    proc = subprocess.run([sys.executable, "-m", *TORCHRUN, LAUNCHER, *_args(cfg, [
+        "distributed.strategy=fsdp", "estimator.mode=auto"]), "--output-dir", str(tmp_path / "run")], env=ENV,
+        capture_output=True, text=True, timeout=300)         # returns once the detached process said the line
+    line = "jagg train: error: estimator.mode: auto measures the estimators on one process's whole gradient"
+    assert proc.returncode == 1 and "ChildFailedError" in proc.stderr          # torchrun's own status and report
+    assert proc.stderr.count(line) == 3 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -264,7 +264,8 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         self.evaluates = cfg.eval.enabled
         self._images, self._prompts, self._scores = None, None, None
         if self.main:                                          # the first screen: what runs
-            lines = header(cfg, self.policy, self.out, self.run_id, self._start.resumed is not None, self.world)
+            lines = header(cfg, self.policy, self.out, self.run_id, self._start.resumed is not None, self.world,
+                           self.engine.name)
             print("\n".join(lines + [note for note in [loading_note(held)] if note]), flush=True)
 
     # ------------------------------------------------------------------ state
