@@ -25,7 +25,8 @@ read with accelerate's meaning (:mod:`jagg.infra.launch`) and applied here.
 Checkpoints: the replicated engines keep the whole state in one file (:mod:`jagg.infra.checkpoint`); the FSDP engine
 saves the shards (model, optimizer, and any other entry keyed like the trainable parameters, e.g. an EMA) with
 ``torch.distributed.checkpoint`` (:meth:`Engine.save_shards`, :meth:`Engine.load_shards`), which reads them back on
-another number of processes (resharding), or into unsharded weights. :meth:`Engine.full_state_dict` gathers the
+another number of processes (resharding), or into unsharded weights; :meth:`Engine.load_whole` reads whole weights
+into any engine (under FSDP each process takes its shard). :meth:`Engine.full_state_dict` gathers the
 weights once, on the main process, for the final export.
 """
 
