@@ -13,6 +13,7 @@ import torch.distributed as dist  # noqa: E402
 from tiny_pipelines import tiny_sd3  # noqa: E402
 
 from jagg.infra.engine import EngineSettings, make_engine  # noqa: E402
+from jagg.infra.shards import read_whole  # noqa: E402
 from jagg.integrations import PipelineConfig  # noqa: E402
 from jagg.integrations.policy import Policy  # noqa: E402
 from jagg.trainers.ema import EMA  # noqa: E402
@@ -68,6 +69,10 @@ def test_fsdp_lora_shards_and_whole_weights_read_into_either_layout(tmp_path, gr
         e2.load_shards(p2.bare, o2, {"ema": dict(zip(ema2.names, ema2.shadow))}, tmp_path / "ckpt.dcp")
         got = _whole(p2, o2, ema2)
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), strategy
+    whole = read_whole(tmp_path / "ckpt.dcp", "ema", ema.names)             # jagg eval's read, no process group
+    assert all(torch.equal(whole[n], want[f"ema/{n}"]) for n in ema.names)
+    with pytest.raises(ValueError, match="holds no 'ema' weights named \\['proj_out.weight'\\]"):
+        read_whole(tmp_path / "ckpt.dcp", "ema", ["proj_out.weight"])
     one, p1, o1, ema1 = _trained("single", 1)
     saved = {"model": {n: p.detach().clone() for n, p in p1.named_params.items()}, "optimizer": o1.state_dict(),
              "ema": ema1.state_dict()}

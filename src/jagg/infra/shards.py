@@ -81,14 +81,21 @@ def _check_file(path: Path, infos: list) -> None:
                 raise ValueError(f"{where} is corrupt: the item at byte {i.offset} is not what its .metadata says")
 
 
-def read_whole(directory: Path, entry: str, like: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The tensors of ``entry`` (e.g. ``"model"``, ``"ema"``) of the shard directory ``directory``, whole, on the CPU,
-    one per name of ``like`` (each of its shape, in float32), read without a process group."""
+def read_whole(directory: Path, entry: str, names) -> dict[str, Tensor]:
+    """The tensors ``names`` of ``entry`` (e.g. ``"model"``, ``"ema"``) of the shard directory ``directory``, whole, on
+    the CPU, each in its saved shape and dtype, read without a process group; a name the directory lacks is a
+    ``ValueError`` naming it."""
     import torch.distributed.checkpoint as dcp
 
     from .engine import one_process_quiet
 
-    state = {entry: {n: torch.empty(t.shape, dtype=torch.float32) for n, t in like.items()}}
+    saved = shard_metadata(directory).state_dict_metadata
+    missing = [n for n in names if f"{entry}.{n}" not in saved]
+    if missing:
+        raise ValueError(f"the shard directory {directory} holds no {entry!r} weights named {missing[:3]}; it was "
+                         "written for another model or LoRA setting")
+    state = {entry: {n: torch.empty(saved[f"{entry}.{n}"].size, dtype=saved[f"{entry}.{n}"].properties.dtype)
+                     for n in names}}
     with one_process_quiet():
         dcp.load(state, checkpoint_id=str(directory), no_dist=True)
     return state[entry]
