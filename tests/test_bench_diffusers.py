@@ -31,12 +31,22 @@ def _bench(tmp_path, sd3_dir, *extra: str) -> tuple[list[dict], str]:
 
 
 @pytest.mark.parametrize("update", [0, 1])
-def test_efficiency_on_a_diffusers_config(tmp_path, sd3_dir, capsys, update):
+def test_efficiency_on_a_diffusers_config(tmp_path, sd3_dir, capsys, monkeypatch, update):
     """On-policy and as a rollout's second update: a table, finite errors against the noise, exact's rows the trained
-    steps (4 of pipeline.num_steps=4), plain JAGG's fewer; the run directory is never opened."""
+    steps (4 of pipeline.num_steps=4), plain JAGG's fewer; the run directory is never opened; the model's loading
+    messages are held back, as the trainer does, and counted in one line on stderr."""
+    import logging
+
+    load = real_train.load_model
+
+    def noisy_load(*args, **kwargs):
+        logging.getLogger("diffusers.models").warning("a loading message")
+        return load(*args, **kwargs)
+    monkeypatch.setattr(real_train, "load_model", noisy_load)
     cost = ["--cost", "B_F=1"] if update else []                 # the config's own structure, B/F changed
     records, _ = _bench(tmp_path, sd3_dir, "--update", str(update), *cost)
-    text = capsys.readouterr().out
+    text, err = capsys.readouterr()
+    assert "a loading message" not in text and "(loading: 1 message of diffusers / transformers held back" in err
     assert "E|e|^2/V_b" in text and "projected, not measured" in text
     assert ("off-policy: update 1" in text) == bool(update)
     by = {r["estimator"]: r for r in records}

@@ -14,7 +14,9 @@ Each command is then checked:
    :func:`jagg.cli.build_parser`, ``jagg bench ...`` included; a script or ``-m`` module that uses argparse by its own
    parser (its ``parse_args`` is intercepted, nothing runs); ``make X`` must be a Makefile target;
 2. **loaded**, where that is fast: ``jagg train ...`` runs with ``--print-config`` (the config and every ``--set`` are
-   validated, nothing trains), ``jagg pretrain`` and ``jagg bench ...`` load their ``--config``/``--set``; a prompts
+   validated, nothing trains; under torchrun / accelerate launch a real model's engine is decided too, with the
+   launcher's settings, as every launched process decides before the model loads), ``jagg pretrain`` and ``jagg
+   bench ...`` load their ``--config``/``--set``; a prompts
    file the command names (``sample.prompts_file=prompts.txt``) is created in the scratch directory, as a user would
    have it. Elided commands (``...``) and synopses are only parsed;
 3. **run as written**, for the commands of code blocks (inline mentions name commands, they are not instructions,
@@ -376,6 +378,25 @@ def _load(cmd: Command, args: list[str], ns: argparse.Namespace, scratch: Path, 
         configuration.load(kind, ns.config, ns.set or [])
 
 
+def _check_launched(cmd: Command, ns: argparse.Namespace) -> None:
+    """A documented multi-process ``jagg train`` of a real model: its engine decided as each launched process decides
+    before the model loads (:func:`jagg.trainers.diffusers.engine_for`), with the launcher's settings (torchrun's none,
+    an accelerate config's environment) on the processes the command names."""
+    from tiny_runs import accelerate_env
+
+    from jagg.infra.launch import LaunchSettings, read_launch
+    from jagg.trainers.diffusers import engine_for
+    from jagg.trainers.diffusers_config import has_pipeline_section, load_config
+
+    argv = cmd.argv
+    if argv[0] not in ("torchrun", "accelerate") or ns.command != "train" or not has_pipeline_section(ns.config):
+        return
+    launcher = argv[2:argv.index("-m")] if argv[0] == "accelerate" else argv[1:argv.index("-m")]
+    world = int(launcher[launcher.index("--nproc_per_node") + 1]) if "--nproc_per_node" in launcher else 8
+    launch = read_launch(accelerate_env(*launcher[1:])) if argv[0] == "accelerate" else LaunchSettings()
+    engine_for(load_config(ns.config, ns.set or []), launch, world)
+
+
 def _skip_reason(cmd: Command) -> str | None:
     text = " ".join(cmd.argv)
     for pattern, reason in SKIP:
@@ -423,6 +444,7 @@ def test_documented_command(cmd: Command, scratch, monkeypatch, capsys):
         return
     if kind == "jagg":
         _load(cmd, args, ns, scratch, capsys)
+        _check_launched(cmd, ns)
     if _skip_reason(cmd):
         return
     seconds = _run(cmd, kind, args if kind == "jagg" else cmd.argv, scratch, capsys)

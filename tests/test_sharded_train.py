@@ -26,13 +26,15 @@ pytest.importorskip("peft")
 import diffusers  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: E402
 from tiny_pipelines import embeds, tiny_flux, tiny_vae  # noqa: E402
-from tiny_runs import assert_same_update, free_port, records, write_sd3_config  # noqa: E402
+from tiny_runs import accelerate_env, assert_same_update, free_port, records, write_sd3_config  # noqa: E402
 
 from jagg.cli import main  # noqa: E402
 from jagg.infra.engine import EngineSettings, resolve_engine  # noqa: E402
 from jagg.infra.launch import HANDLED, LaunchSettings, read_launch  # noqa: E402
 from jagg.trainers.diffusers import engine_for  # noqa: E402
+from jagg.infra.shards import read_whole  # noqa: E402
 from jagg.trainers.diffusers_config import load_config  # noqa: E402
+from jagg.trainers.trained_run import load_trained  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = str(Path(__file__).parent / "real_train_launch.py")
@@ -125,6 +127,11 @@ def test_fsdp_full_finetune_shards_equals_one_process_and_resumes(tmp_path, sd3_
     assert max(float((ema_one[k] - want[k]).abs().max()) for k in want) > 1e-4      # an average, not the weights
     for k in ema_one:
         torch.testing.assert_close(ema[k], ema_one[k], rtol=0, atol=2e-5, msg=k)
+    # jagg eval / jagg sample read the shards whole on one process: the EMA's weights, or (--raw-weights) the trained
+    for raw, want_weights in ((False, ema), (True, got)):
+        run = load_trained(fsdp / "checkpoints" / "ckpt_000002.pt", _eval_args(raw))
+        assert run.weights == ("trained" if raw else "EMA")
+        assert all(torch.equal(p.detach(), want_weights[n]) for n, p in run.policy.named_params.items())
 
     # resume from the first checkpoint with torchrun: bit-identical to the uninterrupted run (keeping 1 checkpoint:
     # the first one's shards go with it)
@@ -146,6 +153,13 @@ def test_fsdp_full_finetune_shards_equals_one_process_and_resumes(tmp_path, sd3_
     final = SD3Transformer2DModel.from_pretrained(single / "final" / "transformer").state_dict()
     for k in got:
         torch.testing.assert_close(final[k], got[k], rtol=0, atol=2e-5, msg=k)
+
+
+def _eval_args(raw: bool = False):
+    """The options of `jagg eval` / `jagg sample` that load_trained reads."""
+    import argparse
+
+    return argparse.Namespace(raw_weights=raw, guidance_scale=None, shift=None)
 
 
 def test_fsdp_lora_on_flux_equals_one_process(tmp_path):
@@ -192,24 +206,12 @@ threads: 1
     assert max(float(w.abs().max()) for n, w in weights.items() if "lora_B" in n) > 5e-4   # lora_B left 0
 
 
-def _accelerate_env(name: str, *extra: str) -> dict[str, str]:
-    """The environment `accelerate launch --config_file configs/accelerate/<name>.yaml` gives each process."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    args = launch_command_parser().parse_args(["--config_file", str(ROOT / "configs" / "accelerate" / f"{name}.yaml"),
-                                               *extra, "x.py"])
-    args, _, _ = _validate_launch_command(args)
-    env = prepare_multi_gpu_env(args)
-    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_")) and k not in os.environ}
-
-
 def test_the_shipped_accelerate_configs_are_honoured(tmp_path, sd3_dir):
     """Every variable accelerate sets for a process is one jagg reads; ddp.yaml's bf16 is the autocast of a DDP run,
     fsdp.yaml's the MixedPrecisionPolicy of an FSDP run; the DeepSpeed config is refused naming its key."""
     cfg = write_sd3_config(tmp_path, sd3_dir)
     for name in ("ddp", "fsdp"):
-        env = _accelerate_env(name)
+        env = accelerate_env(ROOT / "configs" / "accelerate" / f"{name}.yaml")
         assert set(env) <= set(HANDLED), set(env) - set(HANDLED)
         launch = read_launch(env)
         c = load_config(cfg)
@@ -220,7 +222,8 @@ def test_the_shipped_accelerate_configs_are_honoured(tmp_path, sd3_dir):
             assert (settings.strategy, settings.param_dtype, settings.wrap, settings.wrap_classes) == \
                 ("fsdp", "bf16", "blocks", None)
             assert c.pipeline.autocast is None and settings.reshard_after_forward is True
-    env = _accelerate_env("fsdp", "--fsdp_reshard_after_forward", "false", "--fsdp_activation_checkpointing", "true")
+    env = accelerate_env(ROOT / "configs" / "accelerate" / "fsdp.yaml", "--fsdp_reshard_after_forward", "false",
+                         "--fsdp_activation_checkpointing", "true")
     c = load_config(cfg)
     assert resolve_engine(c, read_launch(env), 2).reshard_after_forward is False and c.pipeline.gradient_checkpointing
     with pytest.raises(ValueError, match="distributed_type: DEEPSPEED is not supported by jagg train"):
@@ -252,7 +255,7 @@ def test_an_unsupported_accelerate_setting_is_refused_by_name(change, key):
 
 def test_the_config_and_the_launcher_must_agree(tmp_path, sd3_dir):
     """A key set both in the jagg config and the accelerate config must agree; torchrun takes the config's; one
-    process runs no engine; FSDP refuses the main-process audit before anything loads."""
+    process runs no engine; FSDP refuses the main-process audit and estimator.mode: auto before anything loads."""
     cfg = write_sd3_config(tmp_path, sd3_dir)
     fsdp = read_launch(FSDP_ENV)
     assert fsdp == LaunchSettings(launcher="accelerate", strategy="fsdp", wrap="blocks", reshard_after_forward=True)
@@ -277,6 +280,10 @@ def test_the_config_and_the_launcher_must_agree(tmp_path, sd3_dir):
     with pytest.raises(ValueError, match="estimator.meter_every > 0 audits"):
         engine_for(load_config(cfg, ["estimator.meter_every=1"]), fsdp, 2)
     assert engine_for(load_config(cfg, ["estimator.meter_every=1"]), fsdp, 1).strategy == "single"
+    with pytest.raises(ValueError, match="estimator.mode: auto measures .* run jagg bench meter --config .one "
+                                         "process. and set the estimator it names"):
+        engine_for(load_config(cfg, ["estimator.mode=auto"]), fsdp, 2)
+    assert engine_for(load_config(cfg, ["estimator.mode=auto"]), torchrun, 2).strategy == "ddp"
 
 
 def test_fsdp_engine_in_bf16_mixed_precision_on_one_sharded_process(tmp_path):
@@ -326,3 +333,100 @@ def test_fsdp_engine_in_bf16_mixed_precision_on_one_sharded_process(tmp_path):
         assert {v.dtype for v in back.values()} == {torch.float32}
     finally:
         dist.destroy_process_group()
+
+
+def _at_checkpoint(src: Path, dst: Path, n: int) -> None:
+    """``dst``: the run ``src`` as it was after iteration ``n`` (its later checkpoints, exports and ranks gone)."""
+    shutil.copytree(src, dst)
+    later = [p for p in (dst / "checkpoints").iterdir() if int(p.name.split("_")[1].split(".")[0]) > n]
+    for p in [*later, dst / "final", *dst.glob("rank*.pt")]:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def test_fsdp_lora_resumes_resharded_two_one_two(tmp_path, sd3_dir):
+    """FSDP with LoRA (the shards hold the adapters only) on 2 processes, resumed from its first checkpoint on 1
+    process (the shards read into whole weights, which it saves), then from that one's checkpoint on 2 processes under
+    FSDP again (the whole weights sharded): the same run as the uninterrupted one, within float precision."""
+    from safetensors.torch import load_file
+
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    sets = ["distributed.strategy=fsdp", "grpo.updates_per_epoch=1", "sample.micro_batch=2", "log.sample_images=0",
+            "optim.ema_decay=0.5", "log.keep_last=3"]
+    whole = tmp_path / "whole"
+    _launch(TORCHRUN, _args(cfg, sets + ["grpo.iterations=3"]) + ["--output-dir", str(whole)])
+    assert torch.load(whole / "checkpoints" / "ckpt_000001.pt", weights_only=False)["model"] == "ckpt_000001.dcp"
+    run = tmp_path / "run"
+    _at_checkpoint(whole, run, 1)
+    assert main(_args(cfg, sets + ["grpo.iterations=2"]) + ["--output-dir", str(run), "--resume"]) == 0
+    assert isinstance(torch.load(run / "checkpoints" / "ckpt_000002.pt", weights_only=False)["model"], dict)
+    _launch(TORCHRUN, _args(cfg, sets + ["grpo.iterations=3"]) + ["--output-dir", str(run), "--resume"])
+    assert torch.load(run / "checkpoints" / "ckpt_000003.pt", weights_only=False)["engine"]["processes"] == 2
+    want, got = records(whole), records(run)
+    assert [r["iteration"] for r in got] == [1, 2, 3]
+    for a, b in zip(got, want):
+        assert_same_update(a, b)
+    for sub in ("", "ema/"):
+        a, b = (load_file(d / "final" / "adapter" / sub / "pytorch_lora_weights.safetensors") for d in (run, whole))
+        assert set(a) == set(b)
+        for k in b:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+    # jagg eval / jagg sample of the sharded run: its EMA (read whole from the shards: the adapters they load)
+    ema = read_whole(whole / "checkpoints" / "ckpt_000003.dcp", "ema", load_trained(
+        whole / "checkpoints" / "ckpt_000003.pt", _eval_args(True)).policy.named_params)
+    trained = load_trained(whole / "checkpoints" / "ckpt_000003.pt", _eval_args())
+    assert trained.weights == "EMA" and set(ema) == set(trained.policy.named_params)
+    for n, p in trained.policy.named_params.items():
+        torch.testing.assert_close(p.detach(), ema[n], rtol=0, atol=1e-7, msg=n)
+
+
+def test_ctrl_c_under_torchrun_saves_once_on_every_rank_and_says_so_last(tmp_path, sd3_dir):
+    """Ctrl-C (SIGINT to the launcher and its processes, as a terminal sends it) under torchrun with 2 FSDP processes:
+    the first screen names the engine and what rank 0 holds; every rank finishes the iteration and writes its shards
+    once; what the user sees last, after torchrun's own report of the signal, is the checkpoint and how to resume."""
+    import signal
+    import time
+
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    out = tmp_path / "run"
+    args = _args(cfg, ["distributed.strategy=fsdp", "grpo.iterations=1000", "log.checkpoint_every=0",
+                       "log.sample_images=0"]) + ["--output-dir", str(out)]
+    with open(tmp_path / "stdout", "w") as so, open(tmp_path / "stderr", "w") as se:
+        proc = subprocess.Popen([sys.executable, "-m", *TORCHRUN, LAUNCHER, *args], env=ENV, stdout=so, stderr=se,
+                                start_new_session=True)
+        try:
+            while proc.poll() is None and not (out / "metrics.jsonl").is_file():   # an iteration done: the loop runs
+                time.sleep(0.2)
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+    for _ in range(100):                           # the line said after torchrun's exit comes from a detached process
+        if "jagg: stopped by a signal" in stderr:
+            break
+        time.sleep(0.1)
+        stderr = (tmp_path / "stderr").read_text()
+    assert "engine     FSDP2 (sharded) on 2 processes; rank 0 holds" in stdout
+    assert stdout.count("received signal 2: finishing this iteration") == 1
+    (pt,) = (out / "checkpoints").glob("ckpt_*.pt")
+    assert sorted(p.name for p in (out / "checkpoints" / pt.name.replace(".pt", ".dcp")).glob("*.distcp")) == \
+        ["__0_0.distcp", "__1_0.distcp"]                            # both ranks saved their shards, once
+    assert {r["iteration"] for r in records(out)} == set(range(1, int(pt.stem.split("_")[1]) + 1))
+    last = stderr.strip().splitlines()[-1]
+    assert last == (f"jagg: stopped by a signal after iteration {int(pt.stem.split('_')[1])}, every process saved: "
+                    f"{pt}; continue with --resume (the same launch command)"), stderr[-3000:]
+
+
+def test_a_refusal_under_torchrun_is_the_last_line(tmp_path, sd3_dir):
+    """A refusal before the model loads (estimator.mode: auto under FSDP) under torchrun: every process exits 2 with
+    the one line, and after torchrun's own report of the failed processes the line comes again, last."""
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    proc = subprocess.run([sys.executable, "-m", *TORCHRUN, LAUNCHER, *_args(cfg, [
+        "distributed.strategy=fsdp", "estimator.mode=auto"]), "--output-dir", str(tmp_path / "run")], env=ENV,
+        capture_output=True, text=True, timeout=300)         # returns once the detached process said the line
+    line = "jagg train: error: estimator.mode: auto measures the estimators on one process's whole gradient"
+    assert proc.returncode == 1 and "ChildFailedError" in proc.stderr          # torchrun's own status and report
+    assert proc.stderr.count(line) == 3 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -114,3 +114,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def accelerate_env(config_file: Path | str, *extra: str) -> dict[str, str]:
+    """The environment `accelerate launch --config_file <config_file> <extra>` gives each process (the variables it
+    sets for jagg to read)."""
+    import os
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), *extra, "x.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_")) and k not in os.environ}

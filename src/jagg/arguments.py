@@ -13,20 +13,19 @@ from .checks import number_arg
 
 def run_command(command: str, run: Callable, args) -> int:
     """``run(args)`` as the command ``command`` (e.g. ``"jagg train"``) ends for a user: a refusal (bad input, a run
-    directory or file that may not be used: ``ValueError``, ``OSError``) is one line on stderr and exit 2, a run that
-    aborted (:class:`jagg.trainers.base.TrainingAborted`) one line and exit 1, out of memory one line and exit 2,
-    Ctrl-C one line and exit 130; anything else is a bug and keeps its traceback."""
+    directory or file that may not be used: ``ValueError``, ``OSError``) is one line on stderr and exit 2 (under a
+    launcher repeated after the launcher's report), a run that aborted (:class:`jagg.trainers.base.TrainingAborted`)
+    one line and exit 1, out of memory one line and exit 2, Ctrl-C one line and exit 130; anything else is a bug and
+    keeps its traceback."""
     try:
         return run(args)
     except KeyboardInterrupt as e:    # Ctrl-C anywhere: setup, a benchmark, an evaluation
         print(f"\n{command}: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
         return 130
     except ValueError as e:           # incl. RewardError and RunDirError: a message, not a traceback
-        print(f"{command}: error: {e}", file=sys.stderr)
-        return 2
+        return _refused(f"{command}: error: {e}")
     except OSError as e:              # a file or directory that cannot be read or written: one line, exit 2
-        print(f"{command}: error: {os_error(e)}", file=sys.stderr)
-        return 2
+        return _refused(f"{command}: error: {os_error(e)}")
     except MemoryError as e:
         print(f"{command}: error: out of memory{f' ({e})' if str(e) else ''}; lower the sizes (batch, steps, model)",
               file=sys.stderr)
@@ -43,6 +42,16 @@ def run_command(command: str, run: Callable, args) -> int:
                   "steps, model)", file=sys.stderr)
             return 2
         raise
+
+
+def _refused(line: str) -> int:
+    """A refusal: ``line`` on stderr (under a launcher said again after the launcher's own report of the failed
+    processes, :func:`jagg.infra.after_launch.say_after_launcher`); exit status 2."""
+    from .infra.after_launch import say_after_launcher
+
+    print(line, file=sys.stderr)
+    say_after_launcher(line)
+    return 2
 
 
 def os_error(e: OSError) -> str:

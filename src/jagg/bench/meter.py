@@ -177,8 +177,9 @@ def make_sampler(cfg: TrainConfig) -> Sampler:
     config (the model, LoRA, prompts and reward of ``jagg train``), :class:`ShapesSampler` otherwise."""
     if isinstance(cfg, DiffusersTrainConfig):
         from ..trainers.diffusers import DiffusersSampler
+        from ..trainers.run_header import loaded_quietly
 
-        return DiffusersSampler(cfg)
+        return loaded_quietly(lambda: DiffusersSampler(cfg))      # the loading messages held, as the trainer does
     return ShapesSampler(cfg)
 
 

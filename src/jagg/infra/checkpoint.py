@@ -25,6 +25,7 @@ from .. import __version__
 from ..checks import check_fields
 from ..meter import Meter
 from .atomic import atomic_write
+from .shards import check_shards, mark_run
 
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
 
@@ -112,10 +113,12 @@ def read_checkpoint(path: str | Path, resume: bool = False) -> dict:
     check_fields(state, FIELDS, f"{path} is not a loadable checkpoint", tuple(k for k in FIELDS if k not in required),
                  "it was not written by jagg train, or was changed since")
     for key in ("model", "optimizer"):
-        if isinstance(state.get(key), str) and not (Path(path).parent / state[key]).is_dir():
-            raise ValueError(f"{path} is not a loadable checkpoint: its {key!r} names the shard directory "
-                             f"{state[key]!r}, which is not there beside it; restore it, or resume from another "
-                             "checkpoint")
+        if isinstance(state.get(key), str):      # FSDP's shards: there, complete and of this run (jagg.infra.shards)
+            try:
+                check_shards(Path(path).parent / state[key], state.get("run_id"))
+            except ValueError as e:
+                raise ValueError(f"{path} is not a loadable checkpoint: its {key!r} {e}; restore it, or resume "
+                                 "from another checkpoint") from None
     if state.get("meter") is not None:
         check_fields(state["meter"], Meter.STATE_FIELDS, f"{path} is not a loadable checkpoint: its 'meter'",
                      fix="it was not written by jagg train, or was changed since")
@@ -135,11 +138,11 @@ def load_latest(directory: Path) -> tuple[dict, Path] | None:
 
 
 def write_shards(save: Callable[[Path], None], directory: Path, iteration: int, main: bool,
-                 barrier: Callable[[], None]) -> str:
+                 barrier: Callable[[], None], run_id: str | None = None) -> str:
     """The shard directory of iteration ``iteration``, ``ckpt_<iteration>.dcp`` in ``directory``: every process calls
     this with ``save(tmp)`` (a collective, e.g. ``torch.distributed.checkpoint.save``) filling a temporary directory,
-    which the main process renames once every process is done (``barrier``). Returns the directory's name, for the
-    ``.pt`` file written after it."""
+    which the main process marks with ``run_id`` (:func:`jagg.infra.shards.mark_run`) and renames once every process
+    is done (``barrier``). Returns the directory's name, for the ``.pt`` file written after it."""
     name = f"ckpt_{iteration:06d}.dcp"
     tmp = Path(directory) / f".{name}.tmp"
     if main:
@@ -149,6 +152,7 @@ def write_shards(save: Callable[[Path], None], directory: Path, iteration: int, 
     save(tmp)
     barrier()
     if main:
+        mark_run(tmp, run_id)
         shutil.rmtree(Path(directory) / name, ignore_errors=True)   # an orphan: its .pt was never written
         os.replace(tmp, Path(directory) / name)
     barrier()

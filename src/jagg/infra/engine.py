@@ -25,13 +25,15 @@ read with accelerate's meaning (:mod:`jagg.infra.launch`) and applied here.
 Checkpoints: the replicated engines keep the whole state in one file (:mod:`jagg.infra.checkpoint`); the FSDP engine
 saves the shards (model, optimizer, and any other entry keyed like the trainable parameters, e.g. an EMA) with
 ``torch.distributed.checkpoint`` (:meth:`Engine.save_shards`, :meth:`Engine.load_shards`), which reads them back on
-another number of processes (resharding), or into unsharded weights. :meth:`Engine.full_state_dict` gathers the
+another number of processes (resharding), or into unsharded weights; :meth:`Engine.load_whole` reads whole weights
+into any engine (under FSDP each process takes its shard). :meth:`Engine.full_state_dict` gathers the
 weights once, on the main process, for the final export.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator
@@ -188,7 +190,9 @@ class Engine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         model, optim = get_state_dict(module, opt, options=StateDictOptions(ignore_frozen_params=True))
-        dcp.save({"model": model, "optimizer": optim, **entries}, checkpoint_id=str(directory))
+        with one_process_quiet():
+            dcp.save({"model": model, "optimizer": optim, **entries}, checkpoint_id=str(directory),
+                     no_dist=not dist.is_initialized())
 
     def load_shards(self, module: nn.Module, opt: torch.optim.Optimizer, entries: dict[str, dict[str, Tensor]],
                     directory: Path) -> None:
@@ -199,10 +203,47 @@ class Engine:
 
         options = StateDictOptions(ignore_frozen_params=True)
         model, optim = get_state_dict(module, opt, options=options)
+        # the shards hold the trainable weights only (the frozen ones are the loaded model's): not strict
+        options = StateDictOptions(ignore_frozen_params=True, strict=False)
         state = {"model": model, "optimizer": optim, **entries}
-        dcp.load(state, checkpoint_id=str(directory))
+        with one_process_quiet():
+            dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
         set_state_dict(module, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=options)
+
+
+    def load_whole(self, params: dict[str, Tensor], opt: torch.optim.Optimizer, model: dict[str, Tensor],
+                   optim: dict) -> None:
+        """Read whole weights (``model``: {parameter name: tensor}, as one process or DDP saves them) into ``params``
+        and the optimizer's state ``optim`` (``opt.state_dict()`` of the same parameters, in order) into ``opt``, each
+        tensor laid out as its parameter (:func:`placed_like`: under FSDP every process takes its shard, a
+        collective), so a checkpoint of any number of processes resumes on this engine."""
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(placed_like(model[n], p))
+        order = [p for group in opt.param_groups for p in group["params"]]
+        state = {i: {k: placed_like(v, order[i]) if torch.is_tensor(v) and v.shape == order[i].shape else v
+                     for k, v in s.items()} for i, s in optim["state"].items()}
+        opt.load_state_dict({"state": state, "param_groups": optim["param_groups"]})
+
+
+@contextlib.contextmanager
+def one_process_quiet() -> Iterator[None]:
+    """``torch.distributed.checkpoint`` without a process group (one process), without its warning that it assumes
+    so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def placed_like(whole: Tensor, like: Tensor) -> Tensor:
+    """``whole`` (a tensor of ``like``'s full shape) in ``like``'s dtype and layout: this process's shard of it when
+    ``like`` is sharded (a ``DTensor``; a collective), else on ``like``'s device."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(like, DTensor):
+        return distribute_tensor(whole.to(like.dtype), like.device_mesh, like.placements)
+    return whole.to(like.device, like.dtype)
 
 
 class DDPEngine(Engine):
@@ -213,7 +254,7 @@ class DDPEngine(Engine):
 
         ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
             if self.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(policy.bare, device_ids=ids, broadcast_buffers=False)
+        self.ddp = DistributedDataParallel(policy.bare, device_ids=ids, **no_buffer_sync())
         policy.transformer = self.ddp                 # DDP broadcast rank 0's weights: the replicas start equal
         self.recorder = CallRecorder(policy.bare)
 
@@ -231,6 +272,19 @@ class DDPEngine(Engine):
 
     def local(self) -> ContextManager:
         return self.ddp.no_sync()
+
+
+def no_buffer_sync() -> dict[str, bool]:
+    """``DistributedDataParallel``'s argument that keeps it from broadcasting buffers before each forward (the
+    estimator's many calls): ``forward_sync_buffers=False`` from torch 2.13, which deprecates the
+    ``broadcast_buffers=False`` of earlier versions with a warning per process."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 class FSDPEngine(Engine):

@@ -37,6 +37,7 @@ from ..meter import Meter, meter_flag
 from ..estimator import reference_velocities
 from ..estimator_config import AUTO, EstimatorConfig
 from ..infra.distributed import end_process_group, gather, init_process_group_from_env
+from ..infra.after_launch import launched, say_after_launcher, shutdown_timeout
 from ..infra.config_loader import to_dict
 from ..infra.metrics import MetricsLogger
 from ..infra.old_configs import upgrade_saved_config
@@ -749,6 +750,10 @@ class GRPOTrainer(GRPO):
                 if stop:
                     self.stopped = True
                     self._print(f"saved {path}; {self.hints.continue_run}")
+                    if self.main:                      # under a launcher: said again after its own report
+                        say_after_launcher(f"jagg: stopped by a signal after iteration {self.iteration}, every "
+                                           f"process saved: {path}; {self.hints.continue_run} (the same launch "
+                                           "command)")
                     break
             bar.close()
         except Exception:
@@ -812,5 +817,9 @@ class GRPOTrainer(GRPO):
               f"but {', '.join(RESUMABLE_CHANGES)}) needs a new run: {self.hints.start_over}")
 
     def _handle_signal(self, signum, frame):
+        if self._stop:                                  # the launcher passes the terminal's Ctrl-C on: once is enough
+            return
         self._stop = True
-        self._print(f"\nreceived signal {signum}: finishing this iteration, saving a checkpoint, exiting")
+        deadline = (f" (the launcher kills the processes {shutdown_timeout()} s after a Ctrl-C: raise "
+                    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT if an iteration and a checkpoint take longer)" if launched() else "")
+        self._print(f"\nreceived signal {signum}: finishing this iteration, saving a checkpoint, exiting{deadline}")

@@ -86,7 +86,7 @@ from .weights_export import export_weights, prune_exports, write_weights
 
 # config keys that may differ between a checkpoint and its resumption, besides the shapes trainer's
 # (grpo.iterations, log.*, threads): where the model and rewards live, and settings with the same gradient (how the
-# processes share the model: a checkpoint of FSDP shards reads into any engine, whole weights into DDP or one process)
+# processes share the model: a checkpoint of FSDP shards or of whole weights reads into any engine, resharded)
 RESUMABLE_REAL = ("pipeline.path", "pipeline.device", "pipeline.prompt_cache", "pipeline.load_text_encoders",
                   "pipeline.gradient_checkpointing", "reward_server", "distributed.")
 
@@ -111,8 +111,14 @@ def sampling_pieces(local: slice, size: int) -> list[slice]:
 def engine_for(cfg: DiffusersTrainConfig, launch: LaunchSettings, world: int) -> EngineSettings:
     """The engine of ``cfg`` under the launcher's settings with ``world`` processes
     (:func:`jagg.infra.engine.resolve_engine`, which applies the launcher's settings to ``cfg.pipeline``), refusing
-    what the trainer cannot run with it: the estimator audit (``estimator.meter_every``) under FSDP."""
+    what the trainer cannot run with it: ``estimator.mode: auto`` and the estimator audit (``estimator.meter_every``)
+    under FSDP, both measured on one process's whole gradient."""
     settings = resolve_engine(cfg, launch, world)
+    if settings.strategy == "fsdp" and cfg.estimator.mode == "auto":
+        raise ValueError("estimator.mode: auto measures the estimators on one process's whole gradient, which FSDP "
+                         "shards across the processes: run jagg bench meter --config (one process) and set the "
+                         "estimator it names (estimator.mode, estimator.window), or train with distributed.strategy: "
+                         "ddp")
     if settings.strategy == "fsdp" and cfg.estimator.meter_every:
         raise ValueError("estimator.meter_every > 0 audits the estimator on the main process's whole gradient, which "
                          "FSDP shards across the processes: set estimator.meter_every: 0 and measure with jagg bench "
@@ -261,7 +267,8 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         self.evaluates = cfg.eval.enabled
         self._images, self._prompts, self._scores = None, None, None
         if self.main:                                          # the first screen: what runs
-            lines = header(cfg, self.policy, self.out, self.run_id, self._start.resumed is not None, self.world)
+            lines = header(cfg, self.policy, self.out, self.run_id, self._start.resumed is not None, self.world,
+                           self.engine.name)
             print("\n".join(lines + [note for note in [loading_note(held)] if note]), flush=True)
 
     # ------------------------------------------------------------------ state
@@ -321,19 +328,16 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
             raise ValueError(f"the checkpoint's trainable parameters differ from this model's (e.g. {diff}); was "
                              "pipeline.lora changed?")
         if isinstance(saved, str):                     # FSDP's shards, read into any layout (resharded)
-            self.engine.load_shards(self.policy.bare, self.opt, self.state_entries(), self.ckpt_dir / saved)
-        elif self.engine.sharded:
-            raise ValueError(f"the checkpoint holds whole weights, written by {state['world_size']} process(es) "
-                             f"without FSDP ({state.get('engine', {}).get('strategy', 'single')}): resume it as it "
-                             "was written (distributed.strategy: ddp, or the accelerate config's distributed_type: "
-                             "MULTI_GPU), or start a new run with FSDP")
-        else:
-            with torch.no_grad():
-                for n, p in self.named_params.items():
-                    p.copy_(saved[n].to(p.device, p.dtype))
+            try:
+                self.engine.load_shards(self.policy.bare, self.opt, self.state_entries(), self.ckpt_dir / saved)
+            except Exception as e:                     # damaged beyond what check_shards sees
+                raise ValueError(f"the shard directory {self.ckpt_dir / saved} cannot be read ({type(e).__name__}: "
+                                 f"{str(e)[:300]}); move it and its .pt out of {self.ckpt_dir} to resume from the "
+                                 "checkpoint before it") from None
+        else:                                          # whole weights, each process taking its part (sharded)
             if self.ema is not None:
                 self.ema.load_state_dict(state.get("ema"))
-            self.opt.load_state_dict(state["optimizer"])
+            self.engine.load_whole(self.named_params, self.opt, saved, state["optimizer"])
         self.load_loop_state(state)
         rngs = state["rng"]
         if len(rngs) == self.world:
@@ -357,7 +361,7 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         if self.engine.sharded:
             shards = write_shards(lambda d: self.engine.save_shards(self.policy.bare, self.opt, self.state_entries(),
                                                                     d),
-                                  self.ckpt_dir, self.iteration, self.main, self._barrier)
+                                  self.ckpt_dir, self.iteration, self.main, self._barrier, self.run_id)
         path = None
         if self.main:
             export_weights(self.policy, self.ckpt_dir, self.iteration, *weights)   # adapter_<n>/ or transformer_<n>/

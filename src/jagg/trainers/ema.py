@@ -11,6 +11,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from ..infra.engine import placed_like
+
 
 class EMA:
     """``ema <- decay * ema + (1 - decay) * weight`` for each of ``named`` (``{name: parameter}``), starting at the
@@ -35,14 +37,14 @@ class EMA:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Restore :meth:`state_dict` (exactly); a checkpoint whose names differ is a ValueError naming some."""
+        """Restore :meth:`state_dict` (exactly, whole averages into whole or sharded ones); a checkpoint whose names differ is a ValueError naming some."""
         if not isinstance(state, dict) or set(state) != set(self.names):
             got = set(state) if isinstance(state, dict) else set()
             diff = sorted(got ^ set(self.names))[:3]
             raise ValueError(f"the checkpoint's EMA weights do not match this model's trainable parameters (e.g. "
                              f"{diff}); was optim.ema_decay or the trained weights changed?")
         for n, s in zip(self.names, self.shadow):
-            s.copy_(state[n].to(s.device, s.dtype))
+            s.copy_(placed_like(state[n], s))              # a shard of it, when the weights are sharded
 
     @torch.no_grad()
     def copy_to(self, params: list[Tensor]) -> None:

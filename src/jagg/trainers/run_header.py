@@ -2,7 +2,8 @@
 loading a model held back and said in one line.
 
 :func:`header` says the run directory, the model (family, path, dtype, device, LoRA or full fine-tuning and the
-trainable parameters), the sampling (steps, sigma grid, SDE, guidance, size), the estimator with its rows back-propagated
+trainable parameters), the engine (one process, DDP or FSDP2 on N processes, and what rank 0 holds of the trainable
+weights, AdamW's moments and the frozen weights), the sampling (steps, sigma grid, SDE, guidance, size), the estimator with its rows back-propagated
 per sample against exact's, the reward, the batch and the evaluation. :func:`quiet_loading` runs a model's loading
 with diffusers' and transformers' log messages and progress bars held back and Python warnings recorded;
 :func:`loading_note` says how many there were and the first (``JAGG_LOAD_MESSAGES=1`` shows them all as they come).
@@ -14,8 +15,9 @@ import contextlib
 import logging
 import os
 import statistics
+import sys
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -23,6 +25,8 @@ from ..integrations.schedules import grid_name
 from ..knots import plan_update
 from ..trajectory import Trajectory
 from .minibatches import minibatch_line
+
+T = TypeVar("T")
 
 LIBRARIES = ("diffusers", "transformers")
 SHOW_ENV = "JAGG_LOAD_MESSAGES"
@@ -63,9 +67,31 @@ def _estimator(e, rows: float, exact: int) -> str:
             f"({rows / exact:.2f}x)")
 
 
-def header(cfg, policy, out, run_id: str, resumed: bool, world: int) -> list[str]:
+def _local(t: torch.Tensor) -> int:
+    """The elements of ``t`` this process stores (its shard of a ``DTensor``)."""
+    return t.to_local().numel() if hasattr(t, "to_local") else t.numel()
+
+
+def engine_line(engine: str, world: int, policy) -> str:
+    """How the ``world`` processes share the model on ``engine`` (``single``, ``ddp``, ``fsdp``; ``policy`` wrapped):
+    what this process (rank 0) holds of the trainable weights, of AdamW's two moments and of the frozen weights."""
+    if world == 1:
+        return "  engine     one process"
+    trainable = list(policy.params)
+    ids = {id(q) for q in trainable}
+    frozen = [q for m in [policy.bare, policy.reference_model] if m is not None for q in m.parameters()
+              if id(q) not in ids]
+    mine, full = sum(_local(q) for q in trainable), sum(q.numel() for q in trainable)
+    mine_f, full_f = sum(_local(q) for q in frozen), sum(q.numel() for q in frozen)
+    name = {"ddp": "DDP (replicated)", "fsdp": "FSDP2 (sharded)"}.get(engine, engine)
+    return (f"  engine     {name} on {world} processes; rank 0 holds {_count(mine)} of {_count(full)} trainable "
+            f"weights, {_count(2 * mine)} of {_count(2 * full)} AdamW moments, {_count(mine_f)} of {_count(full_f)} "
+            "frozen weights" + (f" (each rank about 1/{world})" if engine == "fsdp" else " (each rank all)"))
+
+
+def header(cfg, policy, out, run_id: str, resumed: bool, world: int, engine: str = "single") -> list[str]:
     """The header lines of a run of ``cfg`` (a :class:`~jagg.trainers.diffusers_config.DiffusersTrainConfig`) on
-    ``policy`` in the run directory ``out`` (module docstring)."""
+    ``policy`` (wrapped by the engine ``engine``) in the run directory ``out`` (module docstring)."""
     p, s, e, g, ev = cfg.pipeline, cfg.sample, cfg.estimator, cfg.grpo, cfg.eval
     train_steps, _ = s.sde_steps(p.num_steps, 0)
     sigmas = policy.sigmas()
@@ -82,6 +108,7 @@ def header(cfg, policy, out, run_id: str, resumed: bool, world: int) -> list[str
              f"  sampling   {p.num_steps} steps ({len(train_steps)} trained), sigmas: "
              f"{grid_name(p.sigma_grid, p.family, policy.scheduler_config, p.shift)} "
              f"(last before 0: {float(sigmas[-2]):.4g}); {s.sde_type} SDE eta {p.eta:g}; {guidance}; {size}",
+             engine_line(engine, world, policy),
              f"  estimator  {_estimator(e, rows, len(train_steps))}",
              f"  reward     {_reward(cfg)}",
              f"  batch      {s.prompts_per_iter} prompts x {s.group_size} images = {s.batch_size} samples per "
@@ -140,6 +167,17 @@ def loading_note(held: list[str]) -> str | None:
     first = " ".join(unique[0].split())
     return (f"  (loading: {len(unique)} message{'s' * (len(unique) != 1)} of diffusers / transformers held back, e.g. "
             f"{first[:150]}{'...' if len(first) > 150 else ''}; {SHOW_ENV}=1 shows them)")
+
+
+def loaded_quietly(load: Callable[[], T]) -> T:
+    """``load()`` under :func:`quiet_loading`, then its :func:`loading_note` on stderr (a command whose stdout may be
+    JSON: ``jagg eval``, ``jagg bench meter``); returns what ``load`` returned."""
+    with quiet_loading() as held:
+        loaded = load()
+    note = loading_note(held)
+    if note:
+        print(note.strip(), file=sys.stderr)
+    return loaded
 
 
 def _progress_bars(enabled) -> tuple[bool, bool] | None:

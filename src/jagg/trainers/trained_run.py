@@ -4,9 +4,9 @@ trainer (its newest checkpoint) or one of its ``ckpt_<n>.pt``.
 The model is the run's own (``pipeline:`` of the config saved in the checkpoint: its local directory, sigma grid,
 guidance, size) with the checkpoint's trained weights: the EMA's when the run keeps one (``--raw-weights``: the
 trained weights themselves); with LoRA, the adapter exported beside the checkpoint (``adapter_<n>/``, its ``ema/``),
-with full fine-tuning the checkpoint's weights. ``jagg eval`` evaluates it as the trainer does
-(:func:`jagg.trainers.diffusers_eval.evaluate_policy`) on the run's test set (or ``--prompt-file``) with the run's
-reward (or ``--reward``); ``jagg sample`` writes a captioned grid of ``--prompt`` / ``--prompt-file``. Options left
+with full fine-tuning the checkpoint's weights (an FSDP run's shards, read whole on this one process). ``jagg eval``
+evaluates it as the trainer does (:func:`jagg.trainers.diffusers_eval.evaluate_policy`) on the run's test set (or
+``--prompt-file``) with the run's reward (or ``--reward``); ``jagg sample`` writes a captioned grid of ``--prompt`` / ``--prompt-file``. Options left
 unset take the run's values: ``--steps`` its ``pipeline.eval_num_steps``, ``--guidance-scale`` its
 ``pipeline.cfg_scale``, ``--shift`` its ``pipeline.shift``, ``--seed`` its ``eval.seed`` (``jagg sample``: 0),
 ``--images-per-prompt`` its ``eval.images_per_prompt``.
@@ -15,14 +15,14 @@ unset take the run's values: ``--steps`` its ``pipeline.eval_num_steps``, ``--gu
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..infra import config_loader as configuration
-from ..infra.checkpoint import list_checkpoints, read_checkpoint
+from ..infra.checkpoint import list_checkpoints, read_checkpoint, shard_names
+from ..infra.shards import read_whole
 from ..infra.prompt_sets import read_prompt_set
 from ..integrations.config import PipelineConfig
 from .diffusers_config import TRAINER_TAG, DiffusersEvalSection
@@ -73,12 +73,14 @@ def load_trained(path: Path, args) -> TrainedRun:
     """The run of checkpoint ``path`` with its trained weights (module docstring); ``args``: the command's options
     (``raw_weights``, ``guidance_scale``, ``shift``)."""
     from ..integrations.policy import load_model
-    from .run_header import loading_note, quiet_loading
+    from .run_header import loaded_quietly
 
     state = read_checkpoint(path)
     saved = state["config"]
     pipeline = _pipeline(saved, args)
-    ema = state.get("ema") is not None and not args.raw_weights
+    shards = path.parent / state["model"] if isinstance(state["model"], str) else None    # FSDP's, with the EMA's
+    ema = (state.get("ema") is not None or (shards is not None and bool(shard_names(shards, "ema")))) \
+        and not args.raw_weights
     if pipeline.lora.enabled:
         adapter = path.parent / export_name(True, state["iteration"])
         adapter = adapter / EMA_DIR if ema else adapter
@@ -86,13 +88,12 @@ def load_trained(path: Path, args) -> TrainedRun:
             raise FileNotFoundError(f"the LoRA adapter of {path.name} is not at {adapter}; the run exports it beside "
                                     "each checkpoint (was it moved?)")
         pipeline = dataclasses.replace(pipeline, lora=dataclasses.replace(pipeline.lora, path=str(adapter)))
-    with quiet_loading() as held:
-        policy = load_model(pipeline)
-    note = loading_note(held)
-    if note:                                  # stderr: `jagg eval` prints its metrics as JSON on stdout
-        print(note.strip(), file=sys.stderr)
+    policy = loaded_quietly(lambda: load_model(pipeline))    # its note on stderr: `jagg eval` prints JSON on stdout
     if not pipeline.lora.enabled:
-        weights = state["ema"] if ema else state["model"]
+        if shards is not None:                # the shards read whole, on this one process
+            weights = read_whole(shards, "ema" if ema else "model", policy.named_params)
+        else:
+            weights = state["ema"] if ema else state["model"]
         with torch.no_grad():
             for n, p in policy.named_params.items():
                 p.copy_(weights[n].to(p.device, p.dtype))
