@@ -187,7 +187,7 @@ class AutoEstimator:
         self.measurement = self._new_measurement("exact")
         self._print(f"estimator.mode auto: the first {e.preflight_batches} iterations train exact and measure "
                     f"{', '.join(n for n in self._ests if n != 'exact')} beside each of exact's updates, on the same "
-                    f"minibatches ({self.cfg.minibatch_cut}); only the candidates' rows are extra")
+                    f"minibatches ({self.cfg.cut_for(self.world)}); only the candidates' rows are extra")
 
     def _new_measurement(self, trained: str) -> Measurement:
         if not hasattr(self, "_ests"):
@@ -332,7 +332,7 @@ class AutoEstimator:
                     "line": v["line"], "lines": v["lines"] + ([note] if note else []), "candidates": v["candidates"],
                     "measured_iterations": len(m.iterations) if m else 0, "updates": m.updates if m else
                     self.cfg.grpo.inner_epochs * self.cfg.grpo.updates_per_epoch,
-                    "measured_updates": len({r["update"] for r in records}), "minibatches": self.cfg.minibatch_cut,
+                    "measured_updates": len({r["update"] for r in records}), "minibatches": self.cfg.cut_for(self.world),
                     "estimators": list(self._ests), "left_out": self._left_out, "margin": e.preflight_margin,
                     "cpu_seconds": sum(m.beside_s) if m else 0.0, "iteration": self.iteration,
                     "command": meter_command(self.cfg), "records": [{k: r.get(k) for k in RECORD_KEYS}
@@ -340,6 +340,7 @@ class AutoEstimator:
         decision = gather_objects([decision])[0] if self.world > 1 else decision      # the main process decides
         self._pruned = []
         self.estimator = EstimatorConfig.from_dict(decision["estimator"])
+        decision["minibatches_after"] = self.cfg.cut_for(self.world, self.estimator.mode)
         self.decision = {k: v for k, v in decision.items() if k not in ("records", "lines", "candidates")}
         self.measurement = self._new_measurement(name) if name != "exact" and e.meter_every else None
         if self.measurement is not None:                     # the re-measurement starts from what was measured
@@ -382,6 +383,9 @@ class AutoEstimator:
         for name, why in decision.get("left_out", {}).items():
             self._print(f"  {name}: left out of the default candidates here: {why}")
         self._print(decision["line"] + (f" (from iteration {decision['iteration'] + 1})" if k else ""))
+        if decision["minibatches_after"] != decision["minibatches"]:
+            self._print(f"  its updates cut {decision['minibatches_after']} from then on (grpo.minibatches auto: the "
+                        f"measurement cut {decision['minibatches']}, the candidates' batching)")
         out = getattr(self, "out", None)
         if out is not None:
             write_json(out / "preflight.json", decision)

@@ -332,6 +332,13 @@ class GRPO(ABC):
         raise ValueError(f"estimator.mode auto needs a trainer that measures (jagg.trainers.auto.AutoEstimator); "
                          f"{type(self).__name__} has none: choose estimator.mode")
 
+    def update_cut(self) -> str:
+        """How this iteration's updates are cut (``grpo.minibatches`` resolved): for the estimator that trains, and with
+        ``estimator.mode: auto`` the mode's own cut until it has decided, then the chosen estimator's."""
+        mode = AUTO if self.cfg.estimator.mode == AUTO and self.decision is None else (self.estimator or
+                                                                                     self.cfg.estimator).mode
+        return self.cfg.cut_for(self.world, mode)
+
     def beside(self, mb: Minibatch, stats: dict, cpu: float) -> None:
         """Called after each update's gradient of ``mb`` is in ``.grad`` (its statistics and CPU seconds), before the
         step: ``estimator.mode: auto`` measures other estimators on the same minibatch here."""

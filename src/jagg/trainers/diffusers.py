@@ -484,7 +484,7 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         """Shuffled samples from this process's generator; whole prompt groups from one global cut of every
         process's kept groups, drawn by (seed, iteration, epoch) alike on every process: each update's global minibatch
         is the same for any process count."""
-        U, cut = self.cfg.grpo.updates_per_epoch, self.cfg.cut_for(self.world)
+        U, cut = self.cfg.grpo.updates_per_epoch, self.update_cut()
         if cut != GROUPS:
             return [mb.sort().values for mb in cut_minibatches(prompt_groups, U, cut, self.perm_gen)]  # sets, in order
         if getattr(self, "_cut_iteration", None) != self.iteration:

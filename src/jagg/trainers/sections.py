@@ -338,11 +338,12 @@ class TrainerSections:
         """``samples`` or ``groups``: ``grpo.minibatches`` with ``auto`` resolved for ``estimator.mode`` (one process)."""
         return self.cut_for(1)
 
-    def cut_for(self, processes: int) -> str:
-        """:attr:`minibatch_cut` on ``processes`` processes."""
+    def cut_for(self, processes: int, mode: str | None = None) -> str:
+        """:attr:`minibatch_cut` on ``processes`` processes, for the estimator mode ``mode`` (default
+        ``estimator.mode``)."""
         g = self.grpo
-        return resolve_cut(g.minibatches, self.estimator.mode, self.sample.prompts_per_iter, g.updates_per_epoch,
-                           processes)
+        return resolve_cut(g.minibatches, mode or self.estimator.mode, self.sample.prompts_per_iter,
+                           g.updates_per_epoch, processes)
 
     def __post_init__(self):
         check_threads(self.threads, "threads")

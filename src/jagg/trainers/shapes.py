@@ -147,7 +147,7 @@ class ShapesGRPO(AutoEstimator, GRPO):
         return GuidedVelocity(self.ref_model, tokens, self.cfg.sample.guidance_scale)
 
     def minibatches(self, prompt_groups: torch.Tensor) -> list[torch.Tensor]:
-        cut = cut_minibatches(prompt_groups, self.cfg.grpo.updates_per_epoch, self.cfg.minibatch_cut, self.sampler.gen)
+        cut = cut_minibatches(prompt_groups, self.cfg.grpo.updates_per_epoch, self.update_cut(), self.sampler.gen)
         return [mb for mb in cut if mb.numel()]
 
     def gradient(self, mb: Minibatch) -> dict:
