@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import as_vector, check_callable, check_count, check_tensor, is_finite_number
+from .checks import as_vector, check_callable, check_count, check_finite_tensor, check_tensor, is_finite_number
 from .estimator_config import AUTO_INTERMEDIATE, EstimatorConfig
 from .knots import Bundle, Plan, plan_update, unit_rows
 from .sde import CLIP_DROP, CLIP_KEEP, CLIP_OWN, StepLoss, compute_dtype, group_clip, step_loss
@@ -217,6 +217,8 @@ def _check_reference(ref_velocities: Tensor | None, traj: Trajectory, config: Es
     if tuple(ref_velocities.shape) != shape:
         raise ValueError(f"ref_velocities must have shape [B, T, *S] = {shape} (the rollout's velocities'); got "
                          f"{tuple(ref_velocities.shape)}")
+    check_finite_tensor(ref_velocities, "ref_velocities", "the reference policy's velocities: a NaN there would "
+                        "flow into every gradient through the KL")
 
 
 # ----------------------------------------------------------------------------- phase 1: plan
