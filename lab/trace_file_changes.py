@@ -10,7 +10,7 @@ file counts as one change (frames outside ``jagg``, e.g. torch and diffusers, ar
 Tracing stops at the first ``optimizer.step()``; a run that is refused (``--correction-p 2``) or ends before it makes
 the tool exit 2 with the refusal, counting nothing.
 
-    python -m lab trace-file-changes [--correction-p P] [--skip-checks] [--path] [--json out.json]
+    python -m lab trace-file-changes [--correction-p P] [--skip-checks] [--path] [--json out.json [--overwrite]]
 
 ``--skip-checks`` makes ``jagg.checks`` transparent too (its calls move nothing): the shared checks aside.
 
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from jagg.checks import number_arg
+from jagg.arguments import overwrite_argument
+from jagg.checks import check_output_file, number_arg
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -145,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--correction-p", type=number_arg(float, 0.0), default=0.0,
                    help="estimator.correction_p of the traced run [default: 0, plain JAGG; 0.25 adds the correction's "
                         "calls]")
+    overwrite_argument(p, "--json")
     args = p.parse_args(argv)
+    if args.json:
+        check_output_file(args.json, "--json", args.overwrite)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -57,6 +57,8 @@ def test_duplicate_and_reserved_names_are_refused(argv, culprit, tmp_path, capsy
     ("paired.json", lambda ck, p: ["paired", ck, ck, "--quick", "--json", p]),
     ("q/quality.json", lambda ck, p: ["quality", "--quick", "--out", str(Path(p).parent)]),
     ("q.png", lambda ck, p: ["quality", "--quick", "--plot", p]),
+    ("w.json", lambda ck, p: ["weight-changes", ck, "--json", p]),           # tools that parse their own options:
+    ("t.json", lambda ck, p: ["trace-file-changes", "--json", p]),          # the --overwrite they name exists
 ])
 def test_outputs_are_never_replaced_without_overwrite(name, argv, tmp_path, tiny_ckpt, capsys):
     path = tmp_path / name
