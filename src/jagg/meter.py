@@ -172,6 +172,24 @@ def _tensor_stats(exact: Tensor, errs: list[Tensor], mean_err: Tensor, sizes: Se
             "adam_tensor_factor": _adam_tensor_factor(np.array([t["error_to_noise"] for t in tensors]), weights)}
 
 
+def _check_gradients(exact: Tensor, estimates: Sequence[Tensor]) -> None:
+    """:func:`error_noise_stats`' arguments: ``exact`` ``[n >= 3, P]`` and ``n`` estimates ``[draws >= 1, P]``, all
+    finite (one check a tensor); an error names the argument."""
+    check_tensor(exact, "exact", "[n, P] (one exact gradient per batch)")
+    check_finite_tensor(exact, "exact", "each batch's exact gradient")
+    if isinstance(estimates, Tensor) or not hasattr(estimates, "__len__"):
+        raise TypeError(f"estimates must be a sequence of n tensors [draws, P], one per batch; got "
+                        f"{type(estimates).__name__}")
+    if exact.ndim != 2 or exact.shape[0] < 3 or len(estimates) != exact.shape[0]:
+        raise ValueError(f"need exact [n, P] with n >= 3 batches and one [draws, P] estimate tensor per batch; got "
+                         f"exact {tuple(exact.shape)} and {len(estimates)} estimates")
+    for i, e in enumerate(estimates):
+        if not isinstance(e, Tensor) or e.ndim != 2 or e.shape[0] < 1 or e.shape[1] != exact.shape[1]:
+            raise ValueError(f"estimates[{i}] must be a tensor [draws >= 1, P = {exact.shape[1]}]; got "
+                             f"{tuple(e.shape) if isinstance(e, Tensor) else type(e).__name__}")
+        check_finite_tensor(e, f"estimates[{i}]", "the estimator's gradients of batch i")
+
+
 def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequence[int] | None = None) -> dict:
     """An estimator's error against the batch-to-batch noise of the exact gradient, from ``n >= 3`` batches.
 
@@ -195,20 +213,8 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
         :data:`SIGNAL_Z` standard errors above 0, else ``noise``) and ``adam_tensor_factor``
         (:func:`adam_tensor_factor`).
     """
-    check_tensor(exact, "exact", "[n, P] (one exact gradient per batch)")
-    check_finite_tensor(exact, "exact", "each batch's exact gradient")
-    if isinstance(estimates, Tensor) or not hasattr(estimates, "__len__"):
-        raise TypeError(f"estimates must be a sequence of n tensors [draws, P], one per batch; got "
-                        f"{type(estimates).__name__}")
+    _check_gradients(exact, estimates)
     n = exact.shape[0]
-    if exact.ndim != 2 or n < 3 or len(estimates) != n:
-        raise ValueError(f"need exact [n, P] with n >= 3 batches and one [draws, P] estimate tensor per batch; got "
-                         f"exact {tuple(exact.shape)} and {len(estimates)} estimates")
-    for i, e in enumerate(estimates):
-        if not isinstance(e, Tensor) or e.ndim != 2 or e.shape[0] < 1 or e.shape[1] != exact.shape[1]:
-            raise ValueError(f"estimates[{i}] must be a tensor [draws >= 1, P = {exact.shape[1]}]; got "
-                             f"{tuple(e.shape) if isinstance(e, Tensor) else type(e).__name__}")
-        check_finite_tensor(e, f"estimates[{i}]", "the estimator's gradients of batch i")
     exact = exact.double()
     errs = [e.double() - g for e, g in zip(estimates, exact)]                     # [d_i, P] each
     mean_err = torch.stack([e.mean(0) for e in errs])                              # [n, P]
