@@ -349,7 +349,7 @@ def test_non_finite_reference_velocities_never_reach_the_gradient(setup, bad):
     model, traj, adv = setup
     ref = traj.velocities.clone()
     ref[1, 2].view(-1)[0] = bad
-    with pytest.raises(ValueError, match="ref_velocities must be finite; 1 of its"):
+    with pytest.raises(ValueError, match="ref_velocities must be finite where the rollout's velocities are; 1 of"):
         jagg.policy_gradient(model, traj, adv, EstimatorConfig(window=3, micro_batch=4, kl_beta=0.1),
                              ref_velocities=ref)
     assert _no_grad(model)
