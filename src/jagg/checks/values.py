@@ -76,8 +76,11 @@ def check_number(value, name: str, low: float | None = None, high: float | None 
     a TypeError for a non-number, else a ValueError naming ``name`` (``why``: what it is)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number{f' ({why})' if why else ''}; got {type(value).__name__}")
-    bounds = " ".join(b for b in ((f"> {low:g}" if strict else f">= {low:g}") if low is not None else "",
-                                  f"<= {high:g}" if high is not None else "") if b)
+    if low is not None and high is not None:
+        bounds = f"in {'(' if strict else '['}{low:g}, {high:g}]"
+    else:
+        bounds = (f"> {low:g}" if strict else f">= {low:g}") if low is not None else (
+            f"<= {high:g}" if high is not None else "")
     if (not math.isfinite(value) or (low is not None and (value <= low if strict else value < low))
             or (high is not None and value > high)):
         raise ValueError(f"{name} must be a finite number{' ' + bounds if bounds else ''}"
