@@ -322,6 +322,9 @@ def _verdict_record(**change):
     (lambda: meter.error_noise_stats(torch.zeros(3, 5), [torch.zeros(1, 5), torch.full((1, 5), INF),
                                                            torch.zeros(1, 5)]), r"estimates\[1\] must be finite"),
     (lambda: meter.Meter().update(torch.zeros(2, 4), torch.full((2, 4), NAN), 1, 1, 2.0), "estimate must be finite"),
+    (lambda: meter.Meter([3, -1]), r"sizes\[1\] must be an integer >= 1"),
+    (lambda: meter.Meter(sketch_dim=0), "sketch_dim must be an integer >= 1"),
+    (lambda: meter.meter_flag({"audits": 5}, min_audits=NAN), "min_audits must be an integer >= 0"),
     # jagg.knots: NaN alphas for equal or NaN sigmas; unsorted, duplicate or negative steps
     (lambda: knots.interval_alphas(torch.tensor([1.0, 0.5, 0.5, 0.0]), [1, 2], "sigma"), "strictly monotone"),
     (lambda: knots.interval_alphas(torch.tensor([1.0, NAN, 0.5, 0.0]), [0, 1, 2], "sigma"), "must be finite"),

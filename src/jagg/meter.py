@@ -316,6 +316,11 @@ class Meter:
     """
 
     def __init__(self, sizes: Sequence[int] | None = None, sketch_dim: int = 4096, keep: int = 256, seed: int = 0):
+        if sizes is not None:
+            _check_entries(_numbers(sizes, "sizes"), "sizes", "an integer >= 1 (a tensor's coordinates)",
+                           lambda x: np.isfinite(x) & (x >= 1) & (x == np.round(x)))
+        sketch_dim, keep, seed = check_count(sketch_dim, "sketch_dim"), check_count(keep, "keep"), check_count(seed,
+                                                                                                          "seed", 0)
         self.sizes = None if sizes is None else [int(n) for n in sizes]
         self.k, self.keep, self.seed = sketch_dim, keep, seed
         self.index = self.sign = None
@@ -470,6 +475,7 @@ def meter_flag(result: dict, min_audits: int = 4) -> str | None:
     error costs in the measured runs: docs/results.md)."""
     if not isinstance(result, dict):
         raise TypeError(f"result must be the dict of Meter.update; got {type(result).__name__}")
+    check_count(min_audits, "min_audits", 0)
     if result.get("audits", 0) < min_audits:
         return None
     b, se = result.get("bias_to_noise", math.nan), result.get("bias_to_noise_se", math.nan)
