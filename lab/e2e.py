@@ -25,6 +25,7 @@ from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.checks import check_no_repeats, number_arg
 from jagg.bench.common import json_if_asked, table
 from jagg.cost import estimator_limit
+from lab.fixed_keys import OVERWRITTEN, refuse_fixed_keys
 
 VARIANTS = {
     "exact": ["estimator.mode=exact"],
@@ -96,6 +97,8 @@ def _run(args: argparse.Namespace) -> int:
     if "exact" not in variants:
         variants = ["exact", *variants]
     iterations = args.iterations if args.iterations is not None else (2 if args.quick else 20)
+    refuse_fixed_keys(args.set, dict.fromkeys(sorted({v.split("=")[0] for sets in VARIANTS.values() for v in sets}),
+                                              "its variants (--variants)"), "python -m lab e2e", OVERWRITTEN)
     sets = (QUICK_SETS if args.quick else []) + list(args.set or [])
     records = run_e2e(args.config, sets, variants, iterations)
     print(f"median seconds over {iterations} round-robin iterations per variant (after a warm-up)")

@@ -75,6 +75,7 @@ from jagg.bench.common import table
 from jagg.infra.atomic import write_json
 from jagg.trainers.diffusers_config import has_pipeline_section
 from jagg.cost import CostStructure, add_cost_arguments, config_structure, default_cost, resolve
+from lab.fixed_keys import OVERWRITTEN, refuse_fixed_keys
 from lab.quality_compare import CLOCKS, TARGETS, compare
 from lab.quality_report import RUN_COLUMNS, plot, print_report, run_rows
 from lab.quality_runs import QUICK_SETS, QualityConfig, parse_variants, quick_sets, run_one
@@ -126,6 +127,8 @@ def _config(args: argparse.Namespace) -> QualityConfig:
         if diffusers and value is not None:
             raise ValueError(f"{flag}: a config with a pipeline: section trains with the diffusers trainer, which has "
                              "no held-out evaluation; leave it out")
+    refuse_fixed_keys(args.set, {"seed": "--first-seed and --seeds", "log.output_dir": "--out (its variant/seedN/)"},
+                      "python -m lab quality", OVERWRITTEN)
     sets = (quick_sets(diffusers) if args.quick else []) + list(args.set or [])
     if args.iterations is not None:
         sets.append(f"grpo.iterations={args.iterations}")

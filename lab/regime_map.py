@@ -19,7 +19,9 @@ printed; ``--summary`` prints the table of a finished map without measuring. Eve
 measured with (the regime's whole trainer config, the estimator's spec, ``--batches`` and ``--draws``): an estimator
 already in the file for a regime is reused only when they are the ones asked for now, another one is measured (on
 the same seeded batches), and records made under other settings (another ``--config``, ``--set``, spec of that name,
-``--batches`` or ``--draws``) are refused, naming the setting, before anything is measured: one file, one map.
+``--batches`` or ``--draws``) are refused, naming the setting, before anything is measured: one file, one map. A
+``--set`` of a key the regimes set (``sample.num_steps``, ``sample.sde_type``, ``sample.eta``, ``sample.sde_window``)
+is refused: it would make every row the same measurement under the regimes' labels.
 
     python -m lab regime-map --json runs/regime_map.json                      # the whole grid
     python -m lab regime-map --steps 20 --json runs/regime_map.json           # a part of it (resumes)
@@ -40,6 +42,7 @@ from jagg.bench.meter import BUILT_IN, check_estimators, load_config, make_sampl
 from jagg.trainers.metering import kept_batch, layout_linearity
 from jagg.checks import check_fields, check_unique_names, read_json_lines
 from jagg.infra.config_loader import differences, to_dict
+from lab.fixed_keys import OVERWRITES, refuse_fixed_keys
 
 SDE_NOISE = {"dance": (0.3, 0.7, 1.0), "flow_grpo": (0.3, 1.0), "cps": (0.3, 0.7)}
 WINDOWS = {10: [0, 8], 20: [0, 16]}                       # the trained (SDE) steps of each step count
@@ -59,6 +62,11 @@ def regimes(steps: list[int], sdes: list[str], cuts: bool) -> list[dict]:
 
 def key(r: dict) -> tuple:
     return r["num_steps"], r["sde_type"], r["eta"], tuple(r["sde_window"])
+
+
+# the keys a regime sets (overrides), with the options that choose the regimes: never a --set's
+REGIME_KEYS = dict.fromkeys(("sample.num_steps", "sample.sde_type", "sample.eta", "sample.sde_window"),
+                            "its regimes (--steps, --sde, --no-cuts)")
 
 
 def overrides(r: dict) -> list[str]:
@@ -198,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.batches < 3 or args.draws < 1:
         raise ValueError(f"--batches must be >= 3 and --draws >= 1; got {args.batches} and {args.draws}")
+    refuse_fixed_keys(args.set, REGIME_KEYS, "python -m lab regime-map", OVERWRITES)
     specs = args.estimator or ESTIMATORS
     check_unique_names(specs, BUILT_IN, "--estimator")
     plan = []                                      # (regime, its config, the specs still to measure): all checked first

@@ -7,9 +7,10 @@ that function's file, its return moves it back to the file of the nearest ``jagg
 file counts as one change (frames outside ``jagg``, e.g. torch and diffusers, are transparent). What runs while a
 ``jagg`` module is being imported is left out by default: that is the import graph rather than the call path
 (``--imports`` counts it too).
-Tracing stops at the first ``optimizer.step()``.
+Tracing stops at the first ``optimizer.step()``; a run that is refused (``--correction-p 2``) or ends before it makes
+the tool exit 2 with the refusal, counting nothing.
 
-    python -m lab trace-file-changes [--correction-p P] [--skip-checks] [--path] [--json out.json]
+    python -m lab trace-file-changes [--correction-p P] [--skip-checks] [--path] [--json out.json [--overwrite]]
 
 ``--skip-checks`` makes ``jagg.checks`` transparent too (its calls move nothing): the shared checks aside.
 
@@ -28,6 +29,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from jagg.arguments import overwrite_argument
+from jagg.checks import check_output_file, number_arg
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -115,12 +119,15 @@ def trace(config: Path, imports: bool = False, skip_checks: bool = False) -> dic
     handle = register_optimizer_step_pre_hook(stop)
     sys.setprofile(profile)
     try:
-        main(["train", "--config", str(config)])
+        code = main(["train", "--config", str(config)])
     except _FirstStep:
-        pass
+        code = None
     finally:
         sys.setprofile(None)
         handle.remove()
+    if code is not None:                 # refused or ended before its first step: the path is not the trainer's
+        raise ValueError(f"the traced `jagg train` exited {code} before its first optimizer step (its error is "
+                         "above), so there is no trainer's path to count; fix what it refused")
     rel = lambda f: str(Path(f).relative_to(Path(pkg).parent))
     return {"file_changes": changes, "files_visited": len(entered),
             "entered": {rel(f): n for f, n in entered.most_common()},
@@ -136,10 +143,13 @@ def main(argv: list[str] | None = None) -> int:
                         "for a return to the caller FUNCTION in FILE")
     p.add_argument("--skip-checks", action="store_true",
                    help="leave the calls into jagg.checks out (transparent, as torch is): the shared checks aside")
-    p.add_argument("--correction-p", type=float, default=0.0,
+    p.add_argument("--correction-p", type=number_arg(float, 0.0), default=0.0,
                    help="estimator.correction_p of the traced run [default: 0, plain JAGG; 0.25 adds the correction's "
                         "calls]")
+    overwrite_argument(p, "--json")
     args = p.parse_args(argv)
+    if args.json:
+        check_output_file(args.json, "--json", args.overwrite)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

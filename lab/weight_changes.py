@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from jagg.arguments import overwrite_argument
 from jagg.checks import check_output_file, number_arg
 from jagg.shapes import test_prompts
 from jagg.shapes.evaluation import background_rms, generate
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--images-per-prompt", type=number_arg(int, 1), default=4, help="[4]")
     p.add_argument("--seed", type=number_arg(int, 0), default=1234, help="the evaluation noise [1234]")
     p.add_argument("--json", help="also write the rows to this file")
+    overwrite_argument(p, "--json")
     args = p.parse_args(argv)
     for keep in args.keep:
         try:
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--keep {keep!r}: not a regular expression ({e})")
     try:
         if args.json:
-            check_output_file(args.json, "--json", False)
+            check_output_file(args.json, "--json", args.overwrite)
         trained = read_checkpoint(args.checkpoint)["model"]
         model = load_model(args.start, use_ema=True).eval()
     except (OSError, ValueError, KeyError) as e:

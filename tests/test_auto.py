@@ -80,7 +80,7 @@ def test_the_margin_and_the_sizes_of_the_verdict():
     assert verdict([rec("exact", 0.0), rec("a", 0.02, update=1, ratio=2.0)], 1)["estimator"] == "exact"
     nan = verdict([rec("exact", math.nan), rec("a", math.nan, math.nan)], 1)
     assert nan["estimator"] == "exact" and nan["lines"] == ["a: unknown (the error is not resolved)"]
-    with pytest.raises(ValueError, match="updates must be >= 1"):
+    with pytest.raises(ValueError, match="updates must be an integer >= 1"):
         verdict([], 0)
 
 

@@ -63,3 +63,20 @@ def test_bench_speed_never_ignores_set_or_config(argv, culprits, no_work, capsys
 
     argv = [str(main_job_path()) if a == "CFG" else a for a in argv]
     refused(main, ["bench", "speed", "--quick", *argv], capsys, *culprits)
+
+
+def test_an_auto_job_measures_the_default_candidates_that_fit_and_refuses_a_named_one(monkeypatch, capsys):
+    """``bench meter`` on the main job (estimator.mode: auto) with 4 trained steps: the default candidate whose
+    window is longer (s5u, window 5) is left out with a note, as auto's pre-flight leaves it out, and the others are
+    measured; a candidate the user names that does not fit is refused, naming it."""
+    seen = []
+    monkeypatch.setattr(bench_meter, "measure", lambda cfg, specs, *a: seen.append(specs) or [])
+    monkeypatch.setattr(bench_meter, "_report", lambda *a: None)
+    monkeypatch.setattr(bench_meter, "_print_verdict", lambda *a: {})
+    four = ["--set", "sample.sde_window=[0, 4]"]
+    assert main(["bench", "meter", "--quick", "--update", "0", *four]) == 0
+    out = capsys.readouterr().out
+    assert [s.partition(":")[0] for s in seen[0]] == ["g4", "s4", "g4u"]
+    assert "note: the default candidate 's5u' is left out" in out and "window=5 is more than the 4 trained" in out
+    refused(main, ["bench", "meter", "--quick", *four, "--set", 'estimator.candidates=["w5:window=5"]'], capsys,
+            "estimator.candidates: 'w5:window=5'", "more than the 4 trained steps")

@@ -17,6 +17,7 @@ import torch
 import jagg
 from jagg import EstimatorConfig
 from jagg import knots, meter
+from jagg.verdict import position_failure, prediction, rate_range, verdict
 from toy import S, Nonlinear, sampled_traj
 
 CFG = EstimatorConfig(window=3, micro_batch=4)
@@ -271,3 +272,95 @@ def test_a_refused_meter_update_leaves_the_meter_as_it_was():
     with pytest.raises(ValueError):
         m.update(torch.zeros(2, 4), torch.zeros(3, 4), 1, 1, 2.0)
     assert m.audits == 0 and m.rows == [0, 0]
+
+
+# ----------------------------------------------------------------------------- NaN, infinity, out of the domain
+
+NAN, INF = math.nan, math.inf
+
+
+def _verdict_record(**change):
+    return {"estimator": "a", "update": 0, "error_to_noise": 0.02, "error_to_noise_se": 0.005, "iter_ratio": 1.6,
+            "bias_z": 0.0, "projected_iter_ratio": 1.4, **change}
+
+
+@pytest.mark.parametrize("call,culprit", [
+    # jagg.verdict: a candidate recommended on an infinite ratio or a negative SE ("projected inf-inf")
+    (lambda: verdict([_verdict_record(iter_ratio=INF)], 1), "'a'.*iter_ratio"),
+    (lambda: verdict([_verdict_record(iter_ratio=NAN)], 1), "'a'.*iter_ratio"),
+    (lambda: verdict([_verdict_record(iter_ratio=-1.6)], 1), "iter_ratio must be a finite number > 0"),
+    (lambda: verdict([_verdict_record(error_to_noise_se=-0.5)], 1), "error_to_noise_se must be a finite number >= 0"),
+    (lambda: verdict([_verdict_record(error_to_noise=-0.5)], 1), "error_to_noise must be a finite number >= 0"),
+    (lambda: verdict([_verdict_record(error_to_noise=INF)], 1), "'error_to_noise' must be"),
+    (lambda: verdict([_verdict_record(projected_iter_ratio=INF)], 1), "'projected_iter_ratio' must be"),
+    (lambda: verdict([_verdict_record(bias_z=INF)], 1), "'bias_z' must be"),
+    (lambda: verdict([_verdict_record()], 1, margin=NAN), "margin must be a finite number >= 0"),
+    (lambda: verdict([_verdict_record()], 1.5), "updates must be an integer >= 1"),
+    (lambda: rate_range(NAN, 0.1), "error_to_noise must be a finite number >= 0"),
+    (lambda: rate_range(0.1, -0.1), "se must be a finite number >= 0"),
+    (lambda: position_failure(_verdict_record(iter_ratio=INF)), "iter_ratio"),
+    (lambda: prediction(_verdict_record(error_to_noise_se=-1.0)), "error_to_noise_se"),
+    # jagg.meter: NaN, infinity or an impossible rate for NaN or negative inputs
+    (lambda: meter.predicted_efficiency(NAN, 0.1), "work_ratio must be a finite number > 0"),
+    (lambda: meter.predicted_efficiency(INF, 0.1), "work_ratio must be a finite number > 0"),
+    (lambda: meter.adam_efficiency(1.0, -0.5), "error_to_noise must be a finite number >= 0"),
+    (lambda: meter.adam_efficiency(1.0, INF), "error_to_noise must be a finite number >= 0"),
+    (lambda: meter.adam_tensor_factor([0.1, 0.1], [1.0, 1.0]), "weights must sum to 1"),
+    (lambda: meter.adam_tensor_factor([0.1, NAN], [0.5, 0.5]), r"error_to_noise\[1\] must be a finite number >= 0"),
+    (lambda: meter.adam_tensor_factor([0.1, -0.9], [0.5, 0.5]), r"error_to_noise\[1\]"),
+    (lambda: meter.adam_tensor_factor([0.1, 0.1], [1.5, -0.5]), r"weights\[1\] must be a finite number >= 0"),
+    (lambda: meter.tensor_weights([1.0, NAN], [3, 4]), r"noise\[1\] must be a finite number >= 0"),
+    (lambda: meter.tensor_weights([1.0, -1.0], [3, 4]), r"noise\[1\]"),
+    (lambda: meter.tensor_weights([1.0, 1.0], [3, 0]), r"numel\[1\] must be an integer >= 1"),
+    (lambda: meter.tensor_weights([1.0, 1.0], [3, 4], [1.0, INF]), r"signal\[1\] must be a finite number"),
+    (lambda: meter.jackknife_se([1.0, NAN, 2.0]), r"leave_one_out\[1\] must be a finite number"),
+    (lambda: meter.extrapolate({"noise": -1.0, "bias_sq": 0.0, "error_sq": 1.0}, 4, 8), r"\['noise'\] must be"),
+    (lambda: meter.extrapolate({"noise": 1.0, "bias_sq": 0.0, "error_sq": 1.0, "tensors": [{"noise": 1.0,
+                                "bias_sq": 0.0, "error_sq": -1.0, "weight": 1.0}]}, 4, 8),
+     r"stats\['tensors'\]\[0\]\['error_sq'\] must be a finite number >= 0"),
+    (lambda: meter.error_noise_stats(torch.full((3, 5), NAN), [torch.zeros(1, 5)] * 3), "exact must be finite"),
+    (lambda: meter.error_noise_stats(torch.zeros(3, 5), [torch.zeros(1, 5), torch.full((1, 5), INF),
+                                                           torch.zeros(1, 5)]), r"estimates\[1\] must be finite"),
+    (lambda: meter.Meter().update(torch.zeros(2, 4), torch.full((2, 4), NAN), 1, 1, 2.0), "estimate must be finite"),
+    (lambda: meter.Meter([3, -1]), r"sizes\[1\] must be an integer >= 1"),
+    (lambda: meter.Meter(sketch_dim=0), "sketch_dim must be an integer >= 1"),
+    (lambda: meter.meter_flag({"audits": 5}, min_audits=NAN), "min_audits must be an integer >= 0"),
+    # jagg.knots: NaN alphas for equal or NaN sigmas; unsorted, duplicate or negative steps
+    (lambda: knots.interval_alphas(torch.tensor([1.0, 0.5, 0.5, 0.0]), [1, 2], "sigma"), "strictly monotone"),
+    (lambda: knots.interval_alphas(torch.tensor([1.0, NAN, 0.5, 0.0]), [0, 1, 2], "sigma"), "must be finite"),
+    (lambda: knots.interval_alphas(jagg.flow_sigmas(4), [2, 1], "sigma"), r"interval\[1\] = 1 does not follow 2"),
+    (lambda: knots.step_groups([0, 2, 1], 2), r"train_steps\[2\] = 1 does not follow 2"),
+    (lambda: knots.step_groups([0, 1, 1], 2), r"train_steps\[2\] = 1 does not follow 1"),
+    (lambda: knots.step_groups([-1, 0, 1], 2), r"train_steps\[0\] = -1 is negative"),
+    (lambda: knots.intervals_of([3, 2, 1], "shared", 3), r"steps\[1\] = 2 does not follow 3"),
+    (lambda: knots.drawn_count(4, NAN), r"frac must be a finite number in \(0, 1\]"),
+    (lambda: knots.drawn_count(4, 1.5), r"frac must be a finite number in \(0, 1\]"),
+    (lambda: knots.draw(2, 4, 0, None), "m must be an integer >= 1"),
+    (lambda: knots.route(torch.zeros(2, 3), NAN, torch.ones(3, dtype=torch.bool)), "jagg_frac must be a finite"),
+    (lambda: knots.route(torch.full((2, 3), NAN), 0.5, torch.ones(3, dtype=torch.bool)), "without NaN"),
+])
+def test_nan_infinity_and_out_of_domain_inputs_are_refused_by_name(call, culprit):
+    """Every public function of jagg.verdict, jagg.meter and jagg.knots refuses NaN, infinity and values outside its
+    domain, naming the argument (or the record's field), instead of returning NaN, inf, an impossible rate (1.91 from
+    weights that do not sum to 1) or a recommendation on an infinite ratio."""
+    with pytest.raises((ValueError, TypeError), match=culprit):
+        call()
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_non_finite_reference_velocities_never_reach_the_gradient(setup, bad):
+    model, traj, adv = setup
+    ref = traj.velocities.clone()
+    ref[1, 2].view(-1)[0] = bad
+    with pytest.raises(ValueError, match="ref_velocities must be finite where the rollout's velocities are; 1 of"):
+        jagg.policy_gradient(model, traj, adv, EstimatorConfig(window=3, micro_batch=4, kl_beta=0.1),
+                             ref_velocities=ref)
+    assert _no_grad(model)
+
+
+def test_what_the_meter_has_not_measured_stays_an_explicit_unknown():
+    """NaN where the meter measured nothing (no noise to compare the error with) is its documented 'not measured': the
+    verdict says unknown and trains exact; it is never a recommendation."""
+    v = verdict([_verdict_record(error_to_noise=NAN, error_to_noise_se=NAN)], 1)
+    assert v["estimator"] == "exact" and "unknown" in v["reason"]
+    assert verdict([_verdict_record()], 1)["estimator"] == "a"

@@ -52,7 +52,7 @@ def test_extrapolation_and_efficiency_formula():
     assert at["error_to_noise"] == pytest.approx((0.01 + 0.2 / 4) / 0.25)
     assert extrapolate(st, 32, 32)["error_to_noise"] == pytest.approx(0.21)
     assert predicted_efficiency(2.0, 1.0) == pytest.approx(1.0)               # twice as cheap, twice the variance
-    assert predicted_efficiency(1.0, 0.0) == 1.0 and math.isnan(predicted_efficiency(1.0, math.nan))
+    assert predicted_efficiency(1.0, 0.0) == 1.0 and math.isnan(predicted_efficiency(1.0, math.nan))  # not measured
 
 
 def test_bias_against_the_signal():
@@ -142,7 +142,7 @@ def test_adam_pays_the_square_root_of_an_unbiased_error(error_to_noise):
     ratio = gain(error_to_noise) / gain(0.0)
     assert ratio == pytest.approx(adam_efficiency(1.0, error_to_noise), rel=0.03)
     assert abs(ratio - predicted_efficiency(1.0, error_to_noise)) > 0.15
-    assert adam_efficiency(2.0, 3.0) == pytest.approx(1.0) and math.isnan(adam_efficiency(1.0, math.nan))
+    assert adam_efficiency(2.0, 3.0) == pytest.approx(1.0)
 
 
 def _adam_gain(signal: torch.Tensor, extra: torch.Tensor, steps: int, seed: int) -> float:

@@ -176,7 +176,7 @@ def test_jsonl_metadata_evaluation_ema_adapters_and_resume(tmp_path, sd3_dir, tr
 
 def test_a_peft_adapter_starts_a_run(tmp_path, sd3_dir, trainers):
     """A peft-format adapter (adapter_config.json + adapter_model.safetensors, as Flow-GRPO's checkpoint-N/lora/
-    holds) as pipeline.lora.path: the run starts from its weights."""
+    holds) as pipeline.lora.path: the run starts from its weights (pipeline.lora.rank null: the adapter's own)."""
     from peft import LoraConfig, get_peft_model
 
     base = SD3Transformer2DModel.from_pretrained(sd3_dir / "transformer")
@@ -189,7 +189,8 @@ def test_a_peft_adapter_starts_a_run(tmp_path, sd3_dir, trainers):
     flow_grpo.save_pretrained(str(tmp_path / "lora"))
     cfg = write_config(tmp_path, sd3_dir, "reward: {name: jpeg_compressibility}", iterations=1)
     assert main(["train", "--config", str(cfg), "--output-dir", str(tmp_path / "run"), "--set",
-                 f"pipeline.lora.path={tmp_path / 'lora'}", "--set", "eval.every=0"]) == 0
+                 f"pipeline.lora.path={tmp_path / 'lora'}", "--set", "pipeline.lora.rank=null", "--set",
+                 "eval.every=0"]) == 0
     _, start = trainers[0]
     saved = {n.removeprefix("base_model.model."): p for n, p in flow_grpo.named_parameters() if "lora_" in n}
     assert set(start) == set(saved) and all(torch.equal(start[n], saved[n]) for n in saved)

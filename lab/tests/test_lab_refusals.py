@@ -48,7 +48,7 @@ def test_numbers_are_checked_in_the_dtype_they_are_used_in(argv, culprit, tmp_pa
 ])
 def test_duplicate_and_reserved_names_are_refused(argv, culprit, tmp_path, capsys):
     before = files_under(tmp_path)
-    fixed = ["--set", "estimator.mode=jagg"] if argv[0] in ("signal", "e2e") else []      # the main job runs auto
+    fixed = ["--set", "estimator.mode=jagg"] if argv[0] == "signal" else []      # the main job runs auto
     _refused([*argv, "--quick", *fixed, "--json", str(tmp_path / "out.json")], capsys, culprit)
     assert files_under(tmp_path) == before
 
@@ -57,6 +57,8 @@ def test_duplicate_and_reserved_names_are_refused(argv, culprit, tmp_path, capsy
     ("paired.json", lambda ck, p: ["paired", ck, ck, "--quick", "--json", p]),
     ("q/quality.json", lambda ck, p: ["quality", "--quick", "--out", str(Path(p).parent)]),
     ("q.png", lambda ck, p: ["quality", "--quick", "--plot", p]),
+    ("w.json", lambda ck, p: ["weight-changes", ck, "--json", p]),           # tools that parse their own options:
+    ("t.json", lambda ck, p: ["trace-file-changes", "--json", p]),          # the --overwrite they name exists
 ])
 def test_outputs_are_never_replaced_without_overwrite(name, argv, tmp_path, tiny_ckpt, capsys):
     path = tmp_path / name
@@ -218,3 +220,40 @@ def test_the_reward_help_of_paired_names_the_main_job_s_reward(capsys):
         main(["paired", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert f"main job's reward (reward: of jagg/shapes/main_job.yaml), {MAIN_JOB_REWARD}]" in text
+
+
+@pytest.mark.parametrize("argv,culprit", [
+    (["regime-map", "--set", "sample.eta=0.5"], "--set sample.eta=0.5: python -m lab regime-map sets sample.eta"),
+    (["regime-map", "--set", "sample.num_steps=20"], "sets sample.num_steps itself, from its regimes"),
+    (["regime-map", "--set", "sample.sde_type=cps"], "sets sample.sde_type"),
+    (["regime-map", "--set", "sample.sde_window=[0, 4]"], "sets sample.sde_window"),
+    (["regime-map", "--set", "sample={eta: 0.5}"], "sets sample.num_steps"),              # a section holding them
+    (["e2e", "--set", "estimator.mode=exact"], "e2e sets estimator.mode itself, from its variants (--variants)"),
+    (["e2e", "--set", "estimator.intermediate=fresh"], "sets estimator.intermediate"),
+    (["quality", "--set", "seed=7"], "quality sets seed itself, from --first-seed and --seeds"),
+    (["quality", "--set", "log.output_dir=/tmp/x"], "sets log.output_dir itself, from --out"),
+    (["quality", "--set", "log={output_dir: x}"], "sets log.output_dir"),
+])
+def test_a_set_of_what_the_tool_varies_is_refused(argv, culprit, tmp_path, capsys):
+    """A --set of a key the tool sets itself per regime, variant or run: with regime-map's every row would be the
+    same measurement under the regimes' labels; with e2e's and quality's the --set would be dropped without a word.
+    Refused by name before any work, nothing written."""
+    before = files_under(tmp_path)
+    out = ["--json", str(tmp_path / "m.json")] if argv[0] != "quality" else ["--out", str(tmp_path / "q")]
+    line = _refused([*argv, *out], capsys, culprit, "Leave it out")
+    assert "\n" not in line and files_under(tmp_path) == before
+
+
+def test_a_refused_traced_run_is_a_refusal_not_a_path(capsys):
+    """trace-file-changes on a run jagg train refuses (--correction-p 2) counted the refusal's path as the
+    trainer's and exited 0; it exits 2 with the refusal and counts nothing. A negative value is refused by the
+    option itself."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    assert main(["trace-file-changes", "--correction-p", "2"]) == 2
+    out, err = capsys.readouterr()
+    refusal, line = err.strip().splitlines()[-2:]                # jagg train's refusal, then the tool's
+    assert refusal.startswith("jagg train: error: ") and "correction_p" in refusal and "Traceback" not in err
+    assert line.startswith(f"{PROG} trace-file-changes: error: ") and "before its first optimizer step" in line
+    assert "source-file changes" not in out
+    _refused(["trace-file-changes", "--correction-p", "-1"], capsys, "--correction-p", "must be >= 0")

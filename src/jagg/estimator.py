@@ -206,7 +206,7 @@ def _as_advantages(advantages, B: int, device) -> Tensor:
 def _check_reference(ref_velocities: Tensor | None, traj: Trajectory, config: EstimatorConfig) -> None:
     """Reference velocities ``[B, T, *S]`` (the shape of the rollout's velocities) are needed when ``config.kl_beta
     > 0``, and whenever given (with ``kl_beta`` 0 too: a wrong one is an argument in the wrong place) must be a
-    tensor of that shape."""
+    tensor of that shape, finite wherever the rollout's velocities are (one check a call)."""
     shape = tuple(traj.velocities.shape)
     if ref_velocities is None:
         if config.kl_beta > 0:
@@ -217,6 +217,11 @@ def _check_reference(ref_velocities: Tensor | None, traj: Trajectory, config: Es
     if tuple(ref_velocities.shape) != shape:
         raise ValueError(f"ref_velocities must have shape [B, T, *S] = {shape} (the rollout's velocities'); got "
                          f"{tuple(ref_velocities.shape)}")
+    bad = ~torch.isfinite(ref_velocities) & torch.isfinite(traj.velocities)           # [B, T, *S]
+    if bool(bad.any()):                     # one sync a call; where the rollout itself is not finite, neither is the
+        raise ValueError(f"ref_velocities must be finite where the rollout's velocities are; {int(bad.sum())} of "
+                         f"its {bad.numel()} entries are NaN or infinite there (the reference policy's velocities: "
+                         "a NaN would flow into every gradient through the KL)")   # loss, and trainers skip it
 
 
 # ----------------------------------------------------------------------------- phase 1: plan

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from .advantages import prompt_group_index
-from .checks import as_steps, check_count, check_tensor, is_finite_number
+from .checks import as_increasing_steps, check_count, check_finite_tensor, check_number, check_tensor, is_finite_number
 from .estimator_config import ALPHAS, KNOTS, EstimatorConfig
 from .routing import linearity_scores
 from .trajectory import Trajectory
@@ -114,9 +114,9 @@ class Plan:
 
 
 def step_groups(train_steps: list[int], window: int) -> list[list[int]]:
-    """The paper's step groups: the sorted trained steps split into consecutive runs of ``window`` (the last may be
-    shorter). Each is one interval of ``knots="groups"``."""
-    train_steps, window = as_steps(train_steps, "train_steps"), check_count(window, "window")
+    """The paper's step groups: the trained steps (increasing, >= 0) split into consecutive runs of ``window`` (the
+    last may be shorter). Each is one interval of ``knots="groups"``."""
+    train_steps, window = as_increasing_steps(train_steps, "train_steps"), check_count(window, "window")
     return [train_steps[i : i + window] for i in range(0, len(train_steps), window)]
 
 
@@ -124,19 +124,27 @@ def interval_alphas(sigmas: Tensor, interval: list[int], alpha: str = "sigma") -
     """``alpha_k`` ``[m]`` (fp64) for the steps of ``interval``: 0 at ``a``, 1 at ``b``. ``[0.]`` for one step.
 
     ``alpha="sigma"``: ``(sigma_k - sigma_a) / (sigma_b - sigma_a)`` (the paper's t-weighting; schedules are not
-    uniform). ``alpha="index"``: ``(k - a) / (b - a)`` (the authors' reference code).
+    uniform). ``alpha="index"``: ``(k - a) / (b - a)`` (the authors' reference code). ``interval``: increasing steps;
+    with ``"sigma"`` its sigmas must be finite and strictly monotone (equal ones would divide by zero).
     """
     if alpha not in ALPHAS:
         raise ValueError(f"alpha must be one of {ALPHAS}; got {alpha!r}")
     check_tensor(sigmas, "sigmas", "[T + 1]")
-    interval = as_steps(interval, "interval")
-    if any(not 0 <= k < sigmas.numel() for k in interval):
+    interval = as_increasing_steps(interval, "interval")
+    if interval[-1] >= sigmas.numel():
         raise ValueError(f"interval must be a non-empty list of steps in [0, {sigmas.numel() - 1}] (indices into "
                          f"sigmas); got {list(interval)!r}")
     if len(interval) == 1:
         return torch.zeros(1, dtype=torch.float64, device=sigmas.device)
-    s = (sigmas[interval].double() if alpha == "sigma"
-         else torch.tensor(interval, dtype=torch.float64, device=sigmas.device))
+    if alpha == "index":
+        s = torch.tensor(interval, dtype=torch.float64, device=sigmas.device)
+        return (s - s[0]) / (s[-1] - s[0])
+    s = check_finite_tensor(sigmas[interval].double(), f"sigmas at the interval's steps {interval}")
+    d = s.diff()
+    if not bool(((d < 0).all() | (d > 0).all())):
+        raise ValueError(f"sigmas must be strictly monotone over the interval {interval} (alpha='sigma' divides by "
+                         f"sigma_b - sigma_a); got {[round(float(x), 6) for x in s[:8]]}: give a strictly decreasing "
+                         "sigma grid, or alpha='index'")
     return (s - s[0]) / (s[-1] - s[0])
 
 
@@ -157,7 +165,7 @@ def intervals_of(steps: list[int], knots: str, window: int) -> list[list[int]]:
     """
     if knots not in KNOTS:
         raise ValueError(f"knots must be one of {KNOTS}; got {knots!r}")
-    steps = as_steps(steps, "steps")
+    steps = as_increasing_steps(steps, "steps")
     if knots == "groups":
         return step_groups(steps, window)
     positions = shared_knots(len(steps), window)
@@ -270,6 +278,11 @@ def route(scores: Tensor, jagg_frac: float, eligible: Tensor,
     Returns ``[B, G]`` bool: True = JAGG. The count is ``jagg_frac * n_eligible`` units rounded half up; ties break
     towards the lower index (deterministic).
     """
+    check_number(jagg_frac, "jagg_frac", 0.0, 1.0, why="the share of eligible units routed")
+    if check_tensor(scores, "scores", "[B, G]").ndim != 2 or tuple(check_tensor(eligible, "eligible", "[G]").shape) != (
+            scores.shape[1],) or bool(torch.isnan(scores).any()):
+        raise ValueError(f"scores must be [B, G] linearity scores without NaN (+inf: an exact interval) and eligible "
+                         f"[G] bools; got scores {tuple(scores.shape)}, eligible {tuple(eligible.shape)}")
     B, G = scores.shape
     if prompt_groups is not None:
         member = unit_rows(prompt_groups, B).to(scores.device)                 # [B] in 0..U-1
@@ -340,6 +353,7 @@ def pick_corrections(routed: Tensor, rates: list[float], units: Tensor, config: 
 def draw(B: int, n: int, m: int, generator: torch.Generator | None) -> Tensor:
     """``[B, n]`` bool: a fresh uniformly random ``m`` of ``n`` per row, without replacement (all ``n``, and no draw,
     when ``m >= n``)."""
+    B, n, m = check_count(B, "B", 0), check_count(n, "n"), check_count(m, "m")
     if m >= n:
         return torch.ones(B, n, dtype=torch.bool)
     order = torch.rand(B, n, generator=generator, dtype=torch.float32).argsort(dim=1)      # [B, n]
@@ -348,6 +362,7 @@ def draw(B: int, n: int, m: int, generator: torch.Generator | None) -> Tensor:
 
 def drawn_count(n: int, frac: float) -> int:
     """``m = round(frac n)``, at least 1 and at most ``n``: how many of ``n`` units a draw at ``frac`` keeps."""
+    n, frac = check_count(n, "n"), check_number(frac, "frac", 0.0, 1.0, strict=True, why="the share of units kept")
     return max(1, min(n, round(frac * n)))
 
 

@@ -20,22 +20,31 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import as_vector, check_count, check_fields, check_positive, check_tensor, is_finite_number
+from .checks import (as_vector, check_count, check_fields, check_finite_tensor, check_number, check_positive,
+                     check_tensor, is_finite_number)
 
 
 def _check_ratios(work_ratio, error_to_noise) -> None:
-    """``work_ratio`` a finite number > 0; ``error_to_noise`` a number (NaN: not measured, which gives NaN)."""
-    check_positive(work_ratio, "work_ratio", "exact's rows or time over the estimator's")
-    if isinstance(error_to_noise, bool) or not isinstance(error_to_noise, numbers.Real):
-        raise TypeError(f"error_to_noise must be a number (E|e|^2 / V_b); got {type(error_to_noise).__name__}")
+    """``work_ratio`` a finite number > 0; ``error_to_noise`` a finite number >= 0 (a mean square over a variance),
+    or NaN: not measured (the batches' exact gradients had no noise to compare the error with)."""
+    check_number(work_ratio, "work_ratio", 0.0, strict=True, why="exact's rows or time over the estimator's")
+    if not (isinstance(error_to_noise, float) and math.isnan(error_to_noise)):
+        check_number(error_to_noise, "error_to_noise", 0.0, why="E|e|^2 / V_b, or NaN: not measured")
+
+
+def _rate(work_ratio: float, error_to_noise: float, power: float) -> float:
+    """``work_ratio / (1 + error_to_noise)^power`` unchecked, for the meter's own running estimates: NaN where the
+    error is not measured yet (no noise to compare it with)."""
+    return math.nan if math.isnan(error_to_noise) else work_ratio / (1.0 + max(error_to_noise, 0.0)) ** power
 
 
 def predicted_efficiency(work_ratio: float, error_to_noise: float) -> float:
     """``work_ratio / (1 + error_to_noise)``: progress for the same work against exact for an estimator whose update
     carries ``V_b + E|e|^2`` of variance instead of ``V_b`` (docs/design.md §3). ``work_ratio`` = exact's rows (or
-    time) / the estimator's."""
+    time) / the estimator's, a finite number > 0; ``error_to_noise`` a finite number >= 0, or NaN where it was not
+    measured (no noise), which gives NaN: no rate."""
     _check_ratios(work_ratio, error_to_noise)
-    return math.nan if math.isnan(error_to_noise) else work_ratio / (1.0 + max(error_to_noise, 0.0))
+    return _rate(float(work_ratio), float(error_to_noise), 1.0)
 
 
 def adam_efficiency(work_ratio: float, error_to_noise: float) -> float:
@@ -43,9 +52,10 @@ def adam_efficiency(work_ratio: float, error_to_noise: float) -> float:
     gradient's own scale (Adam, whose second moment is set by the noise when the update is noise-dominated; or a
     gradient-norm clip that is always active). Its expected step is the signal divided by ``sqrt(V_b + E|e|^2)`` and
     the noise's second-order cost is normalised away, so extra unbiased error costs its square root
-    (docs/design.md §3.8). Valid for an unbiased estimator only: a repeating error enters the step at full weight."""
+    (docs/design.md §3.8). Valid for an unbiased estimator only: a repeating error enters the step at full weight.
+    The arguments as :func:`predicted_efficiency`'s."""
     _check_ratios(work_ratio, error_to_noise)
-    return math.nan if math.isnan(error_to_noise) else work_ratio / math.sqrt(1.0 + max(error_to_noise, 0.0))
+    return _rate(float(work_ratio), float(error_to_noise), 0.5)
 
 
 def _numbers(values, name: str) -> np.ndarray:
@@ -79,6 +89,11 @@ def tensor_weights(noise: Sequence[float], numel: Sequence[int], signal: Sequenc
     if V.shape != n.shape or (signal is not None and _numbers(signal, "signal").shape != V.shape):
         raise ValueError(f"noise, numel (and signal) must be one number per tensor, of one length; got shapes "
                          f"{V.shape}, {n.shape}{'' if signal is None else f', {np.shape(signal)}'}")
+    _check_entries(V, "noise", "a finite number >= 0 (a variance)", lambda x: np.isfinite(x) & (x >= 0))
+    _check_entries(n, "numel", "an integer >= 1 (a tensor's coordinates)", lambda x: np.isfinite(x) & (x >= 1)
+                   & (x == np.round(x)))
+    if signal is not None:
+        _check_entries(_numbers(signal, "signal"), "signal", "a finite number", np.isfinite)
     live = V > 0
     w = np.zeros_like(V)
     if signal is None:
@@ -90,15 +105,33 @@ def tensor_weights(noise: Sequence[float], numel: Sequence[int], signal: Sequenc
     return w / total if total > 0 else w
 
 
+def _check_entries(values: np.ndarray, name: str, what: str, good) -> None:
+    """Raise naming ``name[j]``, the first entry of ``values`` that ``good`` (elementwise) refuses, as ``what``."""
+    bad = np.flatnonzero(~good(values))
+    if bad.size:
+        raise ValueError(f"{name}[{bad[0]}] must be {what}; got {values[bad[0]]!r} ({bad.size} such of {values.size})")
+
+
 def adam_tensor_factor(error_to_noise: Sequence[float], weights: Sequence[float]) -> float:
     """``sum_t w_t / sqrt(1 + E_t / V_t)``: Adam's progress per update against exact's for an unbiased estimator whose
     error ``E_t`` sits in each tensor ``t`` in its own proportion to that tensor's noise ``V_t`` (``error_to_noise``
     ``[T]``; NaN where a tensor has no noise), with the tensors weighted by :func:`tensor_weights`. With the same
-    ratio in every tensor it is the global model's ``1 / sqrt(1 + E|e|^2 / V_b)``. NaN when no tensor has a weight."""
+    ratio in every tensor it is the global model's ``1 / sqrt(1 + E|e|^2 / V_b)``. ``weights``: finite, >= 0, summing
+    to 1; ``error_to_noise``: finite and >= 0 wherever the weight is > 0 (NaN only where it is 0)."""
     r, w = _numbers(error_to_noise, "error_to_noise"), _numbers(weights, "weights")
     if r.shape != w.shape:
         raise ValueError(f"error_to_noise and weights must be one number per tensor, of one length; got shapes "
                          f"{r.shape} and {w.shape}")
+    _check_entries(w, "weights", "a finite number >= 0", lambda x: np.isfinite(x) & (x >= 0))
+    if not abs(w.sum() - 1.0) <= 1e-6:
+        raise ValueError(f"weights must sum to 1 (tensor_weights' shares); they sum to {w.sum():.6g}")
+    _check_entries(r, "error_to_noise", "a finite number >= 0 where its weight is > 0",
+                   lambda x: (w == 0) | (np.isfinite(x) & (x >= 0)))
+    return _adam_tensor_factor(r, w)
+
+
+def _adam_tensor_factor(r: np.ndarray, w: np.ndarray) -> float:
+    """:func:`adam_tensor_factor` unchecked, for the meter's own estimates: NaN when no tensor has a weight."""
     use = w > 0
     if not use.any() or np.isnan(r[use]).any():
         return math.nan
@@ -136,7 +169,25 @@ def _tensor_stats(exact: Tensor, errs: list[Tensor], mean_err: Tensor, sizes: Se
     for t, w in zip(tensors, weights):
         t["weight"] = float(w)
     return {"tensors": tensors, "tensor_weighting": "signal" if signal_measured else "noise",
-            "adam_tensor_factor": adam_tensor_factor([t["error_to_noise"] for t in tensors], weights)}
+            "adam_tensor_factor": _adam_tensor_factor(np.array([t["error_to_noise"] for t in tensors]), weights)}
+
+
+def _check_gradients(exact: Tensor, estimates: Sequence[Tensor]) -> None:
+    """:func:`error_noise_stats`' arguments: ``exact`` ``[n >= 3, P]`` and ``n`` estimates ``[draws >= 1, P]``, all
+    finite (one check a tensor); an error names the argument."""
+    check_tensor(exact, "exact", "[n, P] (one exact gradient per batch)")
+    check_finite_tensor(exact, "exact", "each batch's exact gradient")
+    if isinstance(estimates, Tensor) or not hasattr(estimates, "__len__"):
+        raise TypeError(f"estimates must be a sequence of n tensors [draws, P], one per batch; got "
+                        f"{type(estimates).__name__}")
+    if exact.ndim != 2 or exact.shape[0] < 3 or len(estimates) != exact.shape[0]:
+        raise ValueError(f"need exact [n, P] with n >= 3 batches and one [draws, P] estimate tensor per batch; got "
+                         f"exact {tuple(exact.shape)} and {len(estimates)} estimates")
+    for i, e in enumerate(estimates):
+        if not isinstance(e, Tensor) or e.ndim != 2 or e.shape[0] < 1 or e.shape[1] != exact.shape[1]:
+            raise ValueError(f"estimates[{i}] must be a tensor [draws >= 1, P = {exact.shape[1]}]; got "
+                             f"{tuple(e.shape) if isinstance(e, Tensor) else type(e).__name__}")
+        check_finite_tensor(e, f"estimates[{i}]", "the estimator's gradients of batch i")
 
 
 def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequence[int] | None = None) -> dict:
@@ -162,18 +213,8 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
         :data:`SIGNAL_Z` standard errors above 0, else ``noise``) and ``adam_tensor_factor``
         (:func:`adam_tensor_factor`).
     """
-    check_tensor(exact, "exact", "[n, P] (one exact gradient per batch)")
-    if isinstance(estimates, Tensor) or not hasattr(estimates, "__len__"):
-        raise TypeError(f"estimates must be a sequence of n tensors [draws, P], one per batch; got "
-                        f"{type(estimates).__name__}")
+    _check_gradients(exact, estimates)
     n = exact.shape[0]
-    if exact.ndim != 2 or n < 3 or len(estimates) != n:
-        raise ValueError(f"need exact [n, P] with n >= 3 batches and one [draws, P] estimate tensor per batch; got "
-                         f"exact {tuple(exact.shape)} and {len(estimates)} estimates")
-    for i, e in enumerate(estimates):
-        if not isinstance(e, Tensor) or e.ndim != 2 or e.shape[0] < 1 or e.shape[1] != exact.shape[1]:
-            raise ValueError(f"estimates[{i}] must be a tensor [draws >= 1, P = {exact.shape[1]}]; got "
-                             f"{tuple(e.shape) if isinstance(e, Tensor) else type(e).__name__}")
     exact = exact.double()
     errs = [e.double() - g for e, g in zip(estimates, exact)]                     # [d_i, P] each
     mean_err = torch.stack([e.mean(0) for e in errs])                              # [n, P]
@@ -187,7 +228,7 @@ def error_noise_stats(exact: Tensor, estimates: Sequence[Tensor], sizes: Sequenc
     loo = [_error_noise(exact[keep], mean_err[keep], err_sq[keep])
            for keep in ([j for j in range(n) if j != i] for i in range(n))]
     for key in ("error_to_noise", "bias_to_noise", "signal_to_noise"):
-        out[f"{key}_se"] = jackknife_se([r[key] for r in loo])
+        out[f"{key}_se"] = _jackknife_se(np.array([r[key] for r in loo], dtype=np.float64))
     norms = exact.norm(dim=1)
     out["grad_norm"] = float(norms.mean())
     out["rel_err"] = math.sqrt(max(out["error_sq"], 0.0)) / out["grad_norm"] if out["grad_norm"] > 0 else math.nan
@@ -204,9 +245,15 @@ def jackknife_se(leave_one_out: Sequence[float]) -> float:
     """The jackknife standard error of a statistic from its ``n`` leave-one-out values:
     ``sqrt((n - 1) / n sum_i (x_i - mean)^2)``."""
     vals = _numbers(leave_one_out, "leave_one_out")
-    n = vals.size
-    if n < 2:
+    if vals.size < 2:
         raise ValueError(f"leave_one_out must be n >= 2 leave-one-out values; got shape {vals.shape}")
+    _check_entries(vals, "leave_one_out", "a finite number", np.isfinite)
+    return _jackknife_se(vals)
+
+
+def _jackknife_se(vals: np.ndarray) -> float:
+    """:func:`jackknife_se` unchecked, for the meter's own estimates (NaN in, NaN out)."""
+    n = vals.size
     return math.sqrt((n - 1) / n * float(((vals - vals.mean()) ** 2).sum()))
 
 
@@ -217,6 +264,10 @@ def extrapolate(stats: dict, batch: float, target: float) -> dict:
     check_positive(batch, "batch", "samples per update measured")
     check_positive(target, "target", "samples per update to extrapolate to")
     check_fields(stats, {"noise": "number", "bias_sq": "number", "error_sq": "number"}, "stats (of error_noise_stats)")
+    for i, st in enumerate([stats, *stats.get("tensors", [])]):
+        where = "stats" if i == 0 else f"stats['tensors'][{i - 1}]"
+        for key, low in (("noise", 0.0), ("error_sq", 0.0), ("bias_sq", None), *((("weight", 0.0),) if i else ())):
+            check_number(st.get(key) if isinstance(st, dict) else None, f"{where}[{key!r}]", low)
     scale = batch / target
 
     def ratios(st: dict) -> tuple[float, float]:
@@ -228,8 +279,8 @@ def extrapolate(stats: dict, batch: float, target: float) -> dict:
     e2n, b2n = ratios(stats)
     out = {"error_to_noise": e2n, "bias_to_noise": b2n}
     if "tensors" in stats:
-        out["adam_tensor_factor"] = adam_tensor_factor([ratios(t)[0] for t in stats["tensors"]],
-                                                       [t["weight"] for t in stats["tensors"]])
+        out["adam_tensor_factor"] = _adam_tensor_factor(np.array([ratios(t)[0] for t in stats["tensors"]]),
+                                                        np.array([t["weight"] for t in stats["tensors"]], float))
     return out
 
 
@@ -265,6 +316,11 @@ class Meter:
     """
 
     def __init__(self, sizes: Sequence[int] | None = None, sketch_dim: int = 4096, keep: int = 256, seed: int = 0):
+        if sizes is not None:
+            _check_entries(_numbers(sizes, "sizes"), "sizes", "an integer >= 1 (a tensor's coordinates)",
+                           lambda x: np.isfinite(x) & (x >= 1) & (x == np.round(x)))
+        sketch_dim, keep, seed = check_count(sketch_dim, "sketch_dim"), check_count(keep, "keep"), check_count(seed,
+                                                                                                          "seed", 0)
         self.sizes = None if sizes is None else [int(n) for n in sizes]
         self.k, self.keep, self.seed = sketch_dim, keep, seed
         self.index = self.sign = None
@@ -350,6 +406,8 @@ class Meter:
         if exact.ndim != 2 or estimate.shape != exact.shape or exact.shape[1] != P:
             raise ValueError(f"exact and estimate must both be [m, P = {P}]; got {tuple(exact.shape)} and "
                              f"{tuple(estimate.shape)}")
+        check_finite_tensor(exact, "exact", "each prompt group's exact gradient")
+        check_finite_tensor(estimate, "estimate", "each prompt group's estimated gradient")
         check_count(rows_exact, "rows_exact", 0)
         check_count(rows_estimator, "rows_estimator", 0)
         check_positive(prompt_groups_per_update, "prompt_groups_per_update")
@@ -385,7 +443,7 @@ class Meter:
         out["bias_to_noise"] = bias / noise if noise > 0 else math.nan
         audits = sorted({a for a, _ in self.sketches})
         if len(audits) >= 3 and noise > 0:
-            out["bias_to_noise_se"] = se = jackknife_se([self._bias(skip=a) / noise for a in audits])
+            out["bias_to_noise_se"] = se = _jackknife_se(np.array([self._bias(skip=a) / noise for a in audits]))
             out["bias_z"] = out["bias_to_noise"] / se if se > 0 else math.nan
         return noise, b0 + max(mean_sq - b0, 0.0) / G, mean_sq
 
@@ -398,15 +456,15 @@ class Meter:
         out["error_to_noise"] = err / noise if noise > 0 else math.nan
         with np.errstate(divide="ignore", invalid="ignore"):
             tensor_ratio = np.where(tensor_noise > 0, tensor_err / tensor_noise, np.nan)
-        factor = adam_tensor_factor(tensor_ratio, tensor_weights(tensor_noise, self.sizes or [coordinates]))
-        out["predicted_efficiency"] = predicted_efficiency(rho, out["error_to_noise"])
-        out["predicted_adam_efficiency"] = adam_efficiency(rho, out["error_to_noise"])
+        factor = _adam_tensor_factor(tensor_ratio, tensor_weights(tensor_noise, self.sizes or [coordinates]))
+        out["predicted_efficiency"] = _rate(rho, out["error_to_noise"], 1.0)
+        out["predicted_adam_efficiency"] = _rate(rho, out["error_to_noise"], 0.5)
         out["predicted_adam_tensor_efficiency"] = rho * factor
         if train_share is not None:
             time_ratio = ((1 - train_share) * rows + train_share * rows_exact) / (
                 (1 - train_share) * rows + train_share * rows)
-            out["predicted_time_efficiency"] = predicted_efficiency(time_ratio, out["error_to_noise"])
-            out["predicted_adam_time_efficiency"] = adam_efficiency(time_ratio, out["error_to_noise"])
+            out["predicted_time_efficiency"] = _rate(time_ratio, out["error_to_noise"], 1.0)
+            out["predicted_adam_time_efficiency"] = _rate(time_ratio, out["error_to_noise"], 0.5)
             out["predicted_adam_tensor_time_efficiency"] = time_ratio * factor
 
 
@@ -417,6 +475,7 @@ def meter_flag(result: dict, min_audits: int = 4) -> str | None:
     error costs in the measured runs: docs/results.md)."""
     if not isinstance(result, dict):
         raise TypeError(f"result must be the dict of Meter.update; got {type(result).__name__}")
+    check_count(min_audits, "min_audits", 0)
     if result.get("audits", 0) < min_audits:
         return None
     b, se = result.get("bias_to_noise", math.nan), result.get("bias_to_noise_se", math.nan)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from .checks import check_count, check_fields, check_number, is_finite_number
 from .meter import adam_efficiency, predicted_efficiency
 
 # the widest range of a per-update rate the meter still answers with (docs/design.md §3.8): a wider one cannot tell
@@ -28,8 +29,28 @@ def rate_range(error_to_noise: float, se: float) -> tuple[float, float]:
     """The per-update rate (of exact's) an unbiased error ``E|e|^2/V_b = error_to_noise`` (jackknife SE ``se``) leaves:
     from SGD's variance model at the error's upper end ``+ 2 SE`` to Adam's first-order model at its lower end
     ``- 2 SE`` (clamped at 0). Paired seeds fell between the two models and on both of their sides
-    (docs/results.md), so neither alone is the prediction."""
+    (docs/results.md), so neither alone is the prediction. Both are finite numbers >= 0."""
+    check_number(error_to_noise, "error_to_noise", 0.0, why="E|e|^2 / V_b")
+    check_number(se, "se", 0.0, why="its standard error")
     return predicted_efficiency(1.0, error_to_noise + 2 * se), adam_efficiency(1.0, max(error_to_noise - 2 * se, 0.0))
+
+
+RECORD = {"estimator": "string", "error_to_noise": "number|nan", "error_to_noise_se": "number|nan",
+          "iter_ratio": "number", "bias_z": "number|nan|null", "projected_iter_ratio": "number|nan|null"}
+
+
+def _checked(rec: dict) -> dict:
+    """A meter record's terms checked by name before any decision: ``iter_ratio`` a finite number > 0,
+    ``error_to_noise`` and its ``_se`` finite numbers >= 0 or NaN (not measured: the answer is ``unknown``),
+    ``bias_z`` None, NaN or finite, ``projected_iter_ratio`` (when given) None, NaN or a finite number > 0. An
+    infinite ratio or a negative SE would otherwise project ``inf-inf`` and pass any bar."""
+    where = f"the meter record of {rec.get('estimator')!r}" if isinstance(rec, dict) else "a meter record"
+    check_fields(rec, RECORD, where, optional=("estimator", "projected_iter_ratio"))
+    for key, strict in (("iter_ratio", True), ("error_to_noise", False), ("error_to_noise_se", False),
+                        ("projected_iter_ratio", True)):
+        if is_finite_number(rec.get(key)):
+            check_number(rec[key], f"{where}: {key}", 0.0, strict=strict)
+    return rec
 
 
 def prediction(rec: dict) -> dict:
@@ -39,7 +60,8 @@ def prediction(rec: dict) -> dict:
     significant repeating error (``bias_z >= 2``), or where the range is wider than :data:`MAX_RANGE` (a heavy-tailed
     error that these batches do not resolve: more ``--batches`` narrow it). ``prediction_range`` prints it. For a job
     of ``U`` updates per iteration the per-update rate is the mean of the ranges at ``--update 0 .. U-1``."""
-    lo, hi = rate_range(rec["error_to_noise"], rec["error_to_noise_se"])
+    e, se = _checked(rec)["error_to_noise"], rec["error_to_noise_se"]
+    lo, hi = (math.nan, math.nan) if math.isnan(e) or math.isnan(se) else rate_range(e, se)
     ratio, z = rec["iter_ratio"], rec["bias_z"]
     if z is not None and math.isfinite(z) and z >= 2:
         why = "unknown: a significant repeating error (bias z >= 2)"
@@ -80,6 +102,7 @@ def job_prediction(per_update: list[list[dict]]) -> list[dict]:
 def position_failure(rec: dict, margin: float = MARGIN) -> str | None:
     """Why one measured update position does not clear the verdict's bar, or None when it does: its range is known
     (:func:`prediction`) and its low end times the measured iteration ratio is at least ``1 + margin``."""
+    check_number(margin, "margin", 0.0, why="the share by which a candidate must clear exact")
     p = prediction(rec)
     if p["prediction"] != "range":
         cause = p["prediction"].removeprefix("unknown: ").split(" (")[0]         # e.g. "the error is not resolved"
@@ -126,8 +149,12 @@ def verdict(records: list[dict], updates: int, margin: float = MARGIN, cost: str
     (one per candidate), ``candidates`` (per candidate: ``passes``, ``why`` and the means ``rate_lo``, ``rate_hi``,
     ``time_rate_lo``, ``time_rate_hi``, ``iter_ratio``, ``projected_lo``, ``projected_hi`` where measured), ``margin``
     and ``updates``."""
-    if updates < 1 or not margin >= 0:
-        raise ValueError(f"verdict: updates must be >= 1 and margin >= 0; got {updates} and {margin}")
+    check_count(updates, "updates")
+    check_number(margin, "margin", 0.0, why="the share by which a candidate must clear exact")
+    if isinstance(records, (str, bytes, dict)) or not hasattr(records, "__iter__"):
+        raise TypeError(f"records must be a list of meter records; got {type(records).__name__}")
+    for r in records:
+        check_fields(r, {"estimator": "string", "update": "integer"}, "a meter record")
     names = list(dict.fromkeys(r["estimator"] for r in records if r["estimator"] != "exact"))
     cands = [_candidate(n, {r["update"]: r for r in records if r["estimator"] == n}, updates, margin, missing)
              for n in names]

@@ -459,11 +459,19 @@ def _run(args: argparse.Namespace) -> int:
 
 def default_specs(cfg: TrainConfig) -> list[str]:
     """The estimators measured without ``--estimator``: ``config``, ``plain`` and ``subsample``; for
-    ``estimator.mode: auto`` its candidates (what the run measures)."""
+    ``estimator.mode: auto`` its candidates that fit the job (what the run measures:
+    :func:`jagg.trainers.sections.auto_candidates`), a note printed for each default candidate left out (one the
+    config names that does not fit is refused when the config loads)."""
+    from ..trainers.sections import auto_candidates, steps_source, trained_steps
+
     e = cfg.estimator
-    if e.mode == AUTO:
-        return [c for c in e.candidates if c != "exact"]
-    return ["config", "plain", "subsample"]
+    if e.mode != AUTO:
+        return ["config", "plain", "subsample"]
+    n, key = num_steps_of(cfg)
+    fitting, left_out = auto_candidates(e, trained_steps(cfg.sample, n), steps_source(cfg.sample, key, n))
+    for name, why in left_out.items():
+        print(f"note: the default candidate {name!r} is left out, as estimator.mode: auto leaves it out: {why}")
+    return [c for c in e.candidates if c.partition(":")[0] in fitting and c != "exact"]
 
 
 def _print_verdict(records: list[dict], cfg: TrainConfig, args: argparse.Namespace, cost: CostStructure) -> dict:

@@ -10,7 +10,8 @@ from .sampling import (ARGUMENTS, REDUCTIONS, SDE_TYPES, SDE_WINDOW_SCHEDULES, K
                        check_sde_window_schedule, check_sigmas, check_sliding_window, check_train_steps,
                        cps_last_step_error)
 from .specs import check_no_repeats, check_unique_names, parse_spec
-from .values import (FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, INT64_MIN, MAX_THREADS, SEED_MAX, as_steps, as_vector, check_callable,
-                     check_count, check_flag, check_float32, check_int64, check_positive, check_probabilities,
+from .values import (FLOAT32_MAX, FLOAT32_TINY, INT64_MAX, INT64_MIN, MAX_THREADS, SEED_MAX, as_increasing_steps,
+                     as_steps, as_vector, check_callable, check_count, check_finite_tensor, check_flag, check_float32,
+                     check_int64, check_number, check_positive, check_probabilities,
                      check_seed, check_tensor, check_threads, first_non_finite, is_finite_number, number_arg,
                      parse_number, shown)

@@ -21,9 +21,11 @@ KINDS = {
     "number": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v),
     "bool": lambda v: isinstance(v, bool),
     "null": lambda v: v is None,
+    "nan": lambda v: isinstance(v, float) and math.isnan(v),          # a measurement not made (the meter's records)
 }
 ARTICLES = {"object": "an object (key: value)", "list": "a list", "string": "a string", "integer": "an integer",
-            "number": "a finite number", "bool": "true or false", "null": "null"}
+            "number": "a finite number", "bool": "true or false", "null": "null",
+            "nan": "NaN (not measured)"}
 
 
 def json_kind(value) -> str:

@@ -48,6 +48,46 @@ def as_steps(values, name: str) -> list[int]:
     return [int(v) for v in values]
 
 
+def as_increasing_steps(values, name: str) -> list[int]:
+    """:func:`as_steps`, each step ``>= 0`` and every one above the one before (steps index a trajectory in order); a
+    ValueError naming ``name`` and the first step out of order otherwise."""
+    steps = as_steps(values, name)
+    for j, (a, b) in enumerate(zip([-1, *steps], steps)):
+        if b <= a:
+            raise ValueError(f"{name} must be increasing steps >= 0 (each an index into the trajectory, in order); "
+                             f"{name}[{j}] = {b} {'is negative' if b < 0 else f'does not follow {a}'}; got "
+                             f"{shown(steps)}")
+    return steps
+
+
+def check_finite_tensor(value: Tensor, name: str, what: str = "") -> Tensor:
+    """Raise unless every entry of the tensor ``value`` is finite (one ``isfinite(...).all()``: a single device sync
+    per call), naming it ``name`` (``what``: where such values come from, what to check). Returns it."""
+    if value.numel() and not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise ValueError(f"{name} must be finite; {bad} of its {value.numel()} entries are NaN or infinite"
+                         f"{f' ({what})' if what else ''}")
+    return value
+
+
+def check_number(value, name: str, low: float | None = None, high: float | None = None, strict: bool = False,
+                 why: str = "") -> float:
+    """``value`` as a float: a finite real number (not a bool), in ``[low, high]`` (above ``low`` when ``strict``);
+    a TypeError for a non-number, else a ValueError naming ``name`` (``why``: what it is)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number{f' ({why})' if why else ''}; got {type(value).__name__}")
+    if low is not None and high is not None:
+        bounds = f"in {'(' if strict else '['}{low:g}, {high:g}]"
+    else:
+        bounds = (f"> {low:g}" if strict else f">= {low:g}") if low is not None else (
+            f"<= {high:g}" if high is not None else "")
+    if (not math.isfinite(value) or (low is not None and (value <= low if strict else value < low))
+            or (high is not None and value > high)):
+        raise ValueError(f"{name} must be a finite number{' ' + bounds if bounds else ''}"
+                         f"{f' ({why})' if why else ''}; got {shown(value)}")
+    return float(value)
+
+
 def check_count(value, name: str, minimum: int = 1) -> int:
     """Raise unless ``value`` is an integer (not a bool; a numpy integer counts) >= ``minimum``; the message names it
     ``name``. Returns it as a Python int."""

@@ -1,9 +1,18 @@
-"""Prompt datasets in Flow-GRPO's two formats, with each prompt's metadata for the reward.
+"""Prompt datasets in Flow-GRPO's two formats (and a JSON list), with each prompt's metadata for the reward.
 
 - ``.txt``: one prompt a line (surrounding spaces and blank lines dropped); no metadata (the reward gets ``None``).
 - ``.jsonl``: one JSON object a line with a non-empty string ``"prompt"`` and any other fields (Flow-GRPO's
   ``train_metadata.jsonl`` / ``test_metadata.jsonl``: GenEval's ``tag``, ``include``, ``exclude``, an OCR target,
   ...); the whole object is that prompt's metadata, as Flow-GRPO passes it to its rewards.
+- ``.json``: one JSON list of prompts, each a string or an object with a ``"prompt"`` as a ``.jsonl`` line.
+
+Any other extension is refused, naming these three: the extension says how the file is read, and a file read the wrong
+way (a JSON file as text) would train on its literal text. A ``.txt`` whose first line is a JSON object with a
+``"prompt"`` is refused too, asking for the ``.jsonl`` name. Bounds, each refused naming the file (and the line):
+a prompt of more than :data:`MAX_PROMPT_CHARS` characters (every text encoder truncates at its context, at most 1024
+tokens; characters past 8 a token are never read), a ``.jsonl`` line of more than :data:`MAX_LINE_CHARS`, JSON nested
+deeper than the parser's recursion limit, a file of more than :data:`MAX_FILE_BYTES` or more than :data:`MAX_PROMPTS`
+prompts (the set is held in memory; sample a larger one down first).
 
 A test set beside a training set follows Flow-GRPO's dataset layout (:func:`eval_set_beside`): ``train.txt`` ->
 ``test.txt``, ``train_metadata.jsonl`` -> ``test_metadata.jsonl``. Every problem is a ValueError naming the config key
@@ -16,15 +25,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config_loader import read_prompt_lines, read_text
+from .config_loader import read_text
 
-JSONL = ".jsonl"
+TXT, JSONL, JSON = ".txt", ".jsonl", ".json"
+MAX_PROMPT_CHARS = 8192          # 1024 tokens (the longest text-encoder context, Qwen-Image's) x 8 characters
+MAX_LINE_CHARS = 1 << 20         # a .jsonl line: its prompt and its metadata
+MAX_FILE_BYTES = 256 << 20
+MAX_PROMPTS = 1_000_000
+_EXAMPLE = '{"prompt": "a red cube", "tag": "single_object"}'
 
 
 @dataclass(frozen=True)
 class PromptSet:
-    """A prompt dataset: ``prompts`` ``[n]`` and, read from a ``.jsonl``, each line's object ``metadata`` ``[n]``
-    (None for a ``.txt``)."""
+    """A prompt dataset: ``prompts`` ``[n]`` and, read from a ``.jsonl`` (or a ``.json`` list holding objects), each
+    prompt's object ``metadata`` ``[n]`` (None for a ``.txt``)."""
 
     path: str
     prompts: list[str]
@@ -40,28 +54,98 @@ class PromptSet:
 
 
 def read_prompt_set(path: str | Path, what: str = "sample.prompts_file") -> PromptSet:
-    """The prompt dataset at ``path`` (a ``.jsonl`` with metadata, else one prompt a line); errors name ``what``."""
-    if Path(path).suffix.lower() != JSONL:
-        return PromptSet(str(path), read_prompt_lines(str(path), what))
-    prompts, metadata = [], []
-    for n, line in enumerate(read_text(path, what).splitlines(), 1):
+    """The prompt dataset at ``path`` by its extension (``.txt``, ``.jsonl``, ``.json``); errors name ``what``, the
+    file and the line (the module's docstring lists what is refused)."""
+    where, suffix = f"{what} {str(path)!r}", Path(path).suffix.lower()
+    if suffix not in (TXT, JSONL, JSON):
+        raise ValueError(f"{where} must end in {TXT} (one prompt a line), {JSONL} (one JSON object with a 'prompt' a "
+                         f"line) or {JSON} (a JSON list of prompts); got {suffix or 'no extension'}: rename the file "
+                         "for the format it holds")
+    p = Path(path).expanduser()
+    if p.is_file() and p.stat().st_size > MAX_FILE_BYTES:
+        raise ValueError(f"{where} is {p.stat().st_size / 2**20:.0f} MiB, more than the {MAX_FILE_BYTES >> 20} MiB a "
+                         f"prompt set may be (it is held in memory); sample it down to at most {MAX_PROMPTS:,} prompts")
+    text = read_text(path, what)
+    items = _txt(text, where) if suffix == TXT else _jsonl(text, where) if suffix == JSONL else _json(text, where)
+    if not items:
+        raise ValueError(f"{where} holds no prompt; put " + ("one prompt a line" if suffix == TXT else
+                                                              f"one JSON object with a 'prompt' a line, e.g. {_EXAMPLE}"
+                                                              if suffix == JSONL else "a list of prompts in it"))
+    if len(items) > MAX_PROMPTS:
+        raise ValueError(f"{where} holds {len(items):,} prompts, more than the {MAX_PROMPTS:,} a prompt set may hold "
+                         "(it is held in memory); sample it down")
+    prompts = [prompt for prompt, _ in items]
+    objects = [meta for _, meta in items]
+    return PromptSet(str(path), prompts, None if all(m is None for m in objects) else
+                     [m if m is not None else {"prompt": s} for s, m in zip(prompts, objects)])
+
+
+def _checked(prompt: str, where: str) -> str:
+    """``prompt`` stripped, refused (naming ``where``: the file and line) when longer than :data:`MAX_PROMPT_CHARS`."""
+    prompt = prompt.strip()
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"{where}: a prompt of {len(prompt):,} characters, more than {MAX_PROMPT_CHARS:,}; every "
+                         "text encoder truncates at its context (at most 1024 tokens), so the rest is never read: "
+                         "shorten it")
+    return prompt
+
+
+def _txt(text: str, where: str) -> list[tuple[str, None]]:
+    """The prompts of a ``.txt``, one a line; a first line that is a ``.jsonl`` object is refused."""
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if lines and lines[0][1].lstrip().startswith("{") and len(lines[0][1]) <= MAX_LINE_CHARS:
+        try:
+            first = json.loads(lines[0][1])
+        except (ValueError, RecursionError):
+            first = None
+        if isinstance(first, dict) and "prompt" in first:
+            raise ValueError(f"{where} line {lines[0][0]} is a JSON object with a 'prompt': a .txt is read as one "
+                             "prompt a line, literally; name the file .jsonl to read one object a line")
+    return [(_checked(line, f"{where} line {n}"), None) for n, line in lines]
+
+
+def _jsonl(text: str, where: str) -> list[tuple[str, dict]]:
+    """The prompts and objects of a ``.jsonl``, one object a line."""
+    items = []
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            item = json.loads(line)
-        except ValueError as e:
-            raise ValueError(f"{what} {str(path)!r} line {n} is not a JSON object ({e}); a .jsonl prompt set holds one "
-                             "object a line, e.g. {\"prompt\": \"a red cube\", \"tag\": \"single_object\"}") from None
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
-            got = f"a JSON {type(item).__name__}" if not isinstance(item, dict) else (
-                "an object without a 'prompt'" if "prompt" not in item else f"'prompt' {item['prompt']!r}")
-            raise ValueError(f"{what} {str(path)!r} line {n}: each line must be a JSON object with a non-empty string "
-                             f"'prompt' (and any fields the reward reads); got {got}")
-        prompts.append(item["prompt"].strip())
-        metadata.append(item)
-    if not prompts:
-        raise ValueError(f"{what} {str(path)!r} holds no prompt; put one JSON object with a 'prompt' a line")
-    return PromptSet(str(path), prompts, metadata)
+        if len(line) > MAX_LINE_CHARS:
+            raise ValueError(f"{where} line {n} is {len(line):,} characters long, more than {MAX_LINE_CHARS:,}; a "
+                             f"line holds one prompt (at most {MAX_PROMPT_CHARS:,} characters) and its metadata")
+        items.append(_item(_parse(line, f"{where} line {n}", "a .jsonl prompt set holds one object a line, e.g. "
+                                  + _EXAMPLE), f"{where} line {n}"))
+    return items
+
+
+def _json(text: str, where: str) -> list[tuple[str, dict | None]]:
+    """The prompts of a ``.json``: a list of strings or of objects with a ``"prompt"``."""
+    data = _parse(text, where, 'a .json prompt set holds one list, e.g. ["a red cube", ' + _EXAMPLE + "]")
+    if not isinstance(data, list):
+        raise ValueError(f"{where} holds a JSON {type(data).__name__}; a .json prompt set is one list of prompts, "
+                         f"each a string or an object with a 'prompt' (or give a .jsonl, one object a line)")
+    return [(_checked(x, f"{where} item {i}"), None) if isinstance(x, str) and x.strip() else
+            _item(x, f"{where} item {i}") for i, x in enumerate(data)]
+
+
+def _parse(text: str, where: str, hint: str):
+    """``text`` parsed as JSON; a syntax error or a nesting past the parser's recursion limit names ``where``."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{where} is JSON nested too deeply to read; {hint}") from None
+    except ValueError as e:
+        raise ValueError(f"{where} is not valid JSON ({e}); {hint}") from None
+
+
+def _item(item, where: str) -> tuple[str, dict]:
+    """A prompt's ``(prompt, object)`` from a parsed ``.jsonl`` line or ``.json`` item, named by ``where``."""
+    if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
+        got = f"a JSON {type(item).__name__}" if not isinstance(item, dict) else (
+            "an object without a 'prompt'" if "prompt" not in item else f"'prompt' {str(item['prompt'])[:80]!r}")
+        raise ValueError(f"{where}: each prompt must be a JSON object with a non-empty string 'prompt' (and any "
+                         f"fields the reward reads); got {got}")
+    return _checked(item["prompt"], where), item
 
 
 def eval_set_beside(train: str | Path) -> Path | None:

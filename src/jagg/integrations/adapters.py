@@ -9,7 +9,9 @@
 
 :func:`save_adapter` writes both (the trained adapter, or the EMA's weights given as ``state``); :func:`load_adapter`
 reads either into a transformer (``pipeline.lora.path``: start a run from a jagg or a Flow-GRPO adapter);
-:func:`adapter_format` checks a directory before any model loads. Note: ``convert_state_dict_to_diffusers`` must
+:func:`adapter_format` checks a directory before any model loads, :func:`check_adapter` also its weights file's header
+(readable, LoRA tensors in it, one rank, the rank of ``pipeline.lora.rank`` when that is set), and :func:`load_adapter`
+refuses an adapter whose modules are not the model's, naming the file. Note: ``convert_state_dict_to_diffusers`` must
 *not* be applied to transformer adapters in current diffusers: it renames keys to the old UNet ``lora.down/up``
 format and ``load_lora_weights`` then silently drops the attention adapters.
 """
@@ -120,6 +122,53 @@ def adapter_format(directory: str | Path, key: str = "pipeline.lora.path") -> st
     raise FileNotFoundError(f"{key} {d} holds no LoRA adapter: expected {formats}")
 
 
+def _lora_shapes(path: Path, key: str) -> dict[str, list[int]]:
+    """The shapes of the LoRA tensors (``lora_A`` / ``lora_B``) in the ``.safetensors`` file ``path``, read from its
+    header alone; an empty, truncated or garbage file, or one without a LoRA tensor, is a ValueError naming ``key``."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        size = path.stat().st_size if path.is_file() else 0
+        raise ValueError(f"{key}: {path} ({size:,} bytes) is not a readable .safetensors file ({e}); is it empty, "
+                         "truncated or another format? Save the adapter again or copy it whole") from None
+    lora = {k: v for k, v in shapes.items() if ".lora_A." in k or ".lora_B." in k}
+    if not any(".lora_A." in k for k in lora):
+        raise ValueError(f"{key}: {path} holds no LoRA tensor (no '.lora_A.' key among its "
+                         f"{len(shapes)} tensors{', e.g. ' + repr(next(iter(shapes))) if shapes else ''}); give a "
+                         "LoRA adapter's weights")
+    return lora
+
+
+def check_adapter(directory: str | Path, key: str = "pipeline.lora.path", rank: int | None = None) -> str:
+    """:func:`adapter_format` of ``directory``, then its weights file's header (:func:`_lora_shapes`): each
+    ``lora_A`` of shape ``[r, in]`` with its ``lora_B`` ``[out, r]``, and ``r`` the given ``rank``
+    (``pipeline.lora.rank``; None: any). Reads no tensor data; errors name ``key`` and the file."""
+    d = Path(directory).expanduser()
+    fmt = adapter_format(d, key)
+    path = d / (LORA_WEIGHT_NAME if fmt == "diffusers" else PEFT_WEIGHT_NAMES[0])
+    if not path.is_file():
+        return fmt                                              # peft's adapter_model.bin: no header to read
+    shapes = _lora_shapes(path, key)
+    ranks = {v[0] for k, v in shapes.items() if ".lora_A." in k and v}
+    for a, shape in ((k, v) for k, v in shapes.items() if ".lora_A." in k):
+        b = shapes.get(a.replace(".lora_A.", ".lora_B."))
+        if b is None or len(b) < 2 or len(shape) < 2 or b[1] != shape[0]:
+            raise ValueError(f"{key}: {path}: {a!r} of shape {shape} has no lora_B of rank {shape[0]} beside it "
+                             f"(got {b}); the file is not a whole LoRA adapter: save it again")
+    if rank is not None and ranks != {rank}:
+        raise ValueError(f"{key}: {path} holds LoRA rank {'/'.join(map(str, sorted(ranks)))}, not pipeline.lora.rank="
+                         f"{rank}; set pipeline.lora.rank to the adapter's rank (or null: the adapter's own)")
+    return fmt
+
+
+def _modules(names, marker: str = ".lora_A.") -> set[str]:
+    """The module names of the LoRA weights ``names`` (the part before ``marker``, prefixes removed)."""
+    return {n.split(marker)[0].removeprefix("transformer.").removeprefix(PEFT_PREFIX) for n in names if marker in n}
+
+
 def load_adapter(transformer: nn.Module, directory: str | Path, trainable: bool = True,
                  key: str = "pipeline.lora.path") -> list[nn.Parameter]:
     """Load the LoRA adapter of ``directory``, in either format (:func:`adapter_format`), into ``transformer`` as its
@@ -128,7 +177,7 @@ def load_adapter(transformer: nn.Module, directory: str | Path, trainable: bool 
     model = unwrap_model(transformer)
     d = Path(directory).expanduser()
     if adapter_format(d, key) == "diffusers":
-        model.load_lora_adapter(str(d), prefix="transformer", adapter_name="default", weight_name=LORA_WEIGHT_NAME)
+        _load_diffusers(model, d, key)
     else:
         from peft import LoraConfig
         from peft.utils import load_peft_weights, set_peft_model_state_dict
@@ -146,6 +195,31 @@ def load_adapter(transformer: nn.Module, directory: str | Path, trainable: bool 
     for p in params:
         p.requires_grad_(trainable)
     return params
+
+
+def _load_diffusers(model: nn.Module, d: Path, key: str) -> None:
+    """Load ``d``'s diffusers adapter into ``model``; diffusers keeps the modules it finds and warns of the rest, so
+    weights for modules the model lacks are one ValueError naming ``key`` and the file instead."""
+    import warnings
+
+    from diffusers.utils import logging as diffusers_logging
+    from safetensors import safe_open
+
+    with safe_open(str(d / LORA_WEIGHT_NAME), "pt") as f:
+        wanted = _modules(f.keys())
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            model.load_lora_adapter(str(d), prefix="transformer", adapter_name="default", weight_name=LORA_WEIGHT_NAME)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    strays = sorted(wanted - _modules(n for n, _ in model.named_parameters()))
+    if strays:
+        raise ValueError(f"{key}: {d / LORA_WEIGHT_NAME}: {len(strays)} of the adapter's {len(wanted)} modules are "
+                         f"not modules of this {type(model).__name__} (e.g. {strays[:2]}); was it trained on another "
+                         "model?")
 
 
 def load_lora(transformer: nn.Module, directory: str | Path, trainable: bool = True) -> list[nn.Parameter]:

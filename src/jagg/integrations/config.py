@@ -95,8 +95,10 @@ class LoraSettings:
                               "updates below bf16's resolution are not lost). LoRA: the adapters, on the bf16 base. "
                               "Full fine-tuning: the whole transformer, so set pipeline.autocast: bf16 to compute in "
                               "bf16; the KL reference copy stays in pipeline.dtype."))
-    path: str | None = field(default=None, metadata=helped("Resume from a saved adapter directory "
-                             f"(containing {LORA_WEIGHT_NAME})."))
+    path: str | None = field(default=None, metadata=helped("Start from a saved adapter directory (containing "
+                             f"{LORA_WEIGHT_NAME}, or peft's adapter_config.json + adapter_model.safetensors); its "
+                             "rank, alpha and modules are the adapter's, and a rank set here must be its rank "
+                             "(null: any)."))
 
     def __post_init__(self):
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):

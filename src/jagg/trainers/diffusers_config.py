@@ -34,9 +34,9 @@ class DiffusersSampleSection(SampleBatch):
     shapes trainer's ``SampleSection`` does not fit (its prompt file must parse in the shapes-world grammar)."""
 
     prompts_file: str | None = field(default=None, metadata=helped(
-        "Required: the training prompts, a .txt (one prompt a line, blank lines skipped) or a .jsonl (Flow-GRPO's "
+        "Required: the training prompts, a .txt (one prompt a line, blank lines skipped), a .jsonl (Flow-GRPO's "
         "train_metadata.jsonl: one JSON object a line with a 'prompt' and any fields the reward reads, passed to it as "
-        "that prompt's metadata)."))
+        "that prompt's metadata) or a .json (one list of prompts, strings or such objects)."))
 
     def __post_init__(self):
         self.prompt_set = PromptSet("", [])                        # the file's prompts and metadata, read at load
@@ -61,7 +61,7 @@ class DiffusersEvalSection:
     guidance and reward, the EMA weights when ``optim.ema_decay > 0``."""
 
     prompts_file: str | None = field(default=None, metadata=helped(
-        "Test prompts, .txt or .jsonl as sample.prompts_file; null: the test set beside sample.prompts_file in "
+        "Test prompts, .txt, .jsonl or .json as sample.prompts_file; null: the test set beside sample.prompts_file in "
         "Flow-GRPO's dataset layout (train.txt -> test.txt, train_metadata.jsonl -> test_metadata.jsonl) when that "
         "file exists, else no evaluation (the run's header says so)."))
     every: int = field(default=10, metadata=helped(

@@ -2,8 +2,9 @@
 (the prompt files are read when the config loads): the model directory and what the ``pipeline:`` section asks of it
 (:func:`jagg.integrations.model_dir.check_model`: config files of the expected shape, the resolution and frame count
 against the transformer's position embeddings, the embedded guidance), the starting adapter ``pipeline.lora.path`` in
-either format, the prompt-embedding cache, and a reward server's reachability (one ``GET /health`` with a short
-timeout). Each problem is one error naming the key; nothing is written.
+either format (:func:`jagg.integrations.adapters.check_adapter`: its weights file's header readable, LoRA tensors in
+it, the rank of ``pipeline.lora.rank``), the prompt-embedding cache, and a reward server's reachability (one ``GET
+/health`` with a short timeout). Each problem is one error naming the key; nothing is written.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..integrations.adapters import adapter_format
+from ..integrations.adapters import check_adapter
 from ..integrations.model_dir import ModelFiles, check_model
 from ..rewards.client import RewardClient, RewardServerError
 
@@ -40,7 +41,7 @@ def check_before_loading(cfg) -> ModelFiles:
     p = cfg.pipeline
     files = check_model(p)
     if p.lora.enabled and p.lora.path is not None:
-        adapter_format(p.lora.path, "pipeline.lora.path")
+        check_adapter(p.lora.path, "pipeline.lora.path", p.lora.rank)
     if p.prompt_cache is not None and not Path(p.prompt_cache).expanduser().is_file():
         raise FileNotFoundError(f"pipeline.prompt_cache {p.prompt_cache!r} is not a file; build it with python -m "
                                 "jagg.integrations.pipeline cache, or set pipeline.prompt_cache: null")
