@@ -39,6 +39,7 @@ from ..estimator_config import AUTO, EstimatorConfig
 from ..infra.distributed import end_process_group, gather, init_process_group_from_env
 from ..infra.after_launch import launched, say_after_launcher, shutdown_timeout
 from ..infra.config_loader import to_dict
+from ..infra.cpu_share import CpuShare
 from ..infra.metrics import MetricsLogger
 from ..infra.old_configs import upgrade_saved_config
 from ..infra.rundir import (TRAIN, RunHints, discard_new_run, lock_run, open_run, outputs, read_run_file, snapshot,
@@ -366,6 +367,9 @@ class GRPO(ABC):
         if self.estimator is None:                               # mode auto, not decided yet
             self.decide_estimator()
         self._updating = False
+        if not c.threads and self.device.type == "cpu":          # threads: 0: the cores the machine leaves free
+            self.cpu_share = getattr(self, "cpu_share", None) or CpuShare()
+            self.cpu_share.adjust()
         t0, c0 = time.perf_counter(), time.process_time()
         draw = self.draw_batch()
         batch = rollout_batch(lambda: self.rollout(draw), self.score, c, self.device)
@@ -385,6 +389,7 @@ class GRPO(ABC):
                                     per_update, times, cpu))
         if c.sample.sde_window_schedule == "sliding":
             rec["sde_window_start"] = int(draw.train_steps[0])
+        rec["threads"] = torch.get_num_threads()
         self.iteration_done(rollout_cpu, cpu)
         return rec
 

@@ -328,7 +328,9 @@ class TrainerSections:
 
     seed: int = field(default=0, metadata=helped(
         "Seed of prompts, noise, initialisation, minibatches and unbiased JAGG's picks."))
-    threads: int = field(default=0, metadata=helped("torch CPU threads (0 = torch's default)."))
+    threads: int = field(default=0, metadata=helped(
+        "torch CPU threads; 0: on a CPU, before each iteration, the cores the machine's other processes left free over "
+        "the last one (jagg.infra.cpu_share; reproducible bit for bit only on an equally loaded machine)."))
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     optim: OptimSection = field(default_factory=OptimSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)
