@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from .atomic import atomic_write_text
-from .checkpoint import list_checkpoints, read_checkpoint
+from .checkpoint import UnsafeCheckpoint, list_checkpoints, read_checkpoint
 from .metrics import MetricsError, scan_records
 
 RUN_FILE = "run.json"
@@ -292,6 +292,8 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
         try:
             found = (read_checkpoint(path, resume=True), path)
             break
+        except UnsafeCheckpoint as e:             # planted, not a damaged file of this run's: never skipped past
+            raise RunDirError(f"cannot resume: {e}; nothing was changed") from None
         except ValueError as e:
             unreadable.append(f"{path.name} {one_line(str(e).replace(str(path), '').strip(' :,'), 200)}")
         except OSError as e:                      # e.g. no read permission
