@@ -193,8 +193,8 @@ def move_aside(out: Path, hints: RunHints = TRAIN) -> Path:
 
 def _flock(f, exclusive_now: bool) -> bool:
     """Try to lock the open file ``f`` without waiting; True when taken. ``exclusive_now``: an exclusive lock, kept
-    (a training process's); else a probe: a shared lock, released at once, which only a training process's lock
-    refuses (the probes of a run's several processes, made at the same moment, never refuse each other). Where
+    (a run's, :func:`lock_run`); else a probe (:func:`lock_holder`): a shared lock, released at once, which only a
+    run's lock refuses (probes made at the same moment never refuse each other). Where
     ``fcntl`` is missing (not POSIX): always True."""
     try:
         import fcntl
