@@ -470,6 +470,33 @@ def test_a_start_that_fails_before_training_leaves_no_lock_nor_directory(tmp_pat
     assert not (tmp_path / "none" / LOCK_FILE).exists()
 
 
+def test_the_processes_of_one_run_all_refuse_or_all_go_on(tmp_path):
+    """Under torchrun only the main process takes the lock; the others learn its answer from the gather every process
+    makes (``agree``, here two processes' values): a held directory is refused on both, a free one opens on both,
+    the other process holding no lock and reading only after the main one holds it."""
+    from jagg.infra.rundir import RunDirError, lock_holder, lock_run, open_run
+
+    out = tmp_path / "run"
+    out.mkdir()
+    held, told = lock_run(out), []
+    try:
+        with pytest.raises(RunDirError, match="in use"):
+            open_run(out, main=True, agree=lambda error: told.append(error) or [error, None])
+        assert len(told) == 1 and "in use by another jagg process" in told[0]
+        with pytest.raises(RunDirError, match="in use"):
+            open_run(out, main=False, agree=lambda error: [told[0], error])
+    finally:
+        held.close()
+    main_start = open_run(out, main=True, agree=lambda error: [error, None])
+    try:
+        assert lock_holder(out) == str(os.getpid())
+        other = open_run(out, main=False, agree=lambda error: [None, error])
+        assert other.lock.file is None and other.resumed is None
+    finally:
+        main_start.lock.release(out)
+    assert lock_holder(out) is None
+
+
 def test_the_processes_of_one_run_probing_the_lock_at_once_do_not_refuse_each_other(tmp_path):
     """Every process of a run on several processes asks whether the directory is in use at the same moment: one
     probe in progress (a shared lock, held here) does not make another answer "in use"; once it is over a training
