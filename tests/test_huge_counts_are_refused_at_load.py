@@ -12,7 +12,7 @@ import torch
 
 from command_line import refused, train_refused_alike
 from jagg.cli import main
-from tiny_runs import real_model_config
+from tiny_runs import config_leaves, real_model_config
 
 BIG, STEPS = 10**12, 10**8
 SCREEN = 2000
@@ -122,17 +122,10 @@ UNBOUNDED = {
 }
 
 
-def _int_keys(cls, prefix: str = ""):
-    import dataclasses
+def _int_keys(cls):
     import typing
 
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            yield from _int_keys(tp, f"{prefix}{f.name}.")
-        elif tp is int or typing.get_args(tp) == (int, type(None)):
-            yield prefix + f.name
+    return [key for key, tp in config_leaves(cls) if tp is int or typing.get_args(tp) == (int, type(None))]
 
 
 @pytest.mark.parametrize("trainer", ["shapes", "diffusers"])
