@@ -377,6 +377,126 @@ def test_a_run_directory_in_use_by_another_process_is_refused_and_changes_nothin
     assert main(args[:3] + ["--resume"] + args[3:]) == 0
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_ckpt):
+    """A run of 1 iteration (records, a checkpoint, run.json), to be copied."""
+    out = tmp_path_factory.mktemp("locked") / "run"
+    assert main(tiny_train_args(tiny_ckpt, out, 1, "eval.every=0")) == 0
+    return out
+
+
+@pytest.mark.parametrize("first", ["training", "starting"])
+@pytest.mark.parametrize("flag", [[], ["--resume"], ["--overwrite"], ["--resume-or-start"]])
+def test_a_second_start_into_a_held_directory_is_refused_before_it_reads_or_loads_anything(first, flag, finished_run,
+                                                                                         tmp_path, capsys):
+    """Two `jagg train` into one directory a second apart: while the first holds the run lock (training: its records
+    and checkpoints are there; starting: nothing but run.lock yet, its model loading), a second start of any kind
+    (new, --resume, --overwrite, --resume-or-start) is refused "in use" naming the process, before it reads, moves or
+    writes anything in the directory and before its model loads (here a model file that does not exist: that
+    refusal would come after), and the first run's files are byte-identical afterwards."""
+    from jagg.infra.rundir import LOCK_FILE, lock_run
+
+    out = tmp_path / "run"
+    if first == "training":
+        shutil.copytree(finished_run, out)
+    else:
+        out.mkdir()
+    held = lock_run(out)                       # the first run (another open file: flock refuses this process too)
+    try:
+        before = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+        assert LOCK_FILE in before and (first == "starting") == (len(before) == 1)
+        args = tiny_train_args(str(tmp_path / "no_model.safetensors"), out, 2)
+        assert main(args[:3] + flag + args[3:]) == 2
+        err = one_line_error(capsys, "train")
+        assert f"{out} is in use by another jagg process (pid {os.getpid()})" in err and "nothing was changed" in err
+        after = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+        assert after == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    finally:
+        held.close()
+
+
+@pytest.mark.parametrize("first", [[], ["--resume"]])
+def test_a_run_holds_its_directory_from_before_its_model_loads(first, finished_run, tmp_path, tiny_ckpt, capsys,
+                                                               monkeypatch):
+    """While the first `jagg train` (new, or --resume) is loading its model, second starts of every kind into its
+    directory are refused "in use" with every file as it was (a new run: nothing but run.lock); then the first run
+    trains as if alone (its records continue, nothing moved aside)."""
+    from jagg.trainers.shapes import ShapesTrainer
+
+    out = tmp_path / "run"
+    if first:
+        shutil.copytree(finished_run, out)
+    files = lambda: {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    before, refusals, real_setup = files(), [], ShapesTrainer.setup
+
+    def setup(self):                            # the first run's model loading: the others try to start meanwhile
+        if not refusals:
+            now = files()
+            assert set(now) == set(before) | {"run.lock"}
+            for flag in ([], ["--resume"], ["--overwrite"], ["--resume-or-start"]):
+                args = tiny_train_args(tiny_ckpt, out, 3)
+                refusals.append(main(args[:3] + flag + args[3:]))
+                assert "is in use by another jagg process" in capsys.readouterr().err
+                assert files() == now and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+        real_setup(self)
+
+    monkeypatch.setattr(ShapesTrainer, "setup", setup)
+    args = tiny_train_args(tiny_ckpt, out, 2, "eval.every=0")
+    assert main(args[:3] + first + args[3:]) == 0
+    assert refusals == [2, 2, 2, 2]
+    assert [r["iteration"] for r in _train_records(out)] == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_start_that_fails_before_training_leaves_no_lock_nor_directory(tmp_path, capsys):
+    """The lock is taken before the model loads: a new run whose model does not load removes the directory it made
+    for the lock (and the lock file in a directory that was there), and a refused --resume creates nothing."""
+    from jagg.infra.rundir import LOCK_FILE, lock_holder
+
+    missing = str(tmp_path / "no_model.safetensors")
+    new = tmp_path / "a" / "b" / "run"
+    assert main(tiny_train_args(missing, new, 1)) == 2
+    assert "no_model.safetensors" in one_line_error(capsys, "train") and not (tmp_path / "a").exists()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "mine.txt").write_text("x")
+    for flag in ([], ["--resume"]):
+        args = tiny_train_args(missing, notes, 1)
+        assert main(args[:3] + flag + args[3:]) == 2
+        one_line_error(capsys, "train")
+        assert sorted(p.name for p in notes.iterdir()) == ["mine.txt"] and lock_holder(notes) is None
+    assert main(["train", "--output-dir", str(tmp_path / "none"), "--resume"]) == 2
+    assert "no run in" in one_line_error(capsys, "train") and not (tmp_path / "none").exists()
+    assert not (tmp_path / "none" / LOCK_FILE).exists()
+
+
+def test_the_processes_of_one_run_all_refuse_or_all_go_on(tmp_path):
+    """Under torchrun only the main process takes the lock; the others learn its answer from the gather every process
+    makes (``agree``, here two processes' values): a held directory is refused on both, a free one opens on both,
+    the other process holding no lock and reading only after the main one holds it."""
+    from jagg.infra.rundir import RunDirError, lock_holder, lock_run, open_run
+
+    out = tmp_path / "run"
+    out.mkdir()
+    held, told = lock_run(out), []
+    try:
+        with pytest.raises(RunDirError, match="in use"):
+            open_run(out, main=True, agree=lambda error: told.append(error) or [error, None])
+        assert len(told) == 1 and "in use by another jagg process" in told[0]
+        with pytest.raises(RunDirError, match="in use"):
+            open_run(out, main=False, agree=lambda error: [told[0], error])
+    finally:
+        held.close()
+    main_start = open_run(out, main=True, agree=lambda error: [error, None])
+    try:
+        assert lock_holder(out) == str(os.getpid())
+        other = open_run(out, main=False, agree=lambda error: [None, error])
+        assert other.lock.file is None and other.resumed is None
+    finally:
+        main_start.lock.release(out)
+    assert lock_holder(out) is None
+
+
 def test_the_processes_of_one_run_probing_the_lock_at_once_do_not_refuse_each_other(tmp_path):
     """Every process of a run on several processes asks whether the directory is in use at the same moment: one
     probe in progress (a shared lock, held here) does not make another answer "in use"; once it is over a training

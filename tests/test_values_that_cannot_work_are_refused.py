@@ -18,18 +18,10 @@ from jagg.checks import FLOAT32_MAX, SEED_MAX
 from jagg.cli import main
 from jagg.infra import config_loader as configuration
 from jagg.trainers.shapes_config import ShapesTrainConfig
-from tiny_runs import no_eval_train_args, real_model_config
+from tiny_runs import config_leaves, no_eval_train_args, real_model_config
 
 
-def _leaves(cls, prefix: str = ""):
-    """``(key, annotation)`` of every leaf field of the config dataclass ``cls``."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            yield from _leaves(tp, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", tp
+_leaves = config_leaves
 
 
 def _too_big(tp) -> str | None:

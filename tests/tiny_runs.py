@@ -17,6 +17,20 @@ ADVANTAGE_SCALE = 1.0        # group-normalised advantages: the size of one term
 SD3_PROMPTS = ["a red cube", "a blue ball", "a green cone"]         # the prompts of :func:`write_sd3_config`
 
 
+def config_leaves(cls, prefix: str = ""):
+    """``(key, annotation)`` of every leaf field of the config dataclass ``cls`` (e.g. ``("sample.group_size", int)``)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from config_leaves(tp, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", tp
+
+
 def meter_sets(ckpt: str) -> list[str]:
     """``--set`` strings for a seconds-long `jagg bench meter` on ``ckpt`` (the ``bench_ckpt`` fixture): unbiased JAGG
     with step groups of 4 on 8 steps, 2 prompts x 4, a brightness reward with spread in every prompt group."""

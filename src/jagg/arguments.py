@@ -23,9 +23,9 @@ def run_command(command: str, run: Callable, args) -> int:
         print(f"\n{command}: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
         return 130
     except ValueError as e:           # incl. RewardError and RunDirError: a message, not a traceback
-        return _refused(f"{command}: error: {e}")
+        return _refused(f"{command}: error: {one_screen(str(e))}")
     except OSError as e:              # a file or directory that cannot be read or written: one line, exit 2
-        return _refused(f"{command}: error: {os_error(e)}")
+        return _refused(f"{command}: error: {one_screen(os_error(e))}")
     except MemoryError as e:
         print(f"{command}: error: out of memory{f' ({e})' if str(e) else ''}; lower the sizes (batch, steps, model)",
               file=sys.stderr)
@@ -34,7 +34,7 @@ def run_command(command: str, run: Callable, args) -> int:
         from .trainers.base import TrainingAborted
 
         if isinstance(e, TrainingAborted):
-            print(f"{command}: aborted: {e}", file=sys.stderr)
+            print(f"{command}: aborted: {one_screen(str(e))}", file=sys.stderr)
             return 1
         if any(s in str(e).lower() for s in ("can't allocate memory", "out of memory", "storage size calculation "
                                              "overflowed")):   # torch's allocators: a size no memory holds
@@ -52,6 +52,19 @@ def _refused(line: str) -> int:
     print(line, file=sys.stderr)
     say_after_launcher(line)
     return 2
+
+
+SCREEN = 2000                         # the most characters a refusal prints: a screen
+
+
+def one_screen(text: str, limit: int = SCREEN) -> str:
+    """``text`` when it fits a screen (``limit`` characters), else its start and end around a note of what was cut:
+    a refusal never prints a value's every element (the checks show long values short, :func:`jagg.checks.shown`;
+    this bounds the others)."""
+    if len(text) <= limit:
+        return text
+    cut = len(text) - limit + 200
+    return f"{text[:limit - 600]} [... {cut} characters cut ...] {text[-400:]}"
 
 
 def os_error(e: OSError) -> str:
@@ -111,10 +124,12 @@ def check_sampling(args, images: int, what: str, fix: str) -> None:
     ``--shift`` keeps the ``--steps`` schedule's sigmas distinct, and ``images`` images (``what``) fit this machine's
     memory (:mod:`jagg.infra.sizes`; ``fix``: what to lower)."""
     from .schedule import check_schedule
-    from .infra.sizes import check_memory, images_bytes
+    from .infra.sizes import check_memory, check_steps, check_time, images_bytes
 
-    check_schedule(args.steps, args.shift, "--shift", "--steps")
+    check_steps(args.steps, "--steps")
     check_memory(images_bytes(images), f"{what}: {images} images", fix)
+    check_time(float(images) * args.steps, f"{what} x --steps {args.steps}: {images} images'", f"{fix}, or --steps")
+    check_schedule(args.steps, args.shift, "--shift", "--steps")
 
 
 def sampling_arguments(q, checkpoint: bool = True) -> None:

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import as_vector, check_callable, check_count, check_tensor, is_finite_number
+from .checks import as_vector, check_callable, check_count, check_tensor, is_finite_number, shown
 from .estimator_config import AUTO_INTERMEDIATE, EstimatorConfig
 from .knots import Bundle, Plan, plan_update, unit_rows
 from .sde import CLIP_DROP, CLIP_KEEP, CLIP_OWN, StepLoss, compute_dtype, group_clip, step_loss
@@ -281,9 +281,10 @@ def plan(inputs: UpdateInputs, prompt_groups, generator: torch.Generator | None,
     keep = {int(k) for k in only_steps}
     if not keep:
         raise ValueError("only_steps is empty: give some of the trained steps "
-                         f"{traj.train_steps.tolist()} (None: all of them)")
+                         f"{shown(traj.train_steps, 200)} (None: all of them)")
     if not keep <= set(traj.train_steps.tolist()):
-        raise ValueError(f"only_steps must be trained steps {traj.train_steps.tolist()}; got {sorted(keep)}")
+        raise ValueError(f"only_steps must be trained steps {shown(traj.train_steps, 200)}; got "
+                         f"{shown(sorted(keep), 200)}")
     bundles = [Bundle(b.sample, b.rows, [t for t in b.terms if t.step in keep]) for b in update.bundles]
     return update, [b for b in bundles if b.terms]
 

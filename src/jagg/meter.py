@@ -427,7 +427,7 @@ class Meter:
         ex = exact.double()
         err = estimate.double() - ex
         self.noise.append(float(((ex - ex.mean(0)) ** 2).sum()) / (m - 1))
-        self.tensor_noise.append([x / (m - 1) for x in np.sum(self._per_tensor(ex - ex.mean(0)), 1)])
+        self.tensor_noise.append([float(x) / (m - 1) for x in np.sum(self._per_tensor(ex - ex.mean(0)), 1)])
         for e, per in zip(err, np.transpose(self._per_tensor(err))):
             self.err_sq.append(float(e @ e))
             self.tensor_err_sq.append([float(x) for x in per])

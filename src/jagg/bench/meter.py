@@ -218,6 +218,20 @@ def check_sizes(batches: int, draws: int, target_batch: int | None = None) -> No
         raise ValueError(f"--target-batch must be >= 1; got {target_batch}")
 
 
+def check_counts(cfg: TrainConfig, batches: int, draws: int, estimators: int) -> None:
+    """``--batches`` and ``--draws`` bounded before the first batch (:mod:`jagg.infra.sizes`): every batch is kept
+    (its trajectories' memory) and each of the ``estimators`` is measured ``draws`` times on each (their time)."""
+    from ..infra.sizes import check_memory, check_time, rollout_bytes
+
+    steps, key = num_steps_of(cfg)
+    latent, pixels, size = cfg.sample_size()
+    batch = cfg.sample.batch_size
+    check_memory(batches * rollout_bytes(batch, steps, latent, pixels), f"--batches {batches}: {batches} batches of "
+                 f"{batch} trajectories of {key}={steps} at {size}, all kept,", "lower --batches")
+    check_time(float(batches) * batch * (steps + draws * estimators), f"--batches {batches} x --draws {draws} x "
+               f"{estimators} estimators:", "lower --batches or --draws")
+
+
 def budget_probs_of(cfg: TrainConfig, name: str, est: EstimatorConfig, batches: int,
                     pilots: dict | None = None) -> EstimatorConfig:
     """``est`` with ``correction_probs`` from :func:`jagg.knots.budget_probs`: ``D_j`` = plain JAGG's error against the
@@ -406,6 +420,7 @@ def _run(args: argparse.Namespace) -> int:
     batches = args.batches if args.batches is not None else (3 if args.quick else 6)
     draws = args.draws if args.draws is not None else (2 if args.quick else 4)
     names = [s.partition(":")[0] for s in ["exact", *specs]]
+    check_counts(cfg, batches, draws, len(names))
     if args.by_tensor is not None and args.by_tensor not in names:          # every argument is checked before the
         raise ValueError(f"--by-tensor {args.by_tensor!r}: not one of the estimators {names}")   # first batch
     check_kl(cfg)

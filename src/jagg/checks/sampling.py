@@ -11,7 +11,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from .values import check_count, check_float32, check_positive, is_finite_number
+from .values import check_count, check_float32, check_positive, is_finite_number, shown
 
 
 SDE_TYPES = ("flow_grpo", "dance", "cps")
@@ -179,7 +179,7 @@ def check_sigmas(sigmas: Tensor) -> None:
     if not bool((sigmas[1:] < sigmas[:-1]).all()):
         raise ValueError(
             "sigmas must be strictly decreasing (sampling runs from sigma=1, noise, to sigma=0, data); "
-            f"got {sigmas.tolist()}"
+            f"got {shown(sigmas, 200)}"
         )
     if float(sigmas.max()) > 1.0 or float(sigmas.min()) < 0.0:
         raise ValueError(f"sigmas must lie in [0, 1]; got min {float(sigmas.min())}, max {float(sigmas.max())}")
@@ -188,8 +188,8 @@ def check_sigmas(sigmas: Tensor) -> None:
 def check_train_steps(ts: Tensor, num_steps: int) -> None:
     """Raise unless ``ts`` is a non-empty 1-D integer tensor of sorted, unique steps in ``[0, num_steps)``."""
     if not isinstance(ts, Tensor) or ts.ndim != 1 or ts.numel() == 0 or ts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"train_steps must be a non-empty 1-D integer tensor; got {ts!r}")
+        raise ValueError(f"train_steps must be a non-empty 1-D integer tensor; got {shown(ts, 200)}")
     if int(ts.min()) < 0 or int(ts.max()) >= num_steps:
-        raise ValueError(f"train_steps must lie in [0, {num_steps - 1}]; got {ts.tolist()}")
+        raise ValueError(f"train_steps must lie in [0, {num_steps - 1}]; got {shown(ts, 200)}")
     if not bool((ts[1:] > ts[:-1]).all()):
-        raise ValueError(f"train_steps must be sorted and unique; got {ts.tolist()}")
+        raise ValueError(f"train_steps must be sorted and unique; got {shown(ts, 200)}")

@@ -132,8 +132,16 @@ def _named(name: str, text: str) -> str:
 
 
 def shown(value, limit: int = 40) -> str:
-    """``repr(value)`` cut to ``limit`` characters (a 400-digit number in a message is noise)."""
-    text = repr(value)
+    """``repr(value)`` cut to ``limit`` characters (a 400-digit number in a message is noise); a sequence (list,
+    tuple, tensor, array) of more than 6 items as its first 3 and last 2 and its length, without writing the rest
+    (a schedule of 10**8 sigmas in a message would be gigabytes)."""
+    items = value.detach().flatten() if isinstance(value, Tensor) else (
+        value.ravel() if isinstance(value, np.ndarray) else value if isinstance(value, (list, tuple)) else None)
+    if items is not None and len(items) > 6:
+        one = lambda x: shown(x.item() if isinstance(x, (Tensor, np.generic)) else x, 20)
+        return (f"[{', '.join(one(x) for x in items[:3])}, ..., {', '.join(one(x) for x in items[-2:])}] "
+                f"({len(items)} values)")
+    text = repr(items.tolist() if isinstance(items, (Tensor, np.ndarray)) else value)
     return text if len(text) <= limit else f"{text[:limit - 13]}... ({len(text)} characters)"
 
 

@@ -8,17 +8,26 @@ leaves the previous checkpoint intact. When the weights are sharded across proce
 shards with ``torch.distributed.checkpoint`` to the directory ``ckpt_<iteration>.dcp/`` (:func:`write_shards`: a
 temporary directory renamed once complete), and the ``.pt`` file, written after it, names that directory in place of
 the model and optimizer states.
+
+Checkpoints hold tensors and plain data only (dicts, lists, tuples, numbers, strings: the RNG states too), and every
+checkpoint is read with ``torch.load(weights_only=True)`` (:func:`load_file`), which unpickles nothing else (but
+numpy's float scalars, which earlier versions wrote): a file
+from somebody else that holds any other object (whose unpickling could run code) is refused by name
+(:class:`UnsafeCheckpoint`), never loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import re
 import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .. import __version__
@@ -28,6 +37,8 @@ from .atomic import atomic_write
 from .shards import check_shards, mark_run
 
 _NAME = re.compile(r"^ckpt_(\d+)\.pt$")
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+_GLOBAL = re.compile(rf"GLOBAL ({_DOTTED}) was not|got <class '({_DOTTED})'>|GLOBAL ({_DOTTED}) whose module")
 
 # what a training checkpoint holds, by kind (:func:`jagg.checks.check_fields`): ``model`` and ``manifest`` in every one,
 # the loop's state (:data:`RESUME_FIELDS`) in those a run resumes from, the others where the trainer writes them; under
@@ -37,6 +48,38 @@ FIELDS = {"model": "object|string", "manifest": "object", "config": "object", "i
           "run_id": "string|null", "meter": "object|null", "ema": "object|null", "model_config": "object",
           "trainer": "string", "world_size": "integer"}
 RESUME_FIELDS = ("config", "iteration", "wall", "skipped_updates", "rng", "optimizer")
+
+
+class UnsafeCheckpoint(ValueError):
+    """A ``.pt`` file that holds more than tensors and plain data: refused unread (unpickling it could run code)."""
+
+
+def _allowed_globals() -> list:
+    """What :func:`load_file` builds besides tensors and plain data: numpy's float scalars (their constructor and
+    dtype), which the meter's state held in checkpoints of earlier versions; building them runs no code."""
+    try:
+        from numpy._core.multiarray import scalar           # numpy >= 2
+    except ImportError:
+        from numpy.core.multiarray import scalar
+    return [scalar, np.dtype, type(np.dtype(np.float64))]
+
+
+def load_file(path: Path, mmap: bool = False):
+    """What the ``torch.save`` file ``path`` holds, unpickled with ``weights_only=True``: tensors and plain data only,
+    no code runs. Raises :class:`UnsafeCheckpoint` naming the file and the object it would have built when it holds
+    anything else; other failures (truncated, corrupt, missing) raise as ``torch.load`` raises them."""
+    allowed = getattr(torch.serialization, "safe_globals", None)        # torch >= 2.5; before it: plain data only
+    try:
+        with allowed(_allowed_globals()) if allowed else contextlib.nullcontext():
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        what = _GLOBAL.search(str(e))       # else damaged (an unknown opcode, a garbled name such as 'u.')
+        if what is None:
+            raise
+        raise UnsafeCheckpoint(
+            f"{path} is refused: it holds {next(g for g in what.groups() if g)}, more than the "
+            "tensors and plain data jagg train writes, and loading it could run code, so it was not loaded; it was "
+            "not written by jagg train (or was changed since): move it away and use a checkpoint jagg wrote") from None
 
 
 def atomic_torch_save(obj, path: Path) -> None:
@@ -56,7 +99,7 @@ def checkpoint_run_id(path: Path) -> str | None:
     """The ``run_id`` a checkpoint file carries (memory-mapped: its tensors are not read), or None when it has none
     (written before run ids) or cannot be read."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        state = load_file(path, mmap=True)
     except Exception:
         return None
     return state.get("run_id") if isinstance(state, dict) else None
@@ -102,7 +145,9 @@ def read_checkpoint(path: str | Path, resume: bool = False) -> dict:
     (:data:`FIELDS`, named); with ``resume``, the loop's state (:data:`RESUME_FIELDS`) must be there too.
     """
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_file(path)
+    except UnsafeCheckpoint:
+        raise
     except Exception as e:  # UnpicklingError, RuntimeError (zip), EOFError, ...: the message says which
         raise ValueError(f"{path} is not a loadable checkpoint, it may be truncated or corrupt "
                          f"({type(e).__name__}: {e})") from None
@@ -128,10 +173,13 @@ def read_checkpoint(path: str | Path, resume: bool = False) -> dict:
 
 
 def load_latest(directory: Path) -> tuple[dict, Path] | None:
-    """The newest checkpoint that loads completely, or None. Unreadable files are skipped with a warning."""
+    """The newest checkpoint that loads completely, or None. Unreadable files are skipped with a warning; a file that
+    holds more than jagg writes is refused (:class:`UnsafeCheckpoint`)."""
     for path in reversed(list_checkpoints(directory)):
         try:
             return read_checkpoint(path), path
+        except UnsafeCheckpoint:
+            raise
         except ValueError as e:  # a truncated or corrupt file: fall back to the previous one
             print(f"warning: skipping unreadable checkpoint: {e}")
     return None

@@ -11,10 +11,13 @@
   and the library's ``ShapesTrainer.run(cfg, resume=True)`` that ``python -m lab quality`` uses) starts a new run, and only in a
   directory that holds no run, or after moving aside one that saved no checkpoint (records, samples: a run that
   stopped before its first checkpoint cannot be continued).
-- A run directory is **used by one process at a time**: a training loop holds an exclusive lock on ``<dir>/run.lock``
-  (``fcntl.flock``: the operating system releases it when the process ends, however it ends), and any other
-  ``open_run`` on that directory (a second ``jagg train``, ``--resume``, ``python -m lab quality`` comparing while another
-  process trains the run) is refused while it is held, before anything is moved or written.
+- A run directory is **used by one run at a time**: :func:`open_run` first takes an exclusive lock on
+  ``<dir>/run.lock`` (``fcntl.flock``: the operating system releases it when the process ends, however it ends;
+  creating ``<dir>`` for it when needed), which the trainer holds until the run ends, so any other ``open_run`` on
+  that directory (a second ``jagg train``, new or ``--resume``, ``--overwrite``, ``python -m lab quality`` comparing
+  while another process trains the run) is refused while it is held, before anything in the directory is read, moved
+  or written and before a model loads. Under torchrun the run's main process holds it and the others go on only
+  once it does (one collective), so they never refuse each other.
 - Filesystem errors while preparing the directory (a file where the directory should be, read-only, no
   permission) are :class:`RunDirError` naming the path and what to do.
 - ``--resume`` reads ``metrics.jsonl`` before anything is written: a line before the last that is not a record is
@@ -33,10 +36,10 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 from .atomic import atomic_write_text
-from .checkpoint import list_checkpoints, read_checkpoint
+from .checkpoint import UnsafeCheckpoint, list_checkpoints, read_checkpoint
 from .metrics import MetricsError, scan_records
 
 RUN_FILE = "run.json"
@@ -190,8 +193,8 @@ def move_aside(out: Path, hints: RunHints = TRAIN) -> Path:
 
 def _flock(f, exclusive_now: bool) -> bool:
     """Try to lock the open file ``f`` without waiting; True when taken. ``exclusive_now``: an exclusive lock, kept
-    (a training process's); else a probe: a shared lock, released at once, which only a training process's lock
-    refuses (the probes of a run's several processes, made at the same moment, never refuse each other). Where
+    (a run's, :func:`lock_run`); else a probe (:func:`lock_holder`): a shared lock, released at once, which only a
+    run's lock refuses (probes made at the same moment never refuse each other). Where
     ``fcntl`` is missing (not POSIX): always True."""
     try:
         import fcntl
@@ -232,8 +235,8 @@ def lock_run(out: Path, hints: RunHints = TRAIN):
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        raise RunDirError(f"{out} is in use by another jagg process (pid {holder}); wait for it to end, or "
-                          f"{hints.other_dir}")
+        raise RunDirError(f"{out} is in use by another jagg process (pid {holder}), which is training in it: wait for "
+                          f"it to end (then {hints.continue_run}), or {hints.other_dir}; nothing was changed")
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
@@ -242,62 +245,174 @@ def lock_run(out: Path, hints: RunHints = TRAIN):
 
 
 @dataclass
+class RunLock:
+    """A run's hold on its directory, taken before anything in it is read, moved or written (:func:`claim_run`):
+    on the main process the open lock file (``file``; None on the others), the topmost directory created to hold it
+    (``created``: ``out`` or an ancestor; None when ``out`` was there) and whether the lock file is new (``fresh``)."""
+
+    file: IO | None = None
+    created: Path | None = None
+    fresh: bool = False
+
+    def release(self, out: Path, remove: bool = False) -> None:
+        """Release the lock (close the file); ``remove``: first remove what taking it created (the lock file, and
+        the directories made for it while they hold nothing else), so that a refused start leaves nothing."""
+        if remove and (self.fresh or self.created is not None):
+            (out / LOCK_FILE).unlink(missing_ok=True)
+            for d in [out, *out.parents] if self.created is not None else []:
+                if d.is_dir() and any(d.iterdir()):
+                    break
+                if d.is_dir():
+                    d.rmdir()
+                if d == self.created:
+                    break
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def before(self, out: Path) -> set[str] | None:
+        """What ``out`` held before this run (:func:`snapshot`, without the lock file it created): None when it
+        created ``out`` (:func:`discard_new_run` then removes ``out``)."""
+        if self.created is not None:
+            return None
+        found = snapshot(out)
+        return found - {LOCK_FILE} if found is not None and self.fresh else found
+
+
+def _agree(agree: Callable[[str | None], list], error: str | None) -> None:
+    """Every process of a run learns every process's ``error`` (``agree``: a collective gathering one value per
+    process; it is also their barrier): all raise :class:`RunDirError` with the first, or all go on."""
+    errors = [e for e in agree(error) if e]
+    if errors:
+        raise RunDirError(errors[0])
+
+
+def claim_run(out: Path, main: bool, agree: Callable[[str | None], list], hints: RunHints = TRAIN) -> RunLock:
+    """Take ``out``'s run lock on the main process (creating ``out`` for it when needed), or raise
+    :class:`RunDirError` on every process (``agree``) naming the process that holds it, with nothing changed. The
+    other processes of the run take no lock: they go on (and read) only once the main process holds it."""
+    held, error = RunLock(), None
+    if main:
+        try:
+            for d in reversed([out, *out.parents]):          # the topmost one this process creates, if any
+                try:
+                    d.mkdir()
+                    held.created = held.created or d
+                except FileExistsError:
+                    pass
+            held.fresh = not (out / LOCK_FILE).exists()
+            held.file = lock_run(out, hints)
+        except OSError as e:
+            error = str(fs_error(e, out, "create", hints))
+        except RunDirError as e:                 # another process's directory and lock file: never removed
+            held, error = RunLock(), str(e)
+    try:
+        _agree(agree, error)
+    except RunDirError:
+        held.release(out, remove=True)
+        raise
+    return held
+
+
+def _move_aside_all(out: Path, held: RunLock, main: bool, agree: Callable[[str | None], list],
+                    hints: RunHints) -> tuple[Path | None, RunLock]:
+    """The main process moves the run in ``out`` aside (:func:`move_aside`; its lock file goes with it) and locks
+    the new, empty ``out``, every process agreeing; returns where it went (on the main process) and the new lock."""
+    moved, error = None, None
+    if main:
+        try:
+            moved = move_aside(out, hints)
+        except RunDirError as e:
+            error = str(e)
+    _agree(agree, error)
+    new = claim_run(out, main, agree, hints)
+    held.release(out)
+    return moved, new
+
+
+@dataclass
 class RunStart:
     """What :func:`open_run` decided: the run's id, the checkpoint to resume from (``(state, path)``, or None for a
-    new run) and where an old run was moved (``--overwrite``)."""
+    new run), where an old run was moved (``--overwrite``), the run lock (:class:`RunLock`, held until released) and,
+    for a new run, what ``out`` held before it (:meth:`RunLock.before`)."""
 
     run_id: str
     resumed: tuple[dict, Path] | None = None
     moved_to: Path | None = None
+    lock: RunLock | None = None
+    before: set[str] | None = None
 
 
 def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True, overwrite: bool = False,
-             main: bool = True, barrier: Callable[[], None] | None = None,
+             main: bool = True, agree: Callable[[str | None], list] | None = None,
              log: Callable[[str], None] = print, hints: RunHints = TRAIN) -> RunStart:
-    """Decide how a trainer may use the run directory ``out`` (module docstring); reads only, except that the main
-    process moves an old run aside (``overwrite``). The caller writes ``run.json`` (:func:`write_run_file`) on the
-    main process after every process has decided (``barrier``: a collective, with several processes).
+    """Decide how a trainer may use the run directory ``out`` (module docstring). First the run lock
+    (:func:`claim_run`): while another process holds it, every start is refused before anything in ``out`` is read,
+    moved or written. Then it reads only, except that the main process moves an old run aside (``overwrite``). The
+    caller writes ``run.json`` (:func:`write_run_file`) on the main process after every process has decided, and
+    releases ``RunStart.lock`` when the run ends; a refusal here releases it and removes what taking it created.
 
     ``resume=False``: a new run; ``out`` must hold no run (``overwrite``: moved aside first). ``resume=True``: the
     newest readable checkpoint of ``out/checkpoints``, which must belong to the directory's run; without one, an
     error naming each unreadable file, or (``require_checkpoint=False``) a new run: at once when ``out`` holds no run,
     after moving it aside when it holds one without any checkpoint. With several processes every one must call this
-    (``barrier`` runs in every branch that does not raise). A resumed run's ``metrics.jsonl`` must read as records
-    up to its last line (:func:`jagg.infra.metrics.scan_records`). ``hints``: what the messages tell the user to do.
-    Raises :class:`RunDirError` (a ``ValueError``)."""
+    with ``agree`` (a collective: every process's value, as a list; it runs in every branch that does not raise). A
+    resumed run's ``metrics.jsonl`` must read as records up to its last line (:func:`jagg.infra.metrics.scan_records`).
+    ``hints``: what the messages tell the user to do. Raises :class:`RunDirError` (a ``ValueError``)."""
     out = Path(out)
-    barrier = barrier or (lambda: None)
+    agree = agree or (lambda error: [error])
     check_layout(out, hints)
-    holder = lock_holder(out)
-    if holder is not None:
-        raise RunDirError(f"{out} is in use by another jagg process (pid {holder}), which is training in it: wait for "
-                          f"it to end (then {hints.continue_run}), or {hints.other_dir}; nothing was changed")
-    moved = None
+    if resume and require_checkpoint and not out.exists():
+        raise RunDirError(_no_run(out))
+    held = claim_run(out, main, agree, hints)
+    try:
+        start = _decide(out, held, resume, require_checkpoint, overwrite, main, agree, log, hints)
+    except BaseException:
+        held.release(out, remove=True)
+        raise
+    if start.resumed is None and main:
+        start.before = start.lock.before(out)
+    return start
+
+
+def _no_run(out: Path) -> str:
+    state = "does not exist" if not out.exists() else "holds no checkpoint"
+    return (f"cannot resume: there is no run in {out} (it {state}); drop --resume to start a new run there, or use "
+            "--resume-or-start")
+
+
+def _decide(out: Path, held: RunLock, resume: bool, require_checkpoint: bool, overwrite: bool, main: bool,
+            agree: Callable[[str | None], list], log: Callable[[str], None], hints: RunHints) -> RunStart:
+    """:func:`open_run` once the lock is held: the run to start or resume; its ``lock`` is ``held``, or the lock
+    of the new ``out`` after the old run was moved aside."""
     if not resume:
-        if overwrite and main and run_contents(out, hints):
-            moved = move_aside(out, hints)
-            log(f"--overwrite: moved the previous run in {out} to {moved} (nothing deleted)")
-        barrier()
+        moved = None
+        if overwrite and run_contents(out, hints):            # every process reads the same: all move, or none
+            moved, held = _move_aside_all(out, held, main, agree, hints)
+            if main:
+                log(f"--overwrite: moved the previous run in {out} to {moved} (nothing deleted)")
         there = run_contents(out, hints)
         if there:
             raise RunDirError(f"{out} already holds a run ({'; '.join(there)}); {hints.continue_run}, "
                               f"{hints.other_dir} for a new run, or {hints.start_over}")
-        return RunStart(new_run_id(), None, moved)
+        return RunStart(new_run_id(), None, moved, held)
 
     ckpt_dir = out / "checkpoints"
     own = read_run_file(out)
     own_id = own["run_id"] if own else None
     found, unreadable = None, []
-    for path in reversed(list_checkpoints(ckpt_dir)):     # every process reads before any moves (the barrier below)
+    for path in reversed(list_checkpoints(ckpt_dir)):     # every process reads before any moves (_agree below)
         try:
             found = (read_checkpoint(path, resume=True), path)
             break
+        except UnsafeCheckpoint as e:             # planted, not a damaged file of this run's: never skipped past
+            raise RunDirError(f"cannot resume: {e}; nothing was changed") from None
         except ValueError as e:
             unreadable.append(f"{path.name} {one_line(str(e).replace(str(path), '').strip(' :,'), 200)}")
         except OSError as e:                      # e.g. no read permission
             unreadable.append(f"{path.name} cannot be read: {e.strerror or e}")
     there = run_contents(out, hints) if found is None and not unreadable else []
-    barrier()
+    _agree(agree, None)
     if found is not None:
         state, path = found
         theirs = state.get("run_id")
@@ -310,7 +425,7 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
         check_metrics(out, hints)
         for line in unreadable:
             log(f"warning: skipping unreadable checkpoint {ckpt_dir}/{line}")
-        return RunStart(theirs or own_id or new_run_id(), found)
+        return RunStart(theirs or own_id or new_run_id(), found, None, held)
     if unreadable:
         raise RunDirError(f"cannot resume: no readable checkpoint in {ckpt_dir}, nothing was changed: "
                           + "; ".join(unreadable) + f". Restore a checkpoint, {hints.other_dir} for a new run, or "
@@ -319,20 +434,18 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
         raise RunDirError(f"cannot resume: {out} holds {'; '.join(there)} but no checkpoint (the run stopped before "
                           f"its first one, see log.checkpoint_every); {hints.start_over}, or --resume-or-start, or "
                           f"{hints.other_dir}")
-    moved = None
     if there:                                      # a run that cannot be continued: kept aside, a new one starts
+        moved, held = _move_aside_all(out, held, main, agree, hints)
         if main:
-            moved = move_aside(out, hints)
             log(f"{out} holds {'; '.join(there)} but no checkpoint to resume: moved it to {moved} (nothing deleted); "
                 "starting a new run")
-        barrier()
-        return RunStart(new_run_id(), None, moved)
+        return RunStart(new_run_id(), None, moved, held)
     if require_checkpoint:
-        state = "does not exist" if not out.exists() else "holds no checkpoint"
-        raise RunDirError(f"cannot resume: there is no run in {out} (it {state}); drop --resume to start a new run "
-                          "there, or use --resume-or-start")
+        raise RunDirError(_no_run(out))
     log(f"no run in {out} yet: starting a new one")
-    return RunStart(new_run_id())
+    return RunStart(new_run_id(), None, None, held)
+
+
 
 
 def check_metrics(out: Path, hints: RunHints = TRAIN) -> None:

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checks import parse_json
+from ..infra.checkpoint import UnsafeCheckpoint, load_file
 from .config import VelocityConfig, torch_dtype
 from .families import FAMILIES, Family, family as family_record
 
@@ -254,7 +255,13 @@ class PromptEmbeddings:
                            parse_json(meta["prompts"], f"{path}: its 'prompts' metadata", "list", "rebuild the cache"),
                            optional["prompt_embeds_mask"])
         if path.suffix in (".pt", ".pth"):
-            data = torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                data = load_file(path)               # tensors and plain data only: a cache from elsewhere runs no code
+            except UnsafeCheckpoint:
+                raise
+            except Exception as e:                   # truncated, corrupt, not a torch file
+                raise ValueError(f"{path} is not a readable prompt-embedding cache ({type(e).__name__}: "
+                                 f"{str(e)[:200]}); rebuild it") from None
             if isinstance(data, dict) and "prompt_embeds" in data:
                 return cls(data["prompt_embeds"], data.get("pooled_prompt_embeds"), list(data["prompts"]),
                            data.get("prompt_embeds_mask"))

@@ -36,14 +36,13 @@ from ..audit import audit_flag, audit_parts, clip_flag
 from ..meter import Meter, meter_flag
 from ..estimator import reference_velocities
 from ..estimator_config import AUTO, EstimatorConfig
-from ..infra.distributed import end_process_group, gather, init_process_group_from_env
+from ..infra.distributed import end_process_group, gather, gather_objects, init_process_group_from_env
 from ..infra.after_launch import launched, say_after_launcher, shutdown_timeout
 from ..infra.config_loader import to_dict
 from ..infra.cpu_share import CpuShare
 from ..infra.metrics import MetricsLogger
 from ..infra.old_configs import upgrade_saved_config
-from ..infra.rundir import (TRAIN, RunHints, discard_new_run, lock_run, open_run, outputs, read_run_file, snapshot,
-                            write_run_file)
+from ..infra.rundir import TRAIN, RunHints, discard_new_run, open_run, outputs, read_run_file, write_run_file
 from ..infra.wandb_run import WandbRun, check_start as check_wandb_start
 from ..trajectory import Trajectory, VelocityFn
 from .lr_schedule import check_resumable_schedule, how_to_continue, lr_factor, schedules_lr
@@ -576,7 +575,15 @@ class GRPOTrainer(GRPO):
 
     def __init__(self, cfg, resume: bool = False, overwrite: bool = False, require_checkpoint: bool = False):
         self._opening = dict(resume=resume, require_checkpoint=require_checkpoint, overwrite=overwrite)
-        super().__init__(cfg)                            # GRPO's, with the run directory opened before setup()
+        try:
+            super().__init__(cfg)                        # GRPO's, with the run directory opened before setup()
+            self._begin(cfg)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _begin(self, cfg) -> None:
+        """After the model loaded: the checkpoint restored (a resumed run), ``run.json`` and the logger."""
         start, barrier = self._start, dist.barrier if self.world > 1 else None
         resumed_from = None
         if start.resumed is not None:
@@ -596,7 +603,8 @@ class GRPOTrainer(GRPO):
             self.logger = MetricsLogger(self.out, cfg.log.tensorboard, resume_iteration=resumed_from, wandb=tracker)
 
     def before_setup(self) -> None:
-        """The run directory, before the model is loaded: every process decides from the same files (a run directory
+        """The run directory, before the model is loaded: its run lock first (a directory another run holds is
+        refused with nothing read, moved or written), then every process decides from the same files (a run directory
         that cannot be used fails in seconds); the main process moves an old run aside first (--overwrite) and writes
         run.json only after all have decided (the barrier before the logger)."""
         cfg = self.cfg
@@ -604,11 +612,22 @@ class GRPOTrainer(GRPO):
         self.ckpt_dir = self.out / "checkpoints"
         if cfg.log.wandb:
             check_wandb_start(cfg.log)                   # before anything is written: one line naming the key
-        self._start = open_run(self.out, **self._opening, main=self.main,
-                               barrier=dist.barrier if self.world > 1 else None, log=self._print, hints=self.hints)
-        self._before = snapshot(self.out) if self._start.resumed is None else None   # a new run: what was there
+        agree = (lambda error: gather_objects([error])) if self.world > 1 else None
+        self._start = open_run(self.out, **self._opening, main=self.main, agree=agree, log=self._print,
+                               hints=self.hints)
         self.run_id = self._start.run_id
         self._stop = self.stopped = False
+
+    def _abandon(self) -> None:
+        """The constructor failed once the run lock was held (the model did not load, the checkpoint does not fit):
+        a new run's files are removed (:func:`jagg.infra.rundir.discard_new_run`: the lock file, the directory made
+        for it, a ``run.json``), a resumed run's are left as they were; the lock is released."""
+        start = getattr(self, "_start", None)
+        if start is None or start.lock is None:
+            return
+        if self.main and start.resumed is None:
+            discard_new_run(self.out, start.before)
+        start.lock.release(self.out, remove=True)
 
     @classmethod
     def run(cls, cfg, resume: bool = False, overwrite: bool = False, require_checkpoint: bool = False) -> list[dict]:
@@ -727,10 +746,6 @@ class GRPOTrainer(GRPO):
         """Run iterations up to ``grpo.iterations`` (logged, evaluated and checkpointed as configured); returns the
         metrics records (on the main process)."""
         c = self.cfg
-        lock = None
-        if self.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            lock = lock_run(self.out, self.hints)      # one process trains in a run directory at a time
         if self.iteration >= c.grpo.iterations:
             self._print(f"the run in {self.out} is at iteration {self.iteration} of grpo.iterations="
                         f"{c.grpo.iterations}: nothing to train ({how_to_continue(c)}, or "
@@ -776,10 +791,10 @@ class GRPOTrainer(GRPO):
                 signal.signal(s, h)
             if self.logger is not None:
                 self.logger.close()
-            if lock is not None:
-                lock.close()
-            if failed and self._untrained():
+            discard = failed and self._untrained()
+            if discard:
                 self._discard()
+            self._start.lock.release(self.out, remove=discard)  # held since before_setup: one run per directory
         return self.logger.records() if self.logger is not None else []
 
     def _untrained(self) -> bool:
@@ -790,7 +805,7 @@ class GRPOTrainer(GRPO):
         """After a failure before the first iteration ended: remove what this new run wrote (the main process), so
         the same command starts again once the cause is fixed (:func:`jagg.infra.rundir.discard_new_run`)."""
         if self.main:
-            removed = discard_new_run(self.out, self._before)
+            removed = discard_new_run(self.out, self._start.before)
             what = f" ({', '.join(removed)})" if removed else ""
             print(f"\nthe run failed before its first iteration ended: nothing was trained, and what it wrote in "
                   f"{self.out}{what} was removed, so the same command starts a new run once the cause is fixed",

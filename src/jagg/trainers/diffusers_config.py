@@ -196,13 +196,22 @@ class DiffusersTrainConfig(TrainerSections):
                                 "both are set: drop one, e.g. --set reward_server=null"))
         super().__post_init__()
         self.eval.resolve(self.sample.prompts_file)
+        self.check_sizes()                     # first: the checks after it build arrays of the sizes it bounds
         check_run(self.sample, self.estimator, self.pipeline.num_steps, "pipeline.num_steps", self.pipeline.eta,
                   Keys("sample.", eta="pipeline.eta", num_steps="pipeline.num_steps"))
-        self.check_sizes()
         if self.estimator.kl_beta > 0 and not self.pipeline.lora.enabled and not self.pipeline.keep_reference:
             raise ValueError("estimator.kl_beta > 0 with full fine-tuning (pipeline.lora.enabled: false) needs a "
                              "reference model: set pipeline.keep_reference: true, or estimator.kl_beta: 0")
 
+
+    def sample_size(self) -> tuple[int, int, str]:
+        """One sample's float32 latent numbers and image bytes, and the keys that set them: 16 latent channels at 1/8
+        of ``pipeline.resolution`` x ``pipeline.width``, a video's latent frames (``pipeline.num_frames``)."""
+        p = self.pipeline
+        (h, w), video = p.size, p.video
+        size = f"pipeline.resolution={p.resolution}" + (f", pipeline.width={p.width}" if p.width else "")
+        size += f", pipeline.num_frames={p.frames}" if video else ""
+        return 16 * (h // 8) * (w // 8) * ((p.frames - 1) // 4 + 1 if video else 1), 3 * h * w * p.frames, size
 
     def check_sizes(self) -> None:
         """Sizes in range that break the run, refused at load naming the key: a ``pipeline.shift`` that leaves a
@@ -210,26 +219,38 @@ class DiffusersTrainConfig(TrainerSections):
         and images alone need more memory than this machine has, and an evaluation whose images do (16 latent channels
         at 1/8 of ``pipeline.resolution`` x ``pipeline.width``, a video's latent frames: :mod:`jagg.infra.sizes`)."""
         from ..schedule import check_schedule
-        from ..infra.sizes import check_memory, check_rollout_memory, images_bytes, rollout_bytes
+        from ..infra.sizes import check_eval_counts, check_memory, check_run_counts, images_bytes
 
-        p, s = self.pipeline, self.sample
+        p, s, e, est = self.pipeline, self.sample, self.eval, self.estimator
+        latent, pixels, size = self.sample_size()
+        video = p.video
+        check_run_counts(s.prompts_per_iter, s.group_size, p.num_steps, self.grpo.inner_epochs, latent, pixels,
+                         f"pipeline.num_steps={p.num_steps} at {size}",
+                         f"{'pipeline.num_frames or ' if video else ''}pipeline.resolution or pipeline.num_steps",
+                         (est.preflight_batches, est.preflight_draws) if est.mode == "auto" else None)
+        check_memory(float(s.batch_size) * p.max_sequence_length * TEXT_WIDTH * 4, f"pipeline.max_sequence_length="
+                     f"{p.max_sequence_length}: one iteration's {s.batch_size} prompt embeddings",
+                     "lower pipeline.max_sequence_length")
+        if p.lora.enabled and p.lora.rank:
+            check_memory(float(p.lora.rank) * 2 * LORA_WIDTH * 4, f"pipeline.lora.rank={p.lora.rank}: one adapted "
+                         "layer's LoRA matrices", "lower pipeline.lora.rank")
+        if e.enabled:
+            n = (e.num_prompts or len(e.test_set)) * e.images_per_prompt
+            check_memory(images_bytes(n, latent, pixels), f"eval.num_prompts x eval.images_per_prompt: an "
+                         f"evaluation's {n} images at {size}", "lower eval.num_prompts or eval.images_per_prompt")
+            check_eval_counts(n, p.eval_num_steps, "eval.num_prompts x eval.images_per_prompt",
+                              "pipeline.eval_num_steps")
+        else:
+            check_eval_counts(1, p.eval_num_steps, "one image", "pipeline.eval_num_steps")   # jagg eval's default
         if p.shift is not None:
             check_schedule(p.num_steps, p.shift, "pipeline.shift", "pipeline.num_steps")
             check_schedule(p.eval_num_steps, p.shift, "pipeline.shift", "pipeline.eval_num_steps")
-        (h, w), video = p.size, p.video
-        latent = 16 * (h // 8) * (w // 8) * ((p.frames - 1) // 4 + 1 if video else 1)
-        pixels = 3 * h * w * p.frames
-        size = f"pipeline.resolution={p.resolution}" + (f", pipeline.width={p.width}" if p.width else "")
-        size += f", pipeline.num_frames={p.frames}" if video else ""
-        check_memory(rollout_bytes(1, p.num_steps, latent, pixels), f"one trajectory of pipeline.num_steps="
-                     f"{p.num_steps} at {size}", f"lower {'pipeline.num_frames or ' if video else ''}"
-                     "pipeline.resolution")
-        check_rollout_memory(s.prompts_per_iter, s.group_size, p.num_steps, latent, pixels,
-                             f"pipeline.num_steps={p.num_steps} at {size}")
-        if self.eval.enabled:
-            n = len(self.eval.prompts()[0])
-            check_memory(images_bytes(n, latent, pixels), f"eval.num_prompts x eval.images_per_prompt: an "
-                         f"evaluation's {n} images at {size}", "lower eval.num_prompts or eval.images_per_prompt")
+
+
+# lower bounds of the families' widths, for memory estimates before a model's files are read: a prompt embedding's
+# numbers per token (CLIP-L's 768; the T5 and Qwen encoders' are 4096 and 3584) and a transformer layer's width
+# (SD3.5 Medium's and Wan 1.3B's 1536; FLUX's and Qwen-Image's 3072)
+TEXT_WIDTH, LORA_WIDTH = 768, 1536
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> DiffusersTrainConfig:

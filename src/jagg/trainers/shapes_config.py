@@ -165,25 +165,37 @@ class ShapesTrainConfig(TrainerSections):
     def __post_init__(self):
         super().__post_init__()
         s = self.sample
+        self.check_sizes()                     # first: the checks after it build arrays of the sizes it bounds
         check_run(s, self.estimator, s.num_steps, "sample.num_steps")
-        self.check_sizes()
+
+    def sample_size(self) -> tuple[int, int, str]:
+        """One sample's float32 latent numbers and image bytes (the TinyDiT's), and the keys that set them (none)."""
+        from ..infra.sizes import TINY_DIT_LATENT
+
+        return TINY_DIT_LATENT, TINY_DIT_LATENT, "the TinyDiT's 32 x 32"
 
     def check_sizes(self) -> None:
         """Sizes in range that break the run, refused at load naming the key: a shift that leaves the sampling or the
         evaluation schedule without distinct sigmas, more test prompts than the test split holds, and a batch or an
         evaluation whose arrays alone need more memory than this machine has (:mod:`jagg.infra.sizes`)."""
         from ..shapes import test_prompts
-        from ..infra.sizes import TINY_DIT_LATENT, check_memory, check_rollout_memory, images_bytes
+        from ..infra.sizes import TINY_DIT_LATENT, check_eval_counts, check_memory, check_run_counts, images_bytes
 
-        s, e = self.sample, self.eval
-        check_schedule(s.num_steps, s.shift, "sample.shift", "sample.num_steps")
-        check_schedule(e.num_steps, s.shift, "sample.shift", "eval.num_steps")
+        s, e, est = self.sample, self.eval, self.estimator
+        check_run_counts(s.prompts_per_iter, s.group_size, s.num_steps, self.grpo.inner_epochs, TINY_DIT_LATENT,
+                         TINY_DIT_LATENT, f"sample.num_steps={s.num_steps}", "sample.num_steps",
+                         (est.preflight_batches, est.preflight_draws) if est.mode == "auto" else None)
         available = len(test_prompts())
         if e.num_prompts > available:
             raise ValueError(f"eval.num_prompts={e.num_prompts} is more than the {available} prompts of the test "
                              "split; lower it (0 = all of them)")
-        check_rollout_memory(s.prompts_per_iter, s.group_size, s.num_steps, TINY_DIT_LATENT, TINY_DIT_LATENT,
-                             f"sample.num_steps={s.num_steps}")
-        check_memory(images_bytes((e.num_prompts or available) * e.images_per_prompt),
-                     f"eval.images_per_prompt={e.images_per_prompt}: an evaluation's "
-                     f"{(e.num_prompts or available) * e.images_per_prompt} images", "lower eval.images_per_prompt")
+        if e.grid_size > available:
+            raise ValueError(f"eval.grid_size={e.grid_size} is more than the {available} prompts of the test split "
+                             "(the comparison grid shows one each, in rows of 8); lower it to at most "
+                             f"{available - available % 8}")
+        images = (e.num_prompts or available) * e.images_per_prompt
+        check_memory(images_bytes(images), f"eval.images_per_prompt={e.images_per_prompt}: an evaluation's "
+                     f"{images} images", "lower eval.images_per_prompt")
+        check_eval_counts(images, e.num_steps, f"eval.images_per_prompt={e.images_per_prompt}", "eval.num_steps")
+        check_schedule(s.num_steps, s.shift, "sample.shift", "sample.num_steps")
+        check_schedule(e.num_steps, s.shift, "sample.shift", "eval.num_steps")

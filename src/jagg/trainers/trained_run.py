@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..infra import config_loader as configuration
-from ..infra.checkpoint import list_checkpoints, read_checkpoint, shard_names
+from ..infra.checkpoint import list_checkpoints, load_file, read_checkpoint, shard_names
 from ..infra.shards import read_whole
 from ..infra.prompt_sets import read_prompt_set
 from ..integrations.config import PipelineConfig
@@ -31,7 +31,7 @@ from .weights_export import EMA_DIR, export_name
 
 def diffusers_checkpoint(spec: str | None) -> Path | None:
     """The checkpoint ``spec`` names when it is a real-model run's (a run directory: its newest ``ckpt_<n>.pt``, or
-    such a file), else None (the shapes world's loaders take ``spec``). Reads the file memory-mapped."""
+    such a file), else None (the shapes world's loaders take ``spec``). Reads the file memory-mapped, tensors and plain data only."""
     if not spec or str(spec).startswith("builtin:"):
         return None
     p = Path(spec)
@@ -41,8 +41,8 @@ def diffusers_checkpoint(spec: str | None) -> Path | None:
     if p is None or not p.is_file() or p.suffix != ".pt":
         return None
     try:
-        state = torch.load(p, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:                   # not a checkpoint the trainers wrote: the shapes loader names the problem
+        state = load_file(p, mmap=True)
+    except Exception:      # not a checkpoint the trainers wrote (or one refused unread): the shapes loader names it
         return None
     return p if isinstance(state, dict) and state.get("trainer") == TRAINER_TAG else None
 
