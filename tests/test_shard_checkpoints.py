@@ -10,6 +10,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 import torch.distributed as dist  # noqa: E402
+from pathlib import Path  # noqa: E402
 from tiny_pipelines import tiny_sd3  # noqa: E402
 
 from jagg.infra.engine import EngineSettings, make_engine  # noqa: E402

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
 import statistics
 from typing import Sequence
 
