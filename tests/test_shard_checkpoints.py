@@ -157,6 +157,7 @@ def test_damaged_shards_are_refused_before_the_model_loads_and_the_older_checkpo
     start = open_run(out, resume=True, log=said.append)
     assert start.resumed[1] == ckpts / "ckpt_000001.pt" and start.resumed[0]["iteration"] == 1
     assert len(said) == 1 and said[0].startswith("warning: skipping unreadable checkpoint") and words in said[0]
+    start.lock.release(out)                                      # the run this start would have trained ends
     _damage(ckpts / "ckpt_000001.dcp", how)
     with pytest.raises(RunDirError, match="cannot resume: no readable checkpoint") as e:
         open_run(out, resume=True)

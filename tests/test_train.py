@@ -166,8 +166,8 @@ def test_default_config_loads_and_round_trips():
 
 def test_shipped_shapes_configs_load_and_the_authors_recipe_trains(tmp_path):
     """Every configs/*.yaml of the shapes trainer (no pipeline: section) loads and round-trips; the authors' recipe
-    (configs/authors_recipe.yaml: interval subsampling of step groups of 5) trains two iterations as shipped, 2 of its
-    4 step groups per sample: 4 knot rows of each sample kept."""
+    (configs/authors_recipe.yaml: interval subsampling of step groups of 4) trains two iterations as shipped, 3 of its
+    5 step groups per sample: 6 knot rows of each sample kept, over 12 updates of shuffled samples."""
     from jagg.trainers.diffusers_config import has_pipeline_section
 
     root = Path(__file__).resolve().parents[1] / "configs"
@@ -177,12 +177,12 @@ def test_shipped_shapes_configs_load_and_the_authors_recipe_trains(tmp_path):
         cfg = configuration.load(ShapesTrainConfig, path)
         assert configuration.from_dict(ShapesTrainConfig, configuration.to_dict(cfg)) == cfg, path.name
     recipe = configuration.load(ShapesTrainConfig, root / "authors_recipe.yaml").estimator
-    assert (recipe.window, recipe.alpha, recipe.interval_frac, recipe.correction_p) == (5, "index", 0.6, 0.0)
+    assert (recipe.window, recipe.alpha, recipe.interval_frac, recipe.correction_p) == (4, "index", 0.6, 0.0)
     out = tmp_path / "recipe"
     assert main(["train", "--config", str(root / "authors_recipe.yaml"), "--set", "grpo.iterations=2", "--set",
                  "eval.every=0", "--set", "threads=1", "--set", "log.progress=false", "--output-dir", str(out)]) == 0
     train = [r for r in records(out) if r["kind"] == "train"]
-    assert len(train) == 2 and all(r["backward_items"] == 4 * r["trained_samples"] for r in train)
+    assert len(train) == 2 and all(r["backward_items"] == 6 * r["trained_samples"] for r in train)
 
 
 def test_the_main_job_trains_the_geneval_like_reward_through_the_text_encoder(tmp_path, tiny_ckpt):

@@ -104,8 +104,8 @@ def check_run_counts(prompts_per_iter: int, group_size: int, num_steps: int, pas
     sampling steps (:func:`check_steps`; ``steps`` says them, e.g. ``"sample.num_steps=10"``, ``lower`` what makes one
     trajectory smaller), the memory of one trajectory and of the batch's (:func:`check_rollout_memory`), its time
     (the batch sampled over ``num_steps``, then ``passes`` = ``grpo.inner_epochs`` passes of at least one trained step
-    each) and, with ``preflight`` (``(estimator.preflight_batches, estimator.preflight_draws)``: mode auto), the
-    pre-flight's batches, all kept in memory, and its time."""
+    each) and, with ``preflight`` (``(estimator.preflight_batches, estimator.preflight_draws)``: mode auto), the time
+    of the measured iterations (their gradients' memory depends on the model: known only once it loads)."""
     check_steps(num_steps, steps.split("=")[0])
     check_memory(rollout_bytes(1, num_steps, latent, pixels), f"one trajectory of {steps}", f"lower {lower}")
     check_rollout_memory(prompts_per_iter, group_size, num_steps, latent, pixels, steps)
@@ -114,12 +114,9 @@ def check_run_counts(prompts_per_iter: int, group_size: int, num_steps: int, pas
                f"{steps}: one iteration's", "lower grpo.inner_epochs")
     if preflight is not None:
         batches, draws = preflight
-        check_memory(batches * rollout_bytes(batch, num_steps, latent, pixels),
-                     f"estimator.preflight_batches={batches}: the pre-flight's {batches} batches of {batch} "
-                     f"trajectories of {steps}, all kept,", "lower estimator.preflight_batches")
         check_time(float(batches) * batch * (num_steps + draws),
-                   f"estimator.preflight_batches={batches} x estimator.preflight_draws={draws}: the pre-flight's",
-                   "lower estimator.preflight_batches or estimator.preflight_draws")
+                   f"estimator.preflight_batches={batches} x estimator.preflight_draws={draws}: the measured "
+                   "iterations'", "lower estimator.preflight_batches or estimator.preflight_draws")
 
 
 def check_eval_counts(images: int, num_steps: int, images_key: str, steps_key: str) -> None:

@@ -76,8 +76,8 @@ def cut_minibatches(prompt_groups: Tensor, updates: int, cut: str, generator: to
 
 def minibatch_line(cfg, processes: int = 1) -> str:
     """How a trainer config ``cfg`` cuts its updates' minibatches on ``processes`` processes, as the first screen
-    says it."""
+    says it: ``minibatches of whole prompt groups (grpo.minibatches auto for mode jagg)``."""
     g = cfg.grpo
     what = "whole prompt groups" if cfg.cut_for(processes) == GROUPS else "shuffled samples"
     how = f"grpo.minibatches {g.minibatches}" + (f" for mode {cfg.estimator.mode}" if g.minibatches == AUTO else "")
-    return f"{g.inner_epochs * g.updates_per_epoch} update(s) per iteration on minibatches of {what} ({how})"
+    return f"minibatches of {what} ({how})"

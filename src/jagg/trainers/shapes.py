@@ -265,7 +265,8 @@ class ShapesTrainer(ShapesGRPO, GRPOTrainer):
         return means
 
     def before_training(self) -> None:
-        self._print(minibatch_line(self.cfg))
+        g = self.cfg.grpo
+        self._print(f"{g.inner_epochs * g.updates_per_epoch} updates per iteration on {minibatch_line(self.cfg)}")
         if self.iteration == 0 and self.cfg.eval.every:
             first = self.evaluate()
             print(f"iteration 0: test reward {first['reward_mean']:.3f}")
