@@ -108,7 +108,7 @@ def position_failure(rec: dict, margin: float = MARGIN) -> str | None:
         cause = p["prediction"].removeprefix("unknown: ").split(" (")[0]         # e.g. "the error is not resolved"
         return f"unknown ({cause})"
     if not p["time_rate_lo"] >= 1 + margin:
-        return f"low end {p['time_rate_lo']:.2f} x exact's progress per second, below {1 + margin:.2f}"
+        return f"low end {p['time_rate_lo']:.3f} x exact's progress per second, below {1 + margin:.3f}"
     return None
 
 
