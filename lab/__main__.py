@@ -2,8 +2,8 @@
 
 Tools with a ``--json`` result (``quality``, ``fidelity``, ``signal``, ``e2e``, ``paired``) share one parser and the
 ``jagg`` commands' conventions (``--quick``, ``--json`` checked before any work, ``--overwrite``); the scripts
-(``plateau``, ``regime-map``, ``weight-changes``, ``trace-file-changes``, ``profile-training``,
-``auto-twins``) parse their own arguments. Every tool ends as a ``jagg`` command does: a refusal is one line and exit 2, Ctrl-C one line and 130.
+(``plateau``, ``regime-map``, ``weight-changes``, ``trace-file-changes``, ``profile-training``) parse their own
+arguments. Every tool ends as a ``jagg`` command does: a refusal is one line and exit 2, Ctrl-C one line and 130.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ SCRIPTS = {
     "weight-changes": ("lab.weight_changes", "which of a run's weight changes carry its gain, which its artifacts"),
     "trace-file-changes": ("lab.trace_file_changes", "how often the real-model trainer's path changes source file"),
     "profile-training": ("lab.profile_training", "the main job's training phase under torch.profiler"),
-    "auto-twins": ("lab.auto_twins", "estimator.mode auto against exact, each auto run read off its fixed twin"),
 }
 
 

@@ -46,13 +46,11 @@ class Curves:
 
 
 def _at_evaluations(run: dict, clock: str) -> list[float]:
-    """The ``clock`` reading of a run at each of its evaluations (its train curve at the evaluation's iteration; at
-    the evaluation before training, 0, or the pre-flight's seconds of ``estimator.mode: auto``)."""
+    """The ``clock`` reading of a run at each of its evaluations (its train curve at the evaluation's iteration; 0 at
+    the evaluation before training: ``estimator.mode: auto`` measures while it trains, in its iterations' clocks)."""
     col, it = TRAIN_CURVE.index(clock), TRAIN_CURVE.index("iterations")
     at = {p[it]: p[col] for p in run["train_curve"]}
-    pre = run.get("preflight") or {}
-    start = {"wall": pre.get("preflight_s"), "cpu": pre.get("preflight_cpu_s")}.get(clock) or 0.0
-    return [start if p[it] == 0 else float(at.get(p[it], np.nan)) for p in run["test_curve"]]
+    return [0.0 if p[it] == 0 else float(at.get(p[it], np.nan)) for p in run["test_curve"]]
 
 
 def curves(runs: list[dict], n: int, m: int) -> Curves:

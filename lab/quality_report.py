@@ -86,11 +86,11 @@ METER_COLUMNS = [
 RUN_COLUMNS = [("variant", "variant", ""), ("seed", "seed", ""), ("updates", "updates", ""),
                ("final_test_reward", "final test", ".3f"), ("iter_s", "iter s", ".2f"), ("wall_s", "wall s", ".0f"),
                ("rows_per_update", "rows/upd", ".0f"), ("trained_with", "auto chose", ""),
-               ("preflight_cpu_s", "pre-flight CPU s", ".0f")]
+               ("preflight_cpu_s", "measured: CPU s", ".0f")]
 
 
 def run_rows(runs: list[dict]) -> list[dict]:
-    """The runs as :data:`RUN_COLUMNS` shows them: with an ``estimator.mode: auto`` run's decision and its pre-flight's
+    """The runs as :data:`RUN_COLUMNS` shows them: with an ``estimator.mode: auto`` run's decision and its measurement's
     CPU seconds."""
     return [{**r, "trained_with": (r.get("preflight") or {}).get("train_with", ""),
              "preflight_cpu_s": (r.get("preflight") or {}).get("preflight_cpu_s")} for r in runs]
@@ -128,7 +128,7 @@ def rate_rows(summary: list[dict]) -> list[dict]:
 def print_report(runs: list[dict], summary: list[dict], seeds: list[int], cost_line: str) -> None:
     """The tables of ``python -m lab quality``: the runs, the variants' time to target and final rewards, the rate and
     the plateau, and the meter and the projection beside the measured efficiencies."""
-    print("\nruns (auto chose: estimator.mode auto's pre-flight decision, its CPU seconds counted in the run's)")
+    print("\nruns (auto chose: estimator.mode auto's decision; its measurement's CPU seconds are in the run's)")
     print(table(run_rows(runs), RUN_COLUMNS))
     spread = ("95% bootstrap intervals" if len(seeds) > 1 else "one seed: no intervals, which are over seeds (give "
               "--seeds 2 or more)")

@@ -50,9 +50,9 @@ RECORDS_SAME = tuple(k for k in RESUMABLE_CHANGES if k not in ("eval.", "threads
 METER = ("audits", "error_to_noise", "bias_to_noise", "bias_to_noise_se", "bias_z", "rows_ratio",
          "predicted_efficiency", "predicted_time_efficiency", "predicted_adam_efficiency",
          "predicted_adam_time_efficiency", "predicted_adam_tensor_efficiency", "predicted_adam_tensor_time_efficiency")
-# what it keeps of the pre-flight of estimator.mode auto (its decision and cost, in the run's clocks from the start)
-PREFLIGHT = ("train_with", "reason", "preflight_s", "preflight_cpu_s", "measured_updates", "best_candidate",
-             "best_time_rate_lo", "best_time_rate_hi")
+# what it keeps of estimator.mode auto's decision (its measurement's cost is in the iterations' clocks)
+PREFLIGHT = ("train_with", "reason", "preflight_cpu_s", "measured_iterations", "measured_updates", "minibatches",
+             "best_candidate", "best_time_rate_lo", "best_time_rate_hi")
 # ... and of every audit record, along the run (does the error or the bias grow as the policy sharpens?)
 METER_CURVE = ("iteration", "error_to_noise", "bias_to_noise", "bias_z")
 # what a run's result.json holds, by kind (jagg.checks.check_fields): what the comparison reads in every one, the rest

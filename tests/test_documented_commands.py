@@ -89,8 +89,6 @@ SKIP = [
     (r"-m lab (paired|weight-changes)(?!.*--help)", "needs trained checkpoints (runs/.../checkpoints/...)"),
     (r"-m lab plateau(?!.*--help)", "needs finished paired-seed runs (python -m lab quality: minutes to hours of CPU; "
                                     "its run on constructed runs is lab/tests/test_plateau_mechanism.py)"),
-    (r"-m lab auto-twins(?!.*--help)", "needs finished paired-seed runs (python -m lab quality: minutes to hours of "
-                                       "CPU; its run on constructed runs is lab/tests/test_auto_twins.py)"),
     (r"-m lab trace-file-changes(?!.*--help)", "builds a tiny SD3 and traces a run (its smoke run is in lab/tests/)"),
     (r"-m jagg\.rewards\.server", "starts a reward server that runs until stopped (and loads model weights)"),
     (r"-m jagg\.integrations\.pipeline cache", "needs a diffusers model directory with its text encoders"),
