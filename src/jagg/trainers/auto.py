@@ -168,11 +168,7 @@ class AutoEstimator:
             if self.decision["train_with"] != "exact" and e.meter_every:
                 self.measurement = self._new_measurement(self.decision["train_with"])
             return
-        pipeline = getattr(c, "pipeline", None)            # a diffusers config's steps are the pipeline's
-        num_steps, key = (pipeline.num_steps, "pipeline.num_steps") if pipeline else (c.sample.num_steps,
-                                                                                      "sample.num_steps")
-        self._ests, self._left_out = auto_candidates(e, trained_steps(c.sample, num_steps),
-                                                     steps_source(c.sample, key, num_steps))
+        self._candidates()
         self.estimator = self._ests["exact"]
         self._measure_cpu = 0.0
         left = c.grpo.iterations - self.iteration
@@ -189,12 +185,20 @@ class AutoEstimator:
                     f"{', '.join(n for n in self._ests if n != 'exact')} beside each of exact's updates, on the same "
                     f"minibatches ({self.cfg.cut_for(self.world)}); only the candidates' rows are extra")
 
+    def _candidates(self) -> None:
+        """``_ests`` (exact and the candidates that fit the job's trained steps) and ``_left_out`` (the default
+        candidates that do not, with why)."""
+        c = self.cfg
+        pipeline = getattr(c, "pipeline", None)            # a diffusers config's steps are the pipeline's
+        num_steps, key = (pipeline.num_steps, "pipeline.num_steps") if pipeline else (c.sample.num_steps,
+                                                                                      "sample.num_steps")
+        self._ests, self._left_out = auto_candidates(c.estimator, trained_steps(c.sample, num_steps),
+                                                     steps_source(c.sample, key, num_steps))
+
     def _new_measurement(self, trained: str) -> Measurement:
+        """A measurement of exact and the candidates (``trained``: exact) or of exact beside the chosen one."""
         if not hasattr(self, "_ests"):
-            c = self.cfg
-            pipeline = getattr(c, "pipeline", None)
-            num_steps = pipeline.num_steps if pipeline else c.sample.num_steps
-            self._ests, self._left_out = auto_candidates(c.estimator, trained_steps(c.sample, num_steps), "")
+            self._candidates()
         ests = self._ests if trained == "exact" else {"exact": self._ests["exact"], trained: self._ests[trained]}
         g = self.cfg.grpo
         self._pick_gen = torch.Generator().manual_seed(self.cfg.seed + PICK_SEED)
