@@ -359,3 +359,18 @@ def test_a_candidate_that_cannot_clear_the_bar_is_no_longer_measured(tmp_path, b
     assert decision["train_with"] == "exact" and decision["measured_iterations"] == 3      # not 6
     assert {n for it, n in measured} == {"exact", "g4", "u4"} and max(it for it, _ in measured) == 2
     assert {r["estimator"] for r in decision["records"]} == {"exact", "g4", "u4"}
+
+
+def test_the_verdict_says_when_the_signal_is_not_resolved():
+    """``signal not resolved`` (with what it means for the choice) where exact's |E g|^2 / V_b reaches 0 within 2 SE at
+    some position; nothing where it is resolved everywhere or not measured."""
+    from jagg.verdict import signal_note
+
+    def ex(u, s, se):
+        return {"estimator": "exact", "update": u, "signal_to_noise": s, "signal_to_noise_se": se}
+
+    note = signal_note([ex(0, 0.23, 0.23), ex(1, 0.9, 0.1), rec("g4", 0.1)])
+    assert note.startswith("signal not resolved: exact's |E g|^2 / V_b reaches 0 within 2 SE (update 0: 0.23 +- 0.23)")
+    assert "update 1" not in note and "the choice rests on the error against the noise alone" in note
+    assert signal_note([ex(0, 0.9, 0.1), ex(1, 0.5, 0.2)]) is None
+    assert signal_note([rec("g4", 0.1)]) is None and signal_note([]) is None
