@@ -123,9 +123,10 @@ class Measurement:
         self.costs[u][name].append(costs)
         self.linearity[u][name].append(linearity)
 
-    def records(self, cfg, params: tuple[list, list[str]], cost) -> list[dict]:
+    def records(self, cfg, params: tuple[list, list[str]], cost, draws: int = 1) -> list[dict]:
         """The meter's records of every position measured on at least 3 minibatches; an estimator no longer measured
-        (pruned) is judged on its own minibatches, against exact's on the same ones."""
+        (pruned) is judged on its own minibatches, against exact's on the same ones; ``draws``: a random
+        candidate's per update."""
         out = []
         share = statistics.median(self.rollout_s) if self.rollout_s else 0.0
         for u in range(self.updates):
@@ -139,8 +140,8 @@ class Measurement:
                            for key in ("linearity", "linearity_min")} for n in names}
                 costs = {n: [c for per in self.costs[u][n][:k] for c in per] for n in names}
                 grads = {n: self.grads[u][n][:k] for n in names}
-                recs = position_records(cfg, ests, grads, costs, [share], self.sizes[u][:k], lin, u, params, 1,
-                                        round(statistics.fmean(self.sizes[u][:k])), cost)
+                recs = position_records(cfg, ests, grads, costs, [share], self.sizes[u][:k], lin, u, params,
+                                        draws, round(statistics.fmean(self.sizes[u][:k])), cost)
                 out += [r for r in recs if r["estimator"] != "exact" or k == counts["exact"]]
         return out
 
@@ -317,7 +318,7 @@ class AutoEstimator:
 
     def _records(self) -> tuple[list[dict], object]:
         cost = resolve(None, config_structure(self.cfg), None, default_cost(self.cfg))[0]
-        return self.measurement.records(self.cfg, self._params(), cost), cost
+        return self.measurement.records(self.cfg, self._params(), cost, self.cfg.estimator.preflight_draws), cost
 
     def _decide_from_records(self) -> None:
         records, cost = self._records()

@@ -164,8 +164,12 @@ class Minibatch:
     ref_velocities: Tensor | None
     prompt_groups: Tensor                    # [n] prompt group of each sample
     size: int
-    on_policy: bool = False                  # the rollout's first update: the parameters it was sampled with
     position: int = 0                        # the update's place in its rollout's updates (0: on-policy)
+
+    @property
+    def on_policy(self) -> bool:
+        """Whether this is the rollout's first update: at the parameters it was sampled with."""
+        return self.position == 0
 
 
 @dataclass
@@ -417,7 +421,7 @@ class GRPO(ABC):
                 dev = mb.to(self.device)
                 sub = traj if rows == list(range(n)) else traj.select(dev) if rows else None   # no copy of the whole
                 stats = self.update(Minibatch(sub, take(cond, mb), adv[dev], None if ref_v is None else ref_v[dev],
-                                              prompt_groups[mb.cpu()], len(rows), on_policy=u == 0, position=u))
+                                              prompt_groups[mb.cpu()], len(rows), position=u))
                 u += 1
                 if stats:
                     per_update.append(stats)
