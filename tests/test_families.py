@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jagg.integrations.families import FAMILIES, Family, family, register_family
+from jagg.integrations.families import FAMILIES, Family, register_family
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 @pytest.fixture
 def my_dit():
     """A made-up family: the tiny SD3 transformer under a new name, LoRA on two of its projections only."""
-    record = register_family(dataclasses.replace(family("sd3"), name="my_dit", title="my DiT",
+    record = register_family(dataclasses.replace(FAMILIES["sd3"], name="my_dit", title="my DiT",
                                                  lora_targets=("attn.to_q", "attn.to_v")))
     yield record
     FAMILIES.pop(record.name)
@@ -54,18 +54,18 @@ def test_a_record_that_contradicts_its_adapter_is_refused():
     for name in FAMILIES:                                   # the shipped records agree with their adapters
         assert adapter_class(name).__name__ == FAMILIES[name].adapter
     with pytest.raises(ValueError, match=r"packed=True but its adapter SD3Velocity is not a PackedVelocity"):
-        adapter_class(dataclasses.replace(family("sd3"), packed=True))
+        adapter_class(dataclasses.replace(FAMILIES["sd3"], packed=True))
     with pytest.raises(ValueError, match=r"adapter 'NoSuchVelocity' is not a velocity adapter"):
-        adapter_class(dataclasses.replace(family("sd3"), adapter="NoSuchVelocity"))
+        adapter_class(dataclasses.replace(FAMILIES["sd3"], adapter="NoSuchVelocity"))
 
 
 def test_unknown_taken_and_malformed_families_are_refused_by_name():
     with pytest.raises(ValueError, match=r"pipeline.family must be one of \('sd3', .*got 'sd4'"):
-        family("sd4")
+        FAMILIES["sd4"]
     with pytest.raises(ValueError, match="'sd3' is already registered"):
-        register_family(family("sd3"))
+        register_family(FAMILIES["sd3"])
     with pytest.raises(ValueError, match="shift_rule must be one of"):
-        dataclasses.replace(family("sd3"), name="x", shift_rule="linear")
+        dataclasses.replace(FAMILIES["sd3"], name="x", shift_rule="linear")
     from jagg.integrations import PipelineConfig
 
     with pytest.raises(ValueError, match=r"pipeline.family must be one of .* got 'sd4'"):

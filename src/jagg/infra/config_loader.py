@@ -23,7 +23,7 @@ import numpy as np
 import yaml
 
 from ..checks import check_float32, check_int64, check_seed, shown
-from .old_configs import renamed_key, retired_value
+from .old_configs import refuse_old_names
 
 
 def helped(text: str) -> dict:
@@ -123,7 +123,15 @@ def _is_number(value) -> bool:
 
 
 def from_dict(cls, data: dict, where: str = ""):
-    """Build dataclass ``cls`` from a (nested) dict, rejecting unknown keys (naming the closest valid one)."""
+    """Build dataclass ``cls`` from a (nested) dict, rejecting unknown keys (naming the closest valid one); a key or
+    value of an earlier jagg is refused saying what to write now (:func:`jagg.infra.old_configs.refuse_old_names`)."""
+    if isinstance(data, dict):
+        refuse_old_names(data, where)
+    return _build(cls, data, where)
+
+
+def _build(cls, data: dict, where: str):
+    """:func:`from_dict` below its top: each section built from its own mapping."""
     if not isinstance(data, dict):
         raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -131,19 +139,12 @@ def from_dict(cls, data: dict, where: str = ""):
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
-        renamed = renamed_key(path)                         # an older jagg's name (infra.old_configs)
-        if key not in fields and renamed:
-            raise ValueError(f"config key {path!r} was renamed {renamed.rsplit('.', 1)[-1]!r}: write {renamed}: "
-                             f"{value!r} instead")
         if key not in fields:
             raise ValueError(f"unknown config key {path!r}{_suggest(key, list(fields))} "
                              f"(valid keys here: {', '.join(fields)})")
-        retired = retired_value(path, value)                # a value since retired: what to give instead
-        if retired is not None:
-            raise ValueError(f"{path}: {value!r} {retired}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = from_dict(tp, value or {}, path)
+            kwargs[key] = _build(tp, value or {}, path)
         else:
             kwargs[key] = _coerce(value, tp, path)
             if key == "seed" and kwargs[key] is not None:

@@ -2,7 +2,7 @@
 or added since, and values retired since.
 
 A config file or ``--set`` with an old key name is refused naming the new one, and a retired value with what to give
-instead (:func:`renamed_key`, :func:`retired_value`, which :func:`jagg.infra.config_loader.from_dict` asks); a
+instead (:func:`refuse_old_names`, which :func:`jagg.infra.config_loader.from_dict` calls once per mapping); a
 checkpoint's saved config is read as today's keys before ``--resume`` compares it with the current config
 (:func:`upgrade_saved_config`, which :func:`jagg.trainers.base.check_resumable` calls). Keys are dotted, as a trainer
 config nests them (``estimator.meter_every``).
@@ -34,9 +34,20 @@ ADDED_KEYS = {"optim.lr_schedule": "constant", "optim.warmup_steps": 0, "eval.de
                  if k == "candidates" or k.startswith("preflight_")}}
 
 
-def renamed_key(path: str) -> str | None:
-    """The current name of the dotted config key ``path`` when it is an old one, else None."""
-    return RENAMED_KEYS.get(path)
+def refuse_old_names(data: dict, where: str = "") -> None:
+    """Refuse, in the (nested) config mapping ``data`` of the section ``where``, an old key name, naming the new one,
+    and a retired value, saying what to give instead; one pass over the whole mapping, before it is built."""
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if path in RENAMED_KEYS:
+            new = RENAMED_KEYS[path]
+            raise ValueError(f"config key {path!r} was renamed {new.rsplit('.', 1)[-1]!r}: write {new}: {value!r} "
+                             "instead")
+        why = retired_value(path, value)
+        if why is not None:
+            raise ValueError(f"{path}: {value!r} {why}")
+        if isinstance(value, dict):
+            refuse_old_names(value, path)
 
 
 def retired_value(path: str, value) -> str | None:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..checks import read_json
 from .config import LORA_WEIGHT_NAME
-from .families import family as family_record
+from .families import FAMILIES
 from .velocity import model_family, unwrap_model
 
 PEFT_CONFIG_NAME = "adapter_config.json"
@@ -57,7 +57,7 @@ def save_lora(transformer: nn.Module, directory: str | Path, family: str | None 
     model = _lora_model(transformer)
     family = family or model_family(model)
     state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model, state_dict=state).items()}
-    cls = getattr(diffusers, family_record(family).pipeline_class)
+    cls = getattr(diffusers, FAMILIES[family].pipeline_class)
     kwargs = {}
     if "transformer_lora_adapter_metadata" in inspect.signature(cls.save_lora_weights).parameters:
         kwargs["transformer_lora_adapter_metadata"] = model.peft_config["default"].to_dict()

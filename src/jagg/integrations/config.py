@@ -18,7 +18,7 @@ import torch
 
 from ..checks import Keys, check_eta
 from ..infra.config_loader import from_dict, helped, read_yaml
-from .families import DEFAULT_FAMILY, FAMILIES, Family, family as family_record
+from .families import DEFAULT_FAMILY, FAMILIES, Family
 
 UNCOND_FORWARDS = ("separate", "batched")
 SIGMA_GRIDS = ("pipeline", "dance")         # jagg.integrations.schedules makes them (it imports diffusers; this not)
@@ -116,7 +116,7 @@ class LoraSettings:
 
     def resolved(self, family: str) -> tuple[int, float, tuple[str, ...]]:
         """``(rank, alpha, target_modules)`` with the family's Flow-GRPO defaults filled in."""
-        record = family_record(family)
+        record = FAMILIES[family]
         r0, a0, t0 = record.lora_rank, record.lora_alpha, record.lora_targets
         rank = self.rank or r0
         alpha = self.alpha if self.alpha is not None else (a0 if self.rank is None else 2.0 * rank)
@@ -181,7 +181,7 @@ class PipelineConfig:
     def __post_init__(self):
         if isinstance(self.lora, dict):
             self.lora = from_dict(LoraSettings, self.lora, "pipeline.lora")
-        record = family_record(self.family)                       # a ValueError naming pipeline.family
+        record = FAMILIES[self.family]                          # a ValueError naming pipeline.family
         for name in ("dtype", "vae_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"pipeline.{name} must be one of {tuple(DTYPES)}; got {getattr(self, name)!r}")
@@ -234,7 +234,7 @@ class PipelineConfig:
     @property
     def record(self) -> Family:
         """The family's record (:mod:`jagg.integrations.families`)."""
-        return family_record(self.family)
+        return FAMILIES[self.family]
 
     @property
     def video(self) -> bool:

@@ -111,7 +111,15 @@ def _flux2(name: str, pipeline: str, module: str) -> Family:
                   FLUX2_TARGETS, packed=True, guidance_embed=4.0, shift_rule="empirical_mu")
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
+class FamilyTable(dict):
+    """``{name: Family}``; looking up an unknown name is a ValueError naming ``pipeline.family`` and the known
+    families (``FAMILIES[name]`` is the one way the code reads a record)."""
+
+    def __missing__(self, name):
+        raise ValueError(f"pipeline.family must be one of {tuple(self)}; got {name!r}")
+
+
+FAMILIES: FamilyTable = FamilyTable({f.name: f for f in (
     Family("sd3", "SD3", "StableDiffusion3Pipeline", "stable_diffusion_3.pipeline_stable_diffusion_3",
            "SD3Transformer2DModel", "SD3Velocity", 32, 64.0, ATTENTION, positions="patch_grid"),
     Family("flux", "FLUX.1", "FluxPipeline", "flux.pipeline_flux", "FluxTransformer2DModel", "FluxVelocity", 64, 128.0,
@@ -126,7 +134,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            cost_preset="flow_grpo_wan"),
     _flux2("flux2", "Flux2Pipeline", "pipeline_flux2"),
     _flux2("flux2_klein", "Flux2KleinPipeline", "pipeline_flux2_klein"),
-)}
+)})
 DEFAULT_FAMILY = "sd3"                  # pipeline.family's default: Flow-GRPO's SD3.5-Medium
 
 
@@ -137,10 +145,3 @@ def register_family(record: Family) -> Family:
         raise ValueError(f"model family {record.name!r} is already registered; pick another name")
     FAMILIES[record.name] = record
     return record
-
-
-def family(name: str) -> Family:
-    """The record of family ``name``; a ValueError naming ``pipeline.family`` and the known families otherwise."""
-    if name not in FAMILIES:
-        raise ValueError(f"pipeline.family must be one of {tuple(FAMILIES)}; got {name!r}")
-    return FAMILIES[name]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..checks import check_json_files, read_json
 from .config import PipelineConfig
-from .families import FAMILIES, family as family_record
+from .families import FAMILIES
 
 QWEN_ROPE_POSITIONS = 4096          # QwenEmbedRope's table (diffusers: torch.arange(4096)), image and text positions
 HINT = ("download it once on a machine with internet, e.g. `huggingface-cli download "
@@ -72,7 +72,7 @@ def read_model_files(path: str | Path, family: str) -> ModelFiles:
                                 "are not flow-matching DiTs)")
     what = f"pipeline.path {p}"
     check_json_files(p, what)                        # a broken config.json, named before diffusers reads it
-    expected = family_record(family).pipeline_class
+    expected = FAMILIES[family].pipeline_class
     index = _object(p / "model_index.json", what, f"a JSON object with '_class_name' (the pipeline class, e.g. "
                     f"{expected!r}) and one [library, class] pair per component, e.g. \"transformer\": "
                     "[\"diffusers\", \"SD3Transformer2DModel\"]")

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..checks import check_sigmas
 from ..schedule import flow_sigmas, stretch_to_terminal
-from .families import family as family_record
+from .families import FAMILIES
 
 DEFAULT_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
 # the scheduler-config keys that an explicit pipeline.shift sets: a static shift, nothing dynamic, no stretch
@@ -49,7 +49,7 @@ STATIC_SHIFT = {"use_dynamic_shifting": False, "shift_terminal": None}
 def _pipeline_module(family: str):
     import importlib
 
-    return importlib.import_module(f"diffusers.pipelines.{family_record(family).pipeline_module}")
+    return importlib.import_module(f"diffusers.pipelines.{FAMILIES[family].pipeline_module}")
 
 
 def make_scheduler(scheduler_config: dict | None, shift: float | None = None):
@@ -80,7 +80,7 @@ def pipeline_sigmas(family: str, num_steps: int, scheduler_config: dict | None, 
     pipeline calls it (the module docstring). A grid that is not strictly decreasing in [0, 1] ending at 0 is a
     ValueError naming the scheduler."""
     scheduler = make_scheduler(scheduler_config, shift)
-    module, record = _pipeline_module(family), family_record(family)
+    module, record = _pipeline_module(family), FAMILIES[family]
     c = scheduler.config
     if record.packed:                                       # explicit sigmas and mu
         sigmas = None if getattr(c, "use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
@@ -153,7 +153,7 @@ def default_shift(family: str, image_seq_len: int, scheduler_config: dict | None
     packed image sequence length ``(H/16)(W/16)`` (a family whose shift rule is ``empirical_mu``, FLUX.2: ``exp`` of
     :func:`flux2_mu` of it and ``num_steps``, as its pipelines pass ``mu``), else the static ``flow_shift`` (Wan
     2.1's ``UniPCMultistepScheduler``: 3.0) or ``shift`` (SD3: 3.0)."""
-    c, record = dict(scheduler_config or {}), family_record(family)
+    c, record = dict(scheduler_config or {}), FAMILIES[family]
     if c.get("use_dynamic_shifting", record.packed):
         if record.shift_rule == "empirical_mu":
             if num_steps is None:
@@ -179,5 +179,5 @@ def grid_name(sigma_grid: str, family: str, scheduler_config: dict | None, shift
         own = "the model's own shift" if shift is None else f"shift {shift:g}"
         return f"DanceGRPO's shift(linspace(1, 0, N + 1)), {own}"
     name = (scheduler_config or {}).get("_class_name") or DEFAULT_SCHEDULER
-    how = "explicit sigmas and mu" if family_record(family).packed else "set_timesteps(N)"
+    how = "explicit sigmas and mu" if FAMILIES[family].packed else "set_timesteps(N)"
     return f"the {family} pipeline's: {name} with {how}" + ("" if shift is None else f", static shift {shift:g}")

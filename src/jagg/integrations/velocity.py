@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from ..checks import parse_json
 from ..infra.checkpoint import UnsafeCheckpoint, load_file
 from .config import VelocityConfig, torch_dtype
-from .families import FAMILIES, Family, family as family_record
+from .families import FAMILIES, Family
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -662,7 +662,7 @@ class Flux2Velocity(PackedVelocity):
 def adapter_class(family: str | Family) -> type[TransformerVelocity]:
     """The velocity adapter class its record names for ``family`` (a name or a record); a ValueError when the record
     names no adapter of this module or one whose packing disagrees with the record's ``packed``."""
-    record = family if isinstance(family, Family) else family_record(family)
+    record = family if isinstance(family, Family) else FAMILIES[family]
     cls = globals().get(record.adapter)
     if not (isinstance(cls, type) and issubclass(cls, TransformerVelocity)):
         raise ValueError(f"family {record.name}: adapter {record.adapter!r} is not a velocity adapter of "
