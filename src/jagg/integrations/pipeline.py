@@ -25,7 +25,7 @@ from torch import nn
 from ..checks import check_output_file
 from ..infra.prompt_sets import read_prompt_set
 from .config import DTYPES, PipelineConfig, load_pipeline_config
-from .model_dir import check_model, check_model_dir  # noqa: F401  (check_model_dir: re-exported)
+from .model_dir import ModelFiles, check_model, check_model_dir  # noqa: F401  (check_model_dir: re-exported)
 from .velocity import encode_prompts
 
 TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
@@ -39,13 +39,14 @@ def _components(config: PipelineConfig) -> tuple[type, set[str]]:
     return cls, set(cls._get_signature_keys(cls)[0])
 
 
-def load_pipeline(config: PipelineConfig, skip: Sequence[str] = ()):
+def load_pipeline(config: PipelineConfig, skip: Sequence[str] = (), checked: ModelFiles | None = None):
     """The diffusers pipeline from ``config.path`` (no transformer changes, on CPU). Text encoders / tokenizers are
     skipped unless needed (see ``load_text_encoders``); components missing from the directory or named in ``skip``
-    load as None."""
+    load as None. ``checked``: what :func:`jagg.integrations.model_dir.check_model` returned for this config, when
+    the caller checked the directory already (else it is checked here)."""
     import diffusers
 
-    index = check_model(config).index
+    index = (checked or check_model(config)).index
     cls, expected = _components(config)
     load_text = config.load_text_encoders if config.load_text_encoders is not None else config.prompt_cache is None
     none = {name: None for name in expected if name not in index or index[name] in (None, [None, None])}

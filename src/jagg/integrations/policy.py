@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from .adapters import load_adapter, save_adapter
 from .config import DTYPES, LoraSettings, PipelineConfig
+from .model_dir import ModelFiles
 from .pipeline import TEXT_COMPONENTS, load_pipeline
 from .schedules import dance_sigmas, default_shift, pipeline_sigmas
 from .velocity import (PromptEmbeddings, TransformerVelocity, adapter_class, encode_prompts, model_family,
@@ -431,11 +432,12 @@ class Policy:
 RealModel = Policy          # the former name, kept for existing code
 
 
-def load_model(config: PipelineConfig, place: bool = True) -> Policy:
+def load_model(config: PipelineConfig, place: bool = True, checked: ModelFiles | None = None) -> Policy:
     """Load the pipeline of ``config`` from its local directory and build its :class:`Policy` (LoRA or full weights,
-    gradient checkpointing, prompt cache, device; ``place``: as :class:`Policy`'s)."""
+    gradient checkpointing, prompt cache, device; ``place``: as :class:`Policy`'s; ``checked``: as
+    :func:`jagg.integrations.pipeline.load_pipeline`'s)."""
     cache = PromptEmbeddings.load(config.prompt_cache) if config.prompt_cache else None
-    pipe = load_pipeline(config)
+    pipe = load_pipeline(config, checked=checked)
     scheduler = {**pipe.scheduler.config, "_class_name": type(pipe.scheduler).__name__}   # the class sigmas() builds
     policy = Policy(config, pipe.transformer, getattr(pipe, "vae", None), pipe, scheduler, cache, place)
     for name in TEXT_COMPONENTS:
