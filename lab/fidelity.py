@@ -60,7 +60,7 @@ from jagg.shapes import from_tensor, tokenizer
 from jagg.audit import cosine, flat_grad, rel_err
 from jagg.bench.common import json_if_asked, resolve_device, set_threads, spearman, table
 from jagg.bench.meter import TrainConfig, check_fixed_estimator, load_config, make_sampler, num_steps_of
-from jagg.trainers.metering import Sampler, restore_params
+from jagg.trainers.side_by_side import Sampler, restore_params
 from jagg.trainers.sections import steps_source, trained_steps
 
 ADVANTAGES = ("reward", "random")

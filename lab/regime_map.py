@@ -39,7 +39,7 @@ from jagg.arguments import config_arguments
 from jagg.bench.common import default_config_path, spearman
 from jagg.infra.atomic import json_safe
 from jagg.bench.meter import BUILT_IN, check_estimators, load_config, make_sampler, measure, spec_base
-from jagg.trainers.metering import kept_batch, layout_linearity
+from jagg.trainers.side_by_side import kept_batch, layout_linearity
 from jagg.checks import check_fields, check_unique_names, read_json_lines
 from jagg.infra.config_loader import differences, to_dict
 from lab.fixed_keys import OVERWRITES, refuse_fixed_keys

@@ -80,7 +80,7 @@ from ..estimator import policy_gradient
 from ..estimator_config import AUTO, EstimatorConfig
 from ..knots import budget_probs, eligible_intervals, interval_probs, layout_intervals
 from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
-from ..trainers.metering import (Sampler, draw_batches, kept_batch, measure_positions, measure_records, restore_params,
+from ..trainers.side_by_side import (Sampler, draw_batches, kept_batch, measure_positions, measure_records, restore_params,
                                  step_to_update, with_subsample)
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
@@ -298,7 +298,7 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
 def measure_job(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
                 cost: CostStructure | None = None, each=None) -> list[list[dict]]:
     """:func:`measure` at every update position of the job's rollout (``grpo.inner_epochs x
-    grpo.updates_per_epoch``) on the same batches (:func:`jagg.trainers.metering.measure_positions`: each position's
+    grpo.updates_per_epoch``) on the same batches (:func:`jagg.trainers.side_by_side.measure_positions`: each position's
     records are :func:`measure`'s at ``update=u``); ``each(u, records)`` is called as each position is measured."""
     check_sizes(batches, draws, target_batch)
     ests = measured_estimators(cfg, specs, batches)
