@@ -59,7 +59,7 @@ from jagg.trajectory import Trajectory, VelocityFn, sample_trajectories
 from jagg.shapes import from_tensor, tokenizer
 from jagg.audit import cosine, flat_grad, rel_err
 from jagg.bench.common import json_if_asked, resolve_device, set_threads, spearman, table
-from jagg.bench.meter import TrainConfig, check_fixed_estimator, load_config, make_sampler, num_steps_of
+from jagg.bench.meter_command import TrainConfig, check_fixed_estimator, load_config, make_sampler, num_steps_of
 from jagg.trainers.side_by_side import Sampler, restore_params
 from jagg.trainers.sections import steps_source, trained_steps
 
@@ -276,7 +276,7 @@ def pareto(records: list[dict]) -> list[dict]:
 
 def off_policy_rollout(sub: Subject, ro: KeptBatch, cfg: FidelityConfig) -> KeptBatch | None:
     """The trainer's second minibatch, with ``sub``'s trainable parameters moved in place by one AdamW update on the
-    first minibatch (the caller restores them: :func:`jagg.bench.meter.restore_params`)."""
+    first minibatch (the caller restores them: :func:`jagg.bench.meter_command.restore_params`)."""
     B = ro.traj.batch_size
     if B < 2:
         print("fidelity: skipping off-policy: fewer than 2 samples kept")
@@ -420,7 +420,7 @@ def run_fidelity(cfg: FidelityConfig) -> list[dict]:
 
 
 def load_train_config(args: argparse.Namespace) -> TrainConfig:
-    """The trainer config of ``--config`` (:func:`jagg.bench.meter.load_config`: a diffusers one with a
+    """The trainer config of ``--config`` (:func:`jagg.bench.meter_command.load_config`: a diffusers one with a
     ``pipeline:`` section) with ``--quick``'s and ``--set``'s keys; for a diffusers config ``--seed`` becomes its
     ``seed``, and the options of the shapes world's checkpoints are refused, naming them."""
     sets = (QUICK_SETS if args.quick else []) + list(args.set or [])

@@ -21,7 +21,7 @@ from jagg.trainers.shapes import ShapesTrainer
 from jagg.infra.config_loader import to_dict
 from jagg.infra.rundir import RunHints
 from jagg.infra.atomic import write_json
-from jagg.bench.meter import TrainConfig, load_config
+from jagg.bench.meter_command import TrainConfig, load_config
 
 BUILTIN = {
     "exact": ["estimator.mode=exact"],
@@ -132,7 +132,7 @@ class QualityConfig:
 
     def train_config(self, variant: str, seed: int) -> TrainConfig:
         """The config of one run: a diffusers one for a YAML with a ``pipeline:`` section, else the shapes world's
-        (:func:`jagg.bench.meter.load_config`)."""
+        (:func:`jagg.bench.meter_command.load_config`)."""
         run = [f"seed={seed}", f"log.output_dir={self.run_dir(variant, seed)}"]
         try:
             return load_config(self.config, DEFAULT_SETS + self.sets + self.variants[variant] + run)

@@ -50,7 +50,7 @@ from jagg.estimator import policy_gradient, reference_velocities
 from jagg.rewards.registry import get_reward
 from jagg.trainers.base import rollout_batch, take
 from jagg.trainers.diffusers_config import DiffusersTrainConfig
-from jagg.bench.meter import TrainConfig, check_fixed_estimator, check_kl, load_config, make_sampler
+from jagg.bench.meter_command import TrainConfig, check_fixed_estimator, check_kl, load_config, make_sampler
 from jagg.checks import check_no_repeats, number_arg
 from jagg.bench.common import json_if_asked, table
 

@@ -299,7 +299,7 @@ def _tiny_config(ckpt: str, *extra: str):
 def test_every_position_on_the_same_batches_is_the_measurement_of_that_position_alone(bench_ckpt):
     """``--update all`` draws the batches once: each position's records are those ``--update N`` gives alone (same
     batches, same seeds, the same AdamW steps before it), timings aside."""
-    from jagg.bench.meter import measure, measure_job
+    from jagg.bench.meter_command import measure, measure_job
 
     cfg = _tiny_config(bench_ckpt, "estimator.mode=jagg", "estimator.window=4", "estimator.correction_p=0.5",
                        "optim.lr=1e-3")

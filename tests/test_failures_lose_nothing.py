@@ -172,7 +172,7 @@ def _interrupt(*a, **k):
     ("eval", "jagg.shapes.evaluation.evaluate"),
     ("sample", "jagg.shapes.evaluation.generate"),
     ("pretrain", "jagg.shapes.pretrain.pretrain"),
-    ("bench meter", "jagg.bench.meter.ShapesSampler"),
+    ("bench meter", "jagg.bench.meter_command.ShapesSampler"),
 ])
 def test_ctrl_c_anywhere_is_one_line_and_exit_130(where, target, tmp_path, tiny_ckpt, capsys, monkeypatch):
     """Ctrl-C in a trainer's setup, an evaluation, sampling, pretraining and the benches: one line

@@ -2,7 +2,7 @@
 The batches (:class:`MeasuredBatch`, drawn and cut as the trainer draws and cuts them), each estimator's gradients on
 them at an update position of a rollout, and one record per estimator of its error against the update's noise, its
 cost and the meter's answer (:func:`jagg.verdict.prediction`). ``jagg bench meter`` measures with it on a sampler of
-its own (the module docstring of :mod:`jagg.bench.meter` says what each record holds); ``estimator.mode: auto``
+its own (the module docstring of :mod:`jagg.bench.meter_command` says what each record holds); ``estimator.mode: auto``
 (:mod:`jagg.trainers.auto`) keeps its records per update position (:func:`position_records`) on the run's own
 sampler, at the run's start.
 
@@ -88,7 +88,7 @@ def bias_z(bias_to_noise: float, se: float) -> float:
 
 
 def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float, tensor_factor: float) -> dict:
-    """The six efficiencies (:mod:`jagg.bench.meter`'s docstring) of an estimator with these work ratios against exact, this error and
+    """The six efficiencies (:mod:`jagg.bench.meter_command`'s docstring) of an estimator with these work ratios against exact, this error and
     this per-update factor of Adam's per-tensor model (:func:`jagg.meter.adam_tensor_factor`)."""
     return {"efficiency": predicted_efficiency(rows_ratio, error_to_noise),
             "time_efficiency": predicted_efficiency(time_ratio, error_to_noise),
