@@ -46,7 +46,7 @@ from jagg.shapes.weights import load_model
 from jagg.audit import audit_gradient
 from jagg.estimator_config import ALPHAS, INTERMEDIATES, KNOTS, EstimatorConfig
 from jagg.estimator import GradientStats, policy_gradient, reference_velocities
-from jagg.shapes.velocity import GuidedVelocity
+from jagg.shapes.guided_velocity import GuidedVelocity
 from jagg.rewards.registry import get_reward
 from jagg.knots import step_groups
 from jagg.routing import linearity_scores

@@ -102,7 +102,7 @@ def adapter(sd3_dir, tmp_path_factory):
     """A rank-2 LoRA adapter of the tiny SD3 in both formats (jagg's save_adapter)."""
     from diffusers import SD3Transformer2DModel
 
-    from jagg.integrations.adapters import save_adapter
+    from jagg.integrations.lora_files import save_adapter
     from jagg.integrations.config import LoraSettings
     from jagg.integrations.policy import add_lora
 

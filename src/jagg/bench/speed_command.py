@@ -11,7 +11,7 @@ forward/backward times of one micro-batch, forward/backward row counts, and peak
 
 Models:
 - ``tiny_dit``: the embedded TinyDiT (``builtin:tiny_dit``, or a random one if the asset is missing) through
-  :class:`jagg.shapes.velocity.GuidedVelocity` with classifier-free guidance;
+  :class:`jagg.shapes.guided_velocity.GuidedVelocity` with classifier-free guidance;
 - ``sd3``: a diffusers ``SD3Transformer2DModel`` from a small config with random weights, through the
   project's adapter ``jagg.integrations.velocity_adapter`` with the same guidance scheme (skipped with a
   message when diffusers is not installed);
@@ -147,7 +147,7 @@ class Subject:
 def _tiny_dit(cfg: SpeedConfig, device: torch.device, gen: torch.Generator):
     from ..shapes.weights import load_model
     from ..shapes.dit import DiTConfig, TinyDiT
-    from ..shapes.velocity import GuidedVelocity
+    from ..shapes.guided_velocity import GuidedVelocity
     from ..shapes import tokenizer, train_prompts
 
     name = "tiny_dit"

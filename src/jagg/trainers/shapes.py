@@ -3,7 +3,7 @@
 - :class:`ShapesSampler`: the rollouts of a config, what the trainer and every benchmark draw batches with: the
   TinyDiT (its trainable parameters marked), the prompts, the reward and the prompt and noise RNGs; it samples
   ``prompts_per_iter x group_size`` trajectories with the config's SDE (classifier-free guidance through
-  :class:`jagg.shapes.velocity.GuidedVelocity`) and rewards the images (by default the world's GenEval-like reward);
+  :class:`jagg.shapes.guided_velocity.GuidedVelocity`) and rewards the images (by default the world's GenEval-like reward);
 - :class:`ShapesGRPO`: the loop's hooks (:class:`jagg.trainers.base.GRPO`) on a sampler: each update's gradient from
   :func:`jagg.policy_gradient` (the same function a user calls in their own loop), AdamW, an optional EMA of the
   weights; one iteration at a time, in memory (``python -m lab e2e``);
@@ -27,7 +27,7 @@ from ..rewards.registry import get_reward
 from ..schedule import flow_sigmas
 from ..shapes import from_tensor, tokenizer
 from ..shapes.evaluation import collapse_warnings, comparison_prompts, evaluate, generate, save_comparison
-from ..shapes.velocity import GuidedVelocity
+from ..shapes.guided_velocity import GuidedVelocity
 from ..shapes.weights import load_model
 from ..infra.checkpoint import save_checkpoint
 from ..infra.config_loader import to_dict
