@@ -80,8 +80,8 @@ from ..estimator import policy_gradient
 from ..estimator_config import AUTO, EstimatorConfig
 from ..knots import budget_probs, eligible_intervals, interval_probs, layout_intervals
 from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
-from ..trainers.side_by_side import (Sampler, draw_batches, kept_batch, measure_positions, measure_records, restore_params,
-                                 step_to_update, with_subsample)
+from ..trainers.side_by_side import (Sampler, draw_batches, kept_batch, measure_positions, measure_records,
+                                     restore_params, step_to_update, with_subsample)
 from ..trainers.shapes import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..infra import config_loader as configuration
