@@ -5,7 +5,7 @@ For each checkpoint, one fresh rollout batch is drawn through the trainer's pipe
 group-relative advantages, zero-spread prompt groups dropped), from RNGs of its own seed, and the gradients are those
 of the parameters ``model.trainable`` marks. A config with a ``pipeline:`` section measures the user's diffusers
 model instead (``--checkpoint`` does not apply): the batch is drawn by the diffusers trainer's own sampler
-(:class:`jagg.trainers.diffusers.DiffusersSampler`, as ``jagg bench meter`` draws it: the model on
+(:class:`jagg.trainers.diffusers_trainer.DiffusersSampler`, as ``jagg bench meter`` draws it: the model on
 ``pipeline.device``, its LoRA or trainable weights, ``sample.prompts_file``, the reward; ``--seed`` given replaces the
 config's ``seed``) and the gradients are those of its trainable weights. Every gradient below comes from
 :func:`jagg.policy_gradient`:
@@ -53,7 +53,7 @@ from jagg.routing import linearity_scores
 from jagg.schedule import flow_sigmas
 from jagg.trainers.base import Batch, Rollout, rollout_inputs, rollout_batch, take
 from jagg.trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
-from jagg.trainers.shapes import mark_trainable
+from jagg.trainers.shapes_trainer import mark_trainable
 from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.trajectory import Trajectory, VelocityFn, sample_trajectories
 from jagg.shapes import from_tensor, tokenizer
@@ -158,7 +158,7 @@ def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) ->
 
 
 def sampler_rollout(sampler: Sampler, cfg: FidelityConfig) -> KeptBatch:
-    """One batch of the trainer's own sampler (a diffusers config's :class:`~jagg.trainers.diffusers.DiffusersSampler`:
+    """One batch of the trainer's own sampler (a diffusers config's :class:`~jagg.trainers.diffusers_trainer.DiffusersSampler`:
     its prompts, noise, SDE and reward, as ``jagg bench meter`` draws it), kept as :func:`draw_rollout` keeps
     it (the KL reference: the sampler's)."""
     return kept(rollout_batch(sampler.sample, sampler.score, cfg.train), cfg, sampler.reference, sampler.device)
@@ -189,7 +189,7 @@ def kept(batch: Batch, cfg: FidelityConfig, reference: Callable[[object], Veloci
 
 class CheckpointModel:
     """A shapes checkpoint as the gradients below use a model: the interface of the trainers' samplers
-    (:class:`jagg.trainers.shapes.ShapesSampler`, :class:`jagg.trainers.diffusers.DiffusersSampler`) that they need,
+    (:class:`jagg.trainers.shapes_trainer.ShapesSampler`, :class:`jagg.trainers.diffusers_trainer.DiffusersSampler`) that they need,
     :meth:`velocity` (with the config's guidance), :attr:`params` (the trainable ones) and :meth:`zero_grad`."""
 
     def __init__(self, model: nn.Module, guidance: float):

@@ -2,8 +2,8 @@
 
 GRPO only improves a reward when the gradient of one update points, more than by chance, where the next one
 does. This benchmark measures that directly, with the trainer's own sampler
-(:class:`jagg.trainers.shapes.ShapesSampler` of the same config, or for a config with a ``pipeline:`` section the
-diffusers trainer's :class:`jagg.trainers.diffusers.DiffusersSampler`: the user's model, LoRA, prompts and KL
+(:class:`jagg.trainers.shapes_trainer.ShapesSampler` of the same config, or for a config with a ``pipeline:`` section the
+diffusers trainer's :class:`jagg.trainers.diffusers_trainer.DiffusersSampler`: the user's model, LoRA, prompts and KL
 reference; no run directory) and the trainer's own gradient
 (:func:`jagg.policy_gradient`, no optimizer step), each reward's batch through the trainer's pipeline
 (:func:`jagg.trainers.base.rollout_batch`: advantages, zero-spread prompt groups dropped): it draws ``K`` independent

@@ -11,7 +11,7 @@ from tiny_runs import tiny_train_args
 from jagg.cli import main
 from jagg.trainers.lr_schedule import lr_factor
 from jagg.trainers.sections import OptimSection
-from jagg.trainers.shapes import ShapesTrainer
+from jagg.trainers.shapes_trainer import ShapesTrainer
 from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.infra import config_loader as configuration
 from jagg.infra.checkpoint import load_latest

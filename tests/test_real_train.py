@@ -312,7 +312,7 @@ def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_
 def test_sampling_pieces_do_not_depend_on_the_process_count():
     """The SDE noise is seeded per sampling piece (global start): with shards that are whole pieces, 1 and 2 processes
     sample the same pieces; otherwise the pieces are cut at the shard edge, and no two share a start (a seed)."""
-    from jagg.trainers.diffusers import sampling_pieces
+    from jagg.trainers.diffusers_trainer import sampling_pieces
     from jagg.infra.distributed import shard
 
     one = sampling_pieces(shard(8, 0, 1), 2)

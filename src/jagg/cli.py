@@ -144,7 +144,7 @@ def _train(args) -> int:
         print(_config_keys(config, overrides))
         return 0
     data = configuration.read_yaml(config)       # read once
-    real = "pipeline" in data                    # a real diffusers model (has_pipeline_section): jagg.trainers.diffusers
+    real = "pipeline" in data                    # a real diffusers model (has_pipeline_section): jagg.trainers.diffusers_trainer
     load = lambda: configuration.load(DiffusersTrainConfig if real else ShapesTrainConfig, overrides=overrides,
                                       data=data)
     if args.print_config:                        # a required input left unset is marked, not refused
@@ -157,9 +157,9 @@ def _train(args) -> int:
     cfg = load()
     _check_wandb(cfg)
     if real:
-        from .trainers.diffusers import DiffusersTrainer as Trainer
+        from .trainers.diffusers_trainer import DiffusersTrainer as Trainer
     else:
-        from .trainers.shapes import ShapesTrainer as Trainer
+        from .trainers.shapes_trainer import ShapesTrainer as Trainer
     # --resume: the run's checkpoint must be there; --resume-or-start: or no run at all (a new one starts)
     Trainer.run(cfg, resume=args.resume or args.resume_or_start, require_checkpoint=args.resume,
                 overwrite=args.overwrite)

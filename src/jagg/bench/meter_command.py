@@ -11,9 +11,9 @@ with plain SGD. The trainers use AdamW, whose step the noise normalises: there e
 root, ``adam_efficiency = (rows_exact / rows) * sqrt(V_b / (V_b + E|e|^2))`` and ``adam_time_efficiency`` likewise
 (docs/design.md §3.8). Both models hold for an unbiased estimator only; read ``bias_to_noise`` (and ``bias_z``) first.
 
-This benchmark measures every term with the trainer's own sampler (:class:`jagg.trainers.shapes.ShapesSampler` of the
+This benchmark measures every term with the trainer's own sampler (:class:`jagg.trainers.shapes_trainer.ShapesSampler` of the
 config, the main job by default; for a config with a ``pipeline:`` section, the user's diffusers model,
-:class:`jagg.trainers.diffusers.DiffusersSampler`: its LoRA or trainable weights, prompts file and reward, as ``jagg
+:class:`jagg.trainers.diffusers_trainer.DiffusersSampler`: its LoRA or trainable weights, prompts file and reward, as ``jagg
 train`` builds them; no run directory) and :func:`jagg.policy_gradient`, no optimizer step. It draws ``--batches`` independent batches; on each it computes
 the exact gradient once and every other estimator ``--draws`` times (fresh random picks per draw; one draw for a
 deterministic estimator). Per estimator:
@@ -82,7 +82,7 @@ from ..knots import budget_probs, eligible_intervals, interval_probs, layout_int
 from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
 from ..trainers.side_by_side import (Sampler, draw_batches, kept_batch, measure_positions, measure_records,
                                      restore_params, step_to_update, with_subsample)
-from ..trainers.shapes import ShapesSampler
+from ..trainers.shapes_trainer import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..infra import config_loader as configuration
 from ..verdict import job_prediction, signal_note, verdict
@@ -173,10 +173,10 @@ def load_config(path: str, sets: list[str]) -> TrainConfig:
 
 
 def make_sampler(cfg: TrainConfig) -> Sampler:
-    """The trainer's own sampler of ``cfg``: :class:`jagg.trainers.diffusers.DiffusersSampler` for a diffusers
+    """The trainer's own sampler of ``cfg``: :class:`jagg.trainers.diffusers_trainer.DiffusersSampler` for a diffusers
     config (the model, LoRA, prompts and reward of ``jagg train``), :class:`ShapesSampler` otherwise."""
     if isinstance(cfg, DiffusersTrainConfig):
-        from ..trainers.diffusers import DiffusersSampler
+        from ..trainers.diffusers_trainer import DiffusersSampler
         from ..trainers.run_header import loaded_quietly
 
         return loaded_quietly(lambda: DiffusersSampler(cfg))      # the loading messages held, as the trainer does

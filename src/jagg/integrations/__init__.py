@@ -10,7 +10,7 @@ velocity adapters),
 pipeline, and DanceGRPO's), :mod:`~jagg.integrations.lora_files` (LoRA files in diffusers' and peft's formats),
 :mod:`~jagg.integrations.policy` (the owner of the policy: trainable weights, KL reference, prompts, sampler,
 velocity, decoding),
-:mod:`jagg.trainers.diffusers` and :mod:`jagg.trainers.diffusers_config` (``jagg train`` on these models) live
+:mod:`jagg.trainers.diffusers_trainer` and :mod:`jagg.trainers.diffusers_config` (``jagg train`` on these models) live
 with the other trainer in :mod:`jagg.trainers`.
 
 Needs the ``diffusers`` extra (``pip install 'jagg[diffusers]'``: diffusers, peft, transformers, accelerate);

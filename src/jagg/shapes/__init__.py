@@ -1,6 +1,6 @@
 """The embedded task: the "shapes" world, a procedural text-to-image task with a verifiable GenEval-like reward
 (docs/world.md), its TinyDiT and guided velocity, pretraining and evaluation (its GRPO trainer, the main job's, is
-:mod:`jagg.trainers.shapes`).
+:mod:`jagg.trainers.shapes_trainer`).
 
 Importing this package loads the world only (scene grammar, renderer, tokenizer) and registers its reward as
 ``geneval`` (:mod:`jagg.rewards.registry`); the other modules load on demand:

@@ -5,9 +5,9 @@ they share once.
   hooks a trainer fills, and :class:`~jagg.trainers.base.GRPOTrainer`, the loop in a run directory (iterations,
   checkpoints, signals) with ``run()``, how ``jagg train`` starts either trainer;
 - :mod:`~jagg.trainers.sections`: the config sections both share (estimator, optim, grpo, reward, log);
-- :mod:`~jagg.trainers.shapes` + :mod:`~jagg.trainers.shapes_config`: the TinyDiT on the embedded shapes world (the
+- :mod:`~jagg.trainers.shapes_trainer` + :mod:`~jagg.trainers.shapes_config`: the TinyDiT on the embedded shapes world (the
   main job), with the sampler the benchmarks share;
-- :mod:`~jagg.trainers.diffusers` + :mod:`~jagg.trainers.diffusers_config`: SD3/SD3.5, FLUX.1 and Qwen-Image through
+- :mod:`~jagg.trainers.diffusers_trainer` + :mod:`~jagg.trainers.diffusers_config`: SD3/SD3.5, FLUX.1 and Qwen-Image through
   diffusers, for a config with a ``pipeline:`` section (:func:`~jagg.trainers.diffusers_config.has_pipeline_section`).
 
 The modules load on demand (the diffusers trainer needs the ``diffusers`` extra only when it runs)."""

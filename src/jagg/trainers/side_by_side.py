@@ -6,7 +6,7 @@ its own (the module docstring of :mod:`jagg.bench.meter_command` says what each 
 (:mod:`jagg.trainers.auto`) keeps its records per update position (:func:`position_records`) on the run's own
 sampler, at the run's start.
 
-A sampler is :class:`jagg.trainers.shapes.ShapesSampler` or :class:`jagg.trainers.diffusers.DiffusersSampler`: its
+A sampler is :class:`jagg.trainers.shapes_trainer.ShapesSampler` or :class:`jagg.trainers.diffusers_trainer.DiffusersSampler`: its
 ``sample``, ``score``, ``velocity``, ``reference``, ``params``, ``param_names`` and ``zero_grad``.
 """
 

@@ -129,7 +129,7 @@ def engine_for(cfg: DiffusersTrainConfig, launch: LaunchSettings, world: int) ->
 class DiffusersSampler:
     """The rollouts of a diffusers config: the trainer's and the benchmarks' (``jagg bench meter --config X.yaml``
     with a ``pipeline:`` section), which never opens a run directory; the interface of
-    :class:`jagg.trainers.shapes.ShapesSampler`.
+    :class:`jagg.trainers.shapes_trainer.ShapesSampler`.
 
     Builds, in this order: the reward (the server's or the local one, a preference model on the pipeline's device in
     its dtype unless its spec says otherwise), the model of ``pipeline:`` with its trainable parameters
