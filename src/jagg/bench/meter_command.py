@@ -134,9 +134,9 @@ def parse_estimators(specs: list[str], base: EstimatorConfig) -> dict[str, Estim
 
 def check_estimators(specs: list[str], cfg, flag: str = "--estimator") -> None:
     """Every ``--estimator`` spec (or ``flag``'s) parsed and its layout checked against the job's trained steps
-    (:func:`jagg.trainers.sections.check_layout`: ``correction_probs`` one per interval, ``window`` and
+    (:func:`jagg.trainers.sections.check_estimator_fits`: ``correction_probs`` one per interval, ``window`` and
     ``exact_*_intervals`` within what they count) before the first batch; an error names the spec."""
-    from ..trainers.sections import check_layout, steps_source, trained_steps
+    from ..trainers.sections import check_estimator_fits, steps_source, trained_steps
 
     s, n, key = cfg.sample, *num_steps_of(cfg)
     K, steps = trained_steps(s, n), steps_source(s, key, n)
@@ -144,7 +144,7 @@ def check_estimators(specs: list[str], cfg, flag: str = "--estimator") -> None:
         try:
             est = parse_estimator(spec, spec_base(cfg), flag)[1]
             if est is not None:
-                check_layout(est, K, steps)
+                check_estimator_fits(est, K, steps)
         except ValueError as e:
             raise ValueError(e if str(e).startswith(flag) else f"{flag} {spec!r}: {e}") from None
 
