@@ -153,9 +153,9 @@ def check_estimator_fits(e: EstimatorConfig, K: int, steps: str) -> None:
 def auto_candidates(e: EstimatorConfig, K: int, steps: str) -> tuple[dict[str, EstimatorConfig], dict[str, str]]:
     """``estimator.mode: auto``'s estimators for a run of ``K`` trained steps (``steps``: where ``K`` comes from):
     ``({name: config}`` of exact and the candidates whose layout fits (:func:`check_estimator_fits`), ``{name:
-    why}`` of the others``)``. The default list (:data:`jagg.estimator_config.DEFAULT_CANDIDATES`) adapts to the job: a default
-    candidate that does not fit is left out, with why; a list the config gives is checked: one that does not fit is an
-    error naming it."""
+    why}`` of the others``)``. The default list (:data:`jagg.estimator_config.DEFAULT_CANDIDATES`) adapts to the
+    job: a default candidate that does not fit is left out, with why; a list the config gives is checked: one that
+    does not fit is an error naming it."""
     from ..estimator_config import DEFAULT_CANDIDATES
 
     specs = {spec.partition(":")[0]: spec for spec in e.candidates}
