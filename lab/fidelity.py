@@ -1,7 +1,7 @@
 """``python -m lab fidelity``: how close the JAGG gradient is to the exact one, and how well routing ranks it.
 
 For each checkpoint, one fresh rollout batch is drawn through the trainer's pipeline
-(:func:`jagg.trainers.base.rollout_batch`: the config's prompts, noise, SDE sampler with guidance and reward,
+(:func:`jagg.trainers.rollout.rollout_batch`: the config's prompts, noise, SDE sampler with guidance and reward,
 group-relative advantages, zero-spread prompt groups dropped), from RNGs of its own seed, and the gradients are those
 of the parameters ``model.trainable`` marks. A config with a ``pipeline:`` section measures the user's diffusers
 model instead (``--checkpoint`` does not apply): the batch is drawn by the diffusers trainer's own sampler
@@ -51,7 +51,7 @@ from jagg.rewards.registry import get_reward
 from jagg.knots import step_groups
 from jagg.routing import linearity_scores
 from jagg.schedule import flow_sigmas
-from jagg.trainers.base import Batch, Rollout, rollout_inputs, rollout_batch, take
+from jagg.trainers.rollout import Batch, Rollout, rollout_inputs, rollout_batch, take
 from jagg.trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
 from jagg.trainers.shapes_trainer import mark_trainable
 from jagg.trainers.shapes_config import ShapesTrainConfig
@@ -135,7 +135,7 @@ class KeptBatch:
 
 
 def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) -> KeptBatch:
-    """One batch through the trainer's pipeline (:func:`jagg.trainers.base.rollout_batch`): the config's prompts
+    """One batch through the trainer's pipeline (:func:`jagg.trainers.rollout.rollout_batch`): the config's prompts
     (``sample.prompts_file`` or the training split), noise, SDE sampler with guidance and reward; advantages, the
     zero-spread prompt groups dropped and prompt groups as in training (``--advantages random``: N(0, 1), all kept)."""
     c, t = cfg.train.sample, cfg.train

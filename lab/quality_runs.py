@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jagg.checks import check_fields, check_seed, check_unique_names, has_kind, parse_spec, read_json, shown
-from jagg.trainers.base import RESUMABLE_CHANGES, check_resumable
+from jagg.trainers.resume import RESUMABLE_CHANGES, check_resumable
 from jagg.trainers.diffusers_config import DiffusersTrainConfig
 from jagg.trainers.shapes_trainer import ShapesTrainer
 from jagg.infra.config_loader import to_dict

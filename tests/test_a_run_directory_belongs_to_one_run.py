@@ -521,7 +521,7 @@ def test_the_processes_of_one_run_probing_the_lock_at_once_do_not_refuse_each_ot
 
 
 def test_a_changed_reward_stops_a_resume_by_name():
-    from jagg.trainers.base import check_resumable
+    from jagg.trainers.resume import check_resumable
 
     weights = {"jpeg_compressibility": 1.0, "geneval": 0.0}
     saved = {"reward": {"name": None, "weights": weights}, "grpo": {"iterations": 10}}

@@ -316,7 +316,7 @@ def test_a_run_stopped_while_measuring_measures_again_where_it_resumes(tmp_path,
     """A signal during the measurement stops the run after its iteration like any other (checkpoint saved); the
     resumed run measures from where it resumes and decides after as many measured iterations."""
     import jagg.trainers.auto as auto_mod
-    from jagg.trainers.base import GRPOTrainer
+    from jagg.trainers.loop import GRPOTrainer
 
     monkeypatch.setattr(auto_mod.AutoEstimator, "_too_costly", lambda self: None)
     real = GRPOTrainer.stop_requested

@@ -127,7 +127,7 @@ def test_the_dense_evaluation_schedule_and_its_checks():
 def test_a_config_saved_before_the_new_keys_resumes_as_their_defaults():
     """A checkpoint (or a bench result) whose config predates optim.lr_schedule, optim.warmup_steps and eval.dense_*
     ran as their defaults: it resumes (and is reused) unless they are set otherwise now."""
-    from jagg.trainers.base import check_resumable
+    from jagg.trainers.resume import check_resumable
 
     current = configuration.to_dict(ShapesTrainConfig())
     saved = json.loads(json.dumps(current))

@@ -135,7 +135,7 @@ def _check_wandb(cfg) -> None:
 
 def _train(args) -> int:
     """``jagg train``: the config (the main job by default; a ``pipeline:`` section: a real diffusers model), printed
-    (``--print-config``) or trained by its trainer's ``run`` (:meth:`jagg.trainers.base.GRPOTrainer.run`)."""
+    (``--print-config``) or trained by its trainer's ``run`` (:meth:`jagg.trainers.loop.GRPOTrainer.run`)."""
     overrides = list(args.set or [])
     if args.output_dir is not None:                  # '' is refused by log.output_dir's check, not ignored
         overrides.append(f"log.output_dir={args.output_dir}")
@@ -395,7 +395,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``jagg``: a refusal (bad input, a run directory or file that may not be used) is one line and exit 2, a run
-    that aborted (:class:`jagg.trainers.base.TrainingAborted`) one line and exit 1, Ctrl-C one line and exit 130
+    that aborted (:class:`jagg.trainers.loop.TrainingAborted`) one line and exit 1, Ctrl-C one line and exit 130
     (``jagg train``'s loop itself finishes the iteration, saves and exits 0): :func:`jagg.arguments.run_command`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)

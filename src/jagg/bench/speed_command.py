@@ -37,7 +37,7 @@ from ..checks import check_count, number_arg
 from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
-from ..trainers.base import take
+from ..trainers.rollout import take
 from ..trajectory import Trajectory, VelocityFn, sample_trajectories
 from .common import (PeakMemory, json_if_asked, median, resolve_device, set_threads, table, timed)
 from ..cost import estimator_limit

@@ -152,7 +152,7 @@ def _nanmean(values: list[float]) -> float:
 
 
 class AutoEstimator:
-    """``estimator.mode: auto`` in a trainer (a :class:`jagg.trainers.base.GRPO`, mixed in before it): the hooks the
+    """``estimator.mode: auto`` in a trainer (a :class:`jagg.trainers.loop.GRPO`, mixed in before it): the hooks the
     loop calls: :meth:`decide_estimator` before the first iteration, :meth:`beside` after each update's gradient and
     :meth:`iteration_done` after each iteration (module docstring)."""
 

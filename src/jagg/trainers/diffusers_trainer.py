@@ -3,7 +3,7 @@ full weights.
 
 A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``; the config is
 :class:`jagg.trainers.diffusers_config.DiffusersTrainConfig`) makes ``jagg train --config X.yaml`` run
-:class:`DiffusersTrainer` instead of the shapes trainer. The loop is :class:`jagg.trainers.base.GRPOTrainer`'s; this
+:class:`DiffusersTrainer` instead of the shapes trainer. The loop is :class:`jagg.trainers.loop.GRPOTrainer`'s; this
 trainer fills its hooks and asks one object for everything model specific, the
 :class:`jagg.integrations.policy.Policy` (prompts, sampler, velocity callable, KL reference, decoding, adapter
 files); the rollouts (model, trainable weights, prompts, reward, sampling) are :class:`DiffusersSampler`'s, which
@@ -74,8 +74,9 @@ from ..infra.engine import EngineSettings, make_engine, resolve_engine
 from ..infra.launch import LaunchSettings, read_launch
 from ..infra.metrics import plot_reward_curve, save_grid
 from .auto import AutoEstimator
-from .base import (RESUMABLE_CHANGES, GRPOTrainer, Iteration, Minibatch, Rollout, RolloutInputs, check_resumable,
-                   rollout_inputs, update_summary)
+from .loop import GRPOTrainer
+from .resume import RESUMABLE_CHANGES, check_resumable
+from .rollout import Iteration, Minibatch, Rollout, RolloutInputs, rollout_inputs, update_summary
 from .diffusers_config import TRAINER_TAG, DiffusersTrainConfig
 from .diffusers_eval import evaluate_policy
 from .ema import EMA
@@ -166,7 +167,7 @@ class DiffusersSampler:
 
     def draw(self, iteration: int = 0) -> RolloutInputs:
         """The prompts, initial noise, trained steps and SDE mask of iteration ``iteration`` (it decides a sliding SDE
-        window: :func:`~jagg.trainers.base.rollout_inputs`)."""
+        window: :func:`~jagg.trainers.rollout.rollout_inputs`)."""
         return rollout_inputs(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
                                       self.gen, iteration)
 
@@ -221,7 +222,7 @@ class DiffusersSampler:
 
 
 class DiffusersTrainer(AutoEstimator, GRPOTrainer):
-    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX/Qwen-Image model (:class:`~jagg.trainers.base.GRPOTrainer`:
+    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX/Qwen-Image model (:class:`~jagg.trainers.loop.GRPOTrainer`:
     the run directory, ``resume``, ``overwrite``, ``require_checkpoint`` and the loop). Launch with torchrun /
     accelerate for several processes (``WORLD_SIZE > 1``): the engine (:mod:`jagg.infra.engine`: DDP or FSDP2) comes
     from ``distributed:`` and the launcher's settings (:mod:`jagg.infra.launch`)."""

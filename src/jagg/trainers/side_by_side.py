@@ -31,7 +31,7 @@ from ..meter import adam_efficiency, error_noise_stats, extrapolate, predicted_e
 from ..routing import linearity_scores
 from ..trajectory import Trajectory
 from ..verdict import prediction
-from .base import rollout_batch, take
+from .rollout import rollout_batch, take
 from .minibatches import cut_minibatches
 
 Sampler = Any          # a ShapesSampler or a DiffusersSampler (module docstring)
@@ -50,7 +50,7 @@ class MeasuredBatch:
 
 
 def training_batch(sampler: Sampler, cfg: TrainConfig):
-    """One update's training batch through the trainer's own pipeline (:func:`jagg.trainers.base.rollout_batch`), cut
+    """One update's training batch through the trainer's own pipeline (:func:`jagg.trainers.rollout.rollout_batch`), cut
     as the trainer cuts its minibatches (``grpo.minibatches``, :func:`jagg.trainers.minibatches.cut_minibatches`: one
     of the rollout's ``grpo.updates_per_epoch``, drawn with the sampler's generator): ``(traj, conditioning,
     advantages, prompt_groups, rollout CPU seconds)`` of its kept samples."""
