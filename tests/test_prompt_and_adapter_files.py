@@ -140,7 +140,7 @@ def test_a_bad_adapter_file_is_refused_before_the_model_loads(tmp_path, sd3_dir,
     import shutil
 
     from jagg.cli import main
-    from jagg.trainers import diffusers as real_train
+    from jagg.trainers import diffusers_trainer as real_train
     from tiny_runs import write_sd3_config
 
     loads = []

@@ -1,9 +1,11 @@
-"""The GRPO trainer of the embedded shapes world (its config: :mod:`jagg.trainers.shapes_config`), in three layers:
+"""The GRPO trainer of the embedded shapes world (its config: :mod:`jagg.trainers.shapes_config`), in three layers, as
+the diffusers trainer (:mod:`jagg.trainers.diffusers_trainer`) is:
 
 - :class:`ShapesSampler`: the rollouts of a config, what the trainer and every benchmark draw batches with: the
   TinyDiT (its trainable parameters marked), the prompts, the reward and the prompt and noise RNGs; it samples
   ``prompts_per_iter x group_size`` trajectories with the config's SDE (classifier-free guidance through
-  :class:`jagg.shapes.guided_velocity.GuidedVelocity`) and rewards the images (by default the world's GenEval-like reward);
+  :class:`jagg.shapes.guided_velocity.GuidedVelocity`) and rewards the images (by default the world's GenEval-like
+  reward);
 - :class:`ShapesGRPO`: the loop's hooks (:class:`jagg.trainers.loop.GRPO`) on a sampler: each update's gradient from
   :func:`jagg.policy_gradient` (the same function a user calls in their own loop), AdamW, an optional EMA of the
   weights; one iteration at a time, in memory (``python -m lab e2e``);
