@@ -56,7 +56,7 @@ import torch
 
 import jagg
 from jagg.cost import cost_limit
-from jagg.bench.speed import Subject, measure_costs
+from jagg.bench.speed_command import Subject, measure_costs
 from jagg.integrations import LoraSettings, PromptEmbeddings, VelocityConfig, add_lora, velocity_adapter
 
 # -- the published transformer configs (diffusers config.json of the model repos) ------------------------------
@@ -362,7 +362,7 @@ def time_call(model, v, traj, adv, c: tuple, cfg: BenchConfig, dev: torch.device
 
 def network_costs(name: str, res: int, model, cond, traj, adv, cfg: BenchConfig, dev: torch.device) -> dict:
     """Seconds of one network branch's forward with and without grad and of its backward, on a micro-batch of the
-    trajectory's rows (:func:`jagg.bench.speed.measure_costs`), and ``b_over_f`` = backward / forward with grad: the
+    trajectory's rows (:func:`jagg.bench.speed_command.measure_costs`), and ``b_over_f`` = backward / forward with grad: the
     B/F that ``jagg bench meter --gpu-bench-json`` puts into its cost structure. One branch: SD3.5 without CFG
     (Flow-GRPO runs both branches as one batch, each with its own backward)."""
     one = velocity_adapter(model, cond.select([0] * cfg.samples), None,

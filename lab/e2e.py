@@ -1,6 +1,6 @@
 """``python -m lab e2e``: one whole GRPO iteration (sampling + reward + training), exact vs JAGG, side by side.
 
-One :class:`jagg.trainers.shapes.ShapesGRPO` per variant (the trainer's iteration, in memory: no run directory) is
+One :class:`jagg.trainers.shapes_trainer.ShapesGRPO` per variant (the trainer's iteration, in memory: no run directory) is
 built from the same config (the main job or ``--config``, plus ``--set``) and seed; their iterations then run
 round-robin in one process (``exact``, ``jagg``, ``exact``, ``jagg``, ... after one warm-up iteration each), so a
 busy stretch of the machine slows every variant alike.
@@ -48,7 +48,7 @@ def routed_limit(cfg: ShapesTrainConfig) -> float:
 def run_e2e(config: str | None, sets: list[str], variants: list[str], iterations: int) -> list[dict]:
     """Per variant: the median phase seconds of ``iterations`` round-robin iterations after a warm-up (module
     docstring)."""
-    from jagg.trainers.shapes import ShapesGRPO
+    from jagg.trainers.shapes_trainer import ShapesGRPO
 
     if iterations < 1:
         raise ValueError(f"--iterations must be >= 1; got {iterations}")

@@ -1,11 +1,11 @@
 """``python -m lab fidelity``: how close the JAGG gradient is to the exact one, and how well routing ranks it.
 
 For each checkpoint, one fresh rollout batch is drawn through the trainer's pipeline
-(:func:`jagg.trainers.base.rollout_batch`: the config's prompts, noise, SDE sampler with guidance and reward,
+(:func:`jagg.trainers.rollout.rollout_batch`: the config's prompts, noise, SDE sampler with guidance and reward,
 group-relative advantages, zero-spread prompt groups dropped), from RNGs of its own seed, and the gradients are those
 of the parameters ``model.trainable`` marks. A config with a ``pipeline:`` section measures the user's diffusers
 model instead (``--checkpoint`` does not apply): the batch is drawn by the diffusers trainer's own sampler
-(:class:`jagg.trainers.diffusers.DiffusersSampler`, as ``jagg bench meter`` draws it: the model on
+(:class:`jagg.trainers.diffusers_trainer.DiffusersSampler`, as ``jagg bench meter`` draws it: the model on
 ``pipeline.device``, its LoRA or trainable weights, ``sample.prompts_file``, the reward; ``--seed`` given replaces the
 config's ``seed``) and the gradients are those of its trainable weights. Every gradient below comes from
 :func:`jagg.policy_gradient`:
@@ -46,21 +46,21 @@ from jagg.shapes.weights import load_model
 from jagg.audit import audit_gradient
 from jagg.estimator_config import ALPHAS, INTERMEDIATES, KNOTS, EstimatorConfig
 from jagg.estimator import GradientStats, policy_gradient, reference_velocities
-from jagg.shapes.velocity import GuidedVelocity
+from jagg.shapes.guided_velocity import GuidedVelocity
 from jagg.rewards.registry import get_reward
 from jagg.knots import step_groups
 from jagg.routing import linearity_scores
 from jagg.schedule import flow_sigmas
-from jagg.trainers.base import Batch, Rollout, rollout_inputs, rollout_batch, take
+from jagg.trainers.rollout import Batch, Rollout, rollout_inputs, rollout_batch, take
 from jagg.trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
-from jagg.trainers.shapes import mark_trainable
+from jagg.trainers.shapes_trainer import mark_trainable
 from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.trajectory import Trajectory, VelocityFn, sample_trajectories
 from jagg.shapes import from_tensor, tokenizer
 from jagg.audit import cosine, flat_grad, rel_err
 from jagg.bench.common import json_if_asked, resolve_device, set_threads, spearman, table
-from jagg.bench.meter import TrainConfig, check_fixed_estimator, load_config, make_sampler, num_steps_of
-from jagg.trainers.metering import Sampler, restore_params
+from jagg.bench.meter_command import TrainConfig, check_fixed_estimator, load_config, make_sampler, num_steps_of
+from jagg.trainers.side_by_side import Sampler, restore_params
 from jagg.trainers.sections import steps_source, trained_steps
 
 ADVANTAGES = ("reward", "random")
@@ -135,7 +135,7 @@ class KeptBatch:
 
 
 def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) -> KeptBatch:
-    """One batch through the trainer's pipeline (:func:`jagg.trainers.base.rollout_batch`): the config's prompts
+    """One batch through the trainer's pipeline (:func:`jagg.trainers.rollout.rollout_batch`): the config's prompts
     (``sample.prompts_file`` or the training split), noise, SDE sampler with guidance and reward; advantages, the
     zero-spread prompt groups dropped and prompt groups as in training (``--advantages random``: N(0, 1), all kept)."""
     c, t = cfg.train.sample, cfg.train
@@ -158,7 +158,7 @@ def draw_rollout(model: nn.Module, cfg: FidelityConfig, device: torch.device) ->
 
 
 def sampler_rollout(sampler: Sampler, cfg: FidelityConfig) -> KeptBatch:
-    """One batch of the trainer's own sampler (a diffusers config's :class:`~jagg.trainers.diffusers.DiffusersSampler`:
+    """One batch of the trainer's own sampler (a diffusers config's :class:`~jagg.trainers.diffusers_trainer.DiffusersSampler`:
     its prompts, noise, SDE and reward, as ``jagg bench meter`` draws it), kept as :func:`draw_rollout` keeps
     it (the KL reference: the sampler's)."""
     return kept(rollout_batch(sampler.sample, sampler.score, cfg.train), cfg, sampler.reference, sampler.device)
@@ -189,7 +189,7 @@ def kept(batch: Batch, cfg: FidelityConfig, reference: Callable[[object], Veloci
 
 class CheckpointModel:
     """A shapes checkpoint as the gradients below use a model: the interface of the trainers' samplers
-    (:class:`jagg.trainers.shapes.ShapesSampler`, :class:`jagg.trainers.diffusers.DiffusersSampler`) that they need,
+    (:class:`jagg.trainers.shapes_trainer.ShapesSampler`, :class:`jagg.trainers.diffusers_trainer.DiffusersSampler`) that they need,
     :meth:`velocity` (with the config's guidance), :attr:`params` (the trainable ones) and :meth:`zero_grad`."""
 
     def __init__(self, model: nn.Module, guidance: float):
@@ -276,7 +276,7 @@ def pareto(records: list[dict]) -> list[dict]:
 
 def off_policy_rollout(sub: Subject, ro: KeptBatch, cfg: FidelityConfig) -> KeptBatch | None:
     """The trainer's second minibatch, with ``sub``'s trainable parameters moved in place by one AdamW update on the
-    first minibatch (the caller restores them: :func:`jagg.bench.meter.restore_params`)."""
+    first minibatch (the caller restores them: :func:`jagg.bench.meter_command.restore_params`)."""
     B = ro.traj.batch_size
     if B < 2:
         print("fidelity: skipping off-policy: fewer than 2 samples kept")
@@ -420,7 +420,7 @@ def run_fidelity(cfg: FidelityConfig) -> list[dict]:
 
 
 def load_train_config(args: argparse.Namespace) -> TrainConfig:
-    """The trainer config of ``--config`` (:func:`jagg.bench.meter.load_config`: a diffusers one with a
+    """The trainer config of ``--config`` (:func:`jagg.bench.meter_command.load_config`: a diffusers one with a
     ``pipeline:`` section) with ``--quick``'s and ``--set``'s keys; for a diffusers config ``--seed`` becomes its
     ``seed``, and the options of the shapes world's checkpoints are refused, naming them."""
     sets = (QUICK_SETS if args.quick else []) + list(args.set or [])

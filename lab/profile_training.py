@@ -1,6 +1,6 @@
 """Profile one training phase of the main job: where does the time of ``jagg.policy_gradient`` go?
 
-Samples one iteration's batch exactly as ``jagg train`` does (its sampler, ``jagg.trainers.shapes.ShapesSampler``, of the
+Samples one iteration's batch exactly as ``jagg train`` does (its sampler, ``jagg.trainers.shapes_trainer.ShapesSampler``, of the
 main job or ``--config`` plus ``--set``; no run directory), then runs
 the training phase (one ``policy_gradient`` call over the batch) in ``exact`` and in the configured JAGG mode
 under ``torch.profiler``. The velocity function and the backward are wrapped in ``record_function`` labels
@@ -34,7 +34,7 @@ from jagg.arguments import config_arguments, overwrite_argument
 from jagg.infra.atomic import write_json
 from jagg.checks import check_output_file
 from jagg.estimator_config import EstimatorConfig
-from jagg.trainers.shapes import ShapesSampler
+from jagg.trainers.shapes_trainer import ShapesSampler
 from jagg.trainers.shapes_config import ShapesTrainConfig
 
 LABELS = ("network_forward", "network_backward")

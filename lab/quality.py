@@ -1,8 +1,8 @@
 """``python -m lab quality``: does a JAGG variant reach a given reward sooner than exact? Paired GRPO runs x seeds.
 
-Every variant trains with :class:`jagg.trainers.shapes.ShapesTrainer` from the same config (the main job plus ``--set``),
+Every variant trains with :class:`jagg.trainers.shapes_trainer.ShapesTrainer` from the same config (the main job plus ``--set``),
 for the same iterations and optimizer updates, once per seed; a config with a ``pipeline:`` section trains the user's
-diffusers model with :class:`jagg.trainers.diffusers.DiffusersTrainer` instead (as ``jagg train`` would). That trainer
+diffusers model with :class:`jagg.trainers.diffusers_trainer.DiffusersTrainer` instead (as ``jagg train`` would). That trainer
 has no held-out evaluation: the comparison is on the training reward (``--target train``); ``--target test``,
 ``--eval-every`` and ``--eval-dense`` are refused, and the held-out figures below are empty (NaN). Seeds are paired across variants: a seed fixes the
 prompts and the noise streams (the unbiased correction's picks use an RNG of their own), so the variants of one seed

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jagg.checks import check_fields, check_seed, check_unique_names, has_kind, parse_spec, read_json, shown
-from jagg.trainers.base import RESUMABLE_CHANGES, check_resumable
+from jagg.trainers.resume import RESUMABLE_CHANGES, check_resumable
 from jagg.trainers.diffusers_config import DiffusersTrainConfig
-from jagg.trainers.shapes import ShapesTrainer
+from jagg.trainers.shapes_trainer import ShapesTrainer
 from jagg.infra.config_loader import to_dict
 from jagg.infra.rundir import RunHints
 from jagg.infra.atomic import write_json
-from jagg.bench.meter import TrainConfig, load_config
+from jagg.bench.meter_command import TrainConfig, load_config
 
 BUILTIN = {
     "exact": ["estimator.mode=exact"],
@@ -132,7 +132,7 @@ class QualityConfig:
 
     def train_config(self, variant: str, seed: int) -> TrainConfig:
         """The config of one run: a diffusers one for a YAML with a ``pipeline:`` section, else the shapes world's
-        (:func:`jagg.bench.meter.load_config`)."""
+        (:func:`jagg.bench.meter_command.load_config`)."""
         run = [f"seed={seed}", f"log.output_dir={self.run_dir(variant, seed)}"]
         try:
             return load_config(self.config, DEFAULT_SETS + self.sets + self.variants[variant] + run)
@@ -210,15 +210,15 @@ class BenchRun:
 
 
 class QualityRun(BenchRun, ShapesTrainer):
-    """A run of a shapes-world config (:class:`BenchRun` of :class:`jagg.trainers.shapes.ShapesTrainer`)."""
+    """A run of a shapes-world config (:class:`BenchRun` of :class:`jagg.trainers.shapes_trainer.ShapesTrainer`)."""
 
 
 def trainer_of(cfg: TrainConfig) -> type:
     """The bench's trainer of ``cfg``: :class:`QualityRun`, or for a diffusers config :class:`BenchRun` of
-    :class:`jagg.trainers.diffusers.DiffusersTrainer` (imported only then: it needs diffusers)."""
+    :class:`jagg.trainers.diffusers_trainer.DiffusersTrainer` (imported only then: it needs diffusers)."""
     if not isinstance(cfg, DiffusersTrainConfig):
         return QualityRun
-    from jagg.trainers.diffusers import DiffusersTrainer
+    from jagg.trainers.diffusers_trainer import DiffusersTrainer
 
     return type("DiffusersQualityRun", (BenchRun, DiffusersTrainer), {"__doc__": "A run of a diffusers config."})
 

@@ -1,9 +1,9 @@
 """Where JAGG is nearly exact: ``jagg bench meter`` over a grid of sampling regimes (lab/README.md).
 
 A regime is a step count, an SDE type with its noise level, and a trained (SDE) window. In each, on the job's own
-checkpoint and batch (the main job, or ``--config``, with ``--set`` on top), :func:`jagg.bench.meter.measure`
+checkpoint and batch (the main job, or ``--config``, with ``--set`` on top), :func:`jagg.bench.meter_command.measure`
 measures the estimators' error against the update's noise on-policy, with the meter's per-update rate range
-(:func:`jagg.bench.meter.prediction`), and the regime's **linearity score**: routing's score
+(:func:`jagg.bench.meter_command.prediction`), and the regime's **linearity score**: routing's score
 (:func:`jagg.routing.linearity_scores`, the paper's linearity test, what ``jagg_frac`` ranks by) of the shipped
 layout's intervals, averaged over the samples of ``--batches`` rollouts, with its lowest sample-interval mean. The
 score needs only a rollout, so a user can read it on their model without a backward pass.
@@ -38,8 +38,8 @@ from pathlib import Path
 from jagg.arguments import config_arguments
 from jagg.bench.common import default_config_path, spearman
 from jagg.infra.atomic import json_safe
-from jagg.bench.meter import BUILT_IN, check_estimators, load_config, make_sampler, measure, spec_base
-from jagg.trainers.metering import kept_batch, layout_linearity
+from jagg.bench.meter_command import BUILT_IN, check_estimators, load_config, make_sampler, measure, spec_base
+from jagg.trainers.side_by_side import kept_batch, layout_linearity
 from jagg.checks import check_fields, check_unique_names, read_json_lines
 from jagg.infra.config_loader import differences, to_dict
 from lab.fixed_keys import OVERWRITES, refuse_fixed_keys
@@ -76,7 +76,7 @@ def overrides(r: dict) -> list[str]:
 
 def linearity(cfg, batches: int) -> dict:
     """Routing's linearity score of the config's layout over ``batches`` fresh rollouts
-    (:func:`jagg.bench.meter.layout_linearity`), for a map whose estimators leave out ``config``."""
+    (:func:`jagg.bench.meter_command.layout_linearity`), for a map whose estimators leave out ``config``."""
     sampler = make_sampler(cfg)
     return layout_linearity([kept_batch(sampler, cfg)[0] for _ in range(batches)], spec_base(cfg))
 

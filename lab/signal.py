@@ -2,11 +2,11 @@
 
 GRPO only improves a reward when the gradient of one update points, more than by chance, where the next one
 does. This benchmark measures that directly, with the trainer's own sampler
-(:class:`jagg.trainers.shapes.ShapesSampler` of the same config, or for a config with a ``pipeline:`` section the
-diffusers trainer's :class:`jagg.trainers.diffusers.DiffusersSampler`: the user's model, LoRA, prompts and KL
+(:class:`jagg.trainers.shapes_trainer.ShapesSampler` of the same config, or for a config with a ``pipeline:`` section the
+diffusers trainer's :class:`jagg.trainers.diffusers_trainer.DiffusersSampler`: the user's model, LoRA, prompts and KL
 reference; no run directory) and the trainer's own gradient
 (:func:`jagg.policy_gradient`, no optimizer step), each reward's batch through the trainer's pipeline
-(:func:`jagg.trainers.base.rollout_batch`: advantages, zero-spread prompt groups dropped): it draws ``K`` independent
+(:func:`jagg.trainers.rollout.rollout_batch`: advantages, zero-spread prompt groups dropped): it draws ``K`` independent
 batches, computes one gradient ``g_i``
 per batch over the trainable parameters, and reports per reward
 
@@ -48,9 +48,9 @@ from jagg.audit import flat_grad
 from jagg.meter import jackknife_se
 from jagg.estimator import policy_gradient, reference_velocities
 from jagg.rewards.registry import get_reward
-from jagg.trainers.base import rollout_batch, take
+from jagg.trainers.rollout import rollout_batch, take
 from jagg.trainers.diffusers_config import DiffusersTrainConfig
-from jagg.bench.meter import TrainConfig, check_fixed_estimator, check_kl, load_config, make_sampler
+from jagg.bench.meter_command import TrainConfig, check_fixed_estimator, check_kl, load_config, make_sampler
 from jagg.checks import check_no_repeats, number_arg
 from jagg.bench.common import json_if_asked, table
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from jagg.cli import main
 from jagg.infra.distributed import exit_process
-from jagg.trainers.diffusers import DiffusersTrainer
+from jagg.trainers.diffusers_trainer import DiffusersTrainer
 
 _train = DiffusersTrainer.train
 _minibatches = DiffusersTrainer.minibatches

@@ -189,7 +189,7 @@ def test_library_resume_true_starts_or_continues_as_bench_quality_needs(tmp_path
     """`ShapesTrainer(cfg, resume=True)` (what `python -m lab quality` calls) starts a run in an empty directory and
     continues it later; it never starts over unreadable checkpoints."""
     from jagg.trainers.shapes_config import ShapesTrainConfig
-    from jagg.trainers.shapes import ShapesTrainer
+    from jagg.trainers.shapes_trainer import ShapesTrainer
     from jagg.infra import config_loader as configuration
 
     run = tmp_path / "q"
@@ -421,7 +421,7 @@ def test_a_run_holds_its_directory_from_before_its_model_loads(first, finished_r
     """While the first `jagg train` (new, or --resume) is loading its model, second starts of every kind into its
     directory are refused "in use" with every file as it was (a new run: nothing but run.lock); then the first run
     trains as if alone (its records continue, nothing moved aside)."""
-    from jagg.trainers.shapes import ShapesTrainer
+    from jagg.trainers.shapes_trainer import ShapesTrainer
 
     out = tmp_path / "run"
     if first:
@@ -521,7 +521,7 @@ def test_the_processes_of_one_run_probing_the_lock_at_once_do_not_refuse_each_ot
 
 
 def test_a_changed_reward_stops_a_resume_by_name():
-    from jagg.trainers.base import check_resumable
+    from jagg.trainers.resume import check_resumable
 
     weights = {"jpeg_compressibility": 1.0, "geneval": 0.0}
     saved = {"reward": {"name": None, "weights": weights}, "grpo": {"iterations": 10}}

@@ -299,7 +299,7 @@ def _tiny_config(ckpt: str, *extra: str):
 def test_every_position_on_the_same_batches_is_the_measurement_of_that_position_alone(bench_ckpt):
     """``--update all`` draws the batches once: each position's records are those ``--update N`` gives alone (same
     batches, same seeds, the same AdamW steps before it), timings aside."""
-    from jagg.bench.meter import measure, measure_job
+    from jagg.bench.meter_command import measure, measure_job
 
     cfg = _tiny_config(bench_ckpt, "estimator.mode=jagg", "estimator.window=4", "estimator.correction_p=0.5",
                        "optim.lr=1e-3")
@@ -316,7 +316,7 @@ def test_a_run_stopped_while_measuring_measures_again_where_it_resumes(tmp_path,
     """A signal during the measurement stops the run after its iteration like any other (checkpoint saved); the
     resumed run measures from where it resumes and decides after as many measured iterations."""
     import jagg.trainers.auto as auto_mod
-    from jagg.trainers.base import GRPOTrainer
+    from jagg.trainers.loop import GRPOTrainer
 
     monkeypatch.setattr(auto_mod.AutoEstimator, "_too_costly", lambda self: None)
     real = GRPOTrainer.stop_requested

@@ -15,7 +15,7 @@ pytest.importorskip("peft")
 from tiny_runs import write_sd3_config  # noqa: E402
 
 from jagg.cli import main  # noqa: E402
-from jagg.trainers import diffusers as real_train  # noqa: E402
+from jagg.trainers import diffusers_trainer as real_train  # noqa: E402
 from jagg.trainers.diffusers_config import load_config  # noqa: E402
 
 

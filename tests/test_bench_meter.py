@@ -76,7 +76,7 @@ def test_bench_meter_end_to_end(tmp_path, bench_ckpt, capsys):
                                          ("a:correction_p=auto", "estimator.correction_p: 'auto' was retired")])
 def test_bench_meter_rejects_bad_estimators(spec, match):
     from jagg import EstimatorConfig
-    from jagg.bench.meter import parse_estimator
+    from jagg.bench.meter_command import parse_estimator
 
     with pytest.raises(ValueError, match=match):
         parse_estimator(spec, EstimatorConfig())
@@ -102,7 +102,7 @@ def test_bench_meter_by_interval(tmp_path, bench_ckpt, capsys):
     assert parts[0]["error_to_noise"] == pytest.approx(whole["error_to_noise"], rel=1e-6)
     assert "where el's error lives" in capsys.readouterr().out
     with pytest.raises(ValueError, match="JAGG estimator"):
-        from jagg.bench.meter import by_interval
+        from jagg.bench.meter_command import by_interval
         from jagg.infra import config_loader as configuration
         from jagg.trainers.shapes_config import ShapesTrainConfig
 

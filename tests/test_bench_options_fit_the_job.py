@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from command_line import refused
-from jagg.bench import meter as bench_meter
-from jagg.bench import speed as bench_speed
+from jagg.bench import meter_command as bench_meter
+from jagg.bench import speed_command as bench_speed
 from jagg.cli import main
 
 

@@ -125,7 +125,7 @@ def test_retired_estimator_keys_are_unknown(tmp_path, key, close):
 
 
 def test_estimator_specs_take_lists_and_budget_probs():
-    from jagg.bench.meter import parse_estimator, wants_budget_probs
+    from jagg.bench.meter_command import parse_estimator, wants_budget_probs
     from jagg.checks import parse_spec
 
     assert parse_spec("r:correction_probs=[0.4,0.1],window=5", "--estimator") == (

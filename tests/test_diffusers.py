@@ -139,7 +139,7 @@ def test_flux_packing_matches_diffusers_and_needs_guidance():
     packed = pack_latents(x)
     torch.testing.assert_close(packed, diffusers.FluxPipeline._pack_latents(x, 2, C, H, W))
     torch.testing.assert_close(unpack_latents(packed, H, W), x)
-    from jagg.integrations.velocity import latent_image_ids
+    from jagg.integrations.velocity_adapters import latent_image_ids
     torch.testing.assert_close(latent_image_ids(H, W),
                                diffusers.FluxPipeline._prepare_latent_image_ids(2, H // 2, W // 2, "cpu",
                                                                                 torch.float32))

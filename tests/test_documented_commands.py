@@ -378,12 +378,12 @@ def _load(cmd: Command, args: list[str], ns: argparse.Namespace, scratch: Path, 
 
 def _check_launched(cmd: Command, ns: argparse.Namespace) -> None:
     """A documented multi-process ``jagg train`` of a real model: its engine decided as each launched process decides
-    before the model loads (:func:`jagg.trainers.diffusers.engine_for`), with the launcher's settings (torchrun's none,
+    before the model loads (:func:`jagg.trainers.diffusers_trainer.engine_for`), with the launcher's settings (torchrun's none,
     an accelerate config's environment) on the processes the command names."""
     from tiny_runs import accelerate_env
 
     from jagg.infra.launch import LaunchSettings, read_launch
-    from jagg.trainers.diffusers import engine_for
+    from jagg.trainers.diffusers_trainer import engine_for
     from jagg.trainers.diffusers_config import has_pipeline_section, load_config
 
     argv = cmd.argv

@@ -22,7 +22,7 @@ from jagg.infra.checkpoint import list_checkpoints, load_latest
 from jagg.cli import main
 from tiny_runs import no_eval_train_args, pretrain_args, tiny_train_args
 from jagg.trainers.shapes_config import ShapesTrainConfig
-from jagg.trainers.shapes import ShapesTrainer
+from jagg.trainers.shapes_trainer import ShapesTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]))
@@ -96,7 +96,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, tiny_ckpt):
 
 
 def test_nonfinite_gradient_skips_update_and_aborts(tmp_path, tiny_ckpt, monkeypatch):
-    import jagg.trainers.shapes as tr
+    import jagg.trainers.shapes_trainer as tr
 
     real = tr.policy_gradient
 
@@ -168,11 +168,11 @@ def _interrupt(*a, **k):
 
 
 @pytest.mark.parametrize("where,target", [
-    ("train", "jagg.trainers.shapes.load_model"),                       # the trainer's setup
+    ("train", "jagg.trainers.shapes_trainer.load_model"),                       # the trainer's setup
     ("eval", "jagg.shapes.evaluation.evaluate"),
     ("sample", "jagg.shapes.evaluation.generate"),
     ("pretrain", "jagg.shapes.pretrain.pretrain"),
-    ("bench meter", "jagg.bench.meter.ShapesSampler"),
+    ("bench meter", "jagg.bench.meter_command.ShapesSampler"),
 ])
 def test_ctrl_c_anywhere_is_one_line_and_exit_130(where, target, tmp_path, tiny_ckpt, capsys, monkeypatch):
     """Ctrl-C in a trainer's setup, an evaluation, sampling, pretraining and the benches: one line

@@ -30,7 +30,7 @@ def test_a_made_up_family_of_one_record_trains_end_to_end(tmp_path, sd3_dir, my_
     from tiny_runs import records, write_sd3_config
 
     from jagg.cli import main
-    from jagg.trainers import diffusers as real_train
+    from jagg.trainers import diffusers_trainer as real_train
 
     seen, original = [], real_train.DiffusersTrainer.train
     monkeypatch.setattr(real_train.DiffusersTrainer, "train", lambda self: seen.append(self) or original(self))
@@ -49,7 +49,7 @@ def test_a_made_up_family_of_one_record_trains_end_to_end(tmp_path, sd3_dir, my_
 
 def test_a_record_that_contradicts_its_adapter_is_refused():
     pytest.importorskip("diffusers")
-    from jagg.integrations.velocity import adapter_class
+    from jagg.integrations.velocity_adapters import adapter_class
 
     for name in FAMILIES:                                   # the shipped records agree with their adapters
         assert adapter_class(name).__name__ == FAMILIES[name].adapter

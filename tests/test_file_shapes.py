@@ -139,7 +139,7 @@ def test_reward_model_files_of_the_wrong_shape_are_named(tmp_path):
 def test_a_prompt_cache_whose_prompts_are_not_a_list_is_named(tmp_path):
     from safetensors.torch import save_file
 
-    from jagg.integrations.velocity import PromptEmbeddings
+    from jagg.integrations.velocity_adapters import PromptEmbeddings
 
     path = tmp_path / "cache.safetensors"
     save_file({"prompt_embeds": torch.zeros(2, 3, 4)}, str(path), metadata={"prompts": '{"a": 1}'})

@@ -30,7 +30,7 @@ from jagg.cli import main  # noqa: E402
 from jagg.integrations import (LoraSettings, PipelineConfig, Policy, PromptEmbeddings, VelocityConfig,  # noqa: E402
                                velocity_adapter)
 from jagg.integrations.schedules import flux2_mu  # noqa: E402
-from jagg.trainers import diffusers as real_train  # noqa: E402
+from jagg.trainers import diffusers_trainer as real_train  # noqa: E402
 
 Z, L, D = 4, 5, 16                    # VAE channels (patchified: 4 Z = 16), text tokens, text width (tiny_pipelines')
 HEIGHT, WIDTH = 128, 96               # latents [16, 8, 6]

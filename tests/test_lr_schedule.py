@@ -11,7 +11,7 @@ from tiny_runs import tiny_train_args
 from jagg.cli import main
 from jagg.trainers.lr_schedule import lr_factor
 from jagg.trainers.sections import OptimSection
-from jagg.trainers.shapes import ShapesTrainer
+from jagg.trainers.shapes_trainer import ShapesTrainer
 from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.infra import config_loader as configuration
 from jagg.infra.checkpoint import load_latest
@@ -127,7 +127,7 @@ def test_the_dense_evaluation_schedule_and_its_checks():
 def test_a_config_saved_before_the_new_keys_resumes_as_their_defaults():
     """A checkpoint (or a bench result) whose config predates optim.lr_schedule, optim.warmup_steps and eval.dense_*
     ran as their defaults: it resumes (and is reused) unless they are set otherwise now."""
-    from jagg.trainers.base import check_resumable
+    from jagg.trainers.resume import check_resumable
 
     current = configuration.to_dict(ShapesTrainConfig())
     saved = json.loads(json.dumps(current))

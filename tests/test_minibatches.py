@@ -77,15 +77,15 @@ def _train_groups(tmp_path, tiny_ckpt, name, iterations, *extra):
 def test_shapes_trainer_updates_on_whole_groups_and_resumes_bit_identically(tmp_path, tiny_ckpt, monkeypatch,
                                                                              capsys):
     seen = []
-    from jagg.trainers import shapes
+    from jagg.trainers import shapes_trainer
 
-    original = shapes.ShapesGRPO.gradient
+    original = shapes_trainer.ShapesGRPO.gradient
 
     def spy(self, mb):
         seen.append(mb.prompt_groups.tolist())
         return original(self, mb)
 
-    monkeypatch.setattr(shapes.ShapesGRPO, "gradient", spy)
+    monkeypatch.setattr(shapes_trainer.ShapesGRPO, "gradient", spy)
     straight, args = _train_groups(tmp_path, tiny_ckpt, "straight", 3)
     assert main(args) == 0
     assert "minibatches of whole prompt groups (grpo.minibatches groups)" in capsys.readouterr().out
@@ -112,7 +112,7 @@ def test_two_processes_update_on_whole_groups_as_one_process_does(tmp_path, sd3_
     from diffusers import SD3Transformer2DModel  # noqa: F401  (skips without diffusers, as the fixture does)
     from safetensors.torch import load_file
 
-    from jagg.trainers.diffusers import DiffusersTrainer
+    from jagg.trainers.diffusers_trainer import DiffusersTrainer
     from tiny_runs import assert_same_update, free_port, write_sd3_config
 
     cfg = write_sd3_config(tmp_path, sd3_dir)

@@ -112,8 +112,8 @@ def test_inner_velocities_rule_and_bad_on_policy():
 def test_trainer_passes_on_policy_to_the_first_update_of_each_rollout(tmp_path, monkeypatch):
     """The trainers call the estimator with ``on_policy=True`` on a rollout's first update only (every later update of
     its epochs follows an optimizer step), so ``auto`` runs no inner forward there and ``fresh`` in the others."""
-    from jagg.trainers import shapes as shapes_mod
-    from jagg.trainers.shapes import ShapesGRPO
+    from jagg.trainers import shapes_trainer as shapes_mod
+    from jagg.trainers.shapes_trainer import ShapesGRPO
     from jagg.trainers.shapes_config import ShapesTrainConfig
     from jagg.infra.config_loader import load
 
@@ -141,20 +141,20 @@ def test_trainer_passes_on_policy_to_the_first_update_of_each_rollout(tmp_path, 
 def _audits_of(monkeypatch, path, sets: list[str], iterations: int) -> list[dict]:
     """The audit results (with the ``on_policy`` each was told) of ``iterations`` iterations of a shapes run of the
     config ``path`` (None: the defaults) and ``sets``."""
-    from jagg.trainers import base
-    from jagg.trainers.shapes import ShapesGRPO
+    from jagg.trainers import loop
+    from jagg.trainers.shapes_trainer import ShapesGRPO
     from jagg.trainers.shapes_config import ShapesTrainConfig
     from jagg.infra.config_loader import load
 
     seen = []
-    real = base.audit_parts
+    real = loop.audit_parts
 
     def spy(*args, **kw):
         out = real(*args, **kw)
         seen.append(dict(out[0], on_policy=kw["on_policy"]))
         return out
 
-    monkeypatch.setattr(base, "audit_parts", spy)
+    monkeypatch.setattr(loop, "audit_parts", spy)
     trainer = ShapesGRPO(load(ShapesTrainConfig, path, sets))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

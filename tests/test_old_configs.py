@@ -7,7 +7,7 @@ import pytest
 from jagg import EstimatorConfig
 from jagg.cli import main
 from jagg.infra import config_loader as configuration
-from jagg.trainers.base import check_resumable
+from jagg.trainers.resume import check_resumable
 from jagg.trainers.shapes_config import ShapesTrainConfig
 
 

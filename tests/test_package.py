@@ -101,6 +101,22 @@ def test_each_layer_imports_only_the_layers_below(layer, above):
     assert not offenders, offenders
 
 
+def test_the_loop_stands_below_the_two_trainers():
+    """Inside jagg.trainers the rooms both trainers share stand below them: the loop (loop), the data it passes along
+    (rollout) and the resume checks (resume) import neither trainer, nor a trainer's config, auto or the side-by-side
+    measurement; rollout and resume import no other room of the loop."""
+    graph = _graph()
+    trainers = tuple(f"jagg.trainers.{m}" for m in ("shapes_trainer", "shapes_config", "diffusers_trainer",
+                                                    "diffusers_config", "auto", "side_by_side"))
+    below = {"jagg.trainers.loop": trainers,
+             "jagg.trainers.rollout": trainers + ("jagg.trainers.loop", "jagg.trainers.resume"),
+             "jagg.trainers.resume": trainers + ("jagg.trainers.loop", "jagg.trainers.rollout")}
+    assert set(below) <= set(graph), sorted(set(below) - set(graph))
+    offenders = [f"{m} -> {n}" for m, forbidden in below.items() for n in graph[m] if n.startswith(forbidden)]
+    assert not offenders, offenders
+    assert "jagg.trainers.rollout" in graph["jagg.trainers.loop"]            # the rule sees the imports
+
+
 def test_nothing_in_the_package_imports_the_cli_or_the_lab():
     """`jagg.cli` is the entry point only (the shared arguments live in jagg.arguments), and the lab (lab/, not
     installed) imports the package, never the reverse."""

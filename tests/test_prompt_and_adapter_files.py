@@ -102,7 +102,7 @@ def adapter(sd3_dir, tmp_path_factory):
     """A rank-2 LoRA adapter of the tiny SD3 in both formats (jagg's save_adapter)."""
     from diffusers import SD3Transformer2DModel
 
-    from jagg.integrations.adapters import save_adapter
+    from jagg.integrations.lora_files import save_adapter
     from jagg.integrations.config import LoraSettings
     from jagg.integrations.policy import add_lora
 
@@ -140,7 +140,7 @@ def test_a_bad_adapter_file_is_refused_before_the_model_loads(tmp_path, sd3_dir,
     import shutil
 
     from jagg.cli import main
-    from jagg.trainers import diffusers as real_train
+    from jagg.trainers import diffusers_trainer as real_train
     from tiny_runs import write_sd3_config
 
     loads = []

@@ -25,7 +25,7 @@ from tiny_runs import free_port  # noqa: E402
 from jagg.cli import main  # noqa: E402
 from jagg.integrations.model_dir import check_model  # noqa: E402
 from jagg.integrations.config import PipelineConfig  # noqa: E402
-from jagg.trainers import diffusers as real_train  # noqa: E402
+from jagg.trainers import diffusers_trainer as real_train  # noqa: E402
 
 TRAIN = [{"prompt": "a red cube", "tag": "colors", "include": [{"class": "cube", "count": 1}]},
          {"prompt": "a blue ball", "tag": "colors", "include": [{"class": "ball", "count": 1}]},

@@ -33,7 +33,7 @@ from tiny_runs import SD3_PROMPTS, assert_same_update, free_port, records, write
 
 from jagg.cli import main  # noqa: E402
 from jagg.integrations import VelocityConfig, velocity_adapter  # noqa: E402
-from jagg.trainers import diffusers as real_train, diffusers_config as train_config  # noqa: E402
+from jagg.trainers import diffusers_trainer as real_train, diffusers_config as train_config  # noqa: E402
 
 
 @pytest.fixture
@@ -312,7 +312,7 @@ def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_
 def test_sampling_pieces_do_not_depend_on_the_process_count():
     """The SDE noise is seeded per sampling piece (global start): with shards that are whole pieces, 1 and 2 processes
     sample the same pieces; otherwise the pieces are cut at the shard edge, and no two share a start (a seed)."""
-    from jagg.trainers.diffusers import sampling_pieces
+    from jagg.trainers.diffusers_trainer import sampling_pieces
     from jagg.infra.distributed import shard
 
     one = sampling_pieces(shard(8, 0, 1), 2)
@@ -320,6 +320,22 @@ def test_sampling_pieces_do_not_depend_on_the_process_count():
     assert one == two == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
     cut = [p for r in (0, 1) for p in sampling_pieces(shard(6, r, 2), 4)]
     assert cut == [slice(0, 3), slice(3, 4), slice(4, 6)] and len({p.start for p in cut}) == len(cut)
+
+
+def test_the_hooks_train_in_memory_as_the_trainer_does(tmp_path, sd3_dir):
+    """DiffusersGRPO is the diffusers trainer's hooks without a run directory, as ShapesGRPO is the shapes trainer's:
+    its iterations write nothing and are the trainer's (the same rewards, losses and trained weights)."""
+    cfg = train_config.load_config(write_sd3_config(tmp_path, sd3_dir), [f"log.output_dir={tmp_path / 'run'}"])
+    grpo = real_train.DiffusersGRPO(cfg)
+    in_memory = [grpo.step() for _ in range(2)]
+    assert not (tmp_path / "run").exists() and grpo.logger is None
+    trainer = real_train.DiffusersTrainer(cfg)
+    in_run = [trainer.step() for _ in range(2)]
+    for got, want in zip(in_memory, in_run):
+        assert got["reward_mean"] == want["reward_mean"] and got["loss"] == want["loss"]
+        assert got["trained_samples"] == want["trained_samples"] == 4 and got["updates"] == want["updates"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(grpo.params, trainer.params))
+    assert not torch.equal(grpo.params[-1], real_train.DiffusersSampler(cfg).params[-1])   # they trained
 
 
 def test_audit_and_unbiased_jagg_on_a_real_model(tmp_path, sd3_dir, captured):

@@ -74,7 +74,7 @@ def test_every_path_runs_the_same_checks(tmp_path, tiny_ckpt, capsys, monkeypatc
         argv = ["train", *[a for s in sets for a in ("--set", s)]]
         printed = refused(main, [*argv, "--print-config"], capsys, culprit)
         assert refused(main, [*argv, "--output-dir", str(tmp_path / "run")], capsys, culprit) == printed
-    from jagg.bench import meter as bench_meter
+    from jagg.bench import meter_command as bench_meter
 
     monkeypatch.setattr(bench_meter, "measure", lambda *a, **k: pytest.fail("computed before the arguments' checks"))
     refused(main, ["bench", "meter", "--quick", "--by-interval", "w:window=3,knots=nosuch"], capsys, "knots")
@@ -253,7 +253,7 @@ GOOD = {"costs": [{"model": "sd35m", "resolution": 512, "b_over_f": 1.7}], "conf
     ([GOOD], "must hold a JSON object"),
 ])
 def test_gpu_bench_json_is_checked_by_key_in_both_benches(data, culprit, tmp_path, capsys, monkeypatch):
-    from jagg.bench import meter as bench_meter
+    from jagg.bench import meter_command as bench_meter
     from jagg.cost import PRESETS, resolve
 
     path = tmp_path / "gpu.json"

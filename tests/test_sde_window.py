@@ -12,7 +12,7 @@ from tiny_runs import real_model_config, tiny_train_args
 from jagg import EstimatorConfig
 from jagg.cli import main
 from jagg.trainers.diffusers_config import load_config
-from jagg.trainers.shapes import ShapesSampler
+from jagg.trainers.shapes_trainer import ShapesSampler
 from jagg.trainers.shapes_config import ShapesTrainConfig
 from jagg.infra import config_loader as configuration
 from jagg.infra.checkpoint import load_latest

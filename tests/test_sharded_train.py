@@ -31,7 +31,7 @@ from tiny_runs import accelerate_env, assert_same_update, free_port, records, wr
 from jagg.cli import main  # noqa: E402
 from jagg.infra.engine import EngineSettings, resolve_engine  # noqa: E402
 from jagg.infra.launch import HANDLED, LaunchSettings, read_launch  # noqa: E402
-from jagg.trainers.diffusers import engine_for  # noqa: E402
+from jagg.trainers.diffusers_trainer import engine_for  # noqa: E402
 from jagg.infra.shards import read_whole  # noqa: E402
 from jagg.trainers.diffusers_config import load_config  # noqa: E402
 from jagg.trainers.trained_run import load_trained  # noqa: E402

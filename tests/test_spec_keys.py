@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from command_line import refused
-from jagg.bench import meter as bench_meter
+from jagg.bench import meter_command as bench_meter
 from jagg.checks import parse_spec
 from jagg.cli import main
 

@@ -52,7 +52,7 @@ def test_a_run_reports_hacking_signs_warns_once_and_draws_a_before_after_compari
     """Every evaluation logs the signs of reward hacking; a collapse warning is printed once per kind, however often
     it fires; the end of the run writes samples/comparison.png (the starting model above the trained one, same prompts
     and noise) with its captions."""
-    import jagg.trainers.shapes as shapes
+    import jagg.trainers.shapes_trainer as shapes_trainer
 
     calls = []
 
@@ -60,7 +60,7 @@ def test_a_run_reports_hacking_signs_warns_once_and_draws_a_before_after_compari
         calls.append((len(evals), drop, empty, background))
         return ["the held-out reward fell to 0.1, more than 0.05 below its best 0.2"] if len(evals) >= 2 else []
 
-    monkeypatch.setattr(shapes, "collapse_warnings", fake_warnings)
+    monkeypatch.setattr(shapes_trainer, "collapse_warnings", fake_warnings)
     assert main(tiny_train_args(tiny_ckpt, tmp_path, 4, "eval.every=1", "eval.warn_empty=0.2")) == 0
     evals = [r for r in records(tmp_path) if r["kind"] == "eval"]
     for r in evals:

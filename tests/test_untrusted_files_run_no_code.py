@@ -116,7 +116,7 @@ def test_numpy_floats_of_earlier_checkpoints_still_load(tmp_path):
 
 def test_a_hostile_prompt_cache_is_refused(tmp_path):
     """``pipeline.prompt_cache`` as ``.pt``: the same load, the same refusal; a file that is no torch file names it."""
-    from jagg.integrations.velocity import PromptEmbeddings
+    from jagg.integrations.velocity_adapters import PromptEmbeddings
 
     marker = tmp_path / "ran"
     with pytest.raises(ValueError, match=r"cache\.pt is refused: it holds exec,"):

@@ -157,7 +157,7 @@ def test_counts_that_fit_still_load_and_the_diffusers_config_checks_them_too(tmp
 
 
 def test_bench_meter_names_the_estimator_whose_rates_do_not_fit(tmp_path, capsys, monkeypatch):
-    from jagg.bench import meter as bench_meter
+    from jagg.bench import meter_command as bench_meter
 
     monkeypatch.setattr(bench_meter, "measure", lambda *a, **k: pytest.fail("measured before the estimators' checks"))
     refused(main, ["bench", "meter", "--quick", "--estimator", "r3:correction_probs=[0.1,0.2,0.3]"], capsys,

@@ -32,7 +32,7 @@ from jagg.integrations import (LoraSettings, PipelineConfig, Policy, PromptEmbed
                                add_lora, save_lora, velocity_adapter)
 from jagg.integrations.schedules import default_shift  # noqa: E402
 from jagg.rewards.registry import get_reward, jpeg_compressibility  # noqa: E402
-from jagg.trainers import diffusers as real_train  # noqa: E402
+from jagg.trainers import diffusers_trainer as real_train  # noqa: E402
 from jagg.infra.metrics import save_grid  # noqa: E402
 
 C, L, D = 4, 5, 16                     # latent channels, text tokens, text width (tiny_pipelines')

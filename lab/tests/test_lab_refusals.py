@@ -74,7 +74,7 @@ def _interrupt(*a, **k):
 
 
 @pytest.mark.parametrize("tool,target", [("paired", "lab.paired.generate"),
-                                         ("quality", "jagg.trainers.shapes.load_model")])   # a run's setup
+                                         ("quality", "jagg.trainers.shapes_trainer.load_model")])   # a run's setup
 def test_ctrl_c_anywhere_is_one_line_and_exit_130(tool, target, tmp_path, tiny_ckpt, capsys, monkeypatch):
     monkeypatch.setattr(target, _interrupt)
     argv = {"paired": ["paired", tiny_ckpt, tiny_ckpt, "--quick"],

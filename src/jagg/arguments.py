@@ -14,7 +14,7 @@ from .checks import number_arg
 def run_command(command: str, run: Callable, args) -> int:
     """``run(args)`` as the command ``command`` (e.g. ``"jagg train"``) ends for a user: a refusal (bad input, a run
     directory or file that may not be used: ``ValueError``, ``OSError``) is one line on stderr and exit 2 (under a
-    launcher repeated after the launcher's report), a run that aborted (:class:`jagg.trainers.base.TrainingAborted`)
+    launcher repeated after the launcher's report), a run that aborted (:class:`jagg.trainers.loop.TrainingAborted`)
     one line and exit 1, out of memory one line and exit 2, Ctrl-C one line and exit 130; anything else is a bug and
     keeps its traceback."""
     try:
@@ -31,7 +31,7 @@ def run_command(command: str, run: Callable, args) -> int:
               file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from .trainers.base import TrainingAborted
+        from .trainers.loop import TrainingAborted
 
         if isinstance(e, TrainingAborted):
             print(f"{command}: aborted: {one_screen(str(e))}", file=sys.stderr)

@@ -135,7 +135,7 @@ def _check_wandb(cfg) -> None:
 
 def _train(args) -> int:
     """``jagg train``: the config (the main job by default; a ``pipeline:`` section: a real diffusers model), printed
-    (``--print-config``) or trained by its trainer's ``run`` (:meth:`jagg.trainers.base.GRPOTrainer.run`)."""
+    (``--print-config``) or trained by its trainer's ``run`` (:meth:`jagg.trainers.loop.GRPOTrainer.run`)."""
     overrides = list(args.set or [])
     if args.output_dir is not None:                  # '' is refused by log.output_dir's check, not ignored
         overrides.append(f"log.output_dir={args.output_dir}")
@@ -144,7 +144,7 @@ def _train(args) -> int:
         print(_config_keys(config, overrides))
         return 0
     data = configuration.read_yaml(config)       # read once
-    real = "pipeline" in data                    # a real diffusers model (has_pipeline_section): jagg.trainers.diffusers
+    real = "pipeline" in data                    # a real diffusers model (has_pipeline_section): jagg.trainers.diffusers_trainer
     load = lambda: configuration.load(DiffusersTrainConfig if real else ShapesTrainConfig, overrides=overrides,
                                       data=data)
     if args.print_config:                        # a required input left unset is marked, not refused
@@ -157,9 +157,9 @@ def _train(args) -> int:
     cfg = load()
     _check_wandb(cfg)
     if real:
-        from .trainers.diffusers import DiffusersTrainer as Trainer
+        from .trainers.diffusers_trainer import DiffusersTrainer as Trainer
     else:
-        from .trainers.shapes import ShapesTrainer as Trainer
+        from .trainers.shapes_trainer import ShapesTrainer as Trainer
     # --resume: the run's checkpoint must be there; --resume-or-start: or no run at all (a new one starts)
     Trainer.run(cfg, resume=args.resume or args.resume_or_start, require_checkpoint=args.resume,
                 overwrite=args.overwrite)
@@ -395,7 +395,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``jagg``: a refusal (bad input, a run directory or file that may not be used) is one line and exit 2, a run
-    that aborted (:class:`jagg.trainers.base.TrainingAborted`) one line and exit 1, Ctrl-C one line and exit 130
+    that aborted (:class:`jagg.trainers.loop.TrainingAborted`) one line and exit 1, Ctrl-C one line and exit 130
     (``jagg train``'s loop itself finishes the iteration, saves and exits 0): :func:`jagg.arguments.run_command`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)

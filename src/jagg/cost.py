@@ -111,7 +111,7 @@ KEYS = ("B_F", "cfg_rollout", "cfg_train", "rollout_steps", "train_steps", "mode
 def job_structure(sample) -> CostStructure:
     """The cost structure of a shapes job (its ``sample:`` section), what ``--cost KEY=VALUE,...`` starts from: its
     sampling and trained steps, its guidance (2 branches per forward above a scale of 1, the unconditional one without
-    grad in training, as :class:`jagg.shapes.velocity.GuidedVelocity` runs it) and the cost model's B/F of 2."""
+    grad in training, as :class:`jagg.shapes.guided_velocity.GuidedVelocity` runs it) and the cost model's B/F of 2."""
     window = tuple(sample.sde_window) if sample.sde_window else None
     steps = select_train_steps(sample.num_steps, sample.timestep_fraction, window)[0]
     return CostStructure("custom", B_F=2.0, cfg_rollout=2 if sample.guidance_scale > 1 else 1, cfg_train=1,

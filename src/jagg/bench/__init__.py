@@ -41,7 +41,7 @@ def add_tools(sub, modules) -> None:
 
 def add_bench_parser(sub) -> None:
     """Add ``bench`` and its sub-commands to the ``jagg`` argparse sub-parsers ``sub``."""
-    from . import meter, speed
+    from . import meter_command, speed_command
 
     b = sub.add_parser(
         "bench", help="decide on your model: meter (which estimator pays), speed (seconds per training phase)",
@@ -52,4 +52,4 @@ def add_bench_parser(sub) -> None:
                     "Each has --quick (a smoke-sized run) and --json PATH. See docs/benchmarks.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     bsub = b.add_subparsers(dest="bench_command", required=True, metavar="{meter,speed}")
-    add_tools(bsub, [meter, speed])
+    add_tools(bsub, [meter_command, speed_command])

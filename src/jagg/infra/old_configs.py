@@ -4,7 +4,7 @@ or added since, and values retired since.
 A config file or ``--set`` with an old key name is refused naming the new one, and a retired value with what to give
 instead (:func:`refuse_old_names`, which :func:`jagg.infra.config_loader.from_dict` calls once per mapping); a
 checkpoint's saved config is read as today's keys before ``--resume`` compares it with the current config
-(:func:`upgrade_saved_config`, which :func:`jagg.trainers.base.check_resumable` calls). Keys are dotted, as a trainer
+(:func:`upgrade_saved_config`, which :func:`jagg.trainers.resume.check_resumable` calls). Keys are dotted, as a trainer
 config nests them (``estimator.meter_every``).
 """
 

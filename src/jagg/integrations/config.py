@@ -1,7 +1,7 @@
 """The ``pipeline:`` section of a real-model config: which diffusers model, how it samples, how it trains.
 
 :class:`PipelineConfig` (the model, its sampler and guidance), :class:`LoraSettings` (its ``lora:`` sub-section:
-LoRA or full fine-tuning) and :class:`VelocityConfig` (how :mod:`jagg.integrations.velocity` turns a transformer into
+LoRA or full fine-tuning) and :class:`VelocityConfig` (how :mod:`jagg.integrations.velocity_adapters` turns a transformer into
 a velocity callable; derived from the pipeline section). Every value is checked when the object is built, with an
 error naming the key. Plain dataclasses: nothing here imports diffusers.
 

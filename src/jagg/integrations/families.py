@@ -2,7 +2,7 @@
 :mod:`jagg.integrations` (and the cost model) knows about a family is read from its record.
 
 A new diffusers DiT is one more record in :data:`FAMILIES` (:func:`register_family` for one defined outside jagg),
-plus its velocity adapter in :mod:`jagg.integrations.velocity` if no existing one fits (a transformer another family
+plus its velocity adapter in :mod:`jagg.integrations.velocity_adapters` if no existing one fits (a transformer another family
 already has needs none). Plain data: nothing here imports torch or diffusers.
 
 LoRA defaults are Flow-GRPO's (``scripts/train_sd3.py``, ``scripts/train_flux.py``,
@@ -51,7 +51,7 @@ class Family:
             ``calculate_shift``, ``compute_empirical_mu``) say how the pipeline's ``__call__`` calls its scheduler.
         transformer_class: the diffusers transformer class, by which :func:`jagg.integrations.model_family`
             recognises a bare transformer (the first record that names it).
-        adapter: the velocity adapter, a class of :mod:`jagg.integrations.velocity` (it also embeds the prompts:
+        adapter: the velocity adapter, a class of :mod:`jagg.integrations.velocity_adapters` (it also embeds the prompts:
             the adapter's ``encode``).
         lora_rank, lora_alpha, lora_targets: the LoRA defaults (module docstring).
         packed: the network takes 2x2-packed latent tokens (the adapter is a ``PackedVelocity``) and the pipeline

@@ -26,7 +26,7 @@ from ..checks import check_output_file
 from ..infra.prompt_sets import read_prompt_set
 from .config import DTYPES, PipelineConfig, load_pipeline_config
 from .model_dir import ModelFiles, check_model, check_model_dir  # noqa: F401  (check_model_dir: re-exported)
-from .velocity import encode_prompts
+from .velocity_adapters import encode_prompts
 
 TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
 

@@ -11,7 +11,7 @@
 The policy holds the transformer and its trainable weights (LoRA adapters, or every weight for full fine-tuning,
 optionally as fp32 master weights), the KL reference (the same network with the adapters switched off, or a frozen
 copy of the initial weights), the prompt embeddings, the sampler's latent shape and sigmas, the velocity callable
-(:mod:`jagg.integrations.velocity`) and the VAE that decodes rollouts. It unwraps the transformer once, at
+(:mod:`jagg.integrations.velocity_adapters`) and the VAE that decodes rollouts. It unwraps the transformer once, at
 construction; a DDP / FSDP / accelerate wrapper put in ``policy.transformer`` afterwards is what the velocity
 callables call.
 
@@ -19,8 +19,8 @@ The free functions (:func:`add_lora`, :func:`full_finetune`, :func:`frozen_copy`
 :func:`reference_velocity`) are the same operations on a bare transformer, for your own loop. Adapters are added with
 diffusers' own ``transformer.add_adapter(LoraConfig)``, so the transformer keeps its class (forward signature,
 ``config``, ``enable_gradient_checkpointing``); their files, in diffusers' and in peft's format
-(:func:`~jagg.integrations.adapters.save_adapter`, :func:`~jagg.integrations.adapters.load_adapter`), are
-:mod:`jagg.integrations.adapters`'.
+(:func:`~jagg.integrations.lora_files.save_adapter`, :func:`~jagg.integrations.lora_files.load_adapter`), are
+:mod:`jagg.integrations.lora_files`'.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .adapters import load_adapter, save_adapter
+from .lora_files import load_adapter, save_adapter
 from .config import DTYPES, LoraSettings, PipelineConfig
 from .model_dir import ModelFiles
 from .pipeline import TEXT_COMPONENTS, load_pipeline
 from .schedules import dance_sigmas, default_shift, pipeline_sigmas
-from .velocity import (PromptEmbeddings, TransformerVelocity, adapter_class, encode_prompts, model_family,
-                       unwrap_model)
+from .velocity_adapters import (PromptEmbeddings, TransformerVelocity, adapter_class, encode_prompts,
+                                model_family, unwrap_model)
 
 # ----------------------------------------------------------------------------------------------------------------
 # trainable weights, reference, adapter files (on a bare or wrapped transformer)
@@ -59,7 +59,7 @@ def add_lora(transformer: nn.Module, settings: LoraSettings, family: str | None 
     """Freeze ``transformer`` and add a trainable LoRA adapter ("default"). Returns the trainable parameters.
 
     With ``settings.path`` the adapter is loaded from a directory saved by
-    :func:`jagg.integrations.adapters.save_adapter` (or any diffusers or peft LoRA of the family) instead.
+    :func:`jagg.integrations.lora_files.save_adapter` (or any diffusers or peft LoRA of the family) instead.
     """
     model = unwrap_model(transformer)
     return _add_lora(model, settings, family or model_family(model))
@@ -422,7 +422,7 @@ class Policy:
         return decode_latents(self.vae, latents)
 
     def save_adapter(self, directory: str | Path, state: dict[str, Tensor] | None = None) -> Path:
-        """Write the LoRA adapter in both formats (:func:`jagg.integrations.adapters.save_adapter`):
+        """Write the LoRA adapter in both formats (:func:`jagg.integrations.lora_files.save_adapter`):
         ``<Pipeline>.load_lora_weights(directory)``, ``PeftModel.from_pretrained(transformer, directory)`` and
         ``pipeline.lora.path`` read it. ``state``: weights by parameter name to write instead (the EMA's, or the
         weights gathered from FSDP's shards)."""

@@ -1,11 +1,11 @@
 """The embedded task: the "shapes" world, a procedural text-to-image task with a verifiable GenEval-like reward
 (docs/world.md), its TinyDiT and guided velocity, pretraining and evaluation (its GRPO trainer, the main job's, is
-:mod:`jagg.trainers.shapes`).
+:mod:`jagg.trainers.shapes_trainer`).
 
 Importing this package loads the world only (scene grammar, renderer, tokenizer) and registers its reward as
 ``geneval`` (:mod:`jagg.rewards.registry`); the other modules load on demand:
-``scene``, ``render``, ``tokenizer`` (the world), ``data`` (pretraining batches), ``dit`` and ``velocity`` (the model and
-its classifier-free-guided velocity callable), ``weights`` (the shipped checkpoint and checkpoint loading),
+``scene``, ``render``, ``tokenizer`` (the world), ``data`` (pretraining batches), ``dit`` and ``guided_velocity`` (the
+model and its classifier-free-guided velocity callable), ``weights`` (the shipped checkpoint and checkpoint loading),
 ``geneval`` (the reward), ``pretrain``, ``evaluation``."""
 
 from . import geneval, tokenizer          # geneval registers the reward 'geneval'

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .velocity import GuidedVelocity
+from .guided_velocity import GuidedVelocity
 from ..schedule import flow_sigmas
 from ..trajectory import sample_ode
 from . import from_tensor, parse_prompt, test_prompts, tokenizer, uses_held_out

@@ -6,7 +6,7 @@ at the same parameters, the gradients of the candidates (``estimator.candidates`
 measurement costs only the candidates' rows and no exact progress is lost: a run whose measurement picks exact is,
 update for update, an exact run from iteration 0. Every update position of the rollout (the on-policy first update and
 the off-policy ones after it) is measured once per iteration, and the meter's records of each position
-(:func:`jagg.trainers.metering.position_records`: the error against the update's noise across the measured
+(:func:`jagg.trainers.side_by_side.position_records`: the error against the update's noise across the measured
 iterations, and the iteration ratio measured beside it) go to the meter's verdict (:func:`jagg.verdict.verdict`): a
 candidate only when its range is known and its low end clears exact's progress per second by
 ``estimator.preflight_margin`` at every position; otherwise exact.
@@ -40,7 +40,7 @@ from ..estimator_config import EstimatorConfig
 from ..infra.atomic import write_json
 from ..infra.distributed import gather_objects
 from ..verdict import position_failure, signal_note, verdict
-from .metering import layout_linearity, position_records
+from .side_by_side import layout_linearity, position_records
 from .sections import auto_candidates, steps_source, trained_steps
 
 RECORD_KEYS = ("estimator", "update", "rows_per_sample", "error_to_noise", "error_to_noise_se", "bias_to_noise",
@@ -152,7 +152,7 @@ def _nanmean(values: list[float]) -> float:
 
 
 class AutoEstimator:
-    """``estimator.mode: auto`` in a trainer (a :class:`jagg.trainers.base.GRPO`, mixed in before it): the hooks the
+    """``estimator.mode: auto`` in a trainer (a :class:`jagg.trainers.loop.GRPO`, mixed in before it): the hooks the
     loop calls: :meth:`decide_estimator` before the first iteration, :meth:`beside` after each update's gradient and
     :meth:`iteration_done` after each iteration (module docstring)."""
 

@@ -7,7 +7,7 @@ A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``c
 the prompts file and the batch), ``estimator:``, ``optim:``, ``grpo:``, ``reward:`` or ``reward_server:``, ``log:``
 (:class:`DiffusersLogSection`), ``distributed:`` (:class:`DistributedSection`, several processes), and ``seed``,
 ``threads``. Each value is checked when the config is built, with an error
-naming the key; the trainer is :mod:`jagg.trainers.diffusers`.
+naming the key; the trainer is :mod:`jagg.trainers.diffusers_trainer`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (the prompt files are read when the config loads): the model directory and what the ``pipeline:`` section asks of it
 (:func:`jagg.integrations.model_dir.check_model`: config files of the expected shape, the resolution and frame count
 against the transformer's position embeddings, the embedded guidance), the starting adapter ``pipeline.lora.path`` in
-either format (:func:`jagg.integrations.adapters.check_adapter`: its weights file's header readable, LoRA tensors in
+either format (:func:`jagg.integrations.lora_files.check_adapter`: its weights file's header readable, LoRA tensors in
 it, the rank of ``pipeline.lora.rank``), the prompt-embedding cache, and a reward server's reachability (one ``GET
 /health`` with a short timeout). Each problem is one error naming the key; nothing is written.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..integrations.adapters import check_adapter
+from ..integrations.lora_files import check_adapter
 from ..integrations.model_dir import ModelFiles, check_model
 from ..rewards.client import RewardClient, RewardServerError
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ..checks import (FLOAT32_MAX, Keys, check_group_size, check_positive, check_sde_steps, check_sde_type,
                       check_sde_window_schedule, check_threads)
 from ..estimator_config import EstimatorConfig
+from ..knots import check_layout
 from ..rewards.registry import check_spec
 from ..infra.config_loader import helped
 from ..infra.wandb_run import WANDB_MODES
@@ -116,7 +117,7 @@ def trained_steps(sample, num_steps: int) -> int:
 
 def steps_source(sample, num_steps_key: str, num_steps: int) -> str:
     """Where an iteration's trained steps come from, as the keys say it (``sample.num_steps=10, sample.sde_window=[0,
-    8]``), for the messages of :func:`check_layout`."""
+    8]``), for the messages of :func:`check_estimator_fits`."""
     parts = [f"{num_steps_key}={num_steps}"]
     if sample.sde_window:
         parts.append(f"sample.sde_window={list(sample.sde_window)}")
@@ -131,39 +132,37 @@ def check_run(sample, estimator: EstimatorConfig, num_steps: int, num_steps_key:
               keys: Keys = SAMPLE_KEYS) -> None:
     """The checks of a run's steps that need more than one section, in one call: with ``eta``, the ``sample:``
     section's SDE and trained steps among ``num_steps`` (:meth:`SampleBatch.check_steps`, ``keys`` naming the
-    settings); then the estimator's counts against the trained steps (:func:`check_layout`; ``num_steps_key`` names
-    where ``num_steps`` is set)."""
+    settings); then the estimator's counts against the trained steps (:func:`check_estimator_fits`;
+    ``num_steps_key`` names where ``num_steps`` is set)."""
     if eta is not None:
         sample.check_steps(num_steps, eta, keys)
-    check_layout(estimator, trained_steps(sample, num_steps), steps_source(sample, num_steps_key, num_steps))
+    check_estimator_fits(estimator, trained_steps(sample, num_steps), steps_source(sample, num_steps_key, num_steps))
 
 
-def check_layout(e: EstimatorConfig, K: int, steps: str) -> None:
+def check_estimator_fits(e: EstimatorConfig, K: int, steps: str) -> None:
     """Raise, naming the key, when a count of the estimator is larger than what it counts in a run whose trajectories
     have ``K`` trained steps (``steps`` says where ``K`` comes from): :func:`jagg.knots.check_layout`, which
     :func:`jagg.policy_gradient` runs too. Checked at load, before a run directory exists (at the first update it
     would fail after run.json, metrics.jsonl and tensorboard/ were written)."""
-    from ..knots import check_layout as check_counts
-
     if e.mode == "auto":                                # mode auto: every candidate, named (auto_candidates)
         auto_candidates(e, K, steps)
         return
-    check_counts(e, K, steps, "estimator.")
+    check_layout(e, K, steps, "estimator.")
 
 
 def auto_candidates(e: EstimatorConfig, K: int, steps: str) -> tuple[dict[str, EstimatorConfig], dict[str, str]]:
     """``estimator.mode: auto``'s estimators for a run of ``K`` trained steps (``steps``: where ``K`` comes from):
-    ``({name: config}`` of exact and the candidates whose layout fits (:func:`check_layout`), ``{name: why}`` of the
-    others``)``. The default list (:data:`jagg.estimator_config.DEFAULT_CANDIDATES`) adapts to the job: a default
-    candidate that does not fit is left out, with why; a list the config gives is checked: one that does not fit is an
-    error naming it."""
+    ``({name: config}`` of exact and the candidates whose layout fits (:func:`check_estimator_fits`), ``{name:
+    why}`` of the others``)``. The default list (:data:`jagg.estimator_config.DEFAULT_CANDIDATES`) adapts to the
+    job: a default candidate that does not fit is left out, with why; a list the config gives is checked: one that
+    does not fit is an error naming it."""
     from ..estimator_config import DEFAULT_CANDIDATES
 
     specs = {spec.partition(":")[0]: spec for spec in e.candidates}
     fitting, left_out = {}, {}
     for name, cand in e.candidate_configs().items():
         try:
-            check_layout(cand, K, steps)
+            check_estimator_fits(cand, K, steps)
             fitting[name] = cand
         except ValueError as err:
             if e.candidates != list(DEFAULT_CANDIDATES):

@@ -1,7 +1,7 @@
 """The trained weights of a real-model checkpoint, exported beside it in the formats their users load.
 
 With LoRA, ``checkpoints/adapter_<n>/`` holds the adapter in diffusers' and in peft's format
-(:func:`jagg.integrations.adapters.save_adapter`): ``pipe.load_lora_weights(dir)`` and
+(:func:`jagg.integrations.lora_files.save_adapter`): ``pipe.load_lora_weights(dir)`` and
 ``PeftModel.from_pretrained(transformer, dir)`` read it, and so does ``pipeline.lora.path``. With full fine-tuning,
 ``checkpoints/transformer_<n>/`` holds the transformer written by its own ``save_pretrained``
 (``<Transformer>.from_pretrained(dir)``). With an EMA (``optim.ema_decay > 0``) the EMA's weights are exported the

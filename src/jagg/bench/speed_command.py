@@ -11,12 +11,12 @@ forward/backward times of one micro-batch, forward/backward row counts, and peak
 
 Models:
 - ``tiny_dit``: the embedded TinyDiT (``builtin:tiny_dit``, or a random one if the asset is missing) through
-  :class:`jagg.shapes.velocity.GuidedVelocity` with classifier-free guidance;
+  :class:`jagg.shapes.guided_velocity.GuidedVelocity` with classifier-free guidance;
 - ``sd3``: a diffusers ``SD3Transformer2DModel`` from a small config with random weights, through the
   project's adapter ``jagg.integrations.velocity_adapter`` with the same guidance scheme (skipped with a
   message when diffusers is not installed);
 - ``config`` (with ``--config``, added to the default models): the user's model at its real size, the trainer's
-  own sampler of that config (:func:`jagg.bench.meter.make_sampler`: for a ``pipeline:`` section the diffusers
+  own sampler of that config (:func:`jagg.bench.meter_command.make_sampler`: for a ``pipeline:`` section the diffusers
   pipeline's transformer with its LoRA or trainable weights, on ``pipeline.device``, its guidance as the trainer
   trains it). Its trajectory is the first ``--batch`` samples of one of the trainer's rollouts: the config's
   sampling steps and trained steps (``pipeline.num_steps``, ``sample.timestep_fraction``, ``sde_window``), not
@@ -37,7 +37,7 @@ from ..checks import check_count, number_arg
 from ..estimator_config import INTERMEDIATES, KNOTS, EstimatorConfig
 from ..estimator import GradientStats, policy_gradient
 from ..schedule import flow_sigmas
-from ..trainers.base import take
+from ..trainers.rollout import take
 from ..trajectory import Trajectory, VelocityFn, sample_trajectories
 from .common import (PeakMemory, json_if_asked, median, resolve_device, set_threads, table, timed)
 from ..cost import estimator_limit
@@ -147,7 +147,7 @@ class Subject:
 def _tiny_dit(cfg: SpeedConfig, device: torch.device, gen: torch.Generator):
     from ..shapes.weights import load_model
     from ..shapes.dit import DiTConfig, TinyDiT
-    from ..shapes.velocity import GuidedVelocity
+    from ..shapes.guided_velocity import GuidedVelocity
     from ..shapes import tokenizer, train_prompts
 
     name = "tiny_dit"
@@ -193,9 +193,9 @@ def _sd3(cfg: SpeedConfig, device: torch.device, gen: torch.Generator):
 
 
 def _from_config(cfg: SpeedConfig) -> Subject:
-    """The model of ``--config`` as its trainer builds it (:func:`jagg.bench.meter.make_sampler`) and the first
+    """The model of ``--config`` as its trainer builds it (:func:`jagg.bench.meter_command.make_sampler`) and the first
     ``--batch`` samples of one of its rollouts, with random advantages."""
-    from .meter import load_config, make_sampler
+    from .meter_command import load_config, make_sampler
 
     train = load_config(cfg.config, cfg.sets)
     sampler = make_sampler(train)
@@ -395,7 +395,7 @@ def check_config_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--config {args.config}: --models {' '.join(args.models)} leaves out config, the model of "
                          "--config, which would not be timed; add config to --models, or drop --config")
     if args.config is not None:
-        from .meter import load_config
+        from .meter_command import load_config
 
         load_config(args.config, list(args.set or []))
 

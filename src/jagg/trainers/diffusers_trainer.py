@@ -3,15 +3,21 @@ full weights.
 
 A YAML with a top-level ``pipeline:`` section (``configs/sd35_medium.yaml``, ``configs/flux_dev.yaml``; the config is
 :class:`jagg.trainers.diffusers_config.DiffusersTrainConfig`) makes ``jagg train --config X.yaml`` run
-:class:`DiffusersTrainer` instead of the shapes trainer. The loop is :class:`jagg.trainers.base.GRPOTrainer`'s; this
-trainer fills its hooks and asks one object for everything model specific, the
-:class:`jagg.integrations.policy.Policy` (prompts, sampler, velocity callable, KL reference, decoding, adapter
-files); the rollouts (model, trainable weights, prompts, reward, sampling) are :class:`DiffusersSampler`'s, which
-``jagg bench meter`` and ``python -m lab signal`` draw their batches with too. One iteration:
+:class:`DiffusersTrainer` instead of the shapes trainer. It is built as the shapes trainer
+(:mod:`jagg.trainers.shapes_trainer`) is, in three layers, each asking one object for everything model specific, the
+:class:`jagg.integrations.policy.Policy` (prompts, sampler, velocity callable, KL reference, decoding, adapter files):
 
-Before the model loads (and before the run directory is touched) :func:`jagg.trainers.load_checks.check_before_loading` checks
-the model directory against the config, the starting adapter and the reward server; the first screen is a header of
-what runs (:mod:`jagg.trainers.run_header`). One iteration:
+- :class:`DiffusersSampler`: the rollouts of a config (model, trainable weights, prompts, reward, sampling), what the
+  trainer draws its batches with and ``jagg bench meter`` and ``python -m lab signal`` too;
+- :class:`DiffusersGRPO`: the loop's hooks (:class:`jagg.trainers.loop.GRPO`) on a sampler: the engine of several
+  processes, each update's gradient from :func:`jagg.policy_gradient`, AdamW, an optional EMA; one iteration at a
+  time, in memory;
+- :class:`DiffusersTrainer`: that in a run directory (:class:`jagg.trainers.loop.GRPOTrainer`): the first screen,
+  checkpoints and their exported weights, resuming, the final export and the evaluation on the test set.
+
+Before the model loads (and before the run directory is touched) :func:`jagg.trainers.load_checks.check_before_loading`
+checks the model directory against the config, the starting adapter and the reward server; the first screen is a
+header of what runs (:mod:`jagg.trainers.run_header`). One iteration:
 
 1. pick ``prompts_per_iter`` prompts of ``sample.prompts_file`` (a ``.txt``, or a ``.jsonl`` with each prompt's
    metadata) and repeat each ``group_size`` times (the global batch of ``N`` trajectories); under torchrun /
@@ -74,8 +80,9 @@ from ..infra.engine import EngineSettings, make_engine, resolve_engine
 from ..infra.launch import LaunchSettings, read_launch
 from ..infra.metrics import plot_reward_curve, save_grid
 from .auto import AutoEstimator
-from .base import (RESUMABLE_CHANGES, GRPOTrainer, Iteration, Minibatch, Rollout, RolloutInputs, check_resumable,
-                   rollout_inputs, update_summary)
+from .loop import GRPO, GRPOTrainer
+from .resume import RESUMABLE_CHANGES, check_resumable
+from .rollout import Iteration, Minibatch, Rollout, RolloutInputs, rollout_inputs, update_summary
 from .diffusers_config import TRAINER_TAG, DiffusersTrainConfig
 from .diffusers_eval import evaluate_policy
 from .ema import EMA
@@ -129,7 +136,7 @@ def engine_for(cfg: DiffusersTrainConfig, launch: LaunchSettings, world: int) ->
 class DiffusersSampler:
     """The rollouts of a diffusers config: the trainer's and the benchmarks' (``jagg bench meter --config X.yaml``
     with a ``pipeline:`` section), which never opens a run directory; the interface of
-    :class:`jagg.trainers.shapes.ShapesSampler`.
+    :class:`jagg.trainers.shapes_trainer.ShapesSampler`.
 
     Builds, in this order: the reward (the server's or the local one, a preference model on the pipeline's device in
     its dtype unless its spec says otherwise), the model of ``pipeline:`` with its trainable parameters
@@ -166,7 +173,7 @@ class DiffusersSampler:
 
     def draw(self, iteration: int = 0) -> RolloutInputs:
         """The prompts, initial noise, trained steps and SDE mask of iteration ``iteration`` (it decides a sliding SDE
-        window: :func:`~jagg.trainers.base.rollout_inputs`)."""
+        window: :func:`~jagg.trainers.rollout.rollout_inputs`)."""
         return rollout_inputs(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
                                       self.gen, iteration)
 
@@ -220,19 +227,21 @@ class DiffusersSampler:
             p.grad = None
 
 
-class DiffusersTrainer(AutoEstimator, GRPOTrainer):
-    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX/Qwen-Image model (:class:`~jagg.trainers.base.GRPOTrainer`:
-    the run directory, ``resume``, ``overwrite``, ``require_checkpoint`` and the loop). Launch with torchrun /
-    accelerate for several processes (``WORLD_SIZE > 1``): the engine (:mod:`jagg.infra.engine`: DDP or FSDP2) comes
-    from ``distributed:`` and the launcher's settings (:mod:`jagg.infra.launch`)."""
+class DiffusersGRPO(AutoEstimator, GRPO):
+    """GRPO with :func:`jagg.policy_gradient` on a diffusers SD3/FLUX/Qwen-Image/Wan/FLUX.2 model, one iteration at a
+    time, in memory (:class:`~jagg.trainers.loop.GRPO`): the hooks on a :class:`DiffusersSampler`, the engine, AdamW,
+    the KL reference, an optional EMA and the RNGs of the minibatch order and of unbiased JAGG's picks. Launch with
+    torchrun / accelerate for several processes (``WORLD_SIZE > 1``): the engine (:mod:`jagg.infra.engine`: DDP or
+    FSDP2) comes from ``distributed:`` and the launcher's settings (:mod:`jagg.infra.launch`)."""
 
     cfg: DiffusersTrainConfig
     multiprocess = True
 
     def before_setup(self) -> None:
-        """What can be checked before the model loads and the run directory is used: the model directory against the
-        config, the starting adapter, the reward server (:func:`jagg.trainers.load_checks.check_before_loading`), then the
-        launcher's settings and the engine (:func:`engine_for`)."""
+        """What can be checked before the model loads (and, in a :class:`DiffusersTrainer`, before the run directory
+        is used): the model directory against the config, the starting adapter, the reward server
+        (:func:`jagg.trainers.load_checks.check_before_loading`), then the launcher's settings and the engine
+        (:func:`engine_for`)."""
         check_before_loading(self.cfg)
         if self.cfg.grpo.minibatches == GROUPS:               # a prompt group never straddles two processes
             check_groups_fit(self.cfg.sample.prompts_per_iter, self.cfg.grpo.updates_per_epoch, self.world)
@@ -241,7 +250,6 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.progress_label = f"GRPO {cfg.pipeline.family}"
         self.engine = make_engine(self.engine_settings, self.rank, self.world, cfg.pipeline.resolve_device())
         for line in self.engine_settings.notes:
             self._print(line)
@@ -249,6 +257,7 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         with quiet_loading() as held:
             self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size), checked=True,
                                                 place=self.engine.places_model)
+        self.loading_messages = held                           # what the loading said, held back (run_header)
         self.engine.wrap(s.policy)                # DDP: replicas start equal (rank 0's); FSDP: sharded
         s.named_params, s.params = s.policy.named_params, s.policy.params
         self.local, self.prompts, self.reward_fn, self.policy, self.device = (s.local, s.prompts, s.reward_fn,
@@ -256,20 +265,123 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         self.latent_shape, self.num_steps, self.named_params, self.params = (s.latent_shape, s.num_steps,
                                                                              s.named_params, s.params)
         self.pieces, self.np_rng, self.gen = s.pieces, s.np_rng, s.gen
-        if cfg.eval.enabled:                                   # the test prompts too, before anything runs
-            self.policy.require_prompts(cfg.eval.prompts()[0], cfg.eval.test_set.path)
         o = cfg.optim
         self.opt = o.optimizer(self.params)
         # per rank: the minibatch order and unbiased JAGG's picks (the sampler's: prompts, noise, SDE noise)
         self.perm_gen = torch.Generator().manual_seed(_seed(cfg.seed, 3, self.rank))
         self.pick_gen = torch.Generator().manual_seed(_seed(cfg.seed, 4, self.rank))   # unbiased JAGG's picks
         self.ema = EMA(self.named_params, o.ema_decay) if o.ema_decay > 0 else None   # after each optimizer step
+
+    # ------------------------------------------------------------------ one iteration
+    def rollout(self, draw: RolloutInputs) -> Rollout:
+        """Sample this rank's shard of the global batch (:meth:`DiffusersSampler.rollout`, SDE noise of this
+        iteration), in a region of the engine (its pieces may differ in number between ranks)."""
+        with self.engine.region():
+            return self.sampler.rollout(draw, self.iteration)
+
+    def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
+        return self.sampler.score(rollout)
+
+    def after_step(self) -> None:
+        if self.ema is not None:
+            self.ema.update()
+
+    def velocity(self, prompts):
+        return self.sampler.velocity(prompts)
+
+    def reference(self, prompts):
+        return self.sampler.reference(prompts)
+
+    def reference_rows(self, cond, traj, n: int):
+        """The KL reference velocities of the kept samples, in a region of the engine: every rank calls it, with
+        its own number of samples (possibly none)."""
+        with self.engine.region():
+            return super().reference_rows(cond, traj, n)
+
+    def audit(self, *args, **kwargs):
+        """The estimator audit of the main process's samples (:meth:`GRPO.audit`), its gradients not synchronised."""
+        with self.engine.local():
+            return super().audit(*args, **kwargs)
+
+    def minibatches(self, prompt_groups: torch.Tensor) -> list[torch.Tensor]:
+        """Shuffled samples from this process's generator; whole prompt groups from one global cut of every
+        process's kept groups, drawn by (seed, iteration, epoch) alike on every process: each update's global minibatch
+        is the same for any process count."""
+        U, cut = self.cfg.grpo.updates_per_epoch, self.update_cut()
+        if cut != GROUPS:
+            return [mb.sort().values for mb in cut_minibatches(prompt_groups, U, cut, self.perm_gen)]  # sets, in order
+        if getattr(self, "_cut_iteration", None) != self.iteration:
+            self._cut_iteration, self._cut_epoch = self.iteration, 0
+        self._cut_epoch += 1
+        gen = torch.Generator().manual_seed(_seed(self.cfg.seed, 5, self.iteration, self._cut_epoch))
+        kept = sorted(set(gather_objects(prompt_groups.unique().tolist())))           # every process's groups
+        return cut_minibatches(prompt_groups, U, cut, gen, torch.tensor(kept, dtype=prompt_groups.dtype))
+
+    def gradient(self, mb: Minibatch) -> dict:
+        """This rank's gradient of its part of the minibatch (possibly empty), averaged over the ranks by the engine
+        (each rank's loss scaled by :func:`jagg.infra.distributed.loss_scale`), and the statistics of the whole
+        minibatch."""
+        n = mb.size
+        n_global = int(self._sum([n])[0])
+        if n_global == 0:
+            return {}
+        names = ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl")
+        counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "intervals", "intervals_jagg")
+        local = [0.0] * (len(names) + len(counts))
+        with self.engine.update() as backward_context:
+            if n:
+                st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
+                                     ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
+                                     backward_context=backward_context, prompt_groups=mb.prompt_groups,
+                                     generator=self.pick_gen, on_policy=mb.on_policy)
+                local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
+        tot = self._sum(local)
+        stats = {k: tot[i] / n_global for i, k in enumerate(names)}
+        stats.update({k: int(tot[len(names) + i]) for i, k in enumerate(counts)})
+        stats["jagg_frac_routed"] = stats["intervals_jagg"] / stats["intervals"] if stats["intervals"] else 0.0
+        return stats
+
+    def _sum(self, values: list[float]) -> list[float]:
+        """``values`` summed over the processes (float64; a collective with several processes)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def record(self, it: Iteration) -> dict:
+        rewards = it.rewards
+        rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(rewards.mean()),
+               "reward_std": float(rewards.std(unbiased=False)), "samples": len(it.rollout.prompts),
+               "trained_samples": int(self._sum([it.trained])[0]), "processes": self.world, **it.times,
+               "iter_cpu_s": it.cpu, "cpu_s": self.cpu}                  # this process's CPU seconds
+        # a weighted sum's components (info["scores/<name>"] of this process's samples), averaged over the processes
+        parts = {k[len("scores/"):]: np.asarray(v, dtype=np.float64) for k, v in it.info.items()
+                 if k.startswith("scores/")}
+        if parts:
+            sums = self._sum([float(v.sum()) for v in parts.values()] + [float(len(it.rollout.conditioning))])
+            rec.update({f"reward/{name}": total / sums[-1] for name, total in zip(parts, sums)})
+        return {**rec, **update_summary(it.per_update), "updates": len(it.per_update),
+                "skipped_total": self.skipped_updates}
+
+
+class DiffusersTrainer(DiffusersGRPO, GRPOTrainer):
+    """``jagg train`` on a diffusers model: :class:`DiffusersGRPO` in a run directory
+    (:class:`~jagg.trainers.loop.GRPOTrainer`: the run directory, ``resume``, ``overwrite``, ``require_checkpoint``
+    and the loop), with the first screen, checkpoints (whole or FSDP shards) with their exported weights, the sample
+    grids, the final export and the evaluation on the test set."""
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.progress_label = f"GRPO {cfg.pipeline.family}"
+        super().setup()
+        if cfg.eval.enabled:                                   # the test prompts too, before anything runs
+            self.policy.require_prompts(cfg.eval.prompts()[0], cfg.eval.test_set.path)
         self.evaluates = cfg.eval.enabled
         self._images, self._prompts, self._scores = None, None, None
         if self.main:                                          # the first screen: what runs
             lines = header(cfg, self.policy, self.out, self.run_id, self._start.resumed is not None, self.world,
                            self.engine.name)
-            print("\n".join(lines + [note for note in [loading_note(held)] if note]), flush=True)
+            print("\n".join(lines + [note for note in [loading_note(self.loading_messages)] if note]), flush=True)
 
     # ------------------------------------------------------------------ state
     def rng_state(self) -> dict:
@@ -419,21 +531,11 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         return path
 
     # ------------------------------------------------------------------ one iteration
-    def rollout(self, draw: RolloutInputs) -> Rollout:
-        """Sample this rank's shard of the global batch (:meth:`DiffusersSampler.rollout`, SDE noise of this
-        iteration), in a region of the engine (its pieces may differ in number between ranks)."""
-        with self.engine.region():
-            return self.sampler.rollout(draw, self.iteration)
-
     def score(self, rollout: Rollout) -> tuple[np.ndarray, dict]:
-        scores, info = self.sampler.score(rollout)
+        scores, info = super().score(rollout)
         # the samples saved at a checkpoint, captioned with their rewards
         self._images, self._prompts, self._scores = self.sampler.last_images, rollout.conditioning, scores
         return scores, info
-
-    def after_step(self) -> None:
-        if self.ema is not None:
-            self.ema.update()
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
@@ -463,68 +565,6 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
     def after_iteration(self, done: bool) -> dict | None:
         return self.evaluate() if self.cfg.eval.due(self.iteration, done) else None
 
-    def velocity(self, prompts):
-        return self.sampler.velocity(prompts)
-
-    def reference(self, prompts):
-        return self.sampler.reference(prompts)
-
-    def reference_rows(self, cond, traj, n: int):
-        """The KL reference velocities of the kept samples, in a region of the engine: every rank calls it, with
-        its own number of samples (possibly none)."""
-        with self.engine.region():
-            return super().reference_rows(cond, traj, n)
-
-    def audit(self, *args, **kwargs):
-        """The estimator audit of the main process's samples (:meth:`GRPO.audit`), its gradients not synchronised."""
-        with self.engine.local():
-            return super().audit(*args, **kwargs)
-
-    def minibatches(self, prompt_groups: torch.Tensor) -> list[torch.Tensor]:
-        """Shuffled samples from this process's generator; whole prompt groups from one global cut of every
-        process's kept groups, drawn by (seed, iteration, epoch) alike on every process: each update's global minibatch
-        is the same for any process count."""
-        U, cut = self.cfg.grpo.updates_per_epoch, self.update_cut()
-        if cut != GROUPS:
-            return [mb.sort().values for mb in cut_minibatches(prompt_groups, U, cut, self.perm_gen)]  # sets, in order
-        if getattr(self, "_cut_iteration", None) != self.iteration:
-            self._cut_iteration, self._cut_epoch = self.iteration, 0
-        self._cut_epoch += 1
-        gen = torch.Generator().manual_seed(_seed(self.cfg.seed, 5, self.iteration, self._cut_epoch))
-        kept = sorted(set(gather_objects(prompt_groups.unique().tolist())))           # every process's groups
-        return cut_minibatches(prompt_groups, U, cut, gen, torch.tensor(kept, dtype=prompt_groups.dtype))
-
-    def gradient(self, mb: Minibatch) -> dict:
-        """This rank's gradient of its part of the minibatch (possibly empty), averaged over the ranks by the engine
-        (each rank's loss scaled by :func:`jagg.infra.distributed.loss_scale`), and the statistics of the whole
-        minibatch."""
-        n = mb.size
-        n_global = int(self._sum([n])[0])
-        if n_global == 0:
-            return {}
-        names = ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl")
-        counts = ("backward_items", "forward_grad_items", "forward_nograd_items", "intervals", "intervals_jagg")
-        local = [0.0] * (len(names) + len(counts))
-        with self.engine.update() as backward_context:
-            if n:
-                st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
-                                     ref_velocities=mb.ref_velocities, loss_scale=loss_scale(n, n_global, self.world),
-                                     backward_context=backward_context, prompt_groups=mb.prompt_groups,
-                                     generator=self.pick_gen, on_policy=mb.on_policy)
-                local = [n * getattr(st, k) for k in names] + [getattr(st, k) for k in counts]
-        tot = self._sum(local)
-        stats = {k: tot[i] / n_global for i, k in enumerate(names)}
-        stats.update({k: int(tot[len(names) + i]) for i, k in enumerate(counts)})
-        stats["jagg_frac_routed"] = stats["intervals_jagg"] / stats["intervals"] if stats["intervals"] else 0.0
-        return stats
-
-    def _sum(self, values: list[float]) -> list[float]:
-        """``values`` summed over the processes (float64; a collective with several processes)."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t.tolist()
-
     def stop_requested(self) -> bool:
         return bool(self._sum([float(self._stop)])[0])                 # every process stops at the same iteration
 
@@ -541,18 +581,3 @@ class DiffusersTrainer(AutoEstimator, GRPOTrainer):
         extra = (" (ckpt_*.pt; adapter_*/: LoRA for load_lora_weights and PeftModel.from_pretrained" if lora else
                  " (ckpt_*.pt; transformer_*/: save_pretrained") + (", EMA in ema/)" if self.ema is not None else ")")
         return [o + extra if o == "checkpoints/" else o for o in super().shown_outputs()]
-
-    def record(self, it: Iteration) -> dict:
-        rewards = it.rewards
-        rec = {"kind": "train", "iteration": self.iteration, "reward_mean": float(rewards.mean()),
-               "reward_std": float(rewards.std(unbiased=False)), "samples": len(it.rollout.prompts),
-               "trained_samples": int(self._sum([it.trained])[0]), "processes": self.world, **it.times,
-               "iter_cpu_s": it.cpu, "cpu_s": self.cpu}                  # this process's CPU seconds
-        # a weighted sum's components (info["scores/<name>"] of this process's samples), averaged over the processes
-        parts = {k[len("scores/"):]: np.asarray(v, dtype=np.float64) for k, v in it.info.items()
-                 if k.startswith("scores/")}
-        if parts:
-            sums = self._sum([float(v.sum()) for v in parts.values()] + [float(len(it.rollout.conditioning))])
-            rec.update({f"reward/{name}": total / sums[-1] for name, total in zip(parts, sums)})
-        return {**rec, **update_summary(it.per_update), "updates": len(it.per_update),
-                "skipped_total": self.skipped_updates}

@@ -666,7 +666,7 @@ def adapter_class(family: str | Family) -> type[TransformerVelocity]:
     cls = globals().get(record.adapter)
     if not (isinstance(cls, type) and issubclass(cls, TransformerVelocity)):
         raise ValueError(f"family {record.name}: adapter {record.adapter!r} is not a velocity adapter of "
-                         "jagg.integrations.velocity (e.g. 'SD3Velocity')")
+                         "jagg.integrations.velocity_adapters (e.g. 'SD3Velocity')")
     if issubclass(cls, PackedVelocity) != record.packed:
         raise ValueError(f"family {record.name}: packed={record.packed} but its adapter {record.adapter} "
                          f"{'is' if issubclass(cls, PackedVelocity) else 'is not'} a PackedVelocity; make them agree")

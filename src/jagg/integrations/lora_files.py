@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..checks import read_json
 from .config import LORA_WEIGHT_NAME
 from .families import FAMILIES
-from .velocity import model_family, unwrap_model
+from .velocity_adapters import model_family, unwrap_model
 
 PEFT_CONFIG_NAME = "adapter_config.json"
 PEFT_WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")

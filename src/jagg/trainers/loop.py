@@ -14,6 +14,11 @@ aside, :mod:`jagg.infra.rundir`), the metrics logger, checkpoints at ``log.check
 iterations that trained no sample (warned at the first, with the reason), the save after a failure before an
 iteration's first update, and SIGINT/SIGTERM (finish the iteration, save, exit); :meth:`GRPOTrainer.run` is how
 ``jagg train`` starts either trainer.
+
+What the loop passes along (the draw, the rollout, its batch, the minibatches, the iteration's outcome) is
+:mod:`jagg.trainers.rollout`; whether a checkpoint's run may continue under the current config,
+:mod:`jagg.trainers.resume`. The two trainers are :mod:`jagg.trainers.shapes_trainer` and
+:mod:`jagg.trainers.diffusers_trainer`.
 """
 
 from __future__ import annotations
@@ -21,9 +26,8 @@ from __future__ import annotations
 import signal
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,225 +35,26 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
-from ..advantages import group_advantages, nonzero_spread_mask
 from ..audit import audit_flag, audit_parts, clip_flag
 from ..meter import Meter, meter_flag
 from ..estimator import reference_velocities
 from ..estimator_config import AUTO, EstimatorConfig
-from ..infra.distributed import end_process_group, gather, gather_objects, init_process_group_from_env
+from ..infra.distributed import end_process_group, gather_objects, init_process_group_from_env
 from ..infra.after_launch import launched, say_after_launcher, shutdown_timeout
 from ..infra.config_loader import to_dict
 from ..infra.cpu_share import CpuShare
 from ..infra.metrics import MetricsLogger
-from ..infra.old_configs import upgrade_saved_config
 from ..infra.rundir import TRAIN, RunHints, discard_new_run, open_run, outputs, read_run_file, write_run_file
 from ..infra.wandb_run import WandbRun, check_start as check_wandb_start
 from ..trajectory import Trajectory, VelocityFn
 from .lr_schedule import check_resumable_schedule, how_to_continue, lr_factor, schedules_lr
-
-# config keys that may change between a checkpoint and its resumption (the aborts' limits change no gradient)
-RESUMABLE_CHANGES = ("grpo.iterations", "grpo.max_consecutive_skips", "grpo.max_empty_iterations", "log.", "eval.",
-                     "threads")
+from .resume import RESUMABLE_CHANGES
+from .rollout import Iteration, Minibatch, Rollout, RolloutInputs, rollout_batch, rollout_inputs, take
 
 
 class TrainingAborted(RuntimeError):
     """A run that stopped itself because it cannot go on (non-finite updates, nothing to learn), after saving a
     checkpoint; ``jagg`` prints the message on one line and exits 1."""
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k != "weights":
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _may_change(key: str, allowed: tuple[str, ...]) -> bool:
-    """Whether ``key`` is one of ``allowed``: a key, a section (``"log."``) or a key with sub-keys (``"reward_server"``)."""
-    return any(key.startswith(a) if a.endswith(".") else key == a or key.startswith(a + ".") for a in allowed)
-
-
-_ABSENT = object()
-
-
-def _shown(value) -> str:
-    if value is _ABSENT:
-        return "(absent)"
-    return "null" if value is None else repr(value) if isinstance(value, str) else str(value)
-
-
-def check_resumable(saved: dict, current: dict, allowed: tuple[str, ...] = RESUMABLE_CHANGES) -> list[str]:
-    """Raise a ValueError naming the first config key whose change would break continuation; return one line per
-    key that changed and may (``allowed``), e.g. ``"grpo.iterations: 30 in the checkpoint, 200 now"``."""
-    b = _flatten(current)
-    a = upgrade_saved_config(_flatten(saved), b)          # an older jagg's keys read as today's (infra.old_configs)
-    changed = []
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) == b.get(key):
-            continue
-        if not _may_change(key, allowed):
-            raise ValueError(f"cannot resume: config key {key!r} was {a.get(key)!r} in the checkpoint but is "
-                             f"{b.get(key)!r} now; use the checkpoint's value, or start a new run in another directory")
-        changed.append(f"{key}: {_shown(a.get(key, _ABSENT))} in the checkpoint, {_shown(b.get(key, _ABSENT))} now")
-    return changed
-
-
-def take(items, index) -> Any:
-    """``items`` at ``index`` (a tensor, or a list or tensor of positions): a tensor is indexed, a list picked from."""
-    if isinstance(items, Tensor):
-        return items[index.to(items.device) if isinstance(index, Tensor) else index]
-    return [items[i] for i in (index.tolist() if isinstance(index, Tensor) else index)]
-
-
-@dataclass
-class RolloutInputs:
-    """What an iteration's rollout starts from, drawn at random (:func:`rollout_inputs`): the prompts, prompt group after
-    prompt group; the initial noise ``[N, *S]``; the trained steps ``[K]`` and the SDE mask ``[T]``; each sample's
-    position in the prompt list it was drawn from ``[N]`` (its metadata's, for the reward)."""
-
-    prompts: list[str]
-    noise: Tensor
-    train_steps: Tensor
-    sde_mask: Tensor
-    indices: list[int] | None = None
-
-
-def rollout_inputs(c, prompts: Sequence[str], latent_shape: tuple[int, ...], num_steps: int,
-                   np_rng: np.random.Generator, gen: torch.Generator, iteration: int = 0) -> RolloutInputs:
-    """The global batch of iteration ``iteration`` (counted from 0) by the ``sample:`` section ``c``:
-    ``c.prompts_per_iter`` of ``prompts`` drawn with ``np_rng``, each repeated ``c.group_size`` times (its prompt
-    group); the initial noise ``[N, *latent_shape]`` from ``gen`` (shared within a prompt group with
-    ``c.shared_noise``); and the trained steps and SDE mask of ``num_steps`` sampling steps in that iteration (its SDE
-    window: :meth:`jagg.trainers.sections.SampleBatch.sde_steps`)."""
-    idx = np_rng.choice(len(prompts), size=c.prompts_per_iter, replace=len(prompts) < c.prompts_per_iter)
-    batch = [prompts[i] for i in idx for _ in range(c.group_size)]
-    if c.shared_noise:
-        noise = torch.randn(c.prompts_per_iter, *latent_shape, generator=gen).repeat_interleave(c.group_size, 0)
-    else:
-        noise = torch.randn(len(batch), *latent_shape, generator=gen)
-    train_steps, sde_mask = c.sde_steps(num_steps, iteration)
-    return RolloutInputs(batch, noise, train_steps, sde_mask, [int(i) for i in idx for _ in range(c.group_size)])
-
-
-@dataclass
-class Rollout:
-    """What :meth:`GRPO.rollout` sampled in one iteration.
-
-    Attributes:
-        prompts: the global batch's prompts, prompt group after prompt group (``sample.group_size`` each).
-        local: this process's samples of the global batch (all of them in a single process).
-        traj: this process's trajectories.
-        conditioning: per local sample, what the trainer's :meth:`~GRPO.velocity` needs (the shapes trainer:
-            prompt tokens ``[n, L]``; the diffusers trainer: the prompts).
-        metadata: per local sample, its prompt's metadata for the reward (a ``.jsonl`` prompt set's objects), or None.
-    """
-
-    prompts: list[str]
-    local: slice
-    traj: Trajectory
-    conditioning: Any
-    metadata: list | None = None
-
-
-@dataclass
-class Minibatch:
-    """The samples of one optimizer update on this process (possibly none, with several processes)."""
-
-    traj: Trajectory | None
-    conditioning: Any
-    advantages: Tensor
-    ref_velocities: Tensor | None
-    prompt_groups: Tensor                    # [n] prompt group of each sample
-    size: int
-    position: int = 0                        # the update's place in its rollout's updates (0: on-policy)
-
-    @property
-    def on_policy(self) -> bool:
-        """Whether this is the rollout's first update: at the parameters it was sampled with."""
-        return self.position == 0
-
-
-@dataclass
-class Batch:
-    """One iteration's batch, ready to train (:func:`rollout_batch`).
-
-    Attributes:
-        rollout: what was sampled (:class:`Rollout`); scores, info: this process's rewards ``[n]`` and the reward's info.
-        rewards: the global batch's rewards ``[N]``.
-        advantages: this process's samples' group-relative advantages ``[n]`` (all of them, kept or not).
-        keep: ``[n]`` bool, the samples trained: those of prompt groups with a reward spread when
-            ``grpo.drop_zero_spread`` (else all).
-        spread: whether some prompt group of the global batch has a reward spread (else nothing to learn).
-        prompt_groups: ``[n]`` the prompt group of each of this process's samples.
-        times: ``sample_s`` and ``reward_s`` (seconds).
-    """
-
-    rollout: Rollout
-    scores: np.ndarray
-    info: dict
-    rewards: Tensor
-    advantages: Tensor
-    keep: Tensor
-    spread: bool
-    prompt_groups: Tensor
-    times: dict
-
-    @property
-    def keep_idx(self) -> Tensor:
-        """The kept samples' positions ``[k]`` among this process's."""
-        return torch.nonzero(self.keep).flatten()
-
-
-def rollout_batch(sample: Callable[[], Rollout], score: Callable[[Rollout], tuple], cfg,
-                  device: torch.device = torch.device("cpu")) -> Batch:
-    """The one rollout pipeline of the trainers and the benchmarks: ``sample()`` this process's share of the batch,
-    ``score`` it, gather the global batch's rewards, compute the group-relative advantages per prompt group
-    (``cfg.grpo``), mark the prompt groups without reward spread to drop (``grpo.drop_zero_spread``), and each sample's
-    prompt group (``cfg.sample.group_size``)."""
-    t0 = time.perf_counter()
-    rollout = sample()
-    t1 = time.perf_counter()
-    scores, info = score(rollout)
-    rewards = gather(torch.as_tensor(scores, dtype=torch.float32, device=device)).cpu()    # the global batch
-    prompts, g = rollout.prompts, cfg.grpo
-    adv = group_advantages(rewards, prompts, g.global_std, g.adv_clip_max)[rollout.local]
-    spread = nonzero_spread_mask(rewards, prompts)          # [N] samples of prompt groups with reward spread
-    keep = (spread if g.drop_zero_spread else torch.ones(len(prompts), dtype=torch.bool))[rollout.local]
-    prompt_groups = (torch.arange(len(prompts)) // cfg.sample.group_size)[rollout.local]
-    return Batch(rollout, scores, info, rewards, adv, keep, bool(spread.any()), prompt_groups,
-                 {"sample_s": t1 - t0, "reward_s": time.perf_counter() - t1})
-
-
-@dataclass
-class Iteration:
-    """One iteration's outcome, for :meth:`GRPO.record`: the rollout, this process's scores and the reward's
-    info, the global batch's rewards, this process's trained (kept) samples, the updates' statistics, the phases'
-    seconds (``sample_s``, ``reward_s``, ``train_s``, ``iter_s``, ``wall_s``) and the iteration's CPU seconds."""
-
-    rollout: Rollout
-    scores: np.ndarray
-    info: dict
-    rewards: Tensor
-    trained: int
-    per_update: list[dict]
-    times: dict = field(default_factory=dict)
-    cpu: float = 0.0
-
-
-def update_summary(per_update: list[dict]) -> dict:
-    """The mean statistics and the summed counts of an iteration's updates (empty without updates)."""
-    if not per_update:
-        return {}
-    rec = {k: float(np.mean([s[k] for s in per_update]))
-           for k in ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl", "grad_norm", "jagg_frac_routed")}
-    rec.update({k: int(sum(s[k] for s in per_update))
-                for k in ("backward_items", "forward_grad_items", "forward_nograd_items", "skipped")})
-    if "lr" in per_update[0]:                             # the learning rate in use (optim.lr_schedule)
-        rec["lr"] = float(np.mean([s["lr"] for s in per_update]))
-    return rec
 
 
 class GRPO(ABC):
@@ -310,7 +115,8 @@ class GRPO(ABC):
 
     @abstractmethod
     def velocity(self, conditioning) -> VelocityFn:
-        """The velocity callable of the samples whose conditioning (:attr:`Rollout.conditioning` rows) is given."""
+        """The velocity callable of the samples whose conditioning (rows of
+        :attr:`jagg.trainers.rollout.Rollout.conditioning`) is given."""
 
     @abstractmethod
     def reference(self, conditioning) -> VelocityFn:
@@ -358,14 +164,15 @@ class GRPO(ABC):
     # ------------------------------------------------------------------ one iteration
 
     def draw_batch(self) -> RolloutInputs:
-        """The coming iteration's global batch (:func:`rollout_inputs`) from ``self.prompts`` with
-        ``self.np_rng`` and ``self.gen``, of latents ``self.latent_shape`` and ``self.num_steps`` sampling steps."""
+        """The coming iteration's global batch (:func:`~jagg.trainers.rollout.rollout_inputs`) from ``self.prompts``
+        with ``self.np_rng`` and ``self.gen``, of latents ``self.latent_shape`` and ``self.num_steps`` sampling
+        steps."""
         return rollout_inputs(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
                                       self.gen, self.iteration)
 
     def step(self) -> dict:
-        """One GRPO iteration: sample, reward, advantages (:func:`rollout_batch`), updates. Returns the metrics
-        record."""
+        """One GRPO iteration: sample, reward, advantages (:func:`~jagg.trainers.rollout.rollout_batch`), updates.
+        Returns the metrics record."""
         c = self.cfg
         if self.estimator is None:                               # mode auto, not decided yet
             self.decide_estimator()
@@ -666,7 +473,8 @@ class GRPOTrainer(GRPO):
 
     @abstractmethod
     def load_state(self, state: dict) -> list[str]:
-        """Restore a checkpoint; return one line per config key that changed and may (:func:`check_resumable`)."""
+        """Restore a checkpoint; return one line per config key that changed and may
+        (:func:`~jagg.trainers.resume.check_resumable`)."""
 
     def loop_state(self) -> dict:
         """What every checkpoint keeps of the loop, in both trainers: the iterations done, their seconds and CPU

@@ -1,13 +1,15 @@
-"""The GRPO trainer of the embedded shapes world (its config: :mod:`jagg.trainers.shapes_config`), in three layers:
+"""The GRPO trainer of the embedded shapes world (its config: :mod:`jagg.trainers.shapes_config`), in three layers, as
+the diffusers trainer (:mod:`jagg.trainers.diffusers_trainer`) is:
 
 - :class:`ShapesSampler`: the rollouts of a config, what the trainer and every benchmark draw batches with: the
   TinyDiT (its trainable parameters marked), the prompts, the reward and the prompt and noise RNGs; it samples
   ``prompts_per_iter x group_size`` trajectories with the config's SDE (classifier-free guidance through
-  :class:`jagg.shapes.velocity.GuidedVelocity`) and rewards the images (by default the world's GenEval-like reward);
-- :class:`ShapesGRPO`: the loop's hooks (:class:`jagg.trainers.base.GRPO`) on a sampler: each update's gradient from
+  :class:`jagg.shapes.guided_velocity.GuidedVelocity`) and rewards the images (by default the world's GenEval-like
+  reward);
+- :class:`ShapesGRPO`: the loop's hooks (:class:`jagg.trainers.loop.GRPO`) on a sampler: each update's gradient from
   :func:`jagg.policy_gradient` (the same function a user calls in their own loop), AdamW, an optional EMA of the
   weights; one iteration at a time, in memory (``python -m lab e2e``);
-- :class:`ShapesTrainer`: that in a run directory (:class:`jagg.trainers.base.GRPOTrainer`): checkpoints, resuming,
+- :class:`ShapesTrainer`: that in a run directory (:class:`jagg.trainers.loop.GRPOTrainer`): checkpoints, resuming,
   and the evaluation on the world's test prompts every ``eval.every`` iterations.
 """
 
@@ -27,7 +29,7 @@ from ..rewards.registry import get_reward
 from ..schedule import flow_sigmas
 from ..shapes import from_tensor, tokenizer
 from ..shapes.evaluation import collapse_warnings, comparison_prompts, evaluate, generate, save_comparison
-from ..shapes.velocity import GuidedVelocity
+from ..shapes.guided_velocity import GuidedVelocity
 from ..shapes.weights import load_model
 from ..infra.checkpoint import save_checkpoint
 from ..infra.config_loader import to_dict
@@ -36,8 +38,9 @@ from ..trajectory import sample_trajectories
 from .ema import EMA
 from .minibatches import cut_minibatches, minibatch_line
 from .auto import AutoEstimator
-from .base import (GRPO, GRPOTrainer, Iteration, Minibatch, Rollout, RolloutInputs, check_resumable, rollout_inputs,
-                   update_summary)
+from .loop import GRPO, GRPOTrainer
+from .resume import check_resumable
+from .rollout import Iteration, Minibatch, Rollout, RolloutInputs, rollout_inputs, update_summary
 from .shapes_config import ShapesTrainConfig
 
 
@@ -76,7 +79,7 @@ class ShapesSampler:
 
     def draw(self, iteration: int = 0) -> RolloutInputs:
         """The prompts, initial noise, trained steps and SDE mask of iteration ``iteration`` (counted from 0; it decides
-        a sliding SDE window: :func:`~jagg.trainers.base.rollout_inputs`)."""
+        a sliding SDE window: :func:`~jagg.trainers.rollout.rollout_inputs`)."""
         return rollout_inputs(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
                                       self.gen, iteration)
 
@@ -112,7 +115,7 @@ class ShapesSampler:
 
 
 class ShapesGRPO(AutoEstimator, GRPO):
-    """GRPO on the shapes world, one iteration at a time, in memory (:class:`~jagg.trainers.base.GRPO`): the hooks
+    """GRPO on the shapes world, one iteration at a time, in memory (:class:`~jagg.trainers.loop.GRPO`): the hooks
     on a :class:`ShapesSampler`, AdamW, the KL reference (``estimator.kl_beta > 0``), an optional EMA and the RNG of
     unbiased JAGG's picks."""
 
@@ -172,7 +175,7 @@ class ShapesGRPO(AutoEstimator, GRPO):
 
 class ShapesTrainer(ShapesGRPO, GRPOTrainer):
     """``jagg train`` on the shapes world: :class:`ShapesGRPO` in a run directory
-    (:class:`~jagg.trainers.base.GRPOTrainer`: the run directory, resuming and the loop), TinyDiT in one process, with
+    (:class:`~jagg.trainers.loop.GRPOTrainer`: the run directory, resuming and the loop), TinyDiT in one process, with
     checkpoints and the evaluation on the test prompts."""
 
     evaluates = True

@@ -1,10 +1,12 @@
-"""The meter's measurement on a sampler: the batches, every estimator's gradients on them side by side at an update
-position of a rollout, and one record per estimator of its error against the update's noise, its cost and the meter's
-answer (:func:`jagg.verdict.prediction`). ``jagg bench meter`` measures with it on a sampler of its own (the module
-docstring of :mod:`jagg.bench.meter` says what each record holds); ``estimator.mode: auto`` keeps its records per update position (:func:`position_records`)
-(:mod:`jagg.trainers.auto`) on the run's own sampler, at the run's start.
+"""Every estimator's gradient measured side by side on one trainer minibatch: the meter's measurement on a sampler.
+The batches (:class:`MeasuredBatch`, drawn and cut as the trainer draws and cuts them), each estimator's gradients on
+them at an update position of a rollout, and one record per estimator of its error against the update's noise, its
+cost and the meter's answer (:func:`jagg.verdict.prediction`). ``jagg bench meter`` measures with it on a sampler of
+its own (the module docstring of :mod:`jagg.bench.meter_command` says what each record holds); ``estimator.mode: auto``
+(:mod:`jagg.trainers.auto`) keeps its records per update position (:func:`position_records`) on the run's own
+sampler, at the run's start.
 
-A sampler is :class:`jagg.trainers.shapes.ShapesSampler` or :class:`jagg.trainers.diffusers.DiffusersSampler`: its
+A sampler is :class:`jagg.trainers.shapes_trainer.ShapesSampler` or :class:`jagg.trainers.diffusers_trainer.DiffusersSampler`: its
 ``sample``, ``score``, ``velocity``, ``reference``, ``params``, ``param_names`` and ``zero_grad``.
 """
 
@@ -29,7 +31,7 @@ from ..meter import adam_efficiency, error_noise_stats, extrapolate, predicted_e
 from ..routing import linearity_scores
 from ..trajectory import Trajectory
 from ..verdict import prediction
-from .base import rollout_batch, take
+from .rollout import rollout_batch, take
 from .minibatches import cut_minibatches
 
 Sampler = Any          # a ShapesSampler or a DiffusersSampler (module docstring)
@@ -37,7 +39,7 @@ TrainConfig = Any      # a ShapesTrainConfig or a DiffusersTrainConfig
 
 
 @dataclass
-class Batch:
+class MeasuredBatch:
     """One batch as :func:`training_batch` drew it, kept so that every estimator runs on the same batches."""
 
     traj: Trajectory
@@ -48,7 +50,7 @@ class Batch:
 
 
 def training_batch(sampler: Sampler, cfg: TrainConfig):
-    """One update's training batch through the trainer's own pipeline (:func:`jagg.trainers.base.rollout_batch`), cut
+    """One update's training batch through the trainer's own pipeline (:func:`jagg.trainers.rollout.rollout_batch`), cut
     as the trainer cuts its minibatches (``grpo.minibatches``, :func:`jagg.trainers.minibatches.cut_minibatches`: one
     of the rollout's ``grpo.updates_per_epoch``, drawn with the sampler's generator): ``(traj, conditioning,
     advantages, prompt_groups, rollout CPU seconds)`` of its kept samples."""
@@ -61,13 +63,13 @@ def training_batch(sampler: Sampler, cfg: TrainConfig):
     return ro.traj.select(idx), take(ro.conditioning, idx), batch.advantages[idx], batch.prompt_groups[idx], seconds
 
 
-def kept_batch(sampler: Sampler, cfg: TrainConfig) -> tuple[Batch, float]:
-    """One :func:`training_batch` as a :class:`Batch`, with the KL reference's velocities when
+def kept_batch(sampler: Sampler, cfg: TrainConfig) -> tuple[MeasuredBatch, float]:
+    """One :func:`training_batch` as a :class:`MeasuredBatch`, with the KL reference's velocities when
     ``estimator.kl_beta > 0`` (as the trainers compute them once per rollout), and its rollout CPU seconds."""
     traj, cond, adv, prompt_groups, seconds = training_batch(sampler, cfg)
     e = cfg.estimator
     ref_v = reference_velocities(sampler.reference(cond), traj, e.micro_batch) if e.kl_beta > 0 else None
-    return Batch(traj, cond, adv, prompt_groups, ref_v), seconds
+    return MeasuredBatch(traj, cond, adv, prompt_groups, ref_v), seconds
 
 
 def expected_rows(traj, cfg: EstimatorConfig, prompt_groups, draws: int = 64) -> float:
@@ -86,7 +88,7 @@ def bias_z(bias_to_noise: float, se: float) -> float:
 
 
 def efficiencies(rows_ratio: float, time_ratio: float, error_to_noise: float, tensor_factor: float) -> dict:
-    """The six efficiencies (:mod:`jagg.bench.meter`'s docstring) of an estimator with these work ratios against exact, this error and
+    """The six efficiencies (:mod:`jagg.bench.meter_command`'s docstring) of an estimator with these work ratios against exact, this error and
     this per-update factor of Adam's per-tensor model (:func:`jagg.meter.adam_tensor_factor`)."""
     return {"efficiency": predicted_efficiency(rows_ratio, error_to_noise),
             "time_efficiency": predicted_efficiency(time_ratio, error_to_noise),
@@ -106,7 +108,7 @@ def projected_efficiencies(iter_ratio: float, error_to_noise: float, tensor_fact
             "projected_adam_tensor_time_efficiency": iter_ratio * tensor_factor}
 
 
-def gradients(sampler: Sampler, batch: Batch, est: EstimatorConfig, seeds: list[int],
+def gradients(sampler: Sampler, batch: MeasuredBatch, est: EstimatorConfig, seeds: list[int],
               on_policy: bool = True) -> tuple[Tensor, list]:
     """``[len(seeds), P]`` gradients of ``est`` on ``batch`` (one per pick seed) and per draw ``(CPU seconds, rows
     with grad, no-grad rows)`` per sample and its clip fraction; ``on_policy``: whether the parameters are the batch's
@@ -126,7 +128,7 @@ def gradients(sampler: Sampler, batch: Batch, est: EstimatorConfig, seeds: list[
     return torch.stack(out), costs
 
 
-def step_to_update(sampler: Sampler, cfg: TrainConfig, preceding: list[Batch], opt=None):
+def step_to_update(sampler: Sampler, cfg: TrainConfig, preceding: list[MeasuredBatch], opt=None):
     """Move the sampler's trainable parameters by one AdamW step (``cfg.optim``) on the exact gradient of each batch of
     ``preceding`` in turn, clipped as the trainer clips it: to where the ``len(preceding) + 1``-th optimizer update of
     a rollout starts, the updates before it made on other samples of the same policy's rollouts (the trainer's on the
@@ -154,7 +156,7 @@ def restore_params(sampler: Sampler, values: list[Tensor]) -> None:
             p.copy_(v)
 
 
-def layout_linearity(batches: list[Batch], est: EstimatorConfig) -> dict:
+def layout_linearity(batches: list[MeasuredBatch], est: EstimatorConfig) -> dict:
     """Routing's linearity score (:func:`jagg.routing.linearity_scores`, the paper's test, what ``jagg_frac`` ranks
     by) of a JAGG estimator's own layout on the measured rollouts, from their velocities alone (no backward pass):
     ``linearity``, the mean over samples and intervals of three or more steps (shorter ones are exact under JAGG),
@@ -171,13 +173,13 @@ def layout_linearity(batches: list[Batch], est: EstimatorConfig) -> dict:
             "linearity_min": float(s.min()) if s.numel() else math.nan}
 
 
-def draw_batches(sampler: Sampler, cfg: TrainConfig, n: int) -> tuple[list[Batch], list[float]]:
+def draw_batches(sampler: Sampler, cfg: TrainConfig, n: int) -> tuple[list[MeasuredBatch], list[float]]:
     """``n`` batches of the sampler (:func:`kept_batch`, in turn) and their rollout CPU seconds."""
     drawn = [kept_batch(sampler, cfg) for _ in range(n)]
     return [b for b, _ in drawn], [s for _, s in drawn]
 
 
-def with_subsample(ests: dict[str, EstimatorConfig | None], first: Batch,
+def with_subsample(ests: dict[str, EstimatorConfig | None], first: MeasuredBatch,
                    base: EstimatorConfig) -> dict[str, EstimatorConfig]:
     """``ests`` with ``subsample`` given as None resolved: random timestep subsampling at ``base``'s rows per sample
     (:func:`expected_rows` on the first batch), the baseline a user would pick instead."""
@@ -187,7 +189,7 @@ def with_subsample(ests: dict[str, EstimatorConfig | None], first: Batch,
     return {**ests, "subsample": dataclasses.replace(base, mode="subsample", subsample_frac=frac, interval_frac=1.0)}
 
 
-def measure_records(sampler: Sampler, cfg: TrainConfig, ests: dict[str, EstimatorConfig], kept: list[Batch],
+def measure_records(sampler: Sampler, cfg: TrainConfig, ests: dict[str, EstimatorConfig], kept: list[MeasuredBatch],
                     rollout_s: list[float], draws: int, update: int, seed: int, target_batch: int | None = None,
                     cost=None, index: dict[str, int] | None = None) -> list[dict]:
     """One record per estimator of ``ests`` (``exact`` among them) on the batches ``kept`` at the sampler's current

@@ -11,9 +11,9 @@ with plain SGD. The trainers use AdamW, whose step the noise normalises: there e
 root, ``adam_efficiency = (rows_exact / rows) * sqrt(V_b / (V_b + E|e|^2))`` and ``adam_time_efficiency`` likewise
 (docs/design.md §3.8). Both models hold for an unbiased estimator only; read ``bias_to_noise`` (and ``bias_z``) first.
 
-This benchmark measures every term with the trainer's own sampler (:class:`jagg.trainers.shapes.ShapesSampler` of the
+This benchmark measures every term with the trainer's own sampler (:class:`jagg.trainers.shapes_trainer.ShapesSampler` of the
 config, the main job by default; for a config with a ``pipeline:`` section, the user's diffusers model,
-:class:`jagg.trainers.diffusers.DiffusersSampler`: its LoRA or trainable weights, prompts file and reward, as ``jagg
+:class:`jagg.trainers.diffusers_trainer.DiffusersSampler`: its LoRA or trainable weights, prompts file and reward, as ``jagg
 train`` builds them; no run directory) and :func:`jagg.policy_gradient`, no optimizer step. It draws ``--batches`` independent batches; on each it computes
 the exact gradient once and every other estimator ``--draws`` times (fresh random picks per draw; one draw for a
 deterministic estimator). Per estimator:
@@ -80,9 +80,9 @@ from ..estimator import policy_gradient
 from ..estimator_config import AUTO, EstimatorConfig
 from ..knots import budget_probs, eligible_intervals, interval_probs, layout_intervals
 from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
-from ..trainers.metering import (Sampler, draw_batches, kept_batch, measure_positions, measure_records, restore_params,
-                                 step_to_update, with_subsample)
-from ..trainers.shapes import ShapesSampler
+from ..trainers.side_by_side import (Sampler, draw_batches, kept_batch, measure_positions, measure_records,
+                                     restore_params, step_to_update, with_subsample)
+from ..trainers.shapes_trainer import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..infra import config_loader as configuration
 from ..verdict import job_prediction, signal_note, verdict
@@ -134,9 +134,9 @@ def parse_estimators(specs: list[str], base: EstimatorConfig) -> dict[str, Estim
 
 def check_estimators(specs: list[str], cfg, flag: str = "--estimator") -> None:
     """Every ``--estimator`` spec (or ``flag``'s) parsed and its layout checked against the job's trained steps
-    (:func:`jagg.trainers.sections.check_layout`: ``correction_probs`` one per interval, ``window`` and
+    (:func:`jagg.trainers.sections.check_estimator_fits`: ``correction_probs`` one per interval, ``window`` and
     ``exact_*_intervals`` within what they count) before the first batch; an error names the spec."""
-    from ..trainers.sections import check_layout, steps_source, trained_steps
+    from ..trainers.sections import check_estimator_fits, steps_source, trained_steps
 
     s, n, key = cfg.sample, *num_steps_of(cfg)
     K, steps = trained_steps(s, n), steps_source(s, key, n)
@@ -144,7 +144,7 @@ def check_estimators(specs: list[str], cfg, flag: str = "--estimator") -> None:
         try:
             est = parse_estimator(spec, spec_base(cfg), flag)[1]
             if est is not None:
-                check_layout(est, K, steps)
+                check_estimator_fits(est, K, steps)
         except ValueError as e:
             raise ValueError(e if str(e).startswith(flag) else f"{flag} {spec!r}: {e}") from None
 
@@ -173,10 +173,10 @@ def load_config(path: str, sets: list[str]) -> TrainConfig:
 
 
 def make_sampler(cfg: TrainConfig) -> Sampler:
-    """The trainer's own sampler of ``cfg``: :class:`jagg.trainers.diffusers.DiffusersSampler` for a diffusers
+    """The trainer's own sampler of ``cfg``: :class:`jagg.trainers.diffusers_trainer.DiffusersSampler` for a diffusers
     config (the model, LoRA, prompts and reward of ``jagg train``), :class:`ShapesSampler` otherwise."""
     if isinstance(cfg, DiffusersTrainConfig):
-        from ..trainers.diffusers import DiffusersSampler
+        from ..trainers.diffusers_trainer import DiffusersSampler
         from ..trainers.run_header import loaded_quietly
 
         return loaded_quietly(lambda: DiffusersSampler(cfg))      # the loading messages held, as the trainer does
@@ -298,7 +298,7 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
 def measure_job(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target_batch: int | None,
                 cost: CostStructure | None = None, each=None) -> list[list[dict]]:
     """:func:`measure` at every update position of the job's rollout (``grpo.inner_epochs x
-    grpo.updates_per_epoch``) on the same batches (:func:`jagg.trainers.metering.measure_positions`: each position's
+    grpo.updates_per_epoch``) on the same batches (:func:`jagg.trainers.side_by_side.measure_positions`: each position's
     records are :func:`measure`'s at ``update=u``); ``each(u, records)`` is called as each position is measured."""
     check_sizes(batches, draws, target_batch)
     ests = measured_estimators(cfg, specs, batches)
