@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 
 from ..estimator import policy_gradient
+from ..integrations.model_dir import ModelFiles
 from ..integrations.policy import Policy, load_model
 from ..rewards.registry import get_reward
 from ..trajectory import sample_trajectories
@@ -144,19 +145,20 @@ class DiffusersSampler:
     and of the initial noise (:attr:`gen`). ``local``: this process's slice of the global batch (default: all of it,
     one process). :meth:`sample` draws and samples a batch; the SDE noise of each sampling piece is seeded by (seed,
     iteration, position), the iteration the trainer's, or the count of batches :meth:`sample` drew. ``place``: as
-    :func:`jagg.integrations.policy.load_model`'s (False: a sharding engine places the transformer)."""
+    :func:`jagg.integrations.policy.load_model`'s (False: a sharding engine places the transformer); ``checked``: what
+    :func:`jagg.trainers.load_checks.check_before_loading` returned when the caller ran it (else it runs here)."""
 
-    def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None, checked: bool = False,
+    def __init__(self, cfg: DiffusersTrainConfig, local: slice | None = None, checked: ModelFiles | None = None,
                  place: bool = True):
-        if not checked:                                        # before anything loads (jagg train: before_setup)
-            check_before_loading(cfg)
+        if checked is None:                                    # before anything loads (jagg train: before_setup)
+            checked = check_before_loading(cfg)
         self.cfg = cfg
         self.local = slice(0, cfg.sample.batch_size) if local is None else local
         self.prompts = cfg.sample.prompt_lines                 # read (and checked) when the config was loaded
         self.reward_fn = get_reward(cfg.reward_server if cfg.reward_server is not None else cfg.reward.spec,
                                     {"device": cfg.pipeline.resolve_device(), "dtype": cfg.pipeline.dtype})
         torch.manual_seed(cfg.seed)                            # the same LoRA initialisation on every rank
-        self.policy: Policy = load_model(cfg.pipeline, place)  # check_model_dir: clear errors for bad paths
+        self.policy: Policy = load_model(cfg.pipeline, place, checked)
         self.device = self.policy.device
         self.latent_shape, self.num_steps = self.policy.latent_shape, cfg.pipeline.num_steps
         self.policy.require_prompts(self.prompts, cfg.sample.prompts_file)
@@ -242,7 +244,7 @@ class DiffusersGRPO(AutoEstimator, GRPO):
         is used): the model directory against the config, the starting adapter, the reward server
         (:func:`jagg.trainers.load_checks.check_before_loading`), then the launcher's settings and the engine
         (:func:`engine_for`)."""
-        check_before_loading(self.cfg)
+        self.model_files = check_before_loading(self.cfg)
         if self.cfg.grpo.minibatches == GROUPS:               # a prompt group never straddles two processes
             check_groups_fit(self.cfg.sample.prompts_per_iter, self.cfg.grpo.updates_per_epoch, self.world)
         self.engine_settings = engine_for(self.cfg, read_launch(), self.world)
@@ -255,7 +257,7 @@ class DiffusersGRPO(AutoEstimator, GRPO):
             self._print(line)
         # this rank's slice (the batch must split evenly); the model, prompts, reward and rollout RNGs: the sampler's
         with quiet_loading() as held:
-            self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size), checked=True,
+            self.sampler = s = DiffusersSampler(cfg, shard(cfg.sample.batch_size), checked=self.model_files,
                                                 place=self.engine.places_model)
         self.loading_messages = held                           # what the loading said, held back (run_header)
         self.engine.wrap(s.policy)                # DDP: replicas start equal (rank 0's); FSDP: sharded
