@@ -84,7 +84,7 @@ def fs_error(e: OSError, out: Path, doing: str, hints: RunHints = TRAIN) -> RunD
     return RunDirError(f"cannot {doing} {path}: {what}; {hints.other_dir}, a writable one, instead of {out}")
 
 
-def check_layout(out: Path, hints: RunHints = TRAIN) -> None:
+def check_run_directories(out: Path, hints: RunHints = TRAIN) -> None:
     """Raise :class:`RunDirError` when ``out`` or ``out/checkpoints`` exists but is not a directory."""
     for path, what in ((out, "the run directory"), (out / "checkpoints", "its checkpoints/")):
         if path.exists() and not path.is_dir():
@@ -361,7 +361,7 @@ def open_run(out: Path, *, resume: bool = False, require_checkpoint: bool = True
     ``hints``: what the messages tell the user to do. Raises :class:`RunDirError` (a ``ValueError``)."""
     out = Path(out)
     agree = agree or (lambda error: [error])
-    check_layout(out, hints)
+    check_run_directories(out, hints)
     if resume and require_checkpoint and not out.exists():
         raise RunDirError(_no_run(out))
     held = claim_run(out, main, agree, hints)
