@@ -371,6 +371,38 @@ def test_the_verdict_says_when_the_signal_is_not_resolved():
 
     note = signal_note([ex(0, 0.23, 0.23), ex(1, 0.9, 0.1), rec("g4", 0.1)])
     assert note.startswith("signal not resolved: exact's |E g|^2 / V_b reaches 0 within 2 SE (update 0: 0.23 +- 0.23)")
-    assert "update 1" not in note and "the choice rests on the error against the noise alone" in note
+    assert "update 1" not in note and "only an estimator unbiased by construction can be chosen" in note
     assert signal_note([ex(0, 0.9, 0.1), ex(1, 0.5, 0.2)]) is None
     assert signal_note([rec("g4", 0.1)]) is None and signal_note([]) is None
+
+
+def test_a_repeating_error_must_be_small_against_the_signal():
+    """Adam integrates a bias as it integrates the signal: a candidate that is not unbiased by construction is judged
+    unknown (so exact) where its bias's upper end exceeds MAX_BIAS_TO_SIGNAL x the signal's lower end, or where the
+    signal is not resolved, however small its error against the noise; an unbiased one is judged on the noise alone;
+    a record without these terms as before."""
+    from jagg.verdict import MAX_BIAS_TO_SIGNAL, bias_against_signal
+
+    def measured(config: EstimatorConfig, bias: float, signal: float, signal_se: float = 0.01) -> dict:
+        return {**rec("a", 0.03, 0.004, ratio=1.6), "estimator_config": config.to_dict(), "bias_to_noise": bias,
+                "bias_to_noise_se": 0.003, "signal_to_noise": signal, "signal_to_noise_se": signal_se}
+
+    plain = EstimatorConfig(mode="jagg", window=4, knots="shared", correction_p=0.0)
+    unbiased = EstimatorConfig(mode="jagg", window=5, knots="shared", correction_p=0.1)
+    # the J20 job's auto measurement: plain shared knots, bias^2/V_b 0.0058 +- 0.0034, signal -0.004 +- 0.013
+    j20 = measured(plain, 0.0058, -0.0038, 0.0134)
+    assert prediction(j20)["prediction"].startswith("unknown: a repeating error against a signal not resolved")
+    assert verdict([rec("exact", 0.0), j20], 1)["estimator"] == "exact"
+    assert position_failure(j20) == "unknown (a repeating error against a signal not resolved)"
+    # a resolved signal: bias_hi = 0.0058 + 0.006 = 0.0118; passes at signal_lo >= 0.0118 / 0.21, fails below
+    bias_hi = 0.0058 + 2 * 0.003
+    strong, weak = bias_hi / MAX_BIAS_TO_SIGNAL + 0.02 + 0.001, bias_hi / MAX_BIAS_TO_SIGNAL + 0.02 - 0.001
+    assert bias_against_signal(measured(plain, 0.0058, strong)) is None
+    assert verdict([rec("exact", 0.0), measured(plain, 0.0058, strong)], 1)["estimator"] == "a"
+    assert "above 0.21" in bias_against_signal(measured(plain, 0.0058, weak))
+    # unbiased by construction (every interval corrected, subsampling, exact): the noise alone decides
+    for config in (unbiased, EstimatorConfig(mode="subsample", subsample_frac=0.5), EstimatorConfig(mode="exact")):
+        assert config.unbiased and bias_against_signal(measured(config, 0.0058, -0.0038, 0.0134)) is None
+    assert verdict([rec("exact", 0.0), measured(unbiased, 0.0058, -0.0038, 0.0134)], 1)["estimator"] == "a"
+    assert not EstimatorConfig(mode="jagg", correction_probs=[0.5, 0.0]).unbiased
+    assert bias_against_signal(rec("a", 0.03, 0.004)) is None           # no terms: judged as before

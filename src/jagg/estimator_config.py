@@ -232,6 +232,13 @@ class EstimatorConfig:
         return self.mode == "jagg" and any(r > 0 for r in self.probs)
 
     @property
+    def unbiased(self) -> bool:
+        """Whether the estimator's expectation is exact's gradient by construction: exact, random timestep
+        subsampling, and JAGG with the correction on every interval (``correction_p`` or every ``correction_probs``
+        > 0). Plain JAGG's interpolation error repeats from batch to batch."""
+        return self.mode in ("exact", "subsample") or (self.mode == "jagg" and all(r > 0 for r in self.probs))
+
+    @property
     def random(self) -> bool:
         """Whether one update's gradient is a random draw (the correction's picks, interval or step subsampling)."""
         return (self.corrects or (self.mode != "subsample" and self.interval_frac < 1)

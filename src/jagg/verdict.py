@@ -16,6 +16,7 @@ import math
 import statistics
 
 from .checks import check_count, check_fields, check_number, is_finite_number
+from .estimator_config import EstimatorConfig
 from .meter import adam_efficiency, predicted_efficiency
 
 # the widest range of a per-update rate the meter still answers with (docs/design.md §3.8): a wider one cannot tell
@@ -23,6 +24,10 @@ from .meter import adam_efficiency, predicted_efficiency
 MAX_RANGE = 0.5
 # the margin by which a candidate's low end must clear exact's progress per second (estimator.preflight_margin)
 MARGIN = 0.1
+# the largest bias^2 / signal^2 a repeating error may have: a bias b at right angles to the signal s turns the direction
+# Adam integrates by an angle whose cosine is 1 / sqrt(1 + |b|^2 / |s|^2), which keeps 1 / (1 + MARGIN) of the progress
+# along the signal at this ratio
+MAX_BIAS_TO_SIGNAL = (1 + MARGIN) ** 2 - 1
 
 
 def rate_range(error_to_noise: float, se: float) -> tuple[float, float]:
@@ -57,20 +62,47 @@ def prediction(rec: dict) -> dict:
     """The meter's answer for one estimator's record: the per-update rate between SGD's model at the error's upper end
     and Adam's at its lower end (:func:`rate_range`: ``rate_lo``, ``rate_hi``; times the iteration ratio
     ``time_rate_lo``, ``time_rate_hi``) and ``prediction``: ``range``, or ``unknown`` where the models do not hold, a
-    significant repeating error (``bias_z >= 2``), or where the range is wider than :data:`MAX_RANGE` (a heavy-tailed
-    error that these batches do not resolve: more ``--batches`` narrow it). ``prediction_range`` prints it. For a job
-    of ``U`` updates per iteration the per-update rate is the mean of the ranges at ``--update 0 .. U-1``."""
+    significant repeating error (``bias_z >= 2``), a repeating error not shown small against the signal
+    (:func:`bias_against_signal`), or where the range is wider than :data:`MAX_RANGE` (a heavy-tailed error that these
+    batches do not resolve: more ``--batches`` narrow it). ``prediction_range`` prints it. For a job of ``U`` updates
+    per iteration the per-update rate is the mean of the ranges at ``--update 0 .. U-1``."""
     e, se = _checked(rec)["error_to_noise"], rec["error_to_noise_se"]
     lo, hi = (math.nan, math.nan) if math.isnan(e) or math.isnan(se) else rate_range(e, se)
     ratio, z = rec["iter_ratio"], rec["bias_z"]
     if z is not None and math.isfinite(z) and z >= 2:
         why = "unknown: a significant repeating error (bias z >= 2)"
+    elif (against := bias_against_signal(rec)) is not None:
+        why = f"unknown: {against}"
     elif not hi - lo <= MAX_RANGE:
         why = f"unknown: the error is not resolved (the range is wider than {MAX_RANGE}: measure more --batches)"
     else:
         why = "range"
     return {"rate_lo": lo, "rate_hi": hi, "time_rate_lo": ratio * lo, "time_rate_hi": ratio * hi, "prediction": why,
             "prediction_range": f"{lo:.2f}-{hi:.2f}" if why == "range" else "unknown"}
+
+
+def bias_against_signal(rec: dict) -> str | None:
+    """Why a record's repeating error cannot be trusted against the gradient's signal, or None. Adam integrates a
+    repeating error (a bias) as it integrates the signal, so what it costs is its size against the signal, not against
+    the noise; a small bias against the noise can still turn the step where the signal is smaller still. For an
+    estimator that is not unbiased by construction (the record's ``estimator_config``,
+    :attr:`jagg.EstimatorConfig.unbiased`), the bias's upper end (``bias_to_noise`` + 2 SE) must be at most
+    :data:`MAX_BIAS_TO_SIGNAL` times the signal's lower end (``signal_to_noise`` - 2 SE, both against ``V_b``); a
+    signal that reaches 0 within 2 SE bounds nothing. A record without these terms is not judged here."""
+    config = rec.get("estimator_config")
+    terms = [rec.get(k) for k in ("bias_to_noise", "bias_to_noise_se", "signal_to_noise", "signal_to_noise_se")]
+    if not isinstance(config, dict) or not all(is_finite_number(t) for t in terms):
+        return None
+    if EstimatorConfig.from_dict(config).unbiased:
+        return None
+    bias_hi, signal_lo = max(terms[0] + 2 * terms[1], 0.0), terms[2] - 2 * terms[3]
+    if bias_hi <= MAX_BIAS_TO_SIGNAL * max(signal_lo, 0.0):
+        return None
+    if signal_lo <= 0:
+        return (f"a repeating error against a signal not resolved (bias^2 / V_b up to {bias_hi:.3f}, |E g|^2 / V_b "
+                f"{terms[2]:.3f} +- {terms[3]:.3f})")
+    return (f"a repeating error not shown small against the signal (bias^2 / signal^2 up to {bias_hi / signal_lo:.2f}, "
+            f"above {MAX_BIAS_TO_SIGNAL:.2f})")
 
 
 def job_prediction(per_update: list[list[dict]]) -> list[dict]:
@@ -189,7 +221,7 @@ def signal_note(records: list[dict]) -> str | None:
     where = ", ".join(f"update {u}: {s:.2f} +- {se:.2f}" for u, s, se in low)
     return (f"signal not resolved: exact's |E g|^2 / V_b reaches 0 within 2 SE ({where}); these batches cannot tell "
             "the gradient's direction from its noise, so a repeating error cannot be weighed against the signal it "
-            "would deflect: the choice rests on the error against the noise alone (more batches resolve it)")
+            "would deflect: only an estimator unbiased by construction can be chosen (more batches resolve it)")
 
 
 def _projected(c: dict, cost: str | None) -> str:
