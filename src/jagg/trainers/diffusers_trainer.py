@@ -177,7 +177,7 @@ class DiffusersSampler:
         """The prompts, initial noise, trained steps and SDE mask of iteration ``iteration`` (it decides a sliding SDE
         window: :func:`~jagg.trainers.rollout.rollout_inputs`)."""
         return rollout_inputs(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
-                                      self.gen, iteration)
+                              self.gen, iteration)
 
     def rollout(self, draw: RolloutInputs, iteration: int) -> Rollout:
         """This process's shard of ``draw``'s trajectories (the global batch's prompts, local trajectories), in pieces

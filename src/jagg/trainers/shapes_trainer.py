@@ -81,7 +81,7 @@ class ShapesSampler:
         """The prompts, initial noise, trained steps and SDE mask of iteration ``iteration`` (counted from 0; it decides
         a sliding SDE window: :func:`~jagg.trainers.rollout.rollout_inputs`)."""
         return rollout_inputs(self.cfg.sample, self.prompts, self.latent_shape, self.num_steps, self.np_rng,
-                                      self.gen, iteration)
+                              self.gen, iteration)
 
     def rollout(self, draw: RolloutInputs) -> Rollout:
         """The trajectories of ``draw`` (SDE noise from :attr:`gen`); the conditioning is the prompt tokens ``[B, L]``."""
