@@ -255,6 +255,32 @@ def test_a_run_too_short_to_measure_trains_exact_unmeasured(tmp_path, bench_ckpt
     assert json.loads((out / "preflight.json").read_text())["measured_iterations"] == 0
 
 
+def test_a_measurement_the_machine_cannot_hold_trains_exact_unmeasured(tmp_path, bench_ckpt, capsys, monkeypatch):
+    """The measurement holds one float32 gradient per estimator draw, update position and measured iteration on the
+    host (here 3 iterations x 2 positions x 3 estimators = 18); up to half the machine's memory it measures, a byte
+    more and the run trains exact from iteration 0, unmeasured, saying how much and what to change."""
+    import jagg.trainers.auto as auto_mod
+
+    real = auto_mod.AutoEstimator._too_large
+
+    def at_the_boundary(self):
+        one = 4 * sum(p.numel() for p in self.params)                  # bytes of one float32 gradient
+        monkeypatch.setattr(auto_mod, "machine_memory", lambda: 2 * 18 * one)
+        assert real(self) is None                                     # exactly half: it fits
+        monkeypatch.setattr(auto_mod, "machine_memory", lambda: 2 * 18 * one - 1)
+        return real(self)
+
+    monkeypatch.setattr(auto_mod.AutoEstimator, "_too_large", at_the_boundary)
+    monkeypatch.setattr(auto_mod.Measurement, "add", lambda *a, **k: pytest.fail("measured what it cannot hold"))
+    out = tmp_path / "run"
+    assert main(auto_args(bench_ckpt, out, 5)) == 0
+    screen = capsys.readouterr().out
+    assert "train with exact: measuring holds 18 flat gradients of the" in screen, screen
+    assert "more than half this machine's" in screen and "pipeline.lora" in screen
+    decision = json.loads((out / "preflight.json").read_text())
+    assert decision["train_with"] == "exact" and decision["measured_iterations"] == 0
+
+
 def test_bench_meter_prints_the_verdict_and_quick_none(tmp_path, tiny_ckpt, capsys):
     """``jagg bench meter`` ends with a line per candidate and the recommendation (the JSON's ``verdict`` record);
     ``--quick`` says it is a smoke test and gives none; on an auto config it measures the candidates."""

@@ -49,6 +49,15 @@ def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
 
 
+def local_processes(world: int) -> int:
+    """The processes of the job on this machine: torchrun's and accelerate's ``LOCAL_WORLD_SIZE``, else all
+    ``world`` of them (one machine)."""
+    try:
+        return max(int(os.environ["LOCAL_WORLD_SIZE"]), 1)
+    except (KeyError, ValueError):
+        return max(int(world), 1)
+
+
 def init_process_group_from_env(backend: str | None = None) -> tuple[int, int]:
     """Initialise the default process group from torchrun / accelerate variables (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``); a no-op when already initialised or when ``WORLD_SIZE`` is unset or 1.

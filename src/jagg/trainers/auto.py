@@ -38,7 +38,8 @@ from ..audit import flat_grad
 from ..cost import config_structure, default_cost, resolve
 from ..estimator_config import EstimatorConfig
 from ..infra.atomic import write_json
-from ..infra.distributed import gather_objects
+from ..infra.distributed import gather_objects, local_processes
+from ..infra.sizes import FLOAT, machine_memory, shown_bytes
 from ..verdict import position_failure, signal_note, verdict
 from .side_by_side import layout_linearity, position_records
 from .sections import auto_candidates, steps_source, trained_steps
@@ -173,11 +174,11 @@ class AutoEstimator:
         self.estimator = self._ests["exact"]
         self._measure_cpu = 0.0
         left = c.grpo.iterations - self.iteration
-        if len(self._ests) == 1 or left <= e.preflight_batches:
+        if len(self._ests) == 1 or left <= e.preflight_batches or (held := self._too_large()) is not None:
             why = ("no candidate besides exact (estimator.candidates)" if len(self._ests) == 1 else
                    f"the run's {left} remaining iterations leave none to train a candidate in after measuring "
                    f"{e.preflight_batches} (estimator.preflight_batches): raise grpo.iterations, or choose "
-                   "estimator.mode")
+                   "estimator.mode" if left <= e.preflight_batches else held)
             self._decide({"train_with": "exact", "reason": why, "line": f"train with exact: {why}", "lines": [],
                           "candidates": []}, [])
             return
@@ -195,6 +196,25 @@ class AutoEstimator:
                                                                                       "sample.num_steps")
         self._ests, self._left_out = auto_candidates(c.estimator, trained_steps(c.sample, num_steps),
                                                      steps_source(c.sample, key, num_steps))
+
+    def _too_large(self) -> str | None:
+        """Why the measurement's gradients cannot be held in this machine's memory, or None. It holds one flat
+        float32 gradient per estimator (a random one's ``preflight_draws``), update position and measured iteration, on
+        the host of every process: it may take at most half the machine's memory (the processes on it together)."""
+        e, g = self.cfg.estimator, self.cfg.grpo
+        vectors = e.preflight_batches * g.inner_epochs * g.updates_per_epoch * sum(
+            e.preflight_draws if est.random else 1 for est in self._ests.values())
+        numel = sum(p.numel() for p in self.params)
+        processes = local_processes(self.world)
+        need, have = float(vectors) * numel * FLOAT * processes, machine_memory()
+        if need <= have / 2:
+            return None
+        return (f"measuring holds {vectors} flat gradients of the {numel:,} trainable parameters on the host "
+                f"({e.preflight_batches} iterations x {g.inner_epochs * g.updates_per_epoch} update positions x the "
+                f"estimators' draws{f', x {processes} processes' if processes > 1 else ''}): {shown_bytes(need)}, "
+                f"more than half this machine's {shown_bytes(have)}; train a LoRA (pipeline.lora), lower "
+                "estimator.preflight_batches or estimator.candidates, or decide once with jagg bench meter on a "
+                "machine that holds them")
 
     def _new_measurement(self, trained: str) -> Measurement:
         """A measurement of exact and the candidates (``trained``: exact) or of exact beside the chosen one."""
