@@ -57,6 +57,8 @@ Reported (95% intervals by bootstrap over seeds, 2000 resamples, seed 0 of numpy
     evaluated on another schedule is not reused.
 - **final test reward** at equal updates (held-out test prompts, the trainer's last evaluation), its mean, interval,
   the paired difference to exact with its interval, and the evaluation's own noise (per-image standard error).
+- the machine's load while each run trained (its mean 1-minute load average), and a line when the variants saw
+  unlike loads or a run more than the machine's cores: their CPU clocks carry it.
 - the training reward at the start and the end (means over the first and last 10% of iterations): a variant that
   ends below its start has drifted.
 - held-out evaluations per run and their seconds (``evaluations``, ``eval_s``: the cost of a denser schedule).

@@ -9,6 +9,7 @@ import numpy as np
 
 from jagg.infra.atomic import atomic_write
 from jagg.bench.common import table
+from lab.machine_load import load_warning
 from lab.quality_compare import TEST_CURVE, curves
 from lab.statistics import smooth
 
@@ -86,14 +87,15 @@ METER_COLUMNS = [
 RUN_COLUMNS = [("variant", "variant", ""), ("seed", "seed", ""), ("updates", "updates", ""),
                ("final_test_reward", "final test", ".3f"), ("iter_s", "iter s", ".2f"), ("wall_s", "wall s", ".0f"),
                ("rows_per_update", "rows/upd", ".0f"), ("trained_with", "auto chose", ""),
-               ("preflight_cpu_s", "measured: CPU s", ".0f")]
+               ("preflight_cpu_s", "measured: CPU s", ".0f"), ("load_mean", "load", ".1f")]
 
 
 def run_rows(runs: list[dict]) -> list[dict]:
     """The runs as :data:`RUN_COLUMNS` shows them: with an ``estimator.mode: auto`` run's decision and its measurement's
-    CPU seconds."""
+    CPU seconds, and the machine's mean load while it trained (:mod:`lab.machine_load`)."""
     return [{**r, "trained_with": (r.get("preflight") or {}).get("train_with", ""),
-             "preflight_cpu_s": (r.get("preflight") or {}).get("preflight_cpu_s")} for r in runs]
+             "preflight_cpu_s": (r.get("preflight") or {}).get("preflight_cpu_s"),
+             "load_mean": (r.get("load") or {}).get("mean")} for r in runs]
 
 
 def with_interval(r: dict, key: str, spec: str = ".2f", unreached: str = "unreached") -> str:
@@ -130,6 +132,8 @@ def print_report(runs: list[dict], summary: list[dict], seeds: list[int], cost_l
     the plateau, and the meter and the projection beside the measured efficiencies."""
     print("\nruns (auto chose: estimator.mode auto's decision; its measurement's CPU seconds are in the run's)")
     print(table(run_rows(runs), RUN_COLUMNS))
+    if (warning := load_warning(runs)) is not None:
+        print(warning)
     spread = ("95% bootstrap intervals" if len(seeds) > 1 else "one seed: no intervals, which are over seeds (give "
               "--seeds 2 or more)")
     print(f"\nper variant, paired over seeds {seeds[0]}..{seeds[-1]} ({spread}; time-to-target and "

@@ -22,6 +22,7 @@ from jagg.infra.config_loader import to_dict
 from jagg.infra.rundir import RunHints
 from jagg.infra.atomic import write_json
 from jagg.bench.meter_command import TrainConfig, load_config
+from lab.machine_load import MachineLoad
 
 BUILTIN = {
     "exact": ["estimator.mode=exact"],
@@ -64,7 +65,7 @@ RESULT_FIELDS = {"iterations": "integer", "config": "object", "train_curve": "li
                  "seed": "integer", "estimator": "object", "updates": "integer", "eval_images": "integer|null",
                  "final_held_out_reward": "number|null", "evaluations": "integer", "eval_s": "number",
                  "sample_s": "number|null", "reward_s": "number|null", "iter_cpu_s": "number|null",
-                 "meter": "object|null", "meter_curve": "list"}
+                 "meter": "object|null", "meter_curve": "list", "load": "object"}
 RESULT_REQUIRED = ("iterations", "config", "train_curve", "test_curve", "final_test_reward",
                    "final_test_reward_std", "rows_per_update", "nograd_per_update", "iter_s", "train_s", "wall_s")
 CURVE_WIDTHS = {"train_curve": 4, "test_curve": 3}      # TRAIN_CURVE, TEST_CURVE of lab.quality_compare
@@ -240,10 +241,11 @@ def run_one(q: QualityConfig, variant: str, seed: int) -> dict:
             return {**result, "variant": variant}          # its directory is this variant's (even if renamed)
     print(f"quality: {variant} seed {seed}: training {cfg.grpo.iterations} iterations into {out}", flush=True)
     try:
-        records = trainer_of(cfg).run(cfg, resume=True)
+        with MachineLoad() as load:           # beside the clocks: what else the machine ran meanwhile
+            records = trainer_of(cfg).run(cfg, resume=True)
     except ValueError as e:                   # any refusal of the run (its directory, its config): named by it
         raise ValueError(f"run {out}: {e}") from None
-    result = {**summarize(records, cfg, variant, seed), "config": to_dict(cfg)}
+    result = {**summarize(records, cfg, variant, seed), "load": load.summary(), "config": to_dict(cfg)}
     write_json(done, result)
     return result
 

@@ -26,6 +26,7 @@ def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
     for r in runs:
         assert r["updates"] == 8 and len(r["train_curve"]) == 4 and len(r["test_curve"]) == 3   # evals at 0, 2, 4
         assert (out / r["variant"] / f"seed{r['seed']}" / "result.json").is_file()
+        assert r["load"]["samples"] >= 2 and 0 <= r["load"]["mean"] <= r["load"]["max"] and r["load"]["cpus"] >= 1
     rows = {r["variant"]: r["rows_per_update"] for r in runs}
     assert rows["jagg_fresh"] < rows["exact"] and rows["unb"] < rows["exact"]
     assert [r["estimator"]["correction_p"] for r in runs if r["variant"] == "unb"] == [0.5, 0.5]
@@ -50,7 +51,7 @@ def test_bench_quality_smoke_and_resume(tmp_path, bench_ckpt, capsys):
     assert all(r["evaluations"] == 3 and r["eval_s"] > 0 for r in runs)
     printed = capsys.readouterr().out
     for column in ("rate 25%", "rate 50%", "rate 75%", "rate (geo. mean)", "plateau gap", "CPU budget s",
-                   "to lower final", "held-out evaluations: 3 per run"):
+                   "to lower final", "held-out evaluations: 3 per run", "load"):
         assert column in printed, column
     assert (out / "quality.png").stat().st_size > 0
     assert main(args) == 2                                      # the comparison's files are not replaced ...
