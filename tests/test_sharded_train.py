@@ -11,6 +11,7 @@ gathered adapter exported. The DDP launch of LoRA (replicated) is in tests/test_
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -255,7 +256,7 @@ def test_an_unsupported_accelerate_setting_is_refused_by_name(change, key):
 
 def test_the_config_and_the_launcher_must_agree(tmp_path, sd3_dir):
     """A key set both in the jagg config and the accelerate config must agree; torchrun takes the config's; one
-    process runs no engine; FSDP refuses the main-process audit and estimator.mode: auto before anything loads."""
+    process runs no engine; FSDP refuses the main-process audit before anything loads, not estimator.mode: auto."""
     cfg = write_sd3_config(tmp_path, sd3_dir)
     fsdp = read_launch(FSDP_ENV)
     assert fsdp == LaunchSettings(launcher="accelerate", strategy="fsdp", wrap="blocks", reshard_after_forward=True)
@@ -280,9 +281,8 @@ def test_the_config_and_the_launcher_must_agree(tmp_path, sd3_dir):
     with pytest.raises(ValueError, match="estimator.meter_every > 0 audits"):
         engine_for(load_config(cfg, ["estimator.meter_every=1"]), fsdp, 2)
     assert engine_for(load_config(cfg, ["estimator.meter_every=1"]), fsdp, 1).strategy == "single"
-    with pytest.raises(ValueError, match="estimator.mode: auto measures .* run jagg bench meter --config .one "
-                                         "process. and set the estimator it names"):
-        engine_for(load_config(cfg, ["estimator.mode=auto"]), fsdp, 2)
+    for sets in (["estimator.mode=auto"], ["estimator.mode=auto", "estimator.meter_every=5"]):   # auto's re-check
+        assert engine_for(load_config(cfg, sets), fsdp, 2).strategy == "fsdp"
     assert engine_for(load_config(cfg, ["estimator.mode=auto"]), torchrun, 2).strategy == "ddp"
 
 
@@ -379,6 +379,40 @@ def test_fsdp_lora_resumes_resharded_two_one_two(tmp_path, sd3_dir):
         torch.testing.assert_close(p.detach(), ema[n], rtol=0, atol=1e-7, msg=n)
 
 
+def test_auto_on_two_processes_measures_the_whole_gradient_as_one_process(tmp_path, sd3_dir):
+    """estimator.mode: auto on 2 processes, DDP and FSDP2 (LoRA): each measured gradient is the whole one on every
+    process (FSDP's shards gathered), and a process without a sample in an update (each update here is one prompt
+    group, on one process) measures beside the other, so the measurement and its records are one process's (the error,
+    the noise and the signal within float precision), the decision is the same (exact, at a margin of 100) and so is
+    every update."""
+    cfg = write_sd3_config(tmp_path, sd3_dir)
+    sets = ["grpo.iterations=6", "estimator.mode=auto", "estimator.preflight_batches=3", "estimator.preflight_share=1",
+            "estimator.candidates=[\"g3:window=3\"]", "estimator.preflight_margin=100", "grpo.minibatches=groups",
+            "sample.micro_batch=2", "log.sample_images=0"]
+    one = tmp_path / "one"
+    assert main(_args(cfg, sets) + ["--output-dir", str(one)]) == 0
+    a = json.loads((one / "preflight.json").read_text())
+    assert a["train_with"] == "exact" and a["measured_iterations"] == 3
+    assert {r["estimator"] for r in a["records"]} == {"exact", "g3"}
+    assert next(r for r in a["records"] if r["estimator"] == "g3")["error_to_noise"] > 1e-3   # a real error
+    ta = [r for r in records(one) if r["kind"] == "train"]
+    for strategy in ("ddp", "fsdp"):
+        two = tmp_path / strategy
+        _launch(TORCHRUN, _args(cfg, sets + [f"distributed.strategy={strategy}"]) + ["--output-dir", str(two)])
+        assert [r["engine"] for r in _ranks(two)] == [strategy, strategy]
+        b = json.loads((two / "preflight.json").read_text())
+        assert b["train_with"] == "exact" and b["measured_iterations"] == 3, strategy
+        assert [(r["estimator"], r["update"]) for r in b["records"]] == [(r["estimator"], r["update"])
+                                                                          for r in a["records"]]
+        for got, want in zip(b["records"], a["records"]):
+            for k in ("error_to_noise", "bias_to_noise", "signal_to_noise", "rows_per_sample"):
+                assert got[k] == pytest.approx(want[k], rel=1e-3, abs=1e-6), (strategy, got["estimator"], k)
+        tb = [r for r in records(two) if r["kind"] == "train"]
+        assert len(ta) == len(tb) == 6
+        for got, want in zip(tb, ta):
+            assert_same_update(got, want)
+
+
 def test_ctrl_c_under_torchrun_saves_once_on_every_rank_and_says_so_last(tmp_path, sd3_dir):
     """Ctrl-C (SIGINT to the launcher and its processes, as a terminal sends it) under torchrun with 2 FSDP processes:
     the first screen names the engine and what rank 0 holds; every rank finishes the iteration and writes its shards
@@ -420,13 +454,13 @@ def test_ctrl_c_under_torchrun_saves_once_on_every_rank_and_says_so_last(tmp_pat
 
 
 def test_a_refusal_under_torchrun_is_the_last_line(tmp_path, sd3_dir):
-    """A refusal before the model loads (estimator.mode: auto under FSDP) under torchrun: every process exits 2 with
+    """A refusal before the model loads (the estimator audit under FSDP) under torchrun: every process exits 2 with
     the one line, and after torchrun's own report of the failed processes the line comes again, last."""
     cfg = write_sd3_config(tmp_path, sd3_dir)
     proc = subprocess.run([sys.executable, "-m", *TORCHRUN, LAUNCHER, *_args(cfg, [
-        "distributed.strategy=fsdp", "estimator.mode=auto"]), "--output-dir", str(tmp_path / "run")], env=ENV,
+        "distributed.strategy=fsdp", "estimator.meter_every=1"]), "--output-dir", str(tmp_path / "run")], env=ENV,
         capture_output=True, text=True, timeout=300)         # returns once the detached process said the line
-    line = "jagg train: error: estimator.mode: auto measures the estimators on one process's whole gradient"
+    line = "jagg train: error: estimator.meter_every > 0 audits the estimator on the main process's whole gradient"
     assert proc.returncode == 1 and "ChildFailedError" in proc.stderr          # torchrun's own status and report
     assert proc.stderr.count(line) == 3 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()

@@ -25,6 +25,7 @@ generator of their own, so the trained updates' random streams are the trained e
 
 from __future__ import annotations
 
+import math
 import shlex
 import statistics
 import time
@@ -34,7 +35,6 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from ..audit import flat_grad
 from ..cost import config_structure, default_cost, resolve
 from ..estimator_config import EstimatorConfig
 from ..infra.atomic import write_json
@@ -61,6 +61,17 @@ def meter_command(cfg) -> str:
         if spec != "exact":
             parts += ["--estimator", spec]
     return " ".join(shlex.quote(p) for p in parts) + " (with this run's --config and --set)"
+
+
+def whole_grad(params: list) -> Tensor:
+    """All ``.grad`` as one float32 vector ``[P]`` on the host (zeros where a grad is None), a sharded gradient (FSDP's
+    ``DTensor``) gathered whole first: a collective, so every process calls it, in the same order."""
+    parts = []
+    for p in params:
+        g = p.grad
+        g = torch.zeros(p.shape) if g is None else g.full_tensor() if hasattr(g, "full_tensor") else g
+        parts.append(g.detach().flatten().float().cpu())
+    return torch.cat(parts)
 
 
 @dataclass
@@ -243,13 +254,15 @@ class AutoEstimator:
     def beside(self, mb, stats: dict, cpu: float) -> None:
         """After the trained estimator's gradient of ``mb`` (in ``.grad``; ``stats``, ``cpu``: its statistics and
         CPU seconds): in a measured iteration, every other measured estimator's gradient of the same minibatch at the
-        same parameters, then the trained gradient restored."""
-        if not self.measuring_now() or mb.traj is None:
+        same parameters, then the trained gradient restored. Every process measures, those without a sample in this
+        minibatch too (their share of each gradient's collectives), on the minibatch's samples over all processes
+        (``stats["samples"]``)."""
+        if not self.measuring_now():
             return
         m, c0 = self.measurement, time.process_time()
         kept = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
-        n = max(mb.size, 1)
-        per = {m.trained: (flat_grad(self.params).float().cpu()[None], [(cpu, stats["backward_items"] / n,
+        n = max(int(stats.get("samples", mb.size)), 1)
+        per = {m.trained: (whole_grad(self.params)[None], [(cpu, stats["backward_items"] / n,
                                                                    stats["forward_nograd_items"] / n,
                                                                    stats["clip_frac"])])}
         trained_est, trained_gen = self.estimator, self.pick_gen
@@ -265,16 +278,17 @@ class AutoEstimator:
                     st = self.gradient(mb)
                     cs.append((time.process_time() - c1, st["backward_items"] / n, st["forward_nograd_items"] / n,
                                st["clip_frac"]))
-                    gs.append(flat_grad(self.params).float().cpu())   # held on the host
+                    gs.append(whole_grad(self.params))             # held on the host
                 per[name] = (torch.stack(gs), cs)
         finally:
             self.estimator, self.pick_gen = trained_est, trained_gen
             for p, g in zip(self.params, kept):
                 p.grad = g
         u = mb.position
-        for name in (n for n in m.ests if n in per):         # exact first
-            lin = layout_linearity([SimpleNamespace(traj=mb.traj)], m.ests[name])
-            m.add(u, self.iteration, name, *per[name], mb.size, lin)
+        for name in (k for k in m.ests if k in per):         # exact first
+            lin = (layout_linearity([SimpleNamespace(traj=mb.traj)], m.ests[name]) if mb.traj is not None else
+                   {"linearity": math.nan, "linearity_min": math.nan})          # none of this process's samples
+            m.add(u, self.iteration, name, *per[name], n, lin)
         self._measure_cpu += time.process_time() - c0
         self._measured_this = True
 

@@ -119,15 +119,11 @@ def sampling_pieces(local: slice, size: int) -> list[slice]:
 def engine_for(cfg: DiffusersTrainConfig, launch: LaunchSettings, world: int) -> EngineSettings:
     """The engine of ``cfg`` under the launcher's settings with ``world`` processes
     (:func:`jagg.infra.engine.resolve_engine`, which applies the launcher's settings to ``cfg.pipeline``), refusing
-    what the trainer cannot run with it: ``estimator.mode: auto`` and the estimator audit (``estimator.meter_every``)
-    under FSDP, both measured on one process's whole gradient."""
+    what the trainer cannot run with it: the estimator audit (``estimator.meter_every`` of a fixed estimator) under
+    FSDP, measured on the main process's whole gradient (``estimator.mode: auto`` gathers the sharded gradients whole
+    on every process)."""
     settings = resolve_engine(cfg, launch, world)
-    if settings.strategy == "fsdp" and cfg.estimator.mode == "auto":
-        raise ValueError("estimator.mode: auto measures the estimators on one process's whole gradient, which FSDP "
-                         "shards across the processes: run jagg bench meter --config (one process) and set the "
-                         "estimator it names (estimator.mode, estimator.window), or train with distributed.strategy: "
-                         "ddp")
-    if settings.strategy == "fsdp" and cfg.estimator.meter_every:
+    if settings.strategy == "fsdp" and cfg.estimator.meter_every and cfg.estimator.mode != "auto":
         raise ValueError("estimator.meter_every > 0 audits the estimator on the main process's whole gradient, which "
                          "FSDP shards across the processes: set estimator.meter_every: 0 and measure with jagg bench "
                          "meter --config (one process), or train with distributed.strategy: ddp")
@@ -322,7 +318,7 @@ class DiffusersGRPO(AutoEstimator, GRPO):
     def gradient(self, mb: Minibatch) -> dict:
         """This rank's gradient of its part of the minibatch (possibly empty), averaged over the ranks by the engine
         (each rank's loss scaled by :func:`jagg.infra.distributed.loss_scale`), and the statistics of the whole
-        minibatch."""
+        minibatch (``samples``: its size over the processes)."""
         n = mb.size
         n_global = int(self._sum([n])[0])
         if n_global == 0:
@@ -341,6 +337,7 @@ class DiffusersGRPO(AutoEstimator, GRPO):
         stats = {k: tot[i] / n_global for i, k in enumerate(names)}
         stats.update({k: int(tot[len(names) + i]) for i, k in enumerate(counts)})
         stats["jagg_frac_routed"] = stats["intervals_jagg"] / stats["intervals"] if stats["intervals"] else 0.0
+        stats["samples"] = n_global
         return stats
 
     def _sum(self, values: list[float]) -> list[float]:

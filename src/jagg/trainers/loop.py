@@ -131,7 +131,8 @@ class GRPO(ABC):
     @abstractmethod
     def gradient(self, mb: Minibatch) -> dict:
         """Accumulate the minibatch's policy gradient into the parameters' ``.grad`` (zeroed before) and return its
-        statistics (``loss`` and :class:`jagg.GradientStats`' counts), or ``{}`` when no process has a sample."""
+        statistics (``loss`` and :class:`jagg.GradientStats`' counts, ``samples``: the minibatch's size over the
+        processes), or ``{}`` when no process has a sample."""
 
     def after_step(self) -> None:
         """Called after each optimizer step that was taken (e.g. an EMA of the weights)."""

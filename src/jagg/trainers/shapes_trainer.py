@@ -154,9 +154,10 @@ class ShapesGRPO(AutoEstimator, GRPO):
         return [mb for mb in cut if mb.numel()]
 
     def gradient(self, mb: Minibatch) -> dict:
-        return policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
-                               ref_velocities=mb.ref_velocities, prompt_groups=mb.prompt_groups,
-                               generator=self.pick_gen, on_policy=mb.on_policy).to_dict()
+        st = policy_gradient(self.velocity(mb.conditioning), mb.traj, mb.advantages, self.estimator,
+                             ref_velocities=mb.ref_velocities, prompt_groups=mb.prompt_groups,
+                             generator=self.pick_gen, on_policy=mb.on_policy).to_dict()
+        return {**st, "samples": mb.size}
 
     def after_step(self) -> None:
         if self.ema is not None:
