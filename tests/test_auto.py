@@ -281,6 +281,16 @@ def test_a_measurement_the_machine_cannot_hold_trains_exact_unmeasured(tmp_path,
     assert decision["train_with"] == "exact" and decision["measured_iterations"] == 0
 
 
+def test_each_process_picks_a_random_candidate_s_corrections_with_its_own_stream():
+    """Unbiased JAGG's picks in the measurement come from a stream of each process's own (as the trained estimator's
+    do), the main process's unchanged; the streams differ from process to process."""
+    from jagg.trainers.auto import PICK_SEED, pick_seed
+
+    assert pick_seed(3) == pick_seed(3, 0) == 3 + PICK_SEED
+    draws = [torch.rand(8, generator=torch.Generator().manual_seed(pick_seed(3, r))) for r in range(4)]
+    assert all(not torch.equal(draws[i], draws[j]) for i in range(4) for j in range(i))
+
+
 def test_bench_meter_prints_the_verdict_and_quick_none(tmp_path, tiny_ckpt, capsys):
     """``jagg bench meter`` ends with a line per candidate and the recommendation (the JSON's ``verdict`` record);
     ``--quick`` says it is a smoke test and gives none; on an auto config it measures the candidates."""

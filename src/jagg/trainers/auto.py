@@ -51,6 +51,13 @@ RECORD_KEYS = ("estimator", "update", "rows_per_sample", "error_to_noise", "erro
 PICK_SEED = 7_777_777                     # the candidates' picks: seed + this, never a training stream of a nearby seed
 
 
+def pick_seed(seed: int, rank: int = 0) -> int:
+    """The seed of the candidates' picks on process ``rank``: each process its own, as the trained estimator's (a
+    process picks among its own samples' units), so a random candidate is measured with the picks it would train
+    with; the main process's is ``seed +`` :data:`PICK_SEED`."""
+    return seed + PICK_SEED + 104_729 * rank
+
+
 def meter_command(cfg) -> str:
     """The ``jagg bench meter`` command that measures the same candidates on the same batching before a run (to
     decide once for a job trained many times)."""
@@ -233,7 +240,7 @@ class AutoEstimator:
             self._candidates()
         ests = self._ests if trained == "exact" else {"exact": self._ests["exact"], trained: self._ests[trained]}
         g = self.cfg.grpo
-        self._pick_gen = torch.Generator().manual_seed(self.cfg.seed + PICK_SEED)
+        self._pick_gen = torch.Generator().manual_seed(pick_seed(self.cfg.seed, getattr(self, "rank", 0)))
         return Measurement(ests, trained, g.inner_epochs * g.updates_per_epoch)
 
     def audit_due(self) -> bool:
