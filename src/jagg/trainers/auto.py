@@ -13,7 +13,9 @@ candidate only when its range is known and its low end clears exact's progress p
 
 The measurement is sized to the run: after its first iteration it goes on only while what is left of it costs less
 than a candidate that clears the margin could win back in the run's remaining iterations, and at most
-``estimator.preflight_share`` of the run's projected time; otherwise the run trains exact, saying why. A chosen
+``estimator.preflight_share`` of the run's projected time; otherwise the run trains exact, saying why. It is also
+sized to the machine: the gradients it holds (one per estimator draw, update position and measured iteration, each
+gathered whole on every process) may take at most half its memory, or the run trains exact unmeasured. A chosen
 candidate is re-measured beside exact every ``estimator.meter_every`` iterations (0: never), on the last
 ``preflight_batches`` measured iterations, and dropped for exact, with a record, when it no longer clears the bar.
 
@@ -192,11 +194,15 @@ class AutoEstimator:
         self.estimator = self._ests["exact"]
         self._measure_cpu = 0.0
         left = c.grpo.iterations - self.iteration
-        if len(self._ests) == 1 or left <= e.preflight_batches or (held := self._too_large()) is not None:
-            why = ("no candidate besides exact (estimator.candidates)" if len(self._ests) == 1 else
-                   f"the run's {left} remaining iterations leave none to train a candidate in after measuring "
+        if len(self._ests) == 1:
+            why = "no candidate besides exact (estimator.candidates)"
+        elif left <= e.preflight_batches:
+            why = (f"the run's {left} remaining iterations leave none to train a candidate in after measuring "
                    f"{e.preflight_batches} (estimator.preflight_batches): raise grpo.iterations, or choose "
-                   "estimator.mode" if left <= e.preflight_batches else held)
+                   "estimator.mode")
+        else:
+            why = self._too_large()
+        if why is not None:
             self._decide({"train_with": "exact", "reason": why, "line": f"train with exact: {why}", "lines": [],
                           "candidates": []}, [])
             return
@@ -270,8 +276,7 @@ class AutoEstimator:
         kept = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
         n = max(int(stats.get("samples", mb.size)), 1)
         per = {m.trained: (whole_grad(self.params)[None], [(cpu, stats["backward_items"] / n,
-                                                                   stats["forward_nograd_items"] / n,
-                                                                   stats["clip_frac"])])}
+                                                            stats["forward_nograd_items"] / n, stats["clip_frac"])])}
         trained_est, trained_gen = self.estimator, self.pick_gen
         try:
             for name, est in m.ests.items():
