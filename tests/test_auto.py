@@ -259,15 +259,16 @@ def test_a_measurement_the_machine_cannot_hold_trains_exact_unmeasured(tmp_path,
     """The measurement holds one float32 gradient per estimator draw, update position and measured iteration on the
     host (here 3 iterations x 2 positions x 3 estimators = 18); up to half the machine's memory it measures, a byte
     more and the run trains exact from iteration 0, unmeasured, saying how much and what to change."""
+    import jagg.infra.sizes as sizes
     import jagg.trainers.auto as auto_mod
 
     real = auto_mod.AutoEstimator._too_large
 
     def at_the_boundary(self):
         one = 4 * sum(p.numel() for p in self.params)                  # bytes of one float32 gradient
-        monkeypatch.setattr(auto_mod, "machine_memory", lambda: 2 * 18 * one)
+        monkeypatch.setattr(sizes, "machine_memory", lambda: 2 * 18 * one)
         assert real(self) is None                                     # exactly half: it fits
-        monkeypatch.setattr(auto_mod, "machine_memory", lambda: 2 * 18 * one - 1)
+        monkeypatch.setattr(sizes, "machine_memory", lambda: 2 * 18 * one - 1)
         return real(self)
 
     monkeypatch.setattr(auto_mod.AutoEstimator, "_too_large", at_the_boundary)

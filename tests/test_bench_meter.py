@@ -71,6 +71,35 @@ def test_bench_meter_end_to_end(tmp_path, bench_ckpt, capsys):
     assert "--by-tensor 'nope': not one of the estimators" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("update", ["0", "all"])
+def test_bench_meter_refuses_what_the_machine_cannot_hold_before_a_batch(bench_ckpt, capsys, monkeypatch, update):
+    """The gradients held at an update position (float64, one per batch and estimator draw: 3 x (1 + 2 + 1) = 12 here)
+    may take half the machine's memory; a byte more is refused, naming the count and what to lower, before any batch
+    is sampled (one position and every position alike)."""
+    import jagg.bench.meter_command as meter_command
+    import jagg.infra.sizes as sizes
+    import jagg.trainers.side_by_side as sbs
+
+    for module in (sbs, meter_command):
+        monkeypatch.setattr(module, "draw_batches", lambda *a, **k: pytest.fail("sampled a batch before refusing"))
+    numel = {}
+    real = sbs.check_held_gradients
+
+    def small_machine(sampler, ests, batches, draws):
+        numel["n"] = sum(p.numel() for p in sampler.params)
+        monkeypatch.setattr(sizes, "machine_memory", lambda: 2 * 12 * 8 * numel["n"] - 1)
+        return real(sampler, ests, batches, draws)
+
+    monkeypatch.setattr(sbs, "check_held_gradients", small_machine)
+    monkeypatch.setattr(meter_command, "check_held_gradients", small_machine)
+    args = ["bench", "meter", "--batches", "3", "--draws", "2", "--estimator", "config", "--estimator", "plain",
+            "--update", update]
+    assert main(args + [a for s in meter_sets(bench_ckpt) for a in ("--set", s)]) == 2
+    err = capsys.readouterr().err
+    assert f"the meter holds 12 float64 gradients of the {numel['n']:,} trainable parameters" in err, err
+    assert "more than half this machine's" in err and "--batches" in err
+
+
 @pytest.mark.parametrize("spec, match", [("nope", "unknown name"), ("x:window", "not KEY=VALUE"),
                                          ("x:window=0", "window"), (":window=3", "give a name"),
                                          ("a:correction_p=auto", "estimator.correction_p: 'auto' was retired")])

@@ -80,8 +80,8 @@ from ..estimator import policy_gradient
 from ..estimator_config import AUTO, EstimatorConfig
 from ..knots import budget_probs, eligible_intervals, interval_probs, layout_intervals
 from ..trainers.diffusers_config import DiffusersTrainConfig, has_pipeline_section
-from ..trainers.side_by_side import (Sampler, draw_batches, kept_batch, measure_positions, measure_records,
-                                     restore_params, step_to_update, with_subsample)
+from ..trainers.side_by_side import (Sampler, check_held_gradients, draw_batches, kept_batch, measure_positions,
+                                     measure_records, restore_params, step_to_update, with_subsample)
 from ..trainers.shapes_trainer import ShapesSampler
 from ..trainers.shapes_config import ShapesTrainConfig
 from ..infra import config_loader as configuration
@@ -283,6 +283,7 @@ def measure(cfg: TrainConfig, specs: list[str], batches: int, draws: int, target
     check_sizes(batches, draws, target_batch)
     ests = measured_estimators(cfg, specs, batches)
     sampler = make_sampler(cfg)
+    check_held_gradients(sampler, ests, batches, draws)
     kept, rollout_s = draw_batches(sampler, cfg, batches)
     sampling_params = [p.detach().clone() for p in sampler.params] if update else None
     if update:                                     # off-policy: every batch measured where update `update` starts

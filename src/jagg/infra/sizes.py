@@ -41,6 +41,15 @@ def check_memory(need: float, what: str, fix: str) -> None:
                          f"{shown_bytes(have)}; {fix}")
 
 
+def held_over_half(need: float, what: str) -> str | None:
+    """Why ``need`` bytes of ``what`` (e.g. ``"measuring holds 60 flat gradients ..."``) cannot be held: more than half
+    this machine's memory (the model, its rollouts and the optimizer need the rest), or None."""
+    have = machine_memory()
+    if need <= have / 2:
+        return None
+    return f"{what}: {shown_bytes(need)}, more than half this machine's {shown_bytes(have)}"
+
+
 def rollout_bytes(samples: int, num_steps: int, latent: int, pixels: int) -> float:
     """A lower bound of one iteration's rollout: every sample's latents at each of the ``num_steps + 1`` sigmas and its
     velocity at each step (float32, ``latent`` numbers each), and its image (``pixels`` bytes)."""

@@ -41,7 +41,7 @@ from ..cost import config_structure, default_cost, resolve
 from ..estimator_config import EstimatorConfig
 from ..infra.atomic import write_json
 from ..infra.distributed import gather_objects, local_processes
-from ..infra.sizes import FLOAT, machine_memory, shown_bytes
+from ..infra.sizes import FLOAT, held_over_half
 from ..verdict import position_failure, signal_note, verdict
 from .side_by_side import layout_linearity, position_records
 from .sections import auto_candidates, steps_source, trained_steps
@@ -230,15 +230,13 @@ class AutoEstimator:
             e.preflight_draws if est.random else 1 for est in self._ests.values())
         numel = sum(p.numel() for p in self.params)
         processes = local_processes(self.world)
-        need, have = float(vectors) * numel * FLOAT * processes, machine_memory()
-        if need <= have / 2:
-            return None
-        return (f"measuring holds {vectors} flat gradients of the {numel:,} trainable parameters on the host "
-                f"({e.preflight_batches} iterations x {g.inner_epochs * g.updates_per_epoch} update positions x the "
-                f"estimators' draws{f', x {processes} processes' if processes > 1 else ''}): {shown_bytes(need)}, "
-                f"more than half this machine's {shown_bytes(have)}; train a LoRA (pipeline.lora), lower "
-                "estimator.preflight_batches or estimator.candidates, or decide once with jagg bench meter on a "
-                "machine that holds them")
+        why = held_over_half(float(vectors) * numel * FLOAT * processes,
+                             f"measuring holds {vectors} flat gradients of the {numel:,} trainable parameters on the "
+                             f"host ({e.preflight_batches} iterations x {g.inner_epochs * g.updates_per_epoch} update "
+                             f"positions x the estimators' draws{f', x {processes} processes' if processes > 1 else ''})")
+        return None if why is None else (f"{why}; train a LoRA (pipeline.lora), lower estimator.preflight_batches or "
+                                         "estimator.candidates, or decide once with jagg bench meter on a LoRA of the "
+                                         "job (a proxy)")
 
     def _new_measurement(self, trained: str) -> Measurement:
         """A measurement of exact and the candidates (``trained``: exact) or of exact beside the chosen one."""

@@ -26,6 +26,7 @@ from ..audit import flat_grad
 from ..cost import config_structure
 from ..estimator import policy_gradient, reference_velocities
 from ..estimator_config import EstimatorConfig
+from ..infra.sizes import held_over_half
 from ..knots import layout_intervals, plan_update
 from ..meter import adam_efficiency, error_noise_stats, extrapolate, predicted_efficiency
 from ..routing import linearity_scores
@@ -260,6 +261,18 @@ def position_records(cfg: TrainConfig, ests: dict[str, EstimatorConfig], grads: 
 After = Callable[[int, list[dict], dict[str, EstimatorConfig]], "dict[str, EstimatorConfig] | None"]
 
 
+def check_held_gradients(sampler: Sampler, ests: dict[str, EstimatorConfig | None], batches: int, draws: int) -> None:
+    """Refuse, before a batch is drawn, a measurement whose gradients at one update position (float64, one per batch
+    and estimator draw; None: random timestep subsampling, drawn ``draws`` times) would take more than half this
+    machine's memory, naming what to lower."""
+    vectors = batches * sum(draws if est is None or est.random else 1 for est in ests.values())
+    numel = sum(p.numel() for p in sampler.params)
+    why = held_over_half(8.0 * vectors * numel, f"the meter holds {vectors} float64 gradients of the {numel:,} "
+                         f"trainable parameters at an update position (--batches {batches} x the estimators' draws)")
+    if why is not None:
+        raise ValueError(f"{why}; measure a LoRA of the job (a proxy), or lower --batches, --draws or the estimators")
+
+
 def measure_positions(sampler: Sampler, cfg: TrainConfig, ests: dict[str, EstimatorConfig | None], batches: int,
                       draws: int, updates: int, seed: int, target_batch: int | None = None, cost=None,
                       after: After | None = None) -> list[list[dict]]:
@@ -268,6 +281,7 @@ def measure_positions(sampler: Sampler, cfg: TrainConfig, ests: dict[str, Estima
     so each position's records are those of a measurement of that position alone with the same seeds (``jagg bench
     meter --update u``). ``after`` (optional) picks the estimators of the next position from a position's records, or
     stops (None). The sampler's parameters are restored at the end. Returns the records per measured position."""
+    check_held_gradients(sampler, ests, batches, draws)
     kept, rollout_s = draw_batches(sampler, cfg, batches)
     e = cfg.estimator
     ests = with_subsample(ests, kept[0], e.candidate_base() if e.mode == "auto" else e)
