@@ -169,11 +169,11 @@ def test_fsdp2_two_cpu_processes_equal_one_process(tmp_path):
     ``no_sync_except_last``: after one SGD step the full trainable weights equal one process's on the whole batch."""
     pytest.importorskip("diffusers")
     pytest.importorskip("peft")
-    import subprocess
     import sys
     from pathlib import Path
 
     from tiny_pipelines import embeds, tiny_sd3
+    from tiny_runs import run_launch
 
     from jagg.integrations import (LoraSettings, VelocityConfig, add_lora, reference_velocity,
                                    velocity_adapter)
@@ -203,9 +203,8 @@ def test_fsdp2_two_cpu_processes_equal_one_process(tmp_path):
     want = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
     worker = Path(__file__).parent / "fsdp_rank.py"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(worker), str(tmp_path)], env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       str(worker), str(tmp_path)], env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = torch.load(tmp_path / "fsdp.pt")
     assert set(got) == set(want)

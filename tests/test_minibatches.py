@@ -105,7 +105,6 @@ def test_two_processes_update_on_whole_groups_as_one_process_does(tmp_path, sd3_
     straddles the processes, every update's global minibatch is whole groups, the same groups as one process's, and
     the update is one process's (records and weights)."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -113,7 +112,7 @@ def test_two_processes_update_on_whole_groups_as_one_process_does(tmp_path, sd3_
     from safetensors.torch import load_file
 
     from jagg.trainers.diffusers_trainer import DiffusersTrainer
-    from tiny_runs import assert_same_update, free_port, write_sd3_config
+    from tiny_runs import assert_same_update, free_port, run_launch, write_sd3_config
 
     cfg = write_sd3_config(tmp_path, sd3_dir)
     (tmp_path / "four.txt").write_text("a red cube\na blue ball\na green cone\na red ball\n")
@@ -135,9 +134,8 @@ def test_two_processes_update_on_whole_groups_as_one_process_does(tmp_path, sd3_
     launcher = Path(__file__).parent / "real_train_launch.py"
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(launcher), *args, "--output-dir", str(two)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                       str(free_port()), str(launcher), *args, "--output-dir", str(two)], env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [torch.load(two / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     (epoch0,), (epoch1,) = (r["minibatches"] for r in ranks)

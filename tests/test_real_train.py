@@ -29,7 +29,7 @@ import reward_plugins  # noqa: E402
 from flow_grpo_standins import geneval_answer, judge_server, serving  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: E402
 from tiny_pipelines import embeds, tiny_flux, tiny_vae  # noqa: E402
-from tiny_runs import SD3_PROMPTS, assert_same_update, free_port, records, write_sd3_config  # noqa: E402
+from tiny_runs import SD3_PROMPTS, assert_same_update, free_port, records, run_launch, write_sd3_config  # noqa: E402
 
 from jagg.cli import main  # noqa: E402
 from jagg.integrations import VelocityConfig, velocity_adapter  # noqa: E402
@@ -266,7 +266,6 @@ def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_
     update as 1 process on the whole batch (one update per epoch, KL term on). The blue ball's group has zero spread
     and is dropped: rank 1 trains no sample (it joins the all-reduce with a zero-gradient call), rank 0 two, and the
     update is still the one-process update; process 0 audits its own samples alone, and nothing changes."""
-    import subprocess
     import sys
 
     cfg = write_sd3_config(tmp_path, sd3_dir)
@@ -283,8 +282,7 @@ def test_accelerate_two_cpu_processes_make_the_one_process_update(tmp_path, sd3_
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(free_port()), str(Path(__file__).parent / "real_train_launch.py")]
     audited = ["--set", "estimator.meter_every=1", "--set", "estimator.meter_samples=2"]   # process 0's own audit
-    proc = subprocess.run(launch + args + audited + ["--output-dir", str(two)],
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    proc = run_launch(launch + args + audited + ["--output-dir", str(two)], env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (r1,), (r2,) = records(one), [r for r in records(two) if r["kind"] == "train"]
     assert [r["kind"] for r in records(two)] == ["audit", "train"]    # the audit changed nothing (its own RNG)

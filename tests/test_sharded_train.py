@@ -27,7 +27,8 @@ pytest.importorskip("peft")
 import diffusers  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: E402
 from tiny_pipelines import embeds, tiny_flux, tiny_vae  # noqa: E402
-from tiny_runs import accelerate_env, assert_same_update, free_port, records, write_sd3_config  # noqa: E402
+from tiny_runs import (accelerate_env, assert_same_update, free_port, records, run_launch,  # noqa: E402
+                       write_sd3_config)
 
 from jagg.cli import main  # noqa: E402
 from jagg.infra.engine import EngineSettings, resolve_engine  # noqa: E402
@@ -48,8 +49,7 @@ def _args(cfg: Path, sets: list[str]) -> list[str]:
 
 
 def _launch(prefix: list[str], args: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", *prefix, LAUNCHER, *args], env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_launch([sys.executable, "-m", *prefix, LAUNCHER, *args], env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -5,7 +5,10 @@ not exist, or the ``sd3_dir`` fixture's tiny SD3), a run's records, and a free p
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -121,6 +124,21 @@ def assert_same_update(got: dict, want: dict, tol: float = 1e-4) -> None:
     for k in ("reward_mean", "kl", "grad_norm"):
         assert got[k] == pytest.approx(want[k], rel=tol, abs=1e-9), k
     assert_on_scale(got["loss"], want["loss"], ADVANTAGE_SCALE, tol, "loss")
+
+
+def run_launch(argv: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=...)`` for a launcher (torchrun, accelerate
+    launch) in a session of its own: on a timeout the whole process group is killed, its workers too (a plain run's
+    kill stops the launcher alone and leaves a hung collective's workers spinning), then TimeoutExpired is raised."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def free_port() -> int:
